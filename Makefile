@@ -1,0 +1,30 @@
+# Set-up is idempotent: the virtual environment is created once and the
+# project reinstalled only when pyproject.toml changes.
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[dev]" "torch==$(TORCH_VERSION)"
+	@rm -f $(VENV)/.installed-*
+	@touch $(STAMP)
+
+demo: setup
+	$(PY) -m topologies ring 8
+	$(PY) -m topologies torus 16
+	$(PY) -m topologies expander 64 --degree 4 --seed 0
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

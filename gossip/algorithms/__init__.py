@@ -1,0 +1,87 @@
+"""Training algorithms: one module per family, each a Config, a State and a step.
+
+Strings become objects here only: ``build(name, comm, **options)``; ``available()``
+lists the names with a one-line description each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gossip.algorithms.allreduce import AllReduce, AllReduceConfig
+from gossip.algorithms.base import Algorithm
+from gossip.algorithms.decentralized import (
+    DCD,
+    DPSGD,
+    ECD,
+    DCDConfig,
+    DPSGDConfig,
+    ECDConfig,
+    GossipState,
+    Naive,
+    NaiveConfig,
+)
+
+__all__ = [
+    "Algorithm",
+    "AllReduce",
+    "AllReduceConfig",
+    "DPSGD",
+    "DPSGDConfig",
+    "Naive",
+    "NaiveConfig",
+    "DCD",
+    "DCDConfig",
+    "ECD",
+    "ECDConfig",
+    "GossipState",
+    "available",
+    "build",
+    "config_class",
+    "is_decentralized",
+]
+
+_REGISTRY: dict[str, tuple[type[Algorithm], type]] = {
+    "allreduce": (AllReduce, AllReduceConfig),
+    "dpsgd": (DPSGD, DPSGDConfig),
+    "naive": (Naive, NaiveConfig),
+    "dcd": (DCD, DCDConfig),
+    "ecd": (ECD, ECDConfig),
+}
+
+
+def available() -> dict[str, str]:
+    """Algorithm names and one-line descriptions."""
+    return {name: cls.summary for name, (cls, _) in _REGISTRY.items()}
+
+
+def _lookup(name: str) -> tuple[type[Algorithm], type]:
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown algorithm {name!r}; known: {', '.join(_REGISTRY)}"
+        ) from None
+
+
+def config_class(name: str) -> type:
+    return _lookup(name)[1]
+
+
+def is_decentralized(name: str) -> bool:
+    return _lookup(name)[0].acts_on == "model"
+
+
+def build(name: str, comm: Any, **options: Any) -> Algorithm:
+    """``build("ecd", comm, compressor="quant:bits=8", seed=0)``."""
+    cls, cfg_cls = _lookup(name)
+    try:
+        config = cfg_cls(**options)
+    except TypeError as e:
+        import dataclasses
+
+        accepted = ", ".join(f.name for f in dataclasses.fields(cfg_cls))
+        if "unexpected keyword" in str(e):
+            raise ValueError(f"{name}: {e}; accepted options: {accepted}") from None
+        raise
+    return cls(config, comm)

@@ -1,0 +1,373 @@
+"""Decentralized gossip algorithms of Tang et al. (2018), papers/002.
+
+Node i, neighbours N(i), mixing weights W_ij, local update u_i (``-gamma * g_i`` for
+plain SGD, the local optimizer's step otherwise), compressor C:
+
+* D-PSGD:  x_i <- sum_j W_ij x_j + u_i
+* naive:   x_i <- W_ii x_i + sum_{j != i} W_ij C(x_j) + u_i       (papers/002 Fig. 1)
+* DCD-PSGD (Alg. 1) and ECD-PSGD (Alg. 2): see the classes.
+
+All four run on a batch of hosted nodes (one row each), so the same code serves one
+rank under torchrun and a thousand nodes in the in-process simulation.
+
+Replicas. DCD and ECD need sum_j W_ij xhat_j, a weighted sum over the replicas (or
+estimates) a node holds of its neighbours. The sum is linear in the replicas, so each
+node keeps it as one running vector ``mix`` of size d instead of deg replicas of size
+d; ``track_replicas=True`` additionally keeps the per-neighbour replicas (deg x d per
+node) so tests can check the paper's invariants and ``replica_drift()`` can compare
+the running vector with the sum it stands for.
+
+How the local optimizer composes with gossip: the local optimizer steps from x_t with
+the local gradient and its own state (momentum buffers, weight decay); the gossip step
+then uses u_t = (optimizer's x) - x_t in place of -gamma g_t. With plain SGD this is
+the paper's update; with momentum it is the usual "local momentum" variant of D-PSGD.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from gossip import compress as _compress
+from gossip.algorithms._common import check_int, node_keys, step_tag
+from gossip.algorithms.base import Algorithm
+
+__all__ = [
+    "DPSGD",
+    "DPSGDConfig",
+    "Naive",
+    "NaiveConfig",
+    "DCD",
+    "DCDConfig",
+    "ECD",
+    "ECDConfig",
+    "GossipState",
+]
+
+
+# --------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------
+def _check_spec(spec: str, *, need_unbiased: bool, algo: str) -> None:
+    if not isinstance(spec, str) or not spec:
+        raise TypeError(f"Arg `compressor` must be a compressor spec string, got {spec!r}")
+    c = _compress.build(spec)  # raises a ValueError naming what is accepted
+    if need_unbiased and not c.unbiased:
+        raise ValueError(
+            f"Arg `compressor` of {algo} must be unbiased (papers/002 Assumption 1.6), "
+            f"got {spec!r}; unbiased compressors: "
+            + ", ".join(n for n in _unbiased_names())
+        )
+
+
+def _unbiased_names() -> list[str]:
+    out = []
+    for name in _compress.available():
+        try:
+            if _compress.build(name).unbiased:
+                out.append(name)
+        except (ValueError, TypeError):
+            continue
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPSGDConfig:
+    """D-PSGD: full-precision models are exchanged (``precision`` = wire format)."""
+
+    precision: str = "fp32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("fp32", "fp16"):
+            raise ValueError(
+                f"Arg `precision` must be 'fp32' or 'fp16', got {self.precision!r}"
+            )
+        check_int("seed", self.seed, minimum=0)
+
+    @property
+    def compressor(self) -> str:
+        return "identity" if self.precision == "fp32" else "fp16"
+
+
+@dataclass(frozen=True, kw_only=True)
+class NaiveConfig:
+    """D-PSGD that sends C(x_j) instead of x_j: the failing baseline of papers/002."""
+
+    compressor: str = "quant:bits=8"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_spec(self.compressor, need_unbiased=False, algo="naive")
+        check_int("seed", self.seed, minimum=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DCDConfig:
+    """DCD-PSGD: compressed differences of successive models."""
+
+    compressor: str = "quant:bits=8"
+    seed: int = 0
+    track_replicas: bool = False
+
+    def __post_init__(self) -> None:
+        _check_spec(self.compressor, need_unbiased=True, algo="dcd")
+        check_int("seed", self.seed, minimum=0)
+        if not isinstance(self.track_replicas, bool):
+            raise TypeError(f"Arg `track_replicas` must be a bool, got {self.track_replicas!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ECDConfig:
+    """ECD-PSGD: compressed extrapolations, estimates of neighbours' models."""
+
+    compressor: str = "quant:bits=8"
+    seed: int = 0
+    track_replicas: bool = False
+
+    def __post_init__(self) -> None:
+        _check_spec(self.compressor, need_unbiased=True, algo="ecd")
+        check_int("seed", self.seed, minimum=0)
+        if not isinstance(self.track_replicas, bool):
+            raise TypeError(f"Arg `track_replicas` must be a bool, got {self.track_replicas!r}")
+
+
+# --------------------------------------------------------------------------------------
+# State
+# --------------------------------------------------------------------------------------
+@dataclass
+class GossipState:
+    """Everything a gossip algorithm's next step reads.
+
+    ``t`` is the paper's iteration counter (1 at the first step). ``mix`` is the running
+    weighted sum of replicas (DCD, ECD; empty for D-PSGD and naive). ``replicas`` holds,
+    for each hosted node, its replicas of its padded neighbours, shape (m, D, d), when
+    ``track_replicas`` is on (empty otherwise). ``self_estimate`` is ECD's estimate of
+    the node's own model (tracked mode only). Random keys are a pure function of
+    (seed, node, t), so no generator state needs saving.
+    """
+
+    t: int
+    mix: torch.Tensor
+    replicas: torch.Tensor
+    self_estimate: torch.Tensor
+
+
+# --------------------------------------------------------------------------------------
+# Algorithms
+# --------------------------------------------------------------------------------------
+class _Gossip(Algorithm):
+    """Shared mechanics: self weights, compressing, exchanging, mixing."""
+
+    uses_mix: ClassVar[bool] = False
+
+    def __init__(self, config: Any, comm: Any) -> None:
+        super().__init__(config, comm)
+        topo = getattr(comm, "topology", None)
+        if topo is None:
+            raise ValueError(f"{self.name} needs a communicator with a topology")
+        if comm.world_size < 2:
+            raise ValueError(
+                f"{self.name} is decentralized and needs at least 2 nodes, got world size "
+                f"{comm.world_size}; use algo 'allreduce' for a single process"
+            )
+        self.compressor = _compress.build(config.compressor)
+        nodes = comm.nodes.cpu()
+        self._self_w64 = torch.tensor(
+            [float(topo.self_weight(int(i))) for i in nodes], dtype=torch.float64
+        ).unsqueeze(1)
+        idx, w = topo.padded_neighbors()
+        self._pad_idx = torch.as_tensor(idx, dtype=torch.int64)[nodes]
+        self._pad_w64 = torch.as_tensor(w, dtype=torch.float64)[nodes]
+
+    @property
+    def payload_compressor(self) -> Any:
+        return self.compressor
+
+    def _self_w(self, like: torch.Tensor) -> torch.Tensor:
+        return self._self_w64.to(dtype=like.dtype, device=like.device)
+
+    # one encode -> exchange -> (own decode, weighted sum of neighbours' decodes)
+    def _gossip(
+        self, Z: torch.Tensor, t: int, compressor: Any, *, want_own: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor, Any, torch.Tensor]:
+        ledger = self.comm.ledger
+        d = Z.shape[1]
+        tag = step_tag(t)
+        with ledger.phase("compress"):
+            keys = node_keys(self.config.seed, self.comm.nodes, t)
+            P = compressor.encode(Z, keys, tag=tag)
+            own = compressor.decode(P, d, tag=tag).to(Z.dtype) if want_own else None
+        with ledger.phase("communicate"):
+            rec = self.comm.neighbor_exchange(P)
+        decode: Callable[[torch.Tensor], torch.Tensor] = lambda Q: compressor.decode(
+            Q, d, tag=tag
+        ).to(Z.dtype)
+        with ledger.phase("compress"):
+            mixed = rec.weighted_sum(decode)
+        return own, mixed, rec, P
+
+    def _exact_mix(self, X: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """sum_j W_ij x_j over full-precision models: the starting replicas."""
+        own, mixed, rec, _ = self._gossip(X, 0, _compress.build("identity"), want_own=False)
+        return self._self_w(X) * X + mixed, rec
+
+    def _received_rows(self, rec: Any, d: int, tag: int, compressor: Any, dtype) -> torch.Tensor:
+        """Decoded payloads of each hosted node's padded neighbours: (m, D, d)."""
+        senders = torch.as_tensor(rec.senders, dtype=torch.int64)
+        D = compressor.decode(rec.payloads, d, tag=tag).to(dtype)
+        # map each padded neighbour id to its row in the received batch
+        pos = torch.full((self.comm.world_size,), -1, dtype=torch.int64)
+        pos[senders] = torch.arange(len(senders))
+        rows = pos[self._pad_idx]
+        out = torch.zeros(self._pad_idx.shape + (d,), dtype=dtype)
+        valid = (rows >= 0) & (self._pad_w64 > 0)  # padding slots stay zero
+        out[valid] = D[rows[valid]]
+        return out
+
+    def setup(self, X: torch.Tensor) -> None:
+        m, d = X.shape
+        empty = X.new_zeros(0)
+        mix = empty
+        rec = None
+        if self.uses_mix:
+            mix, rec = self._exact_mix(X)
+        replicas = empty
+        self_est = empty
+        if getattr(self.config, "track_replicas", False):
+            ident = _compress.build("identity")
+            if rec is None:
+                _, _, rec, _ = self._gossip(X, 0, ident, want_own=False)
+            replicas = self._received_rows(rec, d, step_tag(0), ident, X.dtype)
+            self_est = X.detach().clone()
+        self.state = GossipState(t=1, mix=mix, replicas=replicas, self_estimate=self_est)
+
+    # --- checks available in tracked mode ------------------------------------------
+    def replica_sum(self, X: torch.Tensor) -> torch.Tensor:
+        """sum_j W_ij xhat_j recomputed from the tracked per-neighbour replicas."""
+        s = self.state
+        if s.replicas.numel() == 0:
+            raise RuntimeError(f"{self.name}: construct with track_replicas=True to check replicas")
+        own = s.self_estimate if s.self_estimate.numel() else X
+        w = self._pad_w64.to(X.dtype).unsqueeze(-1)
+        return self._self_w(X) * own + (w * s.replicas).sum(dim=1)
+
+    def replica_drift(self, X: torch.Tensor) -> float:
+        """max |running mix - sum over tracked replicas|: rounding drift of the running sum."""
+        return float((self.state.mix - self.replica_sum(X)).abs().max())
+
+
+class DPSGD(_Gossip):
+    """D-PSGD (Lian et al. 2017; papers/002 Sec. 3).
+
+    Step I:   send x_i to every neighbour, receive x_j.
+    Step II:  x_i <- W_ii x_i + sum_{j != i} W_ij x_j + u_i.
+    """
+
+    name = "dpsgd"
+    summary = "D-PSGD: exchange full-precision models with neighbours"
+
+    def __init__(self, config: DPSGDConfig, comm: Any) -> None:
+        super().__init__(config, comm)
+
+    def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
+        t = self.state.t
+        # Step I
+        _, mixed, _, _ = self._gossip(X, t, self.compressor, want_own=False)
+        # Step II
+        X.copy_(self._self_w(X) * X + mixed + U)
+        self.state.t = t + 1
+
+
+class Naive(_Gossip):
+    """D-PSGD with naively compressed models (papers/002 Sec. 4, Fig. 1).
+
+    Step I:   send C(x_i) to every neighbour, receive C(x_j).
+    Step II:  x_i <- W_ii x_i + sum_{j != i} W_ij C(x_j) + u_i.
+    The compression error is never corrected and accumulates: the baseline that fails.
+    """
+
+    name = "naive"
+    summary = "D-PSGD sending compressed models (papers/002 Fig. 1 baseline; does not converge)"
+
+    def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
+        t = self.state.t
+        _, mixed, _, _ = self._gossip(X, t, self.compressor, want_own=False)
+        X.copy_(self._self_w(X) * X + mixed + U)
+        self.state.t = t + 1
+
+
+class DCD(_Gossip):
+    """DCD-PSGD, papers/002 Algorithm 1 (difference compression).
+
+    Every neighbour of node j keeps a replica xhat_j, equal to x_1 at the start, and
+    ``mix_i = W_ii x_i + sum_{j != i} W_ij xhat_j``.
+
+    Step 1:  x_i^{t+1/2} = mix_i + u_i                  (= sum_j W_ij xhat_j - gamma g_i)
+    Step 2:  z_i = x_i^{t+1/2} - x_i^t;  x_i^{t+1} = x_i^t + C(z_i)
+    Step 3:  send C(z_i); every holder sets xhat_i += C(z_i), so
+             mix_i += W_ii C(z_i) + sum_{j != i} W_ij C(z_j).
+    Replicas of node i equal x_i exactly on every holder: both are updated by adding
+    the same decoded C(z_i).
+    """
+
+    name = "dcd"
+    summary = "DCD-PSGD (papers/002 Alg. 1): exchange compressed model differences"
+    uses_mix = True
+
+    def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
+        s = self.state
+        t = s.t
+        # Step 1
+        half = s.mix + U
+        # Step 2
+        Z = half - X
+        own, mixed, rec, _ = self._gossip(Z, t, self.compressor, want_own=True)
+        X.add_(own)
+        # Step 3
+        s.mix.add_(self._self_w(X) * own + mixed)
+        if s.replicas.numel():
+            s.replicas.add_(
+                self._received_rows(rec, X.shape[1], step_tag(t), self.compressor, X.dtype)
+            )
+        s.t = t + 1
+
+
+class ECD(_Gossip):
+    """ECD-PSGD, papers/002 Algorithm 2 (extrapolation compression), t = 1, 2, ...
+
+    Every holder of node j (j itself included) keeps an estimate xtilde_j, equal to
+    x_1 at the start, and ``mix_i = sum_j W_ij xtilde_j`` (self included, as in the
+    paper's matrix form).
+
+    Step 1:  x_i^{t+1} = mix_i + u_i                    (= sum_j W_ij xtilde_j - gamma g_i)
+    Step 2:  z_i = (1 - t/2) x_i^t + (t/2) x_i^{t+1}
+    Step 3:  send C(z_i); every holder sets xtilde_i = (1 - 2/t) xtilde_i + (2/t) C(z_i), so
+             mix_i = (1 - 2/t) mix_i + (2/t) sum_j W_ij C(z_j).
+    At t = 1 the first coefficient is -1: xtilde_2 = 2 C(z_1) - x_1.
+    """
+
+    name = "ecd"
+    summary = "ECD-PSGD (papers/002 Alg. 2): exchange compressed extrapolations"
+    uses_mix = True
+
+    def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
+        s = self.state
+        t = s.t
+        # Step 1
+        nxt = s.mix + U
+        # Step 2
+        Z = (1.0 - t / 2.0) * X + (t / 2.0) * nxt
+        own, mixed, rec, _ = self._gossip(Z, t, self.compressor, want_own=True)
+        # Step 3
+        a, b = 1.0 - 2.0 / t, 2.0 / t
+        s.mix.mul_(a).add_(b * (self._self_w(X) * own + mixed))
+        if s.replicas.numel():
+            got = self._received_rows(rec, X.shape[1], step_tag(t), self.compressor, X.dtype)
+            s.replicas.mul_(a).add_(b * got)
+            s.self_estimate.mul_(a).add_(b * own)
+        X.copy_(nxt)
+        s.t = t + 1

@@ -1,0 +1,266 @@
+"""The training run's typed configuration: flags, TOML files and validation.
+
+``TrainConfig`` is a frozen dataclass; :func:`parse_args` builds it from the command
+line, from a TOML file given with ``--config`` (same keys as the long flags, with
+underscores or dashes), flags overriding the file. Every rule is checked in
+``__post_init__`` and raises :class:`ConfigError` with one line naming the value and
+what is accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ConfigError", "TrainConfig", "build_parser", "parse_args", "LR_SCHEDULES"]
+
+LR_SCHEDULES = ("constant", "cosine", "step")
+
+
+class ConfigError(ValueError):
+    """A user error in the run's configuration (one line, no traceback)."""
+
+
+def _registries() -> tuple[dict, dict, list, list, list]:
+    import topologies
+
+    from gossip import algorithms, compress, data, models
+
+    return (
+        algorithms.available(),
+        compress.available(),
+        list(topologies.available()),
+        list(models.available_models()),
+        list(data.available_datasets()),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    algo: str = "ecd"
+    bits: int | None = None
+    compressor: str | None = None
+    topology: str = "ring"
+    degree: int | None = None
+    rows: int | None = None
+    cols: int | None = None
+    weights: str | None = None
+    lazy: bool = False
+    model: str | None = None
+    data: str = "mnist1d"
+    data_dir: str | None = None
+    partition: str = "iid"
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 0.05
+    lr_schedule: str = "constant"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    seed: int = 0
+    device: str = "auto"
+    out: str | None = None
+    checkpoint_every: int = 0
+    resume: str | None = None
+    timeout: float = 300.0
+    simulate: int | None = None
+    log_every: int = 10
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        algos, comps, topos, mdls, datas = _registries()
+        bad = ConfigError
+        if self.algo not in algos:
+            raise bad(f"unknown --algo {self.algo!r}; accepted: {', '.join(algos)}")
+        if self.topology not in topos:
+            raise bad(f"unknown --topology {self.topology!r}; accepted: {', '.join(topos)}")
+        if self.model is not None and self.model not in mdls:
+            raise bad(f"unknown --model {self.model!r}; accepted: {', '.join(mdls)}")
+        if self.data not in datas:
+            raise bad(f"unknown --data {self.data!r}; accepted: {', '.join(datas)}")
+        if self.partition not in ("iid", "sorted"):
+            raise bad(f"--partition must be 'iid' or 'sorted', got {self.partition!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise bad(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise bad(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.weights is not None and self.weights not in ("uniform", "metropolis"):
+            raise bad(f"--weights must be 'uniform' or 'metropolis', got {self.weights!r}")
+        for name, lo in (("epochs", 1), ("batch_size", 1), ("log_every", 1), ("checkpoint_every", 0), ("seed", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise bad(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
+        for name in ("degree", "rows", "cols", "simulate"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise bad(f"--{name} must be a positive integer, got {v!r}")
+        for name, lo, strict in (("lr", 0.0, True), ("momentum", 0.0, False), ("weight_decay", 0.0, False), ("timeout", 0.0, True)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo or (strict and v == lo):
+                rule = "> 0" if strict else ">= 0"
+                raise bad(f"--{name.replace('_', '-')} must be a finite number {rule}, got {v!r}")
+        if self.momentum >= 1.0:
+            raise bad(f"--momentum must be in [0, 1), got {self.momentum!r}")
+        decentral = self.algo in ("dpsgd", "naive", "dcd", "ecd")
+        compressed = self.algo in ("naive", "dcd", "ecd")
+        if self.bits is not None:
+            if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 16:
+                raise bad(f"--bits must be an integer from 1 to 16, got {self.bits!r}")
+            if self.compressor is not None:
+                raise bad("give either --bits or --compressor, not both (--bits B means --compressor quant:bits=B)")
+        if (self.bits is not None or self.compressor is not None) and not compressed:
+            raise bad(
+                f"--algo {self.algo} sends full-precision values and takes no --bits/--compressor; "
+                f"compressed algorithms: naive, dcd, ecd"
+            )
+        if self.compressor is not None:
+            from gossip import compress
+
+            try:
+                compress.build(self.compressor)
+            except (ValueError, TypeError) as e:
+                raise bad(f"--compressor {self.compressor!r}: {e}") from None
+        if self.simulate is not None and decentral and self.simulate < 2:
+            raise bad(f"--simulate must be >= 2 for the decentralized --algo {self.algo}, got {self.simulate}")
+
+    # --- derived ---------------------------------------------------------------------
+    @property
+    def compressor_spec(self) -> str | None:
+        if self.algo not in ("naive", "dcd", "ecd"):
+            return None
+        if self.compressor is not None:
+            return self.compressor
+        return f"quant:bits={self.bits if self.bits is not None else 8}"
+
+    @property
+    def model_name(self) -> str:
+        if self.model is not None:
+            return self.model
+        return {"cifar10": "resnet20", "synthetic": "logreg"}.get(self.data, "cnn1d")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["compressor_spec"] = self.compressor_spec
+        d["model_name"] = self.model_name
+        return d
+
+
+_HELP = {
+    "algo": "training algorithm",
+    "bits": "shorthand for --compressor quant:bits=BITS (naive, dcd, ecd; default 8)",
+    "compressor": "compressor spec, e.g. quant:bits=4,block=256, qsgd:levels=16, randk:p=0.1",
+    "topology": "communication graph of the decentralized algorithms",
+    "degree": "degree of the expander topology",
+    "rows": "rows of the torus (with --cols)",
+    "cols": "columns of the torus (with --rows)",
+    "weights": "mixing weights: uniform (regular graphs) or metropolis (default: uniform when regular)",
+    "lazy": "use the lazy matrix (I+W)/2",
+    "model": "model (default: cnn1d for mnist1d, resnet20 for cifar10, logreg for synthetic)",
+    "data": "data set",
+    "data_dir": "directory of a local data set (cifar10: the python batches)",
+    "partition": "iid: random equal shards; sorted: contiguous slices of the label-sorted data",
+    "epochs": "passes over each node's shard",
+    "batch_size": "mini-batch size per node",
+    "lr": "learning rate gamma of the local optimizer",
+    "lr_schedule": "constant, cosine (to 0 over the run) or step (x0.1 at 50%% and 75%%)",
+    "momentum": "momentum of the local SGD optimizer",
+    "weight_decay": "weight decay of the local SGD optimizer",
+    "seed": "seed of the model's x_1, the data order and the compressors' randomness",
+    "device": "auto (cuda if available), cpu (gloo) or cuda (NCCL)",
+    "out": "output directory (default runs/<timestamp>-<algo>-<topology>)",
+    "checkpoint_every": "write a checkpoint every N steps (0: only at the end)",
+    "resume": "continue the run in this directory from its latest checkpoint",
+    "timeout": "seconds to wait for a peer before failing with its rank",
+    "simulate": "run N nodes in this one process instead of under torchrun",
+    "log_every": "write a metrics record every N steps",
+    "progress": "show a progress bar on rank 0",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    algos, comps, topos, mdls, datas = _registries()
+    defaults = TrainConfig.__dataclass_fields__
+    p = argparse.ArgumentParser(
+        prog="gossip.train",
+        description=(
+            "Train with decentralized gossip (dpsgd, naive, dcd, ecd) or all-reduce, under "
+            "torchrun (one rank per process) or in one process with --simulate N."
+        ),
+        epilog="Example: torchrun --nproc_per_node 8 -m gossip.train --algo ecd --bits 8 --topology ring",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML file with the same keys as the flags; flags override it")
+
+    def add(name: str, **kw: Any) -> None:
+        dflt = defaults[name].default
+        kw.setdefault("help", _HELP[name])
+        kw["help"] += f" (default: {dflt})"
+        p.add_argument("--" + name.replace("_", "-"), dest=name, **kw)
+
+    add("algo", choices=list(algos))
+    add("bits", type=int, metavar="B")
+    add("compressor", metavar="SPEC")
+    add("topology", choices=topos)
+    add("degree", type=int, metavar="D")
+    add("rows", type=int, metavar="R")
+    add("cols", type=int, metavar="C")
+    add("weights", choices=["uniform", "metropolis"])
+    add("lazy", action="store_true")
+    add("model", choices=mdls)
+    add("data", choices=datas)
+    add("data_dir", metavar="DIR")
+    add("partition", choices=["iid", "sorted"])
+    add("epochs", type=int)
+    add("batch_size", type=int)
+    add("lr", type=float)
+    add("lr_schedule", choices=list(LR_SCHEDULES))
+    add("momentum", type=float)
+    add("weight_decay", type=float)
+    add("seed", type=int)
+    add("device", choices=["auto", "cpu", "cuda"])
+    add("out", metavar="DIR")
+    add("checkpoint_every", type=int, metavar="N")
+    add("resume", metavar="DIR")
+    add("timeout", type=float, metavar="SECONDS")
+    add("simulate", type=int, metavar="N")
+    add("log_every", type=int, metavar="N")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    return p
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path!r}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path!r} is not valid TOML: {e}") from None
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    out = {}
+    for k, v in raw.items():
+        key = k.replace("-", "_")
+        if key not in known:
+            raise ConfigError(
+                f"--config {path!r}: unknown key {k!r}; accepted: {', '.join(sorted(known))}"
+            )
+        out[key] = v
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    ns = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    cfg_path = ns.pop("config", None)
+    if cfg_path is not None:
+        values.update(_load_toml(cfg_path))
+    values.update(ns)
+    try:
+        return TrainConfig(**values)
+    except TypeError as e:
+        raise ConfigError(str(e)) from None

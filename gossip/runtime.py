@@ -1,0 +1,179 @@
+"""Glue between a user's models and optimizers and an algorithm.
+
+:class:`FlatParams` makes every hosted model's parameters views into one flat
+``(m, d)`` buffer, so the algorithms see one row per node and one message per
+neighbour per step. :class:`GossipOptimizer` wraps the user's local optimizer(s):
+
+.. code-block:: python
+
+    algo = gossip.algorithms.build("ecd", comm, compressor="quant:bits=8")
+    opt = GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), algo)
+    for x, y in loader:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+In the in-process simulation pass one model and one optimizer per hosted node.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["FlatParams", "GossipOptimizer"]
+
+
+class FlatParams:
+    """One contiguous ``(m, d)`` buffer holding the parameters of ``m`` identical models.
+
+    After construction each model parameter is a view into its row, so in-place
+    updates by any optimizer land in the buffer and writes to the buffer are seen by
+    the models. ``blocks`` gives (offset, numel) of each tensor, in ``parameters()``
+    order (used by blockwise compressors).
+    """
+
+    def __init__(self, models: Sequence[nn.Module]) -> None:
+        if not models:
+            raise ValueError("FlatParams needs at least one model")
+        plists = [[p for p in mdl.parameters()] for mdl in models]
+        ref = [tuple(p.shape) for p in plists[0]]
+        if not ref:
+            raise ValueError("the model has no parameters")
+        for r, pl in enumerate(plists[1:], start=1):
+            shapes = [tuple(p.shape) for p in pl]
+            if shapes != ref:
+                raise ValueError(f"model {r} has parameter shapes {shapes}, model 0 has {ref}")
+        dtypes = {p.dtype for pl in plists for p in pl}
+        devices = {p.device for pl in plists for p in pl}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(
+                f"all parameters must share one dtype and device, got {sorted(map(str, dtypes))} "
+                f"on {sorted(map(str, devices))}"
+            )
+        self.shapes = ref
+        numels = [p.numel() for p in plists[0]]
+        self.blocks: list[tuple[int, int]] = []
+        off = 0
+        for n in numels:
+            self.blocks.append((off, n))
+            off += n
+        self.dim = off
+        (dtype,), (device,) = dtypes, devices
+        self.data = torch.empty(len(models), self.dim, dtype=dtype, device=device)
+        self._params = plists
+        with torch.no_grad():
+            for r, pl in enumerate(plists):
+                for p, (o, n) in zip(pl, self.blocks):
+                    self.data[r, o : o + n].copy_(p.detach().reshape(-1))
+                    p.data = self.data[r, o : o + n].view(p.shape)
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    def gather_grads(self) -> torch.Tensor:
+        """The hosted nodes' gradients as one ``(m, d)`` tensor (zeros where None)."""
+        G = torch.zeros_like(self.data)
+        for r, pl in enumerate(self._params):
+            for p, (o, n) in zip(pl, self.blocks):
+                if p.grad is not None:
+                    G[r, o : o + n].copy_(p.grad.reshape(-1))
+        return G
+
+    def scatter_grads(self, G: torch.Tensor) -> None:
+        for r, pl in enumerate(self._params):
+            for p, (o, n) in zip(pl, self.blocks):
+                g = G[r, o : o + n].view(p.shape)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+
+
+class GossipOptimizer:
+    """Runs the local optimizer(s), then the algorithm's communication step."""
+
+    def __init__(
+        self,
+        models: nn.Module | Sequence[nn.Module],
+        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        algorithm: Any,
+    ) -> None:
+        models = [models] if isinstance(models, nn.Module) else list(models)
+        optimizers = (
+            [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        )
+        m = len(algorithm.comm.nodes)
+        if len(models) != m or len(optimizers) != m:
+            raise ValueError(
+                f"the communicator hosts {m} node(s): pass {m} model(s) and optimizer(s), "
+                f"got {len(models)} and {len(optimizers)}"
+            )
+        self.models = models
+        self.optimizers = optimizers
+        self.algorithm = algorithm
+        self.flat = FlatParams(models)
+        algorithm.setup(self.flat.data)
+
+    @property
+    def comm(self) -> Any:
+        return self.algorithm.comm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        algo = self.algorithm
+        if algo.acts_on == "gradient":
+            G = self.flat.gather_grads()
+            algo.reduce_gradients(G)
+            self.flat.scatter_grads(G)
+            for opt in self.optimizers:
+                opt.step()
+            return
+        X = self.flat.data
+        with torch.no_grad():
+            x_t = X.clone()
+            for opt in self.optimizers:
+                opt.step()
+            U = X - x_t
+            X.copy_(x_t)
+            algo.step(X, U)
+
+    # --- views for evaluation --------------------------------------------------------
+    @torch.no_grad()
+    def average(self) -> torch.Tensor:
+        """xbar, the average of all n nodes' parameters (shape (d,)); a collective."""
+        return self.comm.all_reduce(self.flat.data, op="mean", record=False)[0]
+
+    @torch.no_grad()
+    def consensus_distance(self) -> float:
+        """mean_i ||x_i - xbar||^2 over all n nodes; a collective."""
+        X = self.flat.data
+        xbar = self.comm.all_reduce(X, op="mean", record=False)
+        dist = ((X - xbar) ** 2).sum(dim=1, keepdim=True).to(torch.float64)
+        return float(self.comm.all_reduce(dist, op="mean", record=False)[0, 0])
+
+    def state_dict(self) -> dict:
+        return {
+            "params": self.flat.data.detach().clone(),
+            "algorithm": self.algorithm.state_dict(),
+            "optimizers": [opt.state_dict() for opt in self.optimizers],
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        params = sd["params"]
+        if params.shape != self.flat.data.shape:
+            raise ValueError(
+                f"checkpoint parameters have shape {tuple(params.shape)}, "
+                f"this run has {tuple(self.flat.data.shape)}"
+            )
+        with torch.no_grad():
+            self.flat.data.copy_(params)
+        self.algorithm.load_state_dict(sd["algorithm"])
+        for opt, osd in zip(self.optimizers, sd["optimizers"]):
+            opt.load_state_dict(osd)

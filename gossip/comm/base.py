@@ -1,0 +1,274 @@
+"""What both communicators share: the interface, the received payloads, work handles.
+
+The interface is batched (docs/internals.md): a communicator *hosts* ``m`` nodes and
+every per-node value is a tensor whose first dimension is the hosted node.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import PeerPayloadError, _format_peers
+from .ledger import Ledger
+
+__all__ = ["Communicator", "Received", "Handle"]
+
+Decode = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _payload_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions from a decode callable that mean 'this payload is bad'.
+
+    ``gossip.compress.PayloadError`` where it exists, and ``ValueError`` (which it is
+    meant to subclass) so that stand-in decoders work the same way.
+    """
+    types: list[type[BaseException]] = [ValueError]
+    try:  # the compressor package is optional for communicators
+        from gossip.compress import PayloadError  # type: ignore[attr-defined]
+    except ImportError:
+        pass
+    else:
+        if not issubclass(PayloadError, ValueError):
+            types.append(PayloadError)
+    return tuple(types)
+
+
+class Received:
+    """The payloads a communicator's hosted nodes received in one exchange.
+
+    Attributes:
+        nodes: ``Tensor[m]`` global ids of the receiving (hosted) nodes.
+        payloads: ``Tensor[k, nbytes]`` uint8, the distinct payloads received, one row
+            per sender (the simulation holds all ``n`` payloads, ``k = n``; a rank holds
+            its neighbours', ``k = degree``).
+        senders: ``Tensor[k]`` int64, the global id that sent each row of ``payloads``,
+            ascending.
+        index: ``Tensor[m, D]`` int64, for hosted row ``r`` the rows of ``payloads`` of
+            its neighbours in ascending id order; columns past the node's degree are
+            padding (they point at any row and must be ignored).
+        weights: ``Tensor[m, D]`` float64, the mixing weights ``W_ij`` matching
+            ``index``; padding holds 0.0.
+        degrees: ``Tensor[m]`` int64, the number of real columns of each row.
+
+    The tensors may alias the sender's payload tensor in the simulation: do not
+    modify a payload tensor until the ``Received`` built from it is consumed.
+    """
+
+    __slots__ = ("nodes", "payloads", "senders", "index", "weights", "degrees")
+
+    def __init__(
+        self,
+        nodes: torch.Tensor,
+        payloads: torch.Tensor,
+        senders: torch.Tensor,
+        index: torch.Tensor,
+        weights: torch.Tensor,
+        degrees: torch.Tensor,
+    ) -> None:
+        self.nodes = nodes
+        self.payloads = payloads
+        self.senders = senders
+        self.index = index
+        self.weights = weights
+        self.degrees = degrees
+
+    def neighbors(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids Tensor[deg], payloads Tensor[deg, nbytes])`` received by hosted row ``r``."""
+        deg = int(self.degrees[r])
+        rows = self.index[r, :deg]
+        return self.senders[rows], self.payloads[rows]
+
+    def decode(self, decode: Decode) -> torch.Tensor:
+        """``decode(payloads)`` as ``Tensor[k, d]``; a bad payload raises
+        :class:`PeerPayloadError` naming its sender."""
+        k = self.payloads.shape[0]
+        bad_types = _payload_error_types()
+        try:
+            D = decode(self.payloads)
+        except bad_types as exc:
+            # Find the culprit(s) row by row; this path only runs after a failure.
+            bad: list[int] = []
+            for i in range(k):
+                try:
+                    decode(self.payloads[i : i + 1])
+                except bad_types:
+                    bad.append(int(self.senders[i]))
+            if not bad:  # the batch fails but no row alone does: blame them all
+                bad = [int(s) for s in self.senders]
+            raise PeerPayloadError(
+                f"bad payload from {_format_peers(bad)} (received by "
+                f"{_format_peers(self.nodes.tolist())}): {exc}",
+                bad,
+                "neighbor_exchange",
+            ) from exc
+        if not isinstance(D, torch.Tensor) or D.dim() != 2 or D.shape[0] != k:
+            got = tuple(D.shape) if isinstance(D, torch.Tensor) else type(D).__name__
+            raise ValueError(
+                f"Received.weighted_sum: `decode` must return a tensor of shape (k, d) with "
+                f"k = {k} rows, one per payload row; got {got}"
+            )
+        return D
+
+    def weighted_sum(self, decode: Decode) -> torch.Tensor:
+        """Row ``r`` = sum over the neighbours ``j`` of ``nodes[r]`` of ``W_ij * decode(P_j)``.
+
+        The neighbours are summed in ascending id order as ``acc = w_0 * D_0;
+        acc += w_1 * D_1; ...`` with the weights cast to the decoded dtype, the same
+        operations in the simulation and in a distributed run, so both give
+        bit-identical results. Padding columns are skipped, not multiplied by zero:
+        ``0.0 * D`` would turn an accumulated ``-0.0`` into ``+0.0`` and an infinite
+        ``D`` into NaN.
+        """
+        D = self.decode(decode)
+        m, width = self.index.shape
+        w = self.weights.to(dtype=D.dtype, device=D.device)
+        idx = self.index.to(D.device)
+        deg = self.degrees.to(D.device)
+        if width == 0:
+            return D.new_zeros((m, D.shape[1]))
+        acc = w[:, 0:1] * D[idx[:, 0]]
+        if bool((deg < 1).any()):
+            acc[deg < 1] = 0.0
+        for k in range(1, width):
+            full = deg > k
+            if bool(full.all()):
+                acc += w[:, k : k + 1] * D[idx[:, k]]
+            else:
+                rows = full.nonzero().squeeze(1)
+                if rows.numel():
+                    acc[rows] = acc[rows] + w[rows, k : k + 1] * D[idx[rows, k]]
+        return acc
+
+    def __repr__(self) -> str:
+        return (
+            f"Received(nodes={self.nodes.numel()}, payloads={tuple(self.payloads.shape)}, "
+            f"max_degree={self.index.shape[1]})"
+        )
+
+
+class Handle:
+    """A pending communication; :meth:`wait` completes it and returns its result.
+
+    Handles of one communicator must be waited in the order they were created.
+    """
+
+    def wait(self) -> Any:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def is_completed(self) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class _Done(Handle):
+    """A handle whose result is already there (simulation, world of one)."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def wait(self) -> Any:
+        return self._result
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_REDUCE_OPS = ("sum", "mean")
+
+
+class Communicator(abc.ABC):
+    """Neighbour exchange and collectives for the nodes a process hosts.
+
+    Subclasses implement the ``*_async`` methods; the blocking ones wait on them.
+    ``record=False`` keeps an operation out of the ledger (metrics, evaluation).
+    """
+
+    world_size: int
+    nodes: torch.Tensor
+    topology: Any
+    ledger: Ledger
+
+    # ---------------------------------------------------------------- blocking
+    def neighbor_exchange(self, P: torch.Tensor, *, record: bool = True) -> Received:
+        """Send each hosted node's payload row to its neighbours; receive theirs."""
+        return self.neighbor_exchange_async(P, record=record).wait()
+
+    def all_reduce(self, X: torch.Tensor, op: str = "sum", *, record: bool = True) -> torch.Tensor:
+        """Each row := the sum (or mean) over all ``n`` nodes' rows."""
+        return self.all_reduce_async(X, op, record=record).wait()
+
+    def all_gather(self, X: torch.Tensor, *, record: bool = True) -> torch.Tensor:
+        """``Tensor[n, ...]``: every node's row, by global id."""
+        return self.all_gather_async(X, record=record).wait()
+
+    def broadcast(self, X: torch.Tensor, src: int, *, record: bool = True) -> torch.Tensor:
+        """Each row := node ``src``'s row."""
+        return self.broadcast_async(X, src, record=record).wait()
+
+    # ---------------------------------------------------------------- asynchronous
+    @abc.abstractmethod
+    def neighbor_exchange_async(self, P: torch.Tensor, *, record: bool = True) -> Handle:
+        """Post the exchange; ``.wait()`` returns the :class:`Received`."""
+
+    @abc.abstractmethod
+    def all_reduce_async(self, X: torch.Tensor, op: str = "sum", *, record: bool = True) -> Handle:
+        """Post the all-reduce; ``.wait()`` returns the reduced ``Tensor[m, ...]``."""
+
+    @abc.abstractmethod
+    def all_gather_async(self, X: torch.Tensor, *, record: bool = True) -> Handle:
+        """Post the all-gather; ``.wait()`` returns ``Tensor[n, ...]``."""
+
+    @abc.abstractmethod
+    def broadcast_async(self, X: torch.Tensor, src: int, *, record: bool = True) -> Handle:
+        """Post the broadcast; ``.wait()`` returns ``Tensor[m, ...]``."""
+
+    # ---------------------------------------------------------------- shared checks
+    def _check_rows(self, X: torch.Tensor, what: str, name: str = "X") -> None:
+        m = int(self.nodes.numel())
+        if not isinstance(X, torch.Tensor) or X.dim() < 1 or X.shape[0] != m:
+            got = tuple(X.shape) if isinstance(X, torch.Tensor) else type(X).__name__
+            raise ValueError(
+                f"{type(self).__name__}.{what}: `{name}` must have one row per hosted node, "
+                f"shape ({m}, ...), got {got}"
+            )
+
+    def _check_payload(self, P: torch.Tensor) -> None:
+        self._check_rows(P, "neighbor_exchange", "P")
+        if P.dtype != torch.uint8 or P.dim() != 2:
+            raise ValueError(
+                f"{type(self).__name__}.neighbor_exchange: `P` must be a 2-D uint8 tensor "
+                f"(m, nbytes), got dtype {P.dtype} with {P.dim()} dims"
+            )
+
+    def _check_op(self, op: str) -> None:
+        if op not in _REDUCE_OPS:
+            raise ValueError(
+                f"{type(self).__name__}.all_reduce: `op` must be one of {list(_REDUCE_OPS)}, "
+                f"got {op!r}"
+            )
+
+    def _check_src(self, src: int) -> int:
+        if isinstance(src, bool) or not isinstance(src, (int, np.integer)) or not (
+            0 <= int(src) < self.world_size
+        ):
+            raise ValueError(
+                f"{type(self).__name__}.broadcast: `src` must be a node id in "
+                f"[0, {self.world_size}), got {src!r}"
+            )
+        return int(src)
+
+
+def _ring_allreduce_bytes(nbytes: int, n: int) -> int:
+    """Bytes one node sends (and receives) in a ring all-reduce of ``nbytes``: 2(n-1)/n."""
+    return 0 if n <= 1 else int(round(2 * (n - 1) * nbytes / n))
+
+
+def _tensor_nbytes(X: torch.Tensor) -> int:
+    """Bytes of one row of ``X``."""
+    return int(X[0].numel() * X.element_size()) if X.shape[0] else 0

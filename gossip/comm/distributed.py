@@ -1,0 +1,401 @@
+"""One node per process over torch.distributed: NCCL on CUDA, gloo on CPU.
+
+Neighbour exchange is point-to-point (``dist.batch_isend_irecv``): the payload row
+goes to every topology neighbour and each neighbour's payload comes back into a
+buffer sized from the payload itself (every node uses the same compressor, so the
+sizes agree without a round trip per exchange; see "payload sizes" below).
+
+Waiting is bounded: every wait runs against a deadline of ``timeout`` seconds and a
+peer that does not answer in time raises :class:`PeerTimeoutError` naming it.
+
+Payload sizes: gloo sizes a receive from the posted buffer. A *shorter* message
+completes silently (the buffer's tail is left as it was) and a *longer* one aborts
+the receiving process inside gloo (``op.preamble.length <= op.nbytes``), which no
+Python code can catch. So the first time a payload size is used, the neighbours
+swap their sizes in a 16-byte message (tag ``_TAG_SIZE``) and a mismatch raises
+:class:`PeerPayloadError` naming the peer before any payload is sent. Sizes that
+have been agreed on are not checked again.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .base import Communicator, Handle, Received, _Done, _ring_allreduce_bytes, _tensor_nbytes
+from .errors import PeerConnectionError, PeerPayloadError, PeerTimeoutError, _format_peers
+from .ledger import Ledger
+
+__all__ = ["DistCommunicator", "init_from_env"]
+
+_TAG_PAYLOAD = 0x6701
+_TAG_SIZE = 0x6702
+_MAGIC = 0x676F73736970  # "gossip": marks a size-check message
+_SIZE_MSG_BYTES = 16  # two int64: magic, payload bytes
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def init_from_env(
+    backend: str = "auto",
+    *,
+    timeout: float = 1800.0,
+    device: torch.device | str | None = None,
+) -> torch.device:
+    """Create the default process group from torchrun's environment; return the device.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (default 0), ``MASTER_ADDR`` and
+    ``MASTER_PORT``. ``backend="auto"`` picks the device first (``cuda:LOCAL_RANK``
+    when CUDA is available, else CPU) and then NCCL iff that device is CUDA, gloo
+    otherwise. ``timeout`` (seconds) is the process group's own timeout; the
+    communicators use their own, usually shorter one. If a process group already
+    exists it is kept and its device returned.
+    """
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"init_from_env: `backend` must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    t = float(timeout)
+    if not math.isfinite(t) or t <= 0:
+        raise ValueError(f"init_from_env: `timeout` must be a positive number of seconds, got {timeout}")
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_from_env: environment variable(s) {', '.join(missing)} not set; "
+            "launch with torchrun (e.g. `torchrun --nproc_per_node 4 -m gossip.train ...`)"
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        if backend == "gloo" or (backend == "auto" and not torch.cuda.is_available()):
+            device = torch.device("cpu")
+        else:
+            device = torch.device("cuda", local_rank)
+    device = torch.device(device)
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"init_from_env: backend 'nccl' needs a CUDA device, got {device}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("init_from_env: a CUDA device was requested but CUDA is not available")
+        torch.cuda.set_device(device)  # batch_isend_irecv on NCCL hangs without it
+    if dist.is_initialized():
+        return device
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=t),
+    )
+    return device
+
+
+class DistCommunicator(Communicator):
+    """One node per rank (``nodes = [rank]``) over an existing process group.
+
+    Args:
+        topology: a ``topologies.Topology`` with ``n == world size``; None for a purely
+            centralized run (then ``neighbor_exchange`` is unavailable).
+        group: the process group (default: the default group); node ids are ranks in it.
+        device: device of the size-check messages and default of the nodes tensor;
+            default CUDA (current device) for an NCCL group, else CPU. Payloads and
+            collectives run on the device of the tensors passed in.
+        timeout: seconds any one exchange or collective may take once waited on
+            before :class:`PeerTimeoutError` is raised. After a timeout the pending
+            receives stay posted in the backend: the communicator refuses further
+            work and the process group should be destroyed.
+        check_sizes: agree on payload sizes with the neighbours the first time
+            each size is used (see the module docstring); keep it on.
+        ledger: a ledger hosting ``[rank]`` (a fresh one by default).
+    """
+
+    def __init__(
+        self,
+        topology: Any = None,
+        *,
+        group: Any = None,
+        device: torch.device | str | None = None,
+        timeout: float = 300.0,
+        check_sizes: bool = True,
+        ledger: Ledger | None = None,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "DistCommunicator: no process group; call gossip.comm.init_from_env() "
+                "(under torchrun) or torch.distributed.init_process_group() first"
+            )
+        t = float(timeout)
+        if not math.isfinite(t) or t <= 0:
+            raise ValueError(
+                f"DistCommunicator: `timeout` must be a positive number of seconds, got {timeout}"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = n = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))
+        if device is None:
+            use_cuda = "nccl" in self.backend and torch.cuda.is_available()
+            device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else "cpu"
+        self.device = torch.device(device)
+        self.timeout = t
+        self.check_sizes = bool(check_sizes)
+        self.topology = topology
+        self.nodes = torch.tensor([self.rank], dtype=torch.int64, device=self.device)
+        self.ledger = ledger if ledger is not None else Ledger([self.rank], n)
+        if tuple(self.ledger.nodes) != (self.rank,) or self.ledger.world_size != n:
+            raise ValueError(f"DistCommunicator: `ledger` must host exactly node {self.rank} of {n}")
+        self._global = [dist.get_global_rank(group, j) if group is not None else j for j in range(n)]
+        self._agreed: set[int] = set()
+        self._broken: str | None = None
+        self._peers = np.zeros(0, dtype=np.int64)
+        self._w = np.zeros(0, dtype=np.float64)
+        if topology is not None:
+            if int(topology.n) != n:
+                raise ValueError(
+                    f"DistCommunicator: topology has n = {topology.n} nodes but the process "
+                    f"group has {n} ranks"
+                )
+            idx, w = topology.padded_neighbors()
+            deg = int(np.asarray(topology.degrees)[self.rank])
+            # the same rows the simulation uses, so the weights are the same numbers
+            self._peers = np.asarray(idx, dtype=np.int64)[self.rank, :deg].copy()
+            self._w = np.asarray(w, dtype=np.float64)[self.rank, :deg].copy()
+            if deg and (np.any(np.diff(self._peers) <= 0) or self.rank in self._peers):
+                raise ValueError(
+                    f"DistCommunicator: topology.padded_neighbors() row {self.rank} must list "
+                    f"distinct neighbours in ascending order, got {self._peers.tolist()}"
+                )
+
+    @property
+    def neighbors(self) -> tuple[int, ...]:
+        """This rank's neighbours, ascending."""
+        return tuple(int(j) for j in self._peers)
+
+    # ---------------------------------------------------------------- exchange
+    def neighbor_exchange_async(self, P: torch.Tensor, *, record: bool = True) -> Handle:
+        """Post sends of ``P[0]`` to every neighbour and receives of theirs.
+
+        ``P`` must not be modified until the handle is waited on.
+        """
+        self._check_usable()
+        if self.topology is None:
+            raise ValueError(
+                "DistCommunicator.neighbor_exchange: this communicator has no topology "
+                "(built for a centralized run)"
+            )
+        self._check_payload(P)
+        with self.ledger.phase("communicate"):
+            P = P.contiguous()
+            nbytes = int(P.shape[1])
+            if self.check_sizes and nbytes not in self._agreed and self._peers.size:
+                self._agree_size(nbytes, P.device)
+            deg = int(self._peers.size)
+            buf = torch.empty((deg, nbytes), dtype=torch.uint8, device=P.device)
+            recvs = [
+                dist.P2POp(dist.irecv, buf[k], self._global[j], self.group, _TAG_PAYLOAD)
+                for k, j in enumerate(self._peers.tolist())
+            ]
+            sends = [
+                dist.P2POp(dist.isend, P[0], self._global[j], self.group, _TAG_PAYLOAD)
+                for j in self._peers.tolist()
+            ]
+            works = dist.batch_isend_irecv(recvs + sends) if deg else []
+            if record:
+                self.ledger.record(self.rank, self._peers, nbytes, op="exchange")
+                self.ledger.count("exchange")
+        received = Received(
+            self.nodes.to(P.device),
+            buf,
+            torch.as_tensor(self._peers, device=P.device),
+            torch.arange(deg, dtype=torch.int64, device=P.device).unsqueeze(0),
+            torch.as_tensor(self._w, device=P.device).unsqueeze(0),
+            torch.tensor([deg], dtype=torch.int64, device=P.device),
+        )
+        if not works:
+            return _Done(received)
+        return _ExchangeHandle(self, works, received, nbytes, record)
+
+    def _agree_size(self, nbytes: int, device: torch.device) -> None:
+        """Swap payload sizes with the neighbours (one 16-byte message each way)."""
+        peers = self._peers.tolist()
+        mine = torch.tensor([_MAGIC, nbytes], dtype=torch.int64, device=device)
+        theirs = torch.zeros((len(peers), 2), dtype=torch.int64, device=device)
+        ops = [dist.P2POp(dist.irecv, theirs[k], self._global[j], self.group, _TAG_SIZE)
+               for k, j in enumerate(peers)]
+        ops += [dist.P2POp(dist.isend, mine, self._global[j], self.group, _TAG_SIZE) for j in peers]
+        works = dist.batch_isend_irecv(ops)
+        self._wait(works, [[j] for j in peers] * 2, "neighbor_exchange (payload size check)")
+        self.ledger.record(self.rank, self._peers, _SIZE_MSG_BYTES, op="control")
+        self.ledger.record(self._peers, self.rank, _SIZE_MSG_BYTES, op="control")
+        self.ledger.count("control")
+        got = theirs.cpu().tolist()
+        bad = [(j, g) for j, g in zip(peers, got) if g[0] != _MAGIC or g[1] != nbytes]
+        if bad:
+            detail = ", ".join(
+                f"rank {j} sends {g[1]} bytes" if g[0] == _MAGIC else f"rank {j} sent no size header"
+                for j, g in bad
+            )
+            raise PeerPayloadError(
+                f"payload size mismatch at rank {self.rank}: it sends {nbytes} bytes per payload "
+                f"but {detail} (different compressor, parameters or model size?)",
+                [j for j, _ in bad],
+                "neighbor_exchange",
+            )
+        self._agreed.add(nbytes)
+
+    # ---------------------------------------------------------------- collectives
+    def all_reduce_async(self, X: torch.Tensor, op: str = "sum", *, record: bool = True) -> Handle:
+        """Sum (then divide by ``n`` for ``"mean"``) over all ranks; gloo has no AVG."""
+        self._check_usable()
+        self._check_rows(X, "all_reduce")
+        self._check_op(op)
+        with self.ledger.phase("communicate"):
+            Y = X.clone(memory_format=torch.contiguous_format)
+            work = dist.all_reduce(Y, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            if record:
+                self._record_ring(_ring_allreduce_bytes(_tensor_nbytes(X), self.world_size), "all_reduce")
+        n = self.world_size
+        finish = (lambda: Y.div_(n)) if op == "mean" else (lambda: Y)
+        return _CollectiveHandle(self, work, "all_reduce", finish)
+
+    def all_gather_async(self, X: torch.Tensor, *, record: bool = True) -> Handle:
+        self._check_usable()
+        self._check_rows(X, "all_gather")
+        with self.ledger.phase("communicate"):
+            Xc = X.contiguous()
+            out = torch.empty((self.world_size, *X.shape[1:]), dtype=X.dtype, device=X.device)
+            work = _all_gather_single(out, Xc, group=self.group, async_op=True)
+            if record:
+                self._record_ring((self.world_size - 1) * _tensor_nbytes(X), "all_gather")
+        return _CollectiveHandle(self, work, "all_gather", lambda: out)
+
+    def broadcast_async(self, X: torch.Tensor, src: int, *, record: bool = True) -> Handle:
+        self._check_usable()
+        self._check_rows(X, "broadcast")
+        src = self._check_src(src)
+        with self.ledger.phase("communicate"):
+            Y = X.clone(memory_format=torch.contiguous_format)
+            work = dist.broadcast(Y, src=self._global[src], group=self.group, async_op=True)
+            if record:
+                b = _tensor_nbytes(X)
+                if self.rank == src:
+                    others = np.delete(np.arange(self.world_size), src)
+                    self.ledger.record(src, others, b, op="broadcast")
+                else:
+                    self.ledger.record(src, self.rank, b, op="broadcast")
+                self.ledger.count("broadcast")
+        return _CollectiveHandle(self, work, "broadcast", lambda: Y)
+
+    def _record_ring(self, nbytes: int, op: str) -> None:
+        n, r = self.world_size, self.rank
+        if n > 1:  # ring model: to the successor, from the predecessor
+            self.ledger.record(r, (r + 1) % n, nbytes, op=op)
+            self.ledger.record((r - 1) % n, r, nbytes, op=op)
+        self.ledger.count(op)
+
+    # ---------------------------------------------------------------- waiting
+    def _wait(self, works: list[Any], peers: list[list[int]], what: str) -> None:
+        """Wait for every work within one deadline; name the peers that did not answer.
+
+        ``peers[i]`` are the peers work ``i`` involves. When the backend coalesces
+        the operations into fewer works (NCCL), every work stands for all of them.
+        """
+        if len(works) != len(peers):
+            everyone = sorted({p for ps in peers for p in ps})
+            peers = [everyone] * len(works)
+        deadline = perf_counter() + self.timeout
+        late: set[int] = set()
+        lost: set[int] = set()
+        first: BaseException | None = None
+        for work, ps in zip(works, peers):
+            remaining = max(deadline - perf_counter(), 1e-3)
+            try:
+                ok = work.wait(timeout=timedelta(seconds=remaining))
+            except RuntimeError as exc:  # gloo: "Timed out waiting ...", "Connection closed ..."
+                first = first or exc
+                text = str(exc).lower()
+                (late if "timed out" in text or "timeout" in text else lost).update(ps)
+            else:
+                if ok is False:
+                    late.update(ps)
+        if not (late or lost):
+            return
+        waited = sorted({p for ps in peers for p in ps})
+        if late:
+            msg = (
+                f"{what}: rank {self.rank} got no answer from {_format_peers(late)} within "
+                f"{self.timeout:g} s (waited for {_format_peers(waited)})"
+            )
+            self._broken = msg
+            raise PeerTimeoutError(msg, late, what) from first
+        msg = (
+            f"{what}: rank {self.rank} lost the connection to {_format_peers(lost)} "
+            f"(it crashed or exited): {first}"
+        )
+        self._broken = msg
+        raise PeerConnectionError(msg, lost, what) from first
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(
+                f"DistCommunicator: unusable after an earlier failure ({self._broken}); "
+                "destroy the process group and restart"
+            )
+
+    def __repr__(self) -> str:
+        name = getattr(self.topology, "name", None)
+        return (
+            f"DistCommunicator(rank={self.rank}, world_size={self.world_size}, "
+            f"backend={self.backend!r}, topology={name!r}, timeout={self.timeout:g})"
+        )
+
+
+class _ExchangeHandle(Handle):
+    __slots__ = ("_comm", "_works", "_received", "_nbytes", "_record", "_done")
+
+    def __init__(
+        self, comm: DistCommunicator, works: list[Any], received: Received, nbytes: int, record: bool
+    ) -> None:
+        self._comm, self._works, self._received = comm, works, received
+        self._nbytes, self._record, self._done = nbytes, record, False
+
+    def wait(self) -> Received:
+        if not self._done:
+            comm = self._comm
+            peers = [[j] for j in comm._peers.tolist()]
+            with comm.ledger.phase("communicate"):
+                # receives first (ascending neighbour), then sends: batch order
+                comm._wait(self._works, peers * 2, "neighbor_exchange")
+            if self._record:
+                comm.ledger.record(comm._peers, comm.rank, self._nbytes, op="exchange")
+            self._done = True
+        return self._received
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+
+class _CollectiveHandle(Handle):
+    __slots__ = ("_comm", "_work", "_what", "_finish", "_result")
+
+    def __init__(self, comm: DistCommunicator, work: Any, what: str, finish: Any) -> None:
+        self._comm, self._work, self._what, self._finish = comm, work, what, finish
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            comm = self._comm
+            others = [j for j in range(comm.world_size) if j != comm.rank]
+            with comm.ledger.phase("communicate"):
+                comm._wait([self._work], [others], self._what)
+            self._result = self._finish()
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._result is not None or self._work.is_completed()

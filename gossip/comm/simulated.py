@@ -1,0 +1,148 @@
+"""All ``n`` nodes in one process: exchange is free, collectives are row reductions.
+
+The ledger still counts what a real run would put on the wire (docs/comm.md):
+``nbytes`` per neighbour per exchange, a ring's 2(n-1)/n for an all-reduce,
+(n-1) rows for an all-gather and one row per receiver for a broadcast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import Communicator, Handle, Received, _Done, _ring_allreduce_bytes, _tensor_nbytes
+from .ledger import Ledger
+
+__all__ = ["SimulatedCommunicator"]
+
+
+class SimulatedCommunicator(Communicator):
+    """Hosts every node of a run in one process (``nodes = arange(n)``).
+
+    Args:
+        topology: a ``topologies.Topology`` (``n``, ``padded_neighbors()``), or None for
+            a purely centralized run (then ``world_size`` is required and
+            ``neighbor_exchange`` is unavailable).
+        world_size: number of nodes when ``topology`` is None; must equal
+            ``topology.n`` otherwise.
+        device: where the index tensors live (the payloads' device is used when
+            they differ).
+        ledger: a ledger to record into (a fresh one by default).
+    """
+
+    def __init__(
+        self,
+        topology: Any = None,
+        *,
+        world_size: int | None = None,
+        device: torch.device | str = "cpu",
+        ledger: Ledger | None = None,
+    ) -> None:
+        if topology is None and world_size is None:
+            raise ValueError(
+                "SimulatedCommunicator: pass a `topology` or, for a centralized run, `world_size`"
+            )
+        n = int(topology.n) if topology is not None else int(world_size)  # type: ignore[arg-type]
+        if world_size is not None and int(world_size) != n:
+            raise ValueError(
+                f"SimulatedCommunicator: `world_size` must equal topology.n = {n}, "
+                f"got {world_size}"
+            )
+        if n < 1:
+            raise ValueError(f"SimulatedCommunicator: the run needs at least 1 node, got {n}")
+        self.world_size = n
+        self.topology = topology
+        self.device = torch.device(device)
+        self.nodes = torch.arange(n, dtype=torch.int64, device=self.device)
+        self.ledger = ledger if ledger is not None else Ledger(range(n), n)
+        if tuple(self.ledger.nodes) != tuple(range(n)):
+            raise ValueError("SimulatedCommunicator: `ledger` must host nodes 0..n-1")
+        self._ring_next = (np.arange(n) + 1) % n
+        self._tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        if topology is not None:
+            idx, w = topology.padded_neighbors()
+            idx = np.asarray(idx, dtype=np.int64).reshape(n, -1)
+            w = np.asarray(w, dtype=np.float64).reshape(n, -1)
+            deg = np.asarray(topology.degrees, dtype=np.int64).reshape(n)
+            self._idx, self._w, self._deg = idx, w, deg
+            real = np.arange(idx.shape[1])[None, :] < deg[:, None]
+            # bit-identity with a distributed run rests on the ascending order
+            later = np.where(real[:, 1:], idx[:, 1:], n)
+            bad = (later <= idx[:, :-1]).any(axis=1) | (
+                real & (idx == np.arange(n)[:, None])
+            ).any(axis=1)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ValueError(
+                    f"SimulatedCommunicator: topology.padded_neighbors() row {i} must list "
+                    f"distinct neighbours other than {i} in ascending order, got "
+                    f"{idx[i, : deg[i]].tolist()}"
+                )
+            # every directed edge i -> j once, for the ledger
+            self._edge_dst = idx[real]
+            self._edge_src = np.broadcast_to(np.arange(n)[:, None], idx.shape)[real]
+
+    def _table(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        t = self._tables.get(device)
+        if t is None:
+            t = (
+                torch.as_tensor(self._idx, device=device),
+                torch.as_tensor(self._w, device=device),
+                torch.as_tensor(self._deg, device=device),
+                self.nodes.to(device),
+            )
+            self._tables[device] = t
+        return t
+
+    # ---------------------------------------------------------------- exchange
+    def neighbor_exchange_async(self, P: torch.Tensor, *, record: bool = True) -> Handle:
+        if self.topology is None:
+            raise ValueError(
+                "SimulatedCommunicator.neighbor_exchange: this communicator has no topology "
+                "(built for a centralized run)"
+            )
+        self._check_payload(P)
+        idx, w, deg, senders = self._table(P.device)
+        if record:
+            self.ledger.record(self._edge_src, self._edge_dst, P.shape[1], op="exchange")
+            self.ledger.count("exchange")
+        return _Done(Received(senders, P, senders, idx, w, deg))
+
+    # ---------------------------------------------------------------- collectives
+    def all_reduce_async(self, X: torch.Tensor, op: str = "sum", *, record: bool = True) -> Handle:
+        self._check_rows(X, "all_reduce")
+        self._check_op(op)
+        S = X.sum(dim=0, keepdim=True)
+        if op == "mean":
+            S = S / self.world_size
+        if record:
+            b = _ring_allreduce_bytes(_tensor_nbytes(X), self.world_size)
+            self._record_ring(b, "all_reduce")
+        return _Done(S.expand_as(X).clone())
+
+    def all_gather_async(self, X: torch.Tensor, *, record: bool = True) -> Handle:
+        self._check_rows(X, "all_gather")
+        if record:
+            self._record_ring((self.world_size - 1) * _tensor_nbytes(X), "all_gather")
+        return _Done(X.clone())
+
+    def broadcast_async(self, X: torch.Tensor, src: int, *, record: bool = True) -> Handle:
+        self._check_rows(X, "broadcast")
+        src = self._check_src(src)
+        if record:
+            others = np.delete(np.arange(self.world_size), src)
+            self.ledger.record(src, others, _tensor_nbytes(X), op="broadcast")
+            self.ledger.count("broadcast")
+        return _Done(X[src : src + 1].expand_as(X).clone())
+
+    def _record_ring(self, nbytes: int, op: str) -> None:
+        n = self.world_size
+        if n > 1:
+            self.ledger.record(np.arange(n), self._ring_next, nbytes, op=op)
+        self.ledger.count(op)
+
+    def __repr__(self) -> str:
+        name = getattr(self.topology, "name", None)
+        return f"SimulatedCommunicator(n={self.world_size}, topology={name!r})"

@@ -1,0 +1,204 @@
+"""SimulatedCommunicator: neighbour sums against a dense W @ D, byte accounting, collectives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gossip.comm import PeerPayloadError, Received, SimulatedCommunicator
+from tests._comm_topo import build
+
+TOPOLOGIES = [("ring", 8), ("torus", 16), ("star", 6), ("complete", 5)]
+
+
+def _payloads(n: int, d: int, seed: int = 0) -> torch.Tensor:
+    """Float32 rows as raw bytes, with exact zeros and negative zeros mixed in."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, d, generator=g)
+    X[:, ::5] = 0.0
+    X[:, 1::7] = -0.0
+    return X.view(torch.uint8)
+
+
+def _decode(Q: torch.Tensor) -> torch.Tensor:
+    return Q.view(torch.float32)
+
+
+def _dense(topo) -> np.ndarray:
+    W = np.asarray(topo.matrix.todense() if hasattr(topo.matrix, "todense") else topo.matrix)
+    return W - np.diag(np.diag(W))
+
+
+def _sequential(topo, D: torch.Tensor) -> torch.Tensor:
+    """The contract written out one node at a time: acc = w0*D0; acc += w1*D1; ..."""
+    rows = []
+    for i in range(topo.n):
+        ids, ws = topo.neighbors(i)
+        w = torch.as_tensor(ws, dtype=torch.float64).to(D.dtype)
+        acc = w[0] * D[int(ids[0])]
+        for k in range(1, len(ids)):
+            acc += w[k] * D[int(ids[k])]
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("name, n", TOPOLOGIES)
+def test_weighted_sum_matches_dense_reference_and_the_sequential_contract(name: str, n: int) -> None:
+    topo = build(name, n)
+    comm = SimulatedCommunicator(topo)
+    P = _payloads(n, 33)
+    out = comm.neighbor_exchange(P).weighted_sum(_decode)
+    D = _decode(P)
+    ref = torch.as_tensor(_dense(topo) @ D.double().numpy())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
+    # bit for bit against the per-node loop, signs of zero included
+    assert torch.equal(out.view(torch.int32), _sequential(topo, D).view(torch.int32))
+
+
+def test_padding_never_touches_a_row() -> None:
+    """Star leaves have one neighbour; their padding must not add 0.0 * D_self."""
+    topo = build("star", 5)
+    comm = SimulatedCommunicator(topo)
+    X = torch.full((5, 4), -0.0)
+    X[1:, 0] = float("inf")  # a leaf's own payload is its padding target
+    out = comm.neighbor_exchange(X.view(torch.uint8)).weighted_sum(_decode)
+    leaves = out[1:]
+    assert torch.isfinite(leaves).all()
+    assert torch.equal(leaves.view(torch.int32), torch.full((4, 4), -0.0).view(torch.int32))
+
+
+def test_received_exposes_senders_and_raw_payloads() -> None:
+    topo = build("star", 5)
+    comm = SimulatedCommunicator(topo)
+    P = _payloads(5, 3)
+    rec = comm.neighbor_exchange(P)
+    assert isinstance(rec, Received)
+    assert rec.nodes.tolist() == list(range(5)) and rec.senders.tolist() == list(range(5))
+    assert rec.payloads.data_ptr() == P.data_ptr()  # no copy in the simulation
+    for r in range(5):
+        ids, rows = rec.neighbors(r)
+        assert ids.tolist() == topo.neighbors(r)[0].tolist()
+        assert torch.equal(rows, P[ids])
+    assert rec.degrees.tolist() == [4, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("name, n", [("ring", 6), ("star", 5)])
+def test_ledger_counts_payload_bytes_times_degree(name: str, n: int) -> None:
+    topo = build(name, n)
+    comm = SimulatedCommunicator(topo)
+    P = _payloads(n, 10)  # 40 bytes per payload
+    for _ in range(3):
+        comm.neighbor_exchange(P)
+    comm.neighbor_exchange(P, record=False)
+    led = comm.ledger
+    deg = np.asarray(topo.degrees)
+    for i in range(n):
+        assert led.sent_by(i) == led.received_by(i) == 3 * 40 * int(deg[i])
+        for j in topo.neighbors(i)[0]:
+            assert led.sent_to(int(j), node=i) == 120 and led.received_from(int(j), node=i) == 120
+    assert led.bytes_sent == 3 * 40 * int(deg.sum())
+    assert led.calls["exchange"] == 3
+    assert set(led.traffic()) == {(i, int(j)) for i in range(n) for j in topo.neighbors(i)[0]}
+
+
+def test_collectives_and_their_ring_accounting() -> None:
+    n = 4
+    comm = SimulatedCommunicator(build("ring", n))
+    X = torch.arange(n * 6, dtype=torch.float32).reshape(n, 2, 3)
+    s = comm.all_reduce(X)
+    assert s.shape == X.shape and torch.equal(s, X.sum(0, keepdim=True).expand_as(X))
+    torch.testing.assert_close(comm.all_reduce(X, op="mean"), (X.sum(0) / n).expand_as(X))
+    g = comm.all_gather(X)
+    assert torch.equal(g, X) and g.data_ptr() != X.data_ptr()
+    b = comm.broadcast(X, src=2)
+    assert torch.equal(b, X[2:3].expand_as(X))
+    led = comm.ledger
+    B = 6 * 4  # bytes of one row
+    ring = round(2 * (n - 1) * B / n)
+    assert led.as_dict()["ops"]["all_reduce"] == {"calls": 2, "sent": 2 * n * ring, "received": 2 * n * ring}
+    assert led.sent_to(1, node=0) == 2 * ring + (n - 1) * B  # ring successor: all_reduce + all_gather
+    assert led.as_dict()["ops"]["all_gather"]["sent"] == n * (n - 1) * B
+    assert led.sent_by(2) == 2 * ring + (n - 1) * B + (n - 1) * B  # root of the broadcast
+    assert led.received_from(2, node=0) == B
+    before = led.bytes_sent
+    comm.all_reduce(X, record=False)
+    assert led.bytes_sent == before
+
+
+def test_async_variants_are_already_complete() -> None:
+    comm = SimulatedCommunicator(build("ring", 3))
+    h = comm.neighbor_exchange_async(_payloads(3, 2))
+    assert h.is_completed() and isinstance(h.wait(), Received)
+    X = torch.ones(3, 2)
+    assert torch.equal(comm.all_reduce_async(X).wait(), 3 * X)
+
+
+class _CorruptPayload(ValueError):
+    """Stand-in for gossip.compress.PayloadError."""
+
+
+def _strict_decode(Q: torch.Tensor) -> torch.Tensor:
+    bad = (Q[:, 0] == 0xFF).nonzero().flatten().tolist()
+    if bad:
+        raise _CorruptPayload(f"row {bad[0]}: checksum mismatch")
+    return Q.view(torch.float32)
+
+
+def test_bad_payload_is_reported_naming_the_sender() -> None:
+    comm = SimulatedCommunicator(build("ring", 6))
+    P = torch.zeros(6, 8, dtype=torch.uint8)
+    P[4, 0] = 0xFF
+    with pytest.raises(PeerPayloadError, match=r"bad payload from rank 4 .*checksum mismatch") as ei:
+        comm.neighbor_exchange(P).weighted_sum(_strict_decode)
+    assert ei.value.peers == (4,) and isinstance(ei.value.__cause__, _CorruptPayload)
+
+
+def test_decode_returning_the_wrong_shape_is_an_error() -> None:
+    comm = SimulatedCommunicator(build("ring", 3))
+    rec = comm.neighbor_exchange(torch.zeros(3, 8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"must return a tensor of shape \(k, d\) with k = 3"):
+        rec.weighted_sum(lambda Q: Q.view(torch.float32)[:2])
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda c: c.neighbor_exchange(torch.zeros(3, 8, dtype=torch.uint8)),
+         r"`P` must have one row per hosted node, shape \(4, \.\.\.\), got \(3, 8\)"),
+        (lambda c: c.neighbor_exchange(torch.zeros(4, 8)), r"`P` must be a 2-D uint8 tensor"),
+        (lambda c: c.all_reduce(torch.zeros(4, 2), op="max"), r"`op` must be one of \['sum', 'mean'\]"),
+        (lambda c: c.broadcast(torch.zeros(4, 2), src=4), r"`src` must be a node id in \[0, 4\), got 4"),
+        (lambda c: c.all_gather(torch.zeros(2, 2)), r"shape \(4, \.\.\.\), got \(2, 2\)"),
+    ],
+)
+def test_bad_arguments_are_rejected(call, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        call(SimulatedCommunicator(build("ring", 4)))
+
+
+def test_centralized_simulation_needs_no_topology() -> None:
+    comm = SimulatedCommunicator(world_size=3)
+    assert torch.equal(comm.all_reduce(torch.ones(3, 1)), torch.full((3, 1), 3.0))
+    with pytest.raises(ValueError, match="has no topology"):
+        comm.neighbor_exchange(torch.zeros(3, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="pass a `topology` or, for a centralized run, `world_size`"):
+        SimulatedCommunicator()
+    with pytest.raises(ValueError, match="`world_size` must equal topology.n = 4, got 5"):
+        SimulatedCommunicator(build("ring", 4), world_size=5)
+
+
+def test_neighbour_rows_out_of_order_are_rejected() -> None:
+    topo = build("ring", 4)
+    idx, w = topo.padded_neighbors()
+    shuffled = idx.copy()
+    shuffled[2] = shuffled[2][::-1]
+
+    class _Swapped:
+        n, degrees = topo.n, topo.degrees
+
+        def padded_neighbors(self):
+            return shuffled, w
+
+    with pytest.raises(ValueError, match=r"row 2 must list distinct neighbours other than 2 in ascending order, got \[3, 1\]"):
+        SimulatedCommunicator(_Swapped())

@@ -1,0 +1,787 @@
+"""Data sets, their partition across nodes, and exactly resumable per-node batches.
+
+Three pieces, used by the training CLI:
+
+1. **A registry of data sets.** :func:`build_dataset` turns a name into a
+   :class:`Dataset` (float32 inputs, int64 labels, a train and a test split);
+   :func:`available_datasets` lists the names.
+
+   - ``mnist1d`` (default): generated locally by the ``mnist1d`` package's
+     ``make_dataset`` with its default arguments (never its download path), 4000
+     train / 1000 test signals shaped ``(1, 40)``. Generation takes a few seconds, so
+     the result is cached as a ``.npz`` file in ``cache_dir`` (default: ``$GOSSIP_CACHE``
+     or ``~/.cache/gossip``), written atomically; a damaged cache file is regenerated
+     with a warning. ``make_dataset`` seeds NumPy's and Python's *global* generators
+     itself (with its fixed seed 42), so the data is the same on every call and every
+     machine; we save and restore both global states around it so that building the
+     data set leaves the caller's random streams untouched.
+   - ``cifar10``: read from a local directory holding the standard python batches
+     (``data_batch_1`` .. ``data_batch_5``, ``test_batch``, optionally
+     ``batches.meta``), normalised per channel, shaped ``(3, 32, 32)``. Anything
+     missing or malformed raises :class:`DataError` naming the path and what is
+     expected. :class:`RandomCropFlip` is the usual augmentation (random crop with
+     4 pixels of padding and horizontal flip), applied per batch with an explicit
+     generator; the data set carries it as ``Dataset.augment``.
+   - ``synthetic``: a multinomial logistic-regression problem (labels drawn from a
+     softmax of a random linear model of Gaussian features), for quick checks.
+
+2. **Partitioning** (:func:`partition`): ``iid`` gives every node an equal random
+   shard; ``sorted`` gives every node a contiguous slice of the label-sorted data (the
+   non-iid split of the decentralized-training papers).
+
+3. **Per-node batches** (:class:`ShardLoader`): each node reshuffles its shard every
+   epoch with its own generator; ``state_dict``/``load_state_dict`` resume mid-epoch
+   with the identical batch sequence. :func:`build_loaders` makes one loader per node
+   and :func:`stack_next` draws one batch from each into ``(n, B, ...)`` for the
+   in-process simulation.
+
+Seeds are non-negative integers; every generator here is derived from one with
+:func:`numpy.random.SeedSequence` and a distinct stream number, so the partition, the
+shuffles and the augmentation of different nodes never share a random stream.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import os
+import pickle
+import random
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CIFAR10_MEAN",
+    "CIFAR10_STD",
+    "PARTITION_SCHEMES",
+    "DataError",
+    "Dataset",
+    "RandomCropFlip",
+    "ShardLoader",
+    "available_datasets",
+    "build_dataset",
+    "build_loaders",
+    "default_cache_dir",
+    "partition",
+    "stack_next",
+]
+
+#: Per-channel mean and standard deviation of the CIFAR-10 training images (pixel
+#: values in [0, 1]); inputs are normalised as ``(x - mean) / std``.
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+PARTITION_SCHEMES = ("iid", "sorted")
+
+# Stream numbers for derived generators: one per use, so streams never overlap.
+_STREAM_PARTITION = 1
+_STREAM_SHUFFLE = 2
+_STREAM_TRANSFORM = 3
+_STREAM_SYNTHETIC = 4
+
+# Bumped when the layout of the mnist1d cache file changes.
+_MNIST1D_CACHE_FORMAT = 1
+
+
+class DataError(ValueError):
+    """A data set that is missing, incomplete or not in the expected format (one line)."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_seed(seed: Any, name: str = "seed") -> int:
+    seed = _check_int(name, seed, minimum=0)
+    if seed >= 2**63:
+        raise ValueError(f"{name} must be < 2**63, got {seed}")
+    return seed
+
+
+def _derive_seed(seed: int, *stream: int) -> int:
+    """A 64-bit seed for the stream ``(seed, *stream)``, well mixed and platform independent."""
+    state = np.random.SeedSequence([seed, *stream]).generate_state(2, dtype=np.uint32)
+    return (int(state[0]) << 32 | int(state[1])) & (2**63 - 1)
+
+
+def _generator(seed: int, *stream: int) -> torch.Generator:
+    return torch.Generator().manual_seed(_derive_seed(seed, *stream))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+# --------------------------------------------------------------------------- data set
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Dataset:
+    """A classification data set held in memory.
+
+    ``x_train``/``x_test`` are float32 tensors shaped ``(N, *input_shape)``;
+    ``y_train``/``y_test`` are int64 tensors shaped ``(N,)`` with values in
+    ``[0, num_classes)``. ``augment``, when set, is a per-batch training transform
+    ``augment(x, generator) -> x`` (see :class:`RandomCropFlip`); applying it is the
+    caller's choice (pass it to :class:`ShardLoader` as ``transform``).
+    """
+
+    name: str
+    x_train: Tensor
+    y_train: Tensor
+    x_test: Tensor
+    y_test: Tensor
+    num_classes: int
+    input_shape: tuple[int, ...]
+    class_names: tuple[str, ...] | None = None
+    augment: Callable[[Tensor, torch.Generator], Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_shape", tuple(int(s) for s in self.input_shape))
+        _check_int("num_classes", self.num_classes, minimum=2)
+        for split in ("train", "test"):
+            x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
+            if not isinstance(x, Tensor) or x.dtype != torch.float32:
+                raise ValueError(f"x_{split} must be a float32 tensor, got {getattr(x, 'dtype', type(x))}")
+            if not isinstance(y, Tensor) or y.dtype != torch.int64 or y.dim() != 1:
+                raise ValueError(f"y_{split} must be a 1-D int64 tensor, got {getattr(y, 'dtype', type(y))}")
+            if tuple(x.shape[1:]) != self.input_shape or x.shape[0] != y.shape[0]:
+                raise ValueError(
+                    f"x_{split} must be shaped (len(y_{split}), *input_shape) = "
+                    f"({y.shape[0]}, {', '.join(map(str, self.input_shape))}), got {tuple(x.shape)}"
+                )
+            if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
+                raise ValueError(
+                    f"y_{split} must lie in [0, {self.num_classes}), got values in "
+                    f"[{int(y.min())}, {int(y.max())}]"
+                )
+        if self.class_names is not None and len(self.class_names) != self.num_classes:
+            raise ValueError(
+                f"class_names must have num_classes = {self.num_classes} entries, got {len(self.class_names)}"
+            )
+
+    @property
+    def num_train(self) -> int:
+        return int(self.y_train.shape[0])
+
+    @property
+    def num_test(self) -> int:
+        return int(self.y_test.shape[0])
+
+    def __repr__(self) -> str:
+        return (
+            f"Dataset(name={self.name!r}, train={self.num_train}, test={self.num_test}, "
+            f"input_shape={self.input_shape}, num_classes={self.num_classes})"
+        )
+
+
+def default_cache_dir() -> Path:
+    """``$GOSSIP_CACHE`` if set, else ``~/.cache/gossip``."""
+    env = os.environ.get("GOSSIP_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "gossip"
+
+
+# --------------------------------------------------------------------------- mnist1d
+
+
+def _mnist1d_version() -> str:
+    try:
+        return importlib.metadata.version("mnist1d")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _generate_mnist1d() -> dict[str, np.ndarray]:
+    # Imported here: the package pulls in matplotlib and requests (about a second),
+    # which a cache hit does not need.
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    # make_dataset reseeds the global NumPy and Python generators (fixed seed 42):
+    # deterministic, but it must not leak into the caller's random streams.
+    np_state, py_state = np.random.get_state(), random.getstate()
+    try:
+        raw = make_dataset(get_dataset_args())
+    finally:
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+    return {
+        "x_train": np.asarray(raw["x"], dtype=np.float32),
+        "y_train": np.asarray(raw["y"], dtype=np.int64),
+        "x_test": np.asarray(raw["x_test"], dtype=np.float32),
+        "y_test": np.asarray(raw["y_test"], dtype=np.int64),
+    }
+
+
+def _check_mnist1d_arrays(arrays: Mapping[str, np.ndarray]) -> None:
+    for split in ("train", "test"):
+        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if x.dtype != np.float32 or x.ndim != 2 or x.shape[0] == 0:
+            raise ValueError(f"x_{split} is {x.dtype} {x.shape}, expected float32 (N, L)")
+        if y.dtype != np.int64 or y.shape != (x.shape[0],):
+            raise ValueError(f"y_{split} is {y.dtype} {y.shape}, expected int64 ({x.shape[0]},)")
+        if y.min() < 0 or y.max() > 9:
+            raise ValueError(f"y_{split} has labels outside 0..9")
+        if not np.isfinite(x).all():
+            raise ValueError(f"x_{split} has non-finite values")
+    if arrays["x_train"].shape[1] != arrays["x_test"].shape[1]:
+        raise ValueError("train and test signals differ in length")
+
+
+def _load_mnist1d_cache(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in ("x_train", "y_train", "x_test", "y_test")}
+    _check_mnist1d_arrays(arrays)
+    return arrays
+
+
+def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
+    """Write ``path`` through a temporary file in the same directory, then rename it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _mnist1d_arrays(cache_dir: Path) -> dict[str, np.ndarray]:
+    path = cache_dir / f"mnist1d-{_mnist1d_version()}-c{_MNIST1D_CACHE_FORMAT}.npz"
+    if path.exists():
+        try:
+            return _load_mnist1d_cache(path)
+        except Exception as exc:  # any damage: truncated zip, bad CRC, wrong arrays
+            warnings.warn(f"mnist1d cache '{path}' is damaged ({_one_line(exc)}); regenerating it", stacklevel=4)
+    arrays = _generate_mnist1d()
+    _check_mnist1d_arrays(arrays)
+    # Several processes may generate at once (one per rank): each writes its own
+    # temporary file and the last rename wins; the contents are identical.
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomically(path, lambda f: np.savez(f, **arrays))
+    except OSError as exc:
+        warnings.warn(f"could not write the mnist1d cache '{path}' ({_one_line(exc)}); continuing without it",
+                      stacklevel=4)
+    return arrays
+
+
+def _build_mnist1d(*, data_dir: Path | None, cache_dir: Path, seed: int) -> Dataset:
+    if data_dir is not None:
+        warnings.warn("data_dir is ignored by dataset 'mnist1d' (it is generated locally)", stacklevel=3)
+    a = _mnist1d_arrays(cache_dir)
+    # (N, L) -> (N, 1, L): one input channel for a 1-D CNN.
+    return Dataset(
+        name="mnist1d",
+        x_train=torch.from_numpy(a["x_train"]).unsqueeze(1),
+        y_train=torch.from_numpy(a["y_train"]),
+        x_test=torch.from_numpy(a["x_test"]).unsqueeze(1),
+        y_test=torch.from_numpy(a["y_test"]),
+        num_classes=10,
+        input_shape=(1, a["x_train"].shape[1]),
+    )
+
+
+# --------------------------------------------------------------------------- cifar10
+
+_CIFAR_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
+_CIFAR_TEST_FILE = "test_batch"
+_CIFAR_META_FILE = "batches.meta"
+_CIFAR_EXPECTED_DIR = "a directory holding the CIFAR-10 python batches data_batch_1..data_batch_5 and test_batch"
+_CIFAR_EXPECTED_BATCH = "a pickled dict with b'data' uint8 (N, 3072) and b'labels' (N ints in 0..9)"
+
+
+def _numpy_pickle_globals() -> dict[tuple[str, str], Any]:
+    import codecs
+
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # NumPy 1.x
+        from numpy.core import multiarray
+    objects = {"_reconstruct": multiarray._reconstruct, "scalar": multiarray.scalar}
+    allowed: dict[tuple[str, str], Any] = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        for name, obj in objects.items():
+            allowed[(module, name)] = obj
+    # Protocol-2 pickles written by Python 3 spell bytes as _codecs.encode(str, 'latin1').
+    allowed[("_codecs", "encode")] = codecs.encode
+    return allowed
+
+
+class _BatchUnpickler(pickle.Unpickler):
+    """Unpickles plain containers and NumPy arrays only: a data file cannot run code."""
+
+    _allowed: dict[tuple[str, str], Any] | None = None
+
+    def find_class(self, module: str, name: str) -> Any:
+        if _BatchUnpickler._allowed is None:
+            _BatchUnpickler._allowed = _numpy_pickle_globals()
+        try:
+            return _BatchUnpickler._allowed[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name}") from None
+
+
+def _unpickle(path: Path) -> Any:
+    with open(path, "rb") as f:
+        # The official batches were pickled by Python 2: their str objects are bytes.
+        return _BatchUnpickler(f, encoding="bytes").load()
+
+
+def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    def bad(reason: str) -> DataError:
+        return DataError(f"cifar10 file '{path}' is not a CIFAR-10 python batch ({reason}); "
+                         f"expected {_CIFAR_EXPECTED_BATCH}")
+
+    try:
+        obj = _unpickle(path)
+    except Exception as exc:
+        raise bad(f"cannot unpickle it: {_one_line(exc)}") from None
+    if not isinstance(obj, dict):
+        raise bad(f"it holds a {type(obj).__name__}, not a dict")
+    for key in (b"data", b"labels"):
+        if key not in obj:
+            raise bad(f"no {key!r} entry")
+    data, labels = obj[b"data"], obj[b"labels"]
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+        desc = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
+        raise bad(f"b'data' is {desc}")
+    try:
+        labels = np.asarray(labels)
+    except Exception as exc:
+        raise bad(f"b'labels' is not a list of ints: {_one_line(exc)}") from None
+    if labels.ndim != 1 or labels.dtype.kind not in "iu" or labels.shape[0] != data.shape[0]:
+        raise bad(f"b'labels' is {labels.dtype} {labels.shape}, b'data' has {data.shape[0]} rows")
+    if labels.size and (labels.min() < 0 or labels.max() > 9):
+        raise bad(f"b'labels' has values outside 0..9 (min {labels.min()}, max {labels.max()})")
+    return data, labels.astype(np.int64)
+
+
+def _read_cifar_meta(path: Path) -> tuple[str, ...]:
+    try:
+        obj = _unpickle(path)
+        names = tuple(n.decode() if isinstance(n, bytes) else str(n) for n in obj[b"label_names"])
+    except Exception as exc:
+        raise DataError(f"cifar10 file '{path}' is not a CIFAR-10 batches.meta ({_one_line(exc)}); "
+                        f"expected a pickled dict with b'label_names' (10 names)") from None
+    if len(names) != 10:
+        raise DataError(f"cifar10 file '{path}' has {len(names)} label names; expected 10")
+    return names
+
+
+def _cifar_to_tensor(data: np.ndarray) -> Tensor:
+    # Rows are 1024 red, 1024 green, 1024 blue values, each image row-major.
+    x = torch.from_numpy(data).view(-1, 3, 32, 32).to(torch.float32).div_(255.0)
+    mean = torch.tensor(CIFAR10_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(CIFAR10_STD).view(1, 3, 1, 1)
+    return x.sub_(mean).div_(std)
+
+
+def _build_cifar10(*, data_dir: Path | None, cache_dir: Path, seed: int) -> Dataset:
+    if data_dir is None:
+        raise DataError(f"dataset 'cifar10' needs data_dir (--data-dir): {_CIFAR_EXPECTED_DIR}")
+    if not data_dir.exists():
+        raise DataError(f"cifar10 data_dir '{data_dir}' does not exist; expected {_CIFAR_EXPECTED_DIR}")
+    if not data_dir.is_dir():
+        raise DataError(f"cifar10 data_dir '{data_dir}' is not a directory; expected {_CIFAR_EXPECTED_DIR}")
+    needed = (*_CIFAR_TRAIN_FILES, _CIFAR_TEST_FILE)
+    # Accept the parent of the archive's own folder too.
+    nested = data_dir / "cifar-10-batches-py"
+    if not all((data_dir / f).is_file() for f in needed) and nested.is_dir():
+        data_dir = nested
+    missing = [f for f in needed if not (data_dir / f).is_file()]
+    if missing:
+        raise DataError(f"cifar10 data_dir '{data_dir}' lacks {', '.join(missing)}; expected {_CIFAR_EXPECTED_DIR}")
+    train = [_read_cifar_batch(data_dir / f) for f in _CIFAR_TRAIN_FILES]
+    x_test, y_test = _read_cifar_batch(data_dir / _CIFAR_TEST_FILE)
+    meta = data_dir / _CIFAR_META_FILE
+    class_names = _read_cifar_meta(meta) if meta.is_file() else None
+    fill = tuple(-m / s for m, s in zip(CIFAR10_MEAN, CIFAR10_STD))  # a black pixel, normalised
+    return Dataset(
+        name="cifar10",
+        x_train=_cifar_to_tensor(np.concatenate([d for d, _ in train])),
+        y_train=torch.from_numpy(np.concatenate([y for _, y in train])),
+        x_test=_cifar_to_tensor(x_test),
+        y_test=torch.from_numpy(y_test),
+        num_classes=10,
+        input_shape=(3, 32, 32),
+        class_names=class_names,
+        augment=RandomCropFlip(padding=4, fill=fill),
+    )
+
+
+class RandomCropFlip:
+    """Random crop after zero padding, then a random horizontal flip, per image.
+
+    ``RandomCropFlip(padding=4)(x, generator)`` takes a batch ``(B, C, H, W)`` and
+    returns a new batch of the same shape: each image is padded by ``padding`` pixels
+    on every side with ``fill`` (one value per channel; for normalised CIFAR-10 inputs
+    the data set passes the normalised value of a black pixel, which is what padding
+    the raw image with zeros gives), cropped back to ``H x W`` at an offset drawn
+    uniformly, and mirrored left-right with probability ``flip_p``. All draws come
+    from ``generator`` (on the CPU; ``x`` may live on any device).
+    """
+
+    def __init__(self, padding: int = 4, fill: float | Sequence[float] = 0.0, flip_p: float = 0.5) -> None:
+        self.padding = _check_int("padding", padding, minimum=0)
+        if not 0.0 <= float(flip_p) <= 1.0:
+            raise ValueError(f"flip_p must lie in [0, 1], got {flip_p}")
+        self.flip_p = float(flip_p)
+        self.fill = tuple(float(v) for v in fill) if isinstance(fill, Sequence) else float(fill)
+
+    def __repr__(self) -> str:
+        return f"RandomCropFlip(padding={self.padding}, fill={self.fill}, flip_p={self.flip_p})"
+
+    def __call__(self, x: Tensor, generator: torch.Generator) -> Tensor:
+        if x.dim() != 4:
+            raise ValueError(f"RandomCropFlip expects a batch shaped (B, C, H, W), got {tuple(x.shape)}")
+        b, c, h, w = x.shape
+        p = self.padding
+        fill = torch.as_tensor(self.fill, dtype=x.dtype, device=x.device)
+        if fill.dim() == 1 and fill.numel() != c:
+            raise ValueError(f"RandomCropFlip fill has {fill.numel()} values for {c} channels")
+        padded = fill.view(1, -1, 1, 1).expand(b, c, h + 2 * p, w + 2 * p).clone()
+        padded[:, :, p:p + h, p:p + w] = x
+        top = torch.randint(0, 2 * p + 1, (b,), generator=generator)
+        left = torch.randint(0, 2 * p + 1, (b,), generator=generator)
+        flip = torch.rand(b, generator=generator) < self.flip_p
+        cols = torch.arange(w)
+        cols = torch.where(flip[:, None], cols.flip(0)[None, :], cols[None, :]) + left[:, None]
+        rows = top[:, None] + torch.arange(h)[None, :]
+        dev = x.device
+        # Advanced indices around a slice put the index dimensions first: (B, H, W, C).
+        out = padded[torch.arange(b, device=dev)[:, None, None], :, rows.to(dev)[:, :, None], cols.to(dev)[:, None, :]]
+        return out.permute(0, 3, 1, 2).contiguous()
+
+
+# --------------------------------------------------------------------------- synthetic
+
+
+def _build_synthetic(
+    *,
+    data_dir: Path | None,
+    cache_dir: Path,
+    seed: int,
+    num_features: int = 32,
+    num_classes: int = 10,
+    num_train: int = 4096,
+    num_test: int = 1024,
+) -> Dataset:
+    """Gaussian features x ~ N(0, I_d); labels ~ softmax(x W + b) with W ~ N(0, 4/d).
+
+    The true model is a logistic regression, so ``logreg`` can fit it; the logits have
+    a standard deviation of about 2, so the labels are noisy but learnable.
+    """
+    if data_dir is not None:
+        warnings.warn("data_dir is ignored by dataset 'synthetic' (it is generated)", stacklevel=3)
+    d = _check_int("num_features", num_features, minimum=1)
+    k = _check_int("num_classes", num_classes, minimum=2)
+    n_train = _check_int("num_train", num_train, minimum=1)
+    n_test = _check_int("num_test", num_test, minimum=1)
+    g = _generator(seed, _STREAM_SYNTHETIC)
+    weight = torch.randn(d, k, generator=g) * (2.0 / math.sqrt(d))
+    bias = torch.randn(k, generator=g) * 0.5
+    x = torch.randn(n_train + n_test, d, generator=g)
+    probs = torch.softmax(x @ weight + bias, dim=1)
+    y = torch.multinomial(probs, 1, generator=g).squeeze(1)
+    return Dataset(
+        name="synthetic",
+        x_train=x[:n_train].contiguous(),
+        y_train=y[:n_train].contiguous(),
+        x_test=x[n_train:].contiguous(),
+        y_test=y[n_train:].contiguous(),
+        num_classes=k,
+        input_shape=(d,),
+    )
+
+
+# --------------------------------------------------------------------------- registry
+
+_DATASETS: dict[str, tuple[Callable[..., Dataset], tuple[str, ...]]] = {
+    "mnist1d": (_build_mnist1d, ()),
+    "cifar10": (_build_cifar10, ()),
+    "synthetic": (_build_synthetic, ("num_features", "num_classes", "num_train", "num_test")),
+}
+
+
+def available_datasets() -> tuple[str, ...]:
+    """Names accepted by :func:`build_dataset`, the default (``mnist1d``) first."""
+    return tuple(_DATASETS)
+
+
+def build_dataset(
+    name: str = "mnist1d",
+    *,
+    data_dir: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    seed: int = 0,
+    **options: Any,
+) -> Dataset:
+    """Build the data set ``name``.
+
+    ``data_dir`` is where a local data set lives (``cifar10``); ``cache_dir`` is where
+    generated data is cached (``mnist1d``; default :func:`default_cache_dir`);
+    ``seed`` drives generated data (``synthetic``; ``mnist1d`` has its own fixed seed).
+    ``options`` are data-set specific: ``synthetic`` accepts ``num_features`` (32),
+    ``num_classes`` (10), ``num_train`` (4096) and ``num_test`` (1024).
+    """
+    if name not in _DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(_DATASETS)}")
+    builder, accepted = _DATASETS[name]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"dataset {name!r} does not take option(s) {', '.join(unknown)}; "
+            f"accepted: {', '.join(accepted) if accepted else 'none'}"
+        )
+    seed = _check_seed(seed)
+    data_path = Path(data_dir).expanduser() if data_dir is not None else None
+    cache_path = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return builder(data_dir=data_path, cache_dir=cache_path, seed=seed, **options)
+
+
+# --------------------------------------------------------------------------- partition
+
+
+def partition(y: Tensor | Sequence[int], world_size: int, scheme: str = "iid", seed: int = 0) -> list[Tensor]:
+    """Split the sample indices ``0..len(y)-1`` into ``world_size`` disjoint equal shards.
+
+    - ``iid``: a random permutation drawn from ``seed``, cut into consecutive shards.
+    - ``sorted``: the indices sorted by label (stably, so equal labels keep their
+      order), cut into consecutive shards; node ``k`` sees a contiguous slice of the
+      label-sorted data, hence only one or a few classes. ``seed`` is not used.
+
+    Every shard has ``len(y) // world_size`` indices: the remaining
+    ``len(y) % world_size`` samples (the tail of the permutation, or the last ones in
+    label order) are dropped, so that every node takes the same number of steps per
+    epoch. Returns a list of int64 tensors.
+    """
+    if scheme not in PARTITION_SCHEMES:
+        raise ValueError(f"unknown partition scheme {scheme!r}; known: {', '.join(PARTITION_SCHEMES)}")
+    world_size = _check_int("world_size", world_size, minimum=1)
+    seed = _check_seed(seed)
+    labels = torch.as_tensor(y)
+    if labels.dim() != 1:
+        raise ValueError(f"y must be 1-D (one label per sample), got shape {tuple(labels.shape)}")
+    n = labels.shape[0]
+    if n < world_size:
+        raise ValueError(f"cannot split {n} samples into world_size = {world_size} non-empty shards")
+    if scheme == "iid":
+        order = torch.randperm(n, generator=_generator(seed, _STREAM_PARTITION))
+    else:
+        order = torch.sort(labels, stable=True).indices
+    shard = n // world_size
+    return [order[k * shard:(k + 1) * shard].clone() for k in range(world_size)]
+
+
+# --------------------------------------------------------------------------- loader
+
+
+class ShardLoader:
+    """One node's batches over its shard, reshuffled every epoch, exactly resumable.
+
+    Each epoch draws a fresh permutation of ``indices`` from the loader's own
+    generator (seeded from ``(seed, node)``) and serves it in slices of
+    ``batch_size``. With ``drop_last=True`` (the default) every batch is full and an
+    epoch has ``len(indices) // batch_size`` steps, the last partial batch being
+    dropped (a different part of the shard each epoch); with ``drop_last=False`` the
+    last batch of an epoch is smaller.
+
+    ``next_batch()`` returns ``(x, y)`` and rolls over into the next epoch by itself;
+    iterating the loader yields the rest of the current epoch. ``transform``, if given,
+    is applied as ``transform(x, generator)`` with a second generator of the loader's
+    own (training augmentation). ``state_dict()`` captures the epoch, the position in
+    it and both generator states (as uint8 tensors); ``load_state_dict`` on a loader
+    built with the same arguments continues with the identical batch sequence.
+    ``device``, if given, is where the batches are moved (the data set may stay on
+    the CPU); the transform runs there.
+    """
+
+    def __init__(
+        self,
+        dataset_x: Tensor,
+        dataset_y: Tensor,
+        indices: Tensor | Sequence[int],
+        batch_size: int,
+        seed: int,
+        node: int,
+        *,
+        drop_last: bool = True,
+        transform: Callable[[Tensor, torch.Generator], Tensor] | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not isinstance(dataset_x, Tensor) or not isinstance(dataset_y, Tensor):
+            raise TypeError("dataset_x and dataset_y must be tensors")
+        if dataset_x.shape[0] != dataset_y.shape[0]:
+            raise ValueError(
+                f"dataset_x and dataset_y must have the same length, got {dataset_x.shape[0]} and {dataset_y.shape[0]}"
+            )
+        idx = torch.as_tensor(indices)
+        if idx.dim() != 1 or idx.numel() == 0 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+            raise ValueError(f"indices must be a non-empty 1-D integer tensor, got {idx.dtype} {tuple(idx.shape)}")
+        idx = idx.to(torch.int64)
+        if int(idx.min()) < 0 or int(idx.max()) >= dataset_x.shape[0]:
+            raise ValueError(f"indices must lie in [0, {dataset_x.shape[0]}), got [{int(idx.min())}, {int(idx.max())}]")
+        self.batch_size = _check_int("batch_size", batch_size, minimum=1)
+        self.seed = _check_seed(seed)
+        self.node = _check_int("node", node, minimum=0)
+        self.drop_last = bool(drop_last)
+        if self.drop_last and idx.numel() < self.batch_size:
+            raise ValueError(
+                f"batch_size {self.batch_size} exceeds the shard size {idx.numel()} of node {self.node} "
+                f"with drop_last=True (no batch would ever be served)"
+            )
+        self.x, self.y, self.indices = dataset_x, dataset_y, idx
+        self.transform = transform
+        self.device = torch.device(device) if device is not None else None
+        self._shuffle_gen = _generator(self.seed, _STREAM_SHUFFLE, self.node)
+        self._transform_gen = _generator(self.seed, _STREAM_TRANSFORM, self.node)
+        self._epoch = 0
+        self._start_epoch()
+
+    # The state of the shuffle generator *before* an epoch's permutation is what a
+    # checkpoint stores: reloading it redraws the same permutation.
+    def _start_epoch(self) -> None:
+        self._epoch_state = self._shuffle_gen.get_state()
+        self._perm = torch.randperm(self.indices.numel(), generator=self._shuffle_gen)
+        self._position = 0
+
+    @property
+    def shard_size(self) -> int:
+        return int(self.indices.numel())
+
+    @property
+    def steps_per_epoch(self) -> int:
+        if self.drop_last:
+            return self.shard_size // self.batch_size
+        return -(-self.shard_size // self.batch_size)
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed (0 during the first one)."""
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        """Batches already served in the current epoch."""
+        return self._position
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        """The next ``(x, y)`` batch, starting a new epoch when the current one is done."""
+        if self._position >= self.steps_per_epoch:
+            self._epoch += 1
+            self._start_epoch()
+        lo = self._position * self.batch_size
+        rows = self.indices[self._perm[lo:lo + self.batch_size]].to(self.x.device)
+        self._position += 1
+        x, y = self.x[rows], self.y[rows.to(self.y.device)]
+        if self.device is not None:
+            x, y = x.to(self.device), y.to(self.device)
+        if self.transform is not None:
+            x = self.transform(x, self._transform_gen)
+        return x, y
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        """The remaining batches of the current epoch (all of the next one if it is done)."""
+        if self._position >= self.steps_per_epoch:
+            self._epoch += 1
+            self._start_epoch()
+        while self._position < self.steps_per_epoch:
+            yield self.next_batch()
+
+    def _identity(self) -> dict[str, int | bool]:
+        return {"seed": self.seed, "node": self.node, "shard_size": self.shard_size,
+                "batch_size": self.batch_size, "drop_last": self.drop_last}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly here; tensors, ints and bools only."""
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "shuffle_generator": self._epoch_state.clone(),
+            "transform_generator": self._transform_gen.get_state(),
+            **self._identity(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``; the loader must have been built with the same arguments."""
+        required = ("epoch", "position", "shuffle_generator", "transform_generator", *self._identity())
+        missing = [k for k in required if k not in state]
+        if missing:
+            raise ValueError(f"ShardLoader state lacks {', '.join(missing)}")
+        for key, mine in self._identity().items():
+            if state[key] != mine:
+                raise ValueError(f"ShardLoader state was saved with {key} = {state[key]!r}, this loader has {mine!r}")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self.steps_per_epoch:
+            raise ValueError(
+                f"ShardLoader state has epoch {epoch}, position {position}; expected epoch >= 0 and "
+                f"0 <= position <= {self.steps_per_epoch}"
+            )
+        self._shuffle_gen.set_state(state["shuffle_generator"])
+        self._transform_gen.set_state(state["transform_generator"])
+        self._epoch = epoch
+        self._start_epoch()
+        self._position = position
+
+
+def build_loaders(
+    x: Tensor,
+    y: Tensor,
+    world_size: int,
+    batch_size: int,
+    *,
+    scheme: str = "iid",
+    seed: int = 0,
+    nodes: Sequence[int] | None = None,
+    drop_last: bool = True,
+    transform: Callable[[Tensor, torch.Generator], Tensor] | None = None,
+) -> list[ShardLoader]:
+    """Partition ``(x, y)`` over ``world_size`` nodes and build the loaders of ``nodes``.
+
+    ``nodes`` defaults to all of them (the in-process simulation); under torchrun pass
+    ``[rank]``. Every process computes the same partition from ``seed``.
+    """
+    shards = partition(y, world_size, scheme, seed)
+    chosen = range(world_size) if nodes is None else nodes
+    loaders = []
+    for k in chosen:
+        k = _check_int("node", k, minimum=0)
+        if k >= world_size:
+            raise ValueError(f"node must be < world_size = {world_size}, got {k}")
+        loaders.append(ShardLoader(x, y, shards[k], batch_size, seed, k, drop_last=drop_last, transform=transform))
+    return loaders
+
+
+def stack_next(loaders: Sequence[ShardLoader]) -> tuple[Tensor, Tensor]:
+    """One batch from each loader, stacked: ``x`` shaped ``(n, B, ...)``, ``y`` ``(n, B)``."""
+    if not loaders:
+        raise ValueError("stack_next needs at least one loader")
+    batches = [loader.next_batch() for loader in loaders]
+    sizes = {tuple(b[0].shape) for b in batches}
+    if len(sizes) != 1:
+        raise ValueError(f"cannot stack batches of different shapes {sorted(sizes)}; use drop_last=True")
+    return torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])

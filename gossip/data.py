@@ -490,7 +490,8 @@ def _build_synthetic(
     """Gaussian features x ~ N(0, I_d); labels ~ softmax(x W + b) with W ~ N(0, 4/d).
 
     The true model is a logistic regression, so ``logreg`` can fit it; the logits have
-    a standard deviation of about 2, so the labels are noisy but learnable.
+    a standard deviation of about 2, so the labels are noisy but learnable: the true
+    model itself scores about 0.52 test accuracy with 10 classes, 0.83 with 2.
     """
     if data_dir is not None:
         warnings.warn("data_dir is ignored by dataset 'synthetic' (it is generated)", stacklevel=3)

@@ -1,9 +1,15 @@
 """One node per process over torch.distributed: NCCL on CUDA, gloo on CPU.
 
-Neighbour exchange is point-to-point (``dist.batch_isend_irecv``): the payload row
-goes to every topology neighbour and each neighbour's payload comes back into a
+Neighbour exchange is point-to-point: the payload row goes to every topology
+neighbour and each neighbour's payload comes back into a
 buffer sized from the payload itself (every node uses the same compressor, so the
 sizes agree without a round trip per exchange; see "payload sizes" below).
+
+On CUDA (NCCL) the sends and receives are posted with ``dist.batch_isend_irecv``,
+which coalesces them into one NCCL group. On CPU (gloo) ``batch_isend_irecv`` is
+a plain loop over ``isend``/``irecv``; we run that loop ourselves so that an op
+that cannot even be posted (the connection to a crashed peer is closed) names its
+peer, and the other neighbours still get their messages.
 
 Waiting is bounded: every wait runs against a deadline of ``timeout`` seconds and a
 peer that does not answer in time raises :class:`PeerTimeoutError` naming it.
@@ -197,15 +203,12 @@ class DistCommunicator(Communicator):
                 self._agree_size(nbytes, P.device)
             deg = int(self._peers.size)
             buf = torch.empty((deg, nbytes), dtype=torch.uint8, device=P.device)
-            recvs = [
-                dist.P2POp(dist.irecv, buf[k], self._global[j], self.group, _TAG_PAYLOAD)
-                for k, j in enumerate(self._peers.tolist())
-            ]
-            sends = [
-                dist.P2POp(dist.isend, P[0], self._global[j], self.group, _TAG_PAYLOAD)
-                for j in self._peers.tolist()
-            ]
-            works = dist.batch_isend_irecv(recvs + sends) if deg else []
+            peers = self._peers.tolist()
+            ops = [dist.P2POp(dist.irecv, buf[k], self._global[j], self.group, _TAG_PAYLOAD)
+                   for k, j in enumerate(peers)]
+            ops += [dist.P2POp(dist.isend, P[0], self._global[j], self.group, _TAG_PAYLOAD)
+                    for j in peers]
+            posted = self._post(ops, peers * 2, "neighbor_exchange") if deg else None
             if record:
                 self.ledger.record(self.rank, self._peers, nbytes, op="exchange")
                 self.ledger.count("exchange")
@@ -217,9 +220,9 @@ class DistCommunicator(Communicator):
             torch.as_tensor(self._w, device=P.device).unsqueeze(0),
             torch.tensor([deg], dtype=torch.int64, device=P.device),
         )
-        if not works:
+        if posted is None:
             return _Done(received)
-        return _ExchangeHandle(self, works, received, nbytes, record)
+        return _ExchangeHandle(self, posted, received, nbytes, record)
 
     def _agree_size(self, nbytes: int, device: torch.device) -> None:
         """Swap payload sizes with the neighbours (one 16-byte message each way)."""
@@ -229,8 +232,7 @@ class DistCommunicator(Communicator):
         ops = [dist.P2POp(dist.irecv, theirs[k], self._global[j], self.group, _TAG_SIZE)
                for k, j in enumerate(peers)]
         ops += [dist.P2POp(dist.isend, mine, self._global[j], self.group, _TAG_SIZE) for j in peers]
-        works = dist.batch_isend_irecv(ops)
-        self._wait(works, [[j] for j in peers] * 2, "neighbor_exchange (payload size check)")
+        self._wait(self._post(ops, peers * 2, "neighbor_exchange (payload size check)"))
         self.ledger.record(self.rank, self._peers, _SIZE_MSG_BYTES, op="control")
         self.ledger.record(self._peers, self.rank, _SIZE_MSG_BYTES, op="control")
         self.ledger.count("control")
@@ -257,7 +259,9 @@ class DistCommunicator(Communicator):
         self._check_op(op)
         with self.ledger.phase("communicate"):
             Y = X.clone(memory_format=torch.contiguous_format)
-            work = dist.all_reduce(Y, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = self._post_collective(
+                "all_reduce", lambda: dist.all_reduce(Y, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            )
             if record:
                 self._record_ring(_ring_allreduce_bytes(_tensor_nbytes(X), self.world_size), "all_reduce")
         n = self.world_size
@@ -270,7 +274,9 @@ class DistCommunicator(Communicator):
         with self.ledger.phase("communicate"):
             Xc = X.contiguous()
             out = torch.empty((self.world_size, *X.shape[1:]), dtype=X.dtype, device=X.device)
-            work = _all_gather_single(out, Xc, group=self.group, async_op=True)
+            work = self._post_collective(
+                "all_gather", lambda: _all_gather_single(out, Xc, group=self.group, async_op=True)
+            )
             if record:
                 self._record_ring((self.world_size - 1) * _tensor_nbytes(X), "all_gather")
         return _CollectiveHandle(self, work, "all_gather", lambda: out)
@@ -281,7 +287,9 @@ class DistCommunicator(Communicator):
         src = self._check_src(src)
         with self.ledger.phase("communicate"):
             Y = X.clone(memory_format=torch.contiguous_format)
-            work = dist.broadcast(Y, src=self._global[src], group=self.group, async_op=True)
+            work = self._post_collective(
+                "broadcast", lambda: dist.broadcast(Y, src=self._global[src], group=self.group, async_op=True)
+            )
             if record:
                 b = _tensor_nbytes(X)
                 if self.rank == src:
@@ -299,47 +307,74 @@ class DistCommunicator(Communicator):
             self.ledger.record((r - 1) % n, r, nbytes, op=op)
         self.ledger.count(op)
 
-    # ---------------------------------------------------------------- waiting
-    def _wait(self, works: list[Any], peers: list[list[int]], what: str) -> None:
-        """Wait for every work within one deadline; name the peers that did not answer.
+    # ---------------------------------------------------------------- posting, waiting
+    def _post(self, ops: list[Any], peers: list[int], what: str) -> _Posted:
+        """Post point-to-point ops; ``peers[i]`` is the peer of ``ops[i]``."""
+        if ops[0].tensor.device.type == "cuda":
+            try:
+                works = dist.batch_isend_irecv(ops)
+            except RuntimeError as exc:  # one NCCL group: cannot tell which peer
+                if _peer_failure(exc) is None:
+                    raise
+                return _Posted([], [], what, set(peers), exc)
+            if len(works) == len(ops):
+                return _Posted(works, [[j] for j in peers], what)
+            return _Posted(works, [sorted(set(peers))] * len(works), what)
+        works, work_peers, lost, first = [], [], set(), None
+        for op, j in zip(ops, peers):
+            try:
+                works.append(op.op(op.tensor, op.peer, op.group, op.tag))
+                work_peers.append([j])
+            except RuntimeError as exc:  # e.g. "Connection closed by peer": keep posting
+                if _peer_failure(exc) is None:
+                    raise
+                lost.add(j)
+                first = first or exc
+        return _Posted(works, work_peers, what, lost, first)
 
-        ``peers[i]`` are the peers work ``i`` involves. When the backend coalesces
-        the operations into fewer works (NCCL), every work stands for all of them.
-        """
-        if len(works) != len(peers):
-            everyone = sorted({p for ps in peers for p in ps})
-            peers = [everyone] * len(works)
+    def _post_collective(self, what: str, start: Any) -> Any:
+        try:
+            return start()
+        except RuntimeError as exc:
+            if _peer_failure(exc) is None:  # a usage error, not a peer's fault
+                raise
+            others = [j for j in range(self.world_size) if j != self.rank]
+            self._wait(_Posted([], [], what, set(others), exc))  # raises, naming them
+            raise
+
+    def _wait(self, posted: _Posted) -> None:
+        """Wait for every posted work within one deadline; name the peers that failed."""
+        what = posted.what
         deadline = perf_counter() + self.timeout
         late: set[int] = set()
-        lost: set[int] = set()
-        first: BaseException | None = None
-        for work, ps in zip(works, peers):
+        lost: set[int] = set(posted.lost)
+        first: BaseException | None = posted.first
+        for work, ps in zip(posted.works, posted.peers):
             remaining = max(deadline - perf_counter(), 1e-3)
             try:
                 ok = work.wait(timeout=timedelta(seconds=remaining))
             except RuntimeError as exc:  # gloo: "Timed out waiting ...", "Connection closed ..."
                 first = first or exc
-                text = str(exc).lower()
-                (late if "timed out" in text or "timeout" in text else lost).update(ps)
+                (late if _peer_failure(exc) == "late" else lost).update(ps)
             else:
                 if ok is False:
                     late.update(ps)
-        if not (late or lost):
-            return
-        waited = sorted({p for ps in peers for p in ps})
+        if lost:
+            also = f"; no answer from {_format_peers(late - lost)} either" if late - lost else ""
+            msg = (
+                f"{what}: rank {self.rank} lost the connection to {_format_peers(lost)} "
+                f"(it crashed or exited){also}: {first}"
+            )
+            self._broken = msg
+            raise PeerConnectionError(msg, lost, what) from first
         if late:
+            waited = sorted({p for ps in posted.peers for p in ps})
             msg = (
                 f"{what}: rank {self.rank} got no answer from {_format_peers(late)} within "
                 f"{self.timeout:g} s (waited for {_format_peers(waited)})"
             )
             self._broken = msg
             raise PeerTimeoutError(msg, late, what) from first
-        msg = (
-            f"{what}: rank {self.rank} lost the connection to {_format_peers(lost)} "
-            f"(it crashed or exited): {first}"
-        )
-        self._broken = msg
-        raise PeerConnectionError(msg, lost, what) from first
 
     def _check_usable(self) -> None:
         if self._broken is not None:
@@ -356,29 +391,54 @@ class DistCommunicator(Communicator):
         )
 
 
-class _ExchangeHandle(Handle):
-    __slots__ = ("_comm", "_works", "_received", "_nbytes", "_record", "_done")
+def _peer_failure(exc: BaseException) -> str | None:
+    """'late' for a timeout, 'lost' for a broken connection, None for anything else."""
+    text = str(exc).lower()
+    if "timed out" in text or "timeout" in text:
+        return "late"
+    if any(w in text for w in ("connection", "closed", "reset by peer", "broken pipe", "socket")):
+        return "lost"
+    return None
+
+
+class _Posted:
+    """Works of one operation, the peers each one involves, and posting failures."""
+
+    __slots__ = ("works", "peers", "what", "lost", "first")
 
     def __init__(
-        self, comm: DistCommunicator, works: list[Any], received: Received, nbytes: int, record: bool
+        self,
+        works: list[Any],
+        peers: list[list[int]],
+        what: str,
+        lost: set[int] | None = None,
+        first: BaseException | None = None,
     ) -> None:
-        self._comm, self._works, self._received = comm, works, received
+        self.works, self.peers, self.what = works, peers, what
+        self.lost, self.first = lost or set(), first
+
+
+class _ExchangeHandle(Handle):
+    __slots__ = ("_comm", "_posted", "_received", "_nbytes", "_record", "_done")
+
+    def __init__(
+        self, comm: DistCommunicator, posted: _Posted, received: Received, nbytes: int, record: bool
+    ) -> None:
+        self._comm, self._posted, self._received = comm, posted, received
         self._nbytes, self._record, self._done = nbytes, record, False
 
     def wait(self) -> Received:
         if not self._done:
             comm = self._comm
-            peers = [[j] for j in comm._peers.tolist()]
             with comm.ledger.phase("communicate"):
-                # receives first (ascending neighbour), then sends: batch order
-                comm._wait(self._works, peers * 2, "neighbor_exchange")
+                comm._wait(self._posted)
             if self._record:
                 comm.ledger.record(comm._peers, comm.rank, self._nbytes, op="exchange")
             self._done = True
         return self._received
 
     def is_completed(self) -> bool:
-        return self._done or all(w.is_completed() for w in self._works)
+        return self._done or all(w.is_completed() for w in self._posted.works)
 
 
 class _CollectiveHandle(Handle):
@@ -393,7 +453,7 @@ class _CollectiveHandle(Handle):
             comm = self._comm
             others = [j for j in range(comm.world_size) if j != comm.rank]
             with comm.ledger.phase("communicate"):
-                comm._wait([self._work], [others], self._what)
+                comm._wait(_Posted([self._work], [others], self._what))
             self._result = self._finish()
         return self._result
 

@@ -202,3 +202,22 @@ def test_neighbour_rows_out_of_order_are_rejected() -> None:
 
     with pytest.raises(ValueError, match=r"row 2 must list distinct neighbours other than 2 in ascending order, got \[3, 1\]"):
         SimulatedCommunicator(_Swapped())
+
+
+def test_a_real_compressor_payload_error_names_the_sender() -> None:
+    compress = pytest.importorskip("gossip.compress")
+    if "quant" not in compress.available():
+        pytest.skip("the quant compressor is not registered")
+    q = compress.build("quant:bits=8")
+    topo = build("ring", 5)
+    comm = SimulatedCommunicator(topo)
+    X = torch.randn(5, 40, generator=torch.Generator().manual_seed(0))
+    P = q.encode(X, torch.arange(5), tag=7)
+    decode = lambda Q: q.decode(Q, 40, tag=7)  # noqa: E731
+    out = comm.neighbor_exchange(P).weighted_sum(decode)
+    ref = torch.as_tensor(_dense(topo)).float() @ q.decode(P, 40, tag=7)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    P[3, -1] ^= 0xFF
+    with pytest.raises(PeerPayloadError, match=r"bad payload from rank 3 .*checksum") as ei:
+        comm.neighbor_exchange(P).weighted_sum(decode)
+    assert ei.value.peers == (3,) and isinstance(ei.value.__cause__, compress.PayloadError)

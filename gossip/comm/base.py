@@ -21,21 +21,27 @@ __all__ = ["Communicator", "Received", "Handle"]
 Decode = Callable[[torch.Tensor], torch.Tensor]
 
 
+_PAYLOAD_ERRORS: tuple[type[BaseException], ...] | None = None
+
+
 def _payload_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions from a decode callable that mean 'this payload is bad'.
 
-    ``gossip.compress.PayloadError`` where it exists, and ``ValueError`` (which it is
-    meant to subclass) so that stand-in decoders work the same way.
+    ``ValueError``, which ``gossip.compress.PayloadError`` subclasses (so stand-in
+    decoders work the same way), plus ``PayloadError`` itself should it ever stop
+    being one. Looked up once; the communicators do not need the compressors.
     """
-    types: list[type[BaseException]] = [ValueError]
-    try:  # the compressor package is optional for communicators
-        from gossip.compress import PayloadError  # type: ignore[attr-defined]
-    except ImportError:
-        pass
-    else:
+    global _PAYLOAD_ERRORS
+    if _PAYLOAD_ERRORS is None:
+        types: list[type[BaseException]] = [ValueError]
+        try:
+            from gossip.compress import PayloadError  # type: ignore[attr-defined]
+        except Exception:  # absent or not importable: ValueError covers the contract
+            PayloadError = ValueError  # type: ignore[misc, assignment]
         if not issubclass(PayloadError, ValueError):
             types.append(PayloadError)
-    return tuple(types)
+        _PAYLOAD_ERRORS = tuple(types)
+    return _PAYLOAD_ERRORS
 
 
 class Received:

@@ -1,0 +1,24 @@
+"""Compressors for communication-efficient training: quantizers, sparsifiers, sign methods.
+
+Every compressor has the batched core ``encode(X, keys, tag) -> P`` /
+``decode(P, numel, tag) -> X`` and the single-tensor ``compress(x, generator)`` /
+``decompress(payload)``; see docs/compress.md.
+"""
+
+from .base import Compressor, Config
+from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .registry import available, build, register
+from .wire import HEADER_NBYTES, PayloadError
+
+__all__ = [
+    "Compressor",
+    "Config",
+    "PayloadError",
+    "HEADER_NBYTES",
+    "available",
+    "build",
+    "register",
+    "pack_bits",
+    "unpack_bits",
+    "packed_nbytes",
+]

@@ -1,0 +1,236 @@
+"""The Compressor base class: validation, header, checksum, batched and single APIs.
+
+A compressor subclass supplies its frozen ``Config``, its body ``layout(numel)``,
+``ideal_nbytes(numel)``, ``_encode(X, keys, views)`` (fill the body views) and
+``_decode(views, numel, keys)`` (rebuild ``X``). Everything else, the
+header, the checks, the single-tensor convenience API, lives here once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from . import wire
+from .wire import HEADER_NBYTES, Layout, PayloadError
+
+__all__ = ["Compressor", "Config"]
+
+_U32 = 1 << 32
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """Base of the compressors' frozen, validated parameter sets."""
+
+    def _fail(self, name: str, rule: str) -> None:
+        raise ValueError(f"{_owner_name(self)}: parameter `{name}` {rule}, got {getattr(self, name)!r}")
+
+
+def _owner_name(cfg) -> str:
+    return getattr(type(cfg), "_compressor_name", type(cfg).__name__)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, tuple):
+        return "/".join(str(int(e)) for e in v)
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+class Compressor:
+    """Base class; see docs/compress.md and docs/internals.md for the contract."""
+
+    name: ClassVar[str]
+    cid: ClassVar[int]
+    description: ClassVar[str]
+    unbiased: ClassVar[bool]
+    linear: ClassVar[bool]
+    Config: ClassVar[type]
+
+    def __init__(self, config: Config | None = None, **params):
+        if config is not None and params:
+            raise ValueError(f"{self.name}: give either a config or parameters, not both")
+        if config is None:
+            config = self.Config(**params)
+        elif not isinstance(config, self.Config):
+            raise TypeError(f"{self.name}: config must be a {self.Config.__name__}, got {type(config).__name__}")
+        self.config = config
+        self._phash = wire.params_hash(self.spec)
+
+    # ---- description -------------------------------------------------------------
+    @property
+    def spec(self) -> str:
+        """Canonical spec string; ``build(c.spec)`` gives an equal compressor."""
+        parts = []
+        for f in dataclasses.fields(self.config):
+            v = getattr(self.config, f.name)
+            if v is not None:
+                parts.append(f"{f.name}={_fmt(v)}")
+        return self.name + (":" + ",".join(parts) if parts else "")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.spec!r}>"
+
+    def __eq__(self, other) -> bool:
+        return type(self) is type(other) and self.config == other.config
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.config))
+
+    # ---- sizes ---------------------------------------------------------------------
+    def layout(self, numel: int) -> Layout:
+        raise NotImplementedError
+
+    def payload_nbytes(self, numel: int) -> int:
+        """Exact bytes of one payload for ``numel`` elements, header included."""
+        numel = self._check_numel(numel)
+        return self.layout(numel).nbytes
+
+    def ideal_nbytes(self, numel: int) -> float:
+        """Code bits plus scales for ``numel`` elements, in bytes; no header, no padding."""
+        raise NotImplementedError
+
+    def _check_numel(self, numel) -> int:
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
+            raise ValueError(f"{self.name}: numel must be a positive int, got {numel!r}")
+        return numel
+
+    # ---- batched core ----------------------------------------------------------------
+    def encode(self, X: torch.Tensor, keys: torch.Tensor, tag: int = 0) -> torch.Tensor:
+        """Encode each row of ``X`` (m, d) with its int64 key into payload rows (m, nbytes) uint8."""
+        X = self._check_input(X)
+        m, d = X.shape
+        keys = self._check_keys(keys, m, X.device)
+        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < _U32:
+            raise ValueError(f"{self.name}.encode: tag must be an int in [0, 2**32), got {tag!r}")
+        self._check_numel(d)
+        layout = self.layout(d)
+        P = torch.empty(m, layout.nbytes, dtype=torch.uint8, device=X.device)
+        for a, b in layout.gaps():  # zero padding so the checksum is well defined
+            P[:, a:b] = 0
+        if m:
+            self._encode(X, keys, layout.views(P))
+            wire.write_header(P, self.cid, self._phash, d, keys, tag)
+        return P
+
+    def decode(self, P: torch.Tensor, numel: int, tag: int | None = None) -> torch.Tensor:
+        """Decode payload rows (m, nbytes) uint8 into (m, numel) float32; raises PayloadError."""
+        if not isinstance(P, torch.Tensor) or P.dtype != torch.uint8 or P.dim() != 2:
+            raise ValueError(
+                f"{self.name}.decode: payloads must be a 2-D uint8 tensor (m, nbytes), got "
+                + (f"{P.dtype} of shape {tuple(P.shape)}" if isinstance(P, torch.Tensor) else type(P).__name__)
+            )
+        numel = self._check_numel(numel)
+        if tag is not None and (isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < _U32):
+            raise ValueError(f"{self.name}.decode: tag must be None or an int in [0, 2**32), got {tag!r}")
+        P = P.contiguous()
+        m = P.shape[0]
+        if m == 0:
+            return torch.empty(0, numel, dtype=torch.float32, device=P.device)
+        expected = self.payload_nbytes(numel)
+        if P.shape[1] < HEADER_NBYTES or P.shape[1] % 8:
+            raise PayloadError(0, "size", f"expected {expected} bytes for numel={numel}, got {P.shape[1]}")
+        h = wire.header_fields(P)
+        self._check_header(h, expected_numel=numel)
+        if P.shape[1] != expected:
+            raise PayloadError(0, "size", f"expected {expected} bytes for numel={numel} ({self.spec}), got {P.shape[1]}")
+        if tag is not None:
+            _first_bad(h["tag"] != tag, "tag", lambda r: f"expected {tag}, got {int(h['tag'][r])}")
+        c = wire.checksum(P)
+        _first_bad(
+            c != h["checksum"], "checksum",
+            lambda r: f"stored 0x{int(h['checksum'][r]):08x}, computed 0x{int(c[r]):08x} (damaged payload)",
+        )
+        return self._decode(self.layout(numel).views(P), numel, h["key"])
+
+    def _check_header(self, h: dict, expected_numel: int | None) -> None:
+        from .registry import _name_of_id
+
+        _first_bad(h["magic"] != (wire.MAGIC[0] | (wire.MAGIC[1] << 8)), "format",
+                   lambda r: "not a gossip.compress payload (bad magic bytes)")
+        _first_bad(h["version"] != wire.FORMAT_VERSION, "format version",
+                   lambda r: f"expected {wire.FORMAT_VERSION}, got {int(h['version'][r])}")
+        _first_bad(h["cid"] != self.cid, "compressor",
+                   lambda r: f"expected {self.name!r} (id {self.cid}), got {_name_of_id(int(h['cid'][r]))!r} (id {int(h['cid'][r])})")
+        _first_bad(h["phash"] != self._phash, "parameters",
+                   lambda r: f"expected {self.spec!r} (hash 0x{self._phash:08x}), got hash 0x{int(h['phash'][r]):08x}")
+        if expected_numel is not None:
+            _first_bad(h["numel"] != expected_numel, "numel",
+                       lambda r: f"expected {expected_numel}, got {int(h['numel'][r])}")
+
+    # ---- single-tensor convenience (DESIGN.md section 3) ---------------------------------
+    def compress(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Compress a flat tensor, drawing its key from ``generator``; returns the payload (nbytes,)."""
+        if not isinstance(generator, torch.Generator):
+            raise ValueError(f"{self.name}.compress: generator must be a torch.Generator, got {type(generator).__name__}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 1:
+            raise ValueError(
+                f"{self.name}.compress: x must be a flat (1-D) tensor, got "
+                + (f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)
+            )
+        key = torch.randint(-(1 << 63), (1 << 63) - 1, (1,), generator=generator, dtype=torch.int64,
+                            device=generator.device)
+        return self.encode(x.view(1, -1), key)[0]
+
+    def decompress(self, payload: torch.Tensor) -> torch.Tensor:
+        """Decompress one payload (nbytes,) uint8; numel comes from its header."""
+        if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise ValueError(f"{self.name}.decompress: payload must be a 1-D uint8 tensor")
+        P = payload.view(1, -1)
+        if P.shape[1] < HEADER_NBYTES or P.shape[1] % 8:
+            raise PayloadError(0, "size", f"a payload is a multiple of 8 bytes and at least {HEADER_NBYTES}, got {P.shape[1]}")
+        h = wire.header_fields(P.contiguous())
+        self._check_header(h, expected_numel=None)
+        numel = int(h["numel"][0])
+        if numel < 1:
+            raise PayloadError(0, "numel", f"header holds an invalid numel {numel}")
+        return self.decode(P, numel)[0]
+
+    # ---- helpers for subclasses ------------------------------------------------------
+    def _check_input(self, X) -> torch.Tensor:
+        if not isinstance(X, torch.Tensor):
+            raise ValueError(f"{self.name}.encode: X must be a torch.Tensor, got {type(X).__name__}")
+        if not X.is_floating_point():
+            raise ValueError(f"{self.name}.encode: X must be a floating-point tensor, got dtype {X.dtype}")
+        if X.dim() != 2:
+            raise ValueError(f"{self.name}.encode: X must have shape (m, d), got shape {tuple(X.shape)}")
+        if X.dtype != torch.float32:
+            X = X.to(torch.float32)
+        return X.contiguous()
+
+    def _check_keys(self, keys, m: int, device) -> torch.Tensor:
+        if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.shape != (m,):
+            got = f"{keys.dtype} of shape {tuple(keys.shape)}" if isinstance(keys, torch.Tensor) else type(keys).__name__
+            raise ValueError(f"{self.name}.encode: keys must be an int64 tensor of shape ({m},), got {got}")
+        return keys.to(device)
+
+    def _check_finite(self, X: torch.Tensor, stat: torch.Tensor | None = None) -> None:
+        """Reject non-finite input. ``stat`` is a per-row reduction the caller computed
+        anyway (non-finite if any input is); without one, a row sum is used."""
+        if stat is None:
+            stat = X.sum(dim=1)
+        if bool(torch.isfinite(stat).all()):
+            return
+        bad = ~torch.isfinite(X).all(dim=1)
+        if bool(bad.any()):
+            r = int(bad.nonzero()[0, 0])
+            n = int((~torch.isfinite(X[r])).sum())
+            raise ValueError(
+                f"{self.name}.encode: row {r} of the input has {n} non-finite value(s) (NaN or inf); "
+                "compressors accept finite floating-point input only"
+            )
+        # finite input whose statistic overflowed fp32
+        r = int((~torch.isfinite(stat)).nonzero()[0, 0])
+        raise ValueError(
+            f"{self.name}.encode: row {r} of the input is finite but too large: its scale overflows float32"
+        )
+
+
+def _first_bad(bad: torch.Tensor, what: str, detail) -> None:
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0, 0])
+        raise PayloadError(r, what, detail(r))

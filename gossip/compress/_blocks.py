@@ -54,3 +54,15 @@ def minmax(x3: torch.Tensor):
 def absmax(x3: torch.Tensor) -> torch.Tensor:
     """Per-block max |x|, (m, nb, 1)."""
     return _kernels.run(_kernels.ABSMAX, x3.numel(), x3)
+
+
+def ordered_sum(v: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim in float64, in index order: (..., n) -> (...) float64.
+
+    The scales that travel (L1 and L2 norms) must not depend on how many rows are
+    encoded together or on the backend, or a row alone and the same row in a batch
+    would give different bytes. ATen's vectorised reductions choose their
+    accumulation order from the tensor's shape, so the sum is taken as a sequential
+    float64 prefix sum instead (error about n * 2**-53 relative).
+    """
+    return v.to(torch.float64).cumsum(dim=-1)[..., -1]

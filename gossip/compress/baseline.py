@@ -1,0 +1,72 @@
+"""Baselines: ``identity`` (the fp32 values) and ``fp16`` (round to nearest half precision)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .base import Compressor, Config
+from .registry import register
+from .wire import Layout
+
+__all__ = ["Identity", "FP16"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _NoParams(Config):
+    pass
+
+
+@register
+class Identity(Compressor):
+    name = "identity"
+    cid = 1
+    description = "no compression: the fp32 values (unbiased, linear)"
+    unbiased = True
+    linear = True
+    Config = dataclasses.make_dataclass("IdentityConfig", [], bases=(_NoParams,), frozen=True, kw_only=True)
+
+    def layout(self, numel: int) -> Layout:
+        return Layout((("values", torch.float32, numel),))
+
+    def ideal_nbytes(self, numel: int) -> float:
+        return 4.0 * self._check_numel(numel)
+
+    def _encode(self, X, keys, v):
+        self._check_finite(X)
+        v["values"].copy_(X)
+
+    def _decode(self, v, numel, keys):
+        return v["values"].clone()
+
+
+@register
+class FP16(Compressor):
+    """Round to nearest fp16. Biased (deterministic rounding) and declared not linear:
+    summing fp16 bodies rounds every partial sum to fp16 and can overflow, so an
+    all-reduce of the bodies is not the sum of the decoded values."""
+
+    name = "fp16"
+    cid = 2
+    description = "values rounded to fp16 (biased: round to nearest; not linear: fp16 sums round)"
+    unbiased = False
+    linear = False
+    Config = dataclasses.make_dataclass("FP16Config", [], bases=(_NoParams,), frozen=True, kw_only=True)
+
+    def layout(self, numel: int) -> Layout:
+        return Layout((("values", torch.float16, numel),))
+
+    def ideal_nbytes(self, numel: int) -> float:
+        return 2.0 * self._check_numel(numel)
+
+    def _encode(self, X, keys, v):
+        self._check_finite(X)
+        h = X.to(torch.float16)
+        if not bool(torch.isfinite(h).all()):
+            r = int((~torch.isfinite(h).all(dim=1)).nonzero()[0, 0])
+            raise ValueError(f"fp16.encode: row {r} has values beyond the fp16 range (|x| > 65504)")
+        v["values"].copy_(h)
+
+    def _decode(self, v, numel, keys):
+        return v["values"].to(torch.float32)

@@ -163,6 +163,8 @@ class _Gossip(Algorithm):
     """Shared mechanics: self weights, compressing, exchanging, mixing."""
 
     uses_mix: ClassVar[bool] = False
+    #: ECD holds an estimate of its own model, distinct from the model itself
+    has_self_estimate: ClassVar[bool] = False
 
     def __init__(self, config: Any, comm: Any) -> None:
         super().__init__(config, comm)
@@ -242,7 +244,8 @@ class _Gossip(Algorithm):
             if rec is None:
                 _, _, rec, _ = self._gossip(X, 0, ident, want_own=False)
             replicas = self._received_rows(rec, d, step_tag(0), ident, X.dtype)
-            self_est = X.detach().clone()
+            if self.has_self_estimate:
+                self_est = X.detach().clone()
         self.state = GossipState(t=1, mix=mix, replicas=replicas, self_estimate=self_est)
 
     # --- checks available in tracked mode ------------------------------------------
@@ -353,6 +356,7 @@ class ECD(_Gossip):
     name = "ecd"
     summary = "ECD-PSGD (papers/002 Alg. 2): exchange compressed extrapolations"
     uses_mix = True
+    has_self_estimate = True
 
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         s = self.state

@@ -1,0 +1,206 @@
+"""experiments/sweep_network.py: measuring a run's files, the sweep's bookkeeping, outputs.
+
+The network and the training are replaced by a stand-in launcher that writes the
+files ``gossip.train`` writes (``metrics-rank<k>.jsonl``, ``summary.json``), so these
+tests need no rights and no cluster; the cluster itself is tested in
+test_netshape_cluster.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+import sweep_network as sw  # noqa: E402
+
+sys.path.remove(str(ROOT / "experiments"))
+
+
+def _write_metrics(run_dir: Path, ranks: int, steps: int, step_s: float, bytes_per_step: int,
+                   spe: int, slow_steps=(), start: float = 0.0) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for k in range(ranks):
+        t = start
+        with open(run_dir / f"metrics-rank{k}.jsonl", "w") as fh:
+            for s in range(1, steps + 1):
+                t += step_s * (10 if s in slow_steps else 1)
+                fh.write(json.dumps({"kind": "train", "step": s, "epoch": s / spe, "time": t, "loss": 1.0,
+                                     "bytes_sent": s * bytes_per_step, "bytes_recv": s * bytes_per_step,
+                                     "compute_s": 0.001 * s, "compress_s": 0.0, "comm_s": 0.5 * step_s * s}) + "\n")
+                if s % spe == 0:
+                    fh.write(json.dumps({"kind": "eval", "step": s, "time": t, "test_acc": 0.5}) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps({"steps": steps, "params": 1000, "wall_time_s": t}))
+
+
+def test_measure_run_median_after_warmup(tmp_path):
+    # step 1 (start-up) and step 7 (say, an evaluation) are slow; the median ignores both
+    _write_metrics(tmp_path, ranks=2, steps=12, step_s=0.1, bytes_per_step=1000, spe=4, slow_steps=(1, 7))
+    m = sw.measure_run(tmp_path, warmup=2, steps=10)
+    assert m["step_s"] == pytest.approx(0.1)
+    assert m["step_s_p90"] >= m["step_s"]
+    assert m["bytes_per_step"] == pytest.approx(1000)
+    assert m["steps_measured"] == 8 and m["steps_run"] == 10
+    assert m["steps_per_epoch_from_records"] == 4
+    assert m["comm_s_per_step"] == pytest.approx(0.05)
+
+
+def test_measure_run_needs_enough_steps(tmp_path):
+    _write_metrics(tmp_path, ranks=1, steps=3, step_s=0.1, bytes_per_step=10, spe=3)
+    with pytest.raises(RuntimeError, match=r"3 step record\(s\), need more than --warmup 5"):
+        sw.measure_run(tmp_path, warmup=5)
+    with pytest.raises(RuntimeError, match="no metrics-rank"):
+        sw.measure_run(tmp_path / "empty", warmup=0)
+
+
+def test_parse_algos():
+    assert sw.parse_algos("allreduce,dpsgd,dcd:8,ecd:4,naive") == [
+        ("allreduce", None), ("dpsgd", None), ("dcd", 8), ("ecd", 4), ("naive", 8)]
+    with pytest.raises(sw.SweepError, match=r"unknown algorithm 'adam' in --algos; accepted: allreduce"):
+        sw.parse_algos("adam")
+    with pytest.raises(sw.SweepError, match=r"bad bits 'x' in --algos item 'dcd:x'"):
+        sw.parse_algos("dcd:x")
+    with pytest.raises(sw.SweepError, match=r"dpsgd sends fp32 and takes no :bits"):
+        sw.parse_algos("dpsgd:8")
+
+
+def test_ideal_ratios():
+    # ring all-reduce moves 2(n-1)/n models per node; ring gossip 2 models at `bits`
+    assert sw.ideal_bytes_ratio("dcd", 8, 4) == pytest.approx(1 / 3)
+    assert sw.ideal_bytes_ratio("ecd", 8, 8) == pytest.approx(2 / 7)
+    assert sw.ideal_bytes_ratio("dpsgd", None, 4) == pytest.approx(4 / 3)
+    assert sw.ideal_bytes_ratio("allreduce", None, 8) == 1.0
+
+
+class FakeLauncher:
+    """Writes what a run under a shaped network would: time per step = bytes / rate + rounds x latency."""
+
+    runs: list[str] = []
+    BYTES = {"allreduce": 1500, "dpsgd": 2000, "dcd": 520, "ecd": 520}
+    ROUNDS = {"allreduce": 6, "dpsgd": 1, "dcd": 1, "ecd": 1}
+
+    def __init__(self, nodes, prefix, subnet):
+        self.nodes = nodes
+        self.rate = self.lat = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def shape(self, rate_bps, latency_s):
+        self.rate, self.lat = rate_bps, latency_s
+        return "emulated"
+
+    def run(self, cmd, cell_dir, run_dir, timeout):
+        algo = cmd[cmd.index("--algo") + 1]
+        FakeLauncher.runs.append(cell_dir.name)
+        b = self.BYTES[algo]
+        step_s = b * 8 / self.rate + self.ROUNDS[algo] * self.lat
+        _write_metrics(run_dir, self.nodes, steps=8, step_s=step_s, bytes_per_step=b, spe=4)
+        return [sw.RankRun(True, 0, int(b * 8 * 1.05)) for _ in range(self.nodes)], 1.0, ""
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    FakeLauncher.runs = []
+    monkeypatch.setattr(sw, "_VClusterLauncher", FakeLauncher)
+    monkeypatch.setattr(sw, "_train_help", lambda python: "usage: gossip.train --algo ...")
+    monkeypatch.setattr(sw, "_calibrate", lambda args, out: 4)
+    return FakeLauncher
+
+
+ARGS = ["--nodes", "4", "--algos", "allreduce,dcd:8", "--bandwidth", "20mbit,5mbit",
+        "--latency", "1ms,20ms", "--steps", "8", "--warmup", "2"]
+
+
+def test_sweep_writes_results_and_skips_measured_cells(tmp_path, fake):
+    out = tmp_path / "sweep"
+    assert sw.main([*ARGS, "--out", str(out)]) == 0
+    assert len(fake.runs) == 8
+    with open(out / "results.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 8
+    for col in ("algo", "nodes", "bandwidth_mbit", "latency_ms", "latency_mode", "step_s", "epoch_s",
+                "bytes_per_step", "iface_bytes_per_step"):
+        assert col in rows[0]
+    assert {r["latency_mode"] for r in rows} == {"emulated"}
+    data = json.loads((out / "results.json").read_text())
+    row = next(r for r in data["rows"] if r["algo"] == "dcd" and r["bandwidth_mbit"] == 5 and r["latency_ms"] == 20)
+    assert row["step_s"] == pytest.approx(520 * 8 / 5e6 + 0.020)
+    assert row["epoch_s"] == pytest.approx(4 * row["step_s"])
+    assert row["bytes_per_step"] == pytest.approx(520) and row["bits"] == 8
+    assert row["iface_bytes_per_step"] == pytest.approx(520 * 1.05, rel=1e-3)
+    assert (out / "fig3.png").stat().st_size > 10_000
+    table = (out / "results.md").read_text()
+    assert "latency" in table and "emulated" in table and "| dcd:8 | 5 | 20 | emulated |" in table
+    # latency is emulated here: the command carries it (flag or stop-gap wrapper)
+    cmd = (out / "cells" / row["cell"] / "command.txt").read_text()
+    assert "emulate_latency.py 20 " in cmd or "--emulate-latency 20" in cmd
+
+    # a re-run measures nothing again; --force measures everything again
+    assert sw.main([*ARGS, "--out", str(out)]) == 0
+    assert len(fake.runs) == 8
+    assert sw.main([*ARGS, "--out", str(out), "--algos", "allreduce,dcd:8,ecd:8"]) == 0
+    assert len(fake.runs) == 12  # only the new algorithm's cells
+    assert sw.main([*ARGS, "--out", str(out), "--force"]) == 0
+    assert len(fake.runs) == 20
+    assert sw.main(["--out", str(out), "--plot-only"]) == 0
+    assert len(fake.runs) == 20
+
+
+def test_failed_cell_is_reported_and_retried(tmp_path, fake, monkeypatch):
+    out = tmp_path / "sweep"
+
+    def broken(self, cmd, cell_dir, run_dir, timeout):
+        FakeLauncher.runs.append(cell_dir.name)
+        return [sw.RankRun(False, 1, 0)], 1.0, "rank 1 exit 1: boom"
+
+    monkeypatch.setattr(FakeLauncher, "run", broken)
+    args = ["--nodes", "2", "--algos", "dpsgd", "--bandwidth", "5mbit", "--latency", "1ms", "--steps", "4",
+            "--warmup", "1", "--out", str(out)]
+    assert sw.main(args) == 1
+    row = json.loads((out / "results.json").read_text())["rows"][0]
+    assert not row["ok"] and "boom" in row["error"]
+    monkeypatch.undo()
+    monkeypatch.setattr(sw, "_VClusterLauncher", FakeLauncher)
+    monkeypatch.setattr(sw, "_train_help", lambda python: "")
+    monkeypatch.setattr(sw, "_calibrate", lambda args, out: 4)
+    assert sw.main(args) == 0  # the failed cell is measured again
+    assert len(FakeLauncher.runs) == 2
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--bandwidth", "5mb"], "--bandwidth: bad rate '5mb'"),
+    (["--latency", "20"], "--latency: bad latency '20'"),
+    (["--algos", "sgd"], "unknown algorithm 'sgd'"),
+    (["--steps", "3", "--warmup", "5"], "need --steps >= 2 and 0 <= --warmup < --steps - 1"),
+])
+def test_bad_arguments_one_line(tmp_path, flags, match):
+    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "sweep_network.py"), "--out", str(tmp_path),
+                        *flags], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and match in lines[0], p.stderr
+
+
+def test_hosts_dry_run_prints_the_commands(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sw, "_train_help", lambda python: "--emulate-latency")
+    monkeypatch.setattr(sw, "_calibrate", lambda args, out: 4)
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("# rank 0 first\nalice@node0 eth0 10.0.0.1\nnode1 ens5\n")
+    assert sw.main(["--hosts", str(hosts), "--algos", "dcd:8", "--bandwidth", "5mbit", "--latency", "20ms",
+                    "--steps", "4", "--warmup", "1", "--out", str(tmp_path / "o"), "--dry-run",
+                    "--remote-repo", "/srv/gossip"]) == 0
+    printed = capsys.readouterr().out
+    assert "ssh -o BatchMode=yes alice@node0 'sudo /srv/gossip/experiments/tc_shape.sh apply --dev eth0 " \
+           "--rate 5000000bit --delay 20000us'" in printed
+    assert "MASTER_ADDR=10.0.0.1" in printed and "GLOO_SOCKET_IFNAME=ens5" in printed and "RANK=1" in printed
+    assert "tc_shape.sh clear --dev ens5" in printed  # the hosts are always left unshaped

@@ -93,13 +93,27 @@ def test_ledger_counts_payload_bytes_times_degree(name: str, n: int) -> None:
     comm.neighbor_exchange(P, record=False)
     led = comm.ledger
     deg = np.asarray(topo.degrees)
+    # 3 recorded exchanges of 40 bytes, plus one 16-byte size check for the one size
     for i in range(n):
-        assert led.sent_by(i) == led.received_by(i) == 3 * 40 * int(deg[i])
+        assert led.sent_by(i) == led.received_by(i) == (3 * 40 + 16) * int(deg[i])
         for j in topo.neighbors(i)[0]:
-            assert led.sent_to(int(j), node=i) == 120 and led.received_from(int(j), node=i) == 120
-    assert led.bytes_sent == 3 * 40 * int(deg.sum())
+            assert led.sent_to(int(j), node=i) == 136 and led.received_from(int(j), node=i) == 136
+    ops = led.as_dict()["ops"]
+    assert ops["exchange"]["sent"] == 3 * 40 * int(deg.sum())
+    assert ops["control"] == {"calls": 1, "sent": 16 * int(deg.sum()), "received": 16 * int(deg.sum())}
     assert led.calls["exchange"] == 3
     assert set(led.traffic()) == {(i, int(j)) for i in range(n) for j in topo.neighbors(i)[0]}
+
+
+def test_size_checks_are_charged_once_per_size_or_not_at_all() -> None:
+    topo = build("ring", 4)
+    comm = SimulatedCommunicator(topo)
+    for nbytes in (8, 8, 12, 8):
+        comm.neighbor_exchange(torch.zeros(4, nbytes, dtype=torch.uint8))
+    assert comm.ledger.as_dict()["ops"]["control"]["sent"] == 2 * 16 * 8  # sizes 8 and 12
+    quiet = SimulatedCommunicator(topo, check_sizes=False)
+    quiet.neighbor_exchange(torch.zeros(4, 8, dtype=torch.uint8))
+    assert quiet.ledger.bytes_sent == 8 * 8
 
 
 def test_collectives_and_their_ring_accounting() -> None:

@@ -2,7 +2,9 @@
 
 The ledger still counts what a real run would put on the wire (docs/comm.md):
 ``nbytes`` per neighbour per exchange, a ring's 2(n-1)/n for an all-reduce,
-(n-1) rows for an all-gather and one row per receiver for a broadcast.
+(n-1) rows for an all-gather and one row per receiver for a broadcast, and the
+16-byte size check per neighbour the first time a payload size is exchanged, so
+that its ledger agrees with a distributed run's node by node.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 
 from .base import Communicator, Handle, Received, _Done, _ring_allreduce_bytes, _tensor_nbytes
 from .ledger import Ledger
+
+_SIZE_MSG_BYTES = 16  # DistCommunicator's size check: two int64 each way
 
 __all__ = ["SimulatedCommunicator"]
 
@@ -30,6 +34,9 @@ class SimulatedCommunicator(Communicator):
         device: where the index tensors live (the payloads' device is used when
             they differ).
         ledger: a ledger to record into (a fresh one by default).
+        check_sizes: charge the ``control`` bytes a :class:`DistCommunicator` with the
+            same setting spends agreeing on each new payload size (nothing is checked:
+            all payloads of one call have one size by construction).
     """
 
     def __init__(
@@ -39,6 +46,7 @@ class SimulatedCommunicator(Communicator):
         world_size: int | None = None,
         device: torch.device | str = "cpu",
         ledger: Ledger | None = None,
+        check_sizes: bool = True,
     ) -> None:
         if topology is None and world_size is None:
             raise ValueError(
@@ -60,6 +68,8 @@ class SimulatedCommunicator(Communicator):
         if tuple(self.ledger.nodes) != tuple(range(n)):
             raise ValueError("SimulatedCommunicator: `ledger` must host nodes 0..n-1")
         self._ring_next = (np.arange(n) + 1) % n
+        self.check_sizes = bool(check_sizes)
+        self._agreed: set[int] = set()
         self._tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         if topology is not None:
             idx, w = topology.padded_neighbors()
@@ -105,8 +115,14 @@ class SimulatedCommunicator(Communicator):
             )
         self._check_payload(P)
         idx, w, deg, senders = self._table(P.device)
+        nbytes = int(P.shape[1])
+        if self.check_sizes and nbytes not in self._agreed and self._edge_src.size:
+            # what the distributed size check sends (always recorded there too)
+            self.ledger.record(self._edge_src, self._edge_dst, _SIZE_MSG_BYTES, op="control")
+            self.ledger.count("control")
+            self._agreed.add(nbytes)
         if record:
-            self.ledger.record(self._edge_src, self._edge_dst, P.shape[1], op="exchange")
+            self.ledger.record(self._edge_src, self._edge_dst, nbytes, op="exchange")
             self.ledger.count("exchange")
         return _Done(Received(senders, P, senders, idx, w, deg))
 

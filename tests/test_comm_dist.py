@@ -194,6 +194,7 @@ def test_exchange_is_bit_identical_to_the_simulation_and_bytes_are_honest(
             assert torch.equal(got["payloads"][k], _payloads(n, D, s)[ids])
             assert torch.equal(_bits(got["sums"][k][0]), _bits(refs[k][r])), (name, r, k)
         led = got["ledger"]
+        assert led["time"]["communicate"] > 0 and led["time"]["compute"] == 0
         deg = len(ids)
         assert led["ops"]["exchange"] == {"calls": 2, "sent": 2 * nbytes * deg, "received": 2 * nbytes * deg}
         assert led["ops"]["control"]["sent"] == 16 * deg  # one size check for the one size

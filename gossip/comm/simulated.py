@@ -73,9 +73,10 @@ class SimulatedCommunicator(Communicator):
         self._tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         if topology is not None:
             idx, w = topology.padded_neighbors()
-            idx = np.asarray(idx, dtype=np.int64).reshape(n, -1)
-            w = np.asarray(w, dtype=np.float64).reshape(n, -1)
-            deg = np.asarray(topology.degrees, dtype=np.int64).reshape(n)
+            # own, writable copies: topologies hands out read-only arrays
+            idx = np.array(idx, dtype=np.int64).reshape(n, -1)
+            w = np.array(w, dtype=np.float64).reshape(n, -1)
+            deg = np.array(topology.degrees, dtype=np.int64).reshape(n)
             self._idx, self._w, self._deg = idx, w, deg
             real = np.arange(idx.shape[1])[None, :] < deg[:, None]
             # bit-identity with a distributed run rests on the ascending order

@@ -71,6 +71,7 @@ def _exchange_world(names: list[str]) -> dict:
         "gather": comm.all_gather(X),
         "bcast": comm.broadcast_async(X, src=n - 1).wait(),
         "unrecorded": comm.all_reduce(X, record=False),
+        "u8": comm.all_reduce(torch.full((1, 3), 200, dtype=torch.uint8), record=False),
         "X": X,
         "ledger": comm.ledger.as_dict(detail=True),
     }
@@ -223,6 +224,8 @@ def test_collectives_match_the_simulation_and_are_charged_alike(world4: list[dic
         torch.testing.assert_close(c["sum"], ref_sum[r : r + 1])  # ring order: equal to rounding
         torch.testing.assert_close(c["mean"], ref_mean[r : r + 1])
         torch.testing.assert_close(c["unrecorded"], ref_sum[r : r + 1])
+        u8 = sim.all_reduce(torch.full((n, 3), 200, dtype=torch.uint8), record=False)
+        assert torch.equal(c["u8"], u8[r : r + 1])  # integers wrap alike
         assert torch.equal(c["gather"], ref_gather) and torch.equal(c["bcast"], ref_bcast[r : r + 1])
         led = c["ledger"]
         assert _pairs(led) == {k: v for k, v in sim.ledger.traffic().items() if r in k}

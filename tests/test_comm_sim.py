@@ -182,6 +182,8 @@ def test_decode_returning_the_wrong_shape_is_an_error() -> None:
          r"`P` must have one row per hosted node, shape \(4, \.\.\.\), got \(3, 8\)"),
         (lambda c: c.neighbor_exchange(torch.zeros(4, 8)), r"`P` must be a 2-D uint8 tensor"),
         (lambda c: c.all_reduce(torch.zeros(4, 2), op="max"), r"`op` must be one of \['sum', 'mean'\]"),
+        (lambda c: c.all_reduce(torch.zeros(4, 2, dtype=torch.int32), op="mean"),
+         r"op='mean' needs a floating-point `X`, got dtype torch.int32"),
         (lambda c: c.broadcast(torch.zeros(4, 2), src=4), r"`src` must be a node id in \[0, 4\), got 4"),
         (lambda c: c.all_gather(torch.zeros(2, 2)), r"shape \(4, \.\.\.\), got \(2, 2\)"),
     ],
@@ -235,3 +237,12 @@ def test_a_real_compressor_payload_error_names_the_sender() -> None:
     with pytest.raises(PeerPayloadError, match=r"bad payload from rank 3 .*checksum") as ei:
         comm.neighbor_exchange(P).weighted_sum(decode)
     assert ei.value.peers == (3,) and isinstance(ei.value.__cause__, compress.PayloadError)
+
+
+@pytest.mark.parametrize("n, nbytes, per_node", [(4, 5, 8), (3, 1, 1), (4, 24, 36), (1, 100, 0)])
+def test_all_reduce_bytes_are_the_ring_share_rounded_half_up(n: int, nbytes: int, per_node: int) -> None:
+    comm = SimulatedCommunicator(world_size=n)
+    comm.all_reduce(torch.zeros(n, nbytes, dtype=torch.uint8))
+    out = comm.all_reduce(torch.full((n, nbytes), 200, dtype=torch.uint8), record=False)
+    assert out.dtype == torch.uint8 and int(out[0, 0]) == (200 * n) % 256  # wraps like gloo
+    assert [comm.ledger.sent_by(i) for i in range(n)] == [per_node] * n

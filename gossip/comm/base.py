@@ -252,11 +252,17 @@ class Communicator(abc.ABC):
                 f"(m, nbytes), got dtype {P.dtype} with {P.dim()} dims"
             )
 
-    def _check_op(self, op: str) -> None:
+    def _check_reduce(self, X: torch.Tensor, op: str) -> None:
+        self._check_rows(X, "all_reduce")
         if op not in _REDUCE_OPS:
             raise ValueError(
                 f"{type(self).__name__}.all_reduce: `op` must be one of {list(_REDUCE_OPS)}, "
                 f"got {op!r}"
+            )
+        if op == "mean" and not (X.is_floating_point() or X.is_complex()):
+            raise ValueError(
+                f"{type(self).__name__}.all_reduce: op='mean' needs a floating-point `X`, "
+                f"got dtype {X.dtype}"
             )
 
     def _check_src(self, src: int) -> int:
@@ -271,8 +277,9 @@ class Communicator(abc.ABC):
 
 
 def _ring_allreduce_bytes(nbytes: int, n: int) -> int:
-    """Bytes one node sends (and receives) in a ring all-reduce of ``nbytes``: 2(n-1)/n."""
-    return 0 if n <= 1 else int(round(2 * (n - 1) * nbytes / n))
+    """Bytes one node sends (and receives) in a ring all-reduce of ``nbytes``:
+    2(n-1)/n x nbytes, rounded half up in exact integer arithmetic."""
+    return 0 if n <= 1 else (2 * (n - 1) * nbytes + n // 2) // n
 
 
 def _tensor_nbytes(X: torch.Tensor) -> int:

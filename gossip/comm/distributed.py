@@ -109,9 +109,9 @@ class DistCommunicator(Communicator):
         topology: a ``topologies.Topology`` with ``n == world size``; None for a purely
             centralized run (then ``neighbor_exchange`` is unavailable).
         group: the process group (default: the default group); node ids are ranks in it.
-        device: device of the size-check messages and default of the nodes tensor;
-            default CUDA (current device) for an NCCL group, else CPU. Payloads and
-            collectives run on the device of the tensors passed in.
+        device: device of the ``nodes`` tensor; default CUDA (current device) for an
+            NCCL group, else CPU. Payloads, size checks and collectives run on the
+            device of the tensors passed in.
         timeout: seconds any one exchange or collective may take once waited on
             before :class:`PeerTimeoutError` is raised. After a timeout the pending
             receives stay posted in the backend: the communicator refuses further
@@ -255,8 +255,7 @@ class DistCommunicator(Communicator):
     def all_reduce_async(self, X: torch.Tensor, op: str = "sum", *, record: bool = True) -> Handle:
         """Sum (then divide by ``n`` for ``"mean"``) over all ranks; gloo has no AVG."""
         self._check_usable()
-        self._check_rows(X, "all_reduce")
-        self._check_op(op)
+        self._check_reduce(X, op)
         with self.ledger.phase("communicate"):
             Y = X.clone(memory_format=torch.contiguous_format)
             work = self._post_collective(

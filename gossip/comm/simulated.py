@@ -129,9 +129,8 @@ class SimulatedCommunicator(Communicator):
 
     # ---------------------------------------------------------------- collectives
     def all_reduce_async(self, X: torch.Tensor, op: str = "sum", *, record: bool = True) -> Handle:
-        self._check_rows(X, "all_reduce")
-        self._check_op(op)
-        S = X.sum(dim=0, keepdim=True)
+        self._check_reduce(X, op)
+        S = X.sum(dim=0, keepdim=True).to(X.dtype)  # integers wrap as in the backend
         if op == "mean":
             S = S / self.world_size
         if record:

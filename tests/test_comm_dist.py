@@ -23,7 +23,7 @@ from gossip.comm import (
 from tests._comm_topo import build
 from tests._dist import run_world
 
-pytestmark = pytest.mark.multiprocess
+multiprocess = pytest.mark.multiprocess
 
 
 def _payloads(n: int, d: int, seed: int) -> torch.Tensor:
@@ -178,6 +178,7 @@ def world4() -> list[dict]:
     return run_world(4, _exchange_world, ["ring", "complete", "star"], timeout=60)
 
 
+@multiprocess
 @pytest.mark.parametrize("name", ["ring", "complete", "star"])
 def test_exchange_is_bit_identical_to_the_simulation_and_bytes_are_honest(
     world4: list[dict], name: str
@@ -210,6 +211,7 @@ def _pairs(led: dict) -> dict:
     return dict(zip(zip(p["src"], p["dst"]), p["bytes"]))
 
 
+@multiprocess
 def test_collectives_match_the_simulation_and_are_charged_alike(world4: list[dict]) -> None:
     n = 4
     X = torch.cat([res["collectives"]["X"] for res in world4])
@@ -235,6 +237,7 @@ def test_collectives_match_the_simulation_and_are_charged_alike(world4: list[dic
     assert totals == {op: sim.ledger.as_dict()["ops"][op]["sent"] for op in totals}
 
 
+@multiprocess
 def test_a_silent_peer_makes_its_neighbours_time_out_naming_it() -> None:
     timeout = 1.0
     t0 = time.monotonic()
@@ -249,6 +252,7 @@ def test_a_silent_peer_makes_its_neighbours_time_out_naming_it() -> None:
     assert res[0]["exchange"][0] == "ok"  # rank 0's neighbours (1, 3) answered
 
 
+@multiprocess
 def test_a_collective_with_a_silent_peer_times_out() -> None:
     timeout = 1.0
     kind, peers, took, msg = run_world(2, _silent_collective_world, timeout, timeout=30)[0]
@@ -257,6 +261,22 @@ def test_a_collective_with_a_silent_peer_times_out() -> None:
     assert msg.startswith("all_reduce: rank 0 got no answer from rank 1 within 1 s")
 
 
+@multiprocess
+def test_a_bad_payload_is_reported_naming_the_sender_and_sizes_are_checked() -> None:
+    res = run_world(3, _bad_payload_world, timeout=30)
+    for r in (0, 2):
+        peers, msg, cause = res[r]["corrupt"]
+        assert peers == (1,) and cause == "_CorruptPayload"
+        assert f"bad payload from rank 1 (received by rank {r}): checksum mismatch" in msg
+    assert res[1]["corrupt"] == ("ok",)
+    for r in (0, 1):
+        peers, msg = res[r]["size"]
+        assert peers == (2,) and f"rank {r}: it sends 48 bytes per payload but rank 2 sends 52 bytes" in msg
+    assert res[2]["size"][0] == (0, 1)
+    assert all(res[r]["still_works"] == 3.0 for r in range(3))
+
+
+@multiprocess
 def test_a_crashed_peer_is_named_without_waiting_for_the_timeout() -> None:
     res = run_world(4, _crashing_peer_world, timeout=40, return_exceptions=True)
     assert "rank 2 died without reporting" in str(res[2])
@@ -274,6 +294,7 @@ def _torus_world() -> list[torch.Tensor]:
     return [comm.neighbor_exchange(P[rank : rank + 1]).weighted_sum(_decode)]
 
 
+@multiprocess
 def test_torus_3x3_is_bit_identical_to_the_simulation() -> None:
     res = run_world(9, _torus_world, timeout=60)
     ref = SimulatedCommunicator(build("torus", 9)).neighbor_exchange(_payloads(9, D, 3)).weighted_sum(_decode)
@@ -331,6 +352,7 @@ def _nccl_world() -> list[torch.Tensor]:
     return [s, comm.all_reduce(torch.ones(1, 3, device="cuda")).cpu()]
 
 
+@multiprocess
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank, 2 or more")
 def test_nccl_exchange_is_bit_identical_to_the_simulation() -> None:
     n = min(torch.cuda.device_count(), 4)

@@ -41,7 +41,8 @@ def safe_inverse(L: float, R: torch.Tensor) -> torch.Tensor:
 
 def round_blocks(x3, a, s, keys, seeds, start: int, L: int, mode: int, out: torch.Tensor) -> None:
     """Stochastically round one block group into the integer codes ``out`` (m, nb, B)."""
-    tie = _kernels.run(_kernels.SR, x3.numel(), x3, a, s, seeds, start, float(L), mode, out)
+    k = _kernels.SR.variant((mode, out.dtype, L))
+    tie = _kernels.run(k, x3.numel(), x3, a, s, seeds, start, float(L), mode, out)
     if bool(tie.any()):
         _kernels.resolve_ties(out, tie, x3, a, s, keys, start, float(L), mode)
 

@@ -21,6 +21,7 @@ eager mode for the rest of the process.
 from __future__ import annotations
 
 import os
+import types
 import warnings
 
 import torch
@@ -29,7 +30,7 @@ from . import _random as R
 
 __all__: list[str] = []
 
-MIN_COMPILED_NUMEL = 1 << 18
+MIN_COMPILED_NUMEL = 1 << 20
 _BACKENDS = ("auto", "compile", "eager")
 _backend = os.environ.get("GOSSIP_COMPRESS_BACKEND", "auto").strip().lower() or "auto"
 if _backend not in _BACKENDS:
@@ -54,17 +55,35 @@ def get_backend() -> str:
 
 
 class Kernel:
+    """One element-wise computation in eager and compiled form.
+
+    Variants (``variant(key)``) get their own copy of the compiled function's code
+    object, so that torch.compile keeps a separate cache (and recompile budget) for
+    each specialisation (quantizer mode, code dtype, number of levels).
+    """
+
     def __init__(self, name: str, eager, compiled_src=None):
         self.name = name
         self.eager = eager
         self.src = compiled_src or eager
         self._compiled = None
+        self._variants: dict = {}
         self.failed = False
 
     def compiled(self):
         if self._compiled is None:
             self._compiled = torch.compile(self.src, dynamic=True, fullgraph=True)
         return self._compiled
+
+    def variant(self, key) -> "Kernel":
+        k = self._variants.get(key)
+        if k is None:
+            tag = "_" + "_".join(str(p).replace(".", "_").replace("torch_", "") for p in key)
+            code = self.src.__code__.replace(co_name=self.src.__name__ + tag)
+            src = types.FunctionType(code, self.src.__globals__, code.co_name, self.src.__defaults__,
+                                     self.src.__closure__)
+            k = self._variants[key] = Kernel(self.name + tag, self.eager, src)
+        return k
 
 
 def _want_compiled(k: Kernel, numel: int, device: torch.device) -> bool:
@@ -181,8 +200,8 @@ def resolve_ties(codes, tie, x, a, s, keys, start: int, L: float, mode: int) -> 
     t = _scaled(xs, a[r, b, 0], s[r, b, 0], L, mode)
     f = t.floor()
     F = ((t - f) * _TWO32).to(torch.float64)
-    u = R.digits_at(R.stream_seeds(keys[r], R.STREAM_ROUND), i).to(torch.float64)
-    rem = F - u  # in (0, 1): the part of frac(t) beyond the first 32 bits
+    # a tie means the first digit equals floor(F): only F's fraction is still open
+    rem = F - F.floor()  # in (0, 1): the bits of frac(t) beyond the first 32
     up = torch.zeros_like(rem, dtype=torch.bool)
     open_ = torch.ones_like(up)
     level = 0

@@ -95,5 +95,6 @@ class Quant(Compressor):
             nb = c3.shape[1]
             a = lo[:, b0: b0 + nb].reshape(m, nb, 1)
             s = step[:, b0: b0 + nb].reshape(m, nb, 1)
-            outs.append(_kernels.run(_kernels.AFFINE, c3.numel(), c3, a, s).view(m, -1))
+            k = _kernels.AFFINE.variant((c3.dtype,))
+            outs.append(_kernels.run(k, c3.numel(), c3, a, s).view(m, -1))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -1,0 +1,108 @@
+"""The torch.compile fast path gives the same bytes as the eager fallback, and degrades safely."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import gossip.compress as gc
+from gossip.compress import _kernels
+
+
+@pytest.fixture
+def backend():
+    old = _kernels.get_backend()
+    yield _kernels.set_backend
+    _kernels.set_backend(old)
+
+
+def _both(backend, c, X, keys):
+    backend("eager")
+    Pe = c.encode(X, keys, tag=1)
+    De = c.decode(Pe, X.shape[1], tag=1)
+    backend("compile")
+    Pc = c.encode(X, keys, tag=1)
+    Dc = c.decode(Pc, X.shape[1], tag=1)
+    return Pe, Pc, De, Dc
+
+
+# Compiling costs seconds per kernel (C++ build); the default run compiles the four
+# kernels of quant:bits=8, the rest runs with GOSSIP_COMPILE_TESTS=1.
+ALL_COMPILED = pytest.mark.skipif(os.environ.get("GOSSIP_COMPILE_TESTS") != "1",
+                                  reason="compiles many kernels; set GOSSIP_COMPILE_TESTS=1")
+
+
+def test_compiled_quant_matches_eager(backend):
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(3, 5000, generator=g) * torch.rand(3, 1, generator=g) * 10
+    X[1, :50] = 0.0
+    keys = torch.tensor([1, -2, 1 << 50])
+    for spec in ("quant:bits=8",):
+        c = gc.build(spec)
+        Pe, Pc, De, Dc = _both(backend, c, X, keys)
+        if _kernels.SR.variant((0, torch.uint8, 255)).failed:
+            pytest.skip("torch.compile is not usable here (no working C++ compiler)")
+        assert torch.equal(Pe, Pc), spec
+        assert torch.equal(De, Dc), spec
+
+
+@pytest.mark.slow
+@ALL_COMPILED
+@pytest.mark.parametrize("spec", ["quant:bits=8,block=333", "quant:bits=4,block=100", "qsgd:levels=16",
+                                  "ternary:block=64", "quant:bits=12"])
+def test_compiled_other_quantizers_match_eager(backend, spec):
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(2, 3001, generator=g)
+    Pe, Pc, De, Dc = _both(backend, gc.build(spec), X, torch.tensor([5, 6]))
+    if any(k.failed for k in _kernels.SR._variants.values()):
+        pytest.skip("torch.compile is not usable here (no working C++ compiler)")
+    assert torch.equal(Pe, Pc) and torch.equal(De, Dc)
+
+
+def test_failed_compile_falls_back_with_one_warning(backend, monkeypatch):
+    k = _kernels.Kernel("always_broken", lambda x: x + 1)
+
+    def broken(*a, **kw):
+        raise RuntimeError("no C++ compiler\nmore details")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    backend("compile")
+    x = torch.zeros(3)
+    with pytest.warns(RuntimeWarning, match=r"compiled kernel 'always_broken' unavailable \(RuntimeError: no C\+\+ compiler\); using the eager fallback"):
+        assert torch.equal(_kernels.run(k, 3, x), torch.ones(3))
+    assert k.failed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(_kernels.run(k, 3, x), torch.ones(3))  # no second warning
+
+
+def test_backend_selection(backend):
+    k = _kernels.Kernel("probe", lambda x: x)
+    cpu = torch.device("cpu")
+    backend("eager")
+    assert not _kernels._want_compiled(k, 1 << 30, cpu)
+    backend("compile")
+    assert _kernels._want_compiled(k, 1, cpu)
+    backend("auto")
+    assert not _kernels._want_compiled(k, _kernels.MIN_COMPILED_NUMEL - 1, cpu)
+    assert _kernels._want_compiled(k, _kernels.MIN_COMPILED_NUMEL, cpu)
+    assert not _kernels._want_compiled(k, 1 << 30, torch.device("meta"))
+    with pytest.raises(ValueError, match=r"backend must be one of auto, compile, eager, got 'fast'"):
+        _kernels.set_backend("fast")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("spec", ["quant:bits=8", "quant:bits=3,block=50", "qsgd:levels=7", "ternary", "randk:p=0.2",
+                                  "topk:k=9", "sign", "blocksign:block=40", "randomblock:k=11", "fp16"])
+def test_cuda_gives_the_cpu_bytes(spec):
+    c = gc.build(spec)
+    g = torch.Generator().manual_seed(2)
+    X = torch.randn(4, 777, generator=g)
+    keys = torch.tensor([1, 2, 3, 4])
+    P = c.encode(X, keys)
+    Pg = c.encode(X.cuda(), keys.cuda())
+    assert Pg.is_cuda and torch.equal(Pg.cpu(), P)
+    Y = c.decode(P, 777)
+    Yg = c.decode(Pg, 777)
+    assert Yg.is_cuda and torch.equal(Yg.cpu(), Y)

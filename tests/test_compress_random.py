@@ -1,0 +1,128 @@
+"""The counter-based random source: exact definition, uniformity, independence.
+
+The quantizers' speed comes from hashing (key, index) instead of drawing from a
+stateful generator; these tests show that the hash behaves like independent
+uniform draws, so it does not bias the rounding.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from gossip.compress import _random as R
+
+M64 = (1 << 64) - 1
+
+
+def _mix_ref(z: int) -> int:
+    z &= M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def _u(t: torch.Tensor) -> list:
+    return [v & M64 for v in t.tolist()]
+
+
+def test_mix64_matches_reference():
+    vals = [0, 1, -1, 12345, 1 << 62, -(1 << 63), 0x0123456789ABCDEF]
+    assert _u(R.mix64(torch.tensor(vals))) == [_mix_ref(v) for v in vals]
+
+
+def test_words_are_splitmix64_in_counter_mode():
+    seed = torch.tensor([987654321])
+    w = _u(R.words(seed, 5)[0])
+    g = 0x9E3779B97F4A7C15
+    assert w == [_mix_ref(987654321 + (j + 1) * g) for j in range(5)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 100, 1001])
+def test_digit_layouts_agree(n):
+    seeds = R.stream_seeds(torch.tensor([3, -9, 1 << 40]), R.STREAM_ROUND)
+    d = R.digits(seeds, n)
+    assert d.shape == (3, n) and int(d.min()) >= 0 and int(d.max()) < (1 << 32)
+    d2 = R.digits_at(seeds.view(-1, 1), torch.arange(n).view(1, -1))
+    assert torch.equal(d, d2)
+    assert torch.equal(R.digits(seeds[1:2], n), d[1:2])  # a row alone == in a batch
+    w = R.words(seeds, (n + 1) // 2)
+    assert torch.equal(d[:, 0::2], w[:, : (n + 1) // 2] & 0xFFFFFFFF)
+
+
+def _digits_many(nkeys=256, n=4096, stream=R.STREAM_ROUND, first_key=0):
+    keys = torch.arange(first_key, first_key + nkeys, dtype=torch.int64)
+    return R.digits(R.stream_seeds(keys, stream), n)
+
+
+def test_uniformity_chi_square_and_ks():
+    d = _digits_many()  # 2**20 digits from consecutive keys
+    for shift in (0, 8, 24):  # low, middle and top byte
+        counts = torch.bincount(((d >> shift) & 0xFF).flatten(), minlength=256).numpy()
+        p = stats.chisquare(counts).pvalue
+        assert p > 1e-4, (shift, p)
+    u = (d.flatten()[: 200_000].double() + 0.5) / 2.0**32
+    assert stats.kstest(u.numpy(), "uniform").pvalue > 1e-4
+
+
+def test_pairs_are_uniform():
+    # consecutive positions share a 64-bit word: their joint distribution must be flat
+    d = _digits_many(nkeys=64, n=8192)
+    a = (d[:, 0::2] >> 28).flatten()
+    b = (d[:, 1::2] >> 28).flatten()
+    counts = torch.bincount(a * 16 + b, minlength=256).numpy()
+    assert stats.chisquare(counts).pvalue > 1e-4
+
+
+def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
+    a = a.double().flatten()
+    b = b.double().flatten()
+    a -= a.mean()
+    b -= b.mean()
+    return float((a * b).sum() / (a.norm() * b.norm()))
+
+
+def test_independence_across_positions_keys_and_streams():
+    d = _digits_many(nkeys=512, n=2048)
+    tol = 5 / math.sqrt(d.numel() / 2)
+    assert abs(_corr(d[:, :-1], d[:, 1:])) < tol  # neighbouring positions
+    assert abs(_corr(d[:, :-2], d[:, 2:])) < tol  # next word
+    assert abs(_corr(d[:-1], d[1:])) < tol  # consecutive keys, same position
+    tie = _digits_many(nkeys=512, n=2048, stream=R.STREAM_TIE)
+    assert abs(_corr(d, tie)) < tol  # two streams of the same key
+    # bits, not just values: each bit is a fair coin and independent of the next key's
+    bits = torch.stack([(d >> s) & 1 for s in (0, 1, 15, 16, 31)])
+    frac = bits.double().mean(dim=(1, 2))
+    assert torch.all((frac - 0.5).abs() < 5 * 0.5 / math.sqrt(d.numel()))
+
+
+def test_no_shifted_overlap_between_keys():
+    # additive counter streams of nearby keys must not be shifted copies of each other
+    d = _digits_many(nkeys=4, n=4096)
+    for lag in range(1, 64):
+        assert not torch.equal(d[0, lag:lag + 100], d[1, :100])
+        assert not torch.equal(d[1, lag:lag + 100], d[0, :100])
+
+
+def test_uniform_below_is_uniform():
+    keys = torch.arange(70_000)
+    v = R.uniform_below(R.stream_seeds(keys, R.STREAM_SAMPLE), torch.zeros_like(keys), 7)
+    assert int(v.min()) == 0 and int(v.max()) == 6
+    assert stats.chisquare(torch.bincount(v, minlength=7).numpy()).pvalue > 1e-4
+
+
+def test_priorities_give_uniform_subsets():
+    d, k, trials = 20, 5, 20_000
+    seeds = R.stream_seeds(torch.arange(trials), R.STREAM_SAMPLE)
+    pri = R.priorities(seeds, d)
+    assert torch.equal(pri & 31, torch.arange(d).expand(trials, d))  # index in the low bits
+    assert bool((pri >= 0).all())
+    chosen = torch.topk(pri, k, dim=1, largest=False).indices
+    counts = torch.bincount(chosen.flatten(), minlength=d).numpy()
+    assert stats.chisquare(counts).pvalue > 1e-4
+    # pairs of coordinates appear together as often as in a uniform k-subset
+    pair = ((chosen == 0).any(1) & (chosen == 1).any(1)).double().mean().item()
+    expected = k * (k - 1) / (d * (d - 1))
+    assert abs(pair - expected) < 5 * math.sqrt(expected * (1 - expected) / trials)

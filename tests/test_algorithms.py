@@ -124,11 +124,16 @@ def test_reference_uses_the_same_payloads_as_a_fresh_encode():
 
 
 def _same_message(rec, t, Z):
-    """The algorithm compressed what the reference says it should (same keys, same tag):
-    all but a few bytes agree (values on a rounding boundary may differ by one level)."""
-    P = rec.inner.encode(Z, node_keys(3, torch.arange(Z.shape[0]), t), tag=step_tag(t))
-    agree = (P == rec.encoded[t - 1]).float().mean()
-    assert agree > 0.97, f"step {t}: only {agree:.1%} of payload bytes agree"
+    """The algorithm compressed what the reference says it should: re-encoding the
+    reference's Z with the same keys gives the same values, except that an element the
+    two computations put on either side of a rounding boundary may move by one level."""
+    d = Z.shape[1]
+    mine = rec.inner.decode(rec.inner.encode(Z, node_keys(3, torch.arange(Z.shape[0]), t), tag=step_tag(t)), d)
+    sent = rec.inner.decode(rec.encoded[t - 1], d)
+    level = (Z.max(1, keepdim=True).values - Z.min(1, keepdim=True).values) / (2**6 - 1)  # the tests use quant:bits=6
+    assert bool(((mine - sent).abs() <= level * 1.001 + 1e-6).all()), f"step {t}"
+    same_level = (mine - sent).abs() <= level * 1e-3
+    assert float(same_level.float().mean()) > 0.9, f"step {t}"
 
 
 def _dyadic(shape, gen, scale=64):

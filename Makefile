@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo topologies-demo test clean
 
 setup: $(STAMP)
 
@@ -18,7 +18,11 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 
+# The main job: ECD-PSGD at 8 bits on a ring of 4 ranks (torchrun, gloo), MNIST-1D.
 demo: setup
+	$(VENV)/bin/torchrun --nproc_per_node 4 -m gossip.train --algo ecd --bits 8 --topology ring --out runs/demo-ecd8-ring4
+
+topologies-demo: setup
 	$(PY) -m topologies ring 8
 	$(PY) -m topologies torus 16
 	$(PY) -m topologies expander 64 --degree 4 --seed 0

@@ -55,11 +55,12 @@ class TrainConfig:
     data: str = "mnist1d"
     data_dir: str | None = None
     partition: str = "iid"
-    epochs: int = 10
+    epochs: int = 20
+    max_steps: int | None = None
     batch_size: int = 32
     lr: float = 0.05
     lr_schedule: str = "constant"
-    momentum: float = 0.0
+    momentum: float = 0.9
     weight_decay: float = 0.0
     seed: int = 0
     device: str = "auto"
@@ -94,7 +95,7 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise bad(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
-        for name in ("degree", "rows", "cols", "simulate"):
+        for name in ("degree", "rows", "cols", "simulate", "max_steps"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise bad(f"--{name} must be a positive integer, got {v!r}")
@@ -164,6 +165,7 @@ _HELP = {
     "data_dir": "directory of a local data set (cifar10: the python batches)",
     "partition": "iid: random equal shards; sorted: contiguous slices of the label-sorted data",
     "epochs": "passes over each node's shard",
+    "max_steps": "stop after this many steps (the schedule still spans --epochs; resume to go on)",
     "batch_size": "mini-batch size per node",
     "lr": "learning rate gamma of the local optimizer",
     "lr_schedule": "constant, cosine (to 0 over the run) or step (x0.1 at 50%% and 75%%)",
@@ -216,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("data_dir", metavar="DIR")
     add("partition", choices=["iid", "sorted"])
     add("epochs", type=int)
+    add("max_steps", type=int, metavar="N")
     add("batch_size", type=int)
     add("lr", type=float)
     add("lr_schedule", choices=list(LR_SCHEDULES))

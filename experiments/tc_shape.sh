@@ -159,14 +159,17 @@ tbf_args() { # tbf_args BPS: rate, burst and queue limit for tbf
     local Bps=$(($1 / 8))
     local burst=$((Bps / 250)) # 4 ms at full rate
     ((burst < 16384)) && burst=16384
-    local limit=$((Bps * 3 / 10)) # 300 ms of queue: TCP keeps its rate without drops
+    # 2 s of queue: ranks send whole models in bursts (TCP may put megabytes into the
+    # qdisc at once); a short queue drops them and the retransmissions cost more time
+    # than the bytes. TCP's window, not this limit, bounds what is really queued.
+    local limit=$((Bps * 2))
     ((limit < 4 * burst)) && limit=$((4 * burst))
     ((limit > 67108864)) && limit=67108864
     printf '%s' "rate ${1}bit burst $burst limit $limit"
 }
 
-netem_limit() { # packets netem may hold: (delay + jitter + 300 ms) at the rate, >= 1000
-    local bps=${1:-10000000000} us=$(($2 + $3 + 300000))
+netem_limit() { # packets netem may hold: (delay + jitter + 2 s) at the rate, >= 1000
+    local bps=${1:-10000000000} us=$(($2 + $3 + 2000000))
     local pkts=$((bps / 8 * us / 1000000 / 1500 + 1000))
     ((pkts > 1000000)) && pkts=1000000
     printf '%s' "$pkts"

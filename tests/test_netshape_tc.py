@@ -67,7 +67,7 @@ def test_dry_run_prints_the_netem_and_tbf_commands():
     assert ("+ tc qdisc add dev eth0 root handle 1: netem delay 130us 10us distribution normal "
             "loss 0.1% rate 1400000000bit") in p.stdout
     p = tc_shape("apply", "--dev", "v0", "--netns", "somens", "--rate", "5mbit", "--dry-run")
-    assert "+ tc -n somens qdisc add dev v0 root handle 1: tbf rate 5000000bit burst 16384 limit 187500" in p.stdout
+    assert "+ tc -n somens qdisc add dev v0 root handle 1: tbf rate 5000000bit burst 16384 limit 1250000" in p.stdout
 
 
 def test_refuses_without_tc(tmp_path):

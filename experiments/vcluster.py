@@ -328,6 +328,9 @@ class VirtualCluster:
         master_port: MASTER_PORT of the ranks (the namespaces are private, so any
             port is free).
         shape_ingress: also shape what each host receives (default True).
+        tcp_cc: TCP congestion control of the hosts: a name or a sequence of names, the
+            first one the kernel allows in a namespace is used (e.g. ``("cubic",
+            "reno")``); None keeps the kernel's default. ``tcp_cc_used`` says which.
         log: where the cluster's one-line notices go (default: stderr).
     """
 
@@ -343,6 +346,7 @@ class VirtualCluster:
         subnet: str = DEFAULT_SUBNET,
         master_port: int = DEFAULT_PORT,
         shape_ingress: bool = True,
+        tcp_cc: str | Sequence[str] | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 250:
@@ -363,6 +367,11 @@ class VirtualCluster:
         self.subnet = str(net)
         self.master_port = master_port
         self.shape_ingress = bool(shape_ingress)
+        names = [tcp_cc] if isinstance(tcp_cc, str) else list(tcp_cc or [])
+        if any(not isinstance(c, str) or not re.match(r"^[a-z0-9_]{1,16}$", c) for c in names):
+            raise VClusterError(f"bad TCP congestion control {tcp_cc!r}: expected names such as cubic, reno, bbr")
+        self.tcp_cc = names
+        self.tcp_cc_used: str | None = None
         self._log = log or (lambda msg: print(f"vcluster: {msg}", file=sys.stderr, flush=True))
         self.bridge_netns = f"{prefix}-br"
         self.hosts = [
@@ -404,7 +413,8 @@ class VirtualCluster:
             how = "latency: unshaped"
         rate_how = "unshaped" if self.rate_bps is None else (
             f"{rate} per host each way" if self.shape_ingress else f"{rate} per host egress")
-        return f"{self.n} hosts {self.subnet} prefix {self.prefix}: rate {rate_how}, {how}"
+        cc = f", tcp {self.tcp_cc_used}" if self.tcp_cc_used else ""
+        return f"{self.n} hosts {self.subnet} prefix {self.prefix}: rate {rate_how}, {how}{cc}"
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> VirtualCluster:
@@ -465,6 +475,24 @@ class VirtualCluster:
             _run(["ip", "-n", br, "link", "set", h.peer, "up"])
             _run(["ip", "-n", h.netns, "addr", "add", f"{h.addr}/{plen}", "dev", h.ifname])
             _run(["ip", "-n", h.netns, "link", "set", h.ifname, "up"])
+        self._set_tcp_cc()
+
+    def _set_tcp_cc(self) -> None:
+        key = "/proc/sys/net/ipv4/tcp_congestion_control"
+        for h in self.hosts:
+            for name in self.tcp_cc:
+                p = _run(["ip", "netns", "exec", h.netns, "sh", "-c", f"echo {name} > {key}"], check=False)
+                if p.returncode == 0:
+                    break
+            else:
+                if self.tcp_cc:
+                    allowed = _run(["ip", "netns", "exec", h.netns, "cat",
+                                    "/proc/sys/net/ipv4/tcp_allowed_congestion_control"], check=False).stdout.strip()
+                    raise VClusterError(
+                        f"none of the TCP congestion controls {', '.join(self.tcp_cc)} is allowed in a "
+                        f"namespace here (allowed: {allowed or 'unknown'})"
+                    )
+        self.tcp_cc_used = _run(["ip", "netns", "exec", self.hosts[0].netns, "cat", key], check=False).stdout.strip() or None
 
     def _set_shape(self, rate: Any, delay: Any, jitter: Any, loss: Any) -> None:
         self.rate_bps = parse_rate(rate)
@@ -742,6 +770,7 @@ class VirtualCluster:
             "rate_bps": self.rate_bps, "rate": format_rate(self.rate_bps),
             "delay_ms": self.delay_s * 1e3, "jitter_ms": self.jitter_s * 1e3, "loss_pct": self.loss_pct,
             "latency_mode": self.latency_mode, "shape_ingress": self.shape_ingress,
+            "tcp_cc": self.tcp_cc_used,
             "hosts": [dataclasses.asdict(h) for h in self.hosts],
             "description": self.describe(),
         }
@@ -766,6 +795,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--jitter", metavar="J", help="netem jitter, e.g. 1ms (needs netem)")
     p.add_argument("--loss", metavar="P", help="netem loss in percent, e.g. 0.1 (needs netem)")
     p.add_argument("--no-ingress", action="store_true", help="shape only what each host sends")
+    p.add_argument("--tcp-cc", metavar="NAMES",
+                   help="TCP congestion control in the hosts: the first allowed of a comma list, "
+                        "e.g. cubic,reno (default: the kernel's)")
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help=f"name prefix (default {DEFAULT_PREFIX})")
     p.add_argument("--subnet", default=DEFAULT_SUBNET, help=f"private IPv4 subnet (default {DEFAULT_SUBNET})")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"MASTER_PORT (default {DEFAULT_PORT})")
@@ -799,6 +831,7 @@ def main(argv: list[str] | None = None) -> int:
         vc = VirtualCluster(
             args.nodes, rate=args.rate, delay=args.delay, jitter=args.jitter, loss=args.loss,
             prefix=args.prefix, subnet=args.subnet, master_port=args.port, shape_ingress=not args.no_ingress,
+            tcp_cc=[c for c in (args.tcp_cc or "").split(",") if c] or None,
         )
         with vc:
             print(f"vcluster: {vc.describe()}", file=sys.stderr, flush=True)

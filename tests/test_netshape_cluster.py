@@ -181,12 +181,22 @@ def test_shaped_rate_and_counters(tmp_path, prefix):
 @needs_netns
 def test_torchrun_environment_per_rank(tmp_path, prefix):
     show = "import os; print(*[os.environ[k] for k in ('RANK','LOCAL_RANK','WORLD_SIZE','LOCAL_WORLD_SIZE','MASTER_ADDR','MASTER_PORT','GLOO_SOCKET_IFNAME')])"
-    with vcl.VirtualCluster(2, prefix=prefix, subnet="10.213.78.0/24", master_port=29555) as vc:
+    with vcl.VirtualCluster(2, prefix=prefix, subnet="10.213.78.0/24", master_port=29555,
+                            tcp_cc=("nosuch", "reno")) as vc:
         res = vc.run([sys.executable, "-c", show], timeout=20, outdir=tmp_path)
+        assert vc.tcp_cc_used == "reno"  # the first allowed one (reno is always built in)
     assert res.ok
     for k in range(2):
         last = res.ranks[k].stdout.read_text().splitlines()[-1].split()
         assert last == [str(k), "0", "2", "1", "10.213.78.1", "29555", f"{prefix}h{k}"]
+
+
+@needs_netns
+def test_refuses_unknown_congestion_control(prefix):
+    with pytest.raises(vcl.VClusterError, match=r"none of the TCP congestion controls nosuch is allowed"):
+        with vcl.VirtualCluster(2, prefix=prefix, tcp_cc="nosuch"):
+            pass
+    assert _ours(prefix) == []
 
 
 @needs_netns

@@ -52,7 +52,7 @@ __all__ = ["Cell", "measure_run", "parse_algos", "plot_fig3", "write_results", "
 
 EMULATE_SHIM = HERE / "netshape" / "emulate_latency.py"
 COLUMNS = [
-    "algo", "bits", "nodes", "bandwidth_mbit", "latency_ms", "latency_mode",
+    "algo", "bits", "nodes", "bandwidth_mbit", "latency_ms", "latency_mode", "shaping", "tcp_cc",
     "step_s", "step_s_p90", "epoch_s", "steps_per_epoch", "steps_measured",
     "bytes_per_step", "iface_bytes_per_step", "iface_over_ledger",
     "comm_s_per_step", "compute_s_per_step", "params", "model", "data", "wall_s", "ok", "error", "cell",
@@ -164,14 +164,17 @@ def measure_run(run_dir: Path, warmup: int, steps: int | None = None) -> dict[st
     Per rank, the step times are the differences of the ``time`` field of consecutive
     records (logged every step) after the first ``warmup`` steps, up to ``steps``;
     ``step_s`` is the median over ranks of each rank's median. Bytes are the ledger's
-    ``bytes_sent`` over the same window, per step, averaged over ranks.
+    ``bytes_sent`` over the same window, per step, averaged over ranks. ``steps_run``
+    is the number of steps the whole run made (the interface counters cover all).
     """
     files = sorted(run_dir.glob("metrics-rank*.jsonl"))
     if not files:
         raise RuntimeError(f"no metrics-rank*.jsonl in {run_dir}")
-    medians, p90s, bytes_ps, comm_ps, comp_ps, spe, last_steps = [], [], [], [], [], None, []
+    medians, p90s, bytes_ps, comm_ps, comp_ps, spe, last_steps, timed = [], [], [], [], [], None, [], []
     for f in files:
         recs = _records(f)
+        if recs:
+            last_steps.append(recs[-1]["step"])  # the whole run, for the interface counters
         if steps is not None:
             recs = [r for r in recs if r["step"] <= steps]
         window = [r for r in recs if r["step"] >= warmup]  # the record at `warmup` is the start
@@ -189,11 +192,11 @@ def measure_run(run_dir: Path, warmup: int, steps: int | None = None) -> dict[st
         ep = recs[-1].get("epoch")
         if ep:
             spe = round(recs[-1]["step"] / ep)
-        last_steps.append(recs[-1]["step"])
+        timed.append(window[-1]["step"])
     return {
         "step_s": statistics.median(medians),
         "step_s_p90": statistics.median(p90s),
-        "steps_measured": min(last_steps) - warmup,
+        "steps_measured": min(timed) - warmup,
         "steps_run": max(last_steps),
         "bytes_per_step": statistics.fmean(bytes_ps),
         "comm_s_per_step": statistics.fmean(comm_ps) if comm_ps else None,
@@ -213,8 +216,15 @@ class RankRun:
 class _VClusterLauncher:
     """Cells on a virtual cluster that is built once and re-shaped per network condition."""
 
-    def __init__(self, nodes: int, prefix: str, subnet: str) -> None:
-        self.vc = vcluster.VirtualCluster(nodes, prefix=prefix, subnet=subnet)
+    def __init__(self, nodes: int, prefix: str, subnet: str, *, shape_ingress: bool = True,
+                 tcp_cc: Sequence[str] | None = None) -> None:
+        self.vc = vcluster.VirtualCluster(nodes, prefix=prefix, subnet=subnet, shape_ingress=shape_ingress,
+                                          tcp_cc=tcp_cc)
+        self.shaping = "both" if shape_ingress else "egress"
+
+    @property
+    def tcp_cc(self) -> str | None:
+        return self.vc.tcp_cc_used
 
     def __enter__(self) -> _VClusterLauncher:
         self.vc.__enter__()
@@ -259,6 +269,8 @@ class _SSHLauncher:
         if len(self.hosts) < 2:
             raise SweepError(f"--hosts {hosts_file}: needs at least 2 hosts, found {len(self.hosts)}")
         self.repo, self.python, self.port, self.dry_run = repo, python, port, dry_run
+        self.shaping = "egress"
+        self.tcp_cc = None  # the hosts' own
         self.tc = f"sudo {shlex.quote(repo)}/experiments/tc_shape.sh"
 
     def __enter__(self) -> _SSHLauncher:
@@ -540,6 +552,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--python", default=sys.executable, help="python that runs gossip.train (default: this one)")
     p.add_argument("--prefix", default="gsw", help="virtual cluster name prefix (default gsw)")
     p.add_argument("--subnet", default=vcluster.DEFAULT_SUBNET, help="virtual cluster subnet")
+    p.add_argument("--tcp-cc", default="cubic,reno", metavar="NAMES",
+                   help="virtual cluster: TCP congestion control, the first allowed of a comma list "
+                        "(default cubic,reno; '' keeps the kernel's)")
+    p.add_argument("--egress-only", action="store_true",
+                   help="virtual cluster: shape only what each host sends (default: both directions)")
     p.add_argument("--hosts", type=Path, metavar="FILE", help="real hosts: lines 'SSH_TARGET IFACE [ADDRESS]'")
     p.add_argument("--remote-repo", default=os.getcwd(), help="checkout path on the hosts (default: this cwd)")
     p.add_argument("--port", type=int, default=29500, help="MASTER_PORT on real hosts")
@@ -575,7 +592,8 @@ def run_sweep(args: argparse.Namespace, out: Path, log: Callable[[str], None]) -
         launcher = _SSHLauncher(args.hosts, args.remote_repo, args.python, args.port, args.dry_run)
         nodes = len(launcher.hosts)
     else:
-        launcher = _VClusterLauncher(args.nodes, args.prefix, args.subnet)
+        launcher = _VClusterLauncher(args.nodes, args.prefix, args.subnet, shape_ingress=not args.egress_only,
+                                     tcp_cc=[c for c in args.tcp_cc.split(",") if c] or None)
         nodes = args.nodes
     done = {r["cell"]: r for r in _load_rows(out) if r.get("ok")}
     rows: dict[str, dict] = {}
@@ -617,6 +635,7 @@ def _run_cell(args, launcher, cell: Cell, out: Path, epochs: int, spe: int, mode
         "algo": cell.algo, "bits": cell.bits, "nodes": cell.nodes, "bandwidth_mbit": cell.bandwidth_mbit,
         "latency_ms": cell.latency_ms, "latency_mode": mode, "cell": cell.key, "model": args.model,
         "data": args.data, "ok": False, "error": "",
+        "shaping": getattr(launcher, "shaping", None), "tcp_cc": getattr(launcher, "tcp_cc", None),
     }
     ranks, wall, err = launcher.run(cmd, cell_dir, run_dir, args.cell_timeout)
     row["wall_s"] = wall

@@ -13,6 +13,7 @@ driver.
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 
@@ -28,6 +29,8 @@ def main(argv: list[str]) -> int:
         print(f"emulate_latency.py: bad latency {argv[0]!r}: expected milliseconds >= 0, e.g. 20 or 0.13",
               file=sys.stderr)
         return 2
+    # import gossip from the working directory first, as `python -m gossip.train` would
+    sys.path.insert(0, os.getcwd())
     from gossip import comm as gcomm
     from gossip.comm.latency import LatencyCommunicator
 

@@ -586,7 +586,8 @@ def run_sweep(args: argparse.Namespace, out: Path, log: Callable[[str], None]) -
     has_max_steps = "--max-steps" in help_text
     has_emulate = "--emulate-latency" in help_text
     spe = _calibrate(args, out)
-    epochs = 1 if has_max_steps else max(1, math.ceil(args.steps / spe))
+    # whole epochs that reach --steps; --max-steps (where the CLI has it) stops right there
+    epochs = max(1, math.ceil(args.steps / spe))
     launcher: Any
     if args.hosts is not None:
         launcher = _SSHLauncher(args.hosts, args.remote_repo, args.python, args.port, args.dry_run)

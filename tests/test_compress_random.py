@@ -52,6 +52,24 @@ def test_digit_layouts_agree(n):
     assert torch.equal(d[:, 0::2], w[:, : (n + 1) // 2] & 0xFFFFFFFF)
 
 
+@pytest.mark.parametrize("n,nb,w0", [(1, 1, 0), (2, 3, 0), (7, 2, 5), (100, 4, 0), (101, 3, 9)])
+def test_block_digit_layout(n, nb, w0):
+    """First digits of quantizer blocks: element k < n//2 takes bits 8..31 of word
+    w0 + b*ceil(n/2) + k, element n//2 + k bits 40..63, an odd last element bits 8..31
+    of the block's last word."""
+    from gossip.compress._kernels import block_digits
+
+    seeds = R.stream_seeds(torch.tensor([11, -4]), R.STREAM_ROUND)
+    u = block_digits(seeds, nb, n, w0)
+    hb, H = (n + 1) // 2, n // 2
+    W = R.words(seeds, w0 + nb * hb)
+    for b in range(nb):
+        for k in range(n):
+            j = w0 + b * hb + (k if k < H else k - H if k < 2 * H else H)
+            want = (W[:, j] >> 8) & 0xFFFFFF if (k < H or k == 2 * H) else (W[:, j] >> 40) & 0xFFFFFF
+            assert torch.equal(u[:, b, k], want), (b, k)
+
+
 def _digits_many(nkeys=256, n=4096, stream=R.STREAM_ROUND, first_key=0):
     keys = torch.arange(first_key, first_key + nkeys, dtype=torch.int64)
     return R.digits(R.stream_seeds(keys, stream), n)

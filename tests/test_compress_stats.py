@@ -189,24 +189,24 @@ def test_rounding_probability_is_exact_for_simple_fractions():
         assert abs(float(p[i]) - want) <= Z * math.sqrt(want * (1 - want) / n) + 1e-12
 
 
-def test_ties_beyond_32_bits_are_resolved_exactly(monkeypatch):
-    """Force every first digit to equal floor(frac * 2**32) so every element is a tie.
+def test_ties_beyond_the_first_digit_are_resolved_exactly(monkeypatch):
+    """Force the first (24-bit) digit to equal floor(frac * 2**24): the element is a tie.
 
-    t = 5.3 * 2**-32 (fp32) rounds up with probability t; given the tie, with
-    probability F - 5 where F = t * 2**32, which the lazily drawn digits must honour.
+    t = 5.3 * 2**-24 (fp32) rounds up with probability t; given the tie, with
+    probability F - 5 where F = t * 2**24, which the lazily drawn digits must honour.
     """
-    t = torch.tensor(5.3 * 2.0**-32, dtype=torch.float32)
-    F = float(t.double() * 2.0**32)
+    t = torch.tensor(5.3 * 2.0**-24, dtype=torch.float32)
+    F = float(t.double() * 2.0**24)
     rem = F - 5.0
     x = torch.tensor([0.0, float(t), 1.0])
-    real = R.digits
+    real = _kernels.block_digits
 
-    def forced(seeds, n):
-        d = real(seeds, n)
-        d[:, 1] = 5  # the element with t = 5.3 * 2**-32
+    def forced(seeds, nb, n, w0):
+        d = real(seeds, nb, n, w0)
+        d[:, 0, 1] = 5  # the element with t = 5.3 * 2**-24
         return d
 
-    monkeypatch.setattr(R, "digits", forced)
+    monkeypatch.setattr(_kernels, "block_digits", forced)
     c = gc.build("quant:bits=1")
     n = 20_000
     X = x.expand(n, -1).contiguous()
@@ -220,16 +220,16 @@ def test_ties_beyond_32_bits_are_resolved_exactly(monkeypatch):
 
 
 def test_ties_are_deterministic_per_key(monkeypatch):
-    real = R.digits
+    real = _kernels.block_digits
 
-    def forced(seeds, n):
-        d = real(seeds, n)
-        d[:, 1] = 5
+    def forced(seeds, nb, n, w0):
+        d = real(seeds, nb, n, w0)
+        d[:, 0, 1] = 5
         return d
 
-    monkeypatch.setattr(R, "digits", forced)
+    monkeypatch.setattr(_kernels, "block_digits", forced)
     c = gc.build("quant:bits=1")
-    x = torch.tensor([[0.0, 5.3 * 2.0**-32, 1.0]]).expand(50, -1).contiguous()
+    x = torch.tensor([[0.0, 5.3 * 2.0**-24, 1.0]]).expand(50, -1).contiguous()
     keys = torch.arange(50, dtype=torch.int64)
     assert torch.equal(c.encode(x, keys), c.encode(x, keys))
     alone = torch.cat([c.encode(x[i:i + 1], keys[i:i + 1]) for i in range(50)])

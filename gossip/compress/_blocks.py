@@ -28,33 +28,17 @@ def split(X: torch.Tensor, B: int):
         yield X[:, nb * B:].reshape(m, 1, d - nb * B), nb * B, nb
 
 
-def safe_inverse(L: float, R: torch.Tensor) -> torch.Tensor:
-    """fp32 ``inv`` close to ``L / R`` with ``inv * R <= L`` exactly, 0 where R == 0.
-
-    Rounded down when needed so that ``fl(v * inv) <= L`` for every ``0 <= v <= R``:
-    codes never exceed the top level.
-    """
-    inv = torch.where(R > 0, L / R, torch.zeros_like(R))
-    over = inv.double() * R.double() > L  # exact: a product of two fp32 fits in fp64
-    return torch.where(over, torch.nextafter(inv, torch.zeros_like(inv)), inv)
+def round_group(x3, a, s, keys, seeds, start: int, b0: int, B: int, L: int, mode: int, out) -> None:
+    """Stochastically round a group from ``split`` (first block b0 of full size B) into ``out``."""
+    _kernels.stochastic_round(x3, a, s, keys, seeds, start, b0 * ((B + 1) // 2), L, mode, out)
 
 
-def round_blocks(x3, a, s, keys, seeds, start: int, L: int, mode: int, out: torch.Tensor) -> None:
-    """Stochastically round one block group into the integer codes ``out`` (m, nb, B)."""
-    k = _kernels.SR.variant((mode, out.dtype, L))
-    tie = _kernels.run(k, x3.numel(), x3, a, s, seeds, start, float(L), mode, out)
-    if bool(tie.any()):
-        _kernels.resolve_ties(out, tie, x3, a, s, keys, start, float(L), mode)
+def scale_group(x3, keys, seeds, start: int, b0: int, B: int, L: int, mode: int, out):
+    """Block scales (a, R, s) and rounding of a group from ``split`` (modes 0 and 2)."""
+    return _kernels.scale_and_round(x3, keys, seeds, start, b0 * ((B + 1) // 2), L, mode, out)
 
 
-def minmax(x3: torch.Tensor):
-    """Per-block (min, max), each (m, nb, 1)."""
-    return _kernels.run(_kernels.MINMAX, x3.numel(), x3)
-
-
-def absmax(x3: torch.Tensor) -> torch.Tensor:
-    """Per-block max |x|, (m, nb, 1)."""
-    return _kernels.run(_kernels.ABSMAX, x3.numel(), x3)
+safe_inverse = _kernels.safe_inverse
 
 
 def ordered_sum(v: torch.Tensor) -> torch.Tensor:

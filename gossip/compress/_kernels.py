@@ -111,23 +111,49 @@ def run(k: Kernel, numel: int, *args):
 # --------------------------------------------------------------------------------------
 # Stochastic rounding.
 #
-# For t >= 0, code = floor(t) + [U < frac(t)] with U uniform in [0, 1). U's first 32
+# For t >= 0, code = floor(t) + [U < frac(t)] with U uniform in [0, 1). U's first 24
 # bits are the element's digit u of stream STREAM_ROUND, compared with
-# F = frac(t) * 2**32 (exact in fp32: a power-of-two scaling); the comparison is
-# exact in float64. D = F - u > 0 means "up" unless 0 < D < 1, where u == floor(F)
-# and F has bits below 2**-32 (only possible when t < 2**-9): then the next 32 bits
-# of U decide, drawn lazily for those few elements (resolve_ties). So
-# P(up) == frac(t) exactly for the fp32 value t.
+# F = frac(t) * 2**24 in fp32 (a power-of-two scaling: exact; u < 2**24: exact).
+# D = F - u > 0 means "up" unless 0 < D < 1, where u == floor(F) and F has bits
+# below 2**-24, only possible when t < 0.5 (for t >= 0.5 the fp32 spacing of t is at
+# least 2**-24, so F is an integer): then further 32-bit digits of U decide, drawn
+# lazily for those few elements (resolve_ties). Wherever |D| >= 1 its sign is right
+# even if D was rounded, and for 0 < D < 1 it is exact. So P(up) == frac(t)
+# exactly, for the fp32 value t.
+#
+# Digits are laid out per block so that one 64-bit word serves two elements that
+# sit half a block apart (both halves are contiguous, so the fused loop stays
+# vectorised and hashes once per pair): in a block of n elements whose words start
+# at w0, with H = n // 2, element k < H reads the low half of word w0 + k, element
+# H + k the high half of word w0 + k, and when n is odd the last element reads the
+# low half of word w0 + H. Full blocks of size B start at w0 = b * ceil(B / 2); the
+# tail block after nb full blocks at w0 = nb * ceil(B / 2). A "low" digit is bits
+# 8..31 of the word, a "high" digit bits 40..63.
 #
 # Modes: 0 = affine, t = (x - a) * s, code = level (quant);
 #        1 = signed, t = |x| * s, code = 2 * level + [x < 0] (qsgd);
 #        2 = ternary, t = |x| * s, code = level * (1 + [x < 0]) (terngrad).
-# x: (m, nb, B) float32; a, s: (m, nb, 1) float32; seeds: (m,) int64; start: index of
-# x[:, 0, 0] within the row; out: (m, nb, B) integer tensor that receives the codes.
-# Returns the tie flags (m, nb, B).
 # --------------------------------------------------------------------------------------
 
 _TWO32 = 4294967296.0
+_TWO24 = 16777216.0
+_MASK24 = 0xFFFFFF
+
+
+def block_digits(seeds: torch.Tensor, nb: int, n: int, w0: int) -> torch.Tensor:
+    """First (24-bit) digits (m, nb, n) int64 of nb blocks of n elements, block b at word w0 + b*ceil(n/2)."""
+    m = seeds.shape[0]
+    hb, H = (n + 1) // 2, n // 2
+    W = R.words(seeds, nb * hb, offset=w0).view(m, nb, hb)
+    u = torch.empty(m, nb, n, dtype=torch.int64, device=seeds.device)
+    torch.bitwise_right_shift(W[..., :H], 8, out=u[..., :H])
+    u[..., :H].bitwise_and_(_MASK24)
+    torch.bitwise_right_shift(W[..., :H], 40, out=u[..., H: 2 * H])
+    u[..., H: 2 * H].bitwise_and_(_MASK24)
+    if n % 2:
+        torch.bitwise_right_shift(W[..., H:], 8, out=u[..., 2 * H:])
+        u[..., 2 * H:].bitwise_and_(_MASK24)
+    return u
 
 
 def _scaled(x, a, s, L: float, mode: int):
@@ -135,44 +161,44 @@ def _scaled(x, a, s, L: float, mode: int):
     return t.clamp(max=L)
 
 
-def _sr_compiled(x, a, s, seeds, start: int, L: float, mode: int, out):
-    m, nb, B = x.shape
+def _round_half(x, a, s, u, L: float, mode: int):
+    """Codes and tie flags (float32 0/1) of one half; u: the digits (int64)."""
     t = _scaled(x, a, s, L, mode)
     f = t.floor()
-    F = ((t - f) * _TWO32).to(torch.float64)
-    i = (torch.arange(nb, device=x.device) * B).view(1, nb, 1) + torch.arange(B, device=x.device).view(1, 1, B) + start
-    u = R.digits_at(seeds.view(m, 1, 1), i).to(torch.float64)
-    D = F - u
+    F = (t - f) * _TWO24
+    D = F - u.to(torch.float32)
     up = (D > 0).to(torch.float32)
     lvl = f + up
     if mode == 1:
         lvl = lvl * 2 + (x < 0).to(torch.float32)
     elif mode == 2:
         lvl = lvl * (1 + (x < 0).to(torch.float32))
-    # ties as a uint8 computed arithmetically (bool outputs vectorise badly in inductor)
-    tie = up * (D < 1).to(torch.float32)
-    out.copy_(lvl)
-    return tie.to(torch.uint8)
+    # ties as float arithmetic, not bool logic: bool outputs vectorise badly in inductor
+    return lvl, up * (D < 1).to(torch.float32)
 
 
-def _sr_eager(x, a, s, seeds, start: int, L: float, mode: int, out):
-    m, nb, B = x.shape
+def _sr_pairs_compiled(xl, xh, a, s, seeds, w0: int, hb: int, L: float, mode: int, ol, oh):
+    """Both halves of nb blocks: xl = x[..., :H], xh = x[..., H:2H]; returns tie flags
+    (m, nb, H) uint8, bit 0 for the low half, bit 1 for the high half."""
+    m, nb, H = xl.shape
+    j = (torch.arange(nb, device=xl.device) * hb).view(1, nb, 1) + torch.arange(H, device=xl.device).view(1, 1, H)
+    w = R.mix64(seeds.view(m, 1, 1) + (j + (w0 + 1)) * R.GAMMA)
+    lo, tlo = _round_half(xl, a, s, (w >> 8) & _MASK24, L, mode)
+    hi, thi = _round_half(xh, a, s, (w >> 40) & _MASK24, L, mode)
+    ol.copy_(lo)
+    oh.copy_(hi)
+    return (tlo + 2 * thi).to(torch.uint8)
+
+
+def _sr_eager(x, a, s, u, L: float, mode: int, out):
+    """The same rounding with all digits given: u (m, nb, B) int64. Returns bool ties."""
     if mode == 0:
         t = torch.sub(x, a)
     else:
         t = x.abs()
     t.mul_(s).clamp_(max=L)
     f = t.floor()
-    t.sub_(f).mul_(_TWO32)
-    F = t.to(torch.float64)
-    del t
-    if start == 0:
-        u = R.digits(seeds, nb * B).reshape(m, nb, B)
-    else:
-        i = (torch.arange(nb, device=x.device) * B).view(1, nb, 1) + torch.arange(B, device=x.device).view(1, 1, B) + start
-        u = R.digits_at(seeds.view(m, 1, 1), i)
-    D = F.sub_(u)
-    del u
+    D = t.sub_(f).mul_(_TWO24).sub_(u)  # u < 2**24 converts to fp32 exactly
     up = D > 0
     tie = up & (D < 1)
     del D
@@ -185,7 +211,99 @@ def _sr_eager(x, a, s, seeds, start: int, L: float, mode: int, out):
     return tie
 
 
-SR = Kernel("stochastic_round", _sr_eager, _sr_compiled)
+SR = Kernel("stochastic_round", _sr_pairs_compiled)
+
+
+def safe_inverse(L: float, R: torch.Tensor) -> torch.Tensor:
+    """fp32 ``inv`` close to ``L / R`` with ``inv * R <= L`` exactly, 0 where R == 0.
+
+    Rounded down when needed so that ``fl(v * inv) <= L`` for every ``0 <= v <= R``:
+    codes never exceed the top level.
+    """
+    inv = torch.where(R > 0, L / R, torch.zeros_like(R))
+    over = inv.to(torch.float64) * R.to(torch.float64) > L  # exact: fp32 * fp32 fits in fp64
+    return torch.where(over, torch.nextafter(inv, torch.zeros_like(inv)), inv)
+
+
+def _scales(x, L: float, mode: int):
+    """Per-block offset a, range R and inverse step s (each (m, nb, 1)) for modes 0 and 2."""
+    if mode == 0:
+        a = x.amin(dim=-1, keepdim=True)
+        R = x.amax(dim=-1, keepdim=True) - a
+    else:
+        R = x.abs().amax(dim=-1, keepdim=True)
+        a = torch.zeros_like(R)
+    return a, R, safe_inverse(L, R)
+
+
+def _fused_compiled(x, seeds, w0: int, hb: int, L: float, mode: int, ol, oh):
+    """Scales and rounding of nb blocks in one compiled call (quant and ternary)."""
+    H = ol.shape[2]
+    a, R, s = _scales(x, L, mode)
+    flags = _sr_pairs_compiled(x[..., :H], x[..., H: 2 * H], a, s, seeds, w0, hb, L, mode, ol, oh)
+    return a, R, s, flags
+
+
+FUSED = Kernel("scale_and_round", _fused_compiled)
+
+
+def scale_and_round(x, keys, seeds, start: int, w0: int, L: float, mode: int, out):
+    """Block scales and stochastic rounding for quant (mode 0) and ternary (mode 2).
+
+    Returns (a, R, s): offset, range and inverse step per block, (m, nb, 1) each.
+    """
+    m, nb, B = x.shape
+    H, hb = B // 2, (B + 1) // 2
+    k = FUSED.variant((mode, out.dtype, L))
+    if H and _want_compiled(k, x.numel(), x.device):
+        a, R, s, flags = run(k, x.numel(), x, seeds, w0, hb, float(L), mode, out[..., :H], out[..., H: 2 * H])
+        _finish(x, a, s, keys, seeds, start, w0, L, mode, out, flags)
+    else:
+        a, R, s = _scales(x, float(L), mode)
+        tie = _sr_eager(x, a, s, block_digits(seeds, nb, B, w0), float(L), mode, out)
+        if bool(tie.any()):
+            resolve_ties(out, tie, x, a, s, keys, start, float(L), mode)
+    return a, R, s
+
+
+def stochastic_round(x, a, s, keys, seeds, start: int, w0: int, L: float, mode: int, out) -> None:
+    """Round nb blocks x (m, nb, B) into the integer codes ``out`` (m, nb, B).
+
+    ``start``: row index of x[:, 0, 0] (names the tie-breaking digits); ``w0``: first
+    word of the blocks' digits (see the layout above).
+    """
+    m, nb, B = x.shape
+    H, hb = B // 2, (B + 1) // 2
+    k = SR.variant((mode, out.dtype, L))
+    if H and _want_compiled(k, x.numel(), x.device):
+        flags = run(k, x.numel(), x[..., :H], x[..., H: 2 * H], a, s, seeds, w0, hb, float(L), mode,
+                    out[..., :H], out[..., H: 2 * H])
+        _finish(x, a, s, keys, seeds, start, w0, L, mode, out, flags)
+    else:
+        tie = _sr_eager(x, a, s, block_digits(seeds, nb, B, w0), float(L), mode, out)
+        if bool(tie.any()):
+            resolve_ties(out, tie, x, a, s, keys, start, float(L), mode)
+
+
+def _finish(x, a, s, keys, seeds, start, w0, L, mode, out, flags) -> None:
+    """After the compiled pairs: the odd last element of each block, then any ties."""
+    m, nb, B = x.shape
+    H, hb = B // 2, (B + 1) // 2
+    tie = None
+    if bool(flags.any()):
+        tie = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+        tie[..., :H] = (flags & 1).bool()
+        tie[..., H: 2 * H] = (flags & 2).bool()
+    if B % 2:  # the odd last element of each block, on its own word
+        w = R.mix64(seeds.view(m, 1, 1) + (torch.arange(nb, device=x.device).view(1, nb, 1) * hb
+                                            + (w0 + H + 1)) * R.GAMMA)
+        t_odd = _sr_eager(x[..., 2 * H:], a, s, (w >> 8) & _MASK24, float(L), mode, out[..., 2 * H:])
+        if bool(t_odd.any()):
+            if tie is None:
+                tie = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+            tie[..., 2 * H:] = t_odd
+    if tie is not None:
+        resolve_ties(out, tie, x, a, s, keys, start, float(L), mode)
 
 
 def resolve_ties(codes, tie, x, a, s, keys, start: int, L: float, mode: int) -> None:
@@ -199,9 +317,9 @@ def resolve_ties(codes, tie, x, a, s, keys, start: int, L: float, mode: int) -> 
     xs = x[r, b, k]
     t = _scaled(xs, a[r, b, 0], s[r, b, 0], L, mode)
     f = t.floor()
-    F = ((t - f) * _TWO32).to(torch.float64)
+    F = (t - f) * _TWO24
     # a tie means the first digit equals floor(F): only F's fraction is still open
-    rem = F - F.floor()  # in (0, 1): the bits of frac(t) beyond the first 32
+    rem = (F - F.floor()).to(torch.float64)  # in (0, 1): the bits of frac(t) beyond the first 24
     up = torch.zeros_like(rem, dtype=torch.bool)
     open_ = torch.ones_like(up)
     level = 0
@@ -215,7 +333,7 @@ def resolve_ties(codes, tie, x, a, s, keys, start: int, L: float, mode: int) -> 
         open_ = open_ & ~decided
         rem = torch.where(open_, Dn, rem)
         level += 1
-        if level > 8:  # cannot happen for fp32 input: 9 * 32 bits cover every fp32 fraction
+        if level > 8:  # cannot happen for fp32 input: 24 + 8 * 32 bits cover every fp32 fraction
             raise RuntimeError("stochastic rounding did not terminate")
     lvl = f + up.to(torch.float32)
     if mode == 1:
@@ -240,29 +358,6 @@ def _affine_eager(codes, a, step):
 
 
 AFFINE = Kernel("affine_decode", _affine_eager, _affine_compiled)
-
-
-def _minmax_eager(x):
-    # two vectorised reductions beat aminmax(dim=...), which is not vectorised on CPU
-    return x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
-
-
-def _minmax_compiled(x):
-    return torch.aminmax(x, dim=-1, keepdim=True)
-
-
-MINMAX = Kernel("minmax", _minmax_eager, _minmax_compiled)
-
-
-def _absmax_eager(x):
-    return torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True)
-
-
-def _absmax_compiled(x):
-    return x.abs().amax(dim=-1, keepdim=True)
-
-
-ABSMAX = Kernel("absmax", _absmax_eager, _absmax_compiled)
 
 
 def _checksum(words, w):

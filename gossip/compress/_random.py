@@ -52,15 +52,24 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _lsr(z, 31)
 
 
+def _mix64_int(z: int) -> int:
+    z &= (1 << 64) - 1
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return _s64(z ^ (z >> 31))
+
+
 def stream_seeds(keys: torch.Tensor, stream: int) -> torch.Tensor:
     """Per-row seed of one stream: ``mix64(key ^ (STREAM_BASE * (stream + 1)))``."""
-    c = _s64(((_STREAM_BASE & ((1 << 64) - 1)) * (stream + 1)) & ((1 << 64) - 1))
-    return mix64(keys.to(torch.int64) ^ c)
+    c = ((_STREAM_BASE & ((1 << 64) - 1)) * (stream + 1)) & ((1 << 64) - 1)
+    if keys.numel() <= 16 and keys.device.type == "cpu":  # a few rows: plain ints are faster
+        return torch.tensor([_mix64_int(k ^ c) for k in keys.tolist()], dtype=torch.int64)
+    return mix64(keys.to(torch.int64) ^ _s64(c))
 
 
-def words(seeds: torch.Tensor, nwords: int) -> torch.Tensor:
-    """64-bit words ``0 .. nwords-1`` of each row's stream: shape (m, nwords) int64."""
-    j = torch.arange(1, nwords + 1, dtype=torch.int64, device=seeds.device)
+def words(seeds: torch.Tensor, nwords: int, offset: int = 0) -> torch.Tensor:
+    """64-bit words ``offset .. offset+nwords-1`` of each row's stream: (m, nwords) int64."""
+    j = torch.arange(offset + 1, offset + nwords + 1, dtype=torch.int64, device=seeds.device)
     z = j.mul_(GAMMA).unsqueeze(0) + seeds.view(-1, 1)
     # in-place from here on: large tensors are expensive to allocate
     t = torch.empty_like(z)

@@ -69,7 +69,7 @@ class QSGD(Compressor):
             # Step 2: level = round(|x| / norm * s) without bias, code = 2 * level + sign
             inv = _blocks.safe_inverse(float(s), norm)
             out = codes[:, start: start + nb * x3.shape[2]].view(x3.shape)
-            _blocks.round_blocks(x3, torch.zeros_like(norm), inv, keys, seeds, start, s, 1, out)
+            _blocks.round_group(x3, torch.zeros_like(norm), inv, keys, seeds, start, b0, B, s, 1, out)
             v["norm"][:, b0: b0 + nb] = norm.view(m, nb)
         pack_bits(codes, self.bits, out=v["codes"])
 

@@ -71,14 +71,11 @@ class Quant(Compressor):
                                                           device=X.device)
         for x3, start, b0 in _blocks.split(X, B):
             nb = x3.shape[1]
-            # Step 1: the block's range; non-finite input shows up here
-            lo, hi = _blocks.minmax(x3)
-            rng = hi - lo
-            self._check_finite(x3.reshape(m, -1), rng)
-            # Step 2: t = (x - min) * inv in [0, L], rounded up or down without bias
-            inv = _blocks.safe_inverse(float(L), rng)
-            out = codes[:, start: start + x3.shape[1] * x3.shape[2]].view(x3.shape)
-            _blocks.round_blocks(x3, lo, inv, keys, seeds, start, L, 0, out)
+            out = codes[:, start: start + nb * x3.shape[2]].view(x3.shape)
+            # Step 1: the block's [min, max]; Step 2: t = (x - min) * inv in [0, L] is
+            # rounded up or down without bias (both in one pass when compiled)
+            lo, rng, _ = _blocks.scale_group(x3, keys, seeds, start, b0, B, L, 0, out)
+            self._check_finite(x3.reshape(m, -1), rng)  # NaN/inf show up in the range
             # Step 3: the scales that travel
             v["lo"][:, b0: b0 + nb] = lo.view(m, nb)
             v["step"][:, b0: b0 + nb] = (rng / L).view(m, nb)

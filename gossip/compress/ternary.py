@@ -53,11 +53,10 @@ class Ternary(Compressor):
         codes = torch.empty(m, d, dtype=torch.uint8, device=X.device)
         for x3, start, b0 in _blocks.split(X, B):
             nb = x3.shape[1]
-            scale = _blocks.absmax(x3)
-            self._check_finite(x3.reshape(m, -1), scale)
-            inv = _blocks.safe_inverse(1.0, scale)
             out = codes[:, start: start + nb * x3.shape[2]].view(x3.shape)
-            _blocks.round_blocks(x3, torch.zeros_like(scale), inv, keys, seeds, start, 1, 2, out)
+            # scale = max |x| per block; b_i ~ Bernoulli(|x_i| / scale), code 1 + [x < 0] if b_i
+            _, scale, _ = _blocks.scale_group(x3, keys, seeds, start, b0, B, 1, 2, out)
+            self._check_finite(x3.reshape(m, -1), scale)
             v["scale"][:, b0: b0 + nb] = scale.view(m, nb)
         pack_bits(codes, 2, out=v["codes"])
 

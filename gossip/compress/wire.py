@@ -144,44 +144,39 @@ def checksum(P: torch.Tensor) -> torch.Tensor:
 
     words = P.view(torch.int32)
     w = _weights_cached(words.shape[1], P.device)
-    return _kernels.run(_kernels.CHECKSUM, words.numel(), words, w)
+    return _kernels.run(_kernels.CHECKSUM, P.numel(), words, w)  # sized in bytes
 
 
 def write_header(P: torch.Tensor, cid: int, phash: int, numel: int, keys: torch.Tensor, tag: int) -> None:
     """Fill the 32-byte headers of ``P`` (body already written) and the checksums."""
-    m = P.shape[0]
-    h = torch.empty(m, 8, dtype=torch.int32, device=P.device)
-    h[:, 0] = _to_i32(_MAGIC_WORD0 | (cid << 24))
-    h[:, 1] = _to_i32(phash)
-    h64 = h.view(torch.int64)
-    h64[:, 1] = numel
-    h64[:, 2] = keys.to(device=P.device, dtype=torch.int64)
-    h[:, 6] = _to_i32(tag)
-    h[:, 7] = 0
-    P[:, :HEADER_NBYTES].copy_(h.view(torch.uint8))
+    # the row-independent words in one small tensor: magic/version/id, hash, numel, tag
+    const = torch.tensor(
+        [_MAGIC_WORD0 | (cid << 24) | (phash << 32), numel, 0, tag], dtype=torch.int64
+    ) if phash < (1 << 31) else torch.tensor(
+        [(_MAGIC_WORD0 | (cid << 24) | (phash << 32)) - (1 << 64), numel, 0, tag], dtype=torch.int64
+    )
+    h = P.view(torch.int64)[:, :4]
+    h.copy_(const.to(P.device).expand_as(h))
+    h[:, 2] = keys.to(device=P.device, dtype=torch.int64)
     c = checksum(P)
-    P.view(torch.int32)[:, _CHECK_WORD] = _to_i32_tensor(c)
-
-
-def _to_i32(v: int) -> int:
-    return v - (1 << 32) if v >= (1 << 31) else v
-
-
-def _to_i32_tensor(v: torch.Tensor) -> torch.Tensor:
-    return torch.where(v >= (1 << 31), v - (1 << 32), v).to(torch.int32)
+    P.view(torch.int32)[:, _CHECK_WORD] = (c - ((c >> 31) << 32)).to(torch.int32)
 
 
 def header_fields(P: torch.Tensor) -> dict:
-    """Decoded header fields of every row (int64 tensors of shape (m,))."""
-    h = P[:, :HEADER_NBYTES].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    h64 = P[:, :HEADER_NBYTES].contiguous().view(torch.int64)
+    """Decoded header fields of every row (int64 tensors of shape (m,)).
+
+    ``P`` must be a contiguous (m, nbytes) uint8 tensor with nbytes % 8 == 0.
+    """
+    h = P.view(torch.int64)[:, :4]
+    w0 = h[:, 0] & 0xFFFFFFFF
     return {
-        "magic": h[:, 0] & 0xFFFF,
-        "version": (h[:, 0] >> 16) & 0xFF,
-        "cid": (h[:, 0] >> 24) & 0xFF,
-        "phash": h[:, 1],
-        "numel": h64[:, 1],
-        "key": h64[:, 2],
-        "tag": h[:, 6],
-        "checksum": h[:, 7],
+        "word0": w0,
+        "magic": w0 & 0xFFFF,
+        "version": (w0 >> 16) & 0xFF,
+        "cid": (w0 >> 24) & 0xFF,
+        "phash": (h[:, 0] >> 32) & 0xFFFFFFFF,
+        "numel": h[:, 1],
+        "key": h[:, 2],
+        "tag": h[:, 3] & 0xFFFFFFFF,
+        "checksum": (h[:, 3] >> 32) & 0xFFFFFFFF,
     }

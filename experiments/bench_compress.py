@@ -1,0 +1,131 @@
+"""Throughput of every compressor against a plain memcpy, on one CPU thread.
+
+    python experiments/bench_compress.py [--quick] [--json PATH] [--only SPEC,SPEC] [--backend auto]
+
+For each compressor and size (1M and 16M fp32 elements; 1M only with --quick) it
+reports encode and decode throughput in GB/s of fp32 input, the throughput of a
+memcpy of the same tensor measured in the same run (``dst.copy_(src)`` into a
+preallocated buffer), the ratios to it, the payload bytes per element (and its
+ratio to fp32 and to the ideal size) and the relative error ||C(x) - x|| / ||x||
+on a standard normal input. All times are medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import gossip.compress as gc
+from gossip.compress import _kernels
+
+SPECS = [
+    "quant:bits=8", "quant:bits=4", "quant:bits=8,block=4096", "qsgd:levels=16", "ternary",
+    "randk:p=0.1", "sign", "blocksign:block=65536", "topk:p=0.01", "randomk:p=0.01",
+    "randomblock:p=0.01", "identity", "fp16",
+]
+
+
+def _median_time(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def bench(spec: str, numel: int, reps: int) -> dict:
+    c = gc.build(spec)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, numel, generator=g)
+    keys = torch.tensor([12345], dtype=torch.int64)
+    dst = torch.empty_like(x)
+    # warm-up (compiles the fast path on first use) and the error
+    P = c.encode(x, keys)
+    y = c.decode(P, numel)
+    rel = float((y - x).norm() / x.norm())
+    t_copy, t_enc, t_dec = [], [], []
+    for _ in range(reps):  # interleaved, so that load changes hit all three alike
+        t_copy.append(_median_time(lambda: dst.copy_(x), 1))
+        t_enc.append(_median_time(lambda: c.encode(x, keys), 1))
+        t_dec.append(_median_time(lambda: c.decode(P, numel), 1))
+    tc, te, td = (statistics.median(t) for t in (t_copy, t_enc, t_dec))
+    nbytes = 4.0 * numel
+    mem = nbytes / tc / 1e9
+    bpe = c.payload_nbytes(numel) / numel
+    ideal = c.ideal_nbytes(numel) / numel
+    return {
+        "compressor": c.spec,
+        "numel": numel,
+        "encode_gbps": nbytes / te / 1e9,
+        "decode_gbps": nbytes / td / 1e9,
+        "memcpy_gbps": mem,
+        "encode_ratio": nbytes / te / 1e9 / mem,
+        "decode_ratio": nbytes / td / 1e9 / mem,
+        "roundtrip_ratio": nbytes / (te + td) / 1e9 / mem,
+        "encode_ms": te * 1e3,
+        "decode_ms": td * 1e3,
+        "memcpy_ms": tc * 1e3,
+        "bytes_per_element": bpe,
+        "ideal_bytes_per_element": ideal,
+        "ratio_to_fp32": bpe / 4.0,
+        "ratio_to_ideal": bpe / ideal,
+        "rel_error": rel,
+    }
+
+
+def _table(rows: list[dict]) -> str:
+    head = (f"{'compressor':<26}{'numel':>10}{'enc GB/s':>10}{'dec GB/s':>10}{'memcpy':>9}"
+            f"{'enc/mem':>9}{'dec/mem':>9}{'rt/mem':>8}{'B/elem':>9}{'/fp32':>7}{'/ideal':>8}{'rel err':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['compressor']:<26}{r['numel']:>10}{r['encode_gbps']:>10.3f}{r['decode_gbps']:>10.3f}"
+            f"{r['memcpy_gbps']:>9.2f}{r['encode_ratio']:>9.3f}{r['decode_ratio']:>9.3f}"
+            f"{r['roundtrip_ratio']:>8.3f}{r['bytes_per_element']:>9.4f}{r['ratio_to_fp32']:>7.3f}"
+            f"{r['ratio_to_ideal']:>8.4f}{r['rel_error']:>9.4f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1M elements only")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
+    ap.add_argument("--only", metavar="SPECS", help="comma-free list of specs separated by ';'")
+    ap.add_argument("--backend", choices=("auto", "compile", "eager"), default="auto",
+                    help="kernel backend (default: auto, as in normal use)")
+    ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default 11 at 1M, 5 at 16M)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    _kernels.set_backend(args.backend)
+    specs = [s.strip() for s in args.only.split(";")] if args.only else SPECS
+    for s in specs:
+        try:
+            gc.build(s)
+        except ValueError as e:
+            print(f"bench_compress: {e}", file=sys.stderr)
+            return 2
+    sizes = [1 << 20] if args.quick else [1 << 20, 1 << 24]
+    rows = []
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, backend {args.backend}; medians",
+          flush=True)
+    for n in sizes:
+        for s in specs:
+            rows.append(bench(s, n, args.reps or (11 if n <= 1 << 20 else 5)))
+            print(_table(rows[-1:]).splitlines()[-1] if len(rows) > 1 else _table(rows), flush=True)
+    print()
+    print(_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

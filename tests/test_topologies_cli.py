@@ -72,11 +72,12 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
     )
 
 
-#: the cases that also run as subprocesses: one per way of failing, and the outputs
+#: the cases that also run as subprocesses: the outputs, a warning, and one case per
+#: way of failing (registry, builder, argparse type, argparse choice, unknown flag,
+#: missing argument)
 IN_SUBPROCESS = [
-    "ring", "json-ring", "list", "seed-on-ring",
-    "unknown name", "torus no shape", "expander odd", "fractional n", "negative n",
-    "bad weights", "unknown flag", "missing n", "uniform on star",
+    "ring", "list", "seed-on-ring",
+    "unknown name", "expander odd", "fractional n", "bad weights", "unknown flag", "missing n",
 ]
 
 
@@ -155,8 +156,7 @@ def test_rho_zero_takes_one_step(calls):
     assert f["steps to 1e-3"] == "1  (rho = 0: one step reaches the exact average)"
 
 
-def test_json_has_exactly_the_documented_keys(runs, calls):
-    assert runs["json-ring"].stdout == calls["json-ring"].stdout
+def test_json_has_exactly_the_documented_keys(calls):
     runs = calls
     keys = ["name", "n", "min_degree", "max_degree", "lambda2", "lambdan", "rho", "spectral_gap", "steps_to_1e-3"]
     for case, name in [("json-ring", "ring"), ("json-star", "star"), ("json-complete", "complete"), ("json-torus", "torus")]:

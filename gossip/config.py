@@ -183,10 +183,17 @@ _HELP = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line, like every other user error of the CLI."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     algos, comps, topos, mdls, datas = _registries()
     defaults = TrainConfig.__dataclass_fields__
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="gossip.train",
         description=(
             "Train with decentralized gossip (dpsgd, naive, dcd, ecd) or all-reduce, under "
@@ -201,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, **kw: Any) -> None:
         dflt = defaults[name].default
         kw.setdefault("help", _HELP[name])
-        kw["help"] += f" (default: {dflt})"
+        kw["help"] += f" (default: {'unset' if dflt is None else dflt})"
         p.add_argument("--" + name.replace("_", "-"), dest=name, **kw)
 
     add("algo", choices=list(algos))

@@ -498,7 +498,8 @@ def _save(out, env, step, fingerprint, gopt, loaders, ledger, n, nodes, cfg_dict
         "config": cfg_dict,
     }
     checkpoint.save_checkpoint(
-        checkpoint.checkpoint_path(out, step, env.rank), payload, fingerprint=fingerprint, world_size=n
+        checkpoint.checkpoint_path(out, step, env.rank), payload,
+        config=cfg_dict, fingerprint_keys=FINGERPRINT_KEYS, fingerprint=fingerprint, world_size=n,
     )
 
 
@@ -510,7 +511,10 @@ def _resume(cfg, env, out, fingerprint, gopt, loaders, ledger, comm) -> int:
         path = checkpoint.latest_checkpoint(out, rank=env.rank, num_ranks=env.world_size if env.distributed else 1)
         if path is None:
             raise checkpoint.CheckpointError(f"--resume {str(out)!r}: no checkpoint found in that directory")
-        ck = checkpoint.load_checkpoint(path, expect_fingerprint=fingerprint, expect_world_size=env.world_size)
+        ck = checkpoint.load_checkpoint(
+            path, expect_config={k: cfg.to_dict()[k] for k in FINGERPRINT_KEYS},
+            expect_fingerprint=fingerprint, expect_world_size=env.world_size,
+        )
         p = ck
         gopt.load_state_dict(p["optimizer"])
         for ld, s in zip(loaders, p["loaders"]):

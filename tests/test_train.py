@@ -1,0 +1,236 @@
+"""End-to-end tests of ``gossip.train``: under torchrun, under --simulate, bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gossip import checkpoint
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+QUICK = ["--data", "synthetic", "--epochs", "2", "--batch-size", "64", "--no-progress"]
+
+
+def train(*args: str, timeout: float = 120, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gossip.train", *args],
+        capture_output=True, text=True, timeout=timeout, env=ENV, cwd=cwd,
+    )
+
+
+def torchrun(n: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+         "-m", "gossip.train", *args],
+        capture_output=True, text=True, timeout=timeout, env=ENV,
+    )
+
+
+def final_params(run_dir: Path) -> torch.Tensor:
+    """The (n, d) parameters of the last checkpoint of a run, whatever the mode."""
+    step = max(int(p.name.split("-step")[1].split("-")[0]) for p in run_dir.glob("ckpt-step*-rank*.pt"))
+    files = sorted(run_dir.glob(f"ckpt-step{step}-rank*.pt"), key=lambda p: int(p.stem.split("rank")[1]))
+    return torch.cat([checkpoint.load_checkpoint(f)["optimizer"]["params"] for f in files])
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+SUMMARY_KEYS = {
+    "algo", "topology", "world_size", "compressor", "bits", "epochs", "steps", "final_train_loss",
+    "final_test_loss", "final_test_acc", "consensus_distance", "bytes_sent_per_node_per_step", "wall_time_s",
+}
+
+
+def test_simulate_writes_documented_files(tmp_path):
+    out = tmp_path / "run"
+    r = train("--simulate", "3", "--algo", "ecd", "--bits", "8", "--log-every", "5", "--out", str(out), *QUICK)
+    assert r.returncode == 0, r.stderr
+    assert "epoch   2/2" in r.stdout and "sent/node/step" in r.stdout
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["algo"] == "ecd" and cfg["compressor_spec"] == "quant:bits=8" and cfg["world_size"] == 3
+    summary = json.loads((out / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary["world_size"] == 3 and summary["bits"] == 8 and summary["mode"] == "simulate"
+    assert 0.0 <= summary["final_test_acc"] <= 1.0
+    # 8-bit payloads of both ring neighbours: about a quarter of D-PSGD's bytes
+    assert 0.2 < summary["bytes_ratio_to_dpsgd"] < 0.5
+    for k in range(3):
+        recs = read_jsonl(out / f"metrics-rank{k}.jsonl")
+        train_recs = [r for r in recs if r["kind"] == "train"]
+        evals = [r for r in recs if r["kind"] == "eval"]
+        assert train_recs and len(evals) == 2
+        for key in ("step", "epoch", "time", "loss", "lr", "bytes_sent", "bytes_recv", "compute_s", "compress_s", "comm_s"):
+            assert key in train_recs[0], key
+        steps = [r["step"] for r in train_recs]
+        assert steps == sorted(steps) and steps[-1] == summary["steps"]
+        sent = [r["bytes_sent"] for r in train_recs]
+        assert sent == sorted(sent) and sent[0] > 0  # cumulative
+        for key in ("test_loss", "test_acc", "consensus_distance", "node_acc_min", "node_acc_max", "train_loss"):
+            assert key in evals[-1], key
+
+
+def test_simulate_resume_is_bit_identical(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = ["--simulate", "3", "--algo", "dcd", "--bits", "4", "--momentum", "0.9", *QUICK]
+    assert train(*common, "--out", str(full)).returncode == 0
+    r = train(*common, "--out", str(part), "--max-steps", "17", "--checkpoint-every", "5")
+    assert r.returncode == 0, r.stderr
+    r = train(*common, "--resume", str(part))
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(final_params(full), final_params(part))
+    a = json.loads((full / "summary.json").read_text())
+    b = json.loads((part / "summary.json").read_text())
+    assert a["steps"] == b["steps"] and a["final_test_loss"] == b["final_test_loss"]
+    assert a["final_train_loss"] == b["final_train_loss"]
+    # the metrics of the resumed run continue where the checkpoint left off, no duplicates
+    steps = [r["step"] for r in read_jsonl(part / "metrics-rank0.jsonl") if r["kind"] == "train"]
+    assert steps == sorted(set(steps))
+
+
+@pytest.mark.multiprocess
+def test_torchrun_world2_equals_simulation_and_resumes(tmp_path):
+    args = ["--algo", "ecd", "--bits", "6", "--topology", "complete", *QUICK]
+    r = torchrun(2, *args, "--out", str(tmp_path / "dist"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = train("--simulate", "2", *args, "--out", str(tmp_path / "sim"))
+    assert r.returncode == 0, r.stderr
+    # simulation equals reality: the same parameters, bit for bit
+    assert torch.equal(final_params(tmp_path / "dist"), final_params(tmp_path / "sim"))
+    # and an interrupted torchrun run resumes to the same numbers
+    r = torchrun(2, *args, "--out", str(tmp_path / "part"), "--max-steps", "9")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = torchrun(2, *args, "--resume", str(tmp_path / "part"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert torch.equal(final_params(tmp_path / "dist"), final_params(tmp_path / "part"))
+
+
+@pytest.mark.multiprocess
+def test_torchrun_world4_ring(tmp_path):
+    out = tmp_path / "run"
+    r = torchrun(4, "--algo", "dcd", "--bits", "8", "--topology", "ring", "--out", str(out), *QUICK)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["mode"] == "torchrun"
+    assert sorted(p.name for p in out.glob("metrics-rank*.jsonl")) == [f"metrics-rank{k}.jsonl" for k in range(4)]
+    assert len(list(out.glob("ckpt-step*-rank*.pt"))) == 4
+    # only rank 0 prints the epoch lines
+    assert r.stdout.count("epoch   2/2") == 1
+
+
+@pytest.mark.multiprocess
+def test_torchrun_bad_input_fails_on_every_rank(tmp_path):
+    r = torchrun(2, "--algo", "dcd", "--topology", "torus", *QUICK, timeout=120)
+    assert r.returncode != 0
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("gossip.train: error:")]
+    assert len(errors) == 2 and "torus" in errors[0]
+
+
+def test_toml_config_and_flag_override(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('algo = "dcd"\nbits = 4\ndata = "synthetic"\nepochs = 1\nbatch-size = 128\nsimulate = 3\n')
+    out = tmp_path / "run"
+    r = train("--config", str(cfg), "--bits", "6", "--out", str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    c = json.loads((out / "config.json").read_text())
+    assert c["algo"] == "dcd" and c["bits"] == 6 and c["batch_size"] == 128 and c["epochs"] == 1
+
+
+def _one_error_line(r: subprocess.CompletedProcess, *needles: str) -> str:
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("gossip.train: error:"), lines[0]
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    assert "Traceback" not in r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--algo", "sgd"], ["--algo", "invalid choice", "ecd"]),
+    (["--topology", "moebius"], ["--topology", "ring"]),
+    (["--model", "vgg"], ["--model", "cnn1d"]),
+    (["--data", "imagenet"], ["--data", "mnist1d"]),
+    (["--simulate", "4", "--compressor", "zip:level=9"], ["--compressor", "quant"]),
+    (["--simulate", "4", "--bits", "0"], ["--bits", "1 to 16"]),
+    (["--simulate", "4", "--bits", "17"], ["--bits", "1 to 16"]),
+    (["--simulate", "4", "--algo", "dpsgd", "--bits", "8"], ["dpsgd", "naive, dcd, ecd"]),
+    (["--simulate", "7", "--topology", "torus"], ["torus", "7"]),
+    (["--algo", "ecd"], ["at least 2 nodes", "torchrun"]),
+    (["--simulate", "4", "--lr", "-1"], ["--lr", "> 0"]),
+    (["--simulate", "4", "--epochs", "0"], ["--epochs", ">= 1"]),
+    (["--config", "/nonexistent/run.toml"], ["--config", "no such file"]),
+])
+def test_bad_flags(args, needles):
+    _one_error_line(train(*args, "--no-progress"), *needles)
+
+
+def test_bad_toml(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('algo = "dcd"\nspeed = 3\n')
+    _one_error_line(train("--config", str(bad)), "unknown key 'speed'")
+    bad.write_text("algo = \n")
+    _one_error_line(train("--config", str(bad)), "not valid TOML")
+
+
+def test_bad_data_dir(tmp_path):
+    _one_error_line(train("--simulate", "2", "--topology", "complete", "--data", "cifar10", "--data-dir", str(tmp_path / "missing")), "does not exist")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "data_batch_1").write_bytes(b"not a pickle")
+    _one_error_line(train("--simulate", "2", "--topology", "complete", "--data", "cifar10", "--data-dir", str(tmp_path / "junk")), "cifar10")
+
+
+def _digest(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.glob("ckpt-*"))}
+
+
+def test_resume_refuses_other_config_world_size_or_damage(tmp_path):
+    out = tmp_path / "run"
+    common = ["--algo", "dcd", "--bits", "8", *QUICK]
+    assert train("--simulate", "3", *common, "--out", str(out), "--max-steps", "6").returncode == 0
+    before = _digest(out)
+    _one_error_line(train("--simulate", "3", *common, "--lr", "0.2", "--resume", str(out)), "different config", "lr")
+    _one_error_line(train("--simulate", "4", *common, "--resume", str(out)), "world size")
+    _one_error_line(train("--simulate", "3", *common, "--resume", str(tmp_path / "nowhere")), "--resume")
+    assert _digest(out) == before  # refusals leave the checkpoints alone
+    ck = next(out.glob("ckpt-*"))
+    data = ck.read_bytes()
+    ck.write_bytes(data[: len(data) // 2])
+    _one_error_line(train("--simulate", "3", *common, "--resume", str(out)), "checkpoint")
+
+
+def _write_cifar_batch(path: Path, n: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    batch = {
+        b"batch_label": b"tiny batch",
+        b"labels": [int(v) for v in rng.integers(0, 10, n)],
+        b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+        b"filenames": [f"img{i}.png".encode() for i in range(n)],
+    }
+    with open(path, "wb") as fh:
+        pickle.dump(batch, fh)
+
+
+def test_cifar10_from_a_local_directory(tmp_path):
+    d = tmp_path / "cifar-10-batches-py"
+    d.mkdir()
+    for i in range(1, 6):
+        _write_cifar_batch(d / f"data_batch_{i}", 8, i)
+    _write_cifar_batch(d / "test_batch", 8, 0)
+    out = tmp_path / "run"
+    r = train("--simulate", "2", "--algo", "dcd", "--bits", "8", "--topology", "complete", "--data", "cifar10",
+              "--data-dir", str(d), "--epochs", "1", "--batch-size", "4", "--out", str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    s = json.loads((out / "summary.json").read_text())
+    assert s["model"] == "resnet20" and s["steps"] == 5  # 40 images / 2 nodes / batch 4

@@ -54,7 +54,7 @@ EMULATE_SHIM = HERE / "netshape" / "emulate_latency.py"
 COLUMNS = [
     "algo", "bits", "nodes", "bandwidth_mbit", "latency_ms", "latency_mode", "shaping", "tcp_cc",
     "step_s", "step_s_p90", "epoch_s", "steps_per_epoch", "steps_measured",
-    "bytes_per_step", "iface_bytes_per_step", "iface_over_ledger",
+    "bytes_per_step", "iface_bytes_per_step", "iface_over_ledger", "iface_bytes_per_step_run", "iface_window",
     "comm_s_per_step", "compute_s_per_step", "params", "model", "data", "wall_s", "ok", "error", "cell",
 ]
 LABELS = {
@@ -210,7 +210,56 @@ def measure_run(run_dir: Path, warmup: int, steps: int | None = None) -> dict[st
 class RankRun:
     ok: bool
     returncode: int | None
-    tx_bytes: int
+    tx_bytes: int  # the host's interface over the whole run
+    window_tx_per_step: float | None = None  # over the timed steps only, where known
+
+
+class _StepWindow:
+    """Reads the interface counters when rank 0's metrics reach two steps.
+
+    ``gossip.train`` appends one record per step (``--log-every 1``, line-buffered), so
+    polling that file tells when a step is done; the counters read at the records of
+    step ``first`` and step ``last`` give the bytes each host sent during the timed
+    steps alone, without start-up, rendezvous and evaluation traffic.
+    """
+
+    def __init__(self, path: Path, first: int, last: int, counters: Callable[[], list[dict]]) -> None:
+        self.path, self.first, self.last, self.counters = path, first, last, counters
+        self._pos = 0
+        self._buf = ""
+        self.marks: dict[str, tuple[int, list[int]]] = {}
+
+    def __call__(self) -> None:
+        if "last" in self.marks:
+            return
+        try:
+            with open(self.path) as fh:
+                fh.seek(self._pos)
+                chunk = fh.read()
+                self._pos = fh.tell()
+        except OSError:
+            return
+        self._buf += chunk
+        *lines, self._buf = self._buf.split("\n")
+        step = None
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("kind") == "train":
+                step = rec["step"]
+        if step is None:
+            return
+        for name, bound in (("first", self.first), ("last", self.last)):
+            if name not in self.marks and step >= bound:
+                self.marks[name] = (step, [c["tx_bytes"] for c in self.counters()])
+
+    def per_step(self) -> list[float] | None:
+        if "first" not in self.marks or "last" not in self.marks:
+            return None
+        (s0, a), (s1, b) = self.marks["first"], self.marks["last"]
+        return None if s1 <= s0 else [(y - x) / (s1 - s0) for x, y in zip(a, b)]
 
 
 class _VClusterLauncher:
@@ -237,14 +286,20 @@ class _VClusterLauncher:
         self.vc.shape(rate=rate_bps, delay=latency_s if latency_s > 0 else None)
         return "netem" if self.vc.latency_mode == "netem" else "emulated"
 
-    def run(self, cmd: list[str], cell_dir: Path, run_dir: Path, timeout: float) -> tuple[list[RankRun], float, str]:
-        res = self.vc.run(cmd, timeout=timeout, outdir=cell_dir, cwd=os.getcwd())
+    def run(self, cmd: list[str], cell_dir: Path, run_dir: Path, timeout: float,
+            window: tuple[int, int] | None = None) -> tuple[list[RankRun], float, str]:
+        probe = None
+        if window is not None:
+            probe = _StepWindow(run_dir / "metrics-rank0.jsonl", window[0], window[1], self.vc.counters)
+        res = self.vc.run(cmd, timeout=timeout, outdir=cell_dir, cwd=os.getcwd(), monitor=probe)
+        per_step = probe.per_step() if probe is not None else None
         err = ""
         if not res.ok:
             bad = res.failed[0]
             state = "timed out" if bad.timed_out else f"exit {bad.returncode}"
             err = f"rank {bad.rank} {state}: {res.tail(bad.rank, 2)}".strip()
-        return [RankRun(r.ok, r.returncode, r.tx_bytes) for r in res.ranks], res.wall_s, err
+        return [RankRun(r.ok, r.returncode, r.tx_bytes, per_step[k] if per_step else None)
+                for k, r in enumerate(res.ranks)], res.wall_s, err
 
 
 class _SSHLauncher:
@@ -307,7 +362,8 @@ class _SSHLauncher:
             out.append(int(text.strip() or 0))
         return out
 
-    def run(self, cmd: list[str], cell_dir: Path, run_dir: Path, timeout: float) -> tuple[list[RankRun], float, str]:
+    def run(self, cmd: list[str], cell_dir: Path, run_dir: Path, timeout: float,
+            window: tuple[int, int] | None = None) -> tuple[list[RankRun], float, str]:
         n = len(self.hosts)
         before = self._tx()
         procs = []
@@ -638,7 +694,7 @@ def _run_cell(args, launcher, cell: Cell, out: Path, epochs: int, spe: int, mode
         "data": args.data, "ok": False, "error": "",
         "shaping": getattr(launcher, "shaping", None), "tcp_cc": getattr(launcher, "tcp_cc", None),
     }
-    ranks, wall, err = launcher.run(cmd, cell_dir, run_dir, args.cell_timeout)
+    ranks, wall, err = launcher.run(cmd, cell_dir, run_dir, args.cell_timeout, window=(args.warmup, args.steps))
     row["wall_s"] = wall
     try:
         m = measure_run(run_dir, args.warmup, args.steps)
@@ -652,11 +708,14 @@ def _run_cell(args, launcher, cell: Cell, out: Path, epochs: int, spe: int, mode
             params = json.loads(summary.read_text()).get("params")
         steps_run = m.pop("steps_run")
         tx = [r.tx_bytes for r in ranks]
-        iface = statistics.fmean(tx) / steps_run if steps_run and any(tx) else None
+        iface_run = statistics.fmean(tx) / steps_run if steps_run and any(tx) else None
+        win = [r.window_tx_per_step for r in ranks]
+        iface = statistics.fmean(win) if win and all(w is not None for w in win) else iface_run
         row.update(m)
         row.update({
             "steps_per_epoch": spe_run, "epoch_s": m["step_s"] * spe_run, "params": params,
-            "iface_bytes_per_step": iface,
+            "iface_bytes_per_step": iface, "iface_bytes_per_step_run": iface_run,
+            "iface_window": iface is not iface_run,
             "iface_over_ledger": (iface / m["bytes_per_step"]) if iface and m["bytes_per_step"] else None,
             "ok": not err and m["steps_measured"] >= min(args.steps - args.warmup, 1),
             "error": err,

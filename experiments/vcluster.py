@@ -677,6 +677,7 @@ class VirtualCluster:
         outdir: str | os.PathLike | None = None,
         cwd: str | os.PathLike | None = None,
         fail_grace: float = 30.0,
+        monitor: Callable[[], None] | None = None,
     ) -> RunResult:
         """Run one command per rank, each in its namespace; wait for all of them.
 
@@ -690,6 +691,8 @@ class VirtualCluster:
             fail_grace: seconds the other ranks get to finish after one fails (they
                 should fail on their own through their peer timeouts) before they
                 are stopped.
+            monitor: called about every 50 ms while the ranks run (e.g. to read
+                ``counters()`` when a rank's log reaches a step).
         """
         cmds = self._commands(cmd_per_rank)
         out = Path(outdir) if outdir is not None else Path(tempfile.mkdtemp(prefix=f"vcluster-{self.prefix}-"))
@@ -729,6 +732,8 @@ class VirtualCluster:
                         if p.poll() is None:
                             results[k].killed = self._stop(p)
                     break
+                if monitor is not None:
+                    monitor()
                 time.sleep(0.05)
         except BaseException:
             for k, p in enumerate(procs):

@@ -101,7 +101,7 @@ class FakeLauncher:
         self.rate, self.lat = rate_bps, latency_s
         return "emulated"
 
-    def run(self, cmd, cell_dir, run_dir, timeout):
+    def run(self, cmd, cell_dir, run_dir, timeout, window=None):
         algo = cmd[cmd.index("--algo") + 1]
         FakeLauncher.runs.append(cell_dir.name)
         b = self.BYTES[algo]
@@ -161,7 +161,7 @@ def test_sweep_writes_results_and_skips_measured_cells(tmp_path, fake):
 def test_failed_cell_is_reported_and_retried(tmp_path, fake, monkeypatch):
     out = tmp_path / "sweep"
 
-    def broken(self, cmd, cell_dir, run_dir, timeout):
+    def broken(self, cmd, cell_dir, run_dir, timeout, window=None):
         FakeLauncher.runs.append(cell_dir.name)
         return [sw.RankRun(False, 1, 0)], 1.0, "rank 1 exit 1: boom"
 
@@ -206,3 +206,21 @@ def test_hosts_dry_run_prints_the_commands(tmp_path, monkeypatch, capsys):
            "--rate 5000000bit --delay 20000us'" in printed
     assert "MASTER_ADDR=10.0.0.1" in printed and "GLOO_SOCKET_IFNAME=ens5" in printed and "RANK=1" in printed
     assert "tc_shape.sh clear --dev ens5" in printed  # the hosts are always left unshaped
+
+
+def test_step_window_reads_the_counters_at_two_steps(tmp_path):
+    path = tmp_path / "metrics-rank0.jsonl"
+    tx = {"bytes": 0}
+    probe = sw._StepWindow(path, first=2, last=5, counters=lambda: [{"tx_bytes": tx["bytes"]}, {"tx_bytes": 0}])
+    probe()  # no file yet: nothing happens
+    with open(path, "w", buffering=1) as fh:
+        for step in range(1, 8):
+            tx["bytes"] += 1000 if step > 2 else 50_000  # start-up traffic before the window
+            fh.write(json.dumps({"kind": "train", "step": step, "time": step}) + "\n")
+            if step == 4:
+                fh.write('{"kind": "train", "st')  # a record cut in the middle: read later
+                probe()
+                fh.write('ep": 4.5, "time": 4}\n')
+            probe()
+    assert probe.marks["first"][0] == 2 and probe.marks["last"][0] == 5
+    assert probe.per_step() == [1000.0, 0.0]

@@ -24,7 +24,7 @@ import gossip.compress as gc
 from gossip.compress import _kernels
 
 SPECS = [
-    "quant:bits=8", "quant:bits=4", "quant:bits=8,block=4096", "qsgd:levels=16", "ternary",
+    "quant:bits=8", "quant:bits=4", "quant:bits=8,block=4096", "qsgd:levels=16,block=512", "ternary",
     "randk:p=0.1", "sign", "blocksign:block=65536", "topk:p=0.01", "randomk:p=0.01",
     "randomblock:p=0.01", "identity", "fp16",
 ]

@@ -12,6 +12,8 @@ Works on any device; leading dimensions are batch dimensions.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 __all__ = ["pack_bits", "unpack_bits", "packed_nbytes"]
@@ -56,9 +58,10 @@ def pack_bits(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -
     elif bits in (1, 2, 4):
         per = 8 // bits
         c = _pad_last(codes.to(torch.uint8), nbytes * per).view(*lead, nbytes, per)
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-        c = c & ((1 << bits) - 1)
-        res = (c << shifts).sum(dim=-1, dtype=torch.uint8)
+        mask = (1 << bits) - 1
+        res = c[..., 0] & mask
+        for j in range(1, per):  # a few strided passes beat a reduction over a tiny dim
+            res |= (c[..., j] & mask) << (j * bits)
     else:
         res = _pack_generic(codes, bits, n, lead, nbytes)
     if out is not None:
@@ -67,38 +70,34 @@ def pack_bits(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -
     return res
 
 
-def _group_offsets(bits: int, device):
-    j = torch.arange(8, dtype=torch.int64, device=device)
-    return j * bits
+def _overlaps(bits: int):
+    """(byte q, code j, shift) for every byte of a group of 8 codes and every code
+    with bits in it; shift = bits * j - 8 * q (code bit 0 sits at byte bit shift)."""
+    res = []
+    for q in range(bits):
+        for j in range(8):
+            if bits * j < 8 * q + 8 and bits * j + bits > 8 * q:
+                res.append((q, j, bits * j - 8 * q))
+    return res
 
 
 def _pack_generic(codes, bits, n, lead, nbytes):
-    # groups of 8 codes = `bits` bytes, assembled in two int64 words (128 bits)
+    # a group of 8 codes is `bits` bytes; each byte gathers the (at most three) codes
+    # that reach into it, so every step is one strided pass over 1/8 of the codes
     g = (n + 7) // 8
-    c = _pad_last(codes.to(torch.int64) & ((1 << bits) - 1), 8 * g).view(*lead, g, 8)
-    o = _group_offsets(bits, codes.device)
-    lo_sh = torch.where(o < 64, o, torch.zeros_like(o))
-    lo = torch.where(o < 64, c << lo_sh, torch.zeros_like(c)).sum(dim=-1)
-    # bits of codes that cross or live above bit 64
-    hi_part = torch.where(
-        o >= 64, c << (o - 64).clamp(min=0),
-        torch.where(o + bits > 64, c >> (64 - o).clamp(max=63), torch.zeros_like(c)),
-    )
-    hi = hi_part.sum(dim=-1)
-    words = torch.stack((lo, hi), dim=-1)  # (..., g, 2)
-    b = _le_bytes(words).reshape(*lead, g, 16)[..., :bits]
-    return b.reshape(*lead, g * bits)[..., :nbytes]
-
-
-def _le_bytes(words: torch.Tensor) -> torch.Tensor:
-    """int64 words -> their little-endian bytes (..., 8), independent of host byte order."""
-    sh = torch.arange(0, 64, 8, dtype=torch.int64, device=words.device)
-    return ((words.unsqueeze(-1) >> sh) & 0xFF).to(torch.uint8)
-
-
-def _from_le_bytes(b: torch.Tensor) -> torch.Tensor:
-    sh = torch.arange(0, 64, 8, dtype=torch.int64, device=b.device)
-    return (b.to(torch.int64) << sh).sum(dim=-1)
+    c = _pad_last(codes.to(torch.int32), 8 * g).view(*lead, g, 8) & ((1 << bits) - 1)
+    out = torch.empty(*lead, g, bits, dtype=torch.uint8, device=codes.device)
+    acc = None
+    for q, j, sh in _overlaps(bits) + [(bits, 0, 0)]:
+        if acc is not None and (q != cur):
+            out[..., cur] = acc & 0xFF
+            acc = None
+        if q == bits:
+            break
+        cur = q
+        term = c[..., j] << sh if sh >= 0 else c[..., j] >> -sh
+        acc = term if acc is None else acc.bitwise_or_(term)
+    return out.view(*lead, g * bits)[..., :nbytes]
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -124,22 +123,22 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         return lo | (hi << 8)
     if bits in (1, 2, 4):
         per = 8 // bits
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-        c = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-        return c.reshape(*lead, nbytes * per)[..., :n]
+        c = torch.empty(*lead, nbytes, per, dtype=torch.uint8, device=packed.device)
+        for j in range(per):
+            torch.bitwise_right_shift(p, j * bits, out=c[..., j])
+        c &= (1 << bits) - 1
+        return c.view(*lead, nbytes * per)[..., :n]
     g = (n + 7) // 8
-    b = _pad_last(p, g * bits).reshape(*lead, g, bits)
-    b = _pad_last(b, 16).reshape(*lead, g, 2, 8)
-    words = _from_le_bytes(b)  # (..., g, 2)
-    lo, hi = words[..., 0:1], words[..., 1:2]
-    o = _group_offsets(bits, packed.device)
+    b = _pad_last(p, g * bits).reshape(*lead, g, bits).to(torch.int32)
     mask = (1 << bits) - 1
-    # logical right shift of lo by o (o < 64), then the bits from hi
-    lo_part = torch.where(o < 64, (lo >> o.clamp(max=63)) & ((1 << (64 - o.clamp(max=63))) - 1), torch.zeros_like(lo))
-    hi_part = torch.where(
-        o >= 64, hi >> (o - 64).clamp(min=0),
-        torch.where(o + bits > 64, hi << (64 - o).clamp(min=0, max=63), torch.zeros_like(hi)),
-    )
-    c = (lo_part | hi_part) & mask
-    out = c.reshape(*lead, g * 8)[..., :n]
-    return out.to(torch.uint8) if bits <= 8 else out.to(torch.int32)
+    out = torch.empty(*lead, g, 8, dtype=torch.int32 if bits > 8 else torch.uint8, device=packed.device)
+    terms: dict = {}
+    for q, j, sh in _overlaps(bits):
+        terms.setdefault(j, []).append((q, sh))
+    for j in range(8):
+        acc = None
+        for q, sh in terms[j]:
+            term = b[..., q] >> sh if sh >= 0 else b[..., q] << -sh
+            acc = term if acc is None else acc.bitwise_or_(term)
+        out[..., j] = acc & mask
+    return out.view(*lead, g * 8)[..., :n]

@@ -816,6 +816,32 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+EMULATE_SHIM = HERE / "netshape" / "emulate_latency.py"
+
+
+def _emulating_command(cmd: list[str], ms: str) -> tuple[list[str], str] | None:
+    """``PY -m gossip.train ...`` made to emulate ``ms`` of latency, or None for other commands.
+
+    Appends ``--emulate-latency MS`` where ``gossip.train --help`` lists it; otherwise
+    runs the same flags through experiments/netshape/emulate_latency.py.
+    """
+    if "--emulate-latency" in cmd:
+        return None
+    for i in range(len(cmd) - 1):
+        if cmd[i] == "-m" and cmd[i + 1] == "gossip.train":
+            py = cmd[:i]
+            try:
+                helptext = subprocess.run([*py, "-m", "gossip.train", "--help"], capture_output=True,
+                                          text=True, timeout=300).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                helptext = ""
+            if "--emulate-latency" in helptext:
+                return [*cmd, "--emulate-latency", ms], f"appended --emulate-latency {ms} to the command"
+            return ([*py, str(EMULATE_SHIM), ms, *cmd[i + 2:]],
+                    f"gossip.train has no --emulate-latency yet: running it through {EMULATE_SHIM.name} {ms}")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     cmd = list(args.command)
@@ -842,10 +868,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vcluster: {vc.describe()}", file=sys.stderr, flush=True)
             if vc.latency_mode == "emulated":
                 ms = f"{vc.emulated_latency_s * 1e3:g}"
-                if any("gossip.train" in c for c in cmd) and "--emulate-latency" not in cmd and not args.no_latency_flag:
-                    cmd += ["--emulate-latency", ms]
-                    print(f"vcluster: latency: emulated; appended --emulate-latency {ms} to the command",
-                          file=sys.stderr, flush=True)
+                new = None if args.no_latency_flag else _emulating_command(cmd, ms)
+                if new is not None:
+                    cmd, how = new
+                    print(f"vcluster: latency: emulated; {how}", file=sys.stderr, flush=True)
                 else:
                     print(f"vcluster: latency: emulated; the command must wait {ms} ms per message round "
                           f"itself (GOSSIP_EMULATE_LATENCY_MS={ms} is set)", file=sys.stderr, flush=True)

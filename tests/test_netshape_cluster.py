@@ -306,3 +306,19 @@ def test_cli_bad_rate_is_one_line():
         "vcluster: error: bad rate '5mb': expected a positive number and a unit bit, kbit, mbit or gbit "
         "(e.g. 5mbit, 1.4gbit, 200kbit)"
     ]
+
+
+def test_emulating_command(tmp_path):
+    """Where netem is missing, a gossip.train command is made to emulate the latency."""
+    assert vcl._emulating_command(["python", "worker.py"], "5") is None  # not gossip.train: env only
+    with_flag = tmp_path / "py-with-flag"
+    with_flag.write_text("#!/bin/sh\necho '  --emulate-latency MS  one-way latency'\n")
+    with_flag.chmod(0o755)
+    cmd, how = vcl._emulating_command([str(with_flag), "-m", "gossip.train", "--algo", "dcd"], "20")
+    assert cmd == [str(with_flag), "-m", "gossip.train", "--algo", "dcd", "--emulate-latency", "20"]
+    without = tmp_path / "py-without"
+    without.write_text("#!/bin/sh\necho 'usage: gossip.train [--algo ALGO]'\n")
+    without.chmod(0o755)
+    cmd, how = vcl._emulating_command([str(without), "-m", "gossip.train", "--algo", "dcd"], "20")
+    assert cmd == [str(without), str(vcl.EMULATE_SHIM), "20", "--algo", "dcd"]
+    assert "no --emulate-latency" in how

@@ -50,12 +50,14 @@ def test_compiled_quant_matches_eager(backend):
 @pytest.mark.slow
 @ALL_COMPILED
 @pytest.mark.parametrize("spec", ["quant:bits=8,block=333", "quant:bits=4,block=100", "qsgd:levels=16",
-                                  "ternary:block=64", "quant:bits=12"])
+                                  "ternary:block=64", "quant:bits=12", "randk:p=0.1", "topk:k=77"])
 def test_compiled_other_quantizers_match_eager(backend, spec):
     g = torch.Generator().manual_seed(1)
     X = torch.randn(2, 3001, generator=g)
     Pe, Pc, De, Dc = _both(backend, gc.build(spec), X, torch.tensor([5, 6]))
-    if any(k.failed for k in _kernels.SR._variants.values()):
+    kernels = [*_kernels.SR._variants.values(), *_kernels.FUSED._variants.values(), _kernels.PRIORITIES,
+               _kernels.MAGNITUDE_KEYS]
+    if any(k.failed for k in kernels):
         pytest.skip("torch.compile is not usable here (no working C++ compiler)")
     assert torch.equal(Pe, Pc) and torch.equal(De, Dc)
 

@@ -85,6 +85,24 @@ def test_uniformity_chi_square_and_ks():
     assert stats.kstest(u.numpy(), "uniform").pvalue > 1e-4
 
 
+def test_rounding_digits_are_uniform_and_independent():
+    # the 24-bit first digits of the quantizers: both halves of a word, many keys
+    from gossip.compress._kernels import block_digits
+
+    u = block_digits(R.stream_seeds(torch.arange(128), R.STREAM_ROUND), 2, 4096, 0)  # (128, 2, 4096)
+    assert int(u.min()) >= 0 and int(u.max()) < (1 << 24)
+    for shift in (0, 16):
+        counts = torch.bincount(((u >> shift) & 0xFF).flatten(), minlength=256).numpy()
+        assert stats.chisquare(counts).pvalue > 1e-4
+    lo, hi = u[..., :2048], u[..., 2048:]  # the two digits that share a word
+    tol = 5 / math.sqrt(lo.numel())
+    assert abs(_corr(lo, hi)) < tol
+    assert abs(_corr(u[:, 0], u[:, 1])) < tol  # neighbouring blocks
+    assert abs(_corr(u[:-1], u[1:])) < tol  # consecutive keys
+    joint = torch.bincount(((lo >> 20) * 16 + (hi >> 20)).flatten(), minlength=256).numpy()
+    assert stats.chisquare(joint).pvalue > 1e-4
+
+
 def test_pairs_are_uniform():
     # consecutive positions share a 64-bit word: their joint distribution must be flat
     d = _digits_many(nkeys=64, n=8192)

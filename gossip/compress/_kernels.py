@@ -360,6 +360,39 @@ def _affine_eager(codes, a, step):
 AFFINE = Kernel("affine_decode", _affine_eager, _affine_compiled)
 
 
+def _priorities_compiled(seeds, idx, shift, mask):
+    # element-wise form of _random.priorities (same integers); the shift amount and
+    # mask come in as tensors so that no symbolic shape enters a constant
+    w = R.mix64(seeds.view(-1, 1) + (idx + 1) * R.GAMMA)
+    return (((w >> (shift + 1)) & mask) << shift) | idx
+
+
+def _priorities_eager(seeds, idx, shift, mask):
+    return R.priorities(seeds, idx.shape[1])
+
+
+def priorities(seeds: torch.Tensor, n: int) -> torch.Tensor:
+    nb = max(1, (n - 1).bit_length())
+    idx = torch.arange(n, dtype=torch.int64, device=seeds.device).view(1, n)
+    shift = torch.tensor(nb, dtype=torch.int64, device=seeds.device)
+    mask = torch.tensor((1 << (63 - nb)) - 1, dtype=torch.int64, device=seeds.device)
+    return run(PRIORITIES, seeds.numel() * n, seeds, idx, shift, mask)
+
+
+PRIORITIES = Kernel("priorities", _priorities_eager, _priorities_compiled)
+
+
+def _magnitude_keys(X):
+    # |x| as its fp32 bit pattern (monotone for non-negative floats) above the
+    # complemented index: distinct int64 keys, larger for larger |x|, then lower index
+    d = X.shape[1]
+    i = torch.arange(d, dtype=torch.int64, device=X.device)
+    return (X.abs().view(torch.int32).to(torch.int64) << 32) | (0xFFFFFFFF - i)
+
+
+MAGNITUDE_KEYS = Kernel("magnitude_keys", _magnitude_keys)
+
+
 def _checksum(words, w):
     return (words * w).sum(dim=1, dtype=torch.int64) & 0xFFFFFFFF
 

@@ -25,7 +25,7 @@ import dataclasses
 
 import torch
 
-from . import _random as R
+from . import _kernels, _random as R
 from .base import Compressor, Config
 from .registry import register
 from .wire import Layout
@@ -86,7 +86,7 @@ class _Sparse(Compressor):
         seeds = R.stream_seeds(keys, R.STREAM_SAMPLE)
         if k == numel:
             return torch.arange(numel, device=keys.device).expand(keys.shape[0], numel)
-        pri = R.priorities(seeds, numel)
+        pri = _kernels.priorities(seeds, numel)
         idx = torch.topk(pri, k, dim=1, largest=False, sorted=False).indices
         return idx.sort(dim=1).values
 
@@ -162,11 +162,8 @@ class TopK(_Sparse):
         self._check_finite(X)
         m, d = X.shape
         k = self.count(d)
-        # |x| as its fp32 bit pattern (monotone for non-negative floats) above the
-        # complemented index: distinct keys, so the selection is unique and ties go
-        # to the lower index
-        mag = X.abs().view(torch.int32).to(torch.int64) << 32
-        mag |= (0xFFFFFFFF - torch.arange(d, device=X.device, dtype=torch.int64))
+        # distinct keys ordered by |x| then lower index: the selection is unique
+        mag = _kernels.run(_kernels.MAGNITUDE_KEYS, X.numel(), X)
         idx = torch.topk(mag, k, dim=1, sorted=False).indices.sort(dim=1).values
         v["values"].copy_(X.gather(1, idx))
         v["index"].copy_(idx)

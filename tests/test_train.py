@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -15,16 +17,29 @@ import pytest
 import torch
 
 from gossip import checkpoint
+from gossip import train as gossip_train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 QUICK = ["--data", "synthetic", "--epochs", "2", "--batch-size", "64", "--no-progress"]
 
 
-def train(*args: str, timeout: float = 120, cwd=None) -> subprocess.CompletedProcess:
+def train_process(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The CLI in a process of its own: exit code and streams as a user sees them."""
     return subprocess.run(
         [sys.executable, "-m", "gossip.train", *args],
-        capture_output=True, text=True, timeout=timeout, env=ENV, cwd=cwd,
+        capture_output=True, text=True, timeout=timeout, env=ENV,
     )
+
+
+def train(*args: str) -> subprocess.CompletedProcess:
+    """The CLI's main() in this process (saves the start-up of a Python per run)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = gossip_train.main(list(args))
+        except SystemExit as e:  # argparse's own exits (usage errors, --help)
+            rc = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
 
 
 def torchrun(n: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -174,6 +189,14 @@ def _one_error_line(r: subprocess.CompletedProcess, *needles: str) -> str:
 ])
 def test_bad_flags(args, needles):
     _one_error_line(train(*args, "--no-progress"), *needles)
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--algo", "sgd"], ["invalid choice"]),
+    (["--simulate", "7", "--topology", "torus"], ["torus"]),
+])
+def test_bad_flags_exit_code_of_the_process(args, needles):
+    _one_error_line(train_process(*args), *needles)
 
 
 def test_bad_toml(tmp_path):

@@ -68,6 +68,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     resume: str | None = None
     timeout: float = 300.0
+    emulate_latency: float | None = None
     simulate: int | None = None
     log_every: int = 10
     progress: bool = True
@@ -104,6 +105,11 @@ class TrainConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo or (strict and v == lo):
                 rule = "> 0" if strict else ">= 0"
                 raise bad(f"--{name.replace('_', '-')} must be a finite number {rule}, got {v!r}")
+        if self.emulate_latency is not None and (
+            isinstance(self.emulate_latency, bool) or not isinstance(self.emulate_latency, (int, float))
+            or not math.isfinite(self.emulate_latency) or self.emulate_latency < 0
+        ):
+            raise bad(f"--emulate-latency must be a finite number of milliseconds >= 0, got {self.emulate_latency!r}")
         if self.momentum >= 1.0:
             raise bad(f"--momentum must be in [0, 1), got {self.momentum!r}")
         decentral = self.algo in ("dpsgd", "naive", "dcd", "ecd")
@@ -178,6 +184,8 @@ _HELP = {
     "resume": "continue the run in this directory from its latest checkpoint",
     "timeout": "seconds to wait for a peer before failing with its rank",
     "simulate": "run N nodes in this one process instead of under torchrun",
+    "emulate_latency": "add this one-way latency (ms) to every message round inside the communicator, "
+    "for networks where tc netem is unavailable (outputs say 'latency: emulated')",
     "log_every": "write a metrics record every N steps",
     "progress": "show a progress bar on rank 0",
 }
@@ -238,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("resume", metavar="DIR")
     add("timeout", type=float, metavar="SECONDS")
     add("simulate", type=int, metavar="N")
+    add("emulate_latency", type=float, metavar="MS")
     add("log_every", type=int, metavar="N")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     return p

@@ -142,6 +142,10 @@ def run(cfg: TrainConfig) -> dict | None:
             comm = gcomm.DistCommunicator(topo, device=device, timeout=cfg.timeout)
         else:
             comm = gcomm.SimulatedCommunicator(topo, world_size=env.world_size, device=device)
+        if cfg.emulate_latency:
+            from gossip.comm.latency import LatencyCommunicator
+
+            comm = LatencyCommunicator(comm, cfg.emulate_latency / 1000.0)
         return _train(cfg, env, topo, device, dataset, comm)
     except gcomm.PeerError as e:
         raise RunError(str(e)) from None
@@ -298,6 +302,8 @@ def _train(cfg, env, topo, device, dataset, comm) -> dict | None:
         "time_split_s": {k: snap["time"].get(k, 0.0) for k in ("compute", "compress", "communicate")},
         "wall_time_s": wall,
         "mode": "torchrun" if env.distributed else "simulate",
+        "latency_ms": cfg.emulate_latency,
+        "latency_mode": "emulated" if cfg.emulate_latency else None,
     }
     summary["bytes_sent_per_node_per_step"] = _global_mean(comm, summary["bytes_sent_per_node_per_step"], env)
     if is_main:
@@ -421,10 +427,11 @@ def _fmt_bytes(b: float) -> str:
 def _header(cfg, n, dim, algo, dpsgd_bytes, env) -> str:
     mode = f"torchrun, {n} ranks" if env.distributed else f"simulation, {n} nodes in one process"
     comp = cfg.compressor_spec or "none (fp32)"
+    lat = f" latency: emulated {cfg.emulate_latency:g} ms per message round" if cfg.emulate_latency else ""
     return (
         f"gossip.train: algo={cfg.algo} compressor={comp} topology="
         f"{cfg.topology if algorithms.is_decentralized(cfg.algo) else '-'} model={cfg.model_name} "
-        f"({dim:,} params) data={cfg.data}/{cfg.partition} [{mode}]"
+        f"({dim:,} params) data={cfg.data}/{cfg.partition} [{mode}]{lat}"
     )
 
 

@@ -257,3 +257,14 @@ def test_cifar10_from_a_local_directory(tmp_path):
     assert r.returncode == 0, r.stderr
     s = json.loads((out / "summary.json").read_text())
     assert s["model"] == "resnet20" and s["steps"] == 5  # 40 images / 2 nodes / batch 4
+
+
+def test_emulated_latency_is_marked_and_waited(tmp_path):
+    out = tmp_path / "run"
+    r = train("--simulate", "3", "--algo", "dcd", *QUICK, "--max-steps", "10", "--emulate-latency", "20", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "latency: emulated 20 ms" in r.stdout
+    s = json.loads((out / "summary.json").read_text())
+    assert s["latency_mode"] == "emulated" and s["latency_ms"] == 20
+    # one message round per gossip step: at least 10 x 20 ms in the communicate phase
+    assert s["time_split_s"]["communicate"] >= 10 * 0.020

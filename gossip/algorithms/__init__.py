@@ -10,6 +10,18 @@ from typing import Any
 
 from gossip.algorithms.allreduce import AllReduce, AllReduceConfig
 from gossip.algorithms.base import Algorithm
+from gossip.algorithms.efsgd import (
+    DistEFSGD,
+    EFBlockSGD,
+    EFBlockSGDConfig,
+    EFBlockSGDM,
+    EFBlockSGDMConfig,
+    EFSGDConfig,
+    SignSGD,
+    SignSGDConfig,
+    Signum,
+    SignumConfig,
+)
 from gossip.algorithms.decentralized import (
     DCD,
     DPSGD,
@@ -35,6 +47,16 @@ __all__ = [
     "ECD",
     "ECDConfig",
     "GossipState",
+    "DistEFSGD",
+    "EFSGDConfig",
+    "EFBlockSGD",
+    "EFBlockSGDConfig",
+    "EFBlockSGDM",
+    "EFBlockSGDMConfig",
+    "SignSGD",
+    "SignSGDConfig",
+    "Signum",
+    "SignumConfig",
     "available",
     "build",
     "config_class",
@@ -47,6 +69,11 @@ _REGISTRY: dict[str, tuple[type[Algorithm], type]] = {
     "naive": (Naive, NaiveConfig),
     "dcd": (DCD, DCDConfig),
     "ecd": (ECD, ECDConfig),
+    "efsgd": (DistEFSGD, EFSGDConfig),
+    "efblocksgd": (EFBlockSGD, EFBlockSGDConfig),
+    "efblocksgdm": (EFBlockSGDM, EFBlockSGDMConfig),
+    "signsgd": (SignSGD, SignSGDConfig),
+    "signum": (Signum, SignumConfig),
 }
 
 

@@ -1,0 +1,296 @@
+"""dist-EF-SGD, dist-EF-blockSGD, dist-EF-blockSGDM (papers/000) and the sign baselines.
+
+Worker i, stochastic gradient g_{t,i}, step size eta_t (eta_{-1} = 0), compressor C,
+worker error e_{t,i}, server error e~_t, momentum mu (Alg. 4; mu = 0 gives Alg. 2/3):
+
+1. momentum (Alg. 4 line 4-5): m_{t,i} = mu m_{t-1,i} + g_{t,i}; v_{t,i} = mu m_{t,i} + g_{t,i}
+   (v = g when mu = 0);
+2. worker error feedback: p_{t,i} = v_{t,i} + (eta_{t-1}/eta_t) e_{t,i};
+   Delta_{t,i} = C(p_{t,i}); e_{t+1,i} = p_{t,i} - Delta_{t,i};
+3. push: the payloads C(p_{t,i}) are all-gathered (every worker receives every push);
+4. server, replicated deterministically on every worker:
+   p~_t = (1/M) sum_i Delta_{t,i} + (eta_{t-1}/eta_t) e~_t; Delta~_t = C(p~_t);
+   e~_{t+1} = p~_t - Delta~_t (server compression uses a key shared by all workers);
+5. pull: the gradient is replaced by Delta~_t, so the user's plain SGD step
+   x_{t+1} = x_t - eta_t Delta~_t is Alg. 2 line 6.
+
+``efsgd`` takes any compressor (``sign`` by default, papers/000 eq. 1);
+``efblocksgd`` is ``efsgd`` with the blockwise sign compressor (Alg. 3) whose blocks
+are the parameter tensors (pass ``offsets``: ``FlatParams.blocks`` or their starts);
+``efblocksgdm`` adds Nesterov momentum inside the compressed update (Alg. 4).
+
+Baselines with majority vote and no error feedback (papers/000 Sec. 4):
+
+1. signum only: m_{t,i} = beta m_{t-1,i} + (1 - beta) g_{t,i}; v = m (signSGD: v = g);
+2. push sign(v_{t,i}) (the ``sign`` compressor: 1 bit per value), all-gathered;
+3. vote, replicated on every worker: Delta~_t = sign(sum_i sign(v_{t,i})) (0 on a tie);
+4. G <- Delta~_t.
+
+The full-precision momentum SGD baseline is ``allreduce`` with the user optimizer's
+momentum.
+
+What is counted: the all-gather of the pushes ((M - 1) payloads sent per worker per
+step, docs/comm.md). The server's reply costs nothing here because every worker
+computes it itself; docs/centralized.md compares this with a parameter server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gossip import compress as _compress
+from gossip.algorithms._centralized import (
+    ErrorFeedback,
+    _Centralized,
+    check_fraction,
+    check_offsets,
+    check_spec,
+)
+from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
+
+__all__ = [
+    "DistEFSGD",
+    "EFSGDConfig",
+    "EFBlockSGDConfig",
+    "EFBlockSGDMConfig",
+    "EFState",
+    "SignSGD",
+    "SignSGDConfig",
+    "SignumConfig",
+    "SignState",
+]
+
+_WORKER_STREAM = 0
+_SERVER_STREAM = 1
+
+
+# --------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class EFSGDConfig:
+    """dist-EF-SGD (papers/000 Alg. 2) with any compressor; ``momentum`` > 0 gives the
+    non-block variant of Alg. 4."""
+
+    compressor: str = "sign"
+    momentum: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_spec(self.compressor, "efsgd")
+        check_fraction("momentum", self.momentum)
+        check_int("seed", self.seed, minimum=0)
+
+    def build_compressor(self) -> Any:
+        return _compress.build(self.compressor)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EFBlockSGDConfig:
+    """dist-EF-blockSGD (papers/000 Alg. 3): blockwise sign, one block per tensor.
+
+    ``offsets``: block start offsets into the flat parameter vector, or the
+    ``(offset, numel)`` pairs of ``FlatParams.blocks``; None makes one block.
+    """
+
+    offsets: tuple[int, ...] | None = None
+    momentum: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offsets", check_offsets(self.offsets))
+        check_fraction("momentum", self.momentum)
+        check_int("seed", self.seed, minimum=0)
+
+    @property
+    def compressor(self) -> str:
+        return self.build_compressor().spec
+
+    def build_compressor(self) -> Any:
+        if self.offsets is None:
+            return _compress.build("blocksign")
+        return _compress.build("blocksign", offsets=self.offsets)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EFBlockSGDMConfig(EFBlockSGDConfig):
+    """dist-EF-blockSGDM (papers/000 Alg. 4): Nesterov momentum ``0 < momentum < 1``."""
+
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_fraction("momentum", self.momentum, lo_open=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SignSGDConfig:
+    """signSGD with majority vote: no momentum, no error feedback."""
+
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("seed", self.seed, minimum=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SignumConfig:
+    """Signum with majority vote: m = beta m + (1 - beta) g, push sign(m)."""
+
+    momentum: float = 0.9
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_fraction("momentum", self.momentum, lo_open=True)
+        check_int("seed", self.seed, minimum=0)
+
+
+# --------------------------------------------------------------------------------------
+# States
+# --------------------------------------------------------------------------------------
+@dataclass
+class EFState:
+    """``t`` counts steps from 1; ``lr`` is eta_t (set by ``set_lr``), ``prev_lr`` is
+    eta_{t-1} (0 before the first step). ``error`` (m, d): the hosted workers' e_{t,i};
+    ``server_error`` (1, d): e~_t, identical on every worker; ``momentum`` (m, d) or
+    empty when mu = 0. Random keys are a pure function of (seed, node, t)."""
+
+    t: int
+    lr: float
+    prev_lr: float
+    error: torch.Tensor
+    server_error: torch.Tensor
+    momentum: torch.Tensor
+
+
+@dataclass
+class SignState:
+    t: int
+    lr: float
+    prev_lr: float
+    momentum: torch.Tensor
+
+
+# --------------------------------------------------------------------------------------
+# Algorithms
+# --------------------------------------------------------------------------------------
+class DistEFSGD(_Centralized):
+    """dist-EF-SGD / -blockSGD / -blockSGDM; see the module docstring for the steps."""
+
+    name = "efsgd"
+    summary = "dist-EF-SGD (papers/000 Alg. 2): two-way compression with worker and server error feedback"
+
+    def __init__(self, config: Any, comm: Any) -> None:
+        super().__init__(config, comm)
+        self.compressor = config.build_compressor()
+        self.feedback = ErrorFeedback(self.compressor)
+
+    @property
+    def payload_compressor(self) -> Any:
+        return self.compressor
+
+    def setup(self, X: torch.Tensor) -> None:
+        m, d = X.shape
+        self.compressor.payload_nbytes(d)  # a bad block layout fails here, not mid-run
+        mom = X.new_zeros(m, d) if self.config.momentum > 0 else X.new_zeros(0)
+        self.state = EFState(
+            t=1, lr=1.0, prev_lr=0.0, error=X.new_zeros(m, d),
+            server_error=X.new_zeros(1, d), momentum=mom,
+        )
+
+    @torch.no_grad()
+    def reduce_gradients(self, G: torch.Tensor) -> None:
+        st, mu, ledger = self.state, self.config.momentum, self.comm.ledger
+        m, d = G.shape
+        tag = step_tag(st.t)
+        ratio = self._lr_ratio()
+        with ledger.phase("compute"):
+            # 1. Nesterov momentum inside the compressed update (Alg. 4 lines 4-5)
+            if mu > 0:
+                st.momentum.mul_(mu).add_(G)
+                V = G + mu * st.momentum
+            else:
+                V = G
+        with ledger.phase("compress"):
+            # 2. worker error feedback, e rescaled by eta_{t-1}/eta_t
+            keys = node_keys(self.config.seed, self.comm.nodes, st.t, _WORKER_STREAM)
+            _, payload, _ = self.feedback(V, st.error, rescale=ratio, keys=keys, tag=tag)
+        with ledger.phase("communicate"):
+            # 3. push: every worker receives every worker's payload
+            pushed = self.comm.all_gather(payload)
+        with ledger.phase("compress"):
+            # 4. the server's step, computed identically on every worker: same payloads,
+            #    same decode, same reduction order, a key shared by all
+            mean = self.compressor.decode(pushed, d, tag=tag).to(G.dtype).mean(0, keepdim=True)
+            skey = torch.full((1,), shared_key(self.config.seed, st.t, _SERVER_STREAM), dtype=torch.int64)
+            _, _, pulled = self.feedback(mean, st.server_error, rescale=ratio, keys=skey, tag=tag)
+        # 5. the pulled direction replaces the gradient: x <- x - eta_t Delta~_t
+        G.copy_(pulled.expand(m, d))
+        st.prev_lr = st.lr
+        st.t += 1
+
+
+class EFBlockSGD(DistEFSGD):
+    name = "efblocksgd"
+    summary = "dist-EF-blockSGD (papers/000 Alg. 3): blockwise sign per tensor, two-way error feedback"
+
+
+class EFBlockSGDM(DistEFSGD):
+    name = "efblocksgdm"
+    summary = "dist-EF-blockSGDM (papers/000 Alg. 4): blockwise sign with Nesterov momentum and error feedback"
+
+
+class SignSGD(_Centralized):
+    """signSGD (``momentum`` absent) and Signum with majority vote; see the module
+    docstring for the steps."""
+
+    name = "signsgd"
+    summary = "signSGD with majority vote (baseline of papers/000): 1-bit pushes, no error feedback"
+
+    def __init__(self, config: Any, comm: Any) -> None:
+        super().__init__(config, comm)
+        self.compressor = _compress.build("sign")
+
+    @property
+    def payload_compressor(self) -> Any:
+        return self.compressor
+
+    def setup(self, X: torch.Tensor) -> None:
+        m, d = X.shape
+        beta = getattr(self.config, "momentum", 0.0)
+        mom = X.new_zeros(m, d) if beta > 0 else X.new_zeros(0)
+        self.state = SignState(t=1, lr=1.0, prev_lr=0.0, momentum=mom)
+
+    @torch.no_grad()
+    def reduce_gradients(self, G: torch.Tensor) -> None:
+        st, ledger = self.state, self.comm.ledger
+        beta = getattr(self.config, "momentum", 0.0)
+        m, d = G.shape
+        tag = step_tag(st.t)
+        with ledger.phase("compute"):
+            # 1. Signum's momentum (an exponential average of the gradients)
+            if beta > 0:
+                st.momentum.mul_(beta).add_(G, alpha=1.0 - beta)
+                V = st.momentum
+            else:
+                V = G
+        with ledger.phase("compress"):
+            # 2. one bit per value; sign compression is deterministic, the key is unused
+            keys = node_keys(self.config.seed, self.comm.nodes, st.t)
+            payload = self.compressor.encode(V, keys, tag=tag)
+        with ledger.phase("communicate"):
+            pushed = self.comm.all_gather(payload)
+        with ledger.phase("compress"):
+            # 3. majority vote: the decoded values are scale * (+-1); only the signs count
+            votes = torch.sign(self.compressor.decode(pushed, d, tag=tag)).sum(0, keepdim=True)
+            G.copy_(torch.sign(votes).to(G.dtype).expand(m, d))
+        st.prev_lr = st.lr
+        st.t += 1
+
+
+class Signum(SignSGD):
+    name = "signum"
+    summary = "Signum with majority vote (baseline of papers/000): sign of local momentum, 1-bit pushes"

@@ -5,6 +5,7 @@ Every compressor has the batched core ``encode(X, keys, tag) -> P`` /
 ``decompress(payload)``; see docs/compress.md.
 """
 
+from ._kernels import set_backend
 from .base import Compressor, Config
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .registry import available, build, register
@@ -21,4 +22,5 @@ __all__ = [
     "pack_bits",
     "unpack_bits",
     "packed_nbytes",
+    "set_backend",
 ]

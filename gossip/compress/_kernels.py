@@ -237,10 +237,18 @@ def _scales(x, L: float, mode: int):
 
 
 def _fused_compiled(x, seeds, w0: int, hb: int, L: float, mode: int, ol, oh):
-    """Scales and rounding of nb blocks in one compiled call (quant and ternary)."""
+    """Scales and rounding of nb blocks in one compiled call (quant and ternary).
+
+    For quant (mode 0) only the number of ties comes back: ties need t < 0.5, the
+    lowest half level, and then have probability 2**-24, so they are rare enough
+    that a second pass to locate them (stochastic_round) is cheaper on average than
+    writing a flag per element. Ternary values mostly lie below 0.5: flags.
+    """
     H = ol.shape[2]
     a, R, s = _scales(x, L, mode)
     flags = _sr_pairs_compiled(x[..., :H], x[..., H: 2 * H], a, s, seeds, w0, hb, L, mode, ol, oh)
+    if mode == 0:
+        return a, R, s, (flags != 0).sum()
     return a, R, s, flags
 
 
@@ -257,6 +265,12 @@ def scale_and_round(x, keys, seeds, start: int, w0: int, L: float, mode: int, ou
     k = FUSED.variant((mode, out.dtype, L))
     if H and _want_compiled(k, x.numel(), x.device):
         a, R, s, flags = run(k, x.numel(), x, seeds, w0, hb, float(L), mode, out[..., :H], out[..., H: 2 * H])
+        if flags.dim() == 0:  # a tie count: locate the ties, if any, with a second pass
+            if int(flags) == 0:
+                flags = torch.zeros((), dtype=torch.uint8, device=x.device)  # nothing to finish
+            else:
+                stochastic_round(x, a, s, keys, seeds, start, w0, L, mode, out)
+                return a, R, s
         _finish(x, a, s, keys, seeds, start, w0, L, mode, out, flags)
     else:
         a, R, s = _scales(x, float(L), mode)

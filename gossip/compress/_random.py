@@ -7,8 +7,12 @@ any device, with or without the compiled fast path.
 The generator is SplitMix64 (Steele, Lea and Flood, OOPSLA 2014) used in
 counter mode: word ``j`` of a stream seeded with ``s`` is
 ``mix64(s + (j + 1) * GAMMA)``, where ``mix64`` is SplitMix64's output
-function. A stream seed is ``mix64(key ^ STREAM[stream])``. Element ``i`` reads
-the 32-bit *digit* in half ``i % 2`` of word ``i // 2`` (low half first).
+function. A stream seed is ``mix64(key ^ (STREAM_BASE * (stream + 1)))``.
+
+Two ways of reading digits from the words: the quantizers' first rounding digits
+use a per-block layout defined in ``_kernels`` (two elements half a block apart
+share a word); the lazily drawn tie-breaking digits (``digits``, ``digits_at``)
+give element ``i`` the 32-bit half ``i % 2`` (low half first) of word ``i // 2``.
 
 Everything is written with int64 tensor ops (two's-complement wrap-around for
 multiplication, explicit masks to turn arithmetic right shifts into logical

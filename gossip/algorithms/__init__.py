@@ -22,6 +22,7 @@ from gossip.algorithms.efsgd import (
     Signum,
     SignumConfig,
 )
+from gossip.algorithms.powersgd import PowerSGD, PowerSGDConfig
 from gossip.algorithms.decentralized import (
     DCD,
     DPSGD,
@@ -57,6 +58,8 @@ __all__ = [
     "SignSGDConfig",
     "Signum",
     "SignumConfig",
+    "PowerSGD",
+    "PowerSGDConfig",
     "available",
     "build",
     "config_class",
@@ -74,6 +77,7 @@ _REGISTRY: dict[str, tuple[type[Algorithm], type]] = {
     "efblocksgdm": (EFBlockSGDM, EFBlockSGDMConfig),
     "signsgd": (SignSGD, SignSGDConfig),
     "signum": (Signum, SignumConfig),
+    "powersgd": (PowerSGD, PowerSGDConfig),
 }
 
 

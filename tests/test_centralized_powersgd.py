@@ -246,17 +246,28 @@ class _Bucket:
         return out
 
 
-def _hook_initial_q(seed, shapes, rank):
-    """The Q the hook draws on its first compressed step (its RNG, our layout)."""
+def _hook_initial_q(seed, shapes, rank, rate=2.0):
+    """The hook's first Q: drawn for the compressed matrices grouped by matrix shape
+    (first-seen order), laid out here in parameter order."""
     rng = np.random.RandomState(seed)
+    mats = []
+    for i, sh in enumerate(shapes):
+        if len(sh) < 2:
+            continue
+        n, k = sh[0], math.prod(sh[1:])
+        r = min(n, k, rank)
+        if (n + k) * r * rate < n * k:
+            mats.append((i, (n, k), r))
+    groups = {}
+    for i, nk, r in mats:
+        groups.setdefault(nk, []).append((i, r))
+    drawn = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(rng.randint(1_000_000_000))
-        qs = []
-        for sh in shapes:
-            if _compressed(sh, rank):
-                k = math.prod(sh[1:])
-                qs.append(torch.randn(1, k, min(sh[0], k, rank)).reshape(-1))
-    return torch.cat(qs)
+        for (n, k), members in groups.items():
+            for i, r in members:
+                drawn[i] = torch.randn(1, k, r).reshape(-1)
+    return torch.cat([drawn[i] for i, _, _ in mats])
 
 
 def _dist_crosscheck(steps, shapes, rank, seed):
@@ -300,7 +311,7 @@ def test_crosscheck_against_torch_powersgd_hook():
     triangular gives the same P_hat), sums P instead of averaging it (P_hat is scale
     free), and keeps an error for the uncompressed tensors too (local minus mean,
     whose mean over workers is 0). So the aggregates agree to rounding."""
-    shapes = SHAPES + [(6, 4, 3, 3)]
+    shapes = SHAPES + [(6, 4, 3, 3), (16, 12)]  # a repeated shape: the hook groups by shape
     results = run_world(2, _dist_crosscheck, 6, shapes, RANK, 3, timeout=120)
     for ours, theirs in results:
         rel = (ours - theirs).norm(dim=1) / theirs.norm(dim=1)

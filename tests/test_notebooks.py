@@ -1,0 +1,112 @@
+"""The notebooks run top to bottom against the small runs of tests/test_analysis.py.
+
+Each notebook is executed by nbclient in a fresh kernel. The kernel is the interpreter
+running the tests: the test writes a ``python3`` kernelspec whose argv starts with
+``sys.executable`` into a temporary directory and puts it first on ``JUPYTER_PATH``,
+so neither a user's nor the system's kernelspecs can send the notebooks to another
+Python.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+from tests.test_analysis import make_runs, sweep_rows  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = REPO / "notebooks"
+
+
+@pytest.fixture
+def kernel_env(tmp_path, monkeypatch):
+    spec = tmp_path / "jupyter" / "kernels" / "python3"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (tests)",
+        "language": "python",
+    }))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend shows the figures
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("GOSSIP_SWEEP", raising=False)
+    return monkeypatch
+
+
+def execute(name: str) -> nbformat.NotebookNode:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    client = nbclient.NotebookClient(
+        nb, kernel_name="python3", timeout=120, shutdown_kernel="immediate",
+        resources={"metadata": {"path": str(REPO)}},
+    )
+    client.execute()
+    return nb
+
+
+def text_of(nb) -> str:
+    out = []
+    for cell in nb.cells:
+        for o in cell.get("outputs", []):
+            out.append(o.get("text", ""))
+            out.append(o.get("data", {}).get("text/plain", ""))
+    return "\n".join(out)
+
+
+def images(nb) -> int:
+    return sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
+
+
+def test_convergence_notebook(tmp_path_factory, kernel_env):
+    runs = make_runs(tmp_path_factory)
+    kernel_env.setenv("GOSSIP_RUNS", str(runs))
+    nb = execute("convergence.ipynb")
+    text = text_of(nb)
+    assert f"3 run(s) under {runs}" in text
+    for label in ("dpsgd/fp32/ring", "ecd/quant:bits=8/ring", "allreduce/fp32/-"):
+        assert label in text
+    assert images(nb) >= 4
+
+
+def test_topologies_notebook(kernel_env, tmp_path):
+    kernel_env.setenv("GOSSIP_RUNS", str(tmp_path))
+    nb = execute("topologies.ipynb")
+    text = text_of(nb)
+    assert text.count("measured <= rho^t at every step: True") == 3
+    assert images(nb) == 2
+
+
+def test_network_notebook_without_results_says_so(kernel_env, tmp_path_factory):
+    runs = make_runs(tmp_path_factory)
+    kernel_env.setenv("GOSSIP_RUNS", str(runs))
+    nb = execute("network.ipynb")
+    assert f"no sweep results under {runs}" in text_of(nb)
+    assert images(nb) == 0
+
+
+def test_network_notebook_with_results(kernel_env, tmp_path):
+    sweep = tmp_path / "runs" / "netsweep"
+    sweep.mkdir(parents=True)
+    (sweep / "results.json").write_text(json.dumps({"meta": {}, "rows": sweep_rows()}))
+    kernel_env.setenv("GOSSIP_RUNS", str(tmp_path / "runs"))
+    nb = execute("network.ipynb")
+    text = text_of(nb)
+    assert f"sweep results: {sweep} (27 rows, 26 measured)" in text
+    assert "time_vs_allreduce" in text and images(nb) == 1
+
+
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
+def test_notebooks_are_committed_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: clear the outputs"
+    assert nb.metadata.kernelspec.name == "python3"

@@ -50,7 +50,6 @@ from vcluster import VClusterError, format_rate, parse_rate, parse_time  # noqa:
 
 __all__ = ["Cell", "measure_run", "parse_algos", "plot_fig3", "write_results", "main"]
 
-EMULATE_SHIM = HERE / "netshape" / "emulate_latency.py"
 COLUMNS = [
     "algo", "bits", "nodes", "bandwidth_mbit", "latency_ms", "latency_mode", "shaping", "tcp_cc",
     "step_s", "step_s_p90", "epoch_s", "steps_per_epoch", "steps_measured",
@@ -448,7 +447,7 @@ def _calibrate(args: argparse.Namespace, out: Path) -> int:
 
 
 def _train_cmd(args: argparse.Namespace, cell: Cell, run_dir: Path, epochs: int, latency_mode: str,
-               has_max_steps: bool, has_emulate: bool) -> list[str]:
+               has_max_steps: bool) -> list[str]:
     flags = ["--algo", cell.algo, "--topology", args.topology, "--data", args.data,
              "--batch-size", str(args.batch_size), "--epochs", str(epochs), "--lr", str(args.lr),
              "--seed", str(args.seed), "--out", str(run_dir), "--log-every", "1", "--no-progress",
@@ -461,10 +460,7 @@ def _train_cmd(args: argparse.Namespace, cell: Cell, run_dir: Path, epochs: int,
         flags += ["--max-steps", str(args.steps)]
     flags += shlex.split(args.train_args or "")
     if latency_mode == "emulated" and cell.latency_s > 0:
-        ms = f"{cell.latency_s * 1e3:g}"
-        if has_emulate:
-            return [args.python, "-m", "gossip.train", *flags, "--emulate-latency", ms]
-        return [args.python, str(EMULATE_SHIM), ms, *flags]
+        flags += ["--emulate-latency", f"{cell.latency_s * 1e3:g}"]
     return [args.python, "-m", "gossip.train", *flags]
 
 
@@ -640,7 +636,9 @@ def run_sweep(args: argparse.Namespace, out: Path, log: Callable[[str], None]) -
         raise SweepError(f"need --steps >= 2 and 0 <= --warmup < --steps - 1, got steps {args.steps}, warmup {args.warmup}")
     help_text = _train_help(args.python)
     has_max_steps = "--max-steps" in help_text
-    has_emulate = "--emulate-latency" in help_text
+    if "--emulate-latency" not in help_text:
+        raise SweepError(f"`{args.python} -m gossip.train` has no --emulate-latency flag; this sweep needs it "
+                         "where netem is missing (update the checkout)")
     spe = _calibrate(args, out)
     # whole epochs that reach --steps; --max-steps (where the CLI has it) stops right there
     epochs = max(1, math.ceil(args.steps / spe))
@@ -667,7 +665,7 @@ def run_sweep(args: argparse.Namespace, out: Path, log: Callable[[str], None]) -
                 mode = launcher.shape(rate, lat)
                 for c in todo:
                     log(f"cell {c.key}: {format_rate(rate)}, {c.latency_ms:g} ms ({mode}) ...")
-                    row = _run_cell(args, launcher, c, out, epochs, spe, mode, has_max_steps, has_emulate)
+                    row = _run_cell(args, launcher, c, out, epochs, spe, mode, has_max_steps)
                     rows[c.key] = row
                     if row["ok"]:
                         log(f"cell {c.key}: step {row['step_s']:.4f} s, epoch {row['epoch_s']:.2f} s, "
@@ -678,7 +676,7 @@ def run_sweep(args: argparse.Namespace, out: Path, log: Callable[[str], None]) -
 
 
 def _run_cell(args, launcher, cell: Cell, out: Path, epochs: int, spe: int, mode: str,
-              has_max_steps: bool, has_emulate: bool) -> dict[str, Any]:
+              has_max_steps: bool) -> dict[str, Any]:
     cell_dir = out / "cells" / cell.key
     run_dir = cell_dir / "run"
     if cell_dir.exists():
@@ -686,7 +684,7 @@ def _run_cell(args, launcher, cell: Cell, out: Path, epochs: int, spe: int, mode
             if f.is_file():
                 f.unlink()
     cell_dir.mkdir(parents=True, exist_ok=True)
-    cmd = _train_cmd(args, cell, run_dir, epochs, mode, has_max_steps, has_emulate)
+    cmd = _train_cmd(args, cell, run_dir, epochs, mode, has_max_steps)
     (cell_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
     row: dict[str, Any] = {
         "algo": cell.algo, "bits": cell.bits, "nodes": cell.nodes, "bandwidth_mbit": cell.bandwidth_mbit,

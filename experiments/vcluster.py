@@ -816,29 +816,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-EMULATE_SHIM = HERE / "netshape" / "emulate_latency.py"
-
-
 def _emulating_command(cmd: list[str], ms: str) -> tuple[list[str], str] | None:
-    """``PY -m gossip.train ...`` made to emulate ``ms`` of latency, or None for other commands.
-
-    Appends ``--emulate-latency MS`` where ``gossip.train --help`` lists it; otherwise
-    runs the same flags through experiments/netshape/emulate_latency.py.
-    """
+    """``PY -m gossip.train ...`` with ``--emulate-latency MS`` appended; None for other commands."""
     if "--emulate-latency" in cmd:
         return None
     for i in range(len(cmd) - 1):
         if cmd[i] == "-m" and cmd[i + 1] == "gossip.train":
-            py = cmd[:i]
-            try:
-                helptext = subprocess.run([*py, "-m", "gossip.train", "--help"], capture_output=True,
-                                          text=True, timeout=300).stdout
-            except (OSError, subprocess.TimeoutExpired):
-                helptext = ""
-            if "--emulate-latency" in helptext:
-                return [*cmd, "--emulate-latency", ms], f"appended --emulate-latency {ms} to the command"
-            return ([*py, str(EMULATE_SHIM), ms, *cmd[i + 2:]],
-                    f"gossip.train has no --emulate-latency yet: running it through {EMULATE_SHIM.name} {ms}")
+            return [*cmd, "--emulate-latency", ms], f"appended --emulate-latency {ms} to the command"
     return None
 
 

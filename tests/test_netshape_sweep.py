@@ -114,7 +114,7 @@ class FakeLauncher:
 def fake(monkeypatch):
     FakeLauncher.runs = []
     monkeypatch.setattr(sw, "_VClusterLauncher", FakeLauncher)
-    monkeypatch.setattr(sw, "_train_help", lambda python: "usage: gossip.train --algo ...")
+    monkeypatch.setattr(sw, "_train_help", lambda python: "usage: gossip.train --algo ... --emulate-latency MS")
     monkeypatch.setattr(sw, "_calibrate", lambda args, out: 4)
     return FakeLauncher
 
@@ -143,9 +143,9 @@ def test_sweep_writes_results_and_skips_measured_cells(tmp_path, fake):
     assert (out / "fig3.png").stat().st_size > 10_000
     table = (out / "results.md").read_text()
     assert "latency" in table and "emulated" in table and "| dcd:8 | 5 | 20 | emulated |" in table
-    # latency is emulated here: the command carries it (flag or stop-gap wrapper)
+    # latency is emulated here: the command carries it
     cmd = (out / "cells" / row["cell"] / "command.txt").read_text()
-    assert "emulate_latency.py 20 " in cmd or "--emulate-latency 20" in cmd
+    assert "--emulate-latency 20" in cmd
 
     # a re-run measures nothing again; --force measures everything again
     assert sw.main([*ARGS, "--out", str(out)]) == 0
@@ -173,7 +173,7 @@ def test_failed_cell_is_reported_and_retried(tmp_path, fake, monkeypatch):
     assert not row["ok"] and "boom" in row["error"]
     monkeypatch.undo()
     monkeypatch.setattr(sw, "_VClusterLauncher", FakeLauncher)
-    monkeypatch.setattr(sw, "_train_help", lambda python: "")
+    monkeypatch.setattr(sw, "_train_help", lambda python: "--emulate-latency")
     monkeypatch.setattr(sw, "_calibrate", lambda args, out: 4)
     assert sw.main(args) == 0  # the failed cell is measured again
     assert len(FakeLauncher.runs) == 2

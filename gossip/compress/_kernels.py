@@ -166,7 +166,7 @@ def _round_half(x, a, s, u, L: float, mode: int):
     t = _scaled(x, a, s, L, mode)
     f = t.floor()
     F = (t - f) * _TWO24
-    D = F - u.to(torch.float32)
+    D = F - u.to(torch.int32).to(torch.float32)  # narrowing first vectorises better
     up = (D > 0).to(torch.float32)
     lvl = f + up
     if mode == 1:
@@ -177,9 +177,7 @@ def _round_half(x, a, s, u, L: float, mode: int):
     return lvl, up * (D < 1).to(torch.float32)
 
 
-def _sr_pairs_compiled(xl, xh, a, s, seeds, w0: int, hb: int, L: float, mode: int, ol, oh):
-    """Both halves of nb blocks: xl = x[..., :H], xh = x[..., H:2H]; returns tie flags
-    (m, nb, H) uint8, bit 0 for the low half, bit 1 for the high half."""
+def _pairs(xl, xh, a, s, seeds, w0: int, hb: int, L: float, mode: int, ol, oh):
     m, nb, H = xl.shape
     j = (torch.arange(nb, device=xl.device) * hb).view(1, nb, 1) + torch.arange(H, device=xl.device).view(1, 1, H)
     w = R.mix64(seeds.view(m, 1, 1) + (j + (w0 + 1)) * R.GAMMA)
@@ -187,6 +185,13 @@ def _sr_pairs_compiled(xl, xh, a, s, seeds, w0: int, hb: int, L: float, mode: in
     hi, thi = _round_half(xh, a, s, (w >> 40) & _MASK24, L, mode)
     ol.copy_(lo)
     oh.copy_(hi)
+    return tlo, thi
+
+
+def _sr_pairs_compiled(xl, xh, a, s, seeds, w0: int, hb: int, L: float, mode: int, ol, oh):
+    """Both halves of nb blocks: xl = x[..., :H], xh = x[..., H:2H]; returns tie flags
+    (m, nb, H) uint8, bit 0 for the low half, bit 1 for the high half."""
+    tlo, thi = _pairs(xl, xh, a, s, seeds, w0, hb, L, mode, ol, oh)
     return (tlo + 2 * thi).to(torch.uint8)
 
 
@@ -246,10 +251,10 @@ def _fused_compiled(x, seeds, w0: int, hb: int, L: float, mode: int, ol, oh):
     """
     H = ol.shape[2]
     a, R, s = _scales(x, L, mode)
-    flags = _sr_pairs_compiled(x[..., :H], x[..., H: 2 * H], a, s, seeds, w0, hb, L, mode, ol, oh)
+    tlo, thi = _pairs(x[..., :H], x[..., H: 2 * H], a, s, seeds, w0, hb, L, mode, ol, oh)
     if mode == 0:
-        return a, R, s, (flags != 0).sum()
-    return a, R, s, flags
+        return a, R, s, (tlo + thi).sum()
+    return a, R, s, (tlo + 2 * thi).to(torch.uint8)
 
 
 FUSED = Kernel("scale_and_round", _fused_compiled)

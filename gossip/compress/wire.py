@@ -150,11 +150,8 @@ def checksum(P: torch.Tensor) -> torch.Tensor:
 def write_header(P: torch.Tensor, cid: int, phash: int, numel: int, keys: torch.Tensor, tag: int) -> None:
     """Fill the 32-byte headers of ``P`` (body already written) and the checksums."""
     # the row-independent words in one small tensor: magic/version/id, hash, numel, tag
-    const = torch.tensor(
-        [_MAGIC_WORD0 | (cid << 24) | (phash << 32), numel, 0, tag], dtype=torch.int64
-    ) if phash < (1 << 31) else torch.tensor(
-        [(_MAGIC_WORD0 | (cid << 24) | (phash << 32)) - (1 << 64), numel, 0, tag], dtype=torch.int64
-    )
+    w0 = _MAGIC_WORD0 | (cid << 24) | (phash << 32)
+    const = torch.tensor([w0 - (1 << 64) if w0 >= (1 << 63) else w0, numel, 0, tag], dtype=torch.int64)
     h = P.view(torch.int64)[:, :4]
     h.copy_(const.to(P.device).expand_as(h))
     h[:, 2] = keys.to(device=P.device, dtype=torch.int64)

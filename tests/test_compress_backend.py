@@ -134,3 +134,29 @@ def test_compiled_quant_tie_count_path(backend, monkeypatch):
     if any(k.failed for k in _kernels.FUSED._variants.values()):
         pytest.skip("torch.compile is not usable here")
     assert torch.equal(Pe, Pc)
+
+
+def test_a_miscompiled_kernel_is_caught_on_first_use(backend, monkeypatch):
+    """The first compiled call is compared with the eager form; a difference disables it."""
+    def eager(x, out):
+        out.copy_(x * 2)
+        return x + 1
+
+    def wrong(x, out):
+        out.copy_(x * 3)
+        return x + 1
+
+    k = _kernels.Kernel("miscompiled", eager)
+    monkeypatch.setattr(k, "compiled", lambda: wrong)
+    backend("compile")
+    x, out = torch.arange(4.0), torch.zeros(4)
+    with pytest.warns(RuntimeWarning, match=r"'miscompiled' unavailable \(its results differ from the eager form\)"):
+        r = _kernels.run(k, 4, x, out)
+    assert torch.equal(r, x + 1) and torch.equal(out, x * 2) and k.failed
+    k2 = _kernels.Kernel("fine", eager)
+    monkeypatch.setattr(k2, "compiled", lambda: eager)
+    out2 = torch.zeros(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _kernels.run(k2, 4, x, out2)
+    assert k2.verified and not k2.failed and torch.equal(out2, x * 2)

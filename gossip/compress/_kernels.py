@@ -13,9 +13,11 @@ Backend choice, from the environment variable ``GOSSIP_COMPRESS_BACKEND``:
 - ``compile``: compiled on CPU whatever the size;
 - ``eager``: never compile.
 
-If compiling or running a compiled kernel fails (no C++ compiler, an
-unsupported platform), a warning is issued once and that kernel falls back to
-eager mode for the rest of the process.
+The first compiled call of each kernel in a process is checked against the eager
+form on the same input, bit for bit. If compiling or running a compiled kernel
+fails (no C++ compiler, an unsupported platform) or the check finds a
+difference, a warning is issued once and that kernel falls back to eager mode for
+the rest of the process.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from . import _random as R
 
 __all__: list[str] = []
 
-MIN_COMPILED_NUMEL = 1 << 20
+MIN_COMPILED_NUMEL = 1 << 16
 _BACKENDS = ("auto", "compile", "eager")
 _backend = os.environ.get("GOSSIP_COMPRESS_BACKEND", "auto").strip().lower() or "auto"
 if _backend not in _BACKENDS:
@@ -69,6 +71,7 @@ class Kernel:
         self._compiled = None
         self._variants: dict = {}
         self.failed = False
+        self.verified = False
 
     def compiled(self):
         if self._compiled is None:
@@ -96,16 +99,47 @@ def run(k: Kernel, numel: int, *args):
     dev = next(a.device for a in args if isinstance(a, torch.Tensor))
     if _want_compiled(k, numel, dev):
         try:
-            return k.compiled()(*args)
+            if k.verified:
+                return k.compiled()(*args)
+            return _run_verified(k, args)
         except Exception as e:  # compiler missing or broken: degrade, do not fail
-            k.failed = True
-            warnings.warn(
-                f"gossip.compress: compiled kernel {k.name!r} unavailable ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}); using the eager fallback",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            _disable(k, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     return k.eager(*args)
+
+
+def _disable(k: Kernel, why: str) -> None:
+    k.failed = True
+    warnings.warn(f"gossip.compress: compiled kernel {k.name!r} unavailable ({why}); using the eager fallback",
+                  RuntimeWarning, stacklevel=4)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.is_floating_point():
+            return bool(((a == b) | (a.isnan() & b.isnan())).all())
+        return torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _run_verified(k: Kernel, args):
+    """First compiled call of a kernel in this process: also run the eager form on
+    copies of the arguments and compare results and written outputs bit for bit. A
+    mismatch (a miscompilation) disables the compiled form and keeps the eager result."""
+    copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    res = k.compiled()(*args)
+    ref = k.eager(*copies)
+    if _same(res, ref) and all(_same(a, c) for a, c in zip(args, copies)):
+        k.verified = True
+        return res
+    for a, c in zip(args, copies):
+        if isinstance(a, torch.Tensor) and not _same(a, c):
+            a.copy_(c)
+    _disable(k, "its results differ from the eager form")
+    return ref
 
 
 # --------------------------------------------------------------------------------------

@@ -22,6 +22,18 @@ __all__ = ["ConfigError", "TrainConfig", "build_parser", "parse_args", "LR_SCHED
 LR_SCHEDULES = ("constant", "cosine", "step")
 
 
+def _is_decentralized(name: str) -> bool:
+    from gossip import algorithms as _alg
+
+    return _alg.is_decentralized(name)
+
+
+def _algo_fields(name: str) -> set[str]:
+    from gossip import algorithms as _alg
+
+    return {f.name for f in dataclasses.fields(_alg.config_class(name))}
+
+
 class ConfigError(ValueError):
     """A user error in the run's configuration (one line, no traceback)."""
 
@@ -60,7 +72,7 @@ class TrainConfig:
     batch_size: int = 32
     lr: float = 0.05
     lr_schedule: str = "constant"
-    momentum: float = 0.9
+    momentum: float | None = None
     weight_decay: float = 0.0
     seed: int = 0
     device: str = "auto"
@@ -102,6 +114,8 @@ class TrainConfig:
                 raise bad(f"--{name} must be a positive integer, got {v!r}")
         for name, lo, strict in (("lr", 0.0, True), ("momentum", 0.0, False), ("weight_decay", 0.0, False), ("timeout", 0.0, True)):
             v = getattr(self, name)
+            if v is None and name == "momentum":
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo or (strict and v == lo):
                 rule = "> 0" if strict else ">= 0"
                 raise bad(f"--{name.replace('_', '-')} must be a finite number {rule}, got {v!r}")
@@ -110,20 +124,20 @@ class TrainConfig:
             or not math.isfinite(self.emulate_latency) or self.emulate_latency < 0
         ):
             raise bad(f"--emulate-latency must be a finite number of milliseconds >= 0, got {self.emulate_latency!r}")
-        if self.momentum >= 1.0:
+        if self.momentum is not None and self.momentum >= 1.0:
             raise bad(f"--momentum must be in [0, 1), got {self.momentum!r}")
-        decentral = self.algo in ("dpsgd", "naive", "dcd", "ecd")
-        compressed = self.algo in ("naive", "dcd", "ecd")
+        from gossip import algorithms as _alg
+
+        decentral = _alg.is_decentralized(self.algo)
+        takes = _algo_fields(self.algo)
         if self.bits is not None:
             if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 16:
                 raise bad(f"--bits must be an integer from 1 to 16, got {self.bits!r}")
             if self.compressor is not None:
                 raise bad("give either --bits or --compressor, not both (--bits B means --compressor quant:bits=B)")
-        if (self.bits is not None or self.compressor is not None) and not compressed:
-            raise bad(
-                f"--algo {self.algo} sends full-precision values and takes no --bits/--compressor; "
-                f"compressed algorithms: naive, dcd, ecd"
-            )
+        if (self.bits is not None or self.compressor is not None) and "compressor" not in takes:
+            with_c = ", ".join(a for a in algos if "compressor" in _algo_fields(a))
+            raise bad(f"--algo {self.algo} takes no --bits/--compressor; algorithms with a compressor: {with_c}")
         if self.compressor is not None:
             from gossip import compress
 
@@ -137,11 +151,35 @@ class TrainConfig:
     # --- derived ---------------------------------------------------------------------
     @property
     def compressor_spec(self) -> str | None:
-        if self.algo not in ("naive", "dcd", "ecd"):
-            return None
+        """What goes on the wire: --compressor, --bits, else the algorithm's own default."""
         if self.compressor is not None:
             return self.compressor
-        return f"quant:bits={self.bits if self.bits is not None else 8}"
+        if self.bits is not None:
+            return f"quant:bits={self.bits}"
+        from gossip import algorithms as _alg
+
+        fields = {f.name: f for f in dataclasses.fields(_alg.config_class(self.algo))}
+        if "compressor" in fields:
+            return fields["compressor"].default
+        cfg_cls = _alg.config_class(self.algo)
+        spec = getattr(cfg_cls, "compressor", None)  # e.g. a property of blocksign algorithms
+        return spec if isinstance(spec, str) else None
+
+    @property
+    def local_momentum(self) -> float:
+        """Momentum of the local SGD optimizer: none where the algorithm owns it."""
+        if self.algorithm_momentum:
+            return 0.0
+        if self.momentum is not None:
+            return self.momentum
+        # a compressed centralized algorithm (signsgd) defines the whole direction itself
+        plain = self.algo == "allreduce" or _is_decentralized(self.algo)
+        return 0.9 if plain else 0.0
+
+    @property
+    def algorithm_momentum(self) -> bool:
+        """True when the algorithm owns the momentum (the local optimizer then has none)."""
+        return "momentum" in _algo_fields(self.algo)
 
     @property
     def model_name(self) -> str:
@@ -153,12 +191,13 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         d["compressor_spec"] = self.compressor_spec
         d["model_name"] = self.model_name
+        d["local_momentum"] = self.local_momentum
         return d
 
 
 _HELP = {
     "algo": "training algorithm",
-    "bits": "shorthand for --compressor quant:bits=BITS (naive, dcd, ecd; default 8)",
+    "bits": "shorthand for --compressor quant:bits=BITS (algorithms with a compressor; default: the algorithm's, 8 bits for naive/dcd/ecd)",
     "compressor": "compressor spec, e.g. quant:bits=4,block=256, qsgd:levels=16, randk:p=0.1",
     "topology": "communication graph of the decentralized algorithms",
     "degree": "degree of the expander topology",
@@ -175,7 +214,8 @@ _HELP = {
     "batch_size": "mini-batch size per node",
     "lr": "learning rate gamma of the local optimizer",
     "lr_schedule": "constant, cosine (to 0 over the run) or step (x0.1 at 50%% and 75%%)",
-    "momentum": "momentum of the local SGD optimizer",
+    "momentum": "momentum of the local SGD optimizer (unset: 0.9 for allreduce and the decentralized algorithms, "
+    "0 for signsgd), or of the algorithm where it has its own (efsgd family, signum, powersgd; unset: its default)",
     "weight_decay": "weight decay of the local SGD optimizer",
     "seed": "seed of the model's x_1, the data order and the compressors' randomness",
     "device": "auto (cuda if available), cpu (gloo) or cuda (NCCL)",

@@ -12,7 +12,7 @@ and ``summary.json`` at the end.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -42,7 +42,7 @@ class RunError(RuntimeError):
 FINGERPRINT_KEYS = (
     "algo", "compressor_spec", "topology", "degree", "rows", "cols", "weights", "lazy",
     "model_name", "data", "partition", "epochs", "batch_size", "lr", "lr_schedule",
-    "momentum", "weight_decay", "seed",
+    "momentum", "local_momentum", "weight_decay", "seed",
 )
 
 
@@ -87,6 +87,29 @@ def _build_topology(cfg: TrainConfig, n: int):
         return topologies.build(cfg.topology, n, **params)
     except (ValueError, TypeError) as e:
         raise RunError(f"--topology {cfg.topology} with world size {n}: {e}") from None
+
+
+def _build_algorithm(cfg: TrainConfig, comm, model):
+    """Registry lookup plus what some algorithms need to know of the model."""
+    fields = {f.name for f in dataclasses.fields(algorithms.config_class(cfg.algo))}
+    opts: dict[str, Any] = {"seed": cfg.seed}
+    if "compressor" in fields and cfg.compressor_spec is not None:
+        opts["compressor"] = cfg.compressor_spec
+    if "momentum" in fields and cfg.momentum is not None:
+        opts["momentum"] = cfg.momentum
+    params = list(model.parameters())
+    if "shapes" in fields:  # PowerSGD: which tensors are matrices
+        opts["shapes"] = tuple(tuple(p.shape) for p in params)
+    if "offsets" in fields:  # blockwise sign: one block per tensor
+        offs, o = [], 0
+        for p in params:
+            offs.append(o)
+            o += p.numel()
+        opts["offsets"] = tuple(offs)
+    try:
+        return algorithms.build(cfg.algo, comm, **opts)
+    except (ValueError, TypeError) as e:
+        raise RunError(f"--algo {cfg.algo}: {e}") from None
 
 
 def _device(cfg: TrainConfig, env: _Env) -> torch.device:
@@ -181,14 +204,12 @@ def _train(cfg, env, topo, device, dataset, comm) -> dict | None:
         mdl.append(
             models.build_model(cfg.model_name, input_shape=dataset.input_shape, num_classes=dataset.num_classes).to(device)
         )
+    # algorithms with their own momentum get it; the local optimizer then has none
     opts = [
-        torch.optim.SGD(m.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        torch.optim.SGD(m.parameters(), lr=cfg.lr, momentum=cfg.local_momentum, weight_decay=cfg.weight_decay)
         for m in mdl
     ]
-    algo_opts: dict[str, Any] = {"seed": cfg.seed}
-    if cfg.compressor_spec is not None:
-        algo_opts["compressor"] = cfg.compressor_spec
-    algo = algorithms.build(cfg.algo, comm, **algo_opts)
+    algo = _build_algorithm(cfg, comm, mdl[0])
     gopt = GossipOptimizer(mdl, opts, algo)
     dim = gopt.flat.dim
 
@@ -236,6 +257,8 @@ def _train(cfg, env, topo, device, dataset, comm) -> dict | None:
             for o in opts:
                 for g in o.param_groups:
                     g["lr"] = lr
+            if hasattr(algo, "set_lr"):
+                algo.set_lr(lr)  # algorithms that rescale their error memories by eta_{t-1}/eta_t
             gopt.zero_grad()
             with ledger.phase("compute"):
                 for r, (m_, ld) in enumerate(zip(mdl, loaders)):

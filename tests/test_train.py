@@ -268,3 +268,23 @@ def test_emulated_latency_is_marked_and_waited(tmp_path):
     assert s["latency_mode"] == "emulated" and s["latency_ms"] == 20
     # one message round per gossip step: at least 10 x 20 ms in the communicate phase
     assert s["time_split_s"]["communicate"] >= 10 * 0.020
+
+
+@pytest.mark.parametrize("algo,extra", [
+    ("efsgd", []), ("efsgd", ["--compressor", "topk:k=20"]), ("efblocksgd", []), ("efblocksgdm", []),
+    ("signsgd", ["--lr", "0.001"]), ("signum", ["--lr", "0.001"]), ("powersgd", ["--model", "mlp"]),
+])
+def test_centralized_algorithms_run_from_the_cli(tmp_path, algo, extra):
+    out = tmp_path / "run"
+    r = train("--simulate", "2", "--algo", algo, *QUICK, "--max-steps", "6", "--out", str(out), *extra)
+    assert r.returncode == 0, r.stderr
+    s = json.loads((out / "summary.json").read_text())
+    assert s["algo"] == algo and s["steps"] == 6
+    # compressed: far fewer bytes than full-precision all-reduce would move
+    assert 0 < s["bytes_sent_per_node_per_step"] < 0.5 * 4 * s["params"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["local_momentum"] == 0.0  # these algorithms own their momentum
+
+
+def test_centralized_algorithm_bad_momentum_is_one_line():
+    _one_error_line(train("--simulate", "2", "--algo", "signum", "--momentum", "0", *QUICK), "signum", "momentum")

@@ -14,6 +14,7 @@ compressors or algorithms: payloads are opaque bytes and decoding is a callable.
 from .base import Communicator, Handle, Received
 from .distributed import DistCommunicator, init_from_env
 from .errors import PeerConnectionError, PeerError, PeerPayloadError, PeerTimeoutError
+from .latency import LatencyCommunicator, latency_rounds
 from .ledger import OPS, PHASES, Ledger
 from .simulated import SimulatedCommunicator
 
@@ -25,6 +26,8 @@ __all__ = [
     "Received",
     "Handle",
     "Ledger",
+    "LatencyCommunicator",
+    "latency_rounds",
     "PHASES",
     "OPS",
     "PeerError",

@@ -97,6 +97,8 @@ _DISAMBIGUATE = (
     ("degree", "degree"), ("seed", "seed"),
 )
 _CENTRALIZED = ("allreduce",)
+#: a consensus distance below this is rounding error: the nodes hold one model
+_EXACT = 1e-9
 
 #: x axes understood by the plotting helpers: column of the train/eval curves, axis label
 _X_AXES = {
@@ -394,7 +396,10 @@ def eval_curves(metrics: pd.DataFrame | Runs | Run) -> pd.DataFrame:
     m = _as_metrics(metrics)
     if m.empty or "kind" not in m.columns:
         return pd.DataFrame(columns=["run", "label", "step", "epoch", "time"])
-    ev = m[m["kind"] == "eval"].dropna(axis=1, how="all").copy()
+    ev = m[m["kind"] == "eval"]
+    empty = [c for c in ev.columns if c not in ("run", "label", "rank", "kind", "step", "epoch", "time")
+             and ev[c].isna().all()]
+    ev = ev.drop(columns=empty)  # the train records' fields
     tr = train_curves(m)
     if "bytes_sent" in tr.columns and not ev.empty:
         ev = ev.merge(tr[["run", "step", "bytes_sent"]], on=["run", "step"], how="left")
@@ -452,14 +457,19 @@ def plot_curves(
     title: str | None = None,
     marker: str | None = None,
     legend: bool = True,
+    styles: dict[str, dict] | None = None,
 ):
-    """One line of ``y`` against ``x`` per run of ``df`` (rows with a run and label column)."""
+    """One line of ``y`` against ``x`` per run of ``df`` (rows with a run and label column).
+
+    ``styles`` maps a label to line keywords (colour, line style); by default each label
+    gets a colour from its rank among the sorted labels of ``df``.
+    """
     ax = _axes(ax)
     if df.empty or x not in df.columns or y not in df.columns:
         ax.text(0.5, 0.5, f"no {y} records", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(title or "")
         return ax
-    styles = _styles(df["label"])
+    styles = styles if styles is not None else _styles(df["label"])
     for (run, label), g in df.groupby(["run", "label"], sort=False):
         g = g[np.isfinite(g[x].astype(float)) & g[y].notna()].sort_values(x)
         if g.empty:
@@ -467,7 +477,8 @@ def plot_curves(
         yv = g[y].astype(float).to_numpy()
         if logy:
             yv = np.where(yv > 0, yv, np.nan)
-        ax.plot(g[x].to_numpy(dtype=float), yv, label=label, marker=marker, markersize=3, **styles[label])
+        ax.plot(g[x].to_numpy(dtype=float), yv, label=label, marker=marker, markersize=3,
+                **styles.get(label, {}))
     if logy:
         ax.set_yscale("log")
         _plain_log_ticks(ax)
@@ -483,6 +494,13 @@ def plot_curves(
     return ax
 
 
+def _run_styles(metrics) -> dict[str, dict]:
+    """Styles from every label of the metrics, so that a run keeps its colour in every panel
+    (even where it has no points, e.g. no evaluation before it blew up)."""
+    m = _as_metrics(metrics)
+    return _styles(m["label"]) if "label" in m.columns else {}
+
+
 def _plain_log_ticks(ax) -> None:
     """Plain numbers (0.8, 1.5) instead of 10^x on a log axis spanning less than two decades."""
     from matplotlib.ticker import FuncFormatter, LogLocator
@@ -490,7 +508,8 @@ def _plain_log_ticks(ax) -> None:
     lo, hi = ax.get_ylim()
     if lo > 0 and hi / lo < 100:
         fmt = FuncFormatter(lambda v, _: f"{v:.3g}")
-        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        subs = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0) if hi / lo < 10 else (1.0, 2.0, 5.0)
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
         ax.yaxis.set_major_formatter(fmt)
         ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
 
@@ -505,6 +524,7 @@ def plot_train_loss(metrics, x: str = "epoch", *, ax=None, logy: bool = True, **
     """Training loss (nodes' mean, over the steps since the previous record) against
     ``x`` = ``epoch``, ``step``, ``time`` (wall seconds) or ``bytes`` (sent per node)."""
     col, xl = _x_axis(x)
+    kw.setdefault("styles", _run_styles(metrics))
     return plot_curves(train_curves(metrics), col, "loss", ax=ax, logy=logy, logx=(x == "bytes"), xlabel=xl,
                        ylabel="training loss", title=kw.pop("title", f"training loss against {xl}"), **kw)
 
@@ -517,6 +537,7 @@ def plot_loss_vs_bytes(metrics, *, ax=None, **kw):
 def plot_test_accuracy(metrics, x: str = "epoch", *, ax=None, **kw):
     """Test accuracy of the averaged model against ``x`` (one point per evaluation)."""
     col, xl = _x_axis(x)
+    kw.setdefault("styles", _run_styles(metrics))
     return plot_curves(eval_curves(metrics), col, "test_acc", ax=ax, logx=(x == "bytes"), xlabel=xl,
                        ylabel="test accuracy (averaged model)", marker="o",
                        title=kw.pop("title", "test accuracy"), **kw)
@@ -525,15 +546,20 @@ def plot_test_accuracy(metrics, x: str = "epoch", *, ax=None, **kw):
 def plot_consensus(metrics, x: str = "step", *, ax=None, **kw):
     """Consensus distance (spread of the nodes' models around their mean) against ``x``.
 
-    All-reduce keeps one model, so its distance is 0 and has no point on the log scale.
+    All-reduce keeps one model, so its distance is 0 up to rounding; such runs (by label,
+    or with every distance below 1e-9) are left out of the log scale.
     """
     col, xl = _x_axis(x)
     ev = eval_curves(metrics)
-    central = ev["label"].str.startswith(tuple(f"{a}/" for a in _CENTRALIZED)) if not ev.empty else None
+    kw.setdefault("styles", _run_styles(metrics))
     title = "consensus distance"
-    if central is not None and central.any():
-        ev = ev[~central]
-        title += " (all-reduce: 0, not drawn)"
+    if not ev.empty and "consensus_distance" in ev.columns:
+        # all-reduce (by label, or relabelled: by a distance that is only rounding error)
+        exact = ev.groupby("run")["consensus_distance"].transform(lambda v: bool((v.abs() < _EXACT).all()))
+        central = ev["label"].str.startswith(tuple(f"{a}/" for a in _CENTRALIZED)) | exact.astype(bool)
+        if central.any():
+            ev = ev[~central]
+            title += " (all-reduce: 0, not drawn)"
     return plot_curves(ev, col, "consensus_distance", ax=ax, logy=True, xlabel=xl,
                        ylabel="consensus distance", marker="o", title=kw.pop("title", title), **kw)
 
@@ -550,7 +576,7 @@ def plot_convergence(metrics, *, title: str | None = None):
     plot_test_accuracy(metrics, ax=axes[1, 0], legend=False)
     plot_consensus(metrics, ax=axes[1, 1], legend=False)
     plot_curves(eval_curves(metrics), "epoch", "test_loss", ax=axes[1, 2], logy=True, marker="o",
-                ylabel="test loss (averaged model)", title="test loss", legend=False)
+                ylabel="test loss (averaged model)", title="test loss", legend=False, styles=_run_styles(metrics))
     handles, labels = [], []
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):

@@ -170,6 +170,22 @@ def test_an_unfinished_run_loads_from_its_records(small_runs, tmp_path):
     assert row["final_train_loss"] == pytest.approx(first_eval["train_loss"])
 
 
+def test_a_run_stopped_before_its_first_evaluation(small_runs, tmp_path):
+    run = copy_run(small_runs / "gossip" / "ecd8", tmp_path / "blewup")
+    (run / "summary.json").unlink()
+    for k in range(3):  # a run that died in its first epoch (e.g. parameters became non-finite)
+        f = run / f"metrics-rank{k}.jsonl"
+        f.write_text("".join(line + "\n" for line in f.read_text().splitlines() if json.loads(line)["step"] <= 4
+                             and json.loads(line)["kind"] == "train"))
+    loaded = ga.load_run(run)
+    ev = ga.eval_curves(loaded)
+    assert ev.empty and {"run", "label", "step", "epoch"} <= set(ev.columns)
+    runs, metrics = ga.load_runs(tmp_path)
+    assert runs.iloc[0]["steps"] == 4 and pd.isna(runs.iloc[0]["final_test_acc"])
+    assert len(ga.plot_train_loss(metrics).get_lines()) == 1
+    assert ga.plot_test_accuracy(metrics).get_lines() == [] and ga.plot_consensus(metrics).get_lines() == []
+
+
 @pytest.mark.parametrize(
     "make, match",
     [
@@ -215,6 +231,8 @@ def test_plot_accuracy_consensus_and_convergence(small_runs):
     assert sorted(_lines(ga.plot_test_accuracy(runs))) == sorted(LABELS.values())
     ax = ga.plot_consensus(runs.metrics)  # all-reduce's distance is 0: not on a log scale
     assert sorted(_lines(ax)) == ["dpsgd/fp32/ring", "ecd/quant:bits=8/ring"] and "all-reduce" in ax.get_title()
+    relabelled = runs.metrics.assign(label=runs.metrics["run"])  # found by its distance: rounding error only
+    assert sorted(_lines(ga.plot_consensus(relabelled))) == ["gossip/dpsgd", "gossip/ecd8"]
     fig = ga.plot_convergence(runs.metrics)
     assert len(fig.axes) == 6 and all(ax.get_lines() for ax in fig.axes)
     with pytest.raises(ga.AnalysisError, match=r"x must be one of epoch, step, time, bytes, got 'wall'"):

@@ -413,6 +413,13 @@ def test_k_larger_than_numel():
         gc.build("blocksign:offsets=0/50").encode(_X(1, 50), _keys(1))
 
 
+def test_input_that_requires_grad():
+    c = gc.build("quant:bits=8")
+    X = _X(2, 20).requires_grad_()
+    P = c.encode(X, _keys(2))
+    assert not P.requires_grad and torch.equal(P, c.encode(X.detach(), _keys(2)))
+
+
 def test_other_float_dtypes_are_accepted():
     c = gc.build("quant:bits=8")
     for dt in (torch.float16, torch.bfloat16, torch.float64):

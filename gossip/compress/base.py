@@ -228,6 +228,7 @@ class Compressor:
             raise ValueError(f"{self.name}.encode: X must be a floating-point tensor, got dtype {X.dtype}")
         if X.dim() != 2:
             raise ValueError(f"{self.name}.encode: X must have shape (m, d), got shape {tuple(X.shape)}")
+        X = X.detach()  # compressing is never differentiated
         if X.dtype != torch.float32:
             X = X.to(torch.float32)
         return X.contiguous()

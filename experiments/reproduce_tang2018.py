@@ -499,8 +499,8 @@ def paragraphs(res: dict[str, dict], epochs: int, lr: float, figures: dict[str, 
     )
     p["fig1"] = (
         f"**Paper:** D-PSGD with naive compression (every node sends C(x_j) and mixes it as if exact) fails to converge "
-        f"even with an unbiased compressor and a decreasing learning rate, while D-PSGD does (Fig. 1, 300 epochs of "
-        f"ResNet-20 on CIFAR-10; the bit width is not stated). **Here** ({ep}): D-PSGD {_state(d)}; naive "
+        f"even with an unbiased compressor and a decreasing learning rate, while D-PSGD does (Fig. 1, 300 epochs; the "
+        f"paper states neither the model and data of this figure nor the bit width). **Here** ({ep}): D-PSGD {_state(d)}; naive "
         f"compression at 8 bits {_state(n8)} (final loss {_cmp(n8.get('final_train_loss'), d.get('final_train_loss'))} "
         f"D-PSGD's, consensus distance {_num(n8.get('consensus_distance'), 4)} against {_num(d.get('consensus_distance'), 4)}); "
         f"at 4 bits it {_state(n4)} (final loss {_cmp(n4.get('final_train_loss'), d.get('final_train_loss'))} D-PSGD's, "

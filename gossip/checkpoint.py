@@ -38,12 +38,13 @@ import io
 import json
 import os
 import re
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
+
+from gossip._atomic import write_atomically
 
 __all__ = [
     "FORMAT_VERSION",
@@ -218,21 +219,14 @@ def save_checkpoint(
     header_line = json.dumps(header, sort_keys=True, separators=(",", ":")).encode() + b"\n"
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+
+    def write(f: Any) -> None:
+        f.write(_MAGIC)
+        f.write(header_line)
+        f.write(body)
+
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC)
-            f.write(header_line)
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+        write_atomically(path, write)
     finally:
         del body
         buffer.close()

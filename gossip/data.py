@@ -47,7 +47,6 @@ import math
 import os
 import pickle
 import random
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +55,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 from torch import Tensor
+
+from gossip._atomic import write_atomically
 
 __all__ = [
     "CIFAR10_MEAN",
@@ -249,23 +250,6 @@ def _load_mnist1d_cache(path: Path) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
-    """Write ``path`` through a temporary file in the same directory, then rename it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def _mnist1d_arrays(cache_dir: Path) -> dict[str, np.ndarray]:
     path = cache_dir / f"mnist1d-{_mnist1d_version()}-c{_MNIST1D_CACHE_FORMAT}.npz"
     if path.exists():
@@ -279,7 +263,7 @@ def _mnist1d_arrays(cache_dir: Path) -> dict[str, np.ndarray]:
     # temporary file and the last rename wins; the contents are identical.
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomically(path, lambda f: np.savez(f, **arrays))
+        write_atomically(path, lambda f: np.savez(f, **arrays))
     except OSError as exc:
         warnings.warn(f"could not write the mnist1d cache '{path}' ({_one_line(exc)}); continuing without it",
                       stacklevel=4)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 import topologies
 from gossip import algorithms, checkpoint, compress, data, models
+from gossip._atomic import write_atomically
 from gossip.config import TrainConfig
 from gossip.runtime import GossipOptimizer
 
@@ -483,9 +484,8 @@ def _progress(cfg, is_main, total, start):
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
-    os.replace(tmp, path)
+    text = json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n"
+    write_atomically(path, lambda f: f.write(text.encode()))
 
 
 class _Metrics:

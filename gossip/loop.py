@@ -32,11 +32,19 @@ from gossip._atomic import write_atomically
 from gossip.config import TrainConfig
 from gossip.runtime import GossipOptimizer
 
-__all__ = ["RunError", "run", "FINGERPRINT_KEYS"]
+__all__ = ["RunError", "Diverged", "run", "FINGERPRINT_KEYS"]
 
 
 class RunError(RuntimeError):
     """A failure the user can act on (bad data dir, damaged checkpoint, dead peer)."""
+
+    exit_code = 2
+
+
+class Diverged(RunError):
+    """Training produced a non-finite loss or model: an outcome, recorded in summary.json."""
+
+    exit_code = 1
 
 
 #: config keys whose change makes a checkpoint unusable for an exact continuation
@@ -269,7 +277,15 @@ def _train(cfg, env, topo, device, dataset, comm) -> dict | None:
                     last_loss[r] = float(loss.detach())
                     log_losses[r].append(last_loss[r])
                     epoch_losses[r].append(last_loss[r])
-            gopt.step()
+            bad = [i for i, v in zip(nodes, last_loss) if not math.isfinite(v)]
+            if bad:
+                raise Diverged(f"training diverged at step {step + 1}: non-finite loss on node(s) {bad}")
+            try:
+                gopt.step()
+            except ValueError as e:
+                if "non-finite" not in str(e) and "too large" not in str(e):
+                    raise
+                raise Diverged(f"training diverged at step {step + 1}: {e}") from None
             ledger.step()
             step += 1
             if bar is not None:
@@ -297,6 +313,16 @@ def _train(cfg, env, topo, device, dataset, comm) -> dict | None:
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < stop:
                 _save(out, env, step, fingerprint, gopt, loaders, ledger, n, nodes, cfg_dict, time.perf_counter() - t0,
                       {"epoch_losses": epoch_losses, "log_losses": log_losses})
+    except Diverged as e:
+        if is_main:
+            _write_json(out / "summary.json", {
+                "algo": cfg.algo, "topology": cfg.topology if topo is not None else None, "world_size": n,
+                "compressor": cfg.compressor_spec, "bits": _bits(cfg.compressor_spec), "epochs": cfg.epochs,
+                "steps": step, "diverged": True, "reason": str(e),
+                "final_train_loss": None, "final_test_loss": None, "final_test_acc": None,
+                "consensus_distance": None, "wall_time_s": time.perf_counter() - t0,
+            })
+        raise
     finally:
         if bar is not None:
             bar.close()
@@ -326,6 +352,7 @@ def _train(cfg, env, topo, device, dataset, comm) -> dict | None:
         "time_split_s": {k: snap["time"].get(k, 0.0) for k in ("compute", "compress", "communicate")},
         "wall_time_s": wall,
         "mode": "torchrun" if env.distributed else "simulate",
+        "diverged": False,
         "latency_ms": cfg.emulate_latency,
         "latency_mode": "emulated" if cfg.emulate_latency else None,
     }

@@ -24,9 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         run(cfg)
-    except (ConfigError, RunError) as e:
+    except ConfigError as e:
         print(f"gossip.train: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except RunError as e:
+        print(f"gossip.train: error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     except KeyboardInterrupt:
         if rank == 0:
             print("gossip.train: interrupted", file=sys.stderr, flush=True)

@@ -288,3 +288,13 @@ def test_centralized_algorithms_run_from_the_cli(tmp_path, algo, extra):
 
 def test_centralized_algorithm_bad_momentum_is_one_line():
     _one_error_line(train("--simulate", "2", "--algo", "signum", "--momentum", "0", *QUICK), "signum", "momentum")
+
+
+def test_divergence_is_one_line_and_recorded(tmp_path):
+    out = tmp_path / "run"
+    r = train("--simulate", "3", "--algo", "dcd", "--model", "mlp", "--lr", "1e30", *QUICK, "--out", str(out))
+    assert r.returncode == 1
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "training diverged at step" in lines[0] and "non-finite" in lines[0]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["diverged"] is True and "non-finite" in s["reason"]

@@ -23,6 +23,14 @@ from gossip.algorithms.efsgd import (
     SignumConfig,
 )
 from gossip.algorithms.powersgd import PowerSGD, PowerSGDConfig
+from gossip.algorithms.sketched import (
+    LocalTopK,
+    LocalTopKConfig,
+    Sketched,
+    SketchedConfig,
+    TrueTopK,
+    TrueTopKConfig,
+)
 from gossip.algorithms.decentralized import (
     DCD,
     DPSGD,
@@ -60,6 +68,12 @@ __all__ = [
     "SignumConfig",
     "PowerSGD",
     "PowerSGDConfig",
+    "Sketched",
+    "SketchedConfig",
+    "TrueTopK",
+    "TrueTopKConfig",
+    "LocalTopK",
+    "LocalTopKConfig",
     "available",
     "build",
     "config_class",
@@ -78,6 +92,9 @@ _REGISTRY: dict[str, tuple[type[Algorithm], type]] = {
     "signsgd": (SignSGD, SignSGDConfig),
     "signum": (Signum, SignumConfig),
     "powersgd": (PowerSGD, PowerSGDConfig),
+    "sketched": (Sketched, SketchedConfig),
+    "truetopk": (TrueTopK, TrueTopKConfig),
+    "localtopk": (LocalTopK, LocalTopKConfig),
 }
 
 

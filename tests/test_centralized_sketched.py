@@ -1,0 +1,228 @@
+"""Sketched-SGD (papers/003) and the true/local top-k baselines: dense reference,
+Count Sketch recovery, bytes, restore, config checks, gloo world."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gossip import algorithms, comm
+from gossip.algorithms._common import shared_key
+from gossip.algorithms.sketched import CountSketch
+from tests._dist import run_world
+
+SHAPES = [(12, 10), (6, 3, 2, 2), (6,)]  # two compressed tensors and a bias
+D = sum(math.prod(s) for s in SHAPES)
+NC = 12 * 10 + 6 * 12  # compressed coordinates
+BIAS = list(range(NC, D))
+N, T, K, MU = 3, 5, 6, 0.9
+ROWS, COLS, P = 5, 40, 3
+
+
+def _grads(n=N, t=T):
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(t, 1, D, generator=g, dtype=torch.float64)
+    return base + 0.5 * torch.randn(t, n, D, generator=g, dtype=torch.float64)
+
+
+def _hashes(seed=0):
+    g = torch.Generator().manual_seed(shared_key(seed, 0, 3) & 0x7FFFFFFFFFFFFFFF)
+    buckets = torch.randint(COLS, (ROWS, NC), generator=g)
+    signs = torch.randint(2, (ROWS, NC), generator=g) * 2 - 1
+    return buckets, signs
+
+
+def _top(values, count):
+    """indices of the `count` largest values (no ties in these tests)."""
+    return sorted(range(len(values)), key=lambda i: -values[i])[:count]
+
+
+def _reference(grads, algo):
+    """papers/003 Alg. 3 per node, written plainly with python loops."""
+    T_, n, d = grads.shape
+    u = torch.zeros(n, d, dtype=torch.float64)
+    v = torch.zeros(n, d, dtype=torch.float64)
+    buckets, signs = _hashes()
+    outs = []
+    for t in range(T_):
+        u = MU * u + grads[t]
+        for c in range(NC):
+            v[:, c] += u[:, c]
+        out = torch.zeros(d, dtype=torch.float64)
+        for b in BIAS:
+            out[b] = u[:, b].mean()
+        masked = [set() for _ in range(n)]
+        if algo == "truetopk":
+            mean = [float(v[:, c].mean()) for c in range(NC)]
+            sel = _top([abs(x) for x in mean], K)
+            for c in sel:
+                out[c] = mean[c]
+            masked = [set(sel)] * n
+        elif algo == "localtopk":
+            for w in range(n):
+                own = _top([abs(float(v[w, c])) for c in range(NC)], K)
+                for c in own:
+                    out[c] += v[w, c].float().double() / n  # fp32 on the wire
+                masked[w] = set(own)
+        else:  # sketched
+            S = torch.zeros(ROWS, COLS, dtype=torch.float64)
+            for w in range(n):
+                for j in range(ROWS):
+                    for c in range(NC):
+                        S[j, buckets[j, c]] += signs[j, c] * v[w, c] / n
+            est = [float(torch.tensor([signs[j, c] * S[j, buckets[j, c]] for j in range(ROWS)]).median())
+                   for c in range(NC)]
+            l2 = float((S ** 2).sum(1).median())
+            heavy = [e * e >= l2 / (P * K) for e in est]
+            cand = sorted(range(NC), key=lambda c: (not heavy[c], -abs(est[c])))[: P * K]
+            exact = {c: float(v[:, c].mean()) for c in cand}
+            sel = sorted(cand, key=lambda c: -abs(exact[c]))[:K]
+            for c in sel:
+                out[c] = exact[c]
+            masked = [set(sel)] * n
+        for w in range(n):
+            for c in masked[w]:
+                u[w, c] = 0.0
+                v[w, c] = 0.0
+        outs.append(out)
+    return torch.stack(outs)
+
+
+def _build(name, c, **opts):
+    extra = dict(rows=ROWS, cols=COLS, candidates=P) if name == "sketched" else {}
+    return algorithms.build(name, c, shapes=SHAPES, k=K, momentum=MU, **extra, **opts)
+
+
+def _run_sim(name, grads, n=N):
+    c = comm.SimulatedCommunicator(world_size=n)
+    a = _build(name, c)
+    a.setup(torch.zeros(n, D, dtype=grads.dtype))
+    outs = []
+    for t in range(grads.shape[0]):
+        a.set_lr(0.1)
+        G = grads[t].clone()
+        a.reduce_gradients(G)
+        outs.append(G.clone())
+    return torch.stack(outs), a, c
+
+
+@pytest.mark.parametrize("name", ["sketched", "truetopk", "localtopk"])
+def test_matches_dense_reference(name):
+    grads = _grads()
+    got, a, _ = _run_sim(name, grads)
+    want = _reference(grads, name)
+    torch.testing.assert_close(got, want.unsqueeze(1).expand_as(got), rtol=1e-9, atol=1e-12)
+    if name != "localtopk":
+        assert int((got[-1, 0, :NC] != 0).sum()) == K
+
+
+def test_count_sketch_is_linear_and_recovers_planted_heavy_hitters():
+    d, k, found = 5000, 8, 0
+    for trial in range(20):
+        g = torch.Generator().manual_seed(100 + trial)
+        cs = CountSketch(d, 5, 20 * k, key=trial)
+        x = torch.randn(2, d, generator=g, dtype=torch.float64) * 0.05
+        planted = torch.randperm(d, generator=g)[:k]
+        x[0, planted] += 4.0 * (torch.randint(2, (k,), generator=g) * 2 - 1)
+        S = cs.sketch(x)
+        torch.testing.assert_close(S.sum(0, keepdim=True), cs.sketch(x.sum(0, keepdim=True)))
+        cand = cs.heavymix(S[:1], 2 * k)[0]
+        found += set(planted.tolist()) <= set(cand.tolist())
+    assert found >= 19, found
+
+
+@pytest.mark.parametrize("name", ["sketched", "truetopk", "localtopk"])
+def test_bytes_per_step_equal_the_formula(name):
+    grads = _grads().float()
+    _, a, c = _run_sim(name, grads)
+    U = len(BIAS)
+    ring = lambda b: (2 * (N - 1) * b + N // 2) // N  # noqa: E731
+    if name == "sketched":
+        per_step = 4 * (ROWS * COLS + P * K + K + 2 * U)  # papers/003: |S| + P k + k
+        assert a.values_per_step == ROWS * COLS + P * K + K + 2 * U
+    elif name == "truetopk":
+        per_step = ring(4 * D)
+    else:
+        per_step = (N - 1) * 8 * K + ring(4 * U)
+    for i in range(N):
+        assert c.ledger.sent_by(i) == T * per_step
+
+
+def test_sketched_without_biases_counts_exactly_s_plus_pk_plus_k():
+    c = comm.SimulatedCommunicator(world_size=2)
+    a = algorithms.build("sketched", c, k=4, rows=3, cols=16, candidates=2)
+    a.setup(torch.zeros(2, 100))
+    a.reduce_gradients(torch.randn(2, 100))
+    assert c.ledger.sent_by(0) == 4 * (3 * 16 + 2 * 4 + 4)
+
+
+@pytest.mark.parametrize("name", ["sketched", "truetopk", "localtopk"])
+def test_state_save_restore_bit_identical(name):
+    grads = _grads().float()
+    a = _build(name, comm.SimulatedCommunicator(world_size=N))
+    a.setup(torch.zeros(N, D))
+    for t in range(2):
+        a.reduce_gradients(grads[t].clone())
+    sd = a.state_dict()
+    cont = []
+    for t in range(2, T):
+        G = grads[t].clone()
+        a.reduce_gradients(G)
+        cont.append(G)
+    b = _build(name, comm.SimulatedCommunicator(world_size=N))
+    b.setup(torch.zeros(N, D))
+    b.load_state_dict(sd)
+    for t in range(2, T):
+        G = grads[t].clone()
+        b.reduce_gradients(G)
+        assert torch.equal(G, cont[t - 2])
+
+
+def test_config_validation_messages():
+    c = comm.SimulatedCommunicator(world_size=2)
+    with pytest.raises(ValueError, match=r"sketched: give `k` or `p`, not both"):
+        algorithms.build("sketched", c, k=3, p=0.1)
+    with pytest.raises(ValueError, match=r"Arg `k` must be >= 1, got 0"):
+        algorithms.build("truetopk", c, k=0)
+    with pytest.raises(ValueError, match=r"Arg `p` of localtopk must be a number in \(0, 1\], got 2"):
+        algorithms.build("localtopk", c, p=2)
+    with pytest.raises(ValueError, match=r"Arg `rows` must be >= 1, got 0"):
+        algorithms.build("sketched", c, rows=0)
+    with pytest.raises(ValueError, match=r"Arg `momentum` must satisfy 0 <= momentum < 1, got 1"):
+        algorithms.build("sketched", c, momentum=1)
+    with pytest.raises(ValueError, match=r"Arg `shapes` of sketched must be a non-empty"):
+        algorithms.build("sketched", c, shapes=[])
+    a = algorithms.build("sketched", c, shapes=SHAPES)
+    with pytest.raises(ValueError, match=rf"the parameter shapes hold {D} values, the flat buffer has 7"):
+        a.setup(torch.zeros(2, 7))
+    with pytest.raises(ValueError, match=r"no tensor to compress"):
+        algorithms.build("sketched", c, shapes=[(7,)]).setup(torch.zeros(2, 7))
+
+
+# ---------------------------------------------------------------- real processes
+def _dist_run(name):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    grads = _grads(n=dist.get_world_size())
+    c = comm.DistCommunicator(timeout=30)
+    a = _build(name, c)
+    a.setup(torch.zeros(1, D, dtype=torch.float64))
+    outs = []
+    for t in range(T):
+        G = grads[t, rank : rank + 1].clone()
+        a.reduce_gradients(G)
+        outs.append(G[0].clone())
+    return torch.stack(outs), c.ledger.bytes_sent
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["sketched", "truetopk", "localtopk"])
+def test_world_2_gloo_equals_simulation(name):
+    results = run_world(2, _dist_run, name, timeout=120)
+    sim, _, c = _run_sim(name, _grads(n=2), n=2)
+    for rank, (traj, sent) in enumerate(results):
+        torch.testing.assert_close(traj, sim[:, rank], rtol=1e-9, atol=1e-12)
+        assert sent == c.ledger.sent_by(rank)

@@ -212,7 +212,7 @@ def is_done(run_dir: Path, cmd: list[str]) -> bool:
 
 
 def code_version() -> dict[str, Any]:
-    """The commit checked out and whether the library code differs from it (a shared checkout)."""
+    """The commit checked out and whether the library code differs from it (a working tree with local edits)."""
     def git(*a: str) -> str | None:
         try:
             r = subprocess.run(["git", *a], capture_output=True, text=True, cwd=REPO, timeout=30)
@@ -942,7 +942,7 @@ def main(argv: list[str] | None = None) -> int:
     commits = sorted({str(r.get("commit")) for r in done})
     changed = sorted({f for r in done for f in (r.get("library_changes") or [])})
     code = f"the runs were made at commit{'s' if len(commits) > 1 else ''} {', '.join(commits) or '-'}"
-    code += (f", with uncommitted changes of other work in the shared checkout to {', '.join(changed)} at the time"
+    code += (f", with uncommitted changes to {', '.join(changed)} at the time"
              if changed else " with no uncommitted changes to `gossip/` or `topologies/`") + "."
     given = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--report-only", "--force")]
     argv_shown = ["python", "experiments/reproduce_tang2018.py", *given]

@@ -123,7 +123,7 @@ class LocalTopKConfig(TrueTopKConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class SketchedConfig(TrueTopKConfig):
-    """As ``truetopk`` plus the Count Sketch: ``rows`` (5), ``cols`` (None: 4 P k),
+    """As ``truetopk`` plus the Count Sketch: ``rows`` (5), ``cols`` (None: P k),
     ``candidates`` P (4): the sketch proposes P k coordinates whose exact values are
     fetched in a second round."""
 
@@ -141,7 +141,7 @@ class SketchedConfig(TrueTopKConfig):
             check_int("cols", self.cols, minimum=1)
 
     def cols_for(self, k: int) -> int:
-        return self.cols if self.cols is not None else 4 * self.candidates * k
+        return self.cols if self.cols is not None else self.candidates * k
 
 
 class CountSketch:

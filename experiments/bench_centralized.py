@@ -1,0 +1,185 @@
+"""Benchmark one training step of every centralized (compressed all-reduce) algorithm.
+
+    python experiments/bench_centralized.py [--json PATH] [--steps N] [--quick]
+
+World 4 on loopback gloo (real processes, torch.distributed over a FileStore, one
+thread each), two models: ResNet-20 (gossip.models, CIFAR-10 shapes, ~0.27M
+parameters) and an MLP of ~11M parameters. Every algorithm runs in the same world in
+turn: median step time split into compute (forward + backward + the algorithm's
+local arithmetic), compress and communicate (the ledger's phases), bytes sent per
+worker per step (ledger) and the compression ratio against full-precision ring
+all-reduce of the same model (``allreduce``'s bytes / the algorithm's bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from gossip import algorithms, comm
+from gossip.models import build_model
+from gossip.runtime import GossipOptimizer
+
+WORLD = 4
+ALGOS = [
+    ("allreduce", None, {}),
+    ("efsgd", "sign", {}),
+    ("efblocksgd", None, {}),
+    ("efblocksgdm", None, {}),
+    ("signsgd", None, {}),
+    ("signum", None, {}),
+    ("powersgd", None, {"rank": 2}),
+    ("sketched", None, {"p": 0.01}),
+    ("truetopk", None, {"p": 0.01}),
+    ("localtopk", None, {"p": 0.01}),
+]
+BATCH = 16
+
+
+def _models():
+    def resnet20():
+        return build_model("resnet20", input_shape=(3, 32, 32), num_classes=10, seed=0), (3, 32, 32)
+
+    def mlp():
+        # 3072*2560 + 2560 + 2560*1280 + 1280 + 1280*10 + 10 = 11,157,770 parameters
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Flatten(), nn.Linear(3072, 2560), nn.ReLU(), nn.Linear(2560, 1280),
+                          nn.ReLU(), nn.Linear(1280, 10))
+        return m, (3, 32, 32)
+
+    return [("resnet20", resnet20), ("mlp11m", mlp)]
+
+
+def _options(name, spec, extra, model):
+    shapes = tuple(tuple(p.shape) for p in model.parameters())
+    offsets, off = [], 0
+    for p in model.parameters():
+        offsets.append(off)
+        off += p.numel()
+    cfg = algorithms.config_class(name)
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    opts = dict(extra)
+    if "shapes" in fields:
+        opts["shapes"] = shapes
+    if "offsets" in fields:
+        opts["offsets"] = tuple(offsets)
+    if spec is not None:
+        opts["compressor"] = spec
+    return opts
+
+
+def _worker(rank: int, store_path: str, steps: int, warmup: int, out_path: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    rows = []
+    try:
+        for model_name, make in _models():
+            g = torch.Generator().manual_seed(rank)
+            for name, spec, extra in ALGOS:
+                model, shape = make()
+                x = torch.randn(BATCH, *shape, generator=g)
+                y = torch.randint(0, 10, (BATCH,), generator=g)
+                c = comm.DistCommunicator(None, timeout=300)
+                opt = torch.optim.SGD(model.parameters(), lr=0.01)
+                algo = algorithms.build(name, c, **_options(name, spec, extra, model))
+                gopt = GossipOptimizer(model, opt, algo)
+                times, splits = [], []
+                for s in range(warmup + steps):
+                    dist.barrier()
+                    snap = c.ledger.snapshot()
+                    t = time.perf_counter()
+                    gopt.zero_grad()
+                    with c.ledger.phase("compute"):
+                        F.cross_entropy(model(x), y).backward()
+                    if hasattr(algo, "set_lr"):
+                        algo.set_lr(0.01)
+                    gopt.step()
+                    c.ledger.step()
+                    dt = time.perf_counter() - t
+                    if s >= warmup:
+                        times.append(dt)
+                        splits.append(c.ledger.since(snap))
+                med = lambda k: statistics.median(sp["time"].get(k, 0.0) for sp in splits)  # noqa: E731
+                rows.append({
+                    "algo": name,
+                    "compressor": spec or ", ".join(f"{k}={v}" for k, v in extra.items()) or "-",
+                    "model": model_name,
+                    "params": gopt.flat.dim,
+                    "step_s": statistics.median(times),
+                    "compute_s": med("compute"),
+                    "compress_s": med("compress"),
+                    "comm_s": med("communicate"),
+                    "bytes_per_step": statistics.median(sp["bytes"]["sent"] for sp in splits),
+                })
+                del gopt, algo, opt, model
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(out_path, "w") as fh:
+            json.dump(rows, fh)
+
+
+def bench(steps: int, warmup: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        mp.start_processes(
+            _worker, args=(os.path.join(tmp, "store"), steps, warmup, out), nprocs=WORLD, start_method="spawn"
+        )
+        with open(out) as fh:
+            rows = json.load(fh)
+    for r in rows:
+        base = next(b for b in rows if b["algo"] == "allreduce" and b["model"] == r["model"])
+        r["compression_ratio"] = base["bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else float("inf")
+    return rows
+
+
+def _table(rows: list[dict], cols: list[str]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    cells = [[fmt(r[c]) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    line = lambda xs: "| " + " | ".join(x.ljust(w) for x, w in zip(xs, widths)) + " |"  # noqa: E731
+    return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
+
+
+COLS = ["algo", "compressor", "model", "params", "step_s", "compute_s", "compress_s", "comm_s",
+        "bytes_per_step", "compression_ratio"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", metavar="PATH", help="also write the results as a JSON list")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per algorithm (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--quick", action="store_true", help="3 timed steps after 1 warm-up, for a fast look")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.steps, a.warmup = 3, 1
+    print(f"torch {torch.__version__}, {WORLD} ranks on loopback gloo, 1 thread each, batch {BATCH}", flush=True)
+    rows = bench(a.steps, a.warmup)
+    print(_table(rows, COLS))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump([{k: r[k] for k in COLS} for r in rows], fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

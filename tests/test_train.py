@@ -273,6 +273,7 @@ def test_emulated_latency_is_marked_and_waited(tmp_path):
 @pytest.mark.parametrize("algo,extra", [
     ("efsgd", []), ("efsgd", ["--compressor", "topk:k=20"]), ("efblocksgd", []), ("efblocksgdm", []),
     ("signsgd", ["--lr", "0.001"]), ("signum", ["--lr", "0.001"]), ("powersgd", ["--model", "mlp"]),
+    ("sketched", ["--model", "mlp"]), ("localtopk", ["--model", "mlp"]),
 ])
 def test_centralized_algorithms_run_from_the_cli(tmp_path, algo, extra):
     out = tmp_path / "run"

@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from _benchlib import markdown_table, run_spawned_world
 from gossip import algorithms, comm
 from gossip.models import build_model
 from gossip.runtime import GossipOptimizer
@@ -134,29 +132,11 @@ def _worker(rank: int, store_path: str, steps: int, warmup: int, out_path: str) 
 
 
 def bench(steps: int, warmup: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        mp.start_processes(
-            _worker, args=(os.path.join(tmp, "store"), steps, warmup, out), nprocs=WORLD, start_method="spawn"
-        )
-        with open(out) as fh:
-            rows = json.load(fh)
+    rows = run_spawned_world(_worker, WORLD, steps, warmup)
     for r in rows:
         base = next(b for b in rows if b["algo"] == "allreduce" and b["model"] == r["model"])
         r["compression_ratio"] = base["bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else float("inf")
     return rows
-
-
-def _table(rows: list[dict], cols: list[str]) -> str:
-    def fmt(v):
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v)
-
-    cells = [[fmt(r[c]) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
-    line = lambda xs: "| " + " | ".join(x.ljust(w) for x, w in zip(xs, widths)) + " |"  # noqa: E731
-    return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
 
 
 COLS = ["algo", "compressor", "model", "params", "step_s", "compute_s", "compress_s", "comm_s",
@@ -174,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         a.steps, a.warmup = 3, 1
     print(f"torch {torch.__version__}, {WORLD} ranks on loopback gloo, 1 thread each, batch {BATCH}", flush=True)
     rows = bench(a.steps, a.warmup)
-    print(_table(rows, COLS))
+    print(markdown_table(rows, COLS))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump([{k: r[k] for k in COLS} for r in rows], fh, indent=2)

@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import topologies
+from _benchlib import markdown_table, run_spawned_world
 from gossip import algorithms, comm
 from gossip.runtime import GossipOptimizer
 
@@ -99,13 +97,7 @@ def _worker(rank: int, store_path: str, steps: int, warmup: int, out_path: str) 
 
 
 def bench_distributed(steps: int, warmup: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        mp.start_processes(
-            _worker, args=(os.path.join(tmp, "store"), steps, warmup, out), nprocs=WORLD, start_method="spawn"
-        )
-        with open(out) as fh:
-            rows = json.load(fh)
+    rows = run_spawned_world(_worker, WORLD, steps, warmup)
     base = next(r for r in rows if r["algo"] == "allreduce")
     for r in rows:
         r["step_ratio_to_allreduce"] = r["step_s"] / base["step_s"]
@@ -142,18 +134,6 @@ def bench_simulation(sizes: list[int], steps: int, dim: int = 100) -> list[dict]
     return rows
 
 
-def _table(rows: list[dict], cols: list[str]) -> str:
-    def fmt(v):
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v)
-
-    cells = [[fmt(r[c]) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
-    line = lambda xs: "| " + " | ".join(x.ljust(w) for x, w in zip(xs, widths)) + " |"
-    return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -166,11 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         a.steps, a.warmup, a.sim_steps = 5, 1, 20
     print(f"torch {torch.__version__}, {WORLD} ranks on loopback gloo, 1 thread each", flush=True)
     steps = bench_distributed(a.steps, a.warmup)
-    print(_table(steps, ["algo", "compressor", "step_s", "compute_s", "compress_s", "comm_s",
+    print(markdown_table(steps, ["algo", "compressor", "step_s", "compute_s", "compress_s", "comm_s",
                          "bytes_sent_per_step", "step_ratio_to_allreduce", "bytes_ratio_to_allreduce"]))
     sim = bench_simulation([16, 256, 1024], a.sim_steps)
     print()
-    print(_table(sim, ["algo", "nodes", "dim", "steps_per_s"]))
+    print(markdown_table(sim, ["algo", "nodes", "dim", "steps_per_s"]))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"steps": steps, "simulation": sim}, fh, indent=2)

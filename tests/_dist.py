@@ -123,6 +123,11 @@ def _worker(
             blob = None
         out.put((rank, False, (blob, type(exc).__name__, str(exc), tb)))
     finally:
+        # Queue.put hands the report to a feeder thread; flush it before teardown, so
+        # a rank that crashes while destroying its process group (seen with gloo work
+        # whose last reference dies on gloo's own thread) has still reported
+        out.close()
+        out.join_thread()
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -22,6 +22,7 @@ from gossip.algorithms.efsgd import (
     Signum,
     SignumConfig,
 )
+from gossip.algorithms.efmomentum import EFMomentum, EFMomentumConfig
 from gossip.algorithms.powersgd import PowerSGD, PowerSGDConfig
 from gossip.algorithms.sketched import (
     LocalTopK,
@@ -68,6 +69,8 @@ __all__ = [
     "SignumConfig",
     "PowerSGD",
     "PowerSGDConfig",
+    "EFMomentum",
+    "EFMomentumConfig",
     "Sketched",
     "SketchedConfig",
     "TrueTopK",
@@ -92,6 +95,7 @@ _REGISTRY: dict[str, tuple[type[Algorithm], type]] = {
     "signsgd": (SignSGD, SignSGDConfig),
     "signum": (Signum, SignumConfig),
     "powersgd": (PowerSGD, PowerSGDConfig),
+    "efmomentum": (EFMomentum, EFMomentumConfig),
     "sketched": (Sketched, SketchedConfig),
     "truetopk": (TrueTopK, TrueTopKConfig),
     "localtopk": (LocalTopK, LocalTopKConfig),

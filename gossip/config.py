@@ -20,6 +20,8 @@ from typing import Any
 __all__ = ["ConfigError", "TrainConfig", "build_parser", "parse_args", "LR_SCHEDULES"]
 
 LR_SCHEDULES = ("constant", "cosine", "step")
+#: the algorithms ``--merge`` can schedule (papers/004 over papers/000's error feedback)
+MERGE_ALGOS = ("efsgd", "efblocksgd", "efblocksgdm")
 
 
 def _is_decentralized(name: str) -> bool:
@@ -84,6 +86,9 @@ class TrainConfig:
     simulate: int | None = None
     log_every: int = 10
     progress: bool = True
+    merge: str | None = None
+    merge_max_groups: int = 2
+    merge_alpha: float = 0.05
 
     def __post_init__(self) -> None:
         algos, comps, topos, mdls, datas = _registries()
@@ -145,8 +150,33 @@ class TrainConfig:
                 compress.build(self.compressor)
             except (ValueError, TypeError) as e:
                 raise bad(f"--compressor {self.compressor!r}: {e}") from None
+        if self.merge is not None:
+            self._check_merge()
         if self.simulate is not None and decentral and self.simulate < 2:
             raise bad(f"--simulate must be >= 2 for the decentralized --algo {self.algo}, got {self.simulate}")
+
+    def _check_merge(self) -> None:
+        from gossip.schedule import parse_merge
+
+        bad = ConfigError
+        try:
+            mode = parse_merge(self.merge)
+        except ValueError as e:
+            raise bad(str(e)) from None
+        object.__setattr__(self, "merge", str(mode))
+        if self.algo not in MERGE_ALGOS:
+            raise bad(f"--merge schedules the error-feedback algorithms {', '.join(MERGE_ALGOS)}; got --algo {self.algo}")
+        v = self.merge_max_groups
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise bad(f"--merge-max-groups must be an integer >= 1, got {v!r}")
+        a = self.merge_alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a < 1:
+            raise bad(f"--merge-alpha must be a number in (0, 1), got {a!r}")
+        if mode not in ("layer", "whole") and self.simulate is not None and self.simulate > 1:
+            raise bad(
+                f"--merge {mode} times the backward pass of one node per process: run it under torchrun "
+                f"(or --simulate 1); --merge layer and whole work with --simulate {self.simulate}"
+            )
 
     # --- derived ---------------------------------------------------------------------
     @property
@@ -228,6 +258,11 @@ _HELP = {
     "for networks where tc netem is unavailable (outputs say 'latency: emulated')",
     "log_every": "write a metrics record every N steps",
     "progress": "show a progress bar on rank 0",
+    "merge": "MergeComp (papers/004) for efsgd/efblocksgd/efblocksgdm: layer (one group per tensor), whole "
+    "(one group), N (N groups chosen by the cost model) or auto (Alg. 2); groups are compressed and sent "
+    "while backward goes on",
+    "merge_max_groups": "Y of Alg. 2 for --merge auto: the most groups tried",
+    "merge_alpha": "alpha of Alg. 2 for --merge auto: stop when one more group gains less than this fraction",
 }
 
 
@@ -288,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("simulate", type=int, metavar="N")
     add("emulate_latency", type=float, metavar="MS")
     add("log_every", type=int, metavar="N")
+    add("merge", metavar="MODE")
+    add("merge_max_groups", type=int, metavar="Y")
+    add("merge_alpha", type=float, metavar="ALPHA")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     return p
 

@@ -51,7 +51,7 @@ class Diverged(RunError):
 FINGERPRINT_KEYS = (
     "algo", "compressor_spec", "topology", "degree", "rows", "cols", "weights", "lazy",
     "model_name", "data", "partition", "epochs", "batch_size", "lr", "lr_schedule",
-    "momentum", "local_momentum", "weight_decay", "seed",
+    "momentum", "local_momentum", "weight_decay", "seed", "merge", "merge_max_groups", "merge_alpha",
 )
 
 
@@ -107,6 +107,8 @@ def _build_algorithm(cfg: TrainConfig, comm, model):
     if "momentum" in fields and cfg.momentum is not None:
         opts["momentum"] = cfg.momentum
     params = list(model.parameters())
+    if cfg.merge is not None:  # MergeComp schedules the efsgd family group by group
+        return _build_mergecomp(cfg, comm, params, fields)
     if "shapes" in fields:  # PowerSGD: which tensors are matrices
         opts["shapes"] = tuple(tuple(p.shape) for p in params)
     if "offsets" in fields:  # blockwise sign: one block per tensor
@@ -119,6 +121,22 @@ def _build_algorithm(cfg: TrainConfig, comm, model):
         return algorithms.build(cfg.algo, comm, **opts)
     except (ValueError, TypeError) as e:
         raise RunError(f"--algo {cfg.algo}: {e}") from None
+
+
+def _build_mergecomp(cfg: TrainConfig, comm, params, fields):
+    from gossip.schedule import MergeComp, MergeCompConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(algorithms.config_class(cfg.algo))}
+    spec = cfg.compressor_spec if "compressor" in fields else "blocksign"  # efblocksgd(m): per tensor
+    momentum = cfg.momentum if cfg.momentum is not None else defaults.get("momentum", 0.0)
+    try:
+        config = MergeCompConfig(
+            shapes=tuple(tuple(p.shape) for p in params), compressor=spec, momentum=momentum,
+            seed=cfg.seed, merge=cfg.merge, max_groups=cfg.merge_max_groups, alpha=cfg.merge_alpha,
+        )
+        return MergeComp(config, comm)
+    except (ValueError, TypeError) as e:
+        raise RunError(f"--merge {cfg.merge}: {e}") from None
 
 
 def _device(cfg: TrainConfig, env: _Env) -> torch.device:
@@ -252,6 +270,10 @@ def _train(cfg, env, topo, device, dataset, comm) -> dict | None:
         print(header, flush=True)
 
     bar = _progress(cfg, is_main, stop, step)
+    if hasattr(algo, "on_event") and is_main:  # MergeComp's decisions, as they happen
+        algo.on_event = lambda line: bar.write(line) if bar is not None else print(line, flush=True)
+        if step > 0 and algo.state.phase == "done" and cfg.merge not in ("layer", "whole"):
+            algo.on_event(f"mergecomp: partition {algo.partition} restored from the checkpoint")
     t0 = time.perf_counter() - elapsed  # wall time of the run, across resumes
     last_eval: dict[str, Any] = {}
     last_loss = [float("nan")] * len(nodes)
@@ -355,6 +377,7 @@ def _train(cfg, env, topo, device, dataset, comm) -> dict | None:
         "diverged": False,
         "latency_ms": cfg.emulate_latency,
         "latency_mode": "emulated" if cfg.emulate_latency else None,
+        "merge": algo.report() if hasattr(algo, "report") else None,
     }
     summary["bytes_sent_per_node_per_step"] = _global_mean(comm, summary["bytes_sent_per_node_per_step"], env)
     if is_main:

@@ -117,6 +117,8 @@ class GossipOptimizer:
         self.algorithm = algorithm
         self.flat = FlatParams(models)
         algorithm.setup(self.flat.data)
+        if hasattr(algorithm, "attach"):  # schedulers that work during backward (MergeComp)
+            algorithm.attach(models)
 
     @property
     def comm(self) -> Any:

@@ -99,7 +99,8 @@ class PowerSGDState:
     """``t`` counts steps from 1; ``lr`` is the step size last set (PowerSGD's update
     does not depend on it). ``error`` (m, d): e_w (empty without error feedback);
     ``momentum`` (m, d) (empty when lambda = 0); ``q`` (m, sum_j k_j r_j): the
-    warm-start Q of every compressed matrix, identical on all workers."""
+    warm-start Q of every compressed matrix (each (k_j, r_j), row-major, in parameter
+    order), identical on all workers."""
 
     t: int
     lr: float
@@ -114,24 +115,46 @@ class _Matrix:
     n: int
     k: int
     r: int
-    p_off: int  # into the concatenated P (values after the uncompressed ones)
-    q_off: int  # into the concatenated Q
+    p_off: int  # into the concatenated P (grouped by (n, r), see _Group)
+    q_off: int  # into the concatenated Q (parameter order)
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Matrices whose P has the same shape (n, r): their P lie next to each other, so
+    one batched Gram-Schmidt orthogonalises them all."""
+
+    n: int
+    r: int
+    p_off: int
+    count: int
 
 
 def orthogonalize(P: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
-    """Gram-Schmidt on the columns of a batch of matrices (B, n, r), in place.
+    """Gram-Schmidt on the columns of a batch of matrices (..., n, r), in place.
 
     A column of zeros stays zero instead of becoming NaN.
     """
-    r = P.shape[2]
+    r = P.shape[-1]
     for i in range(r):
-        col = P[:, :, i : i + 1]
-        norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
-        col.copy_(torch.where(norm > 0, col / (norm + eps), torch.zeros_like(col)))
+        col = P[..., i : i + 1]
+        norm = torch.linalg.vector_norm(col, dim=-2, keepdim=True)
+        col.copy_(torch.where(norm > 0, col / (norm + eps), 0.0))
         if i + 1 < r:
-            rest = P[:, :, i + 1 :]
-            rest -= (col * rest).sum(dim=1, keepdim=True) * col
+            rest = P[..., i + 1 :]
+            rest -= (col * rest).sum(dim=-2, keepdim=True) * col
     return P
+
+
+def _runs(index: list[int]) -> list[tuple[int, int]]:
+    """Sorted flat indices as maximal [start, stop) ranges."""
+    out: list[list[int]] = []
+    for i in index:
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return [(a, b) for a, b in out]
 
 
 class PowerSGD(_Centralized):
@@ -142,24 +165,42 @@ class PowerSGD(_Centralized):
 
     def __init__(self, config: PowerSGDConfig, comm: Any) -> None:
         super().__init__(config, comm)
-        self.matrices: list[_Matrix] = []
-        unc: list[torch.Tensor] = []
-        off = p_tot = q_tot = 0
+        found: list[tuple[int, int, int, int]] = []  # offset, n, k, r
+        unc: list[int] = []
+        off = 0
         for sh in config.shapes:
             numel = math.prod(sh)
             if len(sh) >= 2 and numel > 0:
                 n, k = sh[0], numel // sh[0]
                 r = min(n, k, config.rank)
                 if (n + k) * r * config.min_compression_rate < n * k:
-                    self.matrices.append(_Matrix(off, n, k, r, p_tot, q_tot))
-                    p_tot += n * r
-                    q_tot += k * r
+                    found.append((off, n, k, r))
                     off += numel
                     continue
-            unc.append(torch.arange(off, off + numel))
+            unc.extend(range(off, off + numel))
             off += numel
-        self.unc_index = torch.cat(unc) if unc else torch.zeros(0, dtype=torch.int64)
+        # P grouped by shape (first-seen order), Q in parameter order (the state's layout)
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for j, (_, n, _, r) in enumerate(found):
+            by_shape.setdefault((n, r), []).append(j)
+        p_offs: dict[int, int] = {}
+        self.groups: list[_Group] = []
+        p_tot = 0
+        for (n, r), members in by_shape.items():
+            self.groups.append(_Group(n, r, p_tot, len(members)))
+            for j in members:
+                p_offs[j] = p_tot
+                p_tot += n * r
+        self.matrices: list[_Matrix] = []
+        q_tot = 0
+        for j, (o, n, k, r) in enumerate(found):
+            self.matrices.append(_Matrix(o, n, k, r, p_offs[j], q_tot))
+            q_tot += k * r
+        self.unc_index = torch.tensor(unc, dtype=torch.int64)
+        # the uncompressed values as contiguous ranges: one range is sliced, not gathered
+        self._unc_runs = _runs(unc)
         self.p_numel, self.q_numel = p_tot, q_tot
+        self._index_cache: dict[torch.device, torch.Tensor] = {}
 
     @property
     def compressed_numel(self) -> int:
@@ -167,6 +208,7 @@ class PowerSGD(_Centralized):
         return self.unc_index.numel() + self.p_numel + self.q_numel
 
     def _random_q(self, step: int, m: int, like: torch.Tensor) -> torch.Tensor:
+        """(m, sum_j k_j r_j) i.i.d. standard normal, the same on every worker and row."""
         g = torch.Generator().manual_seed(shared_key(self.config.seed, step, _Q_STREAM))
         q = torch.randn(self.q_numel, generator=g, dtype=torch.float32)
         return q.to(dtype=like.dtype, device=like.device).expand(m, -1).clone()
@@ -187,68 +229,120 @@ class PowerSGD(_Centralized):
             q=self._random_q(0, m, X),
         )
 
-    def _views(self, A: torch.Tensor, mat: _Matrix) -> torch.Tensor:
+    # ---------------------------------------------------------------- pieces of a step
+    def _unc_idx(self, device: torch.device) -> torch.Tensor:
+        idx = self._index_cache.get(device)
+        if idx is None:
+            idx = self._index_cache[device] = self.unc_index.to(device)
+        return idx
+
+    def _gather_unc(self, A: torch.Tensor, out: torch.Tensor) -> None:
+        if len(self._unc_runs) == 1:
+            a, b = self._unc_runs[0]
+            out.copy_(A[:, a:b])
+        elif self._unc_runs:
+            out.copy_(A.index_select(1, self._unc_idx(A.device)))
+
+    def _scatter_unc(self, src: torch.Tensor, A: torch.Tensor) -> None:
+        if len(self._unc_runs) == 1:
+            a, b = self._unc_runs[0]
+            A[:, a:b] = src
+        elif self._unc_runs:
+            A.index_copy_(1, self._unc_idx(A.device), src)
+
+    def _zero_unc(self, A: torch.Tensor) -> None:
+        if len(self._unc_runs) == 1:
+            a, b = self._unc_runs[0]
+            A[:, a:b] = 0
+        elif self._unc_runs:
+            A.index_fill_(1, self._unc_idx(A.device), 0)
+
+    @staticmethod
+    def _mat(A: torch.Tensor, mat: _Matrix) -> torch.Tensor:
         return A[:, mat.offset : mat.offset + mat.n * mat.k].view(A.shape[0], mat.n, mat.k)
 
+    @staticmethod
+    def _p(Ps: torch.Tensor, mat: _Matrix) -> torch.Tensor:
+        return Ps[:, mat.p_off : mat.p_off + mat.n * mat.r].view(Ps.shape[0], mat.n, mat.r)
+
+    @staticmethod
+    def _q(Qs: torch.Tensor, mat: _Matrix) -> torch.Tensor:
+        return Qs[:, mat.q_off : mat.q_off + mat.k * mat.r].view(Qs.shape[0], mat.k, mat.r)
+
+    def _project(self, M: torch.Tensor, Qs: torch.Tensor, Ps: torch.Tensor) -> None:
+        """P = M Q for every compressed matrix, into Ps (m, sum n_j r_j)."""
+        for mat in self.matrices:
+            torch.bmm(self._mat(M, mat), self._q(Qs, mat), out=self._p(Ps, mat))
+
+    def _orthogonalize(self, Ps: torch.Tensor) -> None:
+        m, eps = Ps.shape[0], self.config.orthogonalization_epsilon
+        for g in self.groups:
+            orthogonalize(Ps[:, g.p_off : g.p_off + g.count * g.n * g.r].view(m, g.count, g.n, g.r), eps)
+
+    def _back_project(self, M: torch.Tensor, Ps: torch.Tensor, Qs: torch.Tensor) -> None:
+        """Q = M^T P_hat for every compressed matrix, into Qs (m, sum k_j r_j); computed
+        as (P_hat^T M)^T, which reads M along its rows (much faster on CPU)."""
+        for mat in self.matrices:
+            PtM = torch.bmm(self._p(Ps, mat).transpose(1, 2), self._mat(M, mat))
+            self._q(Qs, mat).copy_(PtM.transpose(1, 2))
+
+    def _decompress(self, Ps: torch.Tensor, Qs: torch.Tensor, out: torch.Tensor) -> None:
+        for mat in self.matrices:
+            torch.bmm(self._p(Ps, mat), self._q(Qs, mat).transpose(1, 2), out=self._mat(out, mat))
+
+    def _memorise(self, E: torch.Tensor, Ps: torch.Tensor, Qs: torch.Tensor) -> None:
+        """E (holding M) <- M - P Q^T on the compressed matrices, 0 elsewhere."""
+        for mat in self.matrices:
+            self._mat(E, mat).baddbmm_(self._p(Ps, mat), self._q(Qs, mat).transpose(1, 2), alpha=-1)
+        self._zero_unc(E)
+
+    # ---------------------------------------------------------------- the step
     @torch.no_grad()
     def reduce_gradients(self, G: torch.Tensor) -> None:
         st, cfg, ledger = self.state, self.config, self.comm.ledger
         m, d = G.shape
         U = self.unc_index.numel()
         with ledger.phase("compute"):
-            # 1. error feedback
-            M = G + st.error if cfg.error_feedback else G.clone()
+            # 1. error feedback, in place: the memory holds M = g + e until step 7, and
+            #    G is free to receive Delta'; without it M is G itself (read before written)
+            M = st.error.add_(G) if cfg.error_feedback else G
         with ledger.phase("compress"):
             if not cfg.warm_start and st.t > 1:
                 st.q = self._random_q(st.t, m, G)
             # 2. P = M Q, next to the values that travel uncompressed
-            buf = M.new_empty(m, U + self.p_numel)
-            buf[:, :U] = M[:, self.unc_index.to(M.device)]
-            for mat in self.matrices:
-                Q = st.q[:, mat.q_off : mat.q_off + mat.k * mat.r].view(m, mat.k, mat.r)
-                P = buf[:, U + mat.p_off : U + mat.p_off + mat.n * mat.r].view(m, mat.n, mat.r)
-                torch.bmm(self._views(M, mat), Q, out=P)
+            send = M.new_empty(m, U + self.p_numel)
+            self._gather_unc(M, send[:, :U])
+            self._project(M, st.q, send[:, U:])
         with ledger.phase("communicate"):
             # 3. one all-reduce for the uncompressed values and every P
-            buf = self.comm.all_reduce(buf, op="mean")
+            first = self.comm.all_reduce(send, op="mean")
+        unc_mean, Ps = first[:, :U], first[:, U:]
         with ledger.phase("compress"):
-            # 4. orthogonalise P, then Q = M^T P_hat
-            Qs = M.new_empty(m, self.q_numel)
-            hats = []
-            for mat in self.matrices:
-                P_hat = orthogonalize(
-                    buf[:, U + mat.p_off : U + mat.p_off + mat.n * mat.r].reshape(m, mat.n, mat.r).clone(),
-                    cfg.orthogonalization_epsilon,
-                )
-                hats.append(P_hat)
-                Q = Qs[:, mat.q_off : mat.q_off + mat.k * mat.r].view(m, mat.k, mat.r)
-                torch.bmm(self._views(M, mat).transpose(1, 2), P_hat, out=Q)
+            # 4. orthogonalise P (one batch per P shape), then Q = M^T P_hat
+            self._orthogonalize(Ps)
+            Qn = M.new_empty(m, self.q_numel)
+            self._back_project(M, Ps, Qn)
         with ledger.phase("communicate"):
             # 5. all-reduce the mean of Q
-            Qs = self.comm.all_reduce(Qs, op="mean")
+            Qs = self.comm.all_reduce(Qn, op="mean")
         with ledger.phase("compress"):
-            # 6. decompress: P_hat Q^T for the matrices, the mean for the rest
-            out = M.new_empty(m, d)
-            out[:, self.unc_index.to(M.device)] = buf[:, :U]
-            for mat, P_hat in zip(self.matrices, hats):
-                Q = Qs[:, mat.q_off : mat.q_off + mat.k * mat.r].view(m, mat.k, mat.r)
-                torch.bmm(P_hat, Q.transpose(1, 2), out=self._views(out, mat))
+            # 6. decompress into G: P_hat Q^T for the matrices, the mean for the rest
+            self._scatter_unc(unc_mean, G)
+            self._decompress(Ps, Qs, G)
         with ledger.phase("compute"):
             # 7. local error on the compressed matrices; the rest was sent exactly
             if cfg.error_feedback:
-                st.error.zero_()
-                for mat in self.matrices:
-                    self._views(st.error, mat).copy_(self._views(M, mat) - self._views(out, mat))
-            # 8. momentum after decompression
+                self._memorise(st.error, Ps, Qs)
+            # 8. momentum after decompression; 9. the direction replaces the gradient
             lam = cfg.momentum
             if lam > 0:
-                st.momentum.mul_(lam).add_(out)
-                direction = out + lam * st.momentum if cfg.nesterov else st.momentum
-            else:
-                direction = out
-            # 9. the direction replaces the gradient
-            G.copy_(direction)
-        st.q = Qs.clone() if cfg.warm_start else st.q
+                torch.add(G, st.momentum, alpha=lam, out=st.momentum)
+                if cfg.nesterov:
+                    G.add_(st.momentum, alpha=lam)
+                else:
+                    G.copy_(st.momentum)
+        if cfg.warm_start:
+            st.q = Qs
         st.t += 1
 
     def set_lr(self, lr: float) -> None:

@@ -1,11 +1,13 @@
 """Benchmark one PowerSGD step: ours against PyTorch's ``powerSGD_hook``, same run.
 
-    python experiments/bench_powersgd.py [--json PATH] [--steps N] [--rank R]
+    python experiments/bench_powersgd.py [--json PATH] [--steps N] [--warmup N] [--rank R]
 
-World 2 on loopback gloo (real processes), the parameter tensors of a ResNet-18
-(ImageNet head, 11.7M values), rank 2 by default, error feedback and warm start on,
-momentum 0 (the hook does not do momentum). Both are fed the same gradients and the
-same initial Q; after a warm-up the median wall time of one step is reported for each,
+World 2 on loopback gloo (real processes, one thread each), the parameter tensors of a
+ResNet-18 (ImageNet head, 11.7M values), rank 2 by default, error feedback and warm
+start on, momentum 0 (the hook does not do momentum). Both are fed the same gradients
+and the same initial Q. The two are interleaved step by step, and which of them runs
+first alternates, so a change of load hits both alike; after ``--warmup`` untimed
+steps the median wall time of one step over ``--steps`` steps is reported for each,
 with their ratio and the largest relative difference between the aggregated results
 (per step, ||ours - hook|| / ||hook||). The machine may be loaded: quote the ratio.
 """
@@ -96,7 +98,7 @@ def _hook_q0(seed, shapes, rank, rate=2.0):
     return torch.cat([drawn[i] for i, _, _ in mats])
 
 
-def _worker(rank_id, store_path, steps, rank, out_path):
+def _worker(rank_id, store_path, steps, warmup, rank, out_path):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
 
     torch.set_num_threads(1)
@@ -115,23 +117,33 @@ def _worker(rank_id, store_path, steps, rank, out_path):
     sd = alg.state_dict()
     sd["q"] = _hook_q0(0, shapes, rank).unsqueeze(0)
     alg.load_state_dict(sd)
-    t_ours, t_hook, rel = [], [], []
-    for _ in range(steps):
-        grad = base + 0.5 * torch.randn(d, generator=g)
-        G = grad.clone().unsqueeze(0)
+    def ours(grad):
+        G = grad.clone().unsqueeze(0)  # the copy is made outside the timed region
         dist.barrier()
         t0 = time.perf_counter()
         alg.reduce_gradients(G)
-        t_ours.append(time.perf_counter() - t0)
-        buf = grad.clone()
+        return time.perf_counter() - t0, G[0]
+
+    def hook(grad):
+        bucket = _Bucket(grad.clone(), shapes)
         dist.barrier()
         t0 = time.perf_counter()
-        res = ph.powerSGD_hook(st, _Bucket(buf, shapes)).wait()
-        t_hook.append(time.perf_counter() - t0)
-        rel.append(float((G[0] - res).norm() / res.norm()))
+        res = ph.powerSGD_hook(st, bucket).wait()
+        return time.perf_counter() - t0, res
+
+    t_ours, t_hook, rel = [], [], []
+    for i in range(warmup + steps):
+        grad = base + 0.5 * torch.randn(d, generator=g)
+        if i % 2 == 0:
+            (to, a), (th, b) = ours(grad), hook(grad)
+        else:
+            (th, b), (to, a) = hook(grad), ours(grad)
+        rel.append(float((a - b).norm() / b.norm()))
+        if i >= warmup:
+            t_ours.append(to)
+            t_hook.append(th)
     if rank_id == 0:
-        warm = 1 if steps > 2 else 0
-        ours, hook = statistics.median(t_ours[warm:]), statistics.median(t_hook[warm:])
+        ours, hook = statistics.median(t_ours), statistics.median(t_hook)
         with open(out_path, "w") as f:
             json.dump({"rank": rank, "params": d, "ours_step_s": ours, "torch_hook_step_s": hook,
                        "ratio": ours / hook, "max_rel_diff": max(rel)}, f)
@@ -141,15 +153,19 @@ def _worker(rank_id, store_path, steps, rank, out_path):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the figures to this JSON file")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     ap.add_argument("--rank", type=int, default=2)
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.rank < 1:
+        ap.error("--steps and --rank must be >= 1, --warmup >= 0")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"), args.steps, args.rank, out), nprocs=WORLD)
+        mp.spawn(_worker, args=(os.path.join(tmp, "store"), args.steps, args.warmup, args.rank, out), nprocs=WORLD)
         with open(out) as f:
             res = json.load(f)
-    print(f"PowerSGD step, ResNet-18 shapes ({res['params']} values), world {WORLD} gloo, rank {res['rank']}")
+    print(f"PowerSGD step, ResNet-18 shapes ({res['params']} values), world {WORLD} gloo, rank {res['rank']}, "
+          f"median of {args.steps} interleaved steps")
     print(f"{'ours (s)':>10} {'hook (s)':>10} {'ratio':>7} {'max rel diff':>13}")
     print(f"{res['ours_step_s']:10.4f} {res['torch_hook_step_s']:10.4f} {res['ratio']:7.2f} {res['max_rel_diff']:13.2e}")
     if args.json:

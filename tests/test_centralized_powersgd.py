@@ -1,5 +1,7 @@
 """PowerSGD (papers/001): dense reference, linearity, bytes, restore, gloo worlds, and
-a cross-check against PyTorch's own ``powerSGD_hook``."""
+a cross-check against PyTorch's own ``powerSGD_hook``; the unbiased rank-r approximator
+(Sec. 4.1) and best-approximation PowerSGD (App. G.7): dense references, unbiasedness,
+convergence to the truncated SVD, bytes, restore."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import pytest
 import torch
 
 from gossip import algorithms, comm
-from gossip.algorithms.powersgd import orthogonalize
+from gossip.algorithms._common import shared_key
+from gossip.algorithms.powersgd import _Q_STREAM, orthogonalize
 from tests._dist import run_world
 
 # a linear layer, a conv weight (out, in, kh, kw), a bias, and a matrix too small to gain
@@ -147,10 +150,15 @@ def test_bytes_per_step_equal_the_formula():
         assert c.ledger.sent_by(i) == T * per_step
 
 
-def test_state_save_restore_bit_identical():
+@pytest.mark.parametrize(
+    "opts",
+    [{}, {"approximator": "unbiased"}, {"approximator": "best", "iterations": 2},
+     {"approximator": "best", "error_feedback": False, "nesterov": False}],
+)
+def test_state_save_restore_bit_identical(opts):
     grads = _grads()
     c = comm.SimulatedCommunicator(world_size=N)
-    a = algorithms.build("powersgd", c, shapes=SHAPES, rank=RANK)
+    a = algorithms.build("powersgd", c, shapes=SHAPES, rank=RANK, **opts)
     a.setup(torch.zeros(N, D))
     for t in range(2):
         a.reduce_gradients(grads[t].clone())
@@ -160,7 +168,7 @@ def test_state_save_restore_bit_identical():
         G = grads[t].clone()
         a.reduce_gradients(G)
         cont.append(G)
-    b = algorithms.build("powersgd", comm.SimulatedCommunicator(world_size=N), shapes=SHAPES, rank=RANK)
+    b = algorithms.build("powersgd", comm.SimulatedCommunicator(world_size=N), shapes=SHAPES, rank=RANK, **opts)
     b.setup(torch.zeros(N, D))
     b.load_state_dict(sd)
     for t in range(2, T):
@@ -188,19 +196,211 @@ def test_config_validation_messages():
         algorithms.build("powersgd", c, shapes=SHAPES, min_compression_rate=-1)
     with pytest.raises(TypeError, match=r"Arg `warm_start` must be a bool"):
         algorithms.build("powersgd", c, shapes=SHAPES, warm_start="yes")
+    with pytest.raises(ValueError, match=r"Arg `approximator` must be one of power, unbiased, best, got 'svd'"):
+        algorithms.build("powersgd", c, shapes=SHAPES, approximator="svd")
+    with pytest.raises(ValueError, match=r"Arg `iterations` must be >= 1, got 0"):
+        algorithms.build("powersgd", c, shapes=SHAPES, approximator="best", iterations=0)
+    with pytest.raises(TypeError, match=r"Arg `iterations` must be an int, got str '4'"):
+        algorithms.build("powersgd", c, shapes=SHAPES, approximator="best", iterations="4")
+    with pytest.raises(ValueError, match=r"Arg `iterations` applies to approximator 'best' only, got "
+                       r"iterations=2 with approximator 'unbiased'"):
+        algorithms.build("powersgd", c, shapes=SHAPES, approximator="unbiased", iterations=2)
+    assert algorithms.build("powersgd", c, shapes=SHAPES, approximator="best").config.iterations == 4
     a = algorithms.build("powersgd", c, shapes=SHAPES)
     with pytest.raises(ValueError, match=rf"the parameter shapes hold {D} values, the flat buffer has 7"):
         a.setup(torch.zeros(2, 7))
 
 
+# ---------------------------------------------------------------- the other approximators
+def _qn(rank=RANK):
+    """sum_j k_j r_j over the compressed matrices of SHAPES."""
+    out = 0
+    for _, sh, numel in _blocks():
+        if _compressed(sh, rank):
+            k = numel // sh[0]
+            out += k * min(sh[0], k, rank)
+    return out
+
+
+def _shared_normal(seed, step, numel):
+    """The draw every worker makes at step t (counted from 1): i.i.d. N(0, 1) from a
+    generator seeded with the shared key of (seed, t)."""
+    g = torch.Generator().manual_seed(shared_key(seed, step, _Q_STREAM))
+    return torch.randn(numel, generator=g)
+
+
+def _reference_variant(grads, approximator, lam, *, iterations=1, seed=0, nesterov=True, ef=True):
+    """Alg. 2 around the approximator, written densely on the workers' mean matrix.
+
+    unbiased: U = Z / sqrt(r) (so E[U U^T] = I), Delta' = (Mbar U) U^T;
+    best: Q = Z, then ``iterations`` times P_hat = qr(Mbar Q), Q = Mbar^T P_hat, and
+    Delta' = P_hat Q^T (QR instead of Gram-Schmidt: the result does not depend on signs).
+    """
+    T_, n, d = grads.shape
+    e = torch.zeros(n, d)
+    mom = torch.zeros(d)
+    outs = []
+    for t in range(T_):
+        z = _shared_normal(seed, t + 1, _qn())
+        M = grads[t] + e if ef else grads[t].clone()
+        delta = torch.empty(d)
+        qoff = 0
+        for off, sh, numel in _blocks():
+            if not _compressed(sh):
+                delta[off : off + numel] = M[:, off : off + numel].mean(0)
+                continue
+            nrow, k = sh[0], numel // sh[0]
+            r = min(nrow, k, RANK)
+            Mbar = M[:, off : off + numel].reshape(n, nrow, k).mean(0)
+            Z = z[qoff : qoff + k * r].view(k, r)
+            qoff += k * r
+            if approximator == "unbiased":
+                Uu = Z / math.sqrt(r)
+                approx = (Mbar @ Uu) @ Uu.T
+            else:
+                Q = Z
+                for _ in range(iterations):
+                    P_hat, _ = torch.linalg.qr(Mbar @ Q)
+                    Q = Mbar.T @ P_hat
+                approx = P_hat @ Q.T
+            delta[off : off + numel] = approx.reshape(-1)
+        if ef:
+            e = torch.zeros(n, d)
+            for off, sh, numel in _blocks():
+                if _compressed(sh):
+                    e[:, off : off + numel] = M[:, off : off + numel] - delta[off : off + numel]
+        mom = lam * mom + delta
+        outs.append(delta + lam * mom if nesterov else mom)
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize(
+    "approximator,iterations,lam,nesterov,ef",
+    [
+        ("unbiased", None, 0.0, True, True),
+        ("unbiased", None, 0.9, True, True),
+        ("unbiased", None, 0.9, False, False),
+        ("best", 1, 0.0, True, True),
+        ("best", 4, 0.9, True, True),
+        ("best", 3, 0.9, False, False),
+    ],
+)
+def test_variants_match_dense_reference(approximator, iterations, lam, nesterov, ef):
+    grads = _grads()
+    got, _, a, _ = _run_sim(grads, momentum=lam, nesterov=nesterov, error_feedback=ef, seed=7,
+                            approximator=approximator, iterations=iterations)
+    assert a.state.q.shape == (N, 0)  # nothing is carried over between steps
+    want = _reference_variant(grads, approximator, lam, iterations=iterations or 1, seed=7,
+                              nesterov=nesterov, ef=ef)
+    torch.testing.assert_close(got, want.unsqueeze(1).expand_as(got), rtol=1e-4, atol=1e-5)
+
+
+def _mean_after_one_step(approximator, steps, seed=0):
+    """Decompressed aggregates of ``steps`` independent draws of the same gradients
+    (no error feedback, no momentum: each step is one draw of C(mean M))."""
+    g = torch.Generator().manual_seed(11)
+    grads = torch.randn(N, D, generator=g) + torch.randn(1, D, generator=g)
+    c = comm.SimulatedCommunicator(world_size=N)
+    a = algorithms.build("powersgd", c, shapes=SHAPES, rank=RANK, momentum=0.0, error_feedback=False,
+                         warm_start=False, seed=seed, approximator=approximator)
+    a.setup(torch.zeros(N, D))
+    outs = torch.empty(steps, D, dtype=torch.float64)
+    for t in range(steps):
+        G = grads.clone()
+        a.reduce_gradients(G)
+        outs[t] = G[0].double()
+    return outs, grads.double().mean(0)
+
+
+def _z_scores(outs, target):
+    """(sample mean - target) / its standard error, per coordinate."""
+    S = outs.shape[0]
+    return (outs.mean(0) - target) / (outs.std(0) / math.sqrt(S))
+
+
+def test_unbiased_approximator_is_unbiased():
+    S = 4000
+    outs, Mbar = _mean_after_one_step("unbiased", S)
+    comp = torch.zeros(D, dtype=torch.bool)
+    for off, sh, numel in _blocks():
+        comp[off : off + numel] = _compressed(sh)
+    # uncompressed values are the exact mean every time
+    torch.testing.assert_close(outs[:, ~comp], Mbar[~comp].expand(S, -1), rtol=1e-5, atol=1e-6)
+    # every compressed coordinate: |z| < 5 (408 coordinates: a false alarm has
+    # probability ~2e-4); and the mean is within 10% of M in norm
+    z = _z_scores(outs[:, comp], Mbar[comp])
+    assert float(z.abs().max()) < 5.0, float(z.abs().max())
+    rel = float((outs[:, comp].mean(0) - Mbar[comp]).norm() / Mbar[comp].norm())
+    assert rel < 0.1, rel
+    # the test has power: a biased scale (U without 1/sqrt(r), E = r M) and the biased
+    # PowerSGD approximator both fail it by far
+    assert float(_z_scores(outs[:, comp] * RANK, Mbar[comp]).abs().max()) > 15
+    powered, _ = _mean_after_one_step("power", 400)
+    assert float(_z_scores(powered[:, comp], Mbar[comp]).abs().max()) > 20
+
+
+def test_best_approaches_the_truncated_svd():
+    # each matrix's mean has singular values 8, 4 then at most ~1: a clear gap after r = 2
+    g = torch.Generator().manual_seed(3)
+    grads = torch.zeros(1, N, D)
+    for off, sh, numel in _blocks():
+        if len(sh) >= 2:
+            nrow, k = sh[0], numel // sh[0]
+            L, _ = torch.linalg.qr(torch.randn(nrow, 2, generator=g))
+            R, _ = torch.linalg.qr(torch.randn(k, 2, generator=g))
+            low = L @ torch.diag(torch.tensor([8.0, 4.0])) @ R.T
+            noise = 0.1 * torch.randn(N, nrow, k, generator=g)
+            grads[0, :, off : off + numel] = (low + noise).reshape(N, -1)
+        else:
+            grads[0, :, off : off + numel] = torch.randn(N, numel, generator=g)
+    Mbar = grads[0].mean(0)
+
+    def svd_r(off, sh, numel):
+        A = Mbar[off : off + numel].reshape(sh[0], -1).double()
+        U_, S_, Vh = torch.linalg.svd(A, full_matrices=False)
+        return (U_[:, :RANK] * S_[:RANK]) @ Vh[:RANK]
+
+    def err(iterations):
+        got, _, _, _ = _run_sim(grads, momentum=0.0, approximator="best", iterations=iterations)
+        out = []
+        for off, sh, numel in _blocks():
+            if _compressed(sh):
+                want = svd_r(off, sh, numel)
+                have = got[0, 0, off : off + numel].reshape(sh[0], -1).double()
+                out.append(float((have - want).norm() / want.norm()))
+        return max(out)
+
+    assert err(30) < 1e-5
+    assert err(1) > 10 * err(30)  # one iteration from a random Q is not there yet
+
+
+@pytest.mark.parametrize("approximator,iterations", [("power", None), ("unbiased", None), ("best", 3)])
+def test_variant_bytes_per_step_equal_the_formula(approximator, iterations):
+    grads = _grads()
+    _, _, a, c = _run_sim(grads, approximator=approximator, iterations=iterations)
+    U = 8 + 12
+    P = 16 * 2 + 8 * 2
+    Q = 12 * 2 + 27 * 2
+    ring = lambda b: (2 * (N - 1) * b + N // 2) // N  # noqa: E731
+    if approximator == "unbiased":  # U is drawn by every worker, never sent
+        per_step, numel = ring(4 * (U + P)), U + P
+    else:  # each round of subspace iteration all-reduces P, then Q
+        rounds = iterations or 1
+        per_step = ring(4 * (U + P)) + ring(4 * Q) + (rounds - 1) * (ring(4 * P) + ring(4 * Q))
+        numel = U + rounds * (P + Q)
+    assert a.compressed_numel == numel
+    for i in range(N):
+        assert c.ledger.sent_by(i) == T * per_step
+
+
 # ---------------------------------------------------------------- real processes
-def _dist_ours(n):
+def _dist_ours(n, **opts):
     import torch.distributed as dist
 
     rank = dist.get_rank()
     grads = _grads(n=n)
     c = comm.DistCommunicator(timeout=30)
-    a = algorithms.build("powersgd", c, shapes=SHAPES, rank=RANK)
+    a = algorithms.build("powersgd", c, shapes=SHAPES, rank=RANK, **opts)
     a.setup(torch.zeros(1, D))
     outs = []
     for t in range(T):
@@ -215,6 +415,16 @@ def _dist_ours(n):
 def test_real_processes_equal_simulation_to_rounding(n):
     results = run_world(n, _dist_ours, n, timeout=120)
     sim, _, _, c = _run_sim(_grads(n=n), n=n)
+    for rank, (traj, sent) in enumerate(results):
+        torch.testing.assert_close(traj, sim[:, rank], rtol=1e-5, atol=1e-5)
+        assert sent == c.ledger.sent_by(rank)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("opts", [{"approximator": "unbiased"}, {"approximator": "best", "iterations": 3}])
+def test_variants_real_processes_equal_simulation_to_rounding(opts):
+    results = run_world(2, _dist_ours, 2, timeout=120, **opts)
+    sim, _, _, c = _run_sim(_grads(n=2), n=2, **opts)
     for rank, (traj, sent) in enumerate(results):
         torch.testing.assert_close(traj, sim[:, rank], rtol=1e-5, atol=1e-5)
         assert sent == c.ledger.sent_by(rank)

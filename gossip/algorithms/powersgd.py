@@ -1,14 +1,15 @@
 """PowerSGD (papers/001): rank-r power-iteration compression inside error-feedback SGD
-with momentum.
+with momentum, and the two rank-r approximators the paper compares it with.
 
 The flat parameter vector is cut into the model's tensors (``shapes``, in
 ``parameters()`` order, e.g. ``FlatParams.shapes``). A tensor of two or more
 dimensions is the matrix M of shape (shape[0], prod(shape[1:])) (a conv weight
 (out, in, kh, kw) becomes (out, in*kh*kw)); it is compressed when that pays:
 (n + k) r * min_compression_rate < n k, with r = min(n, k, rank). Vectors (biases,
-norms) and matrices too small to gain are all-reduced uncompressed.
+norms) and matrices too small to gain are all-reduced uncompressed. The rule is the
+same for every approximator, so they compress the same matrices.
 
-One step on worker w with gradient g_w (Alg. 2 around Alg. 1):
+One step on worker w with gradient g_w (Alg. 2 around Alg. 1), ``approximator="power"``:
 
 1. error feedback: M_w = g_w + e_w (Alg. 2 line 7);
 2. P_w = M_w Q for every compressed matrix (Alg. 1 line 3), Q shared by all workers;
@@ -28,8 +29,29 @@ Warm start (Sec. 4.2): the Q of step 5 is the next step's Q. The first Q (and ev
 Q without warm start) is i.i.d. standard normal from a generator seeded identically on
 every worker (``seed``, step), so no broadcast is needed.
 
-Bytes per worker per step: two ring all-reduces, of 4 (U + sum_j n_j r_j) and of
-4 sum_j k_j r_j bytes (U = uncompressed values), each 2 (W - 1) / W of its size.
+The other approximators change steps 2-6 only (the same error feedback and momentum
+around them):
+
+* ``"best"`` (Appendix G.7, "best-approximation PowerSGD"): steps 2-5 are repeated
+  ``iterations`` times per step (subspace iteration, 2 matrix products each; the paper
+  finds 4 enough to reach the best rank-r approximation), each round's Q feeding the
+  next round's P = M Q, starting from a fresh shared random Q every step (no reuse of
+  the previous step). The uncompressed values ride with the first P.
+* ``"unbiased"`` (Sec. 4.1, Table 1): U (k x r) is drawn every step from the shared
+  generator with i.i.d. N(0, 1/r) entries, so E[U U^T] = I_k; P = M U is all-reduced
+  (with the uncompressed values) and Delta' = P U^T, so E[Delta'] = mean_w M_w. U is
+  never sent (every worker draws it), so this costs one all-reduce and about half the
+  bytes of rank-r PowerSGD (Table 1: 3 MB vs 4 MB per epoch at rank 1, 4 vs 8 at rank 2).
+
+Every approximator acts on the workers' mean (each product is followed by a mean), so
+storing e_w = M_w - Delta' (step 7) or Alg. 2's local e_w = M_w - decompress(C(M_w))
+gives the same mean error and hence the same updates; we store the former, as
+PyTorch's hook does.
+
+Bytes per worker per step, ring all-reduces of 2 (W - 1) / W of their size, with
+U = uncompressed values, P = sum_j n_j r_j, Q = sum_j k_j r_j: ``power``, 4 (U + P)
+then 4 Q; ``best``, the same plus (iterations - 1) times (4 P then 4 Q);
+``unbiased``, 4 (U + P) only.
 """
 
 from __future__ import annotations
@@ -46,11 +68,19 @@ from gossip.algorithms._common import check_int, shared_key
 __all__ = ["PowerSGD", "PowerSGDConfig", "PowerSGDState", "orthogonalize"]
 
 _Q_STREAM = 2
+_APPROXIMATORS = ("power", "unbiased", "best")
+_BEST_ITERATIONS = 4  # papers/001 G.7
 
 
 @dataclass(frozen=True, kw_only=True)
 class PowerSGDConfig:
-    """``shapes``: the parameter tensors' shapes in flat-buffer order (required)."""
+    """``shapes``: the parameter tensors' shapes in flat-buffer order (required).
+
+    ``approximator``: ``"power"`` (Alg. 1, one power iteration, warm start),
+    ``"best"`` (G.7: ``iterations`` subspace iterations from a fresh Q every step,
+    default 4) or ``"unbiased"`` (Sec. 4.1: P = M U, U shared random with
+    E[U U^T] = I). ``warm_start`` applies to ``"power"`` only; ``iterations`` to
+    ``"best"`` only."""
 
     shapes: tuple[tuple[int, ...], ...] | None = None
     rank: int = 1
@@ -60,6 +90,8 @@ class PowerSGDConfig:
     error_feedback: bool = True
     min_compression_rate: float = 2.0
     orthogonalization_epsilon: float = 0.0
+    approximator: str = "power"
+    iterations: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -88,6 +120,19 @@ class PowerSGDConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"Arg `{name}` must be a finite number >= 0, got {v!r}")
+        if not isinstance(self.approximator, str) or self.approximator not in _APPROXIMATORS:
+            raise ValueError(
+                f"Arg `approximator` must be one of {', '.join(_APPROXIMATORS)}, got {self.approximator!r}"
+            )
+        if self.approximator == "best":
+            if self.iterations is None:
+                object.__setattr__(self, "iterations", _BEST_ITERATIONS)
+            check_int("iterations", self.iterations, minimum=1)
+        elif self.iterations is not None:
+            raise ValueError(
+                f"Arg `iterations` applies to approximator 'best' only, got iterations="
+                f"{self.iterations!r} with approximator {self.approximator!r}"
+            )
 
     @property
     def numel(self) -> int:
@@ -100,7 +145,8 @@ class PowerSGDState:
     does not depend on it). ``error`` (m, d): e_w (empty without error feedback);
     ``momentum`` (m, d) (empty when lambda = 0); ``q`` (m, sum_j k_j r_j): the
     warm-start Q of every compressed matrix (each (k_j, r_j), row-major, in parameter
-    order), identical on all workers."""
+    order), identical on all workers; (m, 0) for ``best`` and ``unbiased``, which
+    draw theirs afresh every step from (seed, t)."""
 
     t: int
     lr: float
@@ -200,17 +246,28 @@ class PowerSGD(_Centralized):
         # the uncompressed values as contiguous ranges: one range is sliced, not gathered
         self._unc_runs = _runs(unc)
         self.p_numel, self.q_numel = p_tot, q_tot
+        # sqrt(r_j) over each matrix's Q: the unbiased approximator's U = Z / sqrt(r)
+        self._q_sqrt_r = torch.cat(
+            [torch.full((m.k * m.r,), math.sqrt(m.r)) for m in self.matrices]
+        ) if self.matrices else torch.zeros(0)
         self._index_cache: dict[torch.device, torch.Tensor] = {}
 
     @property
     def compressed_numel(self) -> int:
         """Values sent per worker per step (before the all-reduce's 2(W-1)/W)."""
-        return self.unc_index.numel() + self.p_numel + self.q_numel
+        U, P, Q = self.unc_index.numel(), self.p_numel, self.q_numel
+        cfg = self.config
+        if cfg.approximator == "unbiased":
+            return U + P
+        rounds = cfg.iterations if cfg.approximator == "best" else 1
+        return U + rounds * (P + Q)
 
     def _random_q(self, step: int, m: int, like: torch.Tensor) -> torch.Tensor:
         """(m, sum_j k_j r_j) i.i.d. standard normal, the same on every worker and row."""
         g = torch.Generator().manual_seed(shared_key(self.config.seed, step, _Q_STREAM))
         q = torch.randn(self.q_numel, generator=g, dtype=torch.float32)
+        if self.config.approximator == "unbiased":
+            q.div_(self._q_sqrt_r)  # N(0, 1/r): E[U U^T] = I
         return q.to(dtype=like.dtype, device=like.device).expand(m, -1).clone()
 
     def setup(self, X: torch.Tensor) -> None:
@@ -226,7 +283,7 @@ class PowerSGD(_Centralized):
             lr=1.0,
             error=X.new_zeros(m, d) if cfg.error_feedback else X.new_zeros(0),
             momentum=X.new_zeros(m, d) if cfg.momentum > 0 else X.new_zeros(0),
-            q=self._random_q(0, m, X),
+            q=self._random_q(0, m, X) if cfg.approximator == "power" else X.new_zeros(m, 0),
         )
 
     # ---------------------------------------------------------------- pieces of a step
@@ -307,26 +364,39 @@ class PowerSGD(_Centralized):
             #    G is free to receive Delta'; without it M is G itself (read before written)
             M = st.error.add_(G) if cfg.error_feedback else G
         with ledger.phase("compress"):
-            if not cfg.warm_start and st.t > 1:
-                st.q = self._random_q(st.t, m, G)
+            if cfg.approximator == "power":
+                if not cfg.warm_start and st.t > 1:
+                    st.q = self._random_q(st.t, m, G)
+                Qs, rounds = st.q, 1
+            else:  # a fresh shared draw every step: U (unbiased) or the first Q (best)
+                Qs = self._random_q(st.t, m, G)
+                rounds = cfg.iterations if cfg.approximator == "best" else 1
             # 2. P = M Q, next to the values that travel uncompressed
             send = M.new_empty(m, U + self.p_numel)
             self._gather_unc(M, send[:, :U])
-            self._project(M, st.q, send[:, U:])
+            self._project(M, Qs, send[:, U:])
         with ledger.phase("communicate"):
             # 3. one all-reduce for the uncompressed values and every P
             first = self.comm.all_reduce(send, op="mean")
         unc_mean, Ps = first[:, :U], first[:, U:]
+        if cfg.approximator != "unbiased":
+            for i in range(rounds):
+                if i > 0:  # best: the next round of subspace iteration
+                    with ledger.phase("compress"):
+                        Pn = M.new_empty(m, self.p_numel)
+                        self._project(M, Qs, Pn)
+                    with ledger.phase("communicate"):
+                        Ps = self.comm.all_reduce(Pn, op="mean")
+                with ledger.phase("compress"):
+                    # 4. orthogonalise P (one batch per P shape), then Q = M^T P_hat
+                    self._orthogonalize(Ps)
+                    Qn = M.new_empty(m, self.q_numel)
+                    self._back_project(M, Ps, Qn)
+                with ledger.phase("communicate"):
+                    # 5. all-reduce the mean of Q
+                    Qs = self.comm.all_reduce(Qn, op="mean")
         with ledger.phase("compress"):
-            # 4. orthogonalise P (one batch per P shape), then Q = M^T P_hat
-            self._orthogonalize(Ps)
-            Qn = M.new_empty(m, self.q_numel)
-            self._back_project(M, Ps, Qn)
-        with ledger.phase("communicate"):
-            # 5. all-reduce the mean of Q
-            Qs = self.comm.all_reduce(Qn, op="mean")
-        with ledger.phase("compress"):
-            # 6. decompress into G: P_hat Q^T for the matrices, the mean for the rest
+            # 6. decompress into G: P_hat Q^T (P U^T) for the matrices, the mean for the rest
             self._scatter_unc(unc_mean, G)
             self._decompress(Ps, Qs, G)
         with ledger.phase("compute"):
@@ -341,7 +411,7 @@ class PowerSGD(_Centralized):
                     G.add_(st.momentum, alpha=lam)
                 else:
                     G.copy_(st.momentum)
-        if cfg.warm_start:
+        if cfg.approximator == "power" and cfg.warm_start:
             st.q = Qs
         st.t += 1
 

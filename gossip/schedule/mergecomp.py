@@ -88,7 +88,10 @@ class MergeCompConfig:
             raise ValueError("Arg `shapes` must hold at least one parameter shape")
         object.__setattr__(self, "shapes", shapes)
         comp = check_spec(self.compressor, "mergecomp")
-        if comp.name == "blocksign" and (getattr(comp, "offsets", None) is not None or getattr(comp, "block", None) is not None):
+        bcfg = getattr(comp, "config", None)
+        if comp.spec.startswith("blocksign") and (
+            getattr(bcfg, "offsets", None) is not None or getattr(bcfg, "block", None) is not None
+        ):
             raise ValueError(
                 "mergecomp: blocksign's blocks are the parameter tensors under --merge; give plain 'blocksign'"
             )
@@ -205,6 +208,15 @@ class MergeComp(_Centralized):
     @property
     def partition(self) -> Partition:
         return Partition(self.state.sizes)
+
+    def set_partition(self, partition: Partition | tuple[int, ...]) -> None:
+        """Use this partition from the next step on and stop any search (call it the same
+        way on every rank). The memories keep their values."""
+        sizes = tuple(partition.sizes if isinstance(partition, Partition) else Partition(tuple(partition)).sizes)
+        if sum(sizes) != self.config.tensors:
+            raise ValueError(f"the partition covers {sum(sizes)} tensors, the model has {self.config.tensors}")
+        self.state.phase, self.state.phase_step = "done", 0
+        self._relayout(sizes=sizes)
 
     # ---------------------------------------------------------------- layout
     def _layout(self) -> None:

@@ -34,8 +34,9 @@ N and auto first learn the backward order (step 1), then time ``profile_steps``
 layer-wise steps in which each tensor is encoded, sent and decoded on its own (so
 each cost is measured alone), fit the linear costs of Assumption 5 (see
 :mod:`gossip.schedule.cost`), and take the model's best split for each y. auto then
-runs each candidate y = 1, 2, ... for ``trial_steps`` steps and applies Alg. 2 to
-the measured iteration times. Every decision is made on rank 0 and broadcast, so all
+runs the candidates y = 1..Y in turn, one step each, for a warm-up round and then
+``trial_steps`` timed rounds (interleaved, so a change of load on the machine hits
+every candidate alike), and applies Alg. 2 to their median iteration times. Every decision is made on rank 0 and broadcast, so all
 ranks always use the same partition; it is part of the state (checkpoints).
 """
 
@@ -104,7 +105,7 @@ class MergeCompConfig:
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < 1:
             raise ValueError(f"Arg `alpha` must lie in (0, 1), got {self.alpha!r}")
         check_int("profile_steps", self.profile_steps, minimum=1)
-        check_int("trial_steps", self.trial_steps, minimum=2)
+        check_int("trial_steps", self.trial_steps, minimum=1)
 
     @property
     def tensors(self) -> int:
@@ -155,6 +156,8 @@ class MergeComp(_Centralized):
         self._hooks: list[Any] = []
         self._codecs: dict[tuple[int, int], tuple[Any, ErrorFeedback]] = {}
         self._last_end: float | None = None
+        #: the fitted :class:`CostModel` of this process (``--merge N`` and ``auto``)
+        self.cost_model: CostModel | None = None
         self._reset_step()
 
     # ---------------------------------------------------------------- set-up
@@ -459,11 +462,15 @@ class MergeComp(_Centralized):
         if st.phase == "trial":
             s = st.search
             y = s["trying"]
-            if st.phase_step >= 1 and iter_s is not None:  # the first step of a trial warms up
+            k = st.phase_step  # step k of the trial: candidate plan[k % Y], round k // Y
+            ys = s["plan"]
+            if k >= len(ys) and iter_s is not None:  # round 0 warms every candidate up
                 s["trial_times"].setdefault(str(y), []).append(iter_s)
             st.phase_step += 1
-            if st.phase_step >= cfg.trial_steps:
-                self._trial_done(y)
+            if st.phase_step >= len(ys) * (cfg.trial_steps + 1):
+                self._trials_done()
+            else:
+                self._try(ys[st.phase_step % len(ys)])
             self._reset_step()
             return
         self._reset_step()
@@ -523,6 +530,7 @@ class MergeComp(_Centralized):
                 comm=fit_linear(lay, med(prof["comm"])),
             )
             want = [cfg.merge] if isinstance(cfg.merge, int) else list(range(1, min(cfg.max_groups, n) + 1))
+            self.cost_model = model
             plans = [list(best_partition(model, y).sizes) for y in want]
             preds = [model.predict(Partition(tuple(p))) for p in plans]
             fit = model.to_dict()
@@ -545,43 +553,35 @@ class MergeComp(_Centralized):
             self._choose(plans[0], f"--merge {cfg.merge}")
         else:
             s["trial_times"] = {}
-            self._start_trial(1)
+            s["plan"] = sorted(int(k) for k in s["candidates"])
+            st.phase, st.phase_step = "trial", 0
+            self._try(s["plan"][0])
 
-    def _start_trial(self, y: int) -> None:
+    def _try(self, y: int) -> None:
         st = self.state
-        st.phase, st.phase_step = "trial", 0
+        st.phase = "trial"
         st.search["trying"] = y
         self._relayout(sizes=tuple(st.search["candidates"][str(y)]["sizes"]))
 
-    def _trial_done(self, y: int) -> None:
+    def _trials_done(self) -> None:
+        """Alg. 2 on the measured median iteration times (rank 0's, broadcast)."""
         st, cfg = self.state, self.config
         s = st.search
-        times = s["trial_times"].get(str(y), [])
-        mine = statistics.median(times) if times else float("inf")
-        (agreed,) = self._bcast([[mine]])
-        s["candidates"][str(y)]["measured_s"] = float(agreed[0])
-        fmin = {int(k): v["measured_s"] for k, v in s["candidates"].items() if "measured_s" in v}
-        top = max(int(k) for k in s["candidates"])
-        if y < top:
-            # would Alg. 2 stop here? Replay it on what is measured so far
-            def f(q: int) -> float:
-                if q not in fmin:
-                    raise _NeedMore(q)
-                return fmin[q]
-
-            try:
-                chosen, _ = alg2(f, top, cfg.alpha)
-            except _NeedMore as more:
-                self._start_trial(more.y)
-                return
-        else:
-            chosen, _ = alg2(lambda q: fmin[q], top, cfg.alpha)
+        ys = s["plan"]
+        mine = [statistics.median(s["trial_times"].get(str(y), [])) if s["trial_times"].get(str(y)) else float("inf")
+                for y in ys]
+        (agreed,) = self._bcast([mine])
+        for y, f in zip(ys, agreed):
+            s["candidates"][str(y)]["measured_s"] = float(f)
+        fmin = dict(zip(ys, (float(f) for f in agreed)))
+        chosen, _ = alg2(lambda q: fmin[q], max(ys), cfg.alpha)
         self._choose(s["candidates"][str(chosen)]["sizes"], f"Alg. 2 (Y = {cfg.max_groups}, alpha = {cfg.alpha:g})")
 
     def _choose(self, sizes: list[int], why: str) -> None:
         st = self.state
         st.phase, st.phase_step = "done", 0
         st.search.pop("trying", None)
+        st.search.pop("plan", None)
         st.search["chosen"] = list(sizes)
         self._relayout(sizes=tuple(int(v) for v in sizes))
         self._emit(f"mergecomp: partition {self.partition} chosen by {why} at step {st.t}")
@@ -611,12 +611,6 @@ class MergeComp(_Centralized):
             "candidates": s.get("candidates"),
             "log": list(s.get("log", [])),
         }
-
-
-class _NeedMore(Exception):
-    def __init__(self, y: int) -> None:
-        super().__init__(y)
-        self.y = y
 
 
 def _even(n: int, y: int) -> list[int]:

@@ -5,6 +5,11 @@ line, from a TOML file given with ``--config`` (same keys as the long flags, wit
 underscores or dashes), flags overriding the file. Every rule is checked in
 ``__post_init__`` and raises :class:`ConfigError` with one line naming the value and
 what is accepted.
+
+Options of the chosen algorithm's own Config (PowerSGD's ``rank``, sketched's ``p``)
+come from repeated ``--algo-opt KEY=VALUE`` flags and an ``[algo_options]`` table of the
+file, merged key by key with the flags winning; text values are read as the type of
+the Config field they set.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import dataclasses
 import math
 import sys
 import tomllib
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +46,45 @@ def _algo_fields(name: str) -> set[str]:
 
 class ConfigError(ValueError):
     """A user error in the run's configuration (one line, no traceback)."""
+
+
+#: algorithm Config fields the training loop sets itself, and where the user sets them
+LOOP_SET_OPTIONS = {
+    "seed": "give --seed instead",
+    "compressor": "give --compressor (or --bits) instead",
+    "momentum": "give --momentum instead",
+    "shapes": "it comes from the model",
+    "offsets": "it comes from the model",
+}
+_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
+
+
+def _kinds(hint: Any) -> tuple:
+    """The types a Config field's annotation allows: ``int | None`` -> ``(int, NoneType)``."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    return typing.get_args(hint) if union else (hint,)
+
+
+def _coerce_option(algo: str, key: str, text: str, hint: Any) -> Any:
+    """``text`` read as the type of the Config field ``key`` (``int | None`` and alike)."""
+    kinds = _kinds(hint)
+    low = text.strip().lower()
+    if type(None) in kinds and low in ("none", "null"):
+        return None
+    if bool in kinds and low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        if kind in kinds:
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+    if str in kinds:
+        return text
+    wanted = [w for k, w in _WORDS.items() if k in kinds] + (["none"] if type(None) in kinds else [])
+    if not wanted:
+        raise ConfigError(f"--algo-opt {key}: --algo {algo} cannot take it as text (it is {hint})")
+    raise ConfigError(f"--algo-opt {key}={text}: {key} of --algo {algo} takes {' or '.join(wanted)}")
 
 
 def _registries() -> tuple[dict, dict, list, list, list]:
@@ -89,6 +136,9 @@ class TrainConfig:
     merge: str | None = None
     merge_max_groups: int = 2
     merge_alpha: float = 0.05
+    #: options of the algorithm's own Config, kept as sorted ``(key, value)`` pairs so the
+    #: config stays hashable; give a mapping, ``to_dict`` gives one back
+    algo_options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         algos, comps, topos, mdls, datas = _registries()
@@ -154,6 +204,39 @@ class TrainConfig:
             self._check_merge()
         if self.simulate is not None and decentral and self.simulate < 2:
             raise bad(f"--simulate must be >= 2 for the decentralized --algo {self.algo}, got {self.simulate}")
+        self._check_algo_options()
+
+    def _check_algo_options(self) -> None:
+        """Keys must be fields of the algorithm's Config the loop leaves to the user;
+        text is read as the field's type. The values themselves are the Config's to check."""
+        from gossip import algorithms as _alg
+
+        raw = self.algo_options
+        if not isinstance(raw, Mapping):
+            try:
+                raw = dict(raw)
+            except (TypeError, ValueError):
+                raise ConfigError(f"algo_options must be a table of KEY = VALUE, got {raw!r}") from None
+        cfg_cls = _alg.config_class(self.algo)
+        hints = typing.get_type_hints(cfg_cls)
+        settable = [f.name for f in dataclasses.fields(cfg_cls) if f.name not in LOOP_SET_OPTIONS]
+        opts = {}
+        for k, v in raw.items():
+            key = str(k).replace("-", "_")
+            if key in LOOP_SET_OPTIONS:
+                raise ConfigError(f"--algo-opt {key}: the training loop sets it; {LOOP_SET_OPTIONS[key]}")
+            if key not in settable:
+                accepted = f"; accepted: {', '.join(settable)}" if settable else ", which has none to set"
+                raise ConfigError(f"--algo-opt {key}: not an option of --algo {self.algo}{accepted}")
+            kinds = _kinds(hints[key])
+            if isinstance(v, str):
+                v = _coerce_option(self.algo, key, v, hints[key])
+            elif isinstance(v, int) and not isinstance(v, bool) and float in kinds and int not in kinds:
+                v = float(v)  # TOML's p = 1 for a float field
+            elif v is not None and not isinstance(v, (bool, int, float)):
+                raise ConfigError(f"--algo-opt {key}: a value must be a number, true/false or text, got {v!r}")
+            opts[key] = v
+        object.__setattr__(self, "algo_options", tuple(sorted(opts.items())))
 
     def _check_merge(self) -> None:
         from gossip.schedule import parse_merge
@@ -222,6 +305,7 @@ class TrainConfig:
         d["compressor_spec"] = self.compressor_spec
         d["model_name"] = self.model_name
         d["local_momentum"] = self.local_momentum
+        d["algo_options"] = dict(self.algo_options)
         return d
 
 
@@ -263,6 +347,11 @@ _HELP = {
     "while backward goes on",
     "merge_max_groups": "Y of Alg. 2 for --merge auto: the most groups tried",
     "merge_alpha": "alpha of Alg. 2 for --merge auto: stop when one more group gains less than this fraction",
+    "algo_options": "an option of the algorithm's own Config, repeatable, read as that option's type "
+    "(integer, number, true/false, none, text); e.g. --algo powersgd --algo-opt rank=4 "
+    "--algo-opt approximator=best, --algo sketched --algo-opt p=0.01, --algo efmomentum --algo-opt "
+    "nesterov=false; an unknown key lists the accepted ones; seed, compressor and momentum have their "
+    "own flags (default: none; a TOML file gives them as an [algo_options] table)",
 }
 
 
@@ -326,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("merge", metavar="MODE")
     add("merge_max_groups", type=int, metavar="Y")
     add("merge_alpha", type=float, metavar="ALPHA")
+    p.add_argument(
+        "--algo-opt", dest="algo_options", action="append", metavar="KEY=VALUE", help=_HELP["algo_options"]
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     return p
 
@@ -356,6 +448,18 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     cfg_path = ns.pop("config", None)
     if cfg_path is not None:
         values.update(_load_toml(cfg_path))
+    flags = ns.pop("algo_options", [])
+    if flags:
+        merged = values.get("algo_options", {})
+        if not isinstance(merged, Mapping):
+            raise ConfigError(f"--config {cfg_path!r}: algo_options must be a table, got {merged!r}")
+        merged = {str(k).replace("-", "_"): v for k, v in merged.items()}
+        for item in flags:
+            key, eq, text = item.partition("=")
+            if not eq or not key.strip():
+                raise ConfigError(f"--algo-opt {item!r}: expected KEY=VALUE, e.g. --algo-opt rank=4")
+            merged[key.strip().replace("-", "_")] = text
+        values["algo_options"] = merged
     values.update(ns)
     try:
         return TrainConfig(**values)

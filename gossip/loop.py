@@ -52,6 +52,7 @@ FINGERPRINT_KEYS = (
     "algo", "compressor_spec", "topology", "degree", "rows", "cols", "weights", "lazy",
     "model_name", "data", "partition", "epochs", "batch_size", "lr", "lr_schedule",
     "momentum", "local_momentum", "weight_decay", "seed", "merge", "merge_max_groups", "merge_alpha",
+    "algo_options",
 )
 
 
@@ -101,7 +102,7 @@ def _build_topology(cfg: TrainConfig, n: int):
 def _build_algorithm(cfg: TrainConfig, comm, model):
     """Registry lookup plus what some algorithms need to know of the model."""
     fields = {f.name for f in dataclasses.fields(algorithms.config_class(cfg.algo))}
-    opts: dict[str, Any] = {"seed": cfg.seed}
+    opts: dict[str, Any] = {"seed": cfg.seed, **dict(cfg.algo_options)}  # --algo-opt: checked by TrainConfig
     if "compressor" in fields and cfg.compressor_spec is not None:
         opts["compressor"] = cfg.compressor_spec
     if "momentum" in fields and cfg.momentum is not None:
@@ -502,8 +503,9 @@ def _header(cfg, n, dim, algo, dpsgd_bytes, env) -> str:
     mode = f"torchrun, {n} ranks" if env.distributed else f"simulation, {n} nodes in one process"
     comp = cfg.compressor_spec or "none (fp32)"
     lat = f" latency: emulated {cfg.emulate_latency:g} ms per message round" if cfg.emulate_latency else ""
+    extra = f"({','.join(f'{k}={v}' for k, v in cfg.algo_options)})" if cfg.algo_options else ""
     return (
-        f"gossip.train: algo={cfg.algo} compressor={comp} topology="
+        f"gossip.train: algo={cfg.algo}{extra} compressor={comp} topology="
         f"{cfg.topology if algorithms.is_decentralized(cfg.algo) else '-'} model={cfg.model_name} "
         f"({dim:,} params) data={cfg.data}/{cfg.partition} [{mode}]{lat}"
     )

@@ -299,3 +299,89 @@ def test_divergence_is_one_line_and_recorded(tmp_path):
     assert len(lines) == 1 and "training diverged at step" in lines[0] and "non-finite" in lines[0]
     s = json.loads((out / "summary.json").read_text())
     assert s["diverged"] is True and "non-finite" in s["reason"]
+
+
+# --- --algo-opt: options of the algorithm's own Config ----------------------------------
+ALGO_QUICK = ["--simulate", "2", "--model", "mlp", *QUICK, "--max-steps", "3"]
+
+
+def _bytes_per_step(out: Path) -> float:
+    return json.loads((out / "summary.json").read_text())["bytes_sent_per_node_per_step"]
+
+
+def test_algo_options_reach_the_algorithm_and_config_json(tmp_path):
+    one, two = tmp_path / "rank1", tmp_path / "rank2"
+    r = train("--algo", "powersgd", *ALGO_QUICK, "--algo-opt", "rank=1", "--out", str(one))
+    assert r.returncode == 0, r.stderr
+    r = train("--algo", "powersgd", *ALGO_QUICK, "--algo-opt", "rank=2", "--algo-opt", "approximator=best",
+              "--out", str(two))
+    assert r.returncode == 0, r.stderr
+    assert "algo=powersgd(approximator=best,rank=2)" in r.stdout
+    cfg = json.loads((two / "config.json").read_text())
+    assert cfg["algo_options"] == {"approximator": "best", "rank": 2}  # read as the fields' types
+    # rank 2 sends two columns of P and Q per matrix where rank 1 sends one, best a P and Q per iteration
+    assert _bytes_per_step(one) < _bytes_per_step(two)
+
+
+def test_algo_options_of_sketched_and_efmomentum(tmp_path):
+    r = train("--algo", "sketched", *ALGO_QUICK, "--out", str(tmp_path / "p01"))
+    assert r.returncode == 0, r.stderr
+    r = train("--algo", "sketched", *ALGO_QUICK, "--algo-opt", "p=0.05", "--out", str(tmp_path / "p05"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "p05" / "config.json").read_text())["algo_options"] == {"p": 0.05}
+    assert _bytes_per_step(tmp_path / "p05") > 2 * _bytes_per_step(tmp_path / "p01")
+    # efmomentum's nesterov changes the update, not the bytes
+    for nesterov in ("true", "false"):
+        r = train("--algo", "efmomentum", *ALGO_QUICK, "--algo-opt", f"nesterov={nesterov}",
+                  "--out", str(tmp_path / nesterov))
+        assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "false" / "config.json").read_text())["algo_options"] == {"nesterov": False}
+    assert not torch.equal(final_params(tmp_path / "true"), final_params(tmp_path / "false"))
+
+
+@pytest.mark.parametrize("opts,needles", [
+    (["rank"], ["--algo-opt 'rank'", "KEY=VALUE"]),
+    (["=4"], ["--algo-opt '=4'", "KEY=VALUE"]),
+    (["ranks=4"], ["ranks", "--algo powersgd", "accepted: rank,", "approximator", "iterations"]),
+    (["seed=3"], ["seed", "--seed"]),
+    (["momentum=0.5"], ["momentum", "--momentum"]),
+    (["shapes=4"], ["shapes", "from the model"]),
+    (["rank=two"], ["rank=two", "an integer"]),
+    (["nesterov=maybe"], ["nesterov", "true or false"]),
+    (["iterations=many"], ["iterations", "an integer or none"]),
+    (["approximator=worst"], ["--algo powersgd", "approximator", "power, unbiased, best"]),  # the Config's own check
+    (["rank=0"], ["--algo powersgd", "rank"]),
+])
+def test_bad_algo_options_are_one_line(opts, needles):
+    args = [a for o in opts for a in ("--algo-opt", o)]
+    _one_error_line(train("--algo", "powersgd", *ALGO_QUICK, *args), *needles)
+
+
+def test_algo_options_compressor_and_none_to_set():
+    _one_error_line(train("--algo", "efmomentum", *ALGO_QUICK, "--algo-opt", "compressor=topk"), "--compressor")
+    _one_error_line(train("--algo", "allreduce", *ALGO_QUICK, "--algo-opt", "rank=2"), "allreduce", "none to set")
+
+
+def test_algo_options_from_toml_merge_with_flags(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('algo = "powersgd"\n\n[algo_options]\nrank = 2\napproximator = "best"\n')
+    out = tmp_path / "run"
+    r = train("--config", str(cfg), *ALGO_QUICK, "--algo-opt", "approximator=unbiased", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    c = json.loads((out / "config.json").read_text())
+    assert c["algo_options"] == {"approximator": "unbiased", "rank": 2}
+    cfg.write_text('algo = "powersgd"\n\n[algo_options]\nrank = [2]\n')
+    _one_error_line(train("--config", str(cfg), *ALGO_QUICK), "rank", "a number, true/false or text")
+
+
+def test_resume_refuses_other_algo_options(tmp_path):
+    out = tmp_path / "run"
+    common = ["--algo", "powersgd", "--simulate", "2", "--model", "mlp", *QUICK]
+    r = train(*common, "--algo-opt", "rank=2", "--max-steps", "3", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    before = _digest(out)
+    _one_error_line(train(*common, "--algo-opt", "rank=3", "--resume", str(out)), "different config", "algo_options")
+    _one_error_line(train(*common, "--resume", str(out)), "different config", "algo_options")
+    assert _digest(out) == before
+    r = train(*common, "--algo-opt", "rank=2", "--max-steps", "5", "--resume", str(out))
+    assert r.returncode == 0, r.stderr

@@ -38,6 +38,8 @@ ALGOS = [
     ("signsgd", None, {}),
     ("signum", None, {}),
     ("powersgd", None, {"rank": 2}),
+    ("efmomentum", "topk:p=0.01", {}),
+    ("efmomentum", "randomblock:p=0.01", {}),
     ("sketched", None, {"p": 0.01}),
     ("truetopk", None, {"p": 0.01}),
     ("localtopk", None, {"p": 0.01}),

@@ -282,19 +282,23 @@ def test_world_with_hooks_matches_the_reference(spec):
 @pytest.mark.multiprocess
 def test_communication_overlaps_backward():
     """Timestamps, not sleeps: with one group per tensor the first group (the last
-    layer's bias) is encoded and posted while backward is still producing gradients,
-    and its collective is seen completed before the last gradient arrives."""
+    layer's bias) is encoded and its collective posted while backward is still
+    producing gradients, and every group is in flight before the step begins."""
     res = run_world(2, _world_train, "sign", "layer", 4, None, 384, 4, 256, True, timeout=120)
     for r in res:
         tl = r["timelines"][-1]
         grads = [tm for ev, _, tm in tl if ev == "grad"]
         launches = {k: tm for ev, k, tm in tl if ev == "launch"}
-        done = {k: tm for ev, k, tm in tl if ev == "done"}
-        assert len(grads) == 10 and len(launches) == 10
+        step = [tm for ev, _, tm in tl if ev == "step"]
+        assert len(grads) == 10 and len(launches) == 10 and len(step) == 1
         backward_end = max(grads)
+        # posted during backward: all but the last group before the last gradient
         assert launches[0] < backward_end
-        assert sum(tm < backward_end for tm in launches.values()) >= 9
-        assert done and min(done.values()) < backward_end, tl
+        assert sum(tm < backward_end for tm in launches.values()) == 9, tl
+        assert max(launches.values()) < step[0]
+        # group k leaves right after its own gradient, not at the end
+        grad_at = {k: tm for ev, k, tm in tl if ev == "grad"}
+        assert all(grad_at[k] <= launches[k] < grad_at.get(k + 1, float("inf")) for k in range(10)), tl
 
 
 @pytest.mark.multiprocess

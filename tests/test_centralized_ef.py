@@ -9,6 +9,7 @@ from gossip import algorithms, comm
 from gossip import compress as gc
 from gossip.algorithms._centralized import ErrorFeedback
 from gossip.algorithms._common import node_keys, shared_key
+from tests._centralized import assert_restore_bit_identical
 from tests._dist import run_world
 
 N, D, T = 4, 37, 6
@@ -183,28 +184,7 @@ def test_bytes_per_step_equal_the_formula(name, opts, spec):
     ("signum", {}),
 ])
 def test_state_save_restore_bit_identical(name, opts):
-    grads = _grads()
-    c = comm.SimulatedCommunicator(world_size=N)
-    a = algorithms.build(name, c, **opts)
-    a.setup(torch.zeros(N, D))
-    for t in range(3):
-        a.set_lr(LRS[t])
-        a.reduce_gradients(grads[t].clone())
-    sd = a.state_dict()
-    cont = []
-    for t in range(3, T):
-        a.set_lr(LRS[t])
-        G = grads[t].clone()
-        a.reduce_gradients(G)
-        cont.append(G)
-    b = algorithms.build(name, comm.SimulatedCommunicator(world_size=N), **opts)
-    b.setup(torch.zeros(N, D))
-    b.load_state_dict(sd)
-    for t in range(3, T):
-        b.set_lr(LRS[t])
-        G = grads[t].clone()
-        b.reduce_gradients(G)
-        assert torch.equal(G, cont[t - 3])
+    assert_restore_bit_identical(lambda c: algorithms.build(name, c, **opts), _grads(), 3, LRS)
 
 
 def test_config_validation_messages():

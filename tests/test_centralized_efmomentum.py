@@ -14,6 +14,7 @@ from gossip import algorithms, comm
 from gossip import compress as gc
 from gossip.algorithms._common import node_keys
 from gossip.algorithms.efmomentum import _BLOCK_STREAM
+from tests._centralized import assert_restore_bit_identical
 from tests._dist import run_world
 
 N, D, T = 4, 37, 5
@@ -198,26 +199,9 @@ def test_bytes_per_step_equal_the_formula(spec):
 
 @pytest.mark.parametrize("spec", ["randomk:p=0.3", "topk:k=3"])
 def test_state_save_restore_bit_identical(spec):
-    grads = _grads()
-    c = comm.SimulatedCommunicator(world_size=N)
-    a = algorithms.build("efmomentum", c, compressor=spec, offsets=OFFSETS, seed=SEED)
-    a.setup(torch.zeros(N, D))
-    for t in range(2):
-        a.reduce_gradients(grads[t].clone())
-    sd = a.state_dict()
-    cont = []
-    for t in range(2, T):
-        G = grads[t].clone()
-        a.reduce_gradients(G)
-        cont.append(G)
-    b = algorithms.build("efmomentum", comm.SimulatedCommunicator(world_size=N), compressor=spec,
-                         offsets=OFFSETS, seed=SEED)
-    b.setup(torch.zeros(N, D))
-    b.load_state_dict(sd)
-    for t in range(2, T):
-        G = grads[t].clone()
-        b.reduce_gradients(G)
-        assert torch.equal(G, cont[t - 2])
+    assert_restore_bit_identical(
+        lambda c: algorithms.build("efmomentum", c, compressor=spec, offsets=OFFSETS, seed=SEED), _grads(), 2
+    )
 
 
 def test_config_validation_messages():

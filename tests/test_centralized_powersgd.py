@@ -14,6 +14,7 @@ import torch
 from gossip import algorithms, comm
 from gossip.algorithms._common import shared_key
 from gossip.algorithms.powersgd import _Q_STREAM, orthogonalize
+from tests._centralized import assert_restore_bit_identical
 from tests._dist import run_world
 
 # a linear layer, a conv weight (out, in, kh, kw), a bias, and a matrix too small to gain
@@ -156,25 +157,9 @@ def test_bytes_per_step_equal_the_formula():
      {"approximator": "best", "error_feedback": False, "nesterov": False}],
 )
 def test_state_save_restore_bit_identical(opts):
-    grads = _grads()
-    c = comm.SimulatedCommunicator(world_size=N)
-    a = algorithms.build("powersgd", c, shapes=SHAPES, rank=RANK, **opts)
-    a.setup(torch.zeros(N, D))
-    for t in range(2):
-        a.reduce_gradients(grads[t].clone())
-    sd = a.state_dict()
-    cont = []
-    for t in range(2, T):
-        G = grads[t].clone()
-        a.reduce_gradients(G)
-        cont.append(G)
-    b = algorithms.build("powersgd", comm.SimulatedCommunicator(world_size=N), shapes=SHAPES, rank=RANK, **opts)
-    b.setup(torch.zeros(N, D))
-    b.load_state_dict(sd)
-    for t in range(2, T):
-        G = grads[t].clone()
-        b.reduce_gradients(G)
-        assert torch.equal(G, cont[t - 2])
+    assert_restore_bit_identical(
+        lambda c: algorithms.build("powersgd", c, shapes=SHAPES, rank=RANK, **opts), _grads(), 2
+    )
 
 
 def test_without_warm_start_q_is_redrawn_identically_everywhere():

@@ -11,6 +11,7 @@ import torch
 from gossip import algorithms, comm
 from gossip.algorithms._common import shared_key
 from gossip.algorithms.sketched import CountSketch
+from tests._centralized import assert_restore_bit_identical
 from tests._dist import run_world
 
 SHAPES = [(12, 10), (6, 3, 2, 2), (6,)]  # two compressed tensors and a bias
@@ -160,24 +161,7 @@ def test_sketched_without_biases_counts_exactly_s_plus_pk_plus_k():
 
 @pytest.mark.parametrize("name", ["sketched", "truetopk", "localtopk"])
 def test_state_save_restore_bit_identical(name):
-    grads = _grads().float()
-    a = _build(name, comm.SimulatedCommunicator(world_size=N))
-    a.setup(torch.zeros(N, D))
-    for t in range(2):
-        a.reduce_gradients(grads[t].clone())
-    sd = a.state_dict()
-    cont = []
-    for t in range(2, T):
-        G = grads[t].clone()
-        a.reduce_gradients(G)
-        cont.append(G)
-    b = _build(name, comm.SimulatedCommunicator(world_size=N))
-    b.setup(torch.zeros(N, D))
-    b.load_state_dict(sd)
-    for t in range(2, T):
-        G = grads[t].clone()
-        b.reduce_gradients(G)
-        assert torch.equal(G, cont[t - 2])
+    assert_restore_bit_identical(lambda c: _build(name, c), _grads().float(), 2)
 
 
 def test_config_validation_messages():

@@ -1,15 +1,22 @@
 """The training run's typed configuration: flags, TOML files and validation.
 
-``TrainConfig`` is a frozen dataclass; :func:`parse_args` builds it from the command
-line, from a TOML file given with ``--config`` (same keys as the long flags, with
-underscores or dashes), flags overriding the file. Every rule is checked in
-``__post_init__`` and raises :class:`ConfigError` with one line naming the value and
-what is accepted.
+A :class:`TrainConfig` is six frozen sections, each a keyword-only dataclass that
+checks its own fields in ``__post_init__``: ``data`` (data set, partition, batch
+size), ``model``, ``optim`` (local optimizer and schedule), ``algorithm`` (algorithm,
+compressor, its own options, MergeComp), ``comm`` (graph, device, transport, hosting)
+and ``run`` (length, seed, output, checkpoints, logging). Every rule raises
+:class:`ConfigError` with one line naming the value and what is accepted.
+
+:func:`parse_args` builds it from the command line and a TOML file given with
+``--config``, flags overriding the file. The file may use the flat keys of the long
+flags (``lr = 0.1``, ``batch-size = 64``) or tables named after the sections
+(``[optim] lr = 0.1``); ``config.json`` records the flat keys (:data:`FLAT_KEYS` maps
+each to its section), so run directories of every version read the same.
 
 Options of the chosen algorithm's own Config (PowerSGD's ``rank``, sketched's ``p``)
-come from repeated ``--algo-opt KEY=VALUE`` flags and an ``[algo_options]`` table of the
-file, merged key by key with the flags winning; text values are read as the type of
-the Config field they set.
+come from repeated ``--algo-opt KEY=VALUE`` flags and an ``[algo_options]`` (or
+``[algorithm.options]``) table of the file, merged key by key with the flags winning;
+text values are read as the type of the Config field they set.
 """
 
 from __future__ import annotations
@@ -17,15 +24,28 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 import tomllib
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ConfigError", "TrainConfig", "build_parser", "parse_args", "LR_SCHEDULES"]
+__all__ = [
+    "AlgorithmSection",
+    "CommSection",
+    "ConfigError",
+    "DataSection",
+    "FLAT_KEYS",
+    "LR_SCHEDULES",
+    "ModelSection",
+    "OptimSection",
+    "RunSection",
+    "SECTIONS",
+    "TrainConfig",
+    "build_parser",
+    "parse_args",
+]
 
 LR_SCHEDULES = ("constant", "cosine", "step")
 #: the algorithms ``--merge`` can schedule (papers/004 over papers/000's error feedback)
@@ -101,123 +121,129 @@ def _registries() -> tuple[dict, dict, list, list, list]:
     )
 
 
+# --------------------------------------------------------------------------------------
+# sections
+# --------------------------------------------------------------------------------------
+def _bad_int(name: str, v: Any, lo: int) -> bool:
+    return isinstance(v, bool) or not isinstance(v, int) or v < lo
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_number(name: str, v: Any, *, strict: bool, allow_none: bool = False) -> None:
+    """A finite number > 0 (``strict``) or >= 0, named by its flag."""
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (strict and v == 0):
+        raise ConfigError(f"{_flag(name)} must be a finite number {'> 0' if strict else '>= 0'}, got {v!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    algo: str = "ecd"
-    bits: int | None = None
-    compressor: str | None = None
-    topology: str = "ring"
-    degree: int | None = None
-    rows: int | None = None
-    cols: int | None = None
-    weights: str | None = None
-    lazy: bool = False
-    model: str | None = None
-    data: str = "mnist1d"
+class DataSection:
+    """What each node trains on: ``[data]`` in a TOML file."""
+
+    name: str = "mnist1d"
     data_dir: str | None = None
     partition: str = "iid"
-    epochs: int = 20
-    max_steps: int | None = None
     batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        datas = _registries()[4]
+        if self.name not in datas:
+            raise ConfigError(f"unknown --data {self.name!r}; accepted: {', '.join(datas)}")
+        if self.partition not in ("iid", "sorted"):
+            raise ConfigError(f"--partition must be 'iid' or 'sorted', got {self.partition!r}")
+        if _bad_int("batch_size", self.batch_size, 1):
+            raise ConfigError(f"--batch-size must be an integer >= 1, got {self.batch_size!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    """``[model]``: the model's name; unset picks the data set's own."""
+
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        mdls = _registries()[3]
+        if self.name is not None and self.name not in mdls:
+            raise ConfigError(f"unknown --model {self.name!r}; accepted: {', '.join(mdls)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimSection:
+    """``[optim]``: the local optimizer and its schedule."""
+
     lr: float = 0.05
     lr_schedule: str = "constant"
     momentum: float | None = None
     weight_decay: float = 0.0
-    seed: int = 0
-    device: str = "auto"
-    out: str | None = None
-    checkpoint_every: int = 0
-    resume: str | None = None
-    timeout: float = 300.0
-    emulate_latency: float | None = None
-    simulate: int | None = None
-    log_every: int = 10
-    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        _check_number("lr", self.lr, strict=True)
+        _check_number("momentum", self.momentum, strict=False, allow_none=True)
+        _check_number("weight_decay", self.weight_decay, strict=False)
+        if self.momentum is not None and self.momentum >= 1.0:
+            raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmSection:
+    """``[algorithm]``: the algorithm, its compressor, its own options and MergeComp."""
+
+    name: str = "ecd"
+    bits: int | None = None
+    compressor: str | None = None
     merge: str | None = None
     merge_max_groups: int = 2
     merge_alpha: float = 0.05
     #: options of the algorithm's own Config, kept as sorted ``(key, value)`` pairs so the
-    #: config stays hashable; give a mapping, ``to_dict`` gives one back
-    algo_options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
+    #: config stays hashable; give a mapping, ``TrainConfig.to_dict`` gives one back
+    options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
-        algos, comps, topos, mdls, datas = _registries()
-        bad = ConfigError
-        if self.algo not in algos:
-            raise bad(f"unknown --algo {self.algo!r}; accepted: {', '.join(algos)}")
-        if self.topology not in topos:
-            raise bad(f"unknown --topology {self.topology!r}; accepted: {', '.join(topos)}")
-        if self.model is not None and self.model not in mdls:
-            raise bad(f"unknown --model {self.model!r}; accepted: {', '.join(mdls)}")
-        if self.data not in datas:
-            raise bad(f"unknown --data {self.data!r}; accepted: {', '.join(datas)}")
-        if self.partition not in ("iid", "sorted"):
-            raise bad(f"--partition must be 'iid' or 'sorted', got {self.partition!r}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise bad(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise bad(f"--device must be auto, cpu or cuda, got {self.device!r}")
-        if self.weights is not None and self.weights not in ("uniform", "metropolis"):
-            raise bad(f"--weights must be 'uniform' or 'metropolis', got {self.weights!r}")
-        for name, lo in (("epochs", 1), ("batch_size", 1), ("log_every", 1), ("checkpoint_every", 0), ("seed", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise bad(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
-        for name in ("degree", "rows", "cols", "simulate", "max_steps"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise bad(f"--{name} must be a positive integer, got {v!r}")
-        for name, lo, strict in (("lr", 0.0, True), ("momentum", 0.0, False), ("weight_decay", 0.0, False), ("timeout", 0.0, True)):
-            v = getattr(self, name)
-            if v is None and name == "momentum":
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo or (strict and v == lo):
-                rule = "> 0" if strict else ">= 0"
-                raise bad(f"--{name.replace('_', '-')} must be a finite number {rule}, got {v!r}")
-        if self.emulate_latency is not None and (
-            isinstance(self.emulate_latency, bool) or not isinstance(self.emulate_latency, (int, float))
-            or not math.isfinite(self.emulate_latency) or self.emulate_latency < 0
-        ):
-            raise bad(f"--emulate-latency must be a finite number of milliseconds >= 0, got {self.emulate_latency!r}")
-        if self.momentum is not None and self.momentum >= 1.0:
-            raise bad(f"--momentum must be in [0, 1), got {self.momentum!r}")
-        from gossip import algorithms as _alg
-
-        decentral = _alg.is_decentralized(self.algo)
-        takes = _algo_fields(self.algo)
+        algos = _registries()[0]
+        if self.name not in algos:
+            raise ConfigError(f"unknown --algo {self.name!r}; accepted: {', '.join(algos)}")
+        takes = _algo_fields(self.name)
         if self.bits is not None:
-            if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 16:
-                raise bad(f"--bits must be an integer from 1 to 16, got {self.bits!r}")
+            if _bad_int("bits", self.bits, 1) or self.bits > 16:
+                raise ConfigError(f"--bits must be an integer from 1 to 16, got {self.bits!r}")
             if self.compressor is not None:
-                raise bad("give either --bits or --compressor, not both (--bits B means --compressor quant:bits=B)")
+                raise ConfigError(
+                    "give either --bits or --compressor, not both (--bits B means --compressor quant:bits=B)"
+                )
         if (self.bits is not None or self.compressor is not None) and "compressor" not in takes:
             with_c = ", ".join(a for a in algos if "compressor" in _algo_fields(a))
-            raise bad(f"--algo {self.algo} takes no --bits/--compressor; algorithms with a compressor: {with_c}")
+            raise ConfigError(
+                f"--algo {self.name} takes no --bits/--compressor; algorithms with a compressor: {with_c}"
+            )
         if self.compressor is not None:
             from gossip import compress
 
             try:
                 compress.build(self.compressor)
             except (ValueError, TypeError) as e:
-                raise bad(f"--compressor {self.compressor!r}: {e}") from None
+                raise ConfigError(f"--compressor {self.compressor!r}: {e}") from None
         if self.merge is not None:
             self._check_merge()
-        if self.simulate is not None and decentral and self.simulate < 2:
-            raise bad(f"--simulate must be >= 2 for the decentralized --algo {self.algo}, got {self.simulate}")
-        self._check_algo_options()
+        self._check_options()
 
-    def _check_algo_options(self) -> None:
-        """Keys must be fields of the algorithm's Config the loop leaves to the user;
+    def _check_options(self) -> None:
+        """Keys must be fields of the algorithm's Config the runtime leaves to the user;
         text is read as the field's type. The values themselves are the Config's to check."""
         from gossip import algorithms as _alg
 
-        raw = self.algo_options
+        raw = self.options
         if not isinstance(raw, Mapping):
             try:
                 raw = dict(raw)
             except (TypeError, ValueError):
                 raise ConfigError(f"algo_options must be a table of KEY = VALUE, got {raw!r}") from None
-        cfg_cls = _alg.config_class(self.algo)
+        cfg_cls = _alg.config_class(self.name)
         hints = typing.get_type_hints(cfg_cls)
         settable = [f.name for f in dataclasses.fields(cfg_cls) if f.name not in LOOP_SET_OPTIONS]
         opts = {}
@@ -227,86 +253,257 @@ class TrainConfig:
                 raise ConfigError(f"--algo-opt {key}: the training loop sets it; {LOOP_SET_OPTIONS[key]}")
             if key not in settable:
                 accepted = f"; accepted: {', '.join(settable)}" if settable else ", which has none to set"
-                raise ConfigError(f"--algo-opt {key}: not an option of --algo {self.algo}{accepted}")
+                raise ConfigError(f"--algo-opt {key}: not an option of --algo {self.name}{accepted}")
             kinds = _kinds(hints[key])
             if isinstance(v, str):
-                v = _coerce_option(self.algo, key, v, hints[key])
+                v = _coerce_option(self.name, key, v, hints[key])
             elif isinstance(v, int) and not isinstance(v, bool) and float in kinds and int not in kinds:
                 v = float(v)  # TOML's p = 1 for a float field
             elif v is not None and not isinstance(v, (bool, int, float)):
                 raise ConfigError(f"--algo-opt {key}: a value must be a number, true/false or text, got {v!r}")
             opts[key] = v
-        object.__setattr__(self, "algo_options", tuple(sorted(opts.items())))
+        object.__setattr__(self, "options", tuple(sorted(opts.items())))
 
     def _check_merge(self) -> None:
         from gossip.schedule import parse_merge
 
-        bad = ConfigError
         try:
             mode = parse_merge(self.merge)
         except ValueError as e:
-            raise bad(str(e)) from None
+            raise ConfigError(str(e)) from None
         object.__setattr__(self, "merge", str(mode))
-        if self.algo not in MERGE_ALGOS:
-            raise bad(f"--merge schedules the error-feedback algorithms {', '.join(MERGE_ALGOS)}; got --algo {self.algo}")
-        v = self.merge_max_groups
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise bad(f"--merge-max-groups must be an integer >= 1, got {v!r}")
+        if self.name not in MERGE_ALGOS:
+            raise ConfigError(
+                f"--merge schedules the error-feedback algorithms {', '.join(MERGE_ALGOS)}; got --algo {self.name}"
+            )
+        if _bad_int("merge_max_groups", self.merge_max_groups, 1):
+            raise ConfigError(f"--merge-max-groups must be an integer >= 1, got {self.merge_max_groups!r}")
         a = self.merge_alpha
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a < 1:
-            raise bad(f"--merge-alpha must be a number in (0, 1), got {a!r}")
-        if mode not in ("layer", "whole") and self.simulate is not None and self.simulate > 1:
-            raise bad(
-                f"--merge {mode} times the backward pass of one node per process: run it under torchrun "
-                f"(or --simulate 1); --merge layer and whole work with --simulate {self.simulate}"
-            )
+            raise ConfigError(f"--merge-alpha must be a number in (0, 1), got {a!r}")
 
-    # --- derived ---------------------------------------------------------------------
+    @property
+    def decentralized(self) -> bool:
+        return _is_decentralized(self.name)
+
     @property
     def compressor_spec(self) -> str | None:
-        """What goes on the wire: --compressor, --bits, else the algorithm's own default."""
+        """What goes on the wire: --compressor, --bits, else the Config's own default."""
         if self.compressor is not None:
             return self.compressor
         if self.bits is not None:
             return f"quant:bits={self.bits}"
         from gossip import algorithms as _alg
 
-        fields = {f.name: f for f in dataclasses.fields(_alg.config_class(self.algo))}
+        cfg_cls = _alg.config_class(self.name)
+        fields = {f.name: f for f in dataclasses.fields(cfg_cls)}
         if "compressor" in fields:
             return fields["compressor"].default
-        cfg_cls = _alg.config_class(self.algo)
-        spec = getattr(cfg_cls, "compressor", None)  # e.g. a property of blocksign algorithms
-        return spec if isinstance(spec, str) else None
+        return None
 
+
+@dataclass(frozen=True, kw_only=True)
+class CommSection:
+    """``[comm]``: the graph, the device and transport, and how nodes are hosted."""
+
+    topology: str = "ring"
+    degree: int | None = None
+    rows: int | None = None
+    cols: int | None = None
+    weights: str | None = None
+    lazy: bool = False
+    device: str = "auto"
+    timeout: float = 300.0
+    emulate_latency: float | None = None
+    simulate: int | None = None
+
+    def __post_init__(self) -> None:
+        topos = _registries()[2]
+        if self.topology not in topos:
+            raise ConfigError(f"unknown --topology {self.topology!r}; accepted: {', '.join(topos)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.weights is not None and self.weights not in ("uniform", "metropolis"):
+            raise ConfigError(f"--weights must be 'uniform' or 'metropolis', got {self.weights!r}")
+        if not isinstance(self.lazy, bool):
+            raise ConfigError(f"--lazy must be true or false, got {self.lazy!r}")
+        for name in ("degree", "rows", "cols", "simulate"):
+            v = getattr(self, name)
+            if v is not None and _bad_int(name, v, 1):
+                raise ConfigError(f"--{name} must be a positive integer, got {v!r}")
+        _check_number("timeout", self.timeout, strict=True)
+        e = self.emulate_latency
+        if e is not None and (isinstance(e, bool) or not isinstance(e, (int, float)) or not math.isfinite(e) or e < 0):
+            raise ConfigError(f"--emulate-latency must be a finite number of milliseconds >= 0, got {e!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSection:
+    """``[run]``: length, seed, output directory, checkpoints, logging."""
+
+    epochs: int = 20
+    max_steps: int | None = None
+    seed: int = 0
+    out: str | None = None
+    checkpoint_every: int = 0
+    resume: str | None = None
+    log_every: int = 10
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name, lo in (("epochs", 1), ("log_every", 1), ("checkpoint_every", 0), ("seed", 0)):
+            v = getattr(self, name)
+            if _bad_int(name, v, lo):
+                raise ConfigError(f"{_flag(name)} must be an integer >= {lo}, got {v!r}")
+        if self.max_steps is not None and _bad_int("max_steps", self.max_steps, 1):
+            raise ConfigError(f"--max_steps must be a positive integer, got {self.max_steps!r}")
+
+
+#: the sections of a TrainConfig, in the order of ``to_dict`` and of ``--help``
+SECTIONS: dict[str, type] = {
+    "data": DataSection,
+    "model": ModelSection,
+    "optim": OptimSection,
+    "algorithm": AlgorithmSection,
+    "comm": CommSection,
+    "run": RunSection,
+}
+#: flat keys (the long flags, config.json's keys) whose section field has another name
+_RENAMED = {
+    "data": ("data", "name"),
+    "model": ("model", "name"),
+    "algo": ("algorithm", "name"),
+    "algo_options": ("algorithm", "options"),
+}
+#: every flat key -> (section, field)
+FLAT_KEYS: dict[str, tuple[str, str]] = {
+    **{
+        f.name: (sec, f.name)
+        for sec, cls in SECTIONS.items()
+        for f in dataclasses.fields(cls)
+        if (sec, f.name) not in _RENAMED.values()
+    },
+    **_RENAMED,
+}
+
+
+class TrainConfig:
+    """The run's whole configuration: six frozen, validated sections.
+
+    ``TrainConfig(data=DataSection(...), optim={"lr": 0.1}, ...)`` takes sections (or
+    mappings of their fields); :meth:`from_flat` takes the flat keys of the command
+    line and of ``config.json`` (``algo``, ``lr``, ``batch_size`` ...). Each section
+    checks its own fields in ``__post_init__``; the rules that tie sections together
+    are checked here. Instances are immutable and compare by value.
+    """
+
+    __slots__ = tuple(SECTIONS)
+
+    def __init__(self, **sections: Any) -> None:
+        unknown = set(sections) - set(SECTIONS)
+        if unknown:
+            raise ConfigError(f"unknown config section(s) {sorted(unknown)}; sections: {', '.join(SECTIONS)}")
+        for name, cls in SECTIONS.items():
+            value = sections.get(name, {})
+            if isinstance(value, Mapping):
+                fields = {f.name for f in dataclasses.fields(cls)}
+                extra = sorted(set(value) - fields)
+                if extra:
+                    raise ConfigError(f"[{name}]: unknown key(s) {extra}; accepted: {', '.join(sorted(fields))}")
+                value = cls(**value)
+            elif not isinstance(value, cls):
+                raise ConfigError(f"section {name!r} must be a {cls.__name__} or a table, got {type(value).__name__}")
+            object.__setattr__(self, name, value)
+        self._check_across()
+
+    @classmethod
+    def from_flat(cls, values: Mapping[str, Any] | None = None, /, **flat: Any) -> TrainConfig:
+        """From flat keys (``algo="dcd", lr=0.1``), as the flags and config.json name them."""
+        merged = {**(values or {}), **flat}
+        sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for key, v in merged.items():
+            if key not in FLAT_KEYS:
+                raise ConfigError(f"unknown config key {key!r}; accepted: {', '.join(sorted(FLAT_KEYS))}")
+            sec, fld = FLAT_KEYS[key]
+            sections[sec][fld] = v
+        return cls(**sections)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TrainConfig) and all(getattr(self, n) == getattr(other, n) for n in SECTIONS)
+
+    def __hash__(self) -> int:
+        return hash(tuple(getattr(self, n) for n in SECTIONS))
+
+    def __repr__(self) -> str:
+        return "TrainConfig(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in SECTIONS) + ")"
+
+    def replace(self, **flat: Any) -> TrainConfig:
+        """A copy with some flat keys changed."""
+        current = {k: v for k, v in self.flat().items()}
+        return TrainConfig.from_flat(current, **flat)
+
+    def _check_across(self) -> None:
+        alg, comm = self.algorithm, self.comm
+        if comm.simulate is not None and alg.decentralized and comm.simulate < 2:
+            raise ConfigError(f"--simulate must be >= 2 for the decentralized --algo {alg.name}, got {comm.simulate}")
+        if alg.merge is not None and alg.merge not in ("layer", "whole") and comm.simulate is not None and comm.simulate > 1:
+            raise ConfigError(
+                f"--merge {alg.merge} times the backward pass of one node per process: run it under torchrun "
+                f"(or --simulate 1); --merge layer and whole work with --simulate {comm.simulate}"
+            )
+
+    # --- derived ---------------------------------------------------------------------
     @property
     def local_momentum(self) -> float:
-        """Momentum of the local SGD optimizer: none where the algorithm owns it."""
-        if self.algorithm_momentum:
+        """Momentum of the local SGD optimizer: none where the algorithm has its own."""
+        if "momentum" in _algo_fields(self.algorithm.name):
             return 0.0
-        if self.momentum is not None:
-            return self.momentum
-        # a compressed centralized algorithm (signsgd) defines the whole direction itself
-        plain = self.algo == "allreduce" or _is_decentralized(self.algo)
-        return 0.9 if plain else 0.0
+        if self.optim.momentum is not None:
+            return self.optim.momentum
+        from gossip import algorithms as _alg
 
-    @property
-    def algorithm_momentum(self) -> bool:
-        """True when the algorithm owns the momentum (the local optimizer then has none)."""
-        return "momentum" in _algo_fields(self.algo)
+        return _alg.local_momentum_default(self.algorithm.name)
 
     @property
     def model_name(self) -> str:
-        if self.model is not None:
-            return self.model
-        return {"cifar10": "resnet20", "synthetic": "logreg"}.get(self.data, "cnn1d")
+        if self.model.name is not None:
+            return self.model.name
+        return {"cifar10": "resnet20", "synthetic": "logreg"}.get(self.data.name, "cnn1d")
+
+    def flat(self) -> dict[str, Any]:
+        """The flat keys and their values (no derived ones)."""
+        out = {}
+        for key, (sec, fld) in FLAT_KEYS.items():
+            out[key] = getattr(getattr(self, sec), fld)
+        out["algo_options"] = dict(out["algo_options"])
+        return out
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["compressor_spec"] = self.compressor_spec
+        """config.json's keys: the flat keys in the historical order, then derived ones."""
+        flat = self.flat()
+        d = {k: flat[k] for k in _FLAT_ORDER}
+        d["compressor_spec"] = self.algorithm.compressor_spec
         d["model_name"] = self.model_name
         d["local_momentum"] = self.local_momentum
-        d["algo_options"] = dict(self.algo_options)
         return d
+
+
+#: the order of config.json's keys (unchanged since the first release)
+_FLAT_ORDER = (
+    "algo", "bits", "compressor", "topology", "degree", "rows", "cols", "weights", "lazy", "model", "data",
+    "data_dir", "partition", "epochs", "max_steps", "batch_size", "lr", "lr_schedule", "momentum",
+    "weight_decay", "seed", "device", "out", "checkpoint_every", "resume", "timeout", "emulate_latency",
+    "simulate", "log_every", "progress", "merge", "merge_max_groups", "merge_alpha", "algo_options",
+)
+assert set(_FLAT_ORDER) == set(FLAT_KEYS), "every flat key has its place in config.json"
+
+
+def _flat_default(key: str) -> Any:
+    sec, fld = FLAT_KEYS[key]
+    return SECTIONS[sec].__dataclass_fields__[fld].default
 
 
 _HELP = {
@@ -364,7 +561,6 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     algos, comps, topos, mdls, datas = _registries()
-    defaults = TrainConfig.__dataclass_fields__
     p = _Parser(
         prog="gossip.train",
         description=(
@@ -378,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="TOML file with the same keys as the flags; flags override it")
 
     def add(name: str, **kw: Any) -> None:
-        dflt = defaults[name].default
+        dflt = _flat_default(name)
         kw.setdefault("help", _HELP[name])
         kw["help"] += f" (default: {'unset' if dflt is None else dflt})"
         p.add_argument("--" + name.replace("_", "-"), dest=name, **kw)
@@ -422,7 +618,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: section field -> flat key, for TOML tables such as ``[optim]`` and ``[algorithm]``
+_FIELD_TO_FLAT = {(sec, fld): key for key, (sec, fld) in FLAT_KEYS.items()}
+
+
 def _load_toml(path: str) -> dict[str, Any]:
+    """The file's values as flat keys: top-level keys as the flags name them, or tables
+    named after the sections (``[optim] lr = 0.1``, ``[algorithm.options] rank = 2``)."""
     try:
         with open(path, "rb") as fh:
             raw = tomllib.load(fh)
@@ -430,15 +632,30 @@ def _load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"--config {path!r}: no such file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path!r} is not valid TOML: {e}") from None
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    out = {}
+    out: dict[str, Any] = {}
+
+    def put(key: str, value: Any, where: str) -> None:
+        if key in out:
+            raise ConfigError(f"--config {path!r}: {where} sets {key!r} a second time")
+        out[key] = value
+
     for k, v in raw.items():
         key = k.replace("-", "_")
-        if key not in known:
-            raise ConfigError(
-                f"--config {path!r}: unknown key {k!r}; accepted: {', '.join(sorted(known))}"
-            )
-        out[key] = v
+        if key in SECTIONS and isinstance(v, dict):  # a section table
+            for k2, v2 in v.items():
+                fld = k2.replace("-", "_")
+                flat = _FIELD_TO_FLAT.get((key, fld)) or (fld if FLAT_KEYS.get(fld, ("",))[0] == key else None)
+                if flat is None:
+                    fields = sorted(f.name for f in dataclasses.fields(SECTIONS[key]))
+                    raise ConfigError(
+                        f"--config {path!r}: unknown key {k2!r} in [{key}]; accepted: {', '.join(fields)}"
+                    )
+                put(flat, v2, f"[{key}]")
+            continue
+        if key not in FLAT_KEYS:
+            accepted = sorted(FLAT_KEYS) + [f"[{s}]" for s in SECTIONS]
+            raise ConfigError(f"--config {path!r}: unknown key {k!r}; accepted: {', '.join(accepted)}")
+        put(key, v, "the file")
     return out
 
 
@@ -462,6 +679,6 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         values["algo_options"] = merged
     values.update(ns)
     try:
-        return TrainConfig(**values)
+        return TrainConfig.from_flat(values)
     except TypeError as e:
         raise ConfigError(str(e)) from None

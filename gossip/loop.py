@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import json
 import math
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +26,11 @@ import torch
 import torch.nn.functional as F
 
 import topologies
-from gossip import algorithms, checkpoint, compress, data, models
-from gossip._atomic import write_atomically
+from gossip import algorithms, checkpoint, compress, data, models, rundir
 from gossip.config import TrainConfig
 from gossip.runtime import GossipOptimizer
 
-__all__ = ["RunError", "Diverged", "run", "FINGERPRINT_KEYS"]
+__all__ = ["CheckpointRecord", "Diverged", "FINGERPRINT_KEYS", "Progress", "Run", "RunError", "run"]
 
 
 class RunError(RuntimeError):
@@ -65,85 +63,68 @@ class _Env:
     distributed: bool
     rank: int  # this process's rank (0 in the simulation)
 
+    @property
+    def mode(self) -> str:
+        return "torchrun" if self.distributed else "simulate"
+
 
 def _detect_env(cfg: TrainConfig) -> _Env:
     under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
-    if cfg.simulate is not None:
+    if cfg.comm.simulate is not None:
         if under_torchrun and int(os.environ["WORLD_SIZE"]) > 1:
             raise RunError("--simulate runs all nodes in one process: do not combine it with torchrun")
-        return _Env(world_size=cfg.simulate, distributed=False, rank=0)
+        return _Env(world_size=cfg.comm.simulate, distributed=False, rank=0)
     if under_torchrun:
         return _Env(int(os.environ["WORLD_SIZE"]), True, int(os.environ["RANK"]))
     return _Env(world_size=1, distributed=False, rank=0)
 
 
 def _build_topology(cfg: TrainConfig, n: int):
-    if not algorithms.is_decentralized(cfg.algo):
+    c, algo = cfg.comm, cfg.algorithm.name
+    if not algorithms.is_decentralized(algo):
         return None
     if n < 2:
         raise RunError(
-            f"--algo {cfg.algo} is decentralized and needs at least 2 nodes, got 1 process; "
+            f"--algo {algo} is decentralized and needs at least 2 nodes, got 1 process; "
             f"run under torchrun --nproc_per_node N or with --simulate N (or use --algo allreduce)"
         )
     params: dict[str, Any] = {}
     for key in ("degree", "rows", "cols", "weights"):
-        if getattr(cfg, key) is not None:
-            params[key] = getattr(cfg, key)
-    if cfg.lazy:
+        if getattr(c, key) is not None:
+            params[key] = getattr(c, key)
+    if c.lazy:
         params["lazy"] = True
-    if cfg.topology == "expander":
-        params.setdefault("seed", cfg.seed)
+    if c.topology == "expander":
+        params.setdefault("seed", cfg.run.seed)
     try:
-        return topologies.build(cfg.topology, n, **params)
+        return topologies.build(c.topology, n, **params)
     except (ValueError, TypeError) as e:
-        raise RunError(f"--topology {cfg.topology} with world size {n}: {e}") from None
+        raise RunError(f"--topology {c.topology} with world size {n}: {e}") from None
 
 
-def _build_algorithm(cfg: TrainConfig, comm, model):
-    """Registry lookup plus what some algorithms need to know of the model."""
-    fields = {f.name for f in dataclasses.fields(algorithms.config_class(cfg.algo))}
-    opts: dict[str, Any] = {"seed": cfg.seed, **dict(cfg.algo_options)}  # --algo-opt: checked by TrainConfig
-    if "compressor" in fields and cfg.compressor_spec is not None:
-        opts["compressor"] = cfg.compressor_spec
-    if "momentum" in fields and cfg.momentum is not None:
-        opts["momentum"] = cfg.momentum
-    params = list(model.parameters())
-    if cfg.merge is not None:  # MergeComp schedules the efsgd family group by group
-        return _build_mergecomp(cfg, comm, params, fields)
-    if "shapes" in fields:  # PowerSGD: which tensors are matrices
-        opts["shapes"] = tuple(tuple(p.shape) for p in params)
-    if "offsets" in fields:  # blockwise sign: one block per tensor
-        offs, o = [], 0
-        for p in params:
-            offs.append(o)
-            o += p.numel()
-        opts["offsets"] = tuple(offs)
+def _build_algorithm(cfg: TrainConfig, comm) -> algorithms.Algorithm:
+    """The registry builds it; the run supplies the options common to every Config
+    (``seed``, ``compressor``, ``momentum``: see ``gossip.algorithms.COMMON_OPTIONS``)
+    where the Config takes them, the user's ``--algo-opt`` and MergeComp's flags."""
+    a = cfg.algorithm
+    common = {"seed": cfg.run.seed, "compressor": a.compressor_spec, "momentum": cfg.optim.momentum}
+    takes = {f.name for f in dataclasses.fields(algorithms.config_class(a.name))}
+    opts: dict[str, Any] = {k: v for k, v in common.items() if k in takes and v is not None}
+    opts.update(dict(a.options))
+    if a.merge is not None:  # MergeComp: a schedule of the efsgd family, built by the registry
+        opts.update(merge=a.merge, merge_max_groups=a.merge_max_groups, merge_alpha=a.merge_alpha)
     try:
-        return algorithms.build(cfg.algo, comm, **opts)
+        return algorithms.build(a.name, comm, **opts)
     except (ValueError, TypeError) as e:
-        raise RunError(f"--algo {cfg.algo}: {e}") from None
-
-
-def _build_mergecomp(cfg: TrainConfig, comm, params, fields):
-    from gossip.schedule import MergeComp, MergeCompConfig
-
-    defaults = {f.name: f.default for f in dataclasses.fields(algorithms.config_class(cfg.algo))}
-    spec = cfg.compressor_spec if "compressor" in fields else "blocksign"  # efblocksgd(m): per tensor
-    momentum = cfg.momentum if cfg.momentum is not None else defaults.get("momentum", 0.0)
-    try:
-        config = MergeCompConfig(
-            shapes=tuple(tuple(p.shape) for p in params), compressor=spec, momentum=momentum,
-            seed=cfg.seed, merge=cfg.merge, max_groups=cfg.merge_max_groups, alpha=cfg.merge_alpha,
-        )
-        return MergeComp(config, comm)
-    except (ValueError, TypeError) as e:
-        raise RunError(f"--merge {cfg.merge}: {e}") from None
+        flag = f"--merge {a.merge}" if a.merge is not None and "merge" in str(e) else f"--algo {a.name}"
+        raise RunError(f"{flag}: {e}") from None
 
 
 def _device(cfg: TrainConfig, env: _Env) -> torch.device:
-    if cfg.device == "cpu":
+    want = cfg.comm.device
+    if want == "cpu":
         return torch.device("cpu")
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RunError("--device cuda: no CUDA device is available; use --device cpu or auto")
         local = int(os.environ.get("LOCAL_RANK", "0")) if env.distributed else 0
@@ -152,17 +133,19 @@ def _device(cfg: TrainConfig, env: _Env) -> torch.device:
 
 
 def _lr_at(cfg: TrainConfig, step: int, total: int) -> float:
-    if cfg.lr_schedule == "cosine":
-        return 0.5 * cfg.lr * (1.0 + math.cos(math.pi * step / max(1, total)))
-    if cfg.lr_schedule == "step":
-        return cfg.lr * (0.1 ** ((step >= 0.5 * total) + (step >= 0.75 * total)))
-    return cfg.lr
+    lr, schedule = cfg.optim.lr, cfg.optim.lr_schedule
+    if schedule == "cosine":
+        return 0.5 * lr * (1.0 + math.cos(math.pi * step / max(1, total)))
+    if schedule == "step":
+        return lr * (0.1 ** ((step >= 0.5 * total) + (step >= 0.75 * total)))
+    return lr
 
 
 def _default_out(cfg: TrainConfig) -> str:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    topo = cfg.topology if algorithms.is_decentralized(cfg.algo) else "allreduce"
-    name = f"{cfg.algo}-{topo}" if topo != cfg.algo else cfg.algo
+    algo = cfg.algorithm.name
+    topo = cfg.comm.topology if algorithms.is_decentralized(algo) else "allreduce"
+    name = f"{algo}-{topo}" if topo != algo else algo
     return str(Path("runs") / f"{stamp}-{name}")
 
 
@@ -174,10 +157,10 @@ def run(cfg: TrainConfig) -> dict | None:
     env = _detect_env(cfg)
     topo = _build_topology(cfg, env.world_size)  # pure: fails the same way on every rank
     device = _device(cfg, env)
-    if cfg.resume is not None and not Path(cfg.resume).is_dir():
-        raise RunError(f"--resume {cfg.resume!r}: no such run directory")
+    if cfg.run.resume is not None and not Path(cfg.run.resume).is_dir():
+        raise RunError(f"--resume {cfg.run.resume!r}: no such run directory")
     try:
-        dataset = data.build_dataset(cfg.data, data_dir=cfg.data_dir, seed=cfg.seed)
+        dataset = data.build_dataset(cfg.data.name, data_dir=cfg.data.data_dir, seed=cfg.run.seed)
     except data.DataError as e:
         raise RunError(str(e)) from None
 
@@ -188,16 +171,16 @@ def run(cfg: TrainConfig) -> dict | None:
     try:
         if env.distributed:
             gcomm.init_from_env(
-                backend="nccl" if device.type == "cuda" else "gloo", timeout=cfg.timeout, device=device
+                backend="nccl" if device.type == "cuda" else "gloo", timeout=cfg.comm.timeout, device=device
             )
-            comm = gcomm.DistCommunicator(topo, device=device, timeout=cfg.timeout)
+            comm = gcomm.DistCommunicator(topo, device=device, timeout=cfg.comm.timeout)
         else:
             comm = gcomm.SimulatedCommunicator(topo, world_size=env.world_size, device=device)
-        if cfg.emulate_latency:
+        if cfg.comm.emulate_latency:
             from gossip.comm.latency import LatencyCommunicator
 
-            comm = LatencyCommunicator(comm, cfg.emulate_latency / 1000.0)
-        return _train(cfg, env, topo, device, dataset, comm)
+            comm = LatencyCommunicator(comm, cfg.comm.emulate_latency / 1000.0)
+        return Run(cfg, env, topo, device, dataset, comm).train()
     except gcomm.PeerError as e:
         raise RunError(str(e)) from None
     finally:
@@ -205,8 +188,8 @@ def run(cfg: TrainConfig) -> dict | None:
             dist.destroy_process_group()
 
 
-def _agree_out_dir(cfg: TrainConfig, env: _Env, comm) -> Path:
-    out = cfg.resume or cfg.out or (_default_out(cfg) if env.rank == 0 else None)
+def _agree_out_dir(cfg: TrainConfig, env: _Env) -> Path:
+    out = cfg.run.resume or cfg.run.out or (_default_out(cfg) if env.rank == 0 else None)
     if env.distributed:
         import torch.distributed as dist
 
@@ -216,176 +199,324 @@ def _agree_out_dir(cfg: TrainConfig, env: _Env, comm) -> Path:
     return Path(out)
 
 
-def _train(cfg, env, topo, device, dataset, comm) -> dict | None:
-    n = env.world_size
-    nodes = [int(i) for i in comm.nodes]
-    is_main = env.rank == 0
-    out = _agree_out_dir(cfg, env, comm)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg_dict = cfg.to_dict()
-    fingerprint = checkpoint.config_fingerprint(cfg_dict, FINGERPRINT_KEYS)
+@dataclass
+class Progress:
+    """Where the run stands: what a checkpoint restores besides the parts' own state."""
 
-    # Step 1: identical x_1 on every node, one model and local optimizer per hosted node
-    mdl = []
-    for _ in nodes:
-        torch.manual_seed(cfg.seed)
-        mdl.append(
-            models.build_model(cfg.model_name, input_shape=dataset.input_shape, num_classes=dataset.num_classes).to(device)
+    step: int = 0
+    elapsed_s: float = 0.0
+    #: per hosted node, the losses since the last metrics record and since the epoch began
+    log_losses: list[list[float]] = field(default_factory=list)
+    epoch_losses: list[list[float]] = field(default_factory=list)
+
+    @classmethod
+    def fresh(cls, hosted: int) -> Progress:
+        return cls(log_losses=[[] for _ in range(hosted)], epoch_losses=[[] for _ in range(hosted)])
+
+
+@dataclass
+class CheckpointRecord:
+    """One rank's checkpoint payload (its keys are those of every earlier version)."""
+
+    progress: Progress
+    optimizer: dict
+    loaders: list[dict]
+    ledger: dict
+    nodes: list[int]
+    config: dict
+
+    def to_payload(self) -> dict:
+        p = self.progress
+        return {
+            "losses": {"epoch_losses": p.epoch_losses, "log_losses": p.log_losses},
+            "step": p.step,
+            "elapsed_s": float(p.elapsed_s),
+            "optimizer": self.optimizer,
+            "loaders": self.loaders,
+            "ledger": self.ledger,
+            "nodes": self.nodes,
+            "config": self.config,
+        }
+
+    @classmethod
+    def from_payload(cls, payload: dict, where: str) -> CheckpointRecord:
+        missing = sorted({"step", "elapsed_s", "optimizer", "loaders", "ledger", "nodes", "config"} - set(payload))
+        if missing:
+            raise checkpoint.CheckpointError(f"checkpoint '{where}' is damaged: it lacks {', '.join(missing)}")
+        losses = payload.get("losses") or {}
+        hosted = len(payload["nodes"])
+        progress = Progress(
+            step=int(payload["step"]), elapsed_s=float(payload["elapsed_s"]),
+            log_losses=losses.get("log_losses") or [[] for _ in range(hosted)],
+            epoch_losses=losses.get("epoch_losses") or [[] for _ in range(hosted)],
         )
-    # algorithms with their own momentum get it; the local optimizer then has none
-    opts = [
-        torch.optim.SGD(m.parameters(), lr=cfg.lr, momentum=cfg.local_momentum, weight_decay=cfg.weight_decay)
-        for m in mdl
-    ]
-    algo = _build_algorithm(cfg, comm, mdl[0])
-    gopt = GossipOptimizer(mdl, opts, algo)
-    dim = gopt.flat.dim
+        return cls(progress, payload["optimizer"], list(payload["loaders"]), payload["ledger"],
+                   list(payload["nodes"]), payload["config"])
 
-    # Step 2: each node's shard of the training data
-    shards = data.partition(dataset.y_train, n, scheme=cfg.partition, seed=cfg.seed)
-    loaders = [
-        data.ShardLoader(dataset.x_train, dataset.y_train, shards[i], cfg.batch_size, seed=cfg.seed, node=i, device=device)
-        for i in nodes
-    ]
-    spe = loaders[0].steps_per_epoch
-    total = cfg.epochs * spe  # the learning-rate schedule spans the whole run
-    stop = total if cfg.max_steps is None else min(total, cfg.max_steps)
-    ledger = comm.ledger
 
-    step, elapsed, losses = 0, 0.0, None
-    if cfg.resume is not None:
-        step, elapsed, losses = _resume(cfg, env, out, fingerprint, gopt, loaders, ledger, comm)
-    if is_main and step == 0:
-        _write_json(out / "config.json", {
-            **cfg_dict, "world_size": n, "params": dim, "mode": "torchrun" if env.distributed else "simulate",
-            "hostname": socket.gethostname(), "torch": torch.__version__,
-            "bits": _bits(cfg.compressor_spec),
-            "compressor_payload_bytes": _payload_bytes(algo, dim),
-        })
-    metrics = [_Metrics(out / f"metrics-rank{i}.jsonl", keep_until=step if cfg.resume else None) for i in nodes]
+class Run:
+    """One training run: built from its parts, then stepped, evaluated, checkpointed.
 
-    # full-precision D-PSGD's bytes per node per step on this topology, for the ratio
-    dpsgd_bytes = _dpsgd_bytes(topo if topo is not None else _reference_topology(cfg, n), dim)
-    header = _header(cfg, n, dim, algo, dpsgd_bytes, env)
-    if is_main:
-        print(header, flush=True)
+    ``train()`` is the whole of it: :meth:`resume` (with ``--resume``), then
+    :meth:`step` until the end, :meth:`end_epoch` after each epoch's last step,
+    :meth:`checkpoint` every ``--checkpoint-every`` steps, and :meth:`finish`.
+    """
 
-    bar = _progress(cfg, is_main, stop, step)
-    if hasattr(algo, "on_event") and is_main:  # MergeComp's decisions, as they happen
-        algo.on_event = lambda line: bar.write(line) if bar is not None else print(line, flush=True)
-        if step > 0 and algo.state.phase == "done" and cfg.merge not in ("layer", "whole"):
-            algo.on_event(f"mergecomp: partition {algo.partition} restored from the checkpoint")
-    t0 = time.perf_counter() - elapsed  # wall time of the run, across resumes
-    last_eval: dict[str, Any] = {}
-    last_loss = [float("nan")] * len(nodes)
-    log_losses: list[list[float]] = [[] for _ in nodes]  # since the last metrics record
-    epoch_losses: list[list[float]] = [[] for _ in nodes]  # since the start of the epoch
-    if losses is not None:  # resumed: the partial records of the interrupted epoch
-        log_losses, epoch_losses = losses["log_losses"], losses["epoch_losses"]
-    try:
-        while step < stop:
-            epoch = step // spe
-            lr = _lr_at(cfg, step, total)
-            for o in opts:
-                for g in o.param_groups:
-                    g["lr"] = lr
-            if hasattr(algo, "set_lr"):
-                algo.set_lr(lr)  # algorithms that rescale their error memories by eta_{t-1}/eta_t
-            gopt.zero_grad()
-            with ledger.phase("compute"):
-                for r, (m_, ld) in enumerate(zip(mdl, loaders)):
-                    xb, yb = ld.next_batch()
-                    loss = F.cross_entropy(m_(xb), yb)
-                    loss.backward()
-                    last_loss[r] = float(loss.detach())
-                    log_losses[r].append(last_loss[r])
-                    epoch_losses[r].append(last_loss[r])
-            bad = [i for i, v in zip(nodes, last_loss) if not math.isfinite(v)]
-            if bad:
-                raise Diverged(f"training diverged at step {step + 1}: non-finite loss on node(s) {bad}")
-            try:
-                gopt.step()
-            except ValueError as e:
-                if "non-finite" not in str(e) and "too large" not in str(e):
-                    raise
-                raise Diverged(f"training diverged at step {step + 1}: {e}") from None
-            ledger.step()
-            step += 1
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{sum(last_loss) / len(last_loss):.4f}", refresh=False)
-            if step % cfg.log_every == 0 or step == stop:
-                snap = ledger.as_dict(detail=True)
-                for r, i in enumerate(nodes):
-                    metrics[r].write({
-                        "kind": "train", "step": step, "epoch": step / spe, "time": time.perf_counter() - t0,
-                        "loss": sum(log_losses[r]) / len(log_losses[r]), "lr": lr,
-                        **_node_ledger(snap, r, len(nodes)),
-                    })
-                    log_losses[r] = []
-            if step % spe == 0 or step == stop:
-                last_eval = _evaluate(gopt, mdl, dataset, device, comm, step, spe)
-                # mean training loss of the nodes over the epoch's steps
-                last_eval["train_loss"] = _mean_over_nodes(comm, [sum(v) / max(1, len(v)) for v in epoch_losses])
-                epoch_losses = [[] for _ in nodes]
-                for r in range(len(nodes)):
-                    metrics[r].write({"kind": "eval", "step": step, "epoch": step / spe, "time": time.perf_counter() - t0, **last_eval})
-                if is_main:
-                    line = _epoch_line(step / spe, cfg.epochs, last_eval, ledger, dpsgd_bytes, n, step)
-                    (bar.write(line) if bar is not None else print(line, flush=True))
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < stop:
-                _save(out, env, step, fingerprint, gopt, loaders, ledger, n, nodes, cfg_dict, time.perf_counter() - t0,
-                      {"epoch_losses": epoch_losses, "log_losses": log_losses})
-    except Diverged as e:
-        if is_main:
-            _write_json(out / "summary.json", {
-                "algo": cfg.algo, "topology": cfg.topology if topo is not None else None, "world_size": n,
-                "compressor": cfg.compressor_spec, "bits": _bits(cfg.compressor_spec), "epochs": cfg.epochs,
-                "steps": step, "diverged": True, "reason": str(e),
-                "final_train_loss": None, "final_test_loss": None, "final_test_acc": None,
-                "consensus_distance": None, "wall_time_s": time.perf_counter() - t0,
+    def __init__(self, cfg: TrainConfig, env: _Env, topo, device, dataset, comm) -> None:
+        self.cfg, self.env, self.topo, self.device, self.dataset, self.comm = cfg, env, topo, device, dataset, comm
+        self.nodes = [int(i) for i in comm.nodes]
+        self.is_main = env.rank == 0
+        self.out = _agree_out_dir(cfg, env)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.cfg_dict = cfg.to_dict()
+        self.fingerprint = checkpoint.config_fingerprint(self.cfg_dict, FINGERPRINT_KEYS)
+        # Step 1: the algorithm, then identical x_1 on every node with its local optimizer
+        self.algo = _build_algorithm(cfg, comm)
+        self.models = []
+        for _ in self.nodes:
+            torch.manual_seed(cfg.run.seed)
+            self.models.append(models.build_model(
+                cfg.model_name, input_shape=dataset.input_shape, num_classes=dataset.num_classes
+            ).to(device))
+        self.opts = [
+            torch.optim.SGD(m.parameters(), lr=cfg.optim.lr, momentum=cfg.local_momentum,
+                            weight_decay=cfg.optim.weight_decay)
+            for m in self.models
+        ]
+        self.gopt = GossipOptimizer(self.models, self.opts, self.algo)
+        self.dim = self.gopt.flat.dim
+        # Step 2: each node's shard of the training data
+        shards = data.partition(dataset.y_train, env.world_size, scheme=cfg.data.partition, seed=cfg.run.seed)
+        self.loaders = [
+            data.ShardLoader(dataset.x_train, dataset.y_train, shards[i], cfg.data.batch_size,
+                             seed=cfg.run.seed, node=i, device=device)
+            for i in self.nodes
+        ]
+        self.steps_per_epoch = self.loaders[0].steps_per_epoch
+        self.total = cfg.run.epochs * self.steps_per_epoch  # the schedule spans the whole run
+        self.stop = self.total if cfg.run.max_steps is None else min(self.total, cfg.run.max_steps)
+        self.ledger = comm.ledger
+        self.progress = Progress.fresh(len(self.nodes))
+        # full-precision D-PSGD's bytes per node per step on this topology, for the ratio
+        self.dpsgd_bytes = _dpsgd_bytes(topo if topo is not None else _reference_topology(cfg, env.world_size), self.dim)
+        self.last_eval: dict[str, Any] = {}
+        self.bar = None
+        self.metrics: list[rundir.MetricsWriter] = []
+        self._t0 = 0.0
+
+    # --- the whole run -----------------------------------------------------------------
+    def train(self) -> dict | None:
+        cfg = self.cfg
+        self.algo.set_event_sink(self._say if self.is_main else None)  # MergeComp's decisions
+        if cfg.run.resume is not None:
+            self.resume()
+        if self.is_main and self.progress.step == 0:
+            rundir.write_json(rundir.config_path(self.out), self._config_record())
+        keep = self.progress.step if cfg.run.resume is not None else None
+        self.metrics = [rundir.MetricsWriter(rundir.metrics_path(self.out, i), keep_until=keep) for i in self.nodes]
+        if self.is_main:
+            print(_header(cfg, self.env, self.dim, self.algo), flush=True)
+        self.bar = _progress(cfg, self.is_main, self.stop, self.progress.step)
+        self._t0 = time.perf_counter() - self.progress.elapsed_s  # wall time across resumes
+        try:
+            while self.progress.step < self.stop:
+                self.step()
+                step = self.progress.step
+                if step % self.steps_per_epoch == 0 or step == self.stop:
+                    self.end_epoch()
+                if cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0 and step < self.stop:
+                    self.checkpoint()
+        except Diverged as e:
+            if self.is_main:
+                rundir.write_json(rundir.summary_path(self.out), self._diverged_record(e))
+            raise
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+            for m_ in self.metrics:
+                m_.close()
+        self.checkpoint()
+        return self.finish()
+
+    def _say(self, line: str) -> None:
+        (self.bar.write(line) if self.bar is not None else print(line, flush=True))
+
+    # --- one step ----------------------------------------------------------------------
+    def step(self) -> None:
+        """Local gradients of every hosted node, then the optimizer and algorithm step."""
+        p, ledger = self.progress, self.ledger
+        lr = _lr_at(self.cfg, p.step, self.total)
+        for o in self.opts:
+            for g in o.param_groups:
+                g["lr"] = lr
+        self.algo.set_lr(lr)  # algorithms that rescale their error memories by eta_{t-1}/eta_t
+        self.gopt.zero_grad()
+        losses = []
+        with ledger.phase("compute"):
+            for r, (m_, ld) in enumerate(zip(self.models, self.loaders)):
+                xb, yb = ld.next_batch()
+                loss = F.cross_entropy(m_(xb), yb)
+                loss.backward()
+                losses.append(float(loss.detach()))
+        bad = [i for i, v in zip(self.nodes, losses) if not math.isfinite(v)]
+        if bad:
+            raise Diverged(f"training diverged at step {p.step + 1}: non-finite loss on node(s) {bad}")
+        try:
+            self.gopt.step()
+        except ValueError as e:
+            if "non-finite" not in str(e) and "too large" not in str(e):  # TEMP until NonFiniteError lands
+                raise
+            raise Diverged(f"training diverged at step {p.step + 1}: {e}") from None
+        ledger.step()
+        p.step += 1
+        for r, v in enumerate(losses):
+            p.log_losses[r].append(v)
+            p.epoch_losses[r].append(v)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{sum(losses) / len(losses):.4f}", refresh=False)
+        if p.step % self.cfg.run.log_every == 0 or p.step == self.stop:
+            self._log_train(lr)
+
+    def _log_train(self, lr: float) -> None:
+        p = self.progress
+        snap = self.ledger.as_dict(detail=True)
+        for r, m_ in enumerate(self.metrics):
+            m_.write({
+                "kind": "train", "step": p.step, "epoch": p.step / self.steps_per_epoch, "time": self._elapsed(),
+                "loss": sum(p.log_losses[r]) / len(p.log_losses[r]), "lr": lr,
+                **_node_ledger(snap, r, len(self.nodes)),
             })
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-        for m_ in metrics:
-            m_.close()
-    _save(out, env, step, fingerprint, gopt, loaders, ledger, n, nodes, cfg_dict, time.perf_counter() - t0,
-                      {"epoch_losses": epoch_losses, "log_losses": log_losses})
-    wall = time.perf_counter() - t0
-    snap = ledger.as_dict()
-    summary = {
-        "algo": cfg.algo,
-        "topology": cfg.topology if topo is not None else None,
-        "world_size": n,
-        "compressor": cfg.compressor_spec,
-        "bits": _bits(cfg.compressor_spec),
-        "model": cfg.model_name,
-        "data": cfg.data,
-        "params": dim,
-        "epochs": cfg.epochs,
-        "steps": step,
-        "final_train_loss": last_eval.get("train_loss"),
-        "final_test_loss": last_eval.get("test_loss"),
-        "final_test_acc": last_eval.get("test_acc"),
-        "consensus_distance": last_eval.get("consensus_distance"),
-        "bytes_sent_per_node_per_step": _bytes_per_node_step(snap, n, step, env),
-        "bytes_ratio_to_dpsgd": (_bytes_per_node_step(snap, n, step, env) / dpsgd_bytes) if dpsgd_bytes else None,
-        "time_split_s": {k: snap["time"].get(k, 0.0) for k in ("compute", "compress", "communicate")},
-        "wall_time_s": wall,
-        "mode": "torchrun" if env.distributed else "simulate",
-        "diverged": False,
-        "latency_ms": cfg.emulate_latency,
-        "latency_mode": "emulated" if cfg.emulate_latency else None,
-        "merge": algo.report() if hasattr(algo, "report") else None,
-    }
-    summary["bytes_sent_per_node_per_step"] = _global_mean(comm, summary["bytes_sent_per_node_per_step"], env)
-    if is_main:
-        _write_json(out / "summary.json", summary)
-        print(f"run directory: {out}", flush=True)
-        return summary
-    return None
+            p.log_losses[r] = []
+
+    def _elapsed(self) -> float:
+        return time.perf_counter() - self._t0
+
+    # --- one epoch's end ---------------------------------------------------------------
+    def end_epoch(self) -> None:
+        """Evaluate the averaged model, log it, print the epoch line."""
+        p, spe = self.progress, self.steps_per_epoch
+        ev = _evaluate(self.gopt, self.models, self.dataset, self.device, self.comm)
+        # mean training loss of the nodes over the epoch's steps
+        ev["train_loss"] = _mean_over_nodes(self.comm, [sum(v) / max(1, len(v)) for v in p.epoch_losses])
+        p.epoch_losses = [[] for _ in self.nodes]
+        for m_ in self.metrics:
+            m_.write({"kind": "eval", "step": p.step, "epoch": p.step / spe, "time": self._elapsed(), **ev})
+        self.last_eval = ev
+        if self.is_main:
+            self._say(_epoch_line(p.step / spe, self.cfg.run.epochs, ev, self.ledger, self.dpsgd_bytes, p.step))
+        self.algo.on_epoch_end(p.step // spe)
+
+    # --- checkpoints ---------------------------------------------------------------------
+    def checkpoint(self) -> None:
+        """This rank's checkpoint of the current step (atomic: temporary file, rename)."""
+        self.progress.elapsed_s = self._elapsed()
+        record = CheckpointRecord(
+            progress=self.progress, optimizer=self.gopt.state_dict(),
+            loaders=[ld.state_dict() for ld in self.loaders], ledger=self.ledger.state_dict(),
+            nodes=self.nodes, config=self.cfg_dict,
+        )
+        checkpoint.save_checkpoint(
+            checkpoint.checkpoint_path(self.out, self.progress.step, self.env.rank), record.to_payload(),
+            config=self.cfg_dict, fingerprint_keys=FINGERPRINT_KEYS, fingerprint=self.fingerprint,
+            world_size=self.env.world_size,
+        )
+
+    def resume(self) -> None:
+        """Restore every part from this rank's latest checkpoint; all ranks agree or all fail."""
+        env, err, record = self.env, None, None
+        try:
+            path = checkpoint.latest_checkpoint(self.out, rank=env.rank, num_ranks=env.world_size if env.distributed else 1)
+            if path is None:
+                raise checkpoint.CheckpointError(f"--resume {str(self.out)!r}: no checkpoint found in that directory")
+            payload = checkpoint.load_checkpoint(
+                path, expect_config={k: self.cfg_dict[k] for k in FINGERPRINT_KEYS},
+                expect_fingerprint=self.fingerprint, expect_world_size=env.world_size,
+            )
+            record = CheckpointRecord.from_payload(payload, str(path))
+            self.gopt.load_state_dict(record.optimizer)
+            for ld, s in zip(self.loaders, record.loaders):
+                ld.load_state_dict(s)
+            self.ledger.load_state_dict(record.ledger)
+        except (checkpoint.CheckpointError, ValueError, KeyError) as e:
+            err = e
+        step = record.progress.step if record is not None else 0
+        if env.distributed:  # every rank fails together instead of hanging at the next exchange
+            flags = self.comm.all_gather(torch.tensor([[float(err is None), float(step)]], dtype=torch.float64), record=False)
+            if err is None and bool((flags[:, 0] < 1).any()):
+                bad = [int(i) for i in torch.nonzero(flags[:, 0] < 1).flatten()]
+                err = checkpoint.CheckpointError(f"--resume: the checkpoint of rank(s) {bad} could not be loaded")
+            elif err is None and len(set(flags[:, 1].tolist())) != 1:
+                err = checkpoint.CheckpointError("--resume: ranks have checkpoints of different steps")
+        if err is not None:
+            raise RunError(str(err)) from None
+        self.progress = record.progress
+
+    # --- the end -------------------------------------------------------------------------
+    def finish(self) -> dict | None:
+        """summary.json on rank 0; returns it there (None elsewhere)."""
+        p, snap, n = self.progress, self.ledger.as_dict(), self.env.world_size
+        per_step = _global_mean(self.comm, _bytes_per_node_step(snap, n, p.step, self.env), self.env)
+        wire = self.algo.wire_format()
+        summary = {
+            **self._identity(),
+            "model": self.cfg.model_name,
+            "data": self.cfg.data.name,
+            "params": self.dim,
+            "epochs": self.cfg.run.epochs,
+            "steps": p.step,
+            "final_train_loss": self.last_eval.get("train_loss"),
+            "final_test_loss": self.last_eval.get("test_loss"),
+            "final_test_acc": self.last_eval.get("test_acc"),
+            "consensus_distance": self.last_eval.get("consensus_distance"),
+            "bytes_sent_per_node_per_step": per_step,
+            "bytes_ratio_to_dpsgd": (per_step / self.dpsgd_bytes) if self.dpsgd_bytes else None,
+            "bits_per_coord": wire.bits_per_coord,
+            "bits_per_coord_measured": _measured_bits(self.comm, snap, self.dim, self.env),
+            "time_split_s": {k: snap["time"].get(k, 0.0) for k in ("compute", "compress", "communicate")},
+            "wall_time_s": self._elapsed(),
+            "mode": self.env.mode,
+            "diverged": False,
+            "latency_ms": self.cfg.comm.emulate_latency,
+            "latency_mode": "emulated" if self.cfg.comm.emulate_latency else None,
+            "report": self.algo.report(),
+        }
+        summary["merge"] = summary["report"] if self.cfg.algorithm.merge is not None else None
+        if self.is_main:
+            rundir.write_json(rundir.summary_path(self.out), summary)
+            print(f"run directory: {self.out}", flush=True)
+            return summary
+        return None
+
+    def _identity(self) -> dict:
+        """The keys that say what ran, first in config.json's extras and every summary."""
+        wire = self.algo.wire_format()
+        return {
+            "schema": rundir.SCHEMA_VERSION,
+            "algo": self.cfg.algorithm.name,
+            "topology": self.cfg.comm.topology if self.topo is not None else None,
+            "world_size": self.env.world_size,
+            "compressor": wire.label,
+            "bits": wire.bits_per_coord,
+            "wire": wire.to_dict(),
+        }
+
+    def _config_record(self) -> dict:
+        wire = self.algo.wire_format()
+        return {
+            **self.cfg_dict, "schema": rundir.SCHEMA_VERSION, "world_size": self.env.world_size,
+            "params": self.dim, "mode": self.env.mode, "hostname": socket.gethostname(),
+            "torch": torch.__version__, "bits": wire.bits_per_coord, "wire": wire.to_dict(),
+            "compressor_payload_bytes": _payload_bytes(self.algo, self.dim),
+            "layout": self.gopt.layout.to_dict(),
+        }
+
+    def _diverged_record(self, e: Exception) -> dict:
+        return {
+            **self._identity(), "epochs": self.cfg.run.epochs, "steps": self.progress.step, "diverged": True,
+            "reason": str(e), "final_train_loss": None, "final_test_loss": None, "final_test_acc": None,
+            "consensus_distance": None, "wall_time_s": self._elapsed(),
+        }
 
 
 # --------------------------------------------------------------------------------------
@@ -404,7 +535,7 @@ def _accuracy(model, x, y, batch: int = 1000) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def _evaluate(gopt: GossipOptimizer, mdl, dataset, device, comm, step: int, spe: int) -> dict:
+def _evaluate(gopt: GossipOptimizer, mdl, dataset, device, comm) -> dict:
     """Test loss/accuracy of the averaged model xbar, and the spread of the nodes' own."""
     x_test = dataset.x_test.to(device)
     y_test = dataset.y_test.to(device)
@@ -463,7 +594,7 @@ def _bytes_per_node_step(snap: dict, n: int, steps: int, env: _Env) -> float:
 
 def _reference_topology(cfg: TrainConfig, n: int):
     """For a centralized run, the configured graph (or a ring) on n nodes, for the byte ratio."""
-    for name in (cfg.topology, "ring", "complete"):
+    for name in (cfg.comm.topology, "ring", "complete"):
         try:
             return topologies.build(name, n)
         except (ValueError, TypeError):
@@ -478,12 +609,18 @@ def _dpsgd_bytes(topo, dim: int) -> float:
     return float(topo.degrees.mean()) * compress.build("identity").payload_nbytes(dim)
 
 
-def _bits(spec: str | None) -> int | None:
-    if spec is None:
-        return 32
-    if spec.startswith("quant") and "bits=" in spec:
-        return int(spec.split("bits=")[1].split(",")[0])
-    return None
+def _measured_bits(comm, snap: dict, dim: int, env: _Env) -> float | None:
+    """Bits per coordinate per message as the ledger saw them: bytes sent / coordinates /
+    messages, all ranks pooled (control messages, e.g. size checks, left out)."""
+    msgs = snap.get("messages")
+    if not msgs or dim == 0:
+        return None
+    sent = snap["bytes"]["sent"] - snap["ops"]["control"]["sent"]
+    count = msgs["sent"] - msgs["control"]
+    if env.distributed:
+        t = comm.all_reduce(torch.tensor([[float(sent), float(count)]], dtype=torch.float64), op="mean", record=False)
+        sent, count = float(t[0, 0]), float(t[0, 1])
+    return 8.0 * sent / (dim * count) if count else None
 
 
 def _payload_bytes(algo, dim: int) -> int | None:
@@ -499,19 +636,21 @@ def _fmt_bytes(b: float) -> str:
     return f"{b:.1f} GB"
 
 
-def _header(cfg, n, dim, algo, dpsgd_bytes, env) -> str:
+def _header(cfg: TrainConfig, env: _Env, dim: int, algo) -> str:
+    n = env.world_size
     mode = f"torchrun, {n} ranks" if env.distributed else f"simulation, {n} nodes in one process"
-    comp = cfg.compressor_spec or "none (fp32)"
-    lat = f" latency: emulated {cfg.emulate_latency:g} ms per message round" if cfg.emulate_latency else ""
-    extra = f"({','.join(f'{k}={v}' for k, v in cfg.algo_options)})" if cfg.algo_options else ""
+    a = cfg.algorithm
+    wire = algo.wire_format()
+    lat = f" latency: emulated {cfg.comm.emulate_latency:g} ms per message round" if cfg.comm.emulate_latency else ""
+    extra = f"({','.join(f'{k}={v}' for k, v in a.options)})" if a.options else ""
     return (
-        f"gossip.train: algo={cfg.algo}{extra} compressor={comp} topology="
-        f"{cfg.topology if algorithms.is_decentralized(cfg.algo) else '-'} model={cfg.model_name} "
-        f"({dim:,} params) data={cfg.data}/{cfg.partition} [{mode}]{lat}"
+        f"gossip.train: algo={a.name}{extra} wire={wire.label} ({wire.bits_per_coord:g} bits/coord) topology="
+        f"{cfg.comm.topology if algorithms.is_decentralized(a.name) else '-'} model={cfg.model_name} "
+        f"({dim:,} params) data={cfg.data.name}/{cfg.data.partition} [{mode}]{lat}"
     )
 
 
-def _epoch_line(epoch: float, epochs, ev, ledger, dpsgd_bytes, n, step) -> str:
+def _epoch_line(epoch: float, epochs, ev, ledger, dpsgd_bytes, step) -> str:
     snap = ledger.as_dict()
     hosted = len(ledger.nodes)
     per_step = snap["bytes"]["sent"] / hosted / max(1, step)
@@ -527,93 +666,9 @@ def _epoch_line(epoch: float, epochs, ev, ledger, dpsgd_bytes, n, step) -> str:
 
 
 def _progress(cfg, is_main, total, start):
-    if not (cfg.progress and is_main):
+    if not (cfg.run.progress and is_main):
         return None
     from tqdm.auto import tqdm
 
     # disable=None: no bar when stderr is not a terminal (logs, CI), the epoch lines remain
     return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, leave=False, disable=None)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    text = json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n"
-    write_atomically(path, lambda f: f.write(text.encode()))
-
-
-class _Metrics:
-    """Append-only JSONL writer; on resume, drops records past the checkpoint's step."""
-
-    def __init__(self, path: Path, keep_until: int | None = None) -> None:
-        if keep_until is not None and path.exists():
-            kept = []
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if rec.get("step", 0) <= keep_until:
-                    kept.append(line)
-            path.write_text("".join(k + "\n" for k in kept))
-        elif keep_until is None and path.exists():
-            path.unlink()
-        self._fh = open(path, "a", buffering=1)
-
-    def write(self, rec: dict) -> None:
-        self._fh.write(json.dumps(rec) + "\n")
-
-    def close(self) -> None:
-        self._fh.close()
-
-
-# --------------------------------------------------------------------------------------
-# checkpoints
-# --------------------------------------------------------------------------------------
-def _save(out, env, step, fingerprint, gopt, loaders, ledger, n, nodes, cfg_dict, elapsed, losses) -> None:
-    payload = {
-        "losses": losses,
-        "step": step,
-        "elapsed_s": float(elapsed),
-        "optimizer": gopt.state_dict(),
-        "loaders": [ld.state_dict() for ld in loaders],
-        "ledger": ledger.state_dict(),
-        "nodes": nodes,
-        "config": cfg_dict,
-    }
-    checkpoint.save_checkpoint(
-        checkpoint.checkpoint_path(out, step, env.rank), payload,
-        config=cfg_dict, fingerprint_keys=FINGERPRINT_KEYS, fingerprint=fingerprint, world_size=n,
-    )
-
-
-def _resume(cfg, env, out, fingerprint, gopt, loaders, ledger, comm) -> int:
-    ok = 1.0
-    err = None
-    step, elapsed, losses = 0, 0.0, None
-    try:
-        path = checkpoint.latest_checkpoint(out, rank=env.rank, num_ranks=env.world_size if env.distributed else 1)
-        if path is None:
-            raise checkpoint.CheckpointError(f"--resume {str(out)!r}: no checkpoint found in that directory")
-        ck = checkpoint.load_checkpoint(
-            path, expect_config={k: cfg.to_dict()[k] for k in FINGERPRINT_KEYS},
-            expect_fingerprint=fingerprint, expect_world_size=env.world_size,
-        )
-        p = ck
-        gopt.load_state_dict(p["optimizer"])
-        for ld, s in zip(loaders, p["loaders"]):
-            ld.load_state_dict(s)
-        ledger.load_state_dict(p["ledger"])
-        step = int(p["step"])
-        elapsed = float(p["elapsed_s"])
-        losses = p["losses"]
-    except (checkpoint.CheckpointError, ValueError, KeyError) as e:
-        ok, err = 0.0, e
-    if env.distributed:  # every rank fails together instead of hanging at the next exchange
-        flags = comm.all_gather(torch.tensor([[ok, float(step)]], dtype=torch.float64), record=False)
-        if err is None and bool((flags[:, 0] < 1).any()):
-            bad = [int(i) for i in torch.nonzero(flags[:, 0] < 1).flatten()]
-            err = checkpoint.CheckpointError(f"--resume: the checkpoint of rank(s) {bad} could not be loaded")
-        elif err is None and len(set(flags[:, 1].tolist())) != 1:
-            err = checkpoint.CheckpointError("--resume: ranks have checkpoints of different steps")
-    if err is not None:
-        raise RunError(str(err)) from None
-    return step, elapsed, losses

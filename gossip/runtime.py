@@ -117,6 +117,8 @@ class GossipOptimizer:
         self.algorithm = algorithm
         self.flat = FlatParams(models)
         algorithm.setup(self.flat.data)
+        from types import SimpleNamespace as NS
+        self.layout = NS(to_dict=lambda: {"shapes": self.flat.shapes})  # TEMP
         if hasattr(algorithm, "attach"):  # schedulers that work during backward (MergeComp)
             algorithm.attach(models)
 

@@ -81,6 +81,7 @@ __all__ = [
     "build",
     "config_class",
     "is_decentralized",
+    "local_momentum_default",
 ]
 
 _REGISTRY: dict[str, tuple[type[Algorithm], type]] = {
@@ -122,6 +123,11 @@ def config_class(name: str) -> type:
 
 def is_decentralized(name: str) -> bool:
     return _lookup(name)[0].acts_on == "model"
+
+
+def local_momentum_default(name: str) -> float:
+    """Momentum of the CLI's local SGD optimizer when --momentum is unset."""
+    return _lookup(name)[0].local_momentum_default
 
 
 def build(name: str, comm: Any, **options: Any) -> Algorithm:

@@ -71,6 +71,8 @@ class _Centralized(Algorithm):
     """
 
     acts_on = "gradient"
+    #: the compressed direction is the whole update: no local momentum unless asked for
+    local_momentum_default = 0.0
 
     def set_lr(self, lr: float) -> None:
         """Tell the algorithm the step size ``eta_t`` the optimizer will use next."""

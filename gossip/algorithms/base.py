@@ -34,6 +34,9 @@ class Algorithm:
     acts_on: ClassVar[str] = "model"
     #: one-line description shown by ``gossip.algorithms.available()``
     summary: ClassVar[str] = ""
+    #: momentum of the CLI's local SGD optimizer when ``--momentum`` is unset and the
+    #: algorithm has no momentum of its own
+    local_momentum_default: ClassVar[float] = 0.9
 
     def __init__(self, config: Any, comm: Any) -> None:
         self.config = config
@@ -57,6 +60,18 @@ class Algorithm:
     def payload_compressor(self) -> Any:
         """The compressor whose payloads go on the wire each step (None if none)."""
         return None
+
+    # TEMP stubs of the contract (replaced by the contract's own base class)
+    def set_lr(self, lr): pass
+    def on_epoch_end(self, epoch): pass
+    def set_event_sink(self, fn): self._sink = fn
+    def report(self): return getattr(self, "_report", lambda: None)()
+    def attach(self, models): pass
+    def wire_format(self):
+        from types import SimpleNamespace as NS
+        c = self.payload_compressor
+        label, bits = (c.spec, 8.0) if c is not None else ("fp32", 32.0)
+        return NS(label=label, bits_per_coord=bits, to_dict=lambda: {"label": label, "bits_per_coord": bits})
 
     # --- state ---------------------------------------------------------------------
     def state_dict(self) -> dict:

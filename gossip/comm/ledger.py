@@ -113,6 +113,9 @@ class Ledger:
         self._node_sent = np.zeros(m, dtype=np.int64)
         self._node_received = np.zeros(m, dtype=np.int64)
         self._ops: dict[str, list[int]] = {op: [0, 0, 0] for op in OPS}  # calls, sent, recv
+        #: messages sent by the hosted nodes per op; None once restored from a state that
+        #: predates message counting (the count is then unknown)
+        self._msgs: dict[str, int] | None = {op: 0 for op in OPS}
         self._pair_keys = np.zeros(0, dtype=np.int64)
         self._pair_bytes = np.zeros(0, dtype=np.int64)
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
@@ -162,6 +165,8 @@ class Ledger:
         entry = self._ops[op]
         if out.any():
             bo = b[out]
+            if self._msgs is not None:
+                self._msgs[op] += int(out.sum())
             self._node_sent += np.bincount(ps[out], weights=bo, minlength=m).astype(np.int64)
             entry[1] += int(bo.sum())
         if inc.any():
@@ -292,6 +297,11 @@ class Ledger:
         return self._steps
 
     @property
+    def messages_sent(self) -> int | None:
+        """Messages sent by the hosted nodes (None if restored from an older state)."""
+        return None if self._msgs is None else sum(self._msgs.values())
+
+    @property
     def calls(self) -> dict[str, int]:
         """Number of calls per operation."""
         return {op: v[0] for op, v in self._ops.items()}
@@ -306,6 +316,7 @@ class Ledger:
                 op: {"calls": c, "sent": s, "received": r} for op, (c, s, r) in self._ops.items()
             },
             "time": self.times,
+            "messages": None if self._msgs is None else {"sent": sum(self._msgs.values()), **self._msgs},
         }
         if detail:
             self._consolidate()
@@ -341,6 +352,7 @@ class Ledger:
             "steps": self._steps,
             "times": self.times,
             "ops": {op: list(v) for op, v in self._ops.items()},
+            "messages": None if self._msgs is None else dict(self._msgs),
             "node_sent": self._node_sent.tolist(),
             "node_received": self._node_received.tolist(),
             "pair_keys": self._pair_keys.tolist(),
@@ -369,6 +381,8 @@ class Ledger:
         for op, v in state["ops"].items():
             self._check_op(op)
             self._ops[op] = [int(x) for x in v]
+        msgs = state.get("messages")  # absent in states written before messages were counted
+        self._msgs = None if msgs is None else {op: int(msgs.get(op, 0)) for op in OPS}
         self._node_sent = np.asarray(state["node_sent"], dtype=np.int64)
         self._node_received = np.asarray(state["node_received"], dtype=np.int64)
         self._pair_keys = np.asarray(state["pair_keys"], dtype=np.int64)

@@ -1,0 +1,174 @@
+"""The run directory's schema: file names, keys and versions, in one place.
+
+``python -m gossip.train --out DIR`` writes, and :mod:`gossip.analysis` reads:
+
+``config.json``
+    Written once at the start: the flat keys of :class:`gossip.config.TrainConfig`
+    (``algo``, ``lr`` ...), the derived ``compressor_spec``/``model_name``/
+    ``local_momentum``, and what the run found: ``world_size``, ``params``, ``mode``,
+    ``hostname``, ``torch``, the parameter ``layout`` and the algorithm's ``wire``
+    format (``label``, ``bits_per_coord``). ``schema`` is :data:`SCHEMA_VERSION`.
+``metrics-rank<k>.jsonl``
+    One per node, one JSON record per line: ``kind`` ``"train"`` (every ``log_every``
+    steps: ``step``, ``epoch``, ``time``, ``loss``, ``lr``, cumulative ``bytes_sent``/
+    ``bytes_recv`` and the time split) or ``"eval"`` (every epoch: the averaged model's
+    ``test_loss``/``test_acc``, the nodes' accuracy range, ``consensus_distance``,
+    ``train_loss``).
+``summary.json``
+    Written at the end (or when the run diverges, with ``diverged: true``): final
+    figures, bytes per node per step, the wire format and the measured bits per
+    coordinate, the time split.
+``ckpt-step<N>-rank<k>.pt``
+    Checkpoints (:mod:`gossip.checkpoint` owns their format).
+
+Versions. Schema 1 (no ``schema`` key) is what the first releases wrote: no
+``wire``/``layout`` in config.json, and ``compressor``/``bits`` in summary.json came
+from the CLI's compressor spec (``null``/``32`` for the sign algorithms, which send 1
+bit). :func:`wire_of` reads either and says which it got.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+from gossip._atomic import write_atomically
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "CONFIG",
+    "SUMMARY",
+    "MetricsWriter",
+    "config_path",
+    "is_run_dir",
+    "metrics_files",
+    "metrics_path",
+    "read_json",
+    "read_metrics",
+    "summary_path",
+    "wire_of",
+    "write_json",
+]
+
+#: version of config.json/summary.json's keys; runs without a ``schema`` key are 1
+SCHEMA_VERSION = 2
+CONFIG = "config.json"
+SUMMARY = "summary.json"
+_METRICS = "metrics-rank{}.jsonl"
+_METRICS_RE = re.compile(r"^metrics-rank(\d+)\.jsonl$")
+
+
+class RunDirError(ValueError):
+    """A file of a run directory that cannot be read: one line naming it."""
+
+
+def config_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CONFIG
+
+
+def summary_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / SUMMARY
+
+
+def metrics_path(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / _METRICS.format(int(rank))
+
+
+def metrics_files(run_dir: str | Path) -> dict[int, Path]:
+    """``{rank: path}`` of the metrics files, by rank."""
+    files = {}
+    for p in Path(run_dir).iterdir():
+        m = _METRICS_RE.match(p.name)
+        if m and p.is_file():
+            files[int(m.group(1))] = p
+    return dict(sorted(files.items()))
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """True when ``path`` holds ``config.json`` and at least one ``metrics-rank<k>.jsonl``."""
+    p = Path(path)
+    return p.is_dir() and config_path(p).is_file() and bool(metrics_files(p))
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Atomically (temporary file, then rename): a reader never sees half a file."""
+    text = json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n"
+    write_atomically(Path(path), lambda f: f.write(text.encode()))
+
+
+def read_json(path: Path, what: str | None = None) -> dict:
+    what = what or Path(path).name
+    try:
+        obj = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise RunDirError(f"{path}: {what} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    except OSError as e:
+        raise RunDirError(f"{path}: cannot read {what} ({e.strerror})") from None
+    if not isinstance(obj, dict):
+        raise RunDirError(f"{path}: {what} must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of one metrics file; a torn last line (a run being written) is skipped."""
+    records, bad = [], 0
+    lines = Path(path).read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                bad += 1
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+        else:
+            bad += 1
+    if bad:
+        warnings.warn(f"{path}: skipped {bad} line(s) that are not JSON records", stacklevel=3)
+    return records
+
+
+class MetricsWriter:
+    """Append-only JSONL writer of one node's records.
+
+    ``keep_until=None`` starts the file afresh; ``keep_until=step`` (a resumed run)
+    keeps the records up to that step and drops later ones, which the resumed run
+    writes again.
+    """
+
+    def __init__(self, path: Path, keep_until: int | None = None) -> None:
+        path = Path(path)
+        if keep_until is not None and path.exists():
+            kept = [json.dumps(r) for r in read_metrics(path) if r.get("step", 0) <= keep_until]
+            write_atomically(path, lambda f: f.write("".join(k + "\n" for k in kept).encode()))
+        elif keep_until is None and path.exists():
+            path.unlink()
+        self._fh = open(path, "a", buffering=1)
+
+    def write(self, rec: dict) -> None:
+        self._fh.write(json.dumps(rec) + "\n")
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def wire_of(config: dict, summary: dict | None = None) -> dict[str, Any]:
+    """What a run sent: ``{"label", "bits_per_coord", "source"}``.
+
+    ``source`` is ``"algorithm"`` where the run recorded its algorithm's own description
+    (schema 2), else ``"config (schema 1)"``: the CLI's compressor spec, which is
+    ``fp32`` for the algorithms that chose their compressor themselves.
+    """
+    for src in (summary or {}, config):
+        wire = src.get("wire")
+        if isinstance(wire, dict) and wire.get("label"):
+            return {"label": wire["label"], "bits_per_coord": wire.get("bits_per_coord"), "source": "algorithm"}
+    label = config.get("compressor_spec") or "fp32"
+    bits = config.get("bits") if config.get("bits") is not None else (summary or {}).get("bits")
+    return {"label": label, "bits_per_coord": bits, "source": "config (schema 1)"}

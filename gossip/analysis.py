@@ -27,6 +27,11 @@ Tables
 would share a label, the config keys that tell them apart are appended, e.g.
 ``... n=16``), ``path``, ``complete`` (``summary.json`` exists), the main config keys
 and the summary's figures (for an incomplete run, the last evaluation's).
+``compressor`` and ``bits`` say what the run sent, as its algorithm described it
+(``wire_source`` ``algorithm``); run directories written before runs recorded that
+(schema 1) give the CLI's compressor spec instead, and ``wire_source`` says so
+(``config (schema 1)``): their sign algorithms read ``fp32``, although they sent 1 bit.
+File names and keys come from :mod:`gossip.rundir`.
 
 ``metrics``: one row per record of the ``metrics-rank<k>.jsonl`` files, with ``run``,
 ``label``, ``rank`` and ``kind`` (``train`` or ``eval``) and the record's fields.
@@ -41,13 +46,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
-import warnings
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 import pandas as pd
+
+from gossip import rundir
 
 __all__ = [
     "AnalysisError",
@@ -76,7 +81,6 @@ __all__ = [
     "train_curves",
 ]
 
-_METRICS_RE = re.compile(r"^metrics-rank(\d+)\.jsonl$")
 _SWEEP_FILES = ("results.json", "results.csv")
 
 #: config keys copied into the runs table, in this order
@@ -87,7 +91,7 @@ _RUN_CONFIG_KEYS = (
 #: summary keys copied into the runs table
 _RUN_SUMMARY_KEYS = (
     "steps", "final_train_loss", "final_test_loss", "final_test_acc", "consensus_distance",
-    "bytes_sent_per_node_per_step", "bytes_ratio_to_dpsgd", "wall_time_s",
+    "bytes_sent_per_node_per_step", "bytes_ratio_to_dpsgd", "bits_per_coord_measured", "wall_time_s",
 )
 #: config keys that may tell two runs with the same label apart, with their short names
 _DISAMBIGUATE = (
@@ -139,59 +143,30 @@ class Runs(NamedTuple):
 # loading runs
 # --------------------------------------------------------------------------------------
 def _metrics_files(path: Path) -> dict[int, Path]:
-    files = {}
-    for p in path.iterdir():
-        m = _METRICS_RE.match(p.name)
-        if m and p.is_file():
-            files[int(m.group(1))] = p
-    return dict(sorted(files.items()))
+    return rundir.metrics_files(path)
 
 
 def is_run_dir(path: str | os.PathLike) -> bool:
     """True when ``path`` holds ``config.json`` and at least one ``metrics-rank<k>.jsonl``."""
-    p = Path(path)
-    return p.is_dir() and (p / "config.json").is_file() and bool(_metrics_files(p))
+    return rundir.is_run_dir(path)
 
 
 def _read_json(path: Path, what: str) -> dict:
     try:
-        obj = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise AnalysisError(f"{path}: {what} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    except OSError as e:
-        raise AnalysisError(f"{path}: cannot read {what} ({e.strerror})") from None
-    if not isinstance(obj, dict):
-        raise AnalysisError(f"{path}: {what} must hold a JSON object, got {type(obj).__name__}")
-    return obj
+        return rundir.read_json(path, what)
+    except rundir.RunDirError as e:
+        raise AnalysisError(str(e)) from None
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    """The records of one metrics file; a torn last line (a run being written) is skipped."""
-    records, bad = [], 0
-    lines = path.read_text().splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            if i < len(lines) - 1:
-                bad += 1
-            continue
-        if isinstance(rec, dict):
-            records.append(rec)
-        else:
-            bad += 1
-    if bad:
-        warnings.warn(f"{path}: skipped {bad} line(s) that are not JSON records", stacklevel=3)
-    return records
+    return rundir.read_metrics(path)
 
 
 def run_label(config: dict, summary: dict | None = None) -> str:
     """``algo/compressor/topology`` of a run, from its config (and summary)."""
     src = {**config, **{k: v for k, v in (summary or {}).items() if v is not None}}
     algo = str(src.get("algo", "?"))
-    comp = src.get("compressor_spec") or (src.get("compressor") if summary else None) or "fp32"
+    comp = rundir.wire_of(config, summary)["label"]
     if algo in _CENTRALIZED:
         topo = "-"
     else:
@@ -218,7 +193,7 @@ def load_run(path: str | os.PathLike, *, name: str | None = None) -> Run:
         raise AnalysisError(f"{p}: no such directory")
     if not p.is_dir():
         raise AnalysisError(f"{p}: not a run directory (it is a file); give the directory python -m gossip.train --out wrote")
-    if not (p / "config.json").is_file():
+    if not rundir.config_path(p).is_file():
         raise AnalysisError(
             f"{p}: not a run directory (no config.json); a run directory holds config.json and "
             f"metrics-rank<k>.jsonl written by python -m gossip.train"
@@ -226,8 +201,9 @@ def load_run(path: str | os.PathLike, *, name: str | None = None) -> Run:
     files = _metrics_files(p)
     if not files:
         raise AnalysisError(f"{p}: not a run directory (config.json but no metrics-rank<k>.jsonl)")
-    config = _read_json(p / "config.json", "config.json")
-    summary = _read_json(p / "summary.json", "summary.json") if (p / "summary.json").is_file() else None
+    config = _read_json(rundir.config_path(p), rundir.CONFIG)
+    spath = rundir.summary_path(p)
+    summary = _read_json(spath, rundir.SUMMARY) if spath.is_file() else None
     name = name if name is not None else p.name
     label = run_label(config, summary)
     frames, eval_seen = [], False
@@ -272,10 +248,11 @@ def _run_row(run: Run) -> dict[str, Any]:
     row: dict[str, Any] = {"run": run.name, "label": run.label, "path": str(run.path), "complete": run.complete}
     for k in _RUN_CONFIG_KEYS:
         row[k] = cfg.get(k)
-    row["compressor"] = cfg.get("compressor_spec") or "fp32"
+    wire = rundir.wire_of(cfg, run.summary)
+    row["compressor"] = wire["label"]
+    row["bits"] = wire["bits_per_coord"]
+    row["wire_source"] = wire["source"]
     row["topology"] = None if cfg.get("algo") in _CENTRALIZED else cfg.get("topology")
-    if row["bits"] is None:
-        row["bits"] = summ.get("bits")
     for k in _RUN_SUMMARY_KEYS:
         row[k] = summ.get(k)
     m = run.metrics

@@ -70,7 +70,7 @@ class Algorithm:
     def wire_format(self):
         from types import SimpleNamespace as NS
         c = self.payload_compressor
-        label, bits = (c.spec, 8.0) if c is not None else ("fp32", 32.0)
+        label, bits = (c.spec, 8.0) if c is not None and c.spec != "identity" else ("fp32", 32.0)
         return NS(label=label, bits_per_coord=bits, to_dict=lambda: {"label": label, "bits_per_coord": bits})
 
     # --- state ---------------------------------------------------------------------

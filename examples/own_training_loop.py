@@ -60,10 +60,11 @@ def main() -> None:
         device = comm.init_from_env()  # torchrun's environment; gloo on CPU, NCCL on CUDA
         c = comm.DistCommunicator(topologies.build(args.topology, dist.get_world_size()))
     try:
-        # 2. the algorithm
+        # 2. the algorithm; some (PowerSGD, the momentum variants of error feedback, ...)
+        #    keep the momentum themselves, and then the local optimizer must not
         extra = {"compressor": f"quant:bits={args.bits}"} if args.algo in ("naive", "dcd", "ecd") else {}
         algo = algorithms.build(args.algo, c, **extra)
-        momentum = 0.9
+        momentum = 0.0 if algo.owns_momentum else 0.9
         # 3. one model and one local optimizer per hosted node, all starting from the same x_1
         models, opts = [], []
         for _ in c.nodes:

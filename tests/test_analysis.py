@@ -1,17 +1,15 @@
 """``gossip.analysis``: loading run directories and sweeps, curves, plots, errors.
 
 The runs come from the real CLI (``gossip.train --simulate 3 --data synthetic``), made
-once per test session by :func:`small_runs` (tests/test_notebooks.py uses them too).
+once per test session by the ``small_runs`` fixture of tests/conftest.py (the notebook
+tests use them too).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -26,49 +24,9 @@ import pytest  # noqa: E402
 import topologies  # noqa: E402
 from gossip import analysis as ga  # noqa: E402
 
-QUICK = ["--simulate", "3", "--data", "synthetic", "--epochs", "2", "--batch-size", "128", "--no-progress",
-         "--log-every", "2"]
-#: run name under the runs directory -> extra flags
-RUNS = {
-    "gossip/dpsgd": ["--algo", "dpsgd"],
-    "gossip/ecd8": ["--algo", "ecd", "--bits", "8"],
-    "allreduce": ["--algo", "allreduce"],
-}
+from tests.conftest import SMALL_RUNS as RUNS  # noqa: E402
+
 LABELS = {"gossip/dpsgd": "dpsgd/fp32/ring", "gossip/ecd8": "ecd/quant:bits=8/ring", "allreduce": "allreduce/fp32/-"}
-
-# One interpreter for the three runs: torch is imported once.
-_MAKE = """
-import sys
-from gossip.train import main
-base, runs = sys.argv[1], sys.argv[2:]
-quick = {quick!r}
-extra = {runs!r}
-for name in runs:
-    rc = main(quick + extra[name] + ["--out", base + "/" + name])
-    if rc:
-        sys.exit(rc)
-"""
-
-
-def make_runs(tmp_path_factory) -> Path:
-    """The session's small runs (made on first use, shared by every test module)."""
-    root = tmp_path_factory.getbasetemp() / "analysis-runs"
-    done = root / ".done"
-    if not done.exists():
-        shutil.rmtree(root, ignore_errors=True)
-        root.mkdir(parents=True)
-        code = _MAKE.format(quick=QUICK, runs=RUNS)
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        r = subprocess.run([sys.executable, "-c", code, str(root), *RUNS], capture_output=True, text=True,
-                           timeout=240, env=env)
-        assert r.returncode == 0, r.stderr[-3000:]
-        done.write_text("ok\n")
-    return root
-
-
-@pytest.fixture(scope="session")
-def small_runs(tmp_path_factory) -> Path:
-    return make_runs(tmp_path_factory)
 
 
 @pytest.fixture(autouse=True)
@@ -266,22 +224,8 @@ def test_consensus_contraction_stays_under_rho_t(name):
 
 
 # --------------------------------------------------------------------------- sweeps
-def sweep_rows() -> list[dict]:
-    rows = []
-    for algo, bits, per_mb in (("allreduce", None, 1.75), ("dpsgd", None, 2.0), ("ecd", 8, 0.5)):
-        for bw in (1400.0, 20.0, 5.0):
-            for lat in (0.13, 5.0, 20.0):
-                steps = 15
-                step_s = 0.01 + per_mb * 0.3 * 8 / bw + (14 if algo == "allreduce" else 1) * lat / 1e3
-                rows.append({"algo": algo, "bits": bits, "nodes": 8, "bandwidth_mbit": bw, "latency_ms": lat,
-                             "latency_mode": "emulated", "step_s": step_s, "epoch_s": step_s * steps,
-                             "bytes_per_step": per_mb * 0.3e6, "iface_bytes_per_step": per_mb * 0.31e6,
-                             "ok": not (algo == "ecd" and bw == 5.0 and lat == 20.0)})
-    return rows
-
-
-def test_load_and_plot_a_sweep(tmp_path):
-    rows = sweep_rows()
+def test_load_and_plot_a_sweep(tmp_path, sweep_rows):
+    rows = sweep_rows
     (tmp_path / "j").mkdir()
     (tmp_path / "j" / "results.json").write_text(json.dumps({"meta": {}, "rows": rows}))
     (tmp_path / "c").mkdir()

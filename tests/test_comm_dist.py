@@ -22,21 +22,9 @@ from gossip.comm import (
 )
 from tests._comm_topo import build
 from tests._dist import run_world
+from tests.conftest import CorruptPayload, decode_f32, payloads, strict_decode
 
 multiprocess = pytest.mark.multiprocess
-
-
-def _payloads(n: int, d: int, seed: int) -> torch.Tensor:
-    """Every node's payload (float32 rows as bytes, zeros and -0.0 mixed in), same on all ranks."""
-    g = torch.Generator().manual_seed(seed)
-    X = torch.randn(n, d, generator=g)
-    X[:, ::5] = 0.0
-    X[:, 1::7] = -0.0
-    return X.view(torch.uint8)
-
-
-def _decode(Q: torch.Tensor) -> torch.Tensor:
-    return Q.view(torch.float32)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -52,12 +40,12 @@ def _exchange_world(names: list[str]) -> dict:
     out: dict = {}
     for name in names:
         comm = DistCommunicator(build(name, n), timeout=30)
-        P1, P2 = _payloads(n, D, 1), _payloads(n, D, 2)
+        P1, P2 = payloads(n, D, 1), payloads(n, D, 2)
         rec1 = comm.neighbor_exchange(P1[rank : rank + 1])
         handle = comm.neighbor_exchange_async(P2[rank : rank + 1])
         rec2 = handle.wait()
         out[name] = {
-            "sums": [rec1.weighted_sum(_decode), rec2.weighted_sum(_decode)],
+            "sums": [rec1.weighted_sum(decode_f32), rec2.weighted_sum(decode_f32)],
             "senders": rec1.senders.tolist(),
             "payloads": [rec1.payloads.clone(), rec2.payloads.clone()],
             "neighbors": comm.neighbors,
@@ -137,16 +125,6 @@ def _crashing_peer_world() -> dict:
         return {"error": type(exc).__name__, "peers": exc.peers, "took": time.monotonic() - t0}
 
 
-class _CorruptPayload(ValueError):
-    """Stand-in for gossip.compress.PayloadError."""
-
-
-def _strict_decode(Q: torch.Tensor) -> torch.Tensor:
-    if (Q[:, 0] == 0xFF).any():
-        raise _CorruptPayload("checksum mismatch")
-    return Q.view(torch.float32)
-
-
 def _bad_payload_world() -> dict:
     """Ring of 3: rank 1 sends a corrupted payload, then rank 2 a payload 4 bytes too long."""
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -156,7 +134,7 @@ def _bad_payload_world() -> dict:
     if rank == 1:
         P[0, 0] = 0xFF
     try:
-        comm.neighbor_exchange(P).weighted_sum(_strict_decode)
+        comm.neighbor_exchange(P).weighted_sum(strict_decode)
         out["corrupt"] = ("ok",)
     except PeerPayloadError as exc:
         out["corrupt"] = (exc.peers, str(exc), type(exc.__cause__).__name__)
@@ -186,14 +164,14 @@ def test_exchange_is_bit_identical_to_the_simulation_and_bytes_are_honest(
     n, nbytes = 4, D * 4
     topo = build(name, n)
     sim = SimulatedCommunicator(topo)
-    refs = [sim.neighbor_exchange(_payloads(n, D, s)).weighted_sum(_decode) for s in (1, 2)]
+    refs = [sim.neighbor_exchange(payloads(n, D, s)).weighted_sum(decode_f32) for s in (1, 2)]
     for r, res in enumerate(world4):
         got = res[name]
         ids = topo.neighbors(r)[0].tolist()
         assert got["senders"] == ids and list(got["neighbors"]) == ids
         for k, s in enumerate((1, 2)):
             # what arrived is exactly what the neighbours sent
-            assert torch.equal(got["payloads"][k], _payloads(n, D, s)[ids])
+            assert torch.equal(got["payloads"][k], payloads(n, D, s)[ids])
             assert torch.equal(_bits(got["sums"][k][0]), _bits(refs[k][r])), (name, r, k)
         led = got["ledger"]
         assert led["time"]["communicate"] > 0 and led["time"]["compute"] == 0
@@ -266,7 +244,7 @@ def test_a_bad_payload_is_reported_naming_the_sender_and_sizes_are_checked() -> 
     res = run_world(3, _bad_payload_world, timeout=30)
     for r in (0, 2):
         peers, msg, cause = res[r]["corrupt"]
-        assert peers == (1,) and cause == "_CorruptPayload"
+        assert peers == (1,) and cause == CorruptPayload.__name__
         assert f"bad payload from rank 1 (received by rank {r}): checksum mismatch" in msg
     assert res[1]["corrupt"] == ("ok",)
     for r in (0, 1):
@@ -290,14 +268,14 @@ def test_a_crashed_peer_is_named_without_waiting_for_the_timeout() -> None:
 def _torus_world() -> list[torch.Tensor]:
     rank, n = dist.get_rank(), dist.get_world_size()
     comm = DistCommunicator(build("torus", n), timeout=30)
-    P = _payloads(n, D, 3)
-    return [comm.neighbor_exchange(P[rank : rank + 1]).weighted_sum(_decode)]
+    P = payloads(n, D, 3)
+    return [comm.neighbor_exchange(P[rank : rank + 1]).weighted_sum(decode_f32)]
 
 
 @multiprocess
 def test_torus_3x3_is_bit_identical_to_the_simulation() -> None:
     res = run_world(9, _torus_world, timeout=60)
-    ref = SimulatedCommunicator(build("torus", 9)).neighbor_exchange(_payloads(9, D, 3)).weighted_sum(_decode)
+    ref = SimulatedCommunicator(build("torus", 9)).neighbor_exchange(payloads(9, D, 3)).weighted_sum(decode_f32)
     for r in range(9):
         assert torch.equal(_bits(res[r][0][0]), _bits(ref[r]))
 
@@ -347,8 +325,8 @@ def _nccl_world() -> list[torch.Tensor]:
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
     comm = DistCommunicator(build("complete", n), timeout=60)
-    P = _payloads(n, D, 4).cuda()
-    s = comm.neighbor_exchange(P[rank : rank + 1]).weighted_sum(_decode).cpu()
+    P = payloads(n, D, 4).cuda()
+    s = comm.neighbor_exchange(P[rank : rank + 1]).weighted_sum(decode_f32).cpu()
     return [s, comm.all_reduce(torch.ones(1, 3, device="cuda")).cpu()]
 
 
@@ -357,7 +335,7 @@ def _nccl_world() -> list[torch.Tensor]:
 def test_nccl_exchange_is_bit_identical_to_the_simulation() -> None:
     n = min(torch.cuda.device_count(), 4)
     res = run_world(n, _nccl_world, backend="nccl", timeout=120)
-    ref = SimulatedCommunicator(build("complete", n)).neighbor_exchange(_payloads(n, D, 4)).weighted_sum(_decode)
+    ref = SimulatedCommunicator(build("complete", n)).neighbor_exchange(payloads(n, D, 4)).weighted_sum(decode_f32)
     for r in range(n):
         assert torch.equal(_bits(res[r][0][0]), _bits(ref[r]))
         assert torch.equal(res[r][1], torch.full((1, 3), float(n)))

@@ -8,21 +8,9 @@ import torch
 
 from gossip.comm import PeerPayloadError, Received, SimulatedCommunicator
 from tests._comm_topo import build
+from tests.conftest import CorruptPayload, decode_f32, payloads, strict_decode
 
 TOPOLOGIES = [("ring", 8), ("torus", 16), ("star", 6), ("complete", 5)]
-
-
-def _payloads(n: int, d: int, seed: int = 0) -> torch.Tensor:
-    """Float32 rows as raw bytes, with exact zeros and negative zeros mixed in."""
-    g = torch.Generator().manual_seed(seed)
-    X = torch.randn(n, d, generator=g)
-    X[:, ::5] = 0.0
-    X[:, 1::7] = -0.0
-    return X.view(torch.uint8)
-
-
-def _decode(Q: torch.Tensor) -> torch.Tensor:
-    return Q.view(torch.float32)
 
 
 def _dense(topo) -> np.ndarray:
@@ -47,9 +35,9 @@ def _sequential(topo, D: torch.Tensor) -> torch.Tensor:
 def test_weighted_sum_matches_dense_reference_and_the_sequential_contract(name: str, n: int) -> None:
     topo = build(name, n)
     comm = SimulatedCommunicator(topo)
-    P = _payloads(n, 33)
-    out = comm.neighbor_exchange(P).weighted_sum(_decode)
-    D = _decode(P)
+    P = payloads(n, 33)
+    out = comm.neighbor_exchange(P).weighted_sum(decode_f32)
+    D = decode_f32(P)
     ref = torch.as_tensor(_dense(topo) @ D.double().numpy())
     torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
     # bit for bit against the per-node loop, signs of zero included
@@ -62,7 +50,7 @@ def test_padding_never_touches_a_row() -> None:
     comm = SimulatedCommunicator(topo)
     X = torch.full((5, 4), -0.0)
     X[1:, 0] = float("inf")  # a leaf's own payload is its padding target
-    out = comm.neighbor_exchange(X.view(torch.uint8)).weighted_sum(_decode)
+    out = comm.neighbor_exchange(X.view(torch.uint8)).weighted_sum(decode_f32)
     leaves = out[1:]
     assert torch.isfinite(leaves).all()
     assert torch.equal(leaves.view(torch.int32), torch.full((4, 4), -0.0).view(torch.int32))
@@ -71,7 +59,7 @@ def test_padding_never_touches_a_row() -> None:
 def test_received_exposes_senders_and_raw_payloads() -> None:
     topo = build("star", 5)
     comm = SimulatedCommunicator(topo)
-    P = _payloads(5, 3)
+    P = payloads(5, 3)
     rec = comm.neighbor_exchange(P)
     assert isinstance(rec, Received)
     assert rec.nodes.tolist() == list(range(5)) and rec.senders.tolist() == list(range(5))
@@ -87,7 +75,7 @@ def test_received_exposes_senders_and_raw_payloads() -> None:
 def test_ledger_counts_payload_bytes_times_degree(name: str, n: int) -> None:
     topo = build(name, n)
     comm = SimulatedCommunicator(topo)
-    P = _payloads(n, 10)  # 40 bytes per payload
+    P = payloads(n, 10)  # 40 bytes per payload
     for _ in range(3):
         comm.neighbor_exchange(P)
     comm.neighbor_exchange(P, record=False)
@@ -142,21 +130,10 @@ def test_collectives_and_their_ring_accounting() -> None:
 
 def test_async_variants_are_already_complete() -> None:
     comm = SimulatedCommunicator(build("ring", 3))
-    h = comm.neighbor_exchange_async(_payloads(3, 2))
+    h = comm.neighbor_exchange_async(payloads(3, 2))
     assert h.is_completed() and isinstance(h.wait(), Received)
     X = torch.ones(3, 2)
     assert torch.equal(comm.all_reduce_async(X).wait(), 3 * X)
-
-
-class _CorruptPayload(ValueError):
-    """Stand-in for gossip.compress.PayloadError."""
-
-
-def _strict_decode(Q: torch.Tensor) -> torch.Tensor:
-    bad = (Q[:, 0] == 0xFF).nonzero().flatten().tolist()
-    if bad:
-        raise _CorruptPayload(f"row {bad[0]}: checksum mismatch")
-    return Q.view(torch.float32)
 
 
 def test_bad_payload_is_reported_naming_the_sender() -> None:
@@ -164,8 +141,8 @@ def test_bad_payload_is_reported_naming_the_sender() -> None:
     P = torch.zeros(6, 8, dtype=torch.uint8)
     P[4, 0] = 0xFF
     with pytest.raises(PeerPayloadError, match=r"bad payload from rank 4 .*checksum mismatch") as ei:
-        comm.neighbor_exchange(P).weighted_sum(_strict_decode)
-    assert ei.value.peers == (4,) and isinstance(ei.value.__cause__, _CorruptPayload)
+        comm.neighbor_exchange(P).weighted_sum(strict_decode)
+    assert ei.value.peers == (4,) and isinstance(ei.value.__cause__, CorruptPayload)
 
 
 def test_decode_returning_the_wrong_shape_is_an_error() -> None:

@@ -8,6 +8,7 @@ import torch
 
 import gossip.compress as gc
 from gossip.compress import _kernels
+from tests.conftest import requires_cuda
 
 
 @pytest.fixture
@@ -94,7 +95,7 @@ def test_backend_selection(backend):
         _kernels.set_backend("fast")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@requires_cuda
 @pytest.mark.parametrize("spec", ["quant:bits=8", "quant:bits=3,block=50", "qsgd:levels=7", "ternary", "randk:p=0.2",
                                   "topk:k=9", "sign", "blocksign:block=40", "randomblock:k=11", "fp16"])
 def test_cuda_gives_the_cpu_bytes(spec):

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from gossip.compress import pack_bits, packed_nbytes, unpack_bits
-
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+from tests.conftest import requires_cuda
 
 
 def _reference(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -77,7 +76,7 @@ def test_bad_inputs():
         unpack_bits(torch.zeros(1, dtype=torch.uint8), 4, 3)
 
 
-@CUDA
+@requires_cuda
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8, 12, 16])
 def test_cuda_matches_cpu(bits):
     codes = torch.randint(0, 1 << bits, (5, 333))

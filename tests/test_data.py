@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import random
 import re
 import warnings
 
@@ -63,20 +62,10 @@ def test_dataset_validates_its_fields():
 
 
 # --------------------------------------------------------------------------- mnist1d
+# The data set itself is generated once per session by the mnist1d_cache fixture
+# (tests/conftest.py), which test_models.py shares.
 
 _SPLITS = ("x_train", "y_train", "x_test", "y_test")
-
-
-@pytest.fixture(scope="session")
-def mnist1d_cache(tmp_path_factory):
-    """Generate MNIST-1D once for the whole session (about 3 s) into a private cache dir."""
-    cache = tmp_path_factory.mktemp("gossip-cache")
-    np_before, py_before = np.random.get_state(), random.getstate()
-    ds = build_dataset("mnist1d", cache_dir=cache)
-    np_after, py_after = np.random.get_state(), random.getstate()
-    rng_untouched = (all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
-                         for a, b in zip(np_before, np_after)) and py_before == py_after)
-    return cache, ds, rng_untouched
 
 
 def test_mnist1d_shapes_and_types(mnist1d_cache):

@@ -124,9 +124,9 @@ def test_logreg_fits_the_synthetic_problem(one_thread):
 
 
 @pytest.mark.slow
-def test_cnn1d_learns_mnist1d(tmp_path_factory, one_thread):
+def test_cnn1d_learns_mnist1d(mnist1d_cache, one_thread):
     """Ten epochs of plain SGD (momentum 0.9, lr 0.05, batch 64), centrally: about 0.9."""
-    ds = data.build_dataset("mnist1d", cache_dir=tmp_path_factory.mktemp("cache"))
+    _, ds, _ = mnist1d_cache
     model = build_model("cnn1d", input_shape=ds.input_shape, num_classes=10, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = data.ShardLoader(ds.x_train, ds.y_train, torch.arange(ds.num_train), 64, seed=0, node=0)

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-VCLUSTER = ROOT / "experiments" / "vcluster.py"
+from tests.conftest import REPO
+
+VCLUSTER = REPO / "experiments" / "vcluster.py"
 
 
 def _load_vcluster():

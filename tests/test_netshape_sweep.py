@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "experiments"))
 import sweep_network as sw  # noqa: E402
 
-sys.path.remove(str(ROOT / "experiments"))
+sys.path.remove(str(REPO / "experiments"))
 
 
 def _write_metrics(run_dir: Path, ranks: int, steps: int, step_s: float, bytes_per_step: int,
@@ -186,7 +187,7 @@ def test_failed_cell_is_reported_and_retried(tmp_path, fake, monkeypatch):
     (["--steps", "3", "--warmup", "5"], "need --steps >= 2 and 0 <= --warmup < --steps - 1"),
 ])
 def test_bad_arguments_one_line(tmp_path, flags, match):
-    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "sweep_network.py"), "--out", str(tmp_path),
+    p = subprocess.run([sys.executable, str(REPO / "experiments" / "sweep_network.py"), "--out", str(tmp_path),
                         *flags], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()

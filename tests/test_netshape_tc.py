@@ -12,12 +12,12 @@ import os
 import secrets
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-TC_SHAPE = ROOT / "experiments" / "tc_shape.sh"
+from tests.conftest import REPO
+
+TC_SHAPE = REPO / "experiments" / "tc_shape.sh"
 BASH = shutil.which("bash") or "/bin/bash"
 
 

@@ -1,4 +1,4 @@
-"""The notebooks run top to bottom against the small runs of tests/test_analysis.py.
+"""The notebooks run top to bottom against the small runs of tests/conftest.py.
 
 Each notebook is executed by nbclient in a fresh kernel. The kernel is the interpreter
 running the tests: the test writes a ``python3`` kernelspec whose argv starts with
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -19,9 +18,8 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-from tests.test_analysis import make_runs, sweep_rows  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 
 
@@ -64,8 +62,8 @@ def images(nb) -> int:
     return sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
 
 
-def test_convergence_notebook(tmp_path_factory, kernel_env):
-    runs = make_runs(tmp_path_factory)
+def test_convergence_notebook(small_runs, kernel_env):
+    runs = small_runs
     kernel_env.setenv("GOSSIP_RUNS", str(runs))
     nb = execute("convergence.ipynb")
     text = text_of(nb)
@@ -83,18 +81,18 @@ def test_topologies_notebook(kernel_env, tmp_path):
     assert images(nb) == 2
 
 
-def test_network_notebook_without_results_says_so(kernel_env, tmp_path_factory):
-    runs = make_runs(tmp_path_factory)
+def test_network_notebook_without_results_says_so(kernel_env, small_runs):
+    runs = small_runs
     kernel_env.setenv("GOSSIP_RUNS", str(runs))
     nb = execute("network.ipynb")
     assert f"no sweep results under {runs}" in text_of(nb)
     assert images(nb) == 0
 
 
-def test_network_notebook_with_results(kernel_env, tmp_path):
+def test_network_notebook_with_results(kernel_env, tmp_path, sweep_rows):
     sweep = tmp_path / "runs" / "netsweep"
     sweep.mkdir(parents=True)
-    (sweep / "results.json").write_text(json.dumps({"meta": {}, "rows": sweep_rows()}))
+    (sweep / "results.json").write_text(json.dumps({"meta": {}, "rows": sweep_rows}))
     kernel_env.setenv("GOSSIP_RUNS", str(tmp_path / "runs"))
     nb = execute("network.ipynb")
     text = text_of(nb)

@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import networkx as nx
 import numpy as np
@@ -22,7 +21,7 @@ from scipy.sparse.linalg import LinearOperator, eigsh
 import topologies
 from topologies import Topology, TopologyError, spectral
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO
 
 
 def dense(topo: Topology) -> np.ndarray:
@@ -48,7 +47,7 @@ def test_never_imports_torch():
         "topologies.build('expander', 16).rho;"
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
 
 
 def test_public_surface():

@@ -15,14 +15,14 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 import topologies
 from topologies.__main__ import main
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO
+
 
 REPORTS = {
     "ring": ["ring", "8"],
@@ -68,7 +68,7 @@ ERRORS = {
 def _run(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "topologies", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=REPO, capture_output=True, text=True, timeout=120,
     )
 
 

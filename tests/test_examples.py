@@ -1,0 +1,122 @@
+"""Every script in examples/ runs as a newcomer would run it, at a tiny size.
+
+Each example is started as its own process from an empty temporary directory: once
+with all nodes simulated in one process, once under ``torchrun`` with 2 processes
+over gloo. The test reads what the example prints. :data:`CASES` must name every
+file in examples/: a new example without a case fails here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from tests.conftest import REPO, run_process
+
+EXAMPLES = REPO / "examples"
+SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
+TIMEOUT = 180  # seconds per process; a few steps take a few seconds even on a busy machine
+
+
+@dataclass(frozen=True)
+class Case:
+    """How one example runs at a tiny size, and what its output must show."""
+
+    simulate: list[str]
+    """Flags for one process hosting every node."""
+    torchrun: list[str]
+    """Flags for each of the 2 processes torchrun starts."""
+    check: Callable[[str, list[str]], dict]
+    """``check(stdout, flags)``: asserts on the output, returns what it read."""
+    twin: list[str] | None = None
+    """Flags that run the torchrun case in one process; its output must be the same."""
+
+
+# --------------------------------------------------------------------------- own_training_loop.py
+_OWN_LOOP_LINE = re.compile(
+    r"^(?P<algo>\S+) on (?P<topology>\S+) of (?P<n>\d+) nodes, (?P<steps>\d+) steps: "
+    r"test accuracy (?P<acc>\S+), last training loss (?P<loss>\S+), "
+    r"consensus distance (?P<distance>\S+), bytes sent per node (?P<bytes>[\d,]+)$",
+    re.MULTILINE,
+)
+
+
+def _flag(flags: list[str], name: str, default: str) -> str:
+    return flags[flags.index(name) + 1] if name in flags else default
+
+
+def _check_own_training_loop(out: str, flags: list[str]) -> dict:
+    found = _OWN_LOOP_LINE.findall(out)
+    assert len(found) == 1, f"expected the summary line once (rank 0 only), got:\n{out}"
+    m = _OWN_LOOP_LINE.search(out)
+    assert m["algo"] == _flag(flags, "--algo", "ecd")
+    assert m["topology"] == _flag(flags, "--topology", "ring")
+    assert int(m["steps"]) == int(_flag(flags, "--steps", "200"))
+    assert int(m["n"]) == int(_flag(flags, "--simulate", "2"))  # torchrun starts 2 here
+    acc, loss, distance = float(m["acc"]), float(m["loss"]), float(m["distance"])
+    sent = int(m["bytes"].replace(",", ""))
+    # two balanced classes: chance is 0.5; a few steps of SGD already pass 0.9
+    assert 0.75 < acc <= 1.0, out
+    assert math.isfinite(loss) and 0 < loss < math.log(2), out
+    assert math.isfinite(distance) and distance >= 0, out
+    assert sent > 0, out
+    return {"n": int(m["n"]), "acc": acc, "loss": loss, "distance": distance, "bytes": sent}
+
+
+CASES: dict[str, Case] = {
+    "own_training_loop.py": Case(
+        simulate=["--simulate", "4", "--algo", "ecd", "--bits", "8", "--steps", "20"],
+        torchrun=["--topology", "complete", "--steps", "20"],  # a ring needs 3 nodes
+        check=_check_own_training_loop,
+        twin=["--topology", "complete", "--steps", "20", "--simulate", "2"],
+    ),
+}
+
+
+# --------------------------------------------------------------------------- tests
+def test_every_example_has_a_case():
+    assert SCRIPTS, f"no examples found in {EXAMPLES}"
+    missing, stale = sorted(set(SCRIPTS) - set(CASES)), sorted(set(CASES) - set(SCRIPTS))
+    assert not missing, f"examples without a case in tests/test_examples.py CASES: {missing}"
+    assert not stale, f"CASES names examples that no longer exist: {stale}"
+
+
+def _case(name: str) -> Case:
+    if name not in CASES:
+        pytest.fail(f"examples/{name} has no case in tests/test_examples.py CASES: add how it runs "
+                    "at a tiny size and what its output must show")
+    return CASES[name]
+
+
+def _run(cmd: list[str], cwd) -> str:
+    r = run_process(cmd, cwd=cwd, timeout=TIMEOUT)
+    assert r.returncode == 0, (
+        f"{' '.join(cmd[1:])} exited with {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n"
+        f"--- stderr\n{r.stderr[-5000:]}"
+    )
+    return r.stdout
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_example_runs_simulated(name, tmp_path):
+    case = _case(name)
+    out = _run([sys.executable, str(EXAMPLES / name), *case.simulate], tmp_path)
+    case.check(out, case.simulate)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_example_runs_under_torchrun(name, tmp_path):
+    case = _case(name)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    out = _run([*launch, str(EXAMPLES / name), *case.torchrun], tmp_path)
+    got = case.check(out, case.torchrun)
+    if case.twin is not None:
+        # the simulation is the same computation: the same numbers, to the printed digits
+        twin = _run([sys.executable, str(EXAMPLES / name), *case.twin], tmp_path)
+        assert case.check(twin, case.twin) == got, f"torchrun:\n{out}\nsimulated:\n{twin}"

@@ -100,7 +100,17 @@ _DISAMBIGUATE = (
     ("lr_schedule", "schedule"), ("weight_decay", "wd"), ("weights", "weights"), ("lazy", "lazy"),
     ("degree", "degree"), ("seed", "seed"),
 )
-_CENTRALIZED = ("allreduce",)
+def _is_centralized(algo: Any) -> bool:
+    """True for the all-reduce family, whose runs have no topology. An algorithm this
+    version does not know (a newer run's) counts as centralized only if it is allreduce."""
+    from gossip import algorithms
+
+    try:
+        return not algorithms.is_decentralized(str(algo))
+    except ValueError:
+        return algo == "allreduce"
+
+
 #: a consensus distance below this is rounding error: the nodes hold one model
 _EXACT = 1e-9
 
@@ -167,7 +177,7 @@ def run_label(config: dict, summary: dict | None = None) -> str:
     src = {**config, **{k: v for k, v in (summary or {}).items() if v is not None}}
     algo = str(src.get("algo", "?"))
     comp = rundir.wire_of(config, summary)["label"]
-    if algo in _CENTRALIZED:
+    if _is_centralized(algo):
         topo = "-"
     else:
         topo = str(src.get("topology") or "-")
@@ -252,7 +262,7 @@ def _run_row(run: Run) -> dict[str, Any]:
     row["compressor"] = wire["label"]
     row["bits"] = wire["bits_per_coord"]
     row["wire_source"] = wire["source"]
-    row["topology"] = None if cfg.get("algo") in _CENTRALIZED else cfg.get("topology")
+    row["topology"] = None if _is_centralized(cfg.get("algo")) else cfg.get("topology")
     for k in _RUN_SUMMARY_KEYS:
         row[k] = summ.get(k)
     m = run.metrics
@@ -533,7 +543,7 @@ def plot_consensus(metrics, x: str = "step", *, ax=None, **kw):
     if not ev.empty and "consensus_distance" in ev.columns:
         # all-reduce (by label, or relabelled: by a distance that is only rounding error)
         exact = ev.groupby("run")["consensus_distance"].transform(lambda v: bool((v.abs() < _EXACT).all()))
-        central = ev["label"].str.startswith(tuple(f"{a}/" for a in _CENTRALIZED)) | exact.astype(bool)
+        central = ev["label"].map(lambda lab: _is_centralized(str(lab).split("/")[0])) | exact.astype(bool)
         if central.any():
             ev = ev[~central]
             title += " (all-reduce: 0, not drawn)"

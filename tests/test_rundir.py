@@ -1,0 +1,80 @@
+"""Run directories written before the run recorded its wire format (schema 1) still
+load, and their checkpoints still resume.
+
+``tests/data/schema1-efblocksgd`` was written by gossip 0.1.0 (the release before
+``rundir.py``) with::
+
+    python -m gossip.train --simulate 2 --algo efblocksgd --model logreg --data synthetic \\
+        --epochs 1 --max-steps 4 --checkpoint-every 2 --log-every 1 --no-progress \\
+        --out schema1-efblocksgd
+
+(threads pinned to 1). Its config records ``compressor: null, bits: 32`` although
+efblocksgd sends 1-bit signs: the bug that made the run record its algorithm's own
+wire format.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gossip import analysis, checkpoint, rundir
+from tests.conftest import REPO, run_process
+
+FIXTURE = REPO / "tests" / "data" / "schema1-efblocksgd"
+FLAGS = ["--simulate", "2", "--algo", "efblocksgd", "--model", "logreg", "--data", "synthetic",
+         "--epochs", "1", "--checkpoint-every", "2", "--log-every", "1", "--no-progress"]
+
+
+def _copy(tmp_path: Path) -> Path:
+    dst = tmp_path / "old"
+    shutil.copytree(FIXTURE, dst)
+    return dst
+
+
+def _train(*args: str, cwd: Path):
+    return run_process([sys.executable, "-m", "gossip.train", *args], cwd=cwd, timeout=300)
+
+
+def test_schema1_run_loads_and_says_where_its_labels_come_from(tmp_path):
+    run = analysis.load_run(_copy(tmp_path))
+    assert run.complete
+    row = analysis.load_runs(tmp_path).runs.iloc[0]
+    assert row["label"] == "efblocksgd/fp32/-"  # centralized: no topology
+    assert row["topology"] is None
+    assert row["algo"] == "efblocksgd"
+    assert row["wire_source"] == "config (schema 1)"
+    assert row["compressor"] == "fp32" and row["bits"] == 32
+    assert row["steps"] == 4
+
+
+def test_schema1_wire_of_and_schema2_wire_of():
+    cfg = json.loads((FIXTURE / "config.json").read_text())
+    assert cfg.get("schema") is None  # written before schema versions
+    assert rundir.wire_of(cfg) == {"label": "fp32", "bits_per_coord": 32, "source": "config (schema 1)"}
+    new = {"schema": 2, "wire": {"label": "blocksign", "bits_per_coord": 1.0}}
+    assert rundir.wire_of(new)["source"] == "algorithm"
+    assert rundir.wire_of(new)["label"] == "blocksign"
+
+
+def test_schema1_checkpoint_resumes_bit_identical_to_a_fresh_run(tmp_path):
+    """The 0.1.0 checkpoint of step 4, resumed by this code to step 6, ends exactly where
+    this code's uninterrupted run of 6 steps ends."""
+    old = _copy(tmp_path)
+    r = _train(*FLAGS, "--max-steps", "6", "--resume", str(old), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _train(*FLAGS, "--max-steps", "6", "--out", str(tmp_path / "fresh"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = checkpoint.load_checkpoint(old / "ckpt-step6-rank0.pt")
+    b = checkpoint.load_checkpoint(tmp_path / "fresh" / "ckpt-step6-rank0.pt")
+    assert torch.equal(a["optimizer"]["params"], b["optimizer"]["params"])
+    steps = [json.loads(line)["step"] for line in (old / "metrics-rank0.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "train"]
+    assert steps == sorted(set(steps)) == [1, 2, 3, 4, 5, 6]
+    summary = json.loads((old / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["wire"]["label"] != "fp32"

@@ -71,7 +71,42 @@ def test_phases_nest_without_double_counting(clock: _Clock) -> None:
         clock.t += 0.25
         assert led.times["compute"] == pytest.approx(1.25)  # open phase counted so far
     led.add_time("compress", 4.0)
-    assert led.times == pytest.approx({"compute": 1.25, "compress": 4.0, "communicate": 2.5})
+    assert led.times == pytest.approx({"compute": 1.25, "compress": 4.0, "communicate": 2.5, "warmup": 0.0})
+
+
+def test_warmup_takes_the_time_of_every_phase_inside_it(clock: _Clock) -> None:
+    led = Ledger()
+    with led.phase("compress"):
+        clock.t += 1.0
+        with led.warmup():  # e.g. the first call compiles
+            clock.t += 5.0
+            with led.phase("communicate"):
+                clock.t += 2.0
+            led.add_time("compute", 0.5)
+        clock.t += 0.25
+    assert led.times == pytest.approx({"compute": 0.0, "compress": 1.25, "communicate": 0.0, "warmup": 7.5})
+
+
+def test_setup_traffic_is_counted_in_the_total_and_kept_apart(clock: _Clock) -> None:
+    led = Ledger([0, 1], 3)
+    with led.setup():
+        with led.phase("communicate"):
+            clock.t += 3.0
+            led.record([0, 1, 2], [1, 2, 0], 100)  # x_1 to each neighbour once
+    led.record([0, 1], [1, 0], 10)
+    led.step()
+    assert led.bytes_sent == 220 and led.setup_bytes_sent == 200 and led.step_bytes_sent == 20
+    assert led.setup_bytes_received == 200 and led.times["warmup"] == pytest.approx(3.0)
+    d = led.as_dict(detail=True)
+    assert d["setup"] == {"sent": 200, "received": 200, "messages": 2, "known": True,
+                          "per_node": {"sent": [100, 100], "received": [100, 100]}}
+    back = Ledger([0, 1], 3)
+    back.load_state_dict(json.loads(json.dumps(led.state_dict())))
+    assert back.as_dict(detail=True) == d
+    old = led.state_dict()
+    del old["setup"]  # a state written before setup traffic was kept apart
+    back.load_state_dict(old)
+    assert not back.setup_known and back.setup_bytes_sent == 0 and back.step_bytes_sent == 220
 
 
 def test_reset_zeroes_and_keeps_an_open_phase_running(clock: _Clock) -> None:

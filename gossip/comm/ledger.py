@@ -10,6 +10,16 @@ collectives) are in docs/comm.md.
 Time is split into phases (``compute``, ``compress``, ``communicate``). Phases nest;
 time is charged to the innermost open phase only, so the phases never double count
 and their sum is the wall time spent inside any phase.
+
+Two one-off costs are kept apart from the per-step figures:
+
+- ``with ledger.setup(): ...`` marks **setup traffic**, e.g. the exchange of x_1 when
+  an algorithm initialises its replicas. Its messages count in the totals and also
+  in ``setup_bytes_sent``/``setup_bytes_received``; per-step figures subtract them
+  (``step_bytes_sent``).
+- ``with ledger.warmup(): ...`` charges the time of every phase opened inside it to
+  ``warmup`` instead: compilation and first-call costs (the training loop wraps each
+  process's first step and the algorithm's setup in it).
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Ledger", "PHASES", "OPS"]
+__all__ = ["Ledger", "PHASES", "OPS", "WARMUP"]
 
 PHASES: tuple[str, ...] = ("compute", "compress", "communicate")
 """The default phases wall time is split into."""
@@ -30,6 +40,8 @@ OPS: tuple[str, ...] = ("exchange", "all_reduce", "all_gather", "broadcast", "co
 """Operations traffic is recorded under; ``control`` is protocol traffic (size checks)."""
 
 _FORMAT = "gossip.comm.Ledger/1"
+WARMUP = "warmup"
+"""Where time spent inside :meth:`Ledger.warmup` goes, whatever phase was open."""
 # pending per-pair records are folded into the sorted table past this many entries
 _CONSOLIDATE_AT = 1 << 20
 
@@ -47,7 +59,7 @@ class _Phase:
         led = self._ledger
         now = perf_counter()
         if led._stack:
-            led._times[led._stack[-1]] += now - led._mark
+            led._times[led._charged(led._stack[-1])] += now - led._mark
         led._stack.append(self._name)
         led._mark = now
         return self
@@ -55,8 +67,36 @@ class _Phase:
     def __exit__(self, *exc: object) -> bool:
         led = self._ledger
         now = perf_counter()
-        led._times[led._stack.pop()] += now - led._mark
+        led._times[led._charged(led._stack.pop())] += now - led._mark
         led._mark = now
+        return False
+
+
+class _Counter:
+    """Context manager that raises one of a ledger's nesting counters while open."""
+
+    __slots__ = ("_ledger", "_attr")
+
+    def __init__(self, ledger: Ledger, attr: str) -> None:
+        self._ledger = ledger
+        self._attr = attr
+
+    def __enter__(self) -> _Counter:
+        led = self._ledger
+        if self._attr == "_warm" and led._stack:  # time so far belongs to the open phase
+            now = perf_counter()
+            led._times[led._charged(led._stack[-1])] += now - led._mark
+            led._mark = now
+        setattr(led, self._attr, getattr(led, self._attr) + 1)
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        led = self._ledger
+        if self._attr == "_warm" and led._stack:
+            now = perf_counter()
+            led._times[led._charged(led._stack[-1])] += now - led._mark
+            led._mark = now
+        setattr(led, self._attr, getattr(led, self._attr) - 1)
         return False
 
 
@@ -94,8 +134,8 @@ class Ledger:
                 f"for nodes up to {int(ids.max())}"
             )
         names = tuple(phases)
-        if not names or len(set(names)) != len(names):
-            raise ValueError(f"Ledger: `phases` must be distinct names, got {names}")
+        if not names or len(set(names)) != len(names) or WARMUP in names:
+            raise ValueError(f"Ledger: `phases` must be distinct names other than {WARMUP!r}, got {names}")
         self._nodes = np.sort(ids)
         self._n = n
         self._pos = np.full(n, -1, dtype=np.int64)
@@ -104,6 +144,8 @@ class Ledger:
         self._phases = {p: _Phase(self, p) for p in names}
         self._stack: list[str] = []
         self._mark = perf_counter()
+        self._warm = 0  # open warmup() blocks
+        self._in_setup = 0  # open setup() blocks
         self.reset()
 
     # ---------------------------------------------------------------- bookkeeping
@@ -120,9 +162,16 @@ class Ledger:
         self._pair_bytes = np.zeros(0, dtype=np.int64)
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
         self._pending_len = 0
-        self._times = {p: 0.0 for p in self._phase_names}
+        self._times = {p: 0.0 for p in (*self._phase_names, WARMUP)}
         self._steps = 0
         self._mark = perf_counter()
+        #: setup traffic of the hosted nodes (per node: sent, received) and messages sent;
+        #: unknown (False) once restored from a state that predates it: it is then
+        #: folded into the totals
+        self._setup_known = True
+        self._setup_sent = np.zeros(m, dtype=np.int64)
+        self._setup_received = np.zeros(m, dtype=np.int64)
+        self._setup_msgs = 0
 
     @property
     def nodes(self) -> tuple[int, ...]:
@@ -173,6 +222,12 @@ class Ledger:
             bi = b[inc]
             self._node_received += np.bincount(pd[inc], weights=bi, minlength=m).astype(np.int64)
             entry[2] += int(bi.sum())
+        if self._in_setup:
+            if out.any():
+                self._setup_sent += np.bincount(ps[out], weights=b[out], minlength=m).astype(np.int64)
+                self._setup_msgs += int(out.sum())
+            if inc.any():
+                self._setup_received += np.bincount(pd[inc], weights=b[inc], minlength=m).astype(np.int64)
         keep = out | inc
         keys = (s * self._n + d)[keep]
         self._pending.append((keys, np.array(b[keep], dtype=np.int64)))
@@ -205,6 +260,30 @@ class Ledger:
     def bytes_received(self) -> int:
         """Bytes received by the hosted nodes, all operations."""
         return int(self._node_received.sum())
+
+    def setup(self) -> _Counter:
+        """``with ledger.setup(): ...``: the block's messages are setup traffic (one-off,
+        before the first step), and its time goes to ``warmup``."""
+        return _SetupBlock(self)
+
+    @property
+    def setup_known(self) -> bool:
+        """False once restored from a state written before setup traffic was kept apart."""
+        return self._setup_known
+
+    @property
+    def setup_bytes_sent(self) -> int:
+        """Setup traffic sent by the hosted nodes (0 where it is unknown: see setup_known)."""
+        return int(self._setup_sent.sum())
+
+    @property
+    def setup_bytes_received(self) -> int:
+        return int(self._setup_received.sum())
+
+    @property
+    def step_bytes_sent(self) -> int:
+        """Bytes sent by the hosted nodes in steps: the total less setup traffic."""
+        return self.bytes_sent - self.setup_bytes_sent
 
     def sent_by(self, node: int) -> int:
         """Bytes sent by hosted node ``node``."""
@@ -271,20 +350,27 @@ class Ledger:
                 f"Ledger: unknown phase {name!r}; known phases are {list(self._phase_names)}"
             ) from None
 
+    def warmup(self) -> _Counter:
+        """``with ledger.warmup(): ...`` charges every phase's time inside to ``warmup``."""
+        return _Counter(self, "_warm")
+
+    def _charged(self, name: str) -> str:
+        return WARMUP if self._warm else name
+
     def add_time(self, name: str, seconds: float) -> None:
         """Charge ``seconds`` (measured elsewhere, e.g. with CUDA events) to phase ``name``."""
         self.phase(name)  # validates the name
         s = float(seconds)
         if not math.isfinite(s) or s < 0:
             raise ValueError(f"Ledger.add_time: `seconds` must be finite and >= 0, got {seconds}")
-        self._times[name] += s
+        self._times[self._charged(name)] += s
 
     @property
     def times(self) -> dict[str, float]:
         """Seconds per phase, including the running part of an open phase."""
         t = dict(self._times)
         if self._stack:
-            t[self._stack[-1]] += perf_counter() - self._mark
+            t[self._charged(self._stack[-1])] += perf_counter() - self._mark
         return t
 
     # ---------------------------------------------------------------- counters
@@ -317,6 +403,8 @@ class Ledger:
             },
             "time": self.times,
             "messages": None if self._msgs is None else {"sent": sum(self._msgs.values()), **self._msgs},
+            "setup": {"sent": self.setup_bytes_sent, "received": self.setup_bytes_received,
+                      "messages": self._setup_msgs, "known": self._setup_known},
         }
         if detail:
             self._consolidate()
@@ -325,6 +413,9 @@ class Ledger:
                 "node": self._nodes.tolist(),
                 "sent": self._node_sent.tolist(),
                 "received": self._node_received.tolist(),
+            }
+            out["setup"]["per_node"] = {
+                "sent": self._setup_sent.tolist(), "received": self._setup_received.tolist(),
             }
             out["per_peer"] = {
                 "src": src.tolist(),
@@ -353,6 +444,10 @@ class Ledger:
             "times": self.times,
             "ops": {op: list(v) for op, v in self._ops.items()},
             "messages": None if self._msgs is None else dict(self._msgs),
+            "setup": None if not self._setup_known else {
+                "sent": self._setup_sent.tolist(), "received": self._setup_received.tolist(),
+                "messages": self._setup_msgs,
+            },
             "node_sent": self._node_sent.tolist(),
             "node_received": self._node_received.tolist(),
             "pair_keys": self._pair_keys.tolist(),
@@ -378,6 +473,13 @@ class Ledger:
         self.reset()
         self._steps = int(state["steps"])
         self._times = {p: float(state["times"][p]) for p in self._phase_names}
+        self._times[WARMUP] = float(state["times"].get(WARMUP, 0.0))  # older states: none kept apart
+        setup = state.get("setup")  # absent in states written before setup traffic was kept apart
+        self._setup_known = setup is not None
+        if setup is not None:
+            self._setup_sent = np.asarray(setup["sent"], dtype=np.int64)
+            self._setup_received = np.asarray(setup["received"], dtype=np.int64)
+            self._setup_msgs = int(setup["messages"])
         for op, v in state["ops"].items():
             self._check_op(op)
             self._ops[op] = [int(x) for x in v]
@@ -393,6 +495,25 @@ class Ledger:
             f"Ledger(nodes={len(self._nodes)}/{self._n}, sent={self.bytes_sent}, "
             f"received={self.bytes_received}, steps={self._steps})"
         )
+
+
+class _SetupBlock(_Counter):
+    """Open while an algorithm initialises: traffic is setup traffic, time is warm-up."""
+
+    __slots__ = ("_warm",)
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__(ledger, "_in_setup")
+        self._warm = _Counter(ledger, "_warm")
+
+    def __enter__(self) -> _SetupBlock:
+        super().__enter__()
+        self._warm.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        self._warm.__exit__(*exc)
+        return super().__exit__(*exc)
 
 
 def _subtract(now: Any, before: Any) -> Any:

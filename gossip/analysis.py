@@ -31,6 +31,10 @@ and the summary's figures (for an incomplete run, the last evaluation's).
 (``wire_source`` ``algorithm``); run directories written before runs recorded that
 (schema 1) give the CLI's compressor spec instead, and ``wire_source`` says so
 (``config (schema 1)``): their sign algorithms read ``fp32``, although they sent 1 bit.
+``setup_traffic`` says how the per-step bytes were counted: ``apart`` (schema 3 on:
+the one-off exchange of x_1 is in ``setup_bytes_per_node``, not in the per-step
+figures) or ``folded in`` (older runs: step traffic includes it, which inflates the
+per-step bytes and the D-PSGD ratio of short runs).
 File names and keys come from :mod:`gossip.rundir`.
 
 ``metrics``: one row per record of the ``metrics-rank<k>.jsonl`` files, with ``run``,
@@ -91,7 +95,8 @@ _RUN_CONFIG_KEYS = (
 #: summary keys copied into the runs table
 _RUN_SUMMARY_KEYS = (
     "steps", "final_train_loss", "final_test_loss", "final_test_acc", "consensus_distance",
-    "bytes_sent_per_node_per_step", "bytes_ratio_to_dpsgd", "bits_per_coord_measured", "wall_time_s",
+    "bytes_sent_per_node_per_step", "bytes_ratio_to_dpsgd", "setup_bytes_per_node", "bits_per_coord_measured",
+    "wall_time_s", "warmup_s",
 )
 #: config keys that may tell two runs with the same label apart, with their short names
 _DISAMBIGUATE = (
@@ -262,6 +267,7 @@ def _run_row(run: Run) -> dict[str, Any]:
     row["compressor"] = wire["label"]
     row["bits"] = wire["bits_per_coord"]
     row["wire_source"] = wire["source"]
+    row["setup_traffic"] = rundir.setup_traffic_of(cfg, run.summary)
     row["topology"] = None if _is_centralized(cfg.get("algo")) else cfg.get("topology")
     for k in _RUN_SUMMARY_KEYS:
         row[k] = summ.get(k)

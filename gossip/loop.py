@@ -12,6 +12,7 @@ and ``summary.json`` at the end.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import math
@@ -303,6 +304,7 @@ class Run:
         self.bar = None
         self.metrics: list[rundir.MetricsWriter] = []
         self._t0 = 0.0
+        self._first_step = 0
 
     # --- the whole run -----------------------------------------------------------------
     def train(self) -> dict | None:
@@ -318,6 +320,7 @@ class Run:
             print(_header(cfg, self.env, self.dim, self.algo), flush=True)
         self.bar = _progress(cfg, self.is_main, self.stop, self.progress.step)
         self._t0 = time.perf_counter() - self.progress.elapsed_s  # wall time across resumes
+        self._first_step = self.progress.step  # this process's first step is its warm-up
         try:
             while self.progress.step < self.stop:
                 self.step()
@@ -350,6 +353,22 @@ class Run:
             for g in o.param_groups:
                 g["lr"] = lr
         self.algo.set_lr(lr)  # algorithms that rescale their error memories by eta_{t-1}/eta_t
+        warm = ledger.warmup() if p.step == self._first_step else contextlib.nullcontext()
+        with warm:  # this process's first step: compilation and first calls
+            losses = self._local_step()
+        ledger.step()
+        p.step += 1
+        for r, v in enumerate(losses):
+            p.log_losses[r].append(v)
+            p.epoch_losses[r].append(v)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{sum(losses) / len(losses):.4f}", refresh=False)
+        if p.step % self.cfg.run.log_every == 0 or p.step == self.stop:
+            self._log_train(lr)
+
+    def _local_step(self) -> list[float]:
+        p, ledger = self.progress, self.ledger
         self.gopt.zero_grad()
         losses = []
         with ledger.phase("compute"):
@@ -367,16 +386,7 @@ class Run:
             if "non-finite" not in str(e) and "too large" not in str(e):  # TEMP until NonFiniteError lands
                 raise
             raise Diverged(f"training diverged at step {p.step + 1}: {e}") from None
-        ledger.step()
-        p.step += 1
-        for r, v in enumerate(losses):
-            p.log_losses[r].append(v)
-            p.epoch_losses[r].append(v)
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{sum(losses) / len(losses):.4f}", refresh=False)
-        if p.step % self.cfg.run.log_every == 0 or p.step == self.stop:
-            self._log_train(lr)
+        return losses
 
     def _log_train(self, lr: float) -> None:
         p = self.progress
@@ -456,7 +466,10 @@ class Run:
     def finish(self) -> dict | None:
         """summary.json on rank 0; returns it there (None elsewhere)."""
         p, snap, n = self.progress, self.ledger.as_dict(), self.env.world_size
+        hosted = 1 if self.env.distributed else n
         per_step = _global_mean(self.comm, _bytes_per_node_step(snap, n, p.step, self.env), self.env)
+        setup = _global_mean(self.comm, snap["setup"]["sent"] / hosted, self.env)
+        total = _global_mean(self.comm, snap["bytes"]["sent"] / hosted, self.env)
         wire = self.algo.wire_format()
         summary = {
             **self._identity(),
@@ -471,9 +484,12 @@ class Run:
             "consensus_distance": self.last_eval.get("consensus_distance"),
             "bytes_sent_per_node_per_step": per_step,
             "bytes_ratio_to_dpsgd": (per_step / self.dpsgd_bytes) if self.dpsgd_bytes else None,
+            "setup_bytes_per_node": setup if snap["setup"]["known"] else None,
+            "bytes_sent_per_node_total": total,
             "bits_per_coord": wire.bits_per_coord,
             "bits_per_coord_measured": _measured_bits(self.comm, snap, self.dim, self.env),
             "time_split_s": {k: snap["time"].get(k, 0.0) for k in ("compute", "compress", "communicate")},
+            "warmup_s": snap["time"].get("warmup", 0.0),
             "wall_time_s": self._elapsed(),
             "mode": self.env.mode,
             "diverged": False,
@@ -574,11 +590,14 @@ def _global_mean(comm, value: float, env: _Env) -> float:
 # --------------------------------------------------------------------------------------
 def _node_ledger(snap: dict, r: int, hosted: int) -> dict:
     """Cumulative bytes of hosted row r and its share of the time, from a detailed snapshot."""
-    sent = snap["per_node"]["sent"][r]
-    recv = snap["per_node"]["received"][r]
+    setup = snap["setup"]["per_node"]
+    sent = snap["per_node"]["sent"][r] - setup["sent"][r]
+    recv = snap["per_node"]["received"][r] - setup["received"][r]
     t = snap["time"]
     return {
         "bytes_sent": sent, "bytes_recv": recv,
+        "setup_bytes_sent": setup["sent"][r], "setup_bytes_recv": setup["received"][r],
+        "warmup_s": t.get("warmup", 0.0) / hosted,
         "compute_s": t.get("compute", 0.0) / hosted,
         "compress_s": t.get("compress", 0.0) / hosted,
         "comm_s": t.get("communicate", 0.0) / hosted,
@@ -589,7 +608,7 @@ def _bytes_per_node_step(snap: dict, n: int, steps: int, env: _Env) -> float:
     if steps == 0:
         return 0.0
     hosted = 1 if env.distributed else n
-    return snap["bytes"]["sent"] / hosted / steps
+    return (snap["bytes"]["sent"] - snap["setup"]["sent"]) / hosted / steps
 
 
 def _reference_topology(cfg: TrainConfig, n: int):
@@ -615,8 +634,10 @@ def _measured_bits(comm, snap: dict, dim: int, env: _Env) -> float | None:
     msgs = snap.get("messages")
     if not msgs or dim == 0:
         return None
-    sent = snap["bytes"]["sent"] - snap["ops"]["control"]["sent"]
-    count = msgs["sent"] - msgs["control"]
+    setup = snap["setup"]
+    # payload messages of the steps: control traffic and setup traffic (counted once) left out
+    sent = snap["bytes"]["sent"] - snap["ops"]["control"]["sent"] - (setup["sent"] - setup["control"]["sent"])
+    count = msgs["sent"] - msgs["control"] - (setup["messages"] - setup["control"]["messages"])
     if env.distributed:
         t = comm.all_reduce(torch.tensor([[float(sent), float(count)]], dtype=torch.float64), op="mean", record=False)
         sent, count = float(t[0, 0]), float(t[0, 1])
@@ -653,7 +674,7 @@ def _header(cfg: TrainConfig, env: _Env, dim: int, algo) -> str:
 def _epoch_line(epoch: float, epochs, ev, ledger, dpsgd_bytes, step) -> str:
     snap = ledger.as_dict()
     hosted = len(ledger.nodes)
-    per_step = snap["bytes"]["sent"] / hosted / max(1, step)
+    per_step = (snap["bytes"]["sent"] - snap["setup"]["sent"]) / hosted / max(1, step)
     ratio = f" ({per_step / dpsgd_bytes:.3f}x D-PSGD)" if dpsgd_bytes else ""
     t = snap["time"]
     return (
@@ -661,7 +682,7 @@ def _epoch_line(epoch: float, epochs, ev, ledger, dpsgd_bytes, step) -> str:
         f"acc {ev['test_acc']:.2%} [nodes {ev['node_acc_min']:.2%}-{ev['node_acc_max']:.2%}]  "
         f"consensus {ev['consensus_distance']:.3g}  sent/node/step {_fmt_bytes(per_step)}{ratio}  "
         f"time compute {t.get('compute', 0):.1f}s compress {t.get('compress', 0):.1f}s "
-        f"comm {t.get('communicate', 0):.1f}s"
+        f"comm {t.get('communicate', 0):.1f}s" + (f" warm-up {t['warmup']:.1f}s" if t.get("warmup") else "")
     )
 
 

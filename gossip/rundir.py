@@ -11,20 +11,27 @@
 ``metrics-rank<k>.jsonl``
     One per node, one JSON record per line: ``kind`` ``"train"`` (every ``log_every``
     steps: ``step``, ``epoch``, ``time``, ``loss``, ``lr``, cumulative ``bytes_sent``/
-    ``bytes_recv`` and the time split) or ``"eval"`` (every epoch: the averaged model's
+    ``bytes_recv`` of the steps, ``setup_bytes_sent``/``setup_bytes_recv``, the time
+    split and ``warmup_s``) or ``"eval"`` (every epoch: the averaged model's
     ``test_loss``/``test_acc``, the nodes' accuracy range, ``consensus_distance``,
     ``train_loss``).
 ``summary.json``
     Written at the end (or when the run diverges, with ``diverged: true``): final
-    figures, bytes per node per step, the wire format and the measured bits per
-    coordinate, the time split.
+    figures, bytes per node per step (setup traffic left out), ``setup_bytes_per_node``
+    and ``bytes_sent_per_node_total``, the wire format and the measured bits per
+    coordinate, the time split of the steady steps and ``warmup_s`` (the algorithm's
+    setup and each process's first step: compilation and first calls).
 ``ckpt-step<N>-rank<k>.pt``
     Checkpoints (:mod:`gossip.checkpoint` owns their format).
 
 Versions. Schema 1 (no ``schema`` key) is what the first releases wrote: no
 ``wire``/``layout`` in config.json, and ``compressor``/``bits`` in summary.json came
 from the CLI's compressor spec (``null``/``32`` for the sign algorithms, which send 1
-bit). :func:`wire_of` reads either and says which it got.
+bit). :func:`wire_of` reads either and says which it got. Schema 2 added ``wire``,
+``layout``, ``bits_per_coord_measured`` and ``report``. Schema 3 keeps setup traffic
+and warm-up time apart: before it, the one-off exchange of x_1 was counted in the
+per-step bytes and compilation in the compress time; :func:`setup_traffic_of` says
+which a run did.
 """
 
 from __future__ import annotations
@@ -49,12 +56,13 @@ __all__ = [
     "read_json",
     "read_metrics",
     "summary_path",
+    "setup_traffic_of",
     "wire_of",
     "write_json",
 ]
 
 #: version of config.json/summary.json's keys; runs without a ``schema`` key are 1
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 CONFIG = "config.json"
 SUMMARY = "summary.json"
 _METRICS = "metrics-rank{}.jsonl"
@@ -156,6 +164,13 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._fh.close()
+
+
+def setup_traffic_of(config: dict, summary: dict | None = None) -> str:
+    """``"apart"`` where the run kept its one-off setup traffic out of the per-step bytes
+    (schema 3 on), ``"folded in"`` for older runs, whose step 1 carried it."""
+    schema = (summary or {}).get("schema", config.get("schema"))
+    return "apart" if isinstance(schema, int) and schema >= 3 else "folded in"
 
 
 def wire_of(config: dict, summary: dict | None = None) -> dict[str, Any]:

@@ -116,7 +116,8 @@ class GossipOptimizer:
         self.optimizers = optimizers
         self.algorithm = algorithm
         self.flat = FlatParams(models)
-        algorithm.setup(self.flat.data)
+        with algorithm.comm.ledger.setup():  # x_1 exchanges are one-off, not step traffic
+            algorithm.setup(self.flat.data)
         from types import SimpleNamespace as NS
         self.layout = NS(to_dict=lambda: {"shapes": self.flat.shapes})  # TEMP
         if hasattr(algorithm, "attach"):  # schedulers that work during backward (MergeComp)

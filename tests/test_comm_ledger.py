@@ -99,7 +99,7 @@ def test_setup_traffic_is_counted_in_the_total_and_kept_apart(clock: _Clock) -> 
     assert led.setup_bytes_received == 200 and led.times["warmup"] == pytest.approx(3.0)
     d = led.as_dict(detail=True)
     assert d["setup"] == {"sent": 200, "received": 200, "messages": 2, "known": True,
-                          "per_node": {"sent": [100, 100], "received": [100, 100]}}
+                          "control": {"sent": 0, "messages": 0}, "per_node": {"sent": [100, 100], "received": [100, 100]}}
     back = Ledger([0, 1], 3)
     back.load_state_dict(json.loads(json.dumps(led.state_dict())))
     assert back.as_dict(detail=True) == d

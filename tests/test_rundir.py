@@ -51,6 +51,7 @@ def test_schema1_run_loads_and_says_where_its_labels_come_from(tmp_path):
     assert row["wire_source"] == "config (schema 1)"
     assert row["compressor"] == "fp32" and row["bits"] == 32
     assert row["steps"] == 4
+    assert row["setup_traffic"] == "folded in"  # 0.1.0 counted the x_1 exchange in step 1
 
 
 def test_schema1_wire_of_and_schema2_wire_of():

@@ -172,6 +172,7 @@ class Ledger:
         self._setup_sent = np.zeros(m, dtype=np.int64)
         self._setup_received = np.zeros(m, dtype=np.int64)
         self._setup_msgs = 0
+        self._setup_control = [0, 0]  # of which control traffic: bytes sent, messages
 
     @property
     def nodes(self) -> tuple[int, ...]:
@@ -226,6 +227,9 @@ class Ledger:
             if out.any():
                 self._setup_sent += np.bincount(ps[out], weights=b[out], minlength=m).astype(np.int64)
                 self._setup_msgs += int(out.sum())
+                if op == "control":
+                    self._setup_control[0] += int(b[out].sum())
+                    self._setup_control[1] += int(out.sum())
             if inc.any():
                 self._setup_received += np.bincount(pd[inc], weights=b[inc], minlength=m).astype(np.int64)
         keep = out | inc
@@ -404,7 +408,8 @@ class Ledger:
             "time": self.times,
             "messages": None if self._msgs is None else {"sent": sum(self._msgs.values()), **self._msgs},
             "setup": {"sent": self.setup_bytes_sent, "received": self.setup_bytes_received,
-                      "messages": self._setup_msgs, "known": self._setup_known},
+                      "messages": self._setup_msgs, "known": self._setup_known,
+                      "control": {"sent": self._setup_control[0], "messages": self._setup_control[1]}},
         }
         if detail:
             self._consolidate()
@@ -446,7 +451,7 @@ class Ledger:
             "messages": None if self._msgs is None else dict(self._msgs),
             "setup": None if not self._setup_known else {
                 "sent": self._setup_sent.tolist(), "received": self._setup_received.tolist(),
-                "messages": self._setup_msgs,
+                "messages": self._setup_msgs, "control": list(self._setup_control),
             },
             "node_sent": self._node_sent.tolist(),
             "node_received": self._node_received.tolist(),
@@ -480,6 +485,7 @@ class Ledger:
             self._setup_sent = np.asarray(setup["sent"], dtype=np.int64)
             self._setup_received = np.asarray(setup["received"], dtype=np.int64)
             self._setup_msgs = int(setup["messages"])
+            self._setup_control = [int(x) for x in setup["control"]]
         for op, v in state["ops"].items():
             self._check_op(op)
             self._ops[op] = [int(x) for x in v]

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import topologies
-from gossip import algorithms, checkpoint, compress, data, models, rundir
+from gossip import algorithms, checkpoint, compress, data, factories, models, rundir
 from gossip.config import TrainConfig
 from gossip.runtime import GossipOptimizer
 
@@ -121,6 +121,29 @@ def _build_algorithm(cfg: TrainConfig, comm) -> algorithms.Algorithm:
         raise RunError(f"{flag}: {e}") from None
 
 
+def _build_dataset(cfg: TrainConfig):
+    """A registered data set, or the user's own (``--data module:function``)."""
+    try:
+        if factories.is_factory(cfg.data.name):
+            return factories.dataset_from(cfg.data.name, seed=cfg.run.seed)
+        return data.build_dataset(cfg.data.name, data_dir=cfg.data.data_dir, seed=cfg.run.seed)
+    except (data.DataError, factories.FactoryError) as e:
+        raise RunError(str(e)) from None
+
+
+def _build_model(cfg: TrainConfig, dataset, device: torch.device) -> torch.nn.Module:
+    """A registered model, or the user's own (``--model module:function``), on ``device``."""
+    name = cfg.model_name
+    try:
+        if factories.is_factory(name):
+            model = factories.model_from(name, dataset.input_shape, dataset.num_classes).to(device)
+            factories.check_model_output(model, name, dataset.input_shape, dataset.num_classes, device)
+            return model
+        return models.build_model(name, input_shape=dataset.input_shape, num_classes=dataset.num_classes).to(device)
+    except factories.FactoryError as e:
+        raise RunError(str(e)) from None
+
+
 def _device(cfg: TrainConfig, env: _Env) -> torch.device:
     want = cfg.comm.device
     if want == "cpu":
@@ -160,10 +183,7 @@ def run(cfg: TrainConfig) -> dict | None:
     device = _device(cfg, env)
     if cfg.run.resume is not None and not Path(cfg.run.resume).is_dir():
         raise RunError(f"--resume {cfg.run.resume!r}: no such run directory")
-    try:
-        dataset = data.build_dataset(cfg.data.name, data_dir=cfg.data.data_dir, seed=cfg.run.seed)
-    except data.DataError as e:
-        raise RunError(str(e)) from None
+    dataset = _build_dataset(cfg)
 
     from gossip import comm as gcomm
 
@@ -276,9 +296,7 @@ class Run:
         self.models = []
         for _ in self.nodes:
             torch.manual_seed(cfg.run.seed)
-            self.models.append(models.build_model(
-                cfg.model_name, input_shape=dataset.input_shape, num_classes=dataset.num_classes
-            ).to(device))
+            self.models.append(_build_model(cfg, dataset, device))
         self.opts = [
             torch.optim.SGD(m.parameters(), lr=cfg.optim.lr, momentum=cfg.local_momentum,
                             weight_decay=cfg.optim.weight_decay)
@@ -303,6 +321,7 @@ class Run:
         self.last_eval: dict[str, Any] = {}
         self.bar = None
         self.metrics: list[rundir.MetricsWriter] = []
+        self.tb: rundir.TensorBoardWriter | None = None
         self._t0 = 0.0
         self._first_step = 0
 
@@ -316,6 +335,11 @@ class Run:
             rundir.write_json(rundir.config_path(self.out), self._config_record())
         keep = self.progress.step if cfg.run.resume is not None else None
         self.metrics = [rundir.MetricsWriter(rundir.metrics_path(self.out, i), keep_until=keep) for i in self.nodes]
+        if cfg.run.tensorboard and self.is_main:
+            try:
+                self.tb = rundir.TensorBoardWriter(self.out, resume_step=keep)
+            except rundir.RunDirError as e:
+                raise RunError(str(e)) from None
         if self.is_main:
             print(_header(cfg, self.env, self.dim, self.algo), flush=True)
         self.bar = _progress(cfg, self.is_main, self.stop, self.progress.step)
@@ -338,6 +362,8 @@ class Run:
                 self.bar.close()
             for m_ in self.metrics:
                 m_.close()
+            if self.tb is not None:
+                self.tb.close()
         self.checkpoint()
         return self.finish()
 
@@ -391,13 +417,21 @@ class Run:
     def _log_train(self, lr: float) -> None:
         p = self.progress
         snap = self.ledger.as_dict(detail=True)
+        recs = []
         for r, m_ in enumerate(self.metrics):
-            m_.write({
+            recs.append({
                 "kind": "train", "step": p.step, "epoch": p.step / self.steps_per_epoch, "time": self._elapsed(),
                 "loss": sum(p.log_losses[r]) / len(p.log_losses[r]), "lr": lr,
                 **_node_ledger(snap, r, len(self.nodes)),
             })
+            m_.write(recs[-1])
             p.log_losses[r] = []
+        if self.cfg.run.tensorboard:  # every rank: the mean over all nodes is a collective
+            keys = [k for k, v in recs[0].items() if isinstance(v, (int, float)) and k not in ("kind", "step")]
+            t = torch.tensor([[float(rec[k]) for k in keys] for rec in recs], dtype=torch.float64)
+            mean = self.comm.all_reduce(t, op="mean", record=False)[0]
+            if self.tb is not None:
+                self.tb.write({"kind": "train", "step": p.step, **dict(zip(keys, mean.tolist()))})
 
     def _elapsed(self) -> float:
         return time.perf_counter() - self._t0
@@ -412,6 +446,8 @@ class Run:
         p.epoch_losses = [[] for _ in self.nodes]
         for m_ in self.metrics:
             m_.write({"kind": "eval", "step": p.step, "epoch": p.step / spe, "time": self._elapsed(), **ev})
+        if self.tb is not None:
+            self.tb.write({"kind": "eval", "step": p.step, **ev})
         self.last_eval = ev
         if self.is_main:
             self._say(_epoch_line(p.step / spe, self.cfg.run.epochs, ev, self.ledger, self.dpsgd_bytes, p.step))

@@ -15,8 +15,10 @@ step:
 - ``compute``: forward and backward of the model on one batch;
 - ``rounds``: the communication calls per step, by kind.
 
-The link model: a node's step takes ``compute + codec + bytes * 8 / bandwidth +
-latency * R``, with R the sequential message rounds of the step's calls (a neighbour
+The link model: a node's step takes ``compute + codec + overhead * bytes * 8 /
+bandwidth + latency * R``, where ``overhead`` (``--link-overhead``, default 1.05) is
+the framing the transport adds to the payload (TCP/IPv4 over Ethernet: 1448 payload
+bytes per 1514-byte frame, plus acknowledgements), and with R the sequential message rounds of the step's calls (a neighbour
 exchange 1, a ring all-reduce 2(n-1), an all-gather n-1, a broadcast ceil(log2 n)).
 Compute, compression and communication are not overlapped, and the bandwidth is that
 of each node's link (a switch, not a shared bus). The **crossover bandwidth** against
@@ -209,15 +211,18 @@ def fixed_s(m: Measured, latency: float, n: int) -> float:
     return m.compute_s + m.codec_s + latency * sum(k * rounds_of(op, n) for op, k in m.rounds.items())
 
 
-def step_time(m: Measured, bandwidth: float, latency: float, n: int) -> float:
+LINK_OVERHEAD = 1.05
+
+
+def step_time(m: Measured, bandwidth: float, latency: float, n: int, overhead: float = LINK_OVERHEAD) -> float:
     """Modelled seconds per step on a link of ``bandwidth`` bit/s and ``latency`` s."""
-    return fixed_s(m, latency, n) + 8.0 * m.bytes / bandwidth
+    return fixed_s(m, latency, n) + overhead * 8.0 * m.bytes / bandwidth
 
 
-def crossover(m: Measured, base: Measured, latency: float, n: int) -> dict[str, Any]:
+def crossover(m: Measured, base: Measured, latency: float, n: int, overhead: float = LINK_OVERHEAD) -> dict[str, Any]:
     """Where ``m`` and ``base`` take equal time: ``{"wins": "always"|"never"|"below"|"above",
     "bandwidth": bit/s or None}``."""
-    sa, sb = 8.0 * m.bytes, 8.0 * base.bytes
+    sa, sb = overhead * 8.0 * m.bytes, overhead * 8.0 * base.bytes
     fa, fb = fixed_s(m, latency, n), fixed_s(base, latency, n)
     if sa < sb:
         return {"wins": "always", "bandwidth": None} if fa <= fb else {"wins": "below", "bandwidth": (sb - sa) / (fa - fb)}
@@ -245,6 +250,8 @@ def _parser() -> argparse.ArgumentParser:
                    "allreduce and dpsgd (fp32) are always measured as the baselines")
     p.add_argument("--bandwidth", default=DEFAULT_BANDWIDTHS, help=f"link rates (default {DEFAULT_BANDWIDTHS})")
     p.add_argument("--latency", default=DEFAULT_LATENCIES, help=f"one-way latencies (default {DEFAULT_LATENCIES})")
+    p.add_argument("--link-overhead", type=float, default=LINK_OVERHEAD,
+                   help=f"bytes on the wire per payload byte (default {LINK_OVERHEAD}: TCP/IP framing)")
     p.add_argument("--batch-size", type=int, default=32, help="per node, for the compute time (default 32)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per candidate after one warm-up (default 3)")
     p.add_argument("--json", action="store_true", help="print the table as JSON instead")
@@ -256,6 +263,8 @@ def _check(args: argparse.Namespace) -> None:
     for name, lo in (("world_size", 2), ("batch_size", 1), ("steps", 1)):
         if getattr(args, name) < lo:
             raise CrossoverError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least {lo}")
+    if not 1.0 <= args.link_overhead <= 10.0:
+        raise CrossoverError(f"--link-overhead {args.link_overhead}: expected 1 to 10 wire bytes per payload byte")
     if args.params is not None and not 300 <= args.params <= 2_000_000_000:
         raise CrossoverError(f"--params {args.params}: expected 300 to 2e9 parameters")
 
@@ -280,7 +289,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
         say(f"[{k}/{len(cands)}] measuring {cand.label} ...")
         measured.append(measure(cand, factory, shape, classes, world_size=args.world_size, topology=args.topology,
                                 degree=args.degree, batch_size=args.batch_size, steps=args.steps))
-    n = args.world_size
+    n, ov = args.world_size, args.link_overhead
     base = {m.label: m for m in measured if m.label in BASELINES}
     import torch
 
@@ -288,14 +297,14 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
     for m in measured:
         rows.append({
             **asdict(m),
-            "step_s": [{"bandwidth": b, "latency": t, "seconds": step_time(m, b, t, n)} for t in lats for b in bws],
-            "crossover": {bl: [{"latency": t, **crossover(m, base[bl], t, n)} for t in lats] for bl in BASELINES},
+            "step_s": [{"bandwidth": b, "latency": t, "seconds": step_time(m, b, t, n, ov)} for t in lats for b in bws],
+            "crossover": {bl: [{"latency": t, **crossover(m, base[bl], t, n, ov)} for t in lats] for bl in BASELINES},
         })
     return {
         "machine": {"threads": torch.get_num_threads(), "load_average": load},
         "model": model_name,
         "params": sum(p.numel() for p in factory().parameters()), "world_size": n,
-        "topology": args.topology, "bandwidths": bws, "latencies": lats, "rows": rows,
+        "topology": args.topology, "bandwidths": bws, "latencies": lats, "link_overhead": ov, "rows": rows,
     }
 
 
@@ -340,11 +349,12 @@ def plot(res: dict[str, Any], path: str) -> None:
     for ax, t in zip(axes[0], lats):
         for r in res["rows"]:
             m = Measured(**{k: r[k] for k in Measured.__dataclass_fields__})
-            ax.plot(grid, [1e3 * step_time(m, b, t, n) for b in grid], label=r["label"],
+            ov = res["link_overhead"]
+            ax.plot(grid, [1e3 * step_time(m, b, t, n, ov) for b in grid], label=r["label"],
                     lw=2 if r["label"] in BASELINES else 1)
             c = r["crossover"]["allreduce"][lats.index(t)]
             if c["bandwidth"] is not None and grid[0] <= c["bandwidth"] <= grid[-1]:
-                ax.plot([c["bandwidth"]], [1e3 * step_time(m, c["bandwidth"], t, n)], "kx")
+                ax.plot([c["bandwidth"]], [1e3 * step_time(m, c["bandwidth"], t, n, ov)], "kx")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("bandwidth (bit/s)")

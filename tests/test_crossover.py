@@ -40,7 +40,7 @@ def test_the_crossover_is_where_the_step_times_meet():
         c = cx.crossover(q8, fp32, lat, n=8)
         assert c["wins"] == "below"
         bw = c["bandwidth"]
-        assert bw == pytest.approx(8 * 3e6 / 0.004)  # bytes saved over the codec's cost
+        assert bw == pytest.approx(cx.LINK_OVERHEAD * 8 * 3e6 / 0.004)  # wire bits saved over the codec's cost
         assert cx.step_time(q8, bw, lat, 8) == pytest.approx(cx.step_time(fp32, bw, lat, 8))
         assert cx.step_time(q8, bw / 2, lat, 8) < cx.step_time(fp32, bw / 2, lat, 8)
         assert cx.step_time(q8, bw * 2, lat, 8) > cx.step_time(fp32, bw * 2, lat, 8)
@@ -95,6 +95,7 @@ def test_the_table_and_the_plot(tmp_path):
     (["--latency", "soon"], "expected a time"),
     (["--world-size", "1"], "--world-size 1: must be at least 2"),
     (["--params", "10"], "--params 10: expected 300"),
+    (["--link-overhead", "0.5"], "--link-overhead 0.5: expected 1 to 10"),
     (["--topology", "torus", "--world-size", "7", "--algos", "ecd"], "--topology torus with --world-size 7"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, needle):

@@ -364,6 +364,8 @@ class RunSection:
                 raise ConfigError(f"{_flag(name)} must be an integer >= {lo}, got {v!r}")
         if self.max_steps is not None and _bad_int("max_steps", self.max_steps, 1):
             raise ConfigError(f"--max_steps must be a positive integer, got {self.max_steps!r}")
+        if self.resume == "auto" and self.out is None:
+            raise ConfigError("--resume auto continues the run in --out: give --out DIR")
 
 
 #: the sections of a TrainConfig, in the order of ``to_dict`` and of ``--help``
@@ -545,7 +547,8 @@ _HELP = {
     "device": "auto (cuda if available), cpu (gloo) or cuda (NCCL)",
     "out": "output directory (default runs/<timestamp>-<algo>-<topology>)",
     "checkpoint_every": "write a checkpoint every N steps (0: only at the end)",
-    "resume": "continue the run in this directory from its latest checkpoint",
+    "resume": "continue the run in this directory from its latest checkpoint; 'auto' continues the run in --out "
+    "from its newest valid checkpoint if it has one and starts it otherwise (for torchrun --max-restarts)",
     "timeout": "seconds to wait for a peer before failing with its rank",
     "simulate": "run N nodes in this one process instead of under torchrun",
     "emulate_latency": "add this one-way latency (ms) to every message round inside the communicator, "
@@ -618,7 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("device", choices=["auto", "cpu", "cuda"])
     add("out", metavar="DIR")
     add("checkpoint_every", type=int, metavar="N")
-    add("resume", metavar="DIR")
+    add("resume", metavar="DIR|auto")
     add("timeout", type=float, metavar="SECONDS")
     add("simulate", type=int, metavar="N")
     add("emulate_latency", type=float, metavar="MS")

@@ -13,6 +13,7 @@ and ``summary.json`` at the end.
 from __future__ import annotations
 
 import contextlib
+import json
 import dataclasses
 import datetime as _dt
 import math
@@ -47,6 +48,7 @@ class Diverged(RunError):
 
 
 #: config keys whose change makes a checkpoint unusable for an exact continuation
+AUTO = "auto"  # --resume auto
 FINGERPRINT_KEYS = (
     "algo", "compressor_spec", "topology", "degree", "rows", "cols", "weights", "lazy",
     "model_name", "data", "partition", "epochs", "batch_size", "lr", "lr_schedule",
@@ -181,7 +183,7 @@ def run(cfg: TrainConfig) -> dict | None:
     env = _detect_env(cfg)
     topo = _build_topology(cfg, env.world_size)  # pure: fails the same way on every rank
     device = _device(cfg, env)
-    if cfg.run.resume is not None and not Path(cfg.run.resume).is_dir():
+    if cfg.run.resume not in (None, AUTO) and not Path(cfg.run.resume).is_dir():
         raise RunError(f"--resume {cfg.run.resume!r}: no such run directory")
     dataset = _build_dataset(cfg)
 
@@ -194,6 +196,7 @@ def run(cfg: TrainConfig) -> dict | None:
             gcomm.init_from_env(
                 backend="nccl" if device.type == "cuda" else "gloo", timeout=cfg.comm.timeout, device=device
             )
+            _agree_config(cfg, env)  # before anything is exchanged or written
             comm = gcomm.DistCommunicator(topo, device=device, timeout=cfg.comm.timeout)
         else:
             comm = gcomm.SimulatedCommunicator(topo, world_size=env.world_size, device=device)
@@ -209,8 +212,37 @@ def run(cfg: TrainConfig) -> dict | None:
             dist.destroy_process_group()
 
 
+#: config keys every rank must share: the fingerprinted ones and the run's length and cadence
+#: (paths such as --out and --data-dir may differ between hosts)
+AGREE_KEYS = FINGERPRINT_KEYS + (
+    "max_steps", "checkpoint_every", "log_every", "emulate_latency", "device", "simulate", "tensorboard",
+)
+
+
+def _agree_config(cfg: TrainConfig, env: _Env) -> None:
+    """Every rank compares the run-defining config with every other; on a mismatch all
+    ranks stop with one line naming the differing keys and a rank holding each value."""
+    import torch.distributed as dist
+
+    flat = cfg.to_dict()
+    mine = {k: flat.get(k) for k in AGREE_KEYS}
+    mine["resume_auto"] = cfg.run.resume == AUTO
+    everyone: list[dict] = [None] * env.world_size  # type: ignore[list-item]
+    dist.all_gather_object(everyone, mine)
+    diffs = []
+    for key in mine:
+        holders: dict[str, int] = {}
+        for r, theirs in enumerate(everyone):
+            holders.setdefault(json.dumps(theirs.get(key), sort_keys=True, default=str), r)
+        if len(holders) > 1:
+            diffs.append(f"{key}: " + ", ".join(f"{v} on rank {r}" for v, r in holders.items()))
+    if diffs:
+        raise RunError(f"the ranks were started with different configs; {'; '.join(diffs)}")
+
+
 def _agree_out_dir(cfg: TrainConfig, env: _Env) -> Path:
-    out = cfg.run.resume or cfg.run.out or (_default_out(cfg) if env.rank == 0 else None)
+    resume = None if cfg.run.resume == AUTO else cfg.run.resume
+    out = resume or cfg.run.out or (_default_out(cfg) if env.rank == 0 else None)
     if env.distributed:
         import torch.distributed as dist
 
@@ -329,11 +361,12 @@ class Run:
     def train(self) -> dict | None:
         cfg = self.cfg
         self.algo.set_event_sink(self._say if self.is_main else None)  # MergeComp's decisions
+        resumed = False
         if cfg.run.resume is not None:
-            self.resume()
+            resumed = self.resume(auto=cfg.run.resume == AUTO)
         if self.is_main and self.progress.step == 0:
             rundir.write_json(rundir.config_path(self.out), self._config_record())
-        keep = self.progress.step if cfg.run.resume is not None else None
+        keep = self.progress.step if resumed else None
         self.metrics = [rundir.MetricsWriter(rundir.metrics_path(self.out, i), keep_until=keep) for i in self.nodes]
         if cfg.run.tensorboard and self.is_main:
             try:
@@ -468,16 +501,46 @@ class Run:
             world_size=self.env.world_size,
         )
 
-    def resume(self) -> None:
-        """Restore every part from this rank's latest checkpoint; all ranks agree or all fail."""
-        env, err, record = self.env, None, None
+    def resume(self, auto: bool = False) -> bool:
+        """Restore every part from the newest checkpoint step that every rank can load
+        (older steps are tried when a newer one is damaged); all ranks agree or all fail.
+        ``auto``: a directory without any checkpoint starts fresh. Returns whether it resumed."""
+        env = self.env
+        steps = checkpoint.list_checkpoints(self.out)
+        complete = sorted((s for s, r in steps.items()
+                           if all(k in r for k in range(env.world_size if env.distributed else 1))), reverse=True)
+        if env.distributed:  # the same candidates on every rank (a rank may see other files)
+            mine = torch.tensor([[float(len(complete)), float(complete[0] if complete else -1)]], dtype=torch.float64)
+            seen = self.comm.all_gather(mine, record=False)
+            if len(set(map(tuple, seen.tolist()))) != 1:
+                raise RunError(f"--resume: ranks see different checkpoints in {str(self.out)!r} "
+                               f"(newest complete step per rank: {[int(v) for v in seen[:, 1].tolist()]})")
+        if not complete:
+            if auto:
+                return False
+            raise RunError(f"--resume {str(self.out)!r}: no checkpoint found in that directory")
+        errors: list[str] = []
+        for step in complete:
+            err = self._load(checkpoint.checkpoint_path(self.out, step, env.rank))
+            ok = torch.tensor([[float(err is None)]], dtype=torch.float64)
+            flags = self.comm.all_gather(ok, record=False) if env.distributed else ok
+            if bool((flags[:, 0] > 0).all()):
+                if errors and self.is_main:
+                    self._say(f"gossip.train: resumed from step {step}: newer checkpoints could not be loaded ({errors[0]})")
+                return True
+            bad = [int(i) for i in torch.nonzero(flags[:, 0] < 1).flatten()]
+            errors.append(err or f"the checkpoint of rank(s) {bad} at step {step} could not be loaded")
+            if not auto:  # an explicit --resume takes the newest step or says why not
+                raise RunError(errors[0] if err is not None else f"--resume: {errors[0]}")
+        raise RunError(f"--resume auto: no checkpoint step in {str(self.out)!r} loads on every rank ({errors[0]})")
+
+    def _load(self, path: Path) -> str | None:
+        """Load and restore every part from one checkpoint file; the error, or None. A
+        later candidate overwrites whatever a failed one restored."""
         try:
-            path = checkpoint.latest_checkpoint(self.out, rank=env.rank, num_ranks=env.world_size if env.distributed else 1)
-            if path is None:
-                raise checkpoint.CheckpointError(f"--resume {str(self.out)!r}: no checkpoint found in that directory")
             payload = checkpoint.load_checkpoint(
                 path, expect_config={k: self.cfg_dict[k] for k in FINGERPRINT_KEYS},
-                expect_fingerprint=self.fingerprint, expect_world_size=env.world_size,
+                expect_fingerprint=self.fingerprint, expect_world_size=self.env.world_size,
             )
             record = CheckpointRecord.from_payload(payload, str(path))
             self.gopt.load_state_dict(record.optimizer)
@@ -485,18 +548,9 @@ class Run:
                 ld.load_state_dict(s)
             self.ledger.load_state_dict(record.ledger)
         except (checkpoint.CheckpointError, ValueError, KeyError) as e:
-            err = e
-        step = record.progress.step if record is not None else 0
-        if env.distributed:  # every rank fails together instead of hanging at the next exchange
-            flags = self.comm.all_gather(torch.tensor([[float(err is None), float(step)]], dtype=torch.float64), record=False)
-            if err is None and bool((flags[:, 0] < 1).any()):
-                bad = [int(i) for i in torch.nonzero(flags[:, 0] < 1).flatten()]
-                err = checkpoint.CheckpointError(f"--resume: the checkpoint of rank(s) {bad} could not be loaded")
-            elif err is None and len(set(flags[:, 1].tolist())) != 1:
-                err = checkpoint.CheckpointError("--resume: ranks have checkpoints of different steps")
-        if err is not None:
-            raise RunError(str(err)) from None
+            return str(e)
         self.progress = record.progress
+        return None
 
     # --- the end -------------------------------------------------------------------------
     def finish(self) -> dict | None:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 import topologies
 from gossip import algorithms, checkpoint, compress, data, factories, models, rundir
+from gossip.errors import NonFiniteError
 from gossip.config import TrainConfig
 from gossip.runtime import GossipOptimizer
 
@@ -442,9 +443,7 @@ class Run:
             raise Diverged(f"training diverged at step {p.step + 1}: non-finite loss on node(s) {bad}")
         try:
             self.gopt.step()
-        except ValueError as e:
-            if "non-finite" not in str(e) and "too large" not in str(e):  # TEMP until NonFiniteError lands
-                raise
+        except NonFiniteError as e:  # by type: a compressor met NaN/inf or an overflowing scale
             raise Diverged(f"training diverged at step {p.step + 1}: {e}") from None
         return losses
 

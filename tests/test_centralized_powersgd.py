@@ -187,7 +187,7 @@ def test_config_validation_messages():
         algorithms.build("powersgd", c, approximator="svd")
     with pytest.raises(ValueError, match=r"Arg `iterations` must be >= 1, got 0"):
         algorithms.build("powersgd", c, approximator="best", iterations=0)
-    with pytest.raises(TypeError, match=r"Arg `iterations` must be an int, got str '4'"):
+    with pytest.raises(TypeError, match=r"Arg `iterations` must be an integer, got str '4'"):
         algorithms.build("powersgd", c, approximator="best", iterations="4")
     with pytest.raises(ValueError, match=r"Arg `iterations` applies to approximator 'best' only, got "
                        r"iterations=2 with approximator 'unbiased'"):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from gossip._registry import Registry
+
 from gossip.algorithms.allreduce import AllReduce, AllReduceConfig
 from gossip.algorithms.base import COMMON_OPTIONS, Algorithm, ParamLayout, WireFormat
 from gossip.algorithms.efsgd import (
@@ -89,37 +91,35 @@ __all__ = [
     "local_momentum_default",
 ]
 
-_REGISTRY: dict[str, tuple[type[Algorithm], type]] = {
-    "allreduce": (AllReduce, AllReduceConfig),
-    "dpsgd": (DPSGD, DPSGDConfig),
-    "naive": (Naive, NaiveConfig),
-    "dcd": (DCD, DCDConfig),
-    "ecd": (ECD, ECDConfig),
-    "efsgd": (DistEFSGD, EFSGDConfig),
-    "efblocksgd": (EFBlockSGD, EFBlockSGDConfig),
-    "efblocksgdm": (EFBlockSGDM, EFBlockSGDMConfig),
-    "signsgd": (SignSGD, SignSGDConfig),
-    "signum": (Signum, SignumConfig),
-    "powersgd": (PowerSGD, PowerSGDConfig),
-    "efmomentum": (EFMomentum, EFMomentumConfig),
-    "sketched": (Sketched, SketchedConfig),
-    "truetopk": (TrueTopK, TrueTopKConfig),
-    "localtopk": (LocalTopK, LocalTopKConfig),
-}
+#: the algorithms: name -> (class, Config); every part of the project reaches them here
+_REGISTRY: Registry[tuple[type[Algorithm], type]] = Registry("algorithm")
+for _cls, _cfg in (
+    (AllReduce, AllReduceConfig),
+    (DPSGD, DPSGDConfig),
+    (Naive, NaiveConfig),
+    (DCD, DCDConfig),
+    (ECD, ECDConfig),
+    (DistEFSGD, EFSGDConfig),
+    (EFBlockSGD, EFBlockSGDConfig),
+    (EFBlockSGDM, EFBlockSGDMConfig),
+    (SignSGD, SignSGDConfig),
+    (Signum, SignumConfig),
+    (PowerSGD, PowerSGDConfig),
+    (EFMomentum, EFMomentumConfig),
+    (Sketched, SketchedConfig),
+    (TrueTopK, TrueTopKConfig),
+    (LocalTopK, LocalTopKConfig),
+):
+    _REGISTRY.register(_cls.name, (_cls, _cfg), _cls.summary)
 
 
 def available() -> dict[str, str]:
     """Algorithm names and one-line descriptions."""
-    return {name: cls.summary for name, (cls, _) in _REGISTRY.items()}
+    return _REGISTRY.available()
 
 
 def _lookup(name: str) -> tuple[type[Algorithm], type]:
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown algorithm {name!r}; known: {', '.join(_REGISTRY)}"
-        ) from None
+    return _REGISTRY.get(name)
 
 
 def config_class(name: str) -> type:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from gossip import compress as _compress
+from gossip._checks import check_float
 from gossip.algorithms.base import Algorithm
 
 __all__: list[str] = []
@@ -101,32 +102,8 @@ def check_fraction(name: str, value: Any, *, lo_open: bool = False) -> None:
     """``0 <= value < 1`` (``0 < value < 1`` with ``lo_open``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"Arg `{name}` must be a number, got {type(value).__name__} {value!r}")
-    lo_ok = value > 0 if lo_open else value >= 0
-    if not (lo_ok and value < 1):
-        rule = "0 < {0} < 1" if lo_open else "0 <= {0} < 1"
-        raise ValueError(f"Arg `{name}` must satisfy {rule.format(name)}, got {value}")
-
-
-def check_offsets(offsets: Any) -> tuple[int, ...] | None:
-    """Block start offsets (0 first, strictly increasing) or None; pairs (offset,
-    numel) as in ``FlatParams.blocks`` are accepted and empty blocks dropped."""
-    if offsets is None:
-        return None
     try:
-        items = list(offsets)
-    except TypeError:
-        raise TypeError(
-            f"Arg `offsets` must be a sequence of block start offsets, got {offsets!r}"
-        ) from None
-    if items and all(isinstance(b, (tuple, list)) and len(b) == 2 for b in items):
-        items = [int(o) for o, n in items if int(n) > 0]
-    out = []
-    for o in items:
-        if isinstance(o, bool) or not isinstance(o, int):
-            raise TypeError(f"Arg `offsets` must hold integers, got {o!r}")
-        out.append(int(o))
-    if not out or out[0] != 0 or any(b <= a for a, b in zip(out, out[1:])):
-        raise ValueError(
-            f"Arg `offsets` must start at 0 and increase strictly, got {tuple(out)}"
-        )
-    return tuple(out)
+        check_float(f"Arg `{name}`", value, lo=0.0, hi=1.0, lo_open=lo_open, hi_open=True)
+    except ValueError:  # the historical wording names the argument in the rule
+        rule = "0 < {0} < 1" if lo_open else "0 <= {0} < 1"
+        raise ValueError(f"Arg `{name}` must satisfy {rule.format(name)}, got {value}") from None

@@ -13,7 +13,7 @@ compressors or algorithms: payloads are opaque bytes and decoding is a callable.
 
 from .base import Communicator, Handle, Received
 from .distributed import DistCommunicator, init_from_env, shutdown
-from .errors import PeerConnectionError, PeerError, PeerPayloadError, PeerTimeoutError
+from gossip.errors import PeerConnectionError, PeerError, PeerPayloadError, PeerTimeoutError
 from .latency import LatencyCommunicator, latency_rounds
 from .ledger import OPS, PHASES, Ledger
 from .simulated import SimulatedCommunicator

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Communicator, Handle, Received, _Done, _ring_allreduce_bytes, _tensor_nbytes
-from .errors import PeerConnectionError, PeerPayloadError, PeerTimeoutError, _format_peers
+from gossip.errors import PeerConnectionError, PeerPayloadError, PeerTimeoutError, _format_peers
 from .ledger import Ledger
 
 __all__ = ["DistCommunicator", "init_from_env", "shutdown"]

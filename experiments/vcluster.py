@@ -270,11 +270,12 @@ def cleanup(prefix: str = DEFAULT_PREFIX) -> list[str]:
 
 
 def torchrun_program() -> list[str]:
-    """``torchrun`` next to this interpreter, else ``python -m torch.distributed.run``
-    (the same program, for an interpreter installed without its scripts)."""
+    """``torchrun`` (the one next to this interpreter, whose directory
+    :meth:`VirtualCluster.torchrun_env` puts first on PATH), else ``python -m
+    torch.distributed.run``: the same program, for an interpreter without its scripts."""
     exe = Path(sys.executable).with_name("torchrun")
     if exe.is_file() and os.access(exe, os.X_OK):
-        return [str(exe)]
+        return ["torchrun"]
     return [sys.executable, "-m", "torch.distributed.run"]
 
 
@@ -740,6 +741,8 @@ class VirtualCluster:
         if env:
             e.update({k: str(v) for k, v in env.items()})
         e = {k: v for k, v in e.items() if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+        here = str(Path(sys.executable).parent)  # this interpreter's torchrun and python come first
+        e["PATH"] = os.pathsep.join([here, *[d for d in e.get("PATH", "").split(os.pathsep) if d and d != here]])
         e.update({
             "GLOO_SOCKET_IFNAME": h.ifname, "NCCL_SOCKET_IFNAME": h.ifname,
             "GOSSIP_LATENCY_MODE": self.latency_mode,

@@ -140,6 +140,10 @@ def _check_number(name: str, v: Any, *, strict: bool, allow_none: bool = False) 
         raise ConfigError(f"{_flag(name)} must be a finite number {'> 0' if strict else '>= 0'}, got {v!r}")
 
 
+def _is_factory(name: object) -> bool:
+    return isinstance(name, str) and ":" in name
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataSection:
     """What each node trains on: ``[data]`` in a TOML file."""
@@ -151,8 +155,9 @@ class DataSection:
 
     def __post_init__(self) -> None:
         datas = _registries()[4]
-        if self.name not in datas:
-            raise ConfigError(f"unknown --data {self.name!r}; accepted: {', '.join(datas)}")
+        if not isinstance(self.name, str) or (self.name not in datas and not _is_factory(self.name)):
+            raise ConfigError(f"unknown --data {self.name!r}; accepted: {', '.join(datas)}, "
+                              f"or module.path:function (your own data, see gossip.factories)")
         if self.partition not in ("iid", "sorted"):
             raise ConfigError(f"--partition must be 'iid' or 'sorted', got {self.partition!r}")
         if _bad_int("batch_size", self.batch_size, 1):
@@ -167,8 +172,9 @@ class ModelSection:
 
     def __post_init__(self) -> None:
         mdls = _registries()[3]
-        if self.name is not None and self.name not in mdls:
-            raise ConfigError(f"unknown --model {self.name!r}; accepted: {', '.join(mdls)}")
+        if self.name is not None and (not isinstance(self.name, str) or (self.name not in mdls and not _is_factory(self.name))):
+            raise ConfigError(f"unknown --model {self.name!r}; accepted: {', '.join(mdls)}, "
+                              f"or module.path:function (your own model, see gossip.factories)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -349,6 +355,7 @@ class RunSection:
     resume: str | None = None
     log_every: int = 10
     progress: bool = True
+    tensorboard: bool = False
 
     def __post_init__(self) -> None:
         for name, lo in (("epochs", 1), ("log_every", 1), ("checkpoint_every", 0), ("seed", 0)):
@@ -357,6 +364,8 @@ class RunSection:
                 raise ConfigError(f"{_flag(name)} must be an integer >= {lo}, got {v!r}")
         if self.max_steps is not None and _bad_int("max_steps", self.max_steps, 1):
             raise ConfigError(f"--max_steps must be a positive integer, got {self.max_steps!r}")
+        if self.resume == "auto" and self.out is None:
+            raise ConfigError("--resume auto continues the run in --out: give --out DIR")
 
 
 #: the sections of a TrainConfig, in the order of ``to_dict`` and of ``--help``
@@ -471,6 +480,8 @@ class TrainConfig:
     def model_name(self) -> str:
         if self.model.name is not None:
             return self.model.name
+        if _is_factory(self.data.name):
+            return "mlp"  # the user's own data: a multi-layer perceptron unless --model says otherwise
         return {"cifar10": "resnet20", "synthetic": "logreg"}.get(self.data.name, "cnn1d")
 
     def flat(self) -> dict[str, Any]:
@@ -497,6 +508,7 @@ _FLAT_ORDER = (
     "data_dir", "partition", "epochs", "max_steps", "batch_size", "lr", "lr_schedule", "momentum",
     "weight_decay", "seed", "device", "out", "checkpoint_every", "resume", "timeout", "emulate_latency",
     "simulate", "log_every", "progress", "merge", "merge_max_groups", "merge_alpha", "algo_options",
+    "tensorboard",
 )
 assert set(_FLAT_ORDER) == set(FLAT_KEYS), "every flat key has its place in config.json"
 
@@ -516,8 +528,11 @@ _HELP = {
     "cols": "columns of the torus (with --rows)",
     "weights": "mixing weights: uniform (regular graphs) or metropolis (default: uniform when regular)",
     "lazy": "use the lazy matrix (I+W)/2",
-    "model": "model (default: cnn1d for mnist1d, resnet20 for cifar10, logreg for synthetic)",
-    "data": "data set",
+    "model": "model (default: cnn1d for mnist1d, resnet20 for cifar10, logreg for synthetic, mlp for your "
+    "own data), or your own as module.path:function, called as function(input_shape, num_classes) and "
+    "returning a torch.nn.Module",
+    "data": "data set, or your own as module.path:function, called as function(seed) and returning a "
+    "gossip.data.Dataset or ((x_train, y_train), (x_test, y_test))",
     "data_dir": "directory of a local data set (cifar10: the python batches)",
     "partition": "iid: random equal shards; sorted: contiguous slices of the label-sorted data",
     "epochs": "passes over each node's shard",
@@ -532,13 +547,16 @@ _HELP = {
     "device": "auto (cuda if available), cpu (gloo) or cuda (NCCL)",
     "out": "output directory (default runs/<timestamp>-<algo>-<topology>)",
     "checkpoint_every": "write a checkpoint every N steps (0: only at the end)",
-    "resume": "continue the run in this directory from its latest checkpoint",
+    "resume": "continue the run in this directory from its latest checkpoint; 'auto' continues the run in --out "
+    "from its newest valid checkpoint if it has one and starts it otherwise (for torchrun --max-restarts)",
     "timeout": "seconds to wait for a peer before failing with its rank",
     "simulate": "run N nodes in this one process instead of under torchrun",
     "emulate_latency": "add this one-way latency (ms) to every message round inside the communicator, "
     "for networks where tc netem is unavailable (outputs say 'latency: emulated')",
     "log_every": "write a metrics record every N steps",
     "progress": "show a progress bar on rank 0",
+    "tensorboard": "also write the metrics as TensorBoard scalars to <out>/tensorboard "
+    "(needs the optional extra: pip install 'gossip[tensorboard]')",
     "merge": "MergeComp (papers/004) for efsgd/efblocksgd/efblocksgdm: layer (one group per tensor), whole "
     "(one group), N (N groups chosen by the cost model) or auto (Alg. 2); groups are compressed and sent "
     "while backward goes on",
@@ -588,8 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("cols", type=int, metavar="C")
     add("weights", choices=["uniform", "metropolis"])
     add("lazy", action="store_true")
-    add("model", choices=mdls)
-    add("data", choices=datas)
+    add("model", metavar="{" + ",".join(mdls) + "} or MODULE:FN")
+    add("data", metavar="{" + ",".join(datas) + "} or MODULE:FN")
     add("data_dir", metavar="DIR")
     add("partition", choices=["iid", "sorted"])
     add("epochs", type=int)
@@ -603,7 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("device", choices=["auto", "cpu", "cuda"])
     add("out", metavar="DIR")
     add("checkpoint_every", type=int, metavar="N")
-    add("resume", metavar="DIR")
+    add("resume", metavar="DIR|auto")
     add("timeout", type=float, metavar="SECONDS")
     add("simulate", type=int, metavar="N")
     add("emulate_latency", type=float, metavar="MS")
@@ -615,6 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--algo-opt", dest="algo_options", action="append", metavar="KEY=VALUE", help=_HELP["algo_options"]
     )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    p.add_argument("--tensorboard", action="store_true", help=_HELP["tensorboard"])
     return p
 
 

@@ -13,6 +13,7 @@ and ``summary.json`` at the end.
 from __future__ import annotations
 
 import contextlib
+import json
 import dataclasses
 import datetime as _dt
 import math
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import topologies
-from gossip import algorithms, checkpoint, compress, data, models, rundir
+from gossip import algorithms, checkpoint, compress, data, factories, models, rundir
 from gossip.config import TrainConfig
 from gossip.runtime import GossipOptimizer
 
@@ -47,6 +48,7 @@ class Diverged(RunError):
 
 
 #: config keys whose change makes a checkpoint unusable for an exact continuation
+AUTO = "auto"  # --resume auto
 FINGERPRINT_KEYS = (
     "algo", "compressor_spec", "topology", "degree", "rows", "cols", "weights", "lazy",
     "model_name", "data", "partition", "epochs", "batch_size", "lr", "lr_schedule",
@@ -130,6 +132,29 @@ def _build_algorithm(cfg: TrainConfig, comm) -> algorithms.Algorithm:
         raise RunError(f"{flag}: {e}") from None
 
 
+def _build_dataset(cfg: TrainConfig):
+    """A registered data set, or the user's own (``--data module:function``)."""
+    try:
+        if factories.is_factory(cfg.data.name):
+            return factories.dataset_from(cfg.data.name, seed=cfg.run.seed)
+        return data.build_dataset(cfg.data.name, data_dir=cfg.data.data_dir, seed=cfg.run.seed)
+    except (data.DataError, factories.FactoryError) as e:
+        raise RunError(str(e)) from None
+
+
+def _build_model(cfg: TrainConfig, dataset, device: torch.device) -> torch.nn.Module:
+    """A registered model, or the user's own (``--model module:function``), on ``device``."""
+    name = cfg.model_name
+    try:
+        if factories.is_factory(name):
+            model = factories.model_from(name, dataset.input_shape, dataset.num_classes).to(device)
+            factories.check_model_output(model, name, dataset.input_shape, dataset.num_classes, device)
+            return model
+        return models.build_model(name, input_shape=dataset.input_shape, num_classes=dataset.num_classes).to(device)
+    except factories.FactoryError as e:
+        raise RunError(str(e)) from None
+
+
 def _device(cfg: TrainConfig, env: _Env) -> torch.device:
     want = cfg.comm.device
     if want == "cpu":
@@ -167,12 +192,9 @@ def run(cfg: TrainConfig) -> dict | None:
     env = _detect_env(cfg)
     topo = _build_topology(cfg, env.world_size)  # pure: fails the same way on every rank
     device = _device(cfg, env)
-    if cfg.run.resume is not None and not Path(cfg.run.resume).is_dir():
+    if cfg.run.resume not in (None, AUTO) and not Path(cfg.run.resume).is_dir():
         raise RunError(f"--resume {cfg.run.resume!r}: no such run directory")
-    try:
-        dataset = data.build_dataset(cfg.data.name, data_dir=cfg.data.data_dir, seed=cfg.run.seed)
-    except data.DataError as e:
-        raise RunError(str(e)) from None
+    dataset = _build_dataset(cfg)
 
     from gossip import comm as gcomm
 
@@ -183,6 +205,7 @@ def run(cfg: TrainConfig) -> dict | None:
             gcomm.init_from_env(
                 backend="nccl" if device.type == "cuda" else "gloo", timeout=cfg.comm.timeout, device=device
             )
+            _agree_config(cfg, env)  # before anything is exchanged or written
             comm = gcomm.DistCommunicator(topo, device=device, timeout=cfg.comm.timeout)
         else:
             comm = gcomm.SimulatedCommunicator(topo, world_size=env.world_size, device=device)
@@ -198,8 +221,37 @@ def run(cfg: TrainConfig) -> dict | None:
             dist.destroy_process_group()
 
 
+#: config keys every rank must share: the fingerprinted ones and the run's length and cadence
+#: (paths such as --out and --data-dir may differ between hosts)
+AGREE_KEYS = FINGERPRINT_KEYS + (
+    "max_steps", "checkpoint_every", "log_every", "emulate_latency", "device", "simulate", "tensorboard",
+)
+
+
+def _agree_config(cfg: TrainConfig, env: _Env) -> None:
+    """Every rank compares the run-defining config with every other; on a mismatch all
+    ranks stop with one line naming the differing keys and a rank holding each value."""
+    import torch.distributed as dist
+
+    flat = cfg.to_dict()
+    mine = {k: flat.get(k) for k in AGREE_KEYS}
+    mine["resume_auto"] = cfg.run.resume == AUTO
+    everyone: list[dict] = [None] * env.world_size  # type: ignore[list-item]
+    dist.all_gather_object(everyone, mine)
+    diffs = []
+    for key in mine:
+        holders: dict[str, int] = {}
+        for r, theirs in enumerate(everyone):
+            holders.setdefault(json.dumps(theirs.get(key), sort_keys=True, default=str), r)
+        if len(holders) > 1:
+            diffs.append(f"{key}: " + ", ".join(f"{v} on rank {r}" for v, r in holders.items()))
+    if diffs:
+        raise RunError(f"the ranks were started with different configs; {'; '.join(diffs)}")
+
+
 def _agree_out_dir(cfg: TrainConfig, env: _Env) -> Path:
-    out = cfg.run.resume or cfg.run.out or (_default_out(cfg) if env.rank == 0 else None)
+    resume = None if cfg.run.resume == AUTO else cfg.run.resume
+    out = resume or cfg.run.out or (_default_out(cfg) if env.rank == 0 else None)
     if env.distributed:
         import torch.distributed as dist
 
@@ -285,9 +337,7 @@ class Run:
         self.models = []
         for _ in self.nodes:
             torch.manual_seed(cfg.run.seed)
-            self.models.append(models.build_model(
-                cfg.model_name, input_shape=dataset.input_shape, num_classes=dataset.num_classes
-            ).to(device))
+            self.models.append(_build_model(cfg, dataset, device))
         self.opts = [
             torch.optim.SGD(m.parameters(), lr=cfg.optim.lr, momentum=cfg.local_momentum,
                             weight_decay=cfg.optim.weight_decay)
@@ -312,6 +362,7 @@ class Run:
         self.last_eval: dict[str, Any] = {}
         self.bar = None
         self.metrics: list[rundir.MetricsWriter] = []
+        self.tb: rundir.TensorBoardWriter | None = None
         self._t0 = 0.0
         self._first_step = 0
 
@@ -319,12 +370,18 @@ class Run:
     def train(self) -> dict | None:
         cfg = self.cfg
         self.algo.set_event_sink(self._say if self.is_main else None)  # MergeComp's decisions
+        resumed = False
         if cfg.run.resume is not None:
-            self.resume()
+            resumed = self.resume(auto=cfg.run.resume == AUTO)
         if self.is_main and self.progress.step == 0:
             rundir.write_json(rundir.config_path(self.out), self._config_record())
-        keep = self.progress.step if cfg.run.resume is not None else None
+        keep = self.progress.step if resumed else None
         self.metrics = [rundir.MetricsWriter(rundir.metrics_path(self.out, i), keep_until=keep) for i in self.nodes]
+        if cfg.run.tensorboard and self.is_main:
+            try:
+                self.tb = rundir.TensorBoardWriter(self.out, resume_step=keep)
+            except rundir.RunDirError as e:
+                raise RunError(str(e)) from None
         if self.is_main:
             print(_header(cfg, self.env, self.dim, self.algo), flush=True)
         self.bar = _progress(cfg, self.is_main, self.stop, self.progress.step)
@@ -347,6 +404,8 @@ class Run:
                 self.bar.close()
             for m_ in self.metrics:
                 m_.close()
+            if self.tb is not None:
+                self.tb.close()
         self.checkpoint()
         return self.finish()
 
@@ -400,13 +459,21 @@ class Run:
     def _log_train(self, lr: float) -> None:
         p = self.progress
         snap = self.ledger.as_dict(detail=True)
+        recs = []
         for r, m_ in enumerate(self.metrics):
-            m_.write({
+            recs.append({
                 "kind": "train", "step": p.step, "epoch": p.step / self.steps_per_epoch, "time": self._elapsed(),
                 "loss": sum(p.log_losses[r]) / len(p.log_losses[r]), "lr": lr,
                 **_node_ledger(snap, r, len(self.nodes)),
             })
+            m_.write(recs[-1])
             p.log_losses[r] = []
+        if self.cfg.run.tensorboard:  # every rank: the mean over all nodes is a collective
+            keys = [k for k, v in recs[0].items() if isinstance(v, (int, float)) and k not in ("kind", "step")]
+            t = torch.tensor([[float(rec[k]) for k in keys] for rec in recs], dtype=torch.float64)
+            mean = self.comm.all_reduce(t, op="mean", record=False)[0]
+            if self.tb is not None:
+                self.tb.write({"kind": "train", "step": p.step, **dict(zip(keys, mean.tolist()))})
 
     def _elapsed(self) -> float:
         return time.perf_counter() - self._t0
@@ -421,6 +488,8 @@ class Run:
         p.epoch_losses = [[] for _ in self.nodes]
         for m_ in self.metrics:
             m_.write({"kind": "eval", "step": p.step, "epoch": p.step / spe, "time": self._elapsed(), **ev})
+        if self.tb is not None:
+            self.tb.write({"kind": "eval", "step": p.step, **ev})
         self.last_eval = ev
         if self.is_main:
             self._say(_epoch_line(p.step / spe, self.cfg.run.epochs, ev, self.ledger, self.dpsgd_bytes, p.step))
@@ -441,16 +510,46 @@ class Run:
             world_size=self.env.world_size,
         )
 
-    def resume(self) -> None:
-        """Restore every part from this rank's latest checkpoint; all ranks agree or all fail."""
-        env, err, record = self.env, None, None
+    def resume(self, auto: bool = False) -> bool:
+        """Restore every part from the newest checkpoint step that every rank can load
+        (older steps are tried when a newer one is damaged); all ranks agree or all fail.
+        ``auto``: a directory without any checkpoint starts fresh. Returns whether it resumed."""
+        env = self.env
+        steps = checkpoint.list_checkpoints(self.out)
+        complete = sorted((s for s, r in steps.items()
+                           if all(k in r for k in range(env.world_size if env.distributed else 1))), reverse=True)
+        if env.distributed:  # the same candidates on every rank (a rank may see other files)
+            mine = torch.tensor([[float(len(complete)), float(complete[0] if complete else -1)]], dtype=torch.float64)
+            seen = self.comm.all_gather(mine, record=False)
+            if len(set(map(tuple, seen.tolist()))) != 1:
+                raise RunError(f"--resume: ranks see different checkpoints in {str(self.out)!r} "
+                               f"(newest complete step per rank: {[int(v) for v in seen[:, 1].tolist()]})")
+        if not complete:
+            if auto:
+                return False
+            raise RunError(f"--resume {str(self.out)!r}: no checkpoint found in that directory")
+        errors: list[str] = []
+        for step in complete:
+            err = self._load(checkpoint.checkpoint_path(self.out, step, env.rank))
+            ok = torch.tensor([[float(err is None)]], dtype=torch.float64)
+            flags = self.comm.all_gather(ok, record=False) if env.distributed else ok
+            if bool((flags[:, 0] > 0).all()):
+                if errors and self.is_main:
+                    self._say(f"gossip.train: resumed from step {step}: newer checkpoints could not be loaded ({errors[0]})")
+                return True
+            bad = [int(i) for i in torch.nonzero(flags[:, 0] < 1).flatten()]
+            errors.append(err or f"the checkpoint of rank(s) {bad} at step {step} could not be loaded")
+            if not auto:  # an explicit --resume takes the newest step or says why not
+                raise RunError(errors[0] if err is not None else f"--resume: {errors[0]}")
+        raise RunError(f"--resume auto: no checkpoint step in {str(self.out)!r} loads on every rank ({errors[0]})")
+
+    def _load(self, path: Path) -> str | None:
+        """Load and restore every part from one checkpoint file; the error, or None. A
+        later candidate overwrites whatever a failed one restored."""
         try:
-            path = checkpoint.latest_checkpoint(self.out, rank=env.rank, num_ranks=env.world_size if env.distributed else 1)
-            if path is None:
-                raise checkpoint.CheckpointError(f"--resume {str(self.out)!r}: no checkpoint found in that directory")
             payload = checkpoint.load_checkpoint(
                 path, expect_config={k: self.cfg_dict[k] for k in FINGERPRINT_KEYS},
-                expect_fingerprint=self.fingerprint, expect_world_size=env.world_size,
+                expect_fingerprint=self.fingerprint, expect_world_size=self.env.world_size,
             )
             record = CheckpointRecord.from_payload(payload, str(path))
             self.gopt.load_state_dict(record.optimizer)
@@ -458,18 +557,9 @@ class Run:
                 ld.load_state_dict(s)
             self.ledger.load_state_dict(record.ledger)
         except (checkpoint.CheckpointError, ValueError, KeyError) as e:
-            err = e
-        step = record.progress.step if record is not None else 0
-        if env.distributed:  # every rank fails together instead of hanging at the next exchange
-            flags = self.comm.all_gather(torch.tensor([[float(err is None), float(step)]], dtype=torch.float64), record=False)
-            if err is None and bool((flags[:, 0] < 1).any()):
-                bad = [int(i) for i in torch.nonzero(flags[:, 0] < 1).flatten()]
-                err = checkpoint.CheckpointError(f"--resume: the checkpoint of rank(s) {bad} could not be loaded")
-            elif err is None and len(set(flags[:, 1].tolist())) != 1:
-                err = checkpoint.CheckpointError("--resume: ranks have checkpoints of different steps")
-        if err is not None:
-            raise RunError(str(err)) from None
+            return str(e)
         self.progress = record.progress
+        return None
 
     # --- the end -------------------------------------------------------------------------
     def finish(self) -> dict | None:

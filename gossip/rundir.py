@@ -60,6 +60,8 @@ __all__ = [
     "read_metrics",
     "summary_path",
     "setup_traffic_of",
+    "tensorboard_dir",
+    "TensorBoardWriter",
     "wire_of",
     "write_json",
 ]
@@ -96,6 +98,46 @@ def metrics_files(run_dir: str | Path) -> dict[int, Path]:
         if m and p.is_file():
             files[int(m.group(1))] = p
     return dict(sorted(files.items()))
+
+
+TENSORBOARD_DIR = "tensorboard"
+#: metrics record keys -> TensorBoard scalar tags
+_TB_TAGS = {
+    "train": {"loss": "train/loss", "lr": "train/lr", "bytes_sent": "traffic/bytes_sent_per_node",
+              "bytes_recv": "traffic/bytes_recv_per_node", "compute_s": "time/compute_s",
+              "compress_s": "time/compress_s", "comm_s": "time/comm_s", "warmup_s": "time/warmup_s"},
+    "eval": {"test_loss": "eval/test_loss", "test_acc": "eval/test_acc", "train_loss": "eval/train_loss",
+             "consensus_distance": "eval/consensus_distance", "node_acc_min": "eval/node_acc_min",
+             "node_acc_max": "eval/node_acc_max"},
+}
+
+
+def tensorboard_dir(out: str | Path) -> Path:
+    return Path(out) / TENSORBOARD_DIR
+
+
+class TensorBoardWriter:
+    """The metrics records as TensorBoard scalars under ``<out>/tensorboard``, at x =
+    step. Train records are the mean over the nodes; eval records are global."""
+
+    INSTALL = "pip install 'gossip[tensorboard]' (or pip install tensorboard)"
+
+    def __init__(self, out: str | Path, resume_step: int | None = None) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise RunDirError(f"--tensorboard needs the tensorboard package ({e}); {self.INSTALL}") from None
+        # a resumed run drops the events the interrupted one wrote past its checkpoint
+        self._w = SummaryWriter(log_dir=str(tensorboard_dir(out)), purge_step=resume_step)
+
+    def write(self, rec: dict) -> None:
+        for key, tag in _TB_TAGS.get(rec.get("kind"), {}).items():
+            v = rec.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self._w.add_scalar(tag, v, global_step=int(rec["step"]))
+
+    def close(self) -> None:
+        self._w.close()
 
 
 def is_run_dir(path: str | Path) -> bool:

@@ -92,14 +92,31 @@ def init_from_env(
         torch.cuda.set_device(device)  # batch_isend_irecv on NCCL hangs without it
     if dist.is_initialized():
         return device
-    dist.init_process_group(
-        backend,
-        init_method="env://",
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timedelta(seconds=t),
-    )
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = _restart_store(world, timedelta(seconds=t))
+    if store is None:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=t))
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=t))
     return device
+
+
+def _restart_store(world_size: int, timeout: timedelta):
+    """Under torchrun's elastic agent, the agent's store with a prefix per attempt.
+
+    The agent keeps one TCPStore for the whole job; ``env://`` connects to it without
+    a prefix, so after a restart (``--max-restarts``) the new workers read the previous
+    attempt's gloo addresses and ``connectFullMesh`` fails with "Connection refused"
+    or hangs. Keys under ``gossip/attempt_<TORCHELASTIC_RESTART_COUNT>`` are the
+    current attempt's only. None outside the elastic agent (plain ``env://``).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                         is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"gossip/attempt_{attempt}", base)
 
 
 class DistCommunicator(Communicator):

@@ -1,0 +1,392 @@
+"""Will compression pay on my link? Measure here, model the link, find the crossover.
+
+    python -m gossip.crossover --model resnet20 --world-size 8 --topology ring
+    python -m gossip.crossover --params 11000000 --algos ecd@quant:bits=4,efsgd@topk:p=0.01 \\
+        --bandwidth 10mbit,100mbit,1gbit,10gbit --latency 0,5ms,50ms --plot crossover.png
+
+For each candidate (``ALGO`` or ``ALGO@COMPRESSOR``; default every registered
+algorithm with its default compressor) it runs a few real steps of the algorithm on
+this machine, all ``--world-size`` nodes simulated in this process through the same
+``GossipOptimizer`` a training run uses, and reads from the ledger, per node and per
+step:
+
+- ``bytes``: what the node sends (setup traffic and size checks left out);
+- ``codec``: the time spent compressing and decompressing (the ledger's ``compress``);
+- ``compute``: forward and backward of the model on one batch;
+- ``rounds``: the communication calls per step, by kind.
+
+The link model: a node's step takes ``compute + codec + overhead * bytes * 8 /
+bandwidth + latency * R``, where ``overhead`` (``--link-overhead``, default 1.05) is
+the framing the transport adds to the payload (TCP/IPv4 over Ethernet: 1448 payload
+bytes per 1514-byte frame, plus acknowledgements), and with R the sequential message rounds of the step's calls (a neighbour
+exchange 1, a ring all-reduce 2(n-1), an all-gather n-1, a broadcast ceil(log2 n)).
+Compute, compression and communication are not overlapped, and the bandwidth is that
+of each node's link (a switch, not a shared bus). The **crossover bandwidth** against
+a baseline (fp32 all-reduce, fp32 D-PSGD) is where the two step times are equal:
+below it the candidate is faster when it sends fewer bytes.
+
+Timings are of this machine and its current load (the tool warns when the load
+average is above 0.3). ``--json`` prints the whole table for notebooks; ``--plot``
+draws step time against bandwidth with the crossovers marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+__all__ = ["Candidate", "Measured", "measure", "step_time", "crossover", "parse_rate", "parse_time", "main"]
+
+BASELINES = ("allreduce", "dpsgd")
+DEFAULT_BANDWIDTHS = "10mbit,100mbit,1gbit,10gbit"
+DEFAULT_LATENCIES = "0,5ms,50ms"
+#: input shape and classes of the data each built-in model is made for
+MODEL_INPUTS = {"cnn1d": ((1, 40), 10), "resnet20": ((3, 32, 32), 10), "mlp": ((32,), 10), "logreg": ((32,), 10)}
+_MLP_INPUT = 256  # --params N: an MLP 256 -> h -> 10 with about N parameters
+
+
+class CrossoverError(ValueError):
+    """Bad input to the crossover tool: one line naming it and what is accepted."""
+
+
+# ------------------------------------------------------------------------------ units
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([kmgt]?)(bit|bps|b)?\s*$", re.I)
+_TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*(us|ms|s)?\s*$", re.I)
+
+
+def parse_rate(text: str) -> float:
+    """``"100mbit"`` -> 1e8 bits per second (``tc``'s units: kbit, mbit, gbit, tbit;
+    a bare number is bits per second)."""
+    m = _RATE.match(str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise CrossoverError(f"bandwidth {text!r}: expected a positive rate such as 10mbit, 1gbit or 2.5e9")
+    return float(m.group(1)) * 10 ** (3 * "_kmgt".index(m.group(2).lower() or "_"))
+
+
+def parse_time(text: str) -> float:
+    """``"5ms"`` -> 0.005 seconds (us, ms, s; a bare number is seconds)."""
+    m = _TIME.match(str(text))
+    if not m:
+        raise CrossoverError(f"latency {text!r}: expected a time such as 0, 500us, 5ms or 0.05s")
+    return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[(m.group(2) or "s").lower()]
+
+
+def fmt_rate(bps: float) -> str:
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:.3g} {unit}"
+    return f"{bps:.3g} bit/s"
+
+
+# ------------------------------------------------------------------------------ measuring
+@dataclass(frozen=True)
+class Candidate:
+    algo: str
+    compressor: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.algo if self.compressor is None else f"{self.algo}@{self.compressor}"
+
+    @classmethod
+    def parse(cls, text: str) -> Candidate:
+        from gossip import algorithms
+
+        algo, _, comp = text.strip().partition("@")
+        if algo not in algorithms.available():
+            raise CrossoverError(f"--algos {text!r}: unknown algorithm {algo!r}; known: {', '.join(algorithms.available())}")
+        return cls(algo, comp or None)
+
+
+@dataclass
+class Measured:
+    """Per node and per step, as this machine ran it."""
+
+    label: str
+    algo: str
+    decentralized: bool
+    wire: str
+    bytes: float
+    codec_s: float
+    compute_s: float
+    rounds: dict[str, float] = field(default_factory=dict)
+    setup_bytes: float = 0.0
+
+
+def rounds_of(op: str, n: int) -> int:
+    """Sequential message rounds of one call of ``op`` among ``n`` nodes."""
+    return {"exchange": 1, "all_reduce": 2 * (n - 1), "all_gather": n - 1,
+            "broadcast": max(1, math.ceil(math.log2(max(2, n))))}.get(op, 0)
+
+
+def model_factory(model: str | None, params: int | None) -> tuple[Callable[[], Any], tuple[int, ...], int, str]:
+    """A factory of identical models, their input shape, class count and name."""
+    import torch
+    from torch import nn
+
+    from gossip import models
+
+    if model is not None:
+        if model not in MODEL_INPUTS:
+            raise CrossoverError(f"--model {model!r}: expected one of {', '.join(MODEL_INPUTS)} (or --params N)")
+        shape, classes = MODEL_INPUTS[model]
+        return (lambda: models.build_model(model, input_shape=shape, num_classes=classes, seed=0)), shape, classes, model
+    hidden = max(1, round((params - 10) / (_MLP_INPUT + 11)))
+
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(_MLP_INPUT, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+    return mlp, (_MLP_INPUT,), 10, f"mlp {_MLP_INPUT}-{hidden}-10"
+
+
+def measure(cand: Candidate, factory: Callable[[], Any], input_shape: Sequence[int], classes: int, *,
+            world_size: int, topology: str, degree: int | None = None, batch_size: int = 32,
+            steps: int = 3, seed: int = 0) -> Measured:
+    """Run ``steps`` steps (after one warm-up step) of ``cand`` on ``world_size`` simulated nodes."""
+    import torch
+    import torch.nn.functional as F
+
+    import topologies
+    from gossip import algorithms, comm
+    from gossip.runtime import GossipOptimizer
+
+    decentralized = algorithms.is_decentralized(cand.algo)
+    topo = None
+    if decentralized:
+        try:
+            topo = topologies.build(topology, world_size, **({"degree": degree} if degree else {}))
+        except (ValueError, TypeError) as e:
+            raise CrossoverError(f"--topology {topology} with --world-size {world_size}: {e}") from None
+    c = comm.SimulatedCommunicator(topo, world_size=world_size)
+    opts: dict[str, Any] = {"seed": seed}
+    if cand.compressor is not None:
+        opts["compressor"] = cand.compressor
+    try:
+        algo = algorithms.build(cand.algo, c, **opts)
+    except (ValueError, TypeError) as e:
+        raise CrossoverError(f"--algos {cand.label}: {e}") from None
+    models = [factory() for _ in range(world_size)]
+    sgd = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]  # no local momentum: every algorithm takes it
+    gopt = GossipOptimizer(models, sgd, algo)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch_size, *input_shape, generator=gen)
+    y = torch.randint(0, classes, (batch_size,), generator=gen)
+    ledger = c.ledger
+
+    def one_step() -> None:
+        gopt.zero_grad()
+        with ledger.phase("compute"):
+            for m in models:
+                F.cross_entropy(m(x), y).backward()
+        gopt.step()
+        ledger.step()
+
+    with ledger.warmup():  # compilation and first calls
+        one_step()
+    before = ledger.as_dict()
+    for _ in range(steps):
+        one_step()
+    d = ledger.since(before)
+    per = world_size * steps
+    sent = d["bytes"]["sent"] - d["ops"]["control"]["sent"]
+    rounds = {op: v["calls"] / steps for op, v in d["ops"].items() if op != "control" and v["calls"]}
+    wire = algo.wire_format().label
+    return Measured(
+        label=cand.label, algo=cand.algo, decentralized=decentralized, wire=wire, bytes=sent / per,
+        codec_s=d["time"]["compress"] / per, compute_s=d["time"]["compute"] / per, rounds=rounds,
+        setup_bytes=before["setup"]["sent"] / world_size,
+    )
+
+
+# ------------------------------------------------------------------------------ the model
+def fixed_s(m: Measured, latency: float, n: int) -> float:
+    """The part of a step that does not depend on the bandwidth."""
+    return m.compute_s + m.codec_s + latency * sum(k * rounds_of(op, n) for op, k in m.rounds.items())
+
+
+LINK_OVERHEAD = 1.05
+
+
+def step_time(m: Measured, bandwidth: float, latency: float, n: int, overhead: float = LINK_OVERHEAD) -> float:
+    """Modelled seconds per step on a link of ``bandwidth`` bit/s and ``latency`` s."""
+    return fixed_s(m, latency, n) + overhead * 8.0 * m.bytes / bandwidth
+
+
+def crossover(m: Measured, base: Measured, latency: float, n: int, overhead: float = LINK_OVERHEAD) -> dict[str, Any]:
+    """Where ``m`` and ``base`` take equal time: ``{"wins": "always"|"never"|"below"|"above",
+    "bandwidth": bit/s or None}``."""
+    sa, sb = overhead * 8.0 * m.bytes, overhead * 8.0 * base.bytes
+    fa, fb = fixed_s(m, latency, n), fixed_s(base, latency, n)
+    if sa < sb:
+        return {"wins": "always", "bandwidth": None} if fa <= fb else {"wins": "below", "bandwidth": (sb - sa) / (fa - fb)}
+    if fa < fb and sa > sb:
+        return {"wins": "above", "bandwidth": (sa - sb) / (fb - fa)}
+    return {"wins": "always" if fa < fb else "never", "bandwidth": None}
+
+
+def fmt_crossover(c: dict[str, Any]) -> str:
+    if c["wins"] in ("below", "above"):
+        return f"{c['wins']} {fmt_rate(c['bandwidth'])}"
+    return c["wins"]
+
+
+# ------------------------------------------------------------------------------ the CLI
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gossip.crossover", description=__doc__.splitlines()[0])
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--model", choices=list(MODEL_INPUTS), help="a built-in model (default: --params)")
+    what.add_argument("--params", type=int, help="an MLP with about this many parameters (default 1000000)")
+    p.add_argument("--world-size", type=int, default=8, help="nodes (default 8)")
+    p.add_argument("--topology", default="ring", help="graph of the gossip algorithms (default ring)")
+    p.add_argument("--degree", type=int, help="degree, for expander and the like")
+    p.add_argument("--algos", help="comma-separated ALGO or ALGO@COMPRESSOR (default: every algorithm); "
+                   "allreduce and dpsgd (fp32) are always measured as the baselines")
+    p.add_argument("--bandwidth", default=DEFAULT_BANDWIDTHS, help=f"link rates (default {DEFAULT_BANDWIDTHS})")
+    p.add_argument("--latency", default=DEFAULT_LATENCIES, help=f"one-way latencies (default {DEFAULT_LATENCIES})")
+    p.add_argument("--link-overhead", type=float, default=LINK_OVERHEAD,
+                   help=f"bytes on the wire per payload byte (default {LINK_OVERHEAD}: TCP/IP framing)")
+    p.add_argument("--batch-size", type=int, default=32, help="per node, for the compute time (default 32)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per candidate after one warm-up (default 3)")
+    p.add_argument("--json", action="store_true", help="print the table as JSON instead")
+    p.add_argument("--plot", metavar="FILE.png", help="draw step time against bandwidth, crossovers marked")
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name, lo in (("world_size", 2), ("batch_size", 1), ("steps", 1)):
+        if getattr(args, name) < lo:
+            raise CrossoverError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least {lo}")
+    if not 1.0 <= args.link_overhead <= 10.0:
+        raise CrossoverError(f"--link-overhead {args.link_overhead}: expected 1 to 10 wire bytes per payload byte")
+    if args.params is not None and not 300 <= args.params <= 2_000_000_000:
+        raise CrossoverError(f"--params {args.params}: expected 300 to 2e9 parameters")
+
+
+def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[str, Any]:
+    _check(args)
+    bws = [parse_rate(b) for b in args.bandwidth.split(",")]
+    lats = [parse_time(t) for t in args.latency.split(",")]
+    from gossip import algorithms
+
+    names = args.algos.split(",") if args.algos else list(algorithms.available())
+    cands = [Candidate.parse(t) for t in names if t.strip()]
+    for b in reversed(BASELINES):
+        if not any(c.algo == b and c.compressor is None for c in cands):
+            cands.insert(0, Candidate(b))
+    factory, shape, classes, model_name = model_factory(args.model, args.params if args.model else (args.params or 1_000_000))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > 0.3:
+        say(f"warning: load average {load:.2f} > 0.3: timings of a busy machine overstate the codec costs")
+    measured: list[Measured] = []
+    for k, cand in enumerate(cands, 1):
+        say(f"[{k}/{len(cands)}] measuring {cand.label} ...")
+        measured.append(measure(cand, factory, shape, classes, world_size=args.world_size, topology=args.topology,
+                                degree=args.degree, batch_size=args.batch_size, steps=args.steps))
+    n, ov = args.world_size, args.link_overhead
+    base = {m.label: m for m in measured if m.label in BASELINES}
+    import torch
+
+    rows = []
+    for m in measured:
+        rows.append({
+            **asdict(m),
+            "step_s": [{"bandwidth": b, "latency": t, "seconds": step_time(m, b, t, n, ov)} for t in lats for b in bws],
+            "crossover": {bl: [{"latency": t, **crossover(m, base[bl], t, n, ov)} for t in lats] for bl in BASELINES},
+        })
+    return {
+        "machine": {"threads": torch.get_num_threads(), "load_average": load},
+        "model": model_name,
+        "params": sum(p.numel() for p in factory().parameters()), "world_size": n,
+        "topology": args.topology, "bandwidths": bws, "latencies": lats, "link_overhead": ov, "rows": rows,
+    }
+
+
+def render(res: dict[str, Any]) -> str:
+    bws, lats, n = res["bandwidths"], res["latencies"], res["world_size"]
+    out = [f"{res['model']}, {res['params']:,} params, {n} nodes, gossip on {res['topology']}; "
+           f"{res['machine']['threads']} thread(s), load {res['machine']['load_average']:.2f}", ""]
+    w = max(len(r["label"]) for r in res["rows"])
+    fp32 = {r["label"]: r["bytes"] for r in res["rows"]}.get("allreduce") or 1.0
+    out.append(f"{'algorithm':<{w}}  {'wire':<16} {'bytes/step/node':>15} {'vs fp32 AR':>10} {'codec ms':>9} "
+               f"{'compute ms':>10}  rounds")
+    for r in res["rows"]:
+        rounds = " ".join(f"{op}x{k:g}" for op, k in r["rounds"].items()) or "-"
+        out.append(f"{r['label']:<{w}}  {r['wire'][:16]:<16} {r['bytes']:>15,.0f} {r['bytes'] / fp32:>10.3f} "
+                   f"{1e3 * r['codec_s']:>9.2f} {1e3 * r['compute_s']:>10.2f}  {rounds}")
+    for t in lats:
+        out += ["", f"modelled step time (ms) at latency {1e3 * t:g} ms"]
+        out.append(f"{'algorithm':<{w}}  " + " ".join(f"{fmt_rate(b):>13}" for b in bws))
+        for r in res["rows"]:
+            vals = [s["seconds"] for s in r["step_s"] if s["latency"] == t]
+            out.append(f"{r['label']:<{w}}  " + " ".join(f"{1e3 * v:>13.2f}" for v in vals))
+    for bl in BASELINES:
+        out += ["", f"crossover against fp32 {bl}: the candidate is faster ... (per latency)"]
+        out.append(f"{'algorithm':<{w}}  " + " ".join(f"{f'{1e3 * t:g} ms':>22}" for t in lats))
+        for r in res["rows"]:
+            if r["label"] == bl:
+                continue
+            out.append(f"{r['label']:<{w}}  " + " ".join(f"{fmt_crossover(c):>22}" for c in r["crossover"][bl]))
+    return "\n".join(out)
+
+
+def plot(res: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    lats, n = res["latencies"], res["world_size"]
+    fig, axes = plt.subplots(1, len(lats), figsize=(5 * len(lats), 4), squeeze=False, sharey=True)
+    grid = np.logspace(math.log10(min(res["bandwidths"]) / 2), math.log10(max(res["bandwidths"]) * 2), 200)
+    for ax, t in zip(axes[0], lats):
+        for r in res["rows"]:
+            m = Measured(**{k: r[k] for k in Measured.__dataclass_fields__})
+            ov = res["link_overhead"]
+            ax.plot(grid, [1e3 * step_time(m, b, t, n, ov) for b in grid], label=r["label"],
+                    lw=2 if r["label"] in BASELINES else 1)
+            c = r["crossover"]["allreduce"][lats.index(t)]
+            if c["bandwidth"] is not None and grid[0] <= c["bandwidth"] <= grid[-1]:
+                ax.plot([c["bandwidth"]], [1e3 * step_time(m, c["bandwidth"], t, n, ov)], "kx")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("bandwidth (bit/s)")
+        ax.set_title(f"latency {1e3 * t:g} ms (x: crossover vs fp32 all-reduce)", fontsize=9)
+    axes[0][0].set_ylabel("modelled step time (ms)")
+    axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    try:
+        if args.plot:
+            import matplotlib  # noqa: F401  (fail before the measurements, not after)
+        res = run(args, say)
+    except CrossoverError as e:
+        print(f"gossip.crossover: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"gossip.crossover: error: --plot needs matplotlib ({e}); pip install matplotlib", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(res, indent=1))
+    else:
+        print(render(res))
+    if args.plot:
+        plot(res, args.plot)
+        say(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""``python -m gossip.crossover``: measured figures, the link model and its crossovers."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from gossip import crossover as cx
+from tests.conftest import run_process
+
+
+def _m(label, nbytes, codec=0.0, compute=0.0, rounds=None):
+    return cx.Measured(label=label, algo=label, decentralized=True, wire="x", bytes=nbytes, codec_s=codec,
+                       compute_s=compute, rounds=rounds or {"exchange": 1.0})
+
+
+@pytest.mark.parametrize("text, value", [("10mbit", 1e7), ("1gbit", 1e9), ("2.5e9", 2.5e9), ("100kbit", 1e5),
+                                         ("1Gbit", 1e9), ("1tbit", 1e12)])
+def test_rates_in_tc_units(text, value):
+    assert cx.parse_rate(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text, value", [("0", 0.0), ("5ms", 5e-3), ("500us", 5e-4), ("0.05s", 0.05)])
+def test_latencies(text, value):
+    assert cx.parse_time(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("bad", ["fast", "-1mbit", "0", "10 furlongs"])
+def test_bad_rates_say_what_is_accepted(bad):
+    with pytest.raises(cx.CrossoverError, match="expected a positive rate"):
+        cx.parse_rate(bad)
+
+
+def test_the_crossover_is_where_the_step_times_meet():
+    fp32 = _m("fp32", 4e6, codec=0.0)
+    q8 = _m("q8", 1e6, codec=0.004)
+    for lat in (0.0, 0.005):
+        c = cx.crossover(q8, fp32, lat, n=8)
+        assert c["wins"] == "below"
+        bw = c["bandwidth"]
+        assert bw == pytest.approx(cx.LINK_OVERHEAD * 8 * 3e6 / 0.004)  # wire bits saved over the codec's cost
+        assert cx.step_time(q8, bw, lat, 8) == pytest.approx(cx.step_time(fp32, bw, lat, 8))
+        assert cx.step_time(q8, bw / 2, lat, 8) < cx.step_time(fp32, bw / 2, lat, 8)
+        assert cx.step_time(q8, bw * 2, lat, 8) > cx.step_time(fp32, bw * 2, lat, 8)
+    assert cx.crossover(_m("free", 1e6), fp32, 0.0, 8) == {"wins": "always", "bandwidth": None}
+    assert cx.crossover(_m("worse", 5e6, codec=1.0), fp32, 0.0, 8) == {"wins": "never", "bandwidth": None}
+
+
+def test_latency_counts_the_rounds_of_each_call():
+    ring_ar = _m("ar", 0.0, rounds={"all_reduce": 1.0})
+    gossip = _m("g", 0.0, rounds={"exchange": 1.0})
+    assert cx.step_time(ring_ar, 1e9, 0.01, 8) == pytest.approx(14 * 0.01)  # 2 (n - 1) rounds
+    assert cx.step_time(gossip, 1e9, 0.01, 8) == pytest.approx(0.01)
+
+
+def test_the_cli_measures_every_candidate_and_prints_json(tmp_path):
+    r = run_process([sys.executable, "-m", "gossip.crossover", "--params", "2000", "--world-size", "4",
+                     "--algos", "ecd,dcd@quant:bits=4,efsgd@topk:p=0.05,signsgd", "--bandwidth", "10mbit,1gbit",
+                     "--latency", "0,5ms", "--steps", "2", "--json"], timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    rows = {row["label"]: row for row in res["rows"]}
+    assert list(rows) == ["allreduce", "dpsgd", "ecd", "dcd@quant:bits=4", "efsgd@topk:p=0.05", "signsgd"]
+    d = res["params"]
+    assert abs(d - 2000) <= 267  # an MLP 256-h-10: h steps of 267 parameters
+    # D-PSGD on a ring sends x to 2 neighbours; ECD the same at 8 bits: a quarter, plus headers
+    assert rows["dpsgd"]["bytes"] == pytest.approx(2 * 4 * d, rel=0.05)
+    assert rows["ecd"]["bytes"] == pytest.approx(rows["dpsgd"]["bytes"] / 4, rel=0.1)
+    assert rows["dcd@quant:bits=4"]["bytes"] < rows["ecd"]["bytes"]
+    assert rows["ecd"]["setup_bytes"] > 0 and rows["allreduce"]["setup_bytes"] == 0
+    assert rows["ecd"]["rounds"] == {"exchange": 1.0} and rows["allreduce"]["rounds"] == {"all_reduce": 1.0}
+    for row in res["rows"]:
+        assert row["codec_s"] >= 0 and row["compute_s"] > 0
+        assert len(row["step_s"]) == 4 and set(row["crossover"]) == {"allreduce", "dpsgd"}
+        for c in row["crossover"]["allreduce"]:
+            assert c["wins"] in ("always", "never", "below", "above")
+    assert "measuring ecd" in r.stderr
+
+
+def test_the_table_and_the_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "x.png"
+    r = run_process([sys.executable, "-m", "gossip.crossover", "--params", "2000", "--world-size", "4",
+                     "--algos", "ecd", "--steps", "1", "--plot", str(png)], timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "crossover against fp32 allreduce" in r.stdout and "modelled step time" in r.stdout
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--algos", "nope"], "unknown algorithm 'nope'"),
+    (["--bandwidth", "fast"], "expected a positive rate"),
+    (["--latency", "soon"], "expected a time"),
+    (["--world-size", "1"], "--world-size 1: must be at least 2"),
+    (["--params", "10"], "--params 10: expected 300"),
+    (["--link-overhead", "0.5"], "--link-overhead 0.5: expected 1 to 10"),
+    (["--topology", "torus", "--world-size", "7", "--algos", "ecd"], "--topology torus with --world-size 7"),
+])
+def test_bad_input_is_one_line(tmp_path, args, needle):
+    r = run_process([sys.executable, "-m", "gossip.crossover", "--params", "2000", *args], timeout=120, cwd=tmp_path)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("gossip.crossover: error:")]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr

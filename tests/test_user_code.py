@@ -1,0 +1,156 @@
+"""The user's own model and data from the CLI: ``--model module:fn``, ``--data module:fn``.
+
+The factories below are the user's code; the CLI imports them from this file.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import run_process
+
+
+# ---------------------------------------------------------------------- the user's code
+def blobs(seed: int):
+    """Three Gaussian blobs in 6 dimensions: ((x_train, y_train), (x_test, y_test))."""
+    g = torch.Generator().manual_seed(seed)
+    centres = 3 * torch.randn(3, 6, generator=g)
+
+    def draw(n):
+        y = torch.randint(0, 3, (n,), generator=g)
+        return centres[y] + torch.randn(n, 6, generator=g), y
+
+    return draw(512), draw(256)
+
+
+def small_net(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], 16), nn.Tanh(), nn.Linear(16, num_classes))
+
+
+def wrong_width(input_shape, num_classes):
+    return nn.Linear(input_shape[0] + 1, num_classes)
+
+
+def not_a_model(input_shape, num_classes):
+    return "a model"
+
+
+def broken_data(seed):
+    raise OSError("the disk is gone")
+
+
+def three_tensors(seed):
+    return torch.zeros(4, 2), torch.zeros(4), torch.zeros(4)
+
+
+NOT_CALLABLE = 42
+
+
+# ---------------------------------------------------------------------- the tests
+def _train(tmp_path, *args):
+    return run_process([sys.executable, "-m", "gossip.train", "--no-progress", *args], timeout=300, cwd=tmp_path)
+
+
+HERE = "tests.test_user_code"
+
+
+def test_own_model_and_data_train_and_are_recorded(tmp_path):
+    out = tmp_path / "run"
+    r = _train(tmp_path, "--simulate", "4", "--algo", "ecd", "--topology", "ring", "--data", f"{HERE}:blobs",
+               "--model", f"{HERE}:small_net", "--epochs", "6", "--batch-size", "16", "--lr", "0.1",
+               "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == f"{HERE}:small_net" and summary["data"] == f"{HERE}:blobs"
+    assert summary["params"] == 6 * 16 + 16 + 16 * 3 + 3
+    assert summary["final_test_acc"] > 0.9  # well separated blobs
+
+
+def test_own_data_with_a_built_in_model(tmp_path):
+    r = _train(tmp_path, "--simulate", "2", "--algo", "allreduce", "--data", f"{HERE}:blobs", "--model", "mlp",
+               "--max-steps", "3", "--out", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--data", "no_such_module_xyz:make"], ["--data 'no_such_module_xyz:make'", "cannot import", "PYTHONPATH"]),
+    (["--data", f"{HERE}:nothing_here"], ["has no 'nothing_here'", "fn(seed)"]),
+    (["--data", f"{HERE}:NOT_CALLABLE"], ["not callable"]),
+    (["--data", f"{HERE}:broken_data"], ["raised OSError: the disk is gone"]),
+    (["--data", f"{HERE}:three_tensors"], ["returned a tuple of 3", "((x_train, y_train), (x_test, y_test))"]),
+    (["--data", f"{HERE}:blobs", "--model", f"{HERE}:not_a_model"], ["returned a str", "torch.nn.Module"]),
+    (["--data", f"{HERE}:blobs", "--model", f"{HERE}:wrong_width"], ["fails on inputs shaped (B, 6)"]),
+    (["--data", "not a spec"], ["unknown --data 'not a spec'", "module.path:function"]),
+    (["--model", "nope"], ["unknown --model 'nope'", "module.path:function"]),
+])
+def test_a_factory_that_cannot_be_used_is_one_line(tmp_path, args, needles):
+    r = _train(tmp_path, "--simulate", "2", "--algo", "allreduce", "--max-steps", "1", *args,
+               "--out", str(tmp_path / "run"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+# ---------------------------------------------------------------------- TensorBoard
+def test_tensorboard_scalars_read_back(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    r = _train(tmp_path, "--simulate", "4", "--algo", "ecd", "--data", "synthetic", "--epochs", "2",
+               "--max-steps", "40", "--log-every", "5", "--tensorboard", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "traffic/bytes_sent_per_node", "time/compress_s", "eval/test_acc",
+            "eval/consensus_distance"} <= tags
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(5, 41, 5))
+    metrics = [json.loads(line) for r_ in range(4)
+               for line in (out / f"metrics-rank{r_}.jsonl").read_text().splitlines()]
+    at40 = [m["loss"] for m in metrics if m["kind"] == "train" and m["step"] == 40]
+    assert loss[-1].value == pytest.approx(sum(at40) / 4, rel=1e-5)  # the mean over the nodes
+    evals = [json.loads(line) for line in (out / "metrics-rank0.jsonl").read_text().splitlines()]
+    evals = [m for m in evals if m["kind"] == "eval"]
+    assert evals and [e.step for e in acc.Scalars("eval/test_acc")] == [m["step"] for m in evals]
+    assert [e.value for e in acc.Scalars("eval/test_acc")] == pytest.approx([m["test_acc"] for m in evals], rel=1e-6)
+
+
+def test_tensorboard_missing_says_how_to_install(tmp_path):
+    """Where tensorboard is not installed the flag fails in one line naming the extra."""
+    stub = tmp_path / "stub"
+    (stub / "tensorboard").mkdir(parents=True)
+    (stub / "tensorboard" / "__init__.py").write_text("raise ImportError('No module named tensorboard')\n")
+    from tests.conftest import REPO, child_env
+
+    env = child_env(extra={"PYTHONPATH": f"{stub}:{REPO}"})
+    r = run_process([sys.executable, "-m", "gossip.train", "--simulate", "2", "--algo", "allreduce", "--data",
+                     "synthetic", "--max-steps", "2", "--tensorboard", "--no-progress", "--out",
+                     str(tmp_path / "run")], timeout=300, cwd=tmp_path, env=env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "gossip[tensorboard]" in lines[0] and "Traceback" not in r.stderr
+
+
+def test_the_readme_example_runs_as_written(tmp_path):
+    from tests.conftest import REPO
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("### Your own model and data"):text.index("### TensorBoard")]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    command = section.split("```\npython -m gossip.train", 1)[1].split("```", 1)[0].split()
+    (tmp_path / "my_code.py").write_text(code)
+    command = [a for a in command if a]
+    command[command.index("--epochs") + 1] = "1"  # a tiny size
+    r = run_process([sys.executable, "-m", "gossip.train", *command, "--no-progress", "--out",
+                     str(tmp_path / "run")], timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["model"] == "my_code:net"

@@ -751,7 +751,8 @@ class VirtualCluster:
         return e
 
     def torchrun_argv(self, host: int, nproc_per_node: int, command: Sequence[str], *, rdzv: str = "c10d",
-                      port: int | None = None, run_id: str | None = None) -> list[str]:
+                      port: int | None = None, run_id: str | None = None,
+                      options: Sequence[str] = ()) -> list[str]:
         """The torchrun line of host ``host``, as it would be typed on a real host.
 
         ``rdzv="c10d"`` (torchrun's elastic rendezvous)::
@@ -767,8 +768,9 @@ class VirtualCluster:
         ``--local-addr`` is the address the others reach a host at, where torchrun would
         publish that hostname. ``rdzv="static"``: ``--node-rank K --master-addr <host 0>
         --master-port <port>`` instead. ``port`` defaults to torchrun's (29400 for c10d,
-        29500 static); ``command`` is what follows torchrun's options (``-m
-        gossip.train ...`` or ``train.py ...``).
+        29500 static); ``options`` are more of torchrun's own (``["--max-restarts",
+        "3"]``); ``command`` is what follows them (``-m gossip.train ...`` or ``train.py
+        ...``).
         """
         if rdzv not in RDZV_PORTS:
             raise VClusterError(f"bad rendezvous {rdzv!r}: expected one of {', '.join(RDZV_PORTS)}")
@@ -785,7 +787,7 @@ class VirtualCluster:
                 argv += ["--rdzv-conf", "is_host=1"]
         else:
             argv += ["--node-rank", str(host), "--master-addr", self.master_addr, "--master-port", str(port)]
-        return [*argv, *map(str, command)]
+        return [*argv, *map(str, options), *map(str, command)]
 
     def run_torchrun(
         self,
@@ -795,6 +797,7 @@ class VirtualCluster:
         rdzv: str = "c10d",
         port: int | None = None,
         run_id: str | None = None,
+        options: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         timeout: float | None = None,
         outdir: str | os.PathLike | None = None,
@@ -811,7 +814,7 @@ class VirtualCluster:
         interface and loopback counters, and ``workers``: the global ranks each host
         ran, read from the environment of the processes torchrun started.
         """
-        cmds = [self.torchrun_argv(k, nproc_per_node, command, rdzv=rdzv, port=port, run_id=run_id)
+        cmds = [self.torchrun_argv(k, nproc_per_node, command, rdzv=rdzv, port=port, run_id=run_id, options=options)
                 for k in range(self.n)]
         envs = [self.torchrun_env(k, env) for k in range(self.n)]
         seen: list[list[dict[str, int]]] = [[] for _ in range(self.n)]
@@ -1070,6 +1073,8 @@ def _torchrun_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-port", type=int, metavar="PORT",
                    help="rendezvous port (default: torchrun's, 29400 for c10d, 29500 for static)")
     p.add_argument("--rdzv-id", metavar="ID", help="torchrun's --rdzv-id (default vcluster-PREFIX)")
+    p.add_argument("--max-restarts", type=int, metavar="N",
+                   help="torchrun's --max-restarts: how often the agents restart failed workers")
     _cluster_args(p)
     p.add_argument("--out", metavar="DIR", help="directory for host<k>.out/.err and cluster.json")
     p.add_argument("command", nargs=argparse.REMAINDER,
@@ -1178,12 +1183,13 @@ def _main_torchrun(args: argparse.Namespace) -> int:
     with vc:
         _say(vc.describe())
         cmd = _latency_notice(vc, cmd, args)
+        options = [] if args.max_restarts is None else ["--max-restarts", str(args.max_restarts)]
         for k in range(vc.n):  # fail on bad values before anything starts
             argv = vc.torchrun_argv(k, args.nproc_per_node, cmd, rdzv=args.rdzv, port=args.rdzv_port,
-                                    run_id=args.rdzv_id)
+                                    run_id=args.rdzv_id, options=options)
             _say(f"host {k} ({vc.hosts[k].netns}, GLOO_SOCKET_IFNAME={vc.hosts[k].ifname}): {' '.join(argv)}")
         res = vc.run_torchrun(cmd, args.nproc_per_node, rdzv=args.rdzv, port=args.rdzv_port, run_id=args.rdzv_id,
-                              timeout=args.timeout, outdir=args.out)
+                              options=options, timeout=args.timeout, outdir=args.out)
     for r in res.ranks:
         state = "timed out" if r.timed_out else ("stopped" if r.killed else f"exit {r.returncode}")
         ranks = f"ranks {res.workers[r.rank]}" if res.workers else "ranks unknown"

@@ -62,20 +62,8 @@ def _models():
 
 
 def _options(name, spec, extra, model):
-    shapes = tuple(tuple(p.shape) for p in model.parameters())
-    offsets, off = [], 0
-    for p in model.parameters():
-        offsets.append(off)
-        off += p.numel()
-    cfg = algorithms.config_class(name)
-    import dataclasses
-
-    fields = {f.name for f in dataclasses.fields(cfg)}
+    """The algorithm's options; the tensors' shapes reach it through GossipOptimizer's layout."""
     opts = dict(extra)
-    if "shapes" in fields:
-        opts["shapes"] = shapes
-    if "offsets" in fields:
-        opts["offsets"] = tuple(offsets)
     if spec is not None:
         opts["compressor"] = spec
     return opts

@@ -39,7 +39,8 @@ from _benchlib import markdown_table, run_spawned_world
 from gossip import comm
 from gossip.models import build_model
 from gossip.runtime import GossipOptimizer
-from gossip.schedule import MergeComp, MergeCompConfig, Partition
+from gossip.algorithms.mergecomp import MergeComp, MergeCompConfig
+from gossip.schedule import Partition
 
 WORLD = 4
 BATCH = 8
@@ -134,7 +135,7 @@ def _worker(rank: int, store_path: str, steps: int, models: list[str], comps: li
                     model = make()
                     shapes = tuple(tuple(p.shape) for p in model.parameters())
                     c = comm.DistCommunicator(None, timeout=600)
-                    alg = MergeComp(MergeCompConfig(shapes=shapes, compressor=spec, merge=mode), c)
+                    alg = MergeComp(MergeCompConfig(compressor=spec, merge=mode), c)  # layout: GossipOptimizer
                     gopt = GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.01), alg)
                     searched = 0
                     while alg.state.phase != "done" or searched == 0:  # the search, and step 1

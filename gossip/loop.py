@@ -119,7 +119,8 @@ def _build_algorithm(cfg: TrainConfig, comm) -> algorithms.Algorithm:
     (``seed``, ``compressor``, ``momentum``: see ``gossip.algorithms.COMMON_OPTIONS``)
     where the Config takes them, the user's ``--algo-opt`` and MergeComp's flags."""
     a = cfg.algorithm
-    common = {"seed": cfg.run.seed, "compressor": a.compressor_spec, "momentum": cfg.optim.momentum}
+    ours = {"seed": cfg.run.seed, "compressor": a.compressor_spec, "momentum": cfg.optim.momentum}
+    common = {k: ours[k] for k in algorithms.COMMON_OPTIONS}
     takes = {f.name for f in dataclasses.fields(algorithms.config_class(a.name))}
     opts: dict[str, Any] = {k: v for k, v in common.items() if k in takes and v is not None}
     opts.update(dict(a.options))
@@ -343,7 +344,10 @@ class Run:
                             weight_decay=cfg.optim.weight_decay)
             for m in self.models
         ]
-        self.gopt = GossipOptimizer(self.models, self.opts, self.algo)
+        try:  # the algorithm's setup meets the model here (its layout, the local momentum)
+            self.gopt = GossipOptimizer(self.models, self.opts, self.algo)
+        except (ValueError, TypeError) as e:
+            raise RunError(str(e) if str(e).startswith("--") else f"--algo {cfg.algorithm.name}: {e}") from None
         self.dim = self.gopt.flat.dim
         # Step 2: each node's shard of the training data
         shards = data.partition(dataset.y_train, env.world_size, scheme=cfg.data.partition, seed=cfg.run.seed)
@@ -420,7 +424,6 @@ class Run:
         for o in self.opts:
             for g in o.param_groups:
                 g["lr"] = lr
-        self.algo.set_lr(lr)  # algorithms that rescale their error memories by eta_{t-1}/eta_t
         warm = ledger.warmup() if p.step == self._first_step else contextlib.nullcontext()
         with warm:  # this process's first step: compilation and first calls
             losses = self._local_step()
@@ -622,7 +625,7 @@ class Run:
         return {
             **self.cfg_dict, "schema": rundir.SCHEMA_VERSION, "world_size": self.env.world_size,
             "params": self.dim, "mode": self.env.mode, "hostname": socket.gethostname(),
-            "torch": torch.__version__, "bits": wire.bits_per_coord, "wire": wire.to_dict(),
+            "torch": torch.__version__, "wire": wire.to_dict(),
             "compressor_payload_bytes": _payload_bytes(self.algo, self.dim),
             "layout": self.gopt.layout.to_dict(),
         }

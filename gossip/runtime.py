@@ -7,13 +7,20 @@ neighbour per step. :class:`GossipOptimizer` wraps the user's local optimizer(s)
 .. code-block:: python
 
     algo = gossip.algorithms.build("ecd", comm, compressor="quant:bits=8")
-    opt = GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), algo)
+    opt = GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), algo)
     for x, y in loader:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
 
 In the in-process simulation pass one model and one optimizer per hosted node.
+
+The parameter layout (each tensor's name, shape and place in the flat vector) is
+built here from the models and given to the algorithm's ``setup``: no algorithm
+needs shapes or offsets from its caller. An algorithm that applies momentum itself
+(``owns_momentum``: powersgd, efblocksgdm, signum, efmomentum, ...) refuses a local
+optimizer that has momentum too, at construction, in one line: the two would
+compound.
 """
 
 from __future__ import annotations
@@ -23,7 +30,13 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-__all__ = ["FlatParams", "GossipOptimizer"]
+from gossip.algorithms.base import ParamLayout
+
+__all__ = ["FlatParams", "GossipOptimizer", "MomentumConflict"]
+
+
+class MomentumConflict(ValueError):
+    """The algorithm owns momentum and the local optimizer has momentum too."""
 
 
 class FlatParams:
@@ -54,6 +67,7 @@ class FlatParams:
                 f"on {sorted(map(str, devices))}"
             )
         self.shapes = ref
+        self.layout = ParamLayout(tuple(ref), tuple(n for n, _ in models[0].named_parameters()))
         numels = [p.numel() for p in plists[0]]
         self.blocks: list[tuple[int, int]] = []
         off = 0
@@ -93,6 +107,20 @@ class FlatParams:
                     p.grad.copy_(g)
 
 
+def _check_momentum(algorithm: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    if not algorithm.owns_momentum:
+        return
+    for opt in optimizers:
+        for group in opt.param_groups:
+            mom = group.get("momentum", 0.0) or group.get("betas", (0.0,))[0]
+            if mom:
+                raise MomentumConflict(
+                    f"{algorithm.name} applies its own momentum ({algorithm.config.momentum:g}) and the local "
+                    f"{type(opt).__name__} has momentum {mom:g}: they would compound; give the local optimizer "
+                    f"momentum=0, or set the algorithm's momentum instead"
+                )
+
+
 class GossipOptimizer:
     """Runs the local optimizer(s), then the algorithm's communication step."""
 
@@ -112,16 +140,15 @@ class GossipOptimizer:
                 f"the communicator hosts {m} node(s): pass {m} model(s) and optimizer(s), "
                 f"got {len(models)} and {len(optimizers)}"
             )
+        _check_momentum(algorithm, optimizers)
         self.models = models
         self.optimizers = optimizers
         self.algorithm = algorithm
         self.flat = FlatParams(models)
+        self.layout: ParamLayout = self.flat.layout
         with algorithm.comm.ledger.setup():  # x_1 exchanges are one-off, not step traffic
-            algorithm.setup(self.flat.data)
-        from types import SimpleNamespace as NS
-        self.layout = NS(to_dict=lambda: {"shapes": self.flat.shapes})  # TEMP
-        if hasattr(algorithm, "attach"):  # schedulers that work during backward (MergeComp)
-            algorithm.attach(models)
+            algorithm.setup(self.flat.data, self.layout)
+        algorithm.attach(models)  # schedulers that work during backward (MergeComp)
 
     @property
     def comm(self) -> Any:
@@ -133,6 +160,8 @@ class GossipOptimizer:
 
     def step(self) -> None:
         algo = self.algorithm
+        # the step size the local optimizer is about to use (a user's scheduler included)
+        algo.set_lr(float(self.optimizers[0].param_groups[0]["lr"]))
         if algo.acts_on == "gradient":
             G = self.flat.gather_grads()
             algo.reduce_gradients(G)

@@ -9,11 +9,12 @@ from gossip import algorithms, comm
 from gossip import compress as gc
 from gossip.algorithms._centralized import ErrorFeedback
 from gossip.algorithms._common import node_keys, shared_key
-from tests._centralized import assert_restore_bit_identical
+from tests._centralized import assert_restore_bit_identical, layout_of
 from tests._dist import run_world
 
 N, D, T = 4, 37, 6
 OFFSETS = (0, 10, 12, 30)  # four "tensors" of 10, 2, 18 and 7 values
+LAYOUT = layout_of(OFFSETS, D)
 LRS = [0.1, 0.1, 0.05, 0.05, 0.2, 0.02]  # a changing step size exercises eta_{t-1}/eta_t
 
 
@@ -62,8 +63,10 @@ def _ef_reference(grads, lrs, mu, compress_worker, compress_server):
 
 def _run_sim(name, opts, grads, lrs, n=N):
     c = comm.SimulatedCommunicator(world_size=n)
+    opts = dict(opts)
+    layout = opts.pop("layout", None)
     alg = algorithms.build(name, c, **opts)
-    alg.setup(torch.zeros(n, grads.shape[2]))
+    alg.setup(torch.zeros(n, grads.shape[2]), layout)
     outs = []
     for t in range(grads.shape[0]):
         alg.set_lr(lrs[t])
@@ -92,9 +95,9 @@ def _keyed(spec, seed):
 EF_CASES = [
     ("efsgd", {}, 0.0, lambda p, t, i: _sign_ref(p), lambda p, t: _sign_ref(p)),
     ("efsgd", {"momentum": 0.5}, 0.5, lambda p, t, i: _sign_ref(p), lambda p, t: _sign_ref(p)),
-    ("efblocksgd", {"offsets": OFFSETS}, 0.0,
+    ("efblocksgd", {"layout": LAYOUT}, 0.0,
      lambda p, t, i: _sign_ref(p, OFFSETS), lambda p, t: _sign_ref(p, OFFSETS)),
-    ("efblocksgdm", {"offsets": OFFSETS, "momentum": 0.9}, 0.9,
+    ("efblocksgdm", {"layout": LAYOUT, "momentum": 0.9}, 0.9,
      lambda p, t, i: _sign_ref(p, OFFSETS), lambda p, t: _sign_ref(p, OFFSETS)),
     ("efsgd", {"compressor": "identity"}, 0.0, lambda p, t, i: p, lambda p, t: p),
 ]
@@ -164,7 +167,7 @@ def test_error_feedback_identity_sent_plus_error_is_input():
 
 @pytest.mark.parametrize("name,opts,spec", [
     ("efsgd", {}, "sign"),
-    ("efblocksgd", {"offsets": OFFSETS}, "blocksign:offsets=0/10/12/30"),
+    ("efblocksgd", {"layout": LAYOUT}, "blocksign:offsets=0/10/12/30"),
     ("efsgd", {"compressor": "topk:k=5"}, "topk:k=5"),
     ("signum", {}, "sign"),
 ])
@@ -179,12 +182,14 @@ def test_bytes_per_step_equal_the_formula(name, opts, spec):
 
 
 @pytest.mark.parametrize("name,opts", [
-    ("efblocksgdm", {"offsets": OFFSETS}),
+    ("efblocksgdm", {"layout": LAYOUT}),
     ("efsgd", {"compressor": "randomk:k=9", "seed": 3}),
     ("signum", {}),
 ])
 def test_state_save_restore_bit_identical(name, opts):
-    assert_restore_bit_identical(lambda c: algorithms.build(name, c, **opts), _grads(), 3, LRS)
+    opts = dict(opts)
+    layout = opts.pop("layout", None)
+    assert_restore_bit_identical(lambda c: algorithms.build(name, c, **opts), _grads(), 3, LRS, layout)
 
 
 def test_config_validation_messages():
@@ -193,8 +198,8 @@ def test_config_validation_messages():
         algorithms.build("efsgd", c, momentum=1.0)
     with pytest.raises(ValueError, match=r"Arg `momentum` must satisfy 0 < momentum < 1, got 0"):
         algorithms.build("efblocksgdm", c, momentum=0)
-    with pytest.raises(ValueError, match=r"Arg `offsets` must start at 0 and increase strictly"):
-        algorithms.build("efblocksgd", c, offsets=(0, 5, 5))
+    with pytest.raises(ValueError, match=r"unexpected keyword argument 'offsets'; accepted options: momentum, seed"):
+        algorithms.build("efblocksgd", c, offsets=(0, 5, 5))  # the blocks come from the layout
     with pytest.raises(TypeError, match=r"Arg `compressor` of efsgd must be a compressor spec string"):
         algorithms.build("efsgd", c, compressor=3)
     with pytest.raises(ValueError, match=r"unknown|nosuch"):
@@ -205,16 +210,17 @@ def test_config_validation_messages():
     a.setup(torch.zeros(2, 4))
     with pytest.raises(ValueError, match=r"Arg `lr` must be a positive finite number, got 0"):
         a.set_lr(0)
-    # FlatParams.blocks pairs are accepted and empty tensors dropped
-    cfg = algorithms.config_class("efblocksgd")(offsets=[(0, 3), (3, 0), (3, 4)])
-    assert cfg.offsets == (0, 3)
+    # empty tensors of the layout make no block
+    b = algorithms.build("efblocksgd", c)
+    b.setup(torch.zeros(2, 7), algorithms.ParamLayout(((3,), (0,), (4,))))
+    assert b.compressor.spec == "blocksign:offsets=0/3"
 
 
 # ---------------------------------------------------------------- real processes
 _DIST_CASES = [
     ("efsgd", {}),
-    ("efblocksgd", {"offsets": OFFSETS}),
-    ("efblocksgdm", {"offsets": OFFSETS}),
+    ("efblocksgd", {"layout": LAYOUT}),
+    ("efblocksgdm", {"layout": LAYOUT}),
     ("efsgd", {"compressor": "randomk:k=9", "seed": 2}),
     ("signsgd", {}),
     ("signum", {}),
@@ -229,8 +235,10 @@ def _dist_worker(n):
     c = comm.DistCommunicator(timeout=30)
     out = []
     for name, opts in _DIST_CASES:
+        opts = dict(opts)
+        layout = opts.pop("layout", None)
         alg = algorithms.build(name, c, **opts)
-        alg.setup(torch.zeros(1, D))
+        alg.setup(torch.zeros(1, D), layout)
         traj = []
         for t in range(T):
             alg.set_lr(LRS[t])

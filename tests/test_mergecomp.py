@@ -15,7 +15,9 @@ from gossip import algorithms, comm
 from gossip import compress as gc
 from gossip.algorithms._common import node_keys, shared_key
 from gossip.runtime import GossipOptimizer
-from gossip.schedule import MergeComp, MergeCompConfig, Partition
+from gossip.algorithms import ParamLayout
+from gossip.algorithms.mergecomp import MergeComp, MergeCompConfig
+from gossip.schedule import Partition
 from tests._dist import run_world
 from tests.test_train import QUICK, _one_error_line, final_params, train
 
@@ -32,8 +34,8 @@ def _grads(n=N, t=T, d=D, seed=3):
 
 def _build(spec, merge="layer", n=N, mu=0.0, shapes=SHAPES, **kw):
     c = comm.SimulatedCommunicator(world_size=n)
-    alg = MergeComp(MergeCompConfig(shapes=shapes, compressor=spec, merge=merge, momentum=mu, **kw), c)
-    alg.setup(torch.zeros(n, sum(math.prod(s) for s in shapes)))
+    alg = MergeComp(MergeCompConfig(compressor=spec, merge=merge, momentum=mu, **kw), c)
+    alg.setup(torch.zeros(n, sum(math.prod(s) for s in shapes)), ParamLayout(tuple(shapes)))
     return alg, c
 
 
@@ -124,9 +126,8 @@ def test_whole_model_is_exactly_efsgd(spec, mu):
 def test_blocksign_whole_model_is_exactly_efblocksgd():
     grads = _grads()
     alg, _ = _build("blocksign", "whole", mu=0.9)
-    offs = tuple(a for a, _ in _tensor_ranges(SHAPES))
-    ref_alg = algorithms.build("efblocksgdm", comm.SimulatedCommunicator(world_size=N), offsets=offs, momentum=0.9)
-    ref_alg.setup(torch.zeros(N, D))
+    ref_alg = algorithms.build("efblocksgdm", comm.SimulatedCommunicator(world_size=N), momentum=0.9)
+    ref_alg.setup(torch.zeros(N, D), ParamLayout(SHAPES))  # one block per tensor
     assert torch.equal(_run(alg, grads), _run(ref_alg, grads))
 
 
@@ -195,9 +196,9 @@ def test_bytes_are_the_group_payloads():
     ({"trial_steps": 0}, "trial_steps"),
 ])
 def test_config_errors(kw, needle):
-    opts = {"shapes": SHAPES, **kw}
     with pytest.raises((ValueError, TypeError), match=needle):
-        MergeCompConfig(**opts)
+        MergeComp(MergeCompConfig(**kw), comm.SimulatedCommunicator(world_size=1)).setup(
+            torch.zeros(1, D), ParamLayout(SHAPES))
 
 
 def test_auto_needs_one_node_per_process():
@@ -227,9 +228,8 @@ def _world_train(spec, merge, steps, parts, width=16, depth=3, batch=32, keep=Fa
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = _MLP(width, depth)
-    shapes = tuple(tuple(p.shape) for p in model.parameters())
     c = comm.DistCommunicator(timeout=60)
-    alg = MergeComp(MergeCompConfig(shapes=shapes, compressor=spec, merge=merge, momentum=0.5, **kw), c)
+    alg = MergeComp(MergeCompConfig(compressor=spec, merge=merge, momentum=0.5, **kw), c)
     alg.keep_timeline = keep
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gopt = GossipOptimizer(model, opt, alg)
@@ -255,7 +255,7 @@ def _world_train(spec, merge, steps, parts, width=16, depth=3, batch=32, keep=Fa
     return {
         "raw": torch.stack(raw), "reduced": torch.stack(reduced), "orders": orders, "sizes": sizes,
         "timelines": timelines, "params": gopt.flat.data[0].clone(), "report": alg.report(),
-        "shapes": shapes, "state_sizes": alg.state.sizes, "phase": alg.state.phase,
+        "shapes": gopt.layout.shapes, "state_sizes": alg.state.sizes, "phase": alg.state.phase,
     }
 
 

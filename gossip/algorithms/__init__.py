@@ -6,10 +6,11 @@ lists the names with a one-line description each.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from gossip.algorithms.allreduce import AllReduce, AllReduceConfig
-from gossip.algorithms.base import Algorithm
+from gossip.algorithms.base import COMMON_OPTIONS, Algorithm, ParamLayout, WireFormat
 from gossip.algorithms.efsgd import (
     DistEFSGD,
     EFBlockSGD,
@@ -46,6 +47,10 @@ from gossip.algorithms.decentralized import (
 
 __all__ = [
     "Algorithm",
+    "COMMON_OPTIONS",
+    "MERGE_OPTIONS",
+    "ParamLayout",
+    "WireFormat",
     "AllReduce",
     "AllReduceConfig",
     "DPSGD",
@@ -130,14 +135,51 @@ def local_momentum_default(name: str) -> float:
     return _lookup(name)[0].local_momentum_default
 
 
+#: the EF family's scheduling options: with ``merge`` set, ``build`` returns MergeComp
+#: (papers/004) scheduling that algorithm group by group
+MERGE_OPTIONS = ("merge", "merge_max_groups", "merge_alpha", "merge_profile_steps", "merge_trial_steps")
+_MERGEABLE = ("efsgd", "efblocksgd", "efblocksgdm")
+
+
+def _build_mergecomp(name: str, comm: Any, options: dict[str, Any]) -> Algorithm:
+    from gossip.algorithms.mergecomp import MergeComp, MergeCompConfig
+
+    if name not in _MERGEABLE:
+        raise ValueError(f"merge applies to {', '.join(_MERGEABLE)} (MergeComp schedules the EF family), not {name}")
+    base = config_class(name)
+    defaults = {f.name: f.default for f in dataclasses.fields(base)}
+    sched = {k.removeprefix("merge_"): options.pop(k) for k in MERGE_OPTIONS[1:] if k in options}
+    sched["merge"] = options.pop("merge")
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise ValueError(f"{name}: unexpected option(s) {unknown}; accepted options: {', '.join(defaults)}")
+    if name != "efsgd":
+        options["compressor"] = "blocksign"  # one block per parameter tensor, whatever the grouping
+    cfg = MergeCompConfig(
+        compressor=options.get("compressor", defaults.get("compressor", "sign")),
+        momentum=options.get("momentum", defaults.get("momentum", 0.0)),
+        seed=options.get("seed", defaults.get("seed", 0)),
+        **sched,
+    )
+    base(**{k: v for k, v in options.items() if k in defaults})  # the base algorithm's own checks
+    return MergeComp(cfg, comm)
+
+
 def build(name: str, comm: Any, **options: Any) -> Algorithm:
-    """``build("ecd", comm, compressor="quant:bits=8", seed=0)``."""
+    """``build("ecd", comm, compressor="quant:bits=8", seed=0)``.
+
+    For efsgd, efblocksgd and efblocksgdm, ``merge`` (``"layer"``, ``"whole"``, N or
+    ``"auto"``) with ``merge_max_groups``, ``merge_alpha``, ``merge_profile_steps`` and
+    ``merge_trial_steps`` schedules the algorithm with MergeComp (papers/004).
+    """
     cls, cfg_cls = _lookup(name)
+    if options.get("merge") is not None:
+        return _build_mergecomp(name, comm, dict(options))
+    for k in MERGE_OPTIONS:
+        options.pop(k, None)
     try:
         config = cfg_cls(**options)
     except TypeError as e:
-        import dataclasses
-
         accepted = ", ".join(f.name for f in dataclasses.fields(cfg_cls))
         if "unexpected keyword" in str(e):
             raise ValueError(f"{name}: {e}; accepted options: {accepted}") from None

@@ -39,7 +39,8 @@ class AllReduce(Algorithm):
     def __init__(self, config: AllReduceConfig, comm: Any) -> None:
         super().__init__(config, comm)
 
-    def setup(self, X: torch.Tensor) -> None:
+    def setup(self, X: torch.Tensor, layout: Any = None) -> None:
+        self._take_layout(X, layout)
         self.state = AllReduceState(t=1)
 
     def reduce_gradients(self, G: torch.Tensor) -> None:

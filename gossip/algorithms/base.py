@@ -9,9 +9,17 @@ Two kinds of algorithm exist, told apart by :attr:`Algorithm.acts_on`:
     algorithm then replaces ``x_t`` by the paper's ``x_{t+1}``, in which ``u_t`` stands
     for ``-gamma * g_t``: ``step(X, U)``.
 ``"gradient"``
-    Centralized algorithms (all-reduce SGD and, later, the compressed all-reduce
-    family). They rewrite the gradient before the local optimizer steps:
+    Centralized algorithms (all-reduce SGD and the compressed all-reduce family).
+    They rewrite the gradient before the local optimizer steps:
     ``reduce_gradients(G)``.
+
+The contract with the caller: ``setup(X, layout)`` once (the :class:`ParamLayout`
+of the model), then every step ``set_lr(lr)`` and ``step``/``reduce_gradients``;
+the hooks ``on_epoch_end``, ``set_event_sink``, ``attach``, ``report`` and
+``wire_format`` are declared on :class:`Algorithm` with no-op defaults, so a caller
+calls them on any algorithm without probing it. ``owns_momentum`` says whether the
+algorithm applies momentum itself. Configs never carry shapes or offsets; the options
+a caller may fill in from its own flags are :data:`COMMON_OPTIONS`.
 
 Tensors are batched over the nodes a process hosts (see docs/internals.md): ``X``,
 ``U`` and ``G`` have shape ``(m, d)``.
@@ -20,15 +28,132 @@ Tensors are batched over the nodes a process hosts (see docs/internals.md): ``X`
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+import math
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-__all__ = ["Algorithm"]
+__all__ = ["Algorithm", "ParamLayout", "WireFormat", "COMMON_OPTIONS", "code_bits"]
+
+#: options every algorithm's Config may take, which a caller (the training loop) fills
+#: in from its own flags where the Config has them: nothing else is guessed
+COMMON_OPTIONS: tuple[str, ...] = ("seed", "compressor", "momentum")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """How the flat ``(m, d)`` parameter rows are cut into the model's tensors.
+
+    ``shapes``: each tensor's shape in ``parameters()`` order; ``names``: their names
+    (``named_parameters()``). ``offsets``/``numels``/``blocks`` follow. Built once by
+    :class:`gossip.runtime.GossipOptimizer` (or :meth:`from_models`) and handed to
+    every algorithm's :meth:`Algorithm.setup`: the per-tensor blocks of the sign and
+    error-feedback families and PowerSGD's matrices come from here, never from a
+    Config.
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        try:
+            shapes = tuple(tuple(int(s) for s in sh) for sh in self.shapes)
+        except (TypeError, ValueError):
+            raise TypeError(f"ParamLayout: `shapes` must be a sequence of shapes, got {self.shapes!r}") from None
+        if not shapes or any(s < 0 for sh in shapes for s in sh):
+            raise ValueError(f"ParamLayout: `shapes` must be a non-empty sequence of non-negative shapes, got {shapes}")
+        names = tuple(str(n) for n in self.names) or tuple(f"p{k}" for k in range(len(shapes)))
+        if len(names) != len(shapes):
+            raise ValueError(f"ParamLayout: {len(names)} names for {len(shapes)} shapes")
+        object.__setattr__(self, "shapes", shapes)
+        object.__setattr__(self, "names", names)
+
+    @classmethod
+    def from_models(cls, models: Any) -> ParamLayout:
+        """The layout of a model (or the first of a list of identical ones)."""
+        model = models[0] if isinstance(models, (list, tuple)) else models
+        named = list(model.named_parameters())
+        return cls(tuple(tuple(p.shape) for _, p in named), tuple(n for n, _ in named))
+
+    @classmethod
+    def whole(cls, d: int) -> ParamLayout:
+        """One tensor of ``d`` values: what an algorithm assumes when given no layout."""
+        return cls(((int(d),),), ("flat",))
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(math.prod(sh) for sh in self.shapes)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        out, off = [], 0
+        for n in self.numels:
+            out.append(off)
+            off += n
+        return tuple(out)
+
+    @property
+    def dim(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def blocks(self) -> tuple[tuple[int, int], ...]:
+        """``(offset, numel)`` of each tensor in the flat vector."""
+        return tuple(zip(self.offsets, self.numels))
+
+    @property
+    def block_starts(self) -> tuple[int, ...]:
+        """Start offsets of the non-empty tensors: the blocks of the blockwise compressors."""
+        return tuple(o for o, n in self.blocks if n > 0) or (0,)
+
+    def check(self, d: int, algo: str) -> None:
+        if self.dim != d:
+            raise ValueError(f"{algo}: the layout's tensors hold {self.dim} values, the flat parameters {d}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"names": list(self.names), "shapes": [list(sh) for sh in self.shapes]}
+
+
+@dataclasses.dataclass(frozen=True)
+class WireFormat:
+    """What an algorithm sends per step, described by the algorithm itself.
+
+    ``label``: the payload's format (``quant:bits=8``, ``blocksign``, ``powersgd:rank=2``,
+    ``fp32``); ``bits_per_coord``: the nominal code bits per model coordinate (side
+    information such as scales and the headers excluded: the run's ledger measures
+    those, as ``bits_per_coord_measured``).
+    """
+
+    label: str
+    bits_per_coord: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "bits_per_coord": self.bits_per_coord}
+
+
+def code_bits(compressor: Any, d: int) -> float:
+    """Nominal code bits per coordinate of ``compressor`` on ``d`` values: the quantizer's
+    bit width, 1 for signs, 32 for fp32, else its ideal size (codes and indices) per value."""
+    name = getattr(compressor, "name", "")
+    if name == "identity":
+        return 32.0
+    if name == "fp16":
+        return 16.0
+    if name in ("sign", "blocksign"):
+        return 1.0
+    bits = getattr(getattr(compressor, "config", None), "bits", None)
+    if isinstance(bits, int):
+        return float(bits)
+    return round(8.0 * compressor.ideal_nbytes(max(1, d)) / max(1, d), 4)
 
 
 class Algorithm:
-    """Base class: holds the config, the communicator and the State."""
+    """Base class: holds the config, the communicator and the State.
+
+    The contract with a caller (:class:`gossip.runtime.GossipOptimizer`, the training
+    loop) is this class: every hook below is declared here with a no-op default, and
+    a caller never probes an algorithm for anything else.
+    """
 
     name: ClassVar[str] = ""
     acts_on: ClassVar[str] = "model"
@@ -37,16 +162,33 @@ class Algorithm:
     #: momentum of the CLI's local SGD optimizer when ``--momentum`` is unset and the
     #: algorithm has no momentum of its own
     local_momentum_default: ClassVar[float] = 0.9
+    #: True where the algorithm applies momentum itself: the local optimizer must then
+    #: have none (GossipOptimizer refuses one that has), or momentum would compound
+    owns_momentum: ClassVar[bool] = False
 
     def __init__(self, config: Any, comm: Any) -> None:
         self.config = config
         self.comm = comm
         self.state: Any = None
+        self.layout: ParamLayout | None = None
+        self._sink: Callable[[str], None] | None = None
 
     # --- lifecycle -----------------------------------------------------------------
-    def setup(self, X: torch.Tensor) -> None:
-        """Initialise the State from the starting point ``x_1`` (shape ``(m, d)``)."""
+    def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
+        """Initialise the State from the starting point ``x_1`` (shape ``(m, d)``).
+
+        ``layout`` cuts the rows into the model's tensors; None means one tensor of
+        ``d`` values (:meth:`ParamLayout.whole`). Subclasses call :meth:`_take_layout`.
+        """
         raise NotImplementedError
+
+    def _take_layout(self, X: torch.Tensor, layout: ParamLayout | None) -> ParamLayout:
+        layout = ParamLayout.whole(X.shape[1]) if layout is None else layout
+        if not isinstance(layout, ParamLayout):
+            raise TypeError(f"{self.name}: `layout` must be a ParamLayout, got {type(layout).__name__}")
+        layout.check(X.shape[1], self.name)
+        self.layout = layout
+        return layout
 
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         """Model algorithms: turn ``x_t`` (updated in place) into ``x_{t+1}``."""
@@ -56,22 +198,41 @@ class Algorithm:
         """Gradient algorithms: rewrite ``G`` in place before the local optimizer."""
         raise NotImplementedError(f"{self.name} acts on models, not on gradients")
 
+    # --- hooks a caller may call; each a no-op unless the algorithm needs it ----------
+    def set_lr(self, lr: float) -> None:
+        """The step size ``eta_t`` of the coming step (algorithms that rescale their
+        error memories by ``eta_{t-1} / eta_t``); called before every step."""
+
+    def on_epoch_end(self, epoch: int) -> None:
+        """An epoch (a pass over each node's shard) has ended."""
+
+    def set_event_sink(self, fn: Callable[[str], None] | None) -> None:
+        """Where to print one-line events (e.g. MergeComp's decisions); None: nowhere."""
+        self._sink = fn
+
+    def _say(self, line: str) -> None:
+        if self._sink is not None:
+            self._sink(line)
+
+    def attach(self, models: Sequence[Any]) -> None:
+        """The hosted models, for algorithms that work during backward (gradient hooks)."""
+
+    def report(self) -> dict | None:
+        """The algorithm's own account of the run (for summary.json), or None."""
+        return None
+
+    def wire_format(self) -> WireFormat:
+        """What goes on the wire each step; by default the payload compressor's spec."""
+        c = self.payload_compressor
+        d = self.layout.dim if self.layout is not None else 1
+        if c is None or c.spec == "identity":
+            return WireFormat("fp32", 32.0)
+        return WireFormat(c.spec, code_bits(c, d))
+
     @property
     def payload_compressor(self) -> Any:
         """The compressor whose payloads go on the wire each step (None if none)."""
         return None
-
-    # TEMP stubs of the contract (replaced by the contract's own base class)
-    def set_lr(self, lr): pass
-    def on_epoch_end(self, epoch): pass
-    def set_event_sink(self, fn): self._sink = fn
-    def report(self): return getattr(self, "_report", lambda: None)()
-    def attach(self, models): pass
-    def wire_format(self):
-        from types import SimpleNamespace as NS
-        c = self.payload_compressor
-        label, bits = (c.spec, 8.0) if c is not None and c.spec != "identity" else ("fp32", 32.0)
-        return NS(label=label, bits_per_coord=bits, to_dict=lambda: {"label": label, "bits_per_coord": bits})
 
     # --- state ---------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -241,8 +241,9 @@ class _Gossip(Algorithm):
         out[valid] = D[rows[valid]]
         return out
 
-    def setup(self, X: torch.Tensor) -> None:
+    def setup(self, X: torch.Tensor, layout: Any = None) -> None:
         m, d = X.shape
+        self._take_layout(X, layout)
         empty = X.new_zeros(0)
         mix = empty
         rec = None

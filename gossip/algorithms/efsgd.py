@@ -16,7 +16,7 @@ worker error e_{t,i}, server error e~_t, momentum mu (Alg. 4; mu = 0 gives Alg. 
 
 ``efsgd`` takes any compressor (``sign`` by default, papers/000 eq. 1);
 ``efblocksgd`` is ``efsgd`` with the blockwise sign compressor (Alg. 3) whose blocks
-are the parameter tensors (pass ``offsets``: ``FlatParams.blocks`` or their starts);
+are the parameter tensors (from the ``ParamLayout`` given to ``setup``);
 ``efblocksgdm`` adds Nesterov momentum inside the compressed update (Alg. 4).
 
 Baselines with majority vote and no error feedback (papers/000 Sec. 4):
@@ -46,13 +46,16 @@ from gossip.algorithms._centralized import (
     ErrorFeedback,
     _Centralized,
     check_fraction,
-    check_offsets,
     check_spec,
 )
+from gossip.algorithms.base import ParamLayout, WireFormat
 from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
 
 __all__ = [
     "DistEFSGD",
+    "ef_momentum",
+    "ef_pull",
+    "ef_push",
     "EFSGDConfig",
     "EFBlockSGDConfig",
     "EFBlockSGDMConfig",
@@ -84,35 +87,30 @@ class EFSGDConfig:
         check_fraction("momentum", self.momentum)
         check_int("seed", self.seed, minimum=0)
 
-    def build_compressor(self) -> Any:
+    def build_compressor(self, layout: ParamLayout | None = None) -> Any:
         return _compress.build(self.compressor)
 
 
 @dataclass(frozen=True, kw_only=True)
 class EFBlockSGDConfig:
-    """dist-EF-blockSGD (papers/000 Alg. 3): blockwise sign, one block per tensor.
+    """dist-EF-blockSGD (papers/000 Alg. 3): blockwise sign, one block per parameter
+    tensor (the blocks come from the layout given to ``setup``)."""
 
-    ``offsets``: block start offsets into the flat parameter vector, or the
-    ``(offset, numel)`` pairs of ``FlatParams.blocks``; None makes one block.
-    """
-
-    offsets: tuple[int, ...] | None = None
     momentum: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "offsets", check_offsets(self.offsets))
         check_fraction("momentum", self.momentum)
         check_int("seed", self.seed, minimum=0)
 
     @property
     def compressor(self) -> str:
-        return self.build_compressor().spec
+        return "blocksign"
 
-    def build_compressor(self) -> Any:
-        if self.offsets is None:
+    def build_compressor(self, layout: ParamLayout | None = None) -> Any:
+        if layout is None or len(layout.block_starts) == 1:
             return _compress.build("blocksign")
-        return _compress.build("blocksign", offsets=self.offsets)
+        return _compress.build("blocksign", offsets=layout.block_starts)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,6 +173,37 @@ class SignState:
 
 
 # --------------------------------------------------------------------------------------
+# The steps on a slice of the flat vector, shared with MergeComp (which runs them group
+# by group): momentum, the worker's push and the replicated server's pull
+# --------------------------------------------------------------------------------------
+def ef_momentum(G: torch.Tensor, momentum: torch.Tensor, mu: float) -> torch.Tensor:
+    """Alg. 4 lines 4-5: ``m = mu m + g`` (in place) and ``v = g + mu m``; ``g`` if mu = 0."""
+    if mu <= 0:
+        return G
+    momentum.mul_(mu).add_(G)
+    return G + mu * momentum
+
+
+def ef_push(feedback: ErrorFeedback, V: torch.Tensor, error: torch.Tensor, *, ratio: float,
+            keys: torch.Tensor, tag: int) -> torch.Tensor:
+    """Worker error feedback (Alg. 2 lines 4-6): the payload of ``C(v + ratio e)``, with
+    ``e`` (in place) what was not sent."""
+    _, payload, _ = feedback(V, error, rescale=ratio, keys=keys, tag=tag)
+    return payload
+
+
+def ef_pull(feedback: ErrorFeedback, pushed: torch.Tensor, server_error: torch.Tensor, *, numel: int,
+            ratio: float, key: int, tag: int, dtype: torch.dtype) -> torch.Tensor:
+    """The replicated server (Alg. 2 lines 8-10), the same on every worker: decode every
+    worker's payload, average in a fixed order, error feedback with the shared ``key``;
+    returns the pulled direction (1, numel)."""
+    mean = feedback.compressor.decode(pushed, numel, tag=tag).to(dtype).mean(0, keepdim=True)
+    skey = torch.full((1,), key, dtype=torch.int64)
+    _, _, pulled = feedback(mean, server_error, rescale=ratio, keys=skey, tag=tag)
+    return pulled
+
+
+# --------------------------------------------------------------------------------------
 # Algorithms
 # --------------------------------------------------------------------------------------
 class DistEFSGD(_Centralized):
@@ -189,11 +218,18 @@ class DistEFSGD(_Centralized):
         self.feedback = ErrorFeedback(self.compressor)
 
     @property
+    def owns_momentum(self) -> bool:  # type: ignore[override]
+        return self.config.momentum > 0
+
+    @property
     def payload_compressor(self) -> Any:
         return self.compressor
 
-    def setup(self, X: torch.Tensor) -> None:
+    def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         m, d = X.shape
+        layout = self._take_layout(X, layout)
+        self.compressor = self.config.build_compressor(layout)  # blockwise: one block per tensor
+        self.feedback = ErrorFeedback(self.compressor)
         self.compressor.payload_nbytes(d)  # a bad block layout fails here, not mid-run
         mom = X.new_zeros(m, d) if self.config.momentum > 0 else X.new_zeros(0)
         self.state = EFState(
@@ -209,24 +245,19 @@ class DistEFSGD(_Centralized):
         ratio = self._lr_ratio()
         with ledger.phase("compute"):
             # 1. Nesterov momentum inside the compressed update (Alg. 4 lines 4-5)
-            if mu > 0:
-                st.momentum.mul_(mu).add_(G)
-                V = G + mu * st.momentum
-            else:
-                V = G
+            V = ef_momentum(G, st.momentum, mu)
         with ledger.phase("compress"):
             # 2. worker error feedback, e rescaled by eta_{t-1}/eta_t
             keys = node_keys(self.config.seed, self.comm.nodes, st.t, _WORKER_STREAM)
-            _, payload, _ = self.feedback(V, st.error, rescale=ratio, keys=keys, tag=tag)
+            payload = ef_push(self.feedback, V, st.error, ratio=ratio, keys=keys, tag=tag)
         with ledger.phase("communicate"):
             # 3. push: every worker receives every worker's payload
             pushed = self.comm.all_gather(payload)
         with ledger.phase("compress"):
             # 4. the server's step, computed identically on every worker: same payloads,
             #    same decode, same reduction order, a key shared by all
-            mean = self.compressor.decode(pushed, d, tag=tag).to(G.dtype).mean(0, keepdim=True)
-            skey = torch.full((1,), shared_key(self.config.seed, st.t, _SERVER_STREAM), dtype=torch.int64)
-            _, _, pulled = self.feedback(mean, st.server_error, rescale=ratio, keys=skey, tag=tag)
+            pulled = ef_pull(self.feedback, pushed, st.server_error, numel=d, ratio=ratio,
+                             key=shared_key(self.config.seed, st.t, _SERVER_STREAM), tag=tag, dtype=G.dtype)
         # 5. the pulled direction replaces the gradient: x <- x - eta_t Delta~_t
         G.copy_(pulled.expand(m, d))
         st.prev_lr = st.lr
@@ -237,8 +268,11 @@ class EFBlockSGD(DistEFSGD):
     name = "efblocksgd"
     summary = "dist-EF-blockSGD (papers/000 Alg. 3): blockwise sign per tensor, two-way error feedback"
 
+    def wire_format(self) -> WireFormat:
+        return WireFormat("blocksign", 1.0)  # one sign per value, one fp32 scale per tensor
 
-class EFBlockSGDM(DistEFSGD):
+
+class EFBlockSGDM(EFBlockSGD):
     name = "efblocksgdm"
     summary = "dist-EF-blockSGDM (papers/000 Alg. 4): blockwise sign with Nesterov momentum and error feedback"
 
@@ -258,8 +292,13 @@ class SignSGD(_Centralized):
     def payload_compressor(self) -> Any:
         return self.compressor
 
-    def setup(self, X: torch.Tensor) -> None:
+    @property
+    def owns_momentum(self) -> bool:  # type: ignore[override]
+        return getattr(self.config, "momentum", 0.0) > 0
+
+    def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         m, d = X.shape
+        self._take_layout(X, layout)
         beta = getattr(self.config, "momentum", 0.0)
         mom = X.new_zeros(m, d) if beta > 0 else X.new_zeros(0)
         self.state = SignState(t=1, lr=1.0, prev_lr=0.0, momentum=mom)

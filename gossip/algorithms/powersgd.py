@@ -1,8 +1,8 @@
 """PowerSGD (papers/001): rank-r power-iteration compression inside error-feedback SGD
 with momentum, and the two rank-r approximators the paper compares it with.
 
-The flat parameter vector is cut into the model's tensors (``shapes``, in
-``parameters()`` order, e.g. ``FlatParams.shapes``). A tensor of two or more
+The flat parameter vector is cut into the model's tensors (the ``ParamLayout`` given
+to ``setup``, which ``GossipOptimizer`` builds from the model). A tensor of two or more
 dimensions is the matrix M of shape (shape[0], prod(shape[1:])) (a conv weight
 (out, in, kh, kw) becomes (out, in*kh*kw)); it is compressed when that pays:
 (n + k) r * min_compression_rate < n k, with r = min(n, k, rank). Vectors (biases,
@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from gossip.algorithms.base import WireFormat
 from gossip.algorithms._centralized import _Centralized, check_fraction
 from gossip.algorithms._common import check_int, shared_key
 
@@ -74,7 +75,7 @@ _BEST_ITERATIONS = 4  # papers/001 G.7
 
 @dataclass(frozen=True, kw_only=True)
 class PowerSGDConfig:
-    """``shapes``: the parameter tensors' shapes in flat-buffer order (required).
+    """The options of PowerSGD; the tensors' shapes come from the layout at ``setup``.
 
     ``approximator``: ``"power"`` (Alg. 1, one power iteration, warm start),
     ``"best"`` (G.7: ``iterations`` subspace iterations from a fresh Q every step,
@@ -82,7 +83,6 @@ class PowerSGDConfig:
     E[U U^T] = I). ``warm_start`` applies to ``"power"`` only; ``iterations`` to
     ``"best"`` only."""
 
-    shapes: tuple[tuple[int, ...], ...] | None = None
     rank: int = 1
     momentum: float = 0.9
     nesterov: bool = True
@@ -95,22 +95,6 @@ class PowerSGDConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.shapes is None:
-            raise ValueError(
-                "Arg `shapes` of powersgd is required: the parameter shapes in flat order "
-                "(FlatParams.shapes), so matrices can be told from vectors"
-            )
-        try:
-            shapes = tuple(tuple(int(s) for s in sh) for sh in self.shapes)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"Arg `shapes` must be a sequence of shapes (sequences of ints), got {self.shapes!r}"
-            ) from None
-        if not shapes or any(s < 0 for sh in shapes for s in sh):
-            raise ValueError(
-                f"Arg `shapes` must be a non-empty sequence of shapes with non-negative sizes, got {shapes}"
-            )
-        object.__setattr__(self, "shapes", shapes)
         check_int("rank", self.rank, minimum=1)
         check_fraction("momentum", self.momentum)
         for name in ("nesterov", "warm_start", "error_feedback"):
@@ -133,10 +117,6 @@ class PowerSGDConfig:
                 f"Arg `iterations` applies to approximator 'best' only, got iterations="
                 f"{self.iterations!r} with approximator {self.approximator!r}"
             )
-
-    @property
-    def numel(self) -> int:
-        return sum(math.prod(sh) for sh in self.shapes)
 
 
 @dataclass
@@ -211,10 +191,18 @@ class PowerSGD(_Centralized):
 
     def __init__(self, config: PowerSGDConfig, comm: Any) -> None:
         super().__init__(config, comm)
+
+    @property
+    def owns_momentum(self) -> bool:  # type: ignore[override]
+        return self.config.momentum > 0
+
+    def _plan(self, layout: Any) -> None:
+        """Which tensors are compressed matrices, and where their P and Q lie."""
+        config = self.config
         found: list[tuple[int, int, int, int]] = []  # offset, n, k, r
         unc: list[int] = []
         off = 0
-        for sh in config.shapes:
+        for sh in layout.shapes:
             numel = math.prod(sh)
             if len(sh) >= 2 and numel > 0:
                 n, k = sh[0], numel // sh[0]
@@ -252,6 +240,15 @@ class PowerSGD(_Centralized):
         ) if self.matrices else torch.zeros(0)
         self._index_cache: dict[torch.device, torch.Tensor] = {}
 
+    def wire_format(self) -> WireFormat:
+        """``powersgd:rank=R`` (and the approximator when not ``power``): fp32 factors P
+        and Q and the uncompressed tensors, per coordinate of the model."""
+        cfg = self.config
+        label = f"powersgd:rank={cfg.rank}" + ("" if cfg.approximator == "power" else f",approximator={cfg.approximator}")
+        if self.layout is None:
+            return WireFormat(label, 32.0)
+        return WireFormat(label, round(32.0 * self.compressed_numel / max(1, self.layout.dim), 4))
+
     @property
     def compressed_numel(self) -> int:
         """Values sent per worker per step (before the all-reduce's 2(W-1)/W)."""
@@ -270,13 +267,9 @@ class PowerSGD(_Centralized):
             q.div_(self._q_sqrt_r)  # N(0, 1/r): E[U U^T] = I
         return q.to(dtype=like.dtype, device=like.device).expand(m, -1).clone()
 
-    def setup(self, X: torch.Tensor) -> None:
+    def setup(self, X: torch.Tensor, layout: Any = None) -> None:
         m, d = X.shape
-        if d != self.config.numel:
-            raise ValueError(
-                f"powersgd: the parameter shapes hold {self.config.numel} values, the flat "
-                f"buffer has {d}"
-            )
+        self._plan(self._take_layout(X, layout))
         cfg = self.config
         self.state = PowerSGDState(
             t=1,

@@ -19,7 +19,7 @@ Worker i, gradient g_i, momentum factor mu, k coordinates per step, P k candidat
 7. momentum-factor masking: u_i, v_i <- 0 where gtilde != 0 (Alg. 3 line 13);
 8. G <- gtilde (+ the uncompressed part), so the plain SGD step is x <- x - eta gtilde.
 
-Uncompressed tensors (1-D shapes, i.e. biases and norms, when ``shapes`` is given) get
+Uncompressed tensors (1-D shapes, i.e. biases and norms, of the layout given to ``setup``) get
 momentum SGD: u_i <- mu u_i + g_i and the mean of u travels exactly in round 1.
 
 Baselines with the same momentum correction, masking and uncompressed biases:
@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gossip.algorithms.base import ParamLayout, WireFormat
 from gossip.algorithms._centralized import _Centralized, check_fraction
 from gossip.algorithms._common import check_int, shared_key
 
@@ -62,32 +63,16 @@ __all__ = [
 _HASH_STREAM = 3
 
 
-def _check_shapes(shapes: Any, algo: str) -> tuple[tuple[int, ...], ...] | None:
-    if shapes is None:
-        return None
-    try:
-        out = tuple(tuple(int(s) for s in sh) for sh in shapes)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"Arg `shapes` of {algo} must be a sequence of shapes (sequences of ints), got {shapes!r}"
-        ) from None
-    if not out or any(s < 0 for sh in out for s in sh):
-        raise ValueError(
-            f"Arg `shapes` of {algo} must be a non-empty sequence of shapes with non-negative sizes, got {out}"
-        )
-    return out
-
-
 @dataclass(frozen=True, kw_only=True)
 class TrueTopKConfig:
     """``k`` (coordinates per step) or ``p`` (their fraction of the compressed
-    coordinates, default 0.01); ``momentum`` mu in [0, 1) (0.9); ``shapes``: parameter
-    shapes in flat order (1-D tensors travel uncompressed; None = compress all)."""
+    coordinates, default 0.01); ``momentum`` mu in [0, 1) (0.9). The 1-D tensors of the
+    layout given to ``setup`` (biases, norms) travel uncompressed; without a layout
+    every coordinate is compressed."""
 
     k: int | None = None
     p: float | None = None
     momentum: float = 0.9
-    shapes: tuple[tuple[int, ...], ...] | None = None
     seed: int = 0
 
     _algo = "truetopk"
@@ -105,7 +90,6 @@ class TrueTopKConfig:
             raise ValueError(f"Arg `p` of {algo} must be a number in (0, 1], got {p!r}")
         object.__setattr__(self, "p", None if p is None else float(p))
         check_fraction("momentum", self.momentum)
-        object.__setattr__(self, "shapes", _check_shapes(self.shapes, algo))
         check_int("seed", self.seed, minimum=0)
 
     def k_for(self, n: int) -> int:
@@ -212,18 +196,27 @@ class _TopKFamily(_Centralized):
         self.cmp_index: torch.Tensor | None = None
         self.k = 0
 
-    def setup(self, X: torch.Tensor) -> None:
+    @property
+    def owns_momentum(self) -> bool:  # type: ignore[override]
+        return self.config.momentum > 0
+
+    def wire_format(self) -> WireFormat:
+        """``<name>:k=K``, and the fp32 values each worker sends per step per coordinate."""
+        d = self.layout.dim if self.layout is not None else 1
+        return WireFormat(f"{self.name}:k={self.k}", round(32.0 * self._wire_values() / max(1, d), 4))
+
+    def _wire_values(self) -> int:
+        return self.layout.dim if self.layout is not None else 0  # the full all-reduce
+
+    def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         m, d = X.shape
         cfg = self.config
-        if cfg.shapes is not None:
-            total = sum(math.prod(sh) for sh in cfg.shapes)
-            if total != d:
-                raise ValueError(
-                    f"{self.name}: the parameter shapes hold {total} values, the flat buffer has {d}"
-                )
+        given = layout is not None
+        layout = self._take_layout(X, layout)
+        if given:
             is_vec = torch.zeros(d, dtype=torch.bool)
             off = 0
-            for sh in cfg.shapes:
+            for sh in layout.shapes:
                 numel = math.prod(sh)
                 if len(sh) <= 1:
                     is_vec[off : off + numel] = True
@@ -303,6 +296,9 @@ class Sketched(_TopKFamily):
         """|S| + P k + k + 2 U: the values papers/003 counts per worker per step."""
         return self.cs.size + self.num_candidates + self.k + 2 * int(self.unc_index.numel())
 
+    def _wire_values(self) -> int:
+        return self.values_per_step
+
     def _select(self, V, Uu):
         ledger = self.comm.ledger
         m, U = V.shape[0], Uu.shape[1]
@@ -381,3 +377,6 @@ class LocalTopK(_TopKFamily):
     def _mask_index(self, sel):
         # a worker clears the coordinates it sent
         return self._own
+
+    def _wire_values(self) -> int:
+        return 2 * self.k + int(self.unc_index.numel())  # k values and k indices, the rest exact

@@ -54,6 +54,8 @@ import torch
 from gossip import compress as _compress
 from gossip.algorithms._centralized import ErrorFeedback, _Centralized, check_fraction, check_spec
 from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
+from gossip.algorithms.base import ParamLayout, WireFormat, code_bits
+from gossip.algorithms.efsgd import ef_momentum, ef_pull, ef_push
 from gossip.schedule.cost import CostModel, alg2, best_partition, fit_linear
 from gossip.schedule.partition import Partition, parse_merge
 
@@ -66,9 +68,8 @@ DEFAULT_ALPHA = 0.05
 
 @dataclass(frozen=True, kw_only=True)
 class MergeCompConfig:
-    """``shapes``: the parameter shapes in ``parameters()`` order (required)."""
+    """The schedule's options; the tensors come from the layout given to ``setup``."""
 
-    shapes: tuple[tuple[int, ...], ...] | None = None
     compressor: str = "sign"
     momentum: float = 0.0
     seed: int = 0
@@ -79,15 +80,6 @@ class MergeCompConfig:
     trial_steps: int = 4
 
     def __post_init__(self) -> None:
-        if self.shapes is None:
-            raise ValueError("Arg `shapes` of mergecomp is required: the parameter shapes (FlatParams.shapes)")
-        try:
-            shapes = tuple(tuple(int(s) for s in sh) for sh in self.shapes)
-        except (TypeError, ValueError):
-            raise TypeError(f"Arg `shapes` must be a sequence of shapes, got {self.shapes!r}") from None
-        if not shapes:
-            raise ValueError("Arg `shapes` must hold at least one parameter shape")
-        object.__setattr__(self, "shapes", shapes)
         comp = check_spec(self.compressor, "mergecomp")
         bcfg = getattr(comp, "config", None)
         if comp.spec.startswith("blocksign") and (
@@ -99,17 +91,11 @@ class MergeCompConfig:
         check_fraction("momentum", self.momentum)
         check_int("seed", self.seed, minimum=0)
         object.__setattr__(self, "merge", parse_merge(self.merge))
-        if isinstance(self.merge, int) and self.merge > len(shapes):
-            raise ValueError(f"--merge {self.merge}: the model has only {len(shapes)} parameter tensors")
         check_int("max_groups", self.max_groups, minimum=1)
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < 1:
             raise ValueError(f"Arg `alpha` must lie in (0, 1), got {self.alpha!r}")
         check_int("profile_steps", self.profile_steps, minimum=1)
         check_int("trial_steps", self.trial_steps, minimum=1)
-
-    @property
-    def tensors(self) -> int:
-        return len(self.shapes)
 
 
 @dataclass
@@ -142,10 +128,10 @@ class MergeComp(_Centralized):
 
     def __init__(self, config: MergeCompConfig, comm: Any) -> None:
         super().__init__(config, comm)
-        self.numels = [math.prod(s) for s in config.shapes]
+        self.numels: list[int] = []  # per tensor, from the layout given to setup
+        self.n_tensors = 0
         self.spec = _compress.build(config.compressor).spec
         self.reduce = self.spec == "identity"  # linear: all-reduce the values
-        self.on_event: Callable[[str], None] | None = None
         #: with ``keep_timeline``: this step's (event, group or tensor position, time);
         #: ``last_timeline`` is the previous step's (events: grad, encode, launch, done,
         #: step, received)
@@ -161,11 +147,25 @@ class MergeComp(_Centralized):
         self._reset_step()
 
     # ---------------------------------------------------------------- set-up
-    def setup(self, X: torch.Tensor) -> None:
+    @property
+    def owns_momentum(self) -> bool:  # type: ignore[override]
+        return self.config.momentum > 0
+
+    def wire_format(self) -> WireFormat:
+        """The scheduled compressor's payloads (``blocksign``: one block per tensor)."""
+        comp = _compress.build(self.config.compressor)
+        if comp.name == "identity":
+            return WireFormat("fp32", 32.0)
+        return WireFormat(comp.spec, code_bits(comp, sum(self.numels) or 1))
+
+    def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         m, d = X.shape
-        if d != sum(self.numels):
-            raise ValueError(f"mergecomp: the parameter shapes hold {sum(self.numels)} values, the flat buffer has {d}")
-        cfg, n = self.config, self.config.tensors
+        layout = self._take_layout(X, layout)
+        self.numels = [n for n in layout.numels]
+        self.n_tensors = len(self.numels)
+        cfg, n = self.config, self.n_tensors
+        if isinstance(cfg.merge, int) and cfg.merge > n:
+            raise ValueError(f"--merge {cfg.merge}: the model has only {n} parameter tensors")
         mode = cfg.merge
         fixed = mode == "layer" or mode == "whole"
         self.state = MergeCompState(
@@ -216,8 +216,8 @@ class MergeComp(_Centralized):
         """Use this partition from the next step on and stop any search (call it the same
         way on every rank). The memories keep their values."""
         sizes = tuple(partition.sizes if isinstance(partition, Partition) else Partition(tuple(partition)).sizes)
-        if sum(sizes) != self.config.tensors:
-            raise ValueError(f"the partition covers {sum(sizes)} tensors, the model has {self.config.tensors}")
+        if sum(sizes) != self.n_tensors:
+            raise ValueError(f"the partition covers {sum(sizes)} tensors, the model has {self.n_tensors}")
         self.state.phase, self.state.phase_step = "done", 0
         self._relayout(sizes=sizes)
 
@@ -368,18 +368,14 @@ class MergeComp(_Centralized):
         t0 = perf_counter()
         self._mark("encode", k)
         with ledger.phase("compress"):
-            V = self._buf[:, a:b]
-            if cfg.momentum > 0:
-                mom = st.momentum[:, a:b]
-                mom.mul_(cfg.momentum).add_(V)
-                V = V + cfg.momentum * mom
+            mom = st.momentum[:, a:b] if cfg.momentum > 0 else st.momentum
+            V = ef_momentum(self._buf[:, a:b], mom, cfg.momentum)
             if self.reduce:  # identity: e stays 0, the values themselves are reduced
                 payload = V.clone()
             else:
                 comp, fb = self._codec(k)
                 keys = node_keys(cfg.seed, self.comm.nodes, st.t, 2 * k)
-                err = st.error[:, a:b]
-                _, payload, _ = fb(V, err, rescale=self._lr_ratio(), keys=keys, tag=step_tag(st.t))
+                payload = ef_push(fb, V, st.error[:, a:b], ratio=self._lr_ratio(), keys=keys, tag=step_tag(st.t))
         self._times["enc"][k] = perf_counter() - t0
         self._mark("launch", k)
         with ledger.phase("communicate"):
@@ -401,10 +397,9 @@ class MergeComp(_Centralized):
                 pulled = res[:1]
             else:
                 comp, fb = self._codec(k)
-                mean = comp.decode(res, b - a, tag=step_tag(st.t)).to(self._out.dtype).mean(0, keepdim=True)
-                skey = torch.full((1,), shared_key(cfg.seed, st.t, 2 * k + 1), dtype=torch.int64)
-                _, _, pulled = fb(mean, st.server_error[:, a:b], rescale=self._lr_ratio(), keys=skey,
-                                  tag=step_tag(st.t))
+                pulled = ef_pull(fb, res, st.server_error[:, a:b], numel=b - a, ratio=self._lr_ratio(),
+                                 key=shared_key(cfg.seed, st.t, 2 * k + 1), tag=step_tag(st.t),
+                                 dtype=self._out.dtype)
             self._out[:, a:b] = pulled.expand(m, b - a)
         self._times["dec"][k] = perf_counter() - t0
         self._finished[k] = True
@@ -440,8 +435,7 @@ class MergeComp(_Centralized):
     # ---------------------------------------------------------------- the schedule
     def _emit(self, line: str) -> None:
         self.state.search.setdefault("log", []).append(line)
-        if self.on_event is not None:
-            self.on_event(line)
+        self._say(line)
 
     def _advance(self, iter_s: float | None, t_step: float) -> None:
         """End of a step: move the schedule on (same decisions on every rank)."""
@@ -476,7 +470,7 @@ class MergeComp(_Centralized):
         self._reset_step()
 
     def _learn_order(self) -> None:
-        st, n = self.state, self.config.tensors
+        st, n = self.state, self.n_tensors
         fired, seen = [], set()
         for j in self._fired:
             if j not in seen:
@@ -507,7 +501,7 @@ class MergeComp(_Centralized):
     def _record_profile(self, t_step: float) -> None:
         """One layer-wise step's costs, per tensor in backward order."""
         s, tm = self.state.search, self._times
-        n = self.config.tensors
+        n = self.n_tensors
         if len(tm["hook_in"]) != n or self._last_end is None:
             return  # a tensor without gradient, or no previous step to time from
         prof = s.setdefault("profile", {"head": [], "compute": [], "enc": [], "comm": [], "dec": []})
@@ -519,7 +513,7 @@ class MergeComp(_Centralized):
 
     def _fit_and_plan(self) -> None:
         st, cfg = self.state, self.config
-        s, n = st.search, cfg.tensors
+        s, n = st.search, self.n_tensors
         prof = s.get("profile")
         lay = [self.numels[j] for j in st.order]
         if prof and prof["head"]:
@@ -598,6 +592,8 @@ class MergeComp(_Centralized):
         st.order, st.sizes = tuple(int(j) for j in st.order), tuple(int(v) for v in st.sizes)
         st.search = copy.deepcopy(st.search)
         self._layout()
+        if st.phase == "done" and self.config.merge not in ("layer", "whole"):
+            self._say(f"mergecomp: partition {self.partition} restored from the checkpoint")
 
     def report(self) -> dict:
         """What the schedule measured and decided (for logs and summaries)."""

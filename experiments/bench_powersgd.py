@@ -102,6 +102,7 @@ def _worker(rank_id, store_path, steps, warmup, rank, out_path):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
 
     torch.set_num_threads(1)
+    __import__("torch.distributed.nn.functional")  # before the group: see gossip.comm.distributed._preload_before_init
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank_id, world_size=WORLD)
     shapes = resnet18_shapes()
     d = sum(math.prod(s) for s in shapes)

@@ -199,8 +199,6 @@ def run(cfg: TrainConfig) -> dict | None:
 
     from gossip import comm as gcomm
 
-    import torch.distributed as dist
-
     try:
         if env.distributed:
             gcomm.init_from_env(
@@ -218,8 +216,8 @@ def run(cfg: TrainConfig) -> dict | None:
     except gcomm.PeerError as e:
         raise RunError(str(e)) from None
     finally:
-        if env.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+        if env.distributed:
+            gcomm.shutdown()  # gloo's threads joined before the interpreter exits
 
 
 #: config keys every rank must share: the fingerprinted ones and the run's length and cadence

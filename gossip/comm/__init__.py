@@ -12,7 +12,7 @@ compressors or algorithms: payloads are opaque bytes and decoding is a callable.
 """
 
 from .base import Communicator, Handle, Received
-from .distributed import DistCommunicator, init_from_env
+from .distributed import DistCommunicator, init_from_env, shutdown
 from .errors import PeerConnectionError, PeerError, PeerPayloadError, PeerTimeoutError
 from .latency import LatencyCommunicator, latency_rounds
 from .ledger import OPS, PHASES, Ledger
@@ -23,6 +23,7 @@ __all__ = [
     "DistCommunicator",
     "SimulatedCommunicator",
     "init_from_env",
+    "shutdown",
     "Received",
     "Handle",
     "Ledger",

@@ -275,9 +275,7 @@ def run(cfg: TrainConfig) -> dict | None:
 
     try:
         if env.distributed:
-            gcomm.init_from_env(
-                backend="nccl" if device.type == "cuda" else "gloo", timeout=cfg.comm.timeout, device=device
-            )
+            _init_group(cfg, env, device)
             _agree_config(cfg, env)  # before anything is exchanged or written
             comm = gcomm.DistCommunicator(topo, device=device, timeout=cfg.comm.timeout)
         else:
@@ -320,6 +318,24 @@ def _agree_config(cfg: TrainConfig, env: _Env) -> None:
             diffs.append(f"{key}: " + ", ".join(f"{v} on rank {r}" for v, r in holders.items()))
     if diffs:
         raise RunError(f"the ranks were started with different configs; {'; '.join(diffs)}")
+
+
+def _init_group(cfg: TrainConfig, env: _Env, device: torch.device) -> None:
+    """The process group; a rank that does not arrive is one line, not a store traceback."""
+    import torch.distributed as dist
+
+    from gossip import comm as gcomm
+
+    try:
+        gcomm.init_from_env(backend="nccl" if device.type == "cuda" else "gloo", timeout=cfg.comm.timeout,
+                            device=device)
+    except (dist.DistStoreError, dist.DistNetworkError) as e:
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RunError(
+            f"rank {env.rank}: not all {env.world_size} ranks arrived at {where} within --timeout "
+            f"{cfg.comm.timeout:g} s ({first}); start every rank, check MASTER_ADDR/MASTER_PORT, or raise --timeout"
+        ) from None
 
 
 def _agree_out_dir(cfg: TrainConfig, env: _Env) -> Path:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import dataclasses
 import datetime as _dt
 import math
 import os
@@ -106,21 +105,23 @@ def _build_topology(cfg: TrainConfig, n: int):
 
 
 def _build_algorithm(cfg: TrainConfig, comm) -> algorithms.Algorithm:
-    """The registry builds it; the run supplies the options common to every Config
-    (``seed``, ``compressor``, ``momentum``: see ``gossip.algorithms.COMMON_OPTIONS``)
-    where the Config takes them, the user's ``--algo-opt`` and MergeComp's flags."""
+    """The registry builds it from the run's values of ``gossip.algorithms.COMMON_OPTIONS``
+    (``--seed``, ``--compressor``/``--bits``, ``--momentum``: the algorithm's own momentum
+    where it has one), the user's ``--algo-opt`` and MergeComp's flags."""
     a = cfg.algorithm
     common = {"seed": cfg.run.seed, "compressor": a.compressor_spec, "momentum": cfg.optim.momentum}
-    takes = {f.name for f in dataclasses.fields(algorithms.config_class(a.name))}
-    opts: dict[str, Any] = {k: v for k, v in common.items() if k in takes and v is not None}
-    opts.update(dict(a.options))
+    opts: dict[str, Any] = dict(a.options)
     if a.merge is not None:  # MergeComp: a schedule of the efsgd family, built by the registry
         opts.update(merge=a.merge, merge_max_groups=a.merge_max_groups, merge_alpha=a.merge_alpha)
     try:
-        return algorithms.build(a.name, comm, **opts)
+        return algorithms.build(a.name, comm, common=common, **opts)
     except (ValueError, TypeError) as e:
-        flag = f"--merge {a.merge}" if a.merge is not None and "merge" in str(e) else f"--algo {a.name}"
-        raise RunError(f"{flag}: {e}") from None
+        raise RunError(f"{_algo_flag(cfg, e)}: {e}") from None
+
+
+def _algo_flag(cfg: TrainConfig, e: Exception) -> str:
+    a = cfg.algorithm
+    return f"--merge {a.merge}" if a.merge is not None and "merge" in str(e) else f"--algo {a.name}"
 
 
 def _build_dataset(cfg: TrainConfig):
@@ -334,7 +335,10 @@ class Run:
                             weight_decay=cfg.optim.weight_decay)
             for m in self.models
         ]
-        self.gopt = GossipOptimizer(self.models, self.opts, self.algo)
+        try:  # the algorithm's setup sees the model's layout; a second momentum is refused
+            self.gopt = GossipOptimizer(self.models, self.opts, self.algo)
+        except ValueError as e:
+            raise RunError(f"{_algo_flag(cfg, e)}: {e}") from None
         self.dim = self.gopt.flat.dim
         # Step 2: each node's shard of the training data
         shards = data.partition(dataset.y_train, env.world_size, scheme=cfg.data.partition, seed=cfg.run.seed)
@@ -411,7 +415,6 @@ class Run:
         for o in self.opts:
             for g in o.param_groups:
                 g["lr"] = lr
-        self.algo.set_lr(lr)  # algorithms that rescale their error memories by eta_{t-1}/eta_t
         warm = ledger.warmup() if p.step == self._first_step else contextlib.nullcontext()
         with warm:  # this process's first step: compilation and first calls
             losses = self._local_step()

@@ -10,13 +10,14 @@ from gossip import comm
 
 
 def assert_restore_bit_identical(
-    build: Callable[[Any], Any], grads: torch.Tensor, split: int, lrs: Sequence[float] | None = None
+    build: Callable[[Any], Any], grads: torch.Tensor, split: int, lrs: Sequence[float] | None = None,
+    layout: Any = None,
 ) -> None:
     """Run ``split`` steps, save the state, run the rest; a fresh algorithm restored from
     that state must produce the same rewritten gradients bit for bit.
 
     ``build(communicator)`` returns a new algorithm; ``grads`` is (T, n, d); ``lrs``
-    (one per step) are passed to ``set_lr`` when given.
+    (one per step) are passed to ``set_lr`` when given; ``layout`` to ``setup``.
     """
     T_, n, d = grads.shape
 
@@ -28,13 +29,13 @@ def assert_restore_bit_identical(
         return G
 
     a = build(comm.SimulatedCommunicator(world_size=n))
-    a.setup(torch.zeros(n, d))
+    a.setup(torch.zeros(n, d), layout)
     for t in range(split):
         step(a, t)
     sd = a.state_dict()
     cont = [step(a, t) for t in range(split, T_)]
     b = build(comm.SimulatedCommunicator(world_size=n))
-    b.setup(torch.zeros(n, d))
+    b.setup(torch.zeros(n, d), layout)
     b.load_state_dict(sd)
     for t in range(split, T_):
         assert torch.equal(step(b, t), cont[t - split]), f"step {t + 1} differs after the restore"

@@ -13,6 +13,7 @@ import torch
 
 from gossip import algorithms, comm
 from gossip.algorithms._common import shared_key
+from gossip.algorithms.base import ParamLayout
 from gossip.algorithms.powersgd import _Q_STREAM, orthogonalize
 from tests._centralized import assert_restore_bit_identical
 from tests._dist import run_world
@@ -20,6 +21,7 @@ from tests._dist import run_world
 # a linear layer, a conv weight (out, in, kh, kw), a bias, and a matrix too small to gain
 SHAPES = [(16, 12), (8, 3, 3, 3), (8,), (3, 4)]
 D = sum(math.prod(s) for s in SHAPES)
+LAYOUT = ParamLayout.from_shapes(SHAPES)
 N, T, RANK = 4, 5, 2
 
 
@@ -87,8 +89,8 @@ def _reference(grads, q0, lam, nesterov=True):
 
 def _run_sim(grads, n=N, **opts):
     c = comm.SimulatedCommunicator(world_size=n)
-    a = algorithms.build("powersgd", c, shapes=SHAPES, rank=RANK, **opts)
-    a.setup(torch.zeros(n, D))
+    a = algorithms.build("powersgd", c, rank=RANK, **opts)
+    a.setup(torch.zeros(n, D), LAYOUT)
     q0 = a.state.q[0].clone()
     outs = []
     for t in range(grads.shape[0]):
@@ -158,7 +160,7 @@ def test_bytes_per_step_equal_the_formula():
 )
 def test_state_save_restore_bit_identical(opts):
     assert_restore_bit_identical(
-        lambda c: algorithms.build("powersgd", c, shapes=SHAPES, rank=RANK, **opts), _grads(), 2
+        lambda c: algorithms.build("powersgd", c, rank=RANK, **opts), _grads(), 2, layout=LAYOUT
     )
 
 
@@ -171,29 +173,31 @@ def test_without_warm_start_q_is_redrawn_identically_everywhere():
 
 def test_config_validation_messages():
     c = comm.SimulatedCommunicator(world_size=2)
-    with pytest.raises(ValueError, match=r"Arg `shapes` of powersgd is required"):
-        algorithms.build("powersgd", c)
+    with pytest.raises(ValueError, match=r"powersgd: .*unexpected keyword argument 'shapes'"):
+        algorithms.build("powersgd", c, shapes=SHAPES)  # the shapes come from the layout
     with pytest.raises(ValueError, match=r"Arg `rank` must be >= 1, got 0"):
-        algorithms.build("powersgd", c, shapes=SHAPES, rank=0)
+        algorithms.build("powersgd", c, rank=0)
     with pytest.raises(ValueError, match=r"Arg `momentum` must satisfy 0 <= momentum < 1, got 1.5"):
-        algorithms.build("powersgd", c, shapes=SHAPES, momentum=1.5)
+        algorithms.build("powersgd", c, momentum=1.5)
     with pytest.raises(ValueError, match=r"Arg `min_compression_rate` must be a finite number >= 0"):
-        algorithms.build("powersgd", c, shapes=SHAPES, min_compression_rate=-1)
+        algorithms.build("powersgd", c, min_compression_rate=-1)
     with pytest.raises(TypeError, match=r"Arg `warm_start` must be a bool"):
-        algorithms.build("powersgd", c, shapes=SHAPES, warm_start="yes")
+        algorithms.build("powersgd", c, warm_start="yes")
     with pytest.raises(ValueError, match=r"Arg `approximator` must be one of power, unbiased, best, got 'svd'"):
-        algorithms.build("powersgd", c, shapes=SHAPES, approximator="svd")
+        algorithms.build("powersgd", c, approximator="svd")
     with pytest.raises(ValueError, match=r"Arg `iterations` must be >= 1, got 0"):
-        algorithms.build("powersgd", c, shapes=SHAPES, approximator="best", iterations=0)
+        algorithms.build("powersgd", c, approximator="best", iterations=0)
     with pytest.raises(TypeError, match=r"Arg `iterations` must be an int, got str '4'"):
-        algorithms.build("powersgd", c, shapes=SHAPES, approximator="best", iterations="4")
+        algorithms.build("powersgd", c, approximator="best", iterations="4")
     with pytest.raises(ValueError, match=r"Arg `iterations` applies to approximator 'best' only, got "
                        r"iterations=2 with approximator 'unbiased'"):
-        algorithms.build("powersgd", c, shapes=SHAPES, approximator="unbiased", iterations=2)
-    assert algorithms.build("powersgd", c, shapes=SHAPES, approximator="best").config.iterations == 4
-    a = algorithms.build("powersgd", c, shapes=SHAPES)
-    with pytest.raises(ValueError, match=rf"the parameter shapes hold {D} values, the flat buffer has 7"):
-        a.setup(torch.zeros(2, 7))
+        algorithms.build("powersgd", c, approximator="unbiased", iterations=2)
+    assert algorithms.build("powersgd", c, approximator="best").config.iterations == 4
+    a = algorithms.build("powersgd", c)
+    with pytest.raises(ValueError, match=rf"powersgd: the layout holds {D} values, the flat buffer has 7"):
+        a.setup(torch.zeros(2, 7), LAYOUT)
+    a.setup(torch.zeros(2, 7))  # no layout: one vector, nothing to compress
+    assert a.matrices == [] and a.compressed_numel == 7 and a.wire_format().bits_per_coord == 32.0
 
 
 # ---------------------------------------------------------------- the other approximators
@@ -286,9 +290,9 @@ def _mean_after_one_step(approximator, steps, seed=0):
     g = torch.Generator().manual_seed(11)
     grads = torch.randn(N, D, generator=g) + torch.randn(1, D, generator=g)
     c = comm.SimulatedCommunicator(world_size=N)
-    a = algorithms.build("powersgd", c, shapes=SHAPES, rank=RANK, momentum=0.0, error_feedback=False,
+    a = algorithms.build("powersgd", c, rank=RANK, momentum=0.0, error_feedback=False,
                          warm_start=False, seed=seed, approximator=approximator)
-    a.setup(torch.zeros(N, D))
+    a.setup(torch.zeros(N, D), LAYOUT)
     outs = torch.empty(steps, D, dtype=torch.float64)
     for t in range(steps):
         G = grads.clone()
@@ -385,8 +389,8 @@ def _dist_ours(n, **opts):
     rank = dist.get_rank()
     grads = _grads(n=n)
     c = comm.DistCommunicator(timeout=30)
-    a = algorithms.build("powersgd", c, shapes=SHAPES, rank=RANK, **opts)
-    a.setup(torch.zeros(1, D))
+    a = algorithms.build("powersgd", c, rank=RANK, **opts)
+    a.setup(torch.zeros(1, D), LAYOUT)
     outs = []
     for t in range(T):
         G = grads[t, rank : rank + 1].clone()
@@ -483,8 +487,8 @@ def _dist_crosscheck(steps, shapes, rank, seed):
     for _ in range(2):  # the hook's vanilla all-reduce warm-up iterations
         ph.powerSGD_hook(st, _Bucket(torch.zeros(d), shapes)).wait()
     c = comm.DistCommunicator(timeout=30)
-    a = algorithms.build("powersgd", c, shapes=shapes, rank=rank, momentum=0.0)
-    a.setup(torch.zeros(1, d))
+    a = algorithms.build("powersgd", c, rank=rank, momentum=0.0)
+    a.setup(torch.zeros(1, d), ParamLayout.from_shapes(shapes))
     sd = a.state_dict()
     sd["q"] = _hook_initial_q(seed, shapes, rank).unsqueeze(0)
     a.load_state_dict(sd)

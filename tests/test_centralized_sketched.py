@@ -10,12 +10,14 @@ import torch
 
 from gossip import algorithms, comm
 from gossip.algorithms._common import shared_key
+from gossip.algorithms.base import ParamLayout
 from gossip.algorithms.sketched import CountSketch
 from tests._centralized import assert_restore_bit_identical
 from tests._dist import run_world
 
 SHAPES = [(12, 10), (6, 3, 2, 2), (6,)]  # two compressed tensors and a bias
 D = sum(math.prod(s) for s in SHAPES)
+LAYOUT = ParamLayout.from_shapes(SHAPES)
 NC = 12 * 10 + 6 * 12  # compressed coordinates
 BIAS = list(range(NC, D))
 N, T, K, MU = 3, 5, 6, 0.9
@@ -93,13 +95,13 @@ def _reference(grads, algo):
 
 def _build(name, c, **opts):
     extra = dict(rows=ROWS, cols=COLS, candidates=P) if name == "sketched" else {}
-    return algorithms.build(name, c, shapes=SHAPES, k=K, momentum=MU, **extra, **opts)
+    return algorithms.build(name, c, k=K, momentum=MU, **extra, **opts)
 
 
 def _run_sim(name, grads, n=N):
     c = comm.SimulatedCommunicator(world_size=n)
     a = _build(name, c)
-    a.setup(torch.zeros(n, D, dtype=grads.dtype))
+    a.setup(torch.zeros(n, D, dtype=grads.dtype), LAYOUT)
     outs = []
     for t in range(grads.shape[0]):
         a.set_lr(0.1)
@@ -161,7 +163,7 @@ def test_sketched_without_biases_counts_exactly_s_plus_pk_plus_k():
 
 @pytest.mark.parametrize("name", ["sketched", "truetopk", "localtopk"])
 def test_state_save_restore_bit_identical(name):
-    assert_restore_bit_identical(lambda c: _build(name, c), _grads().float(), 2)
+    assert_restore_bit_identical(lambda c: _build(name, c), _grads().float(), 2, layout=LAYOUT)
 
 
 def test_config_validation_messages():
@@ -176,13 +178,14 @@ def test_config_validation_messages():
         algorithms.build("sketched", c, rows=0)
     with pytest.raises(ValueError, match=r"Arg `momentum` must satisfy 0 <= momentum < 1, got 1"):
         algorithms.build("sketched", c, momentum=1)
-    with pytest.raises(ValueError, match=r"Arg `shapes` of sketched must be a non-empty"):
-        algorithms.build("sketched", c, shapes=[])
-    a = algorithms.build("sketched", c, shapes=SHAPES)
-    with pytest.raises(ValueError, match=rf"the parameter shapes hold {D} values, the flat buffer has 7"):
-        a.setup(torch.zeros(2, 7))
-    with pytest.raises(ValueError, match=r"no tensor to compress"):
-        algorithms.build("sketched", c, shapes=[(7,)]).setup(torch.zeros(2, 7))
+    with pytest.raises(ValueError, match=r"sketched: .*unexpected keyword argument 'shapes'"):
+        algorithms.build("sketched", c, shapes=SHAPES)  # the shapes come from the layout
+    a = algorithms.build("sketched", c)
+    with pytest.raises(ValueError, match=rf"sketched: the layout holds {D} values, the flat buffer has 7"):
+        a.setup(torch.zeros(2, 7), LAYOUT)
+    # vectors only (or no layout): every value is compressed
+    a.setup(torch.zeros(2, 7), ParamLayout.from_shapes([(7,)]))
+    assert a.cmp_index.numel() == 7 and a.unc_index.numel() == 0
 
 
 # ---------------------------------------------------------------- real processes
@@ -193,7 +196,7 @@ def _dist_run(name):
     grads = _grads(n=dist.get_world_size())
     c = comm.DistCommunicator(timeout=30)
     a = _build(name, c)
-    a.setup(torch.zeros(1, D, dtype=torch.float64))
+    a.setup(torch.zeros(1, D, dtype=torch.float64), LAYOUT)
     outs = []
     for t in range(T):
         G = grads[t, rank : rank + 1].clone()

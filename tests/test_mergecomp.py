@@ -14,6 +14,7 @@ from torch import nn
 from gossip import algorithms, comm
 from gossip import compress as gc
 from gossip.algorithms._common import node_keys, shared_key
+from gossip.algorithms.base import ParamLayout
 from gossip.runtime import GossipOptimizer
 from gossip.schedule import MergeComp, MergeCompConfig, Partition
 from tests._dist import run_world
@@ -21,6 +22,7 @@ from tests.test_train import QUICK, _one_error_line, final_params, train
 
 SHAPES = ((6, 4), (6,), (5, 6), (5,), (3, 5), (3,))
 D = sum(math.prod(s) for s in SHAPES)
+LAYOUT = ParamLayout.from_shapes(SHAPES)
 N, T = 4, 6
 LRS = [0.1, 0.1, 0.05, 0.05, 0.2, 0.02]
 SPECS = ["sign", "topk:p=0.2", "quant:bits=4", "randomk:p=0.3", "qsgd:levels=4", "fp16", "blocksign"]
@@ -32,8 +34,8 @@ def _grads(n=N, t=T, d=D, seed=3):
 
 def _build(spec, merge="layer", n=N, mu=0.0, shapes=SHAPES, **kw):
     c = comm.SimulatedCommunicator(world_size=n)
-    alg = MergeComp(MergeCompConfig(shapes=shapes, compressor=spec, merge=merge, momentum=mu, **kw), c)
-    alg.setup(torch.zeros(n, sum(math.prod(s) for s in shapes)))
+    alg = MergeComp(MergeCompConfig(compressor=spec, merge=merge, momentum=mu, **kw), c)
+    alg.setup(torch.zeros(n, sum(math.prod(s) for s in shapes)), ParamLayout.from_shapes(shapes))
     return alg, c
 
 
@@ -124,9 +126,8 @@ def test_whole_model_is_exactly_efsgd(spec, mu):
 def test_blocksign_whole_model_is_exactly_efblocksgd():
     grads = _grads()
     alg, _ = _build("blocksign", "whole", mu=0.9)
-    offs = tuple(a for a, _ in _tensor_ranges(SHAPES))
-    ref_alg = algorithms.build("efblocksgdm", comm.SimulatedCommunicator(world_size=N), offsets=offs, momentum=0.9)
-    ref_alg.setup(torch.zeros(N, D))
+    ref_alg = algorithms.build("efblocksgdm", comm.SimulatedCommunicator(world_size=N), momentum=0.9)
+    ref_alg.setup(torch.zeros(N, D), LAYOUT)
     assert torch.equal(_run(alg, grads), _run(ref_alg, grads))
 
 
@@ -188,16 +189,19 @@ def test_bytes_are_the_group_payloads():
 @pytest.mark.parametrize("kw,needle", [
     ({"merge": "0"}, "layer, whole, auto"),
     ({"merge": "lots"}, "layer, whole, auto"),
-    ({"merge": 7}, "only 6 parameter tensors"),
     ({"compressor": "blocksign:block=4"}, "blocksign"),
     ({"alpha": 1.0}, "alpha"),
     ({"max_groups": 0}, "max_groups"),
     ({"trial_steps": 0}, "trial_steps"),
 ])
 def test_config_errors(kw, needle):
-    opts = {"shapes": SHAPES, **kw}
     with pytest.raises((ValueError, TypeError), match=needle):
-        MergeCompConfig(**opts)
+        MergeCompConfig(**kw)
+
+
+def test_more_groups_than_tensors_is_refused_at_setup():
+    with pytest.raises(ValueError, match="only 6 parameter tensors to merge into 7 groups"):
+        _build("sign", 7, n=1)
 
 
 def test_auto_needs_one_node_per_process():
@@ -229,7 +233,7 @@ def _world_train(spec, merge, steps, parts, width=16, depth=3, batch=32, keep=Fa
     model = _MLP(width, depth)
     shapes = tuple(tuple(p.shape) for p in model.parameters())
     c = comm.DistCommunicator(timeout=60)
-    alg = MergeComp(MergeCompConfig(shapes=shapes, compressor=spec, merge=merge, momentum=0.5, **kw), c)
+    alg = MergeComp(MergeCompConfig(compressor=spec, merge=merge, momentum=0.5, **kw), c)
     alg.keep_timeline = keep
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gopt = GossipOptimizer(model, opt, alg)

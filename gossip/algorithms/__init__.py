@@ -1,15 +1,17 @@
 """Training algorithms: one module per family, each a Config, a State and a step.
 
 Strings become objects here only: ``build(name, comm, **options)``; ``available()``
-lists the names with a one-line description each.
+lists the names with a one-line description each. The contract every algorithm keeps
+(``setup(X, layout)``, the hooks, ``wire_format()``, ``owns_momentum``) is
+:class:`~gossip.algorithms.base.Algorithm`'s.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from gossip.algorithms.allreduce import AllReduce, AllReduceConfig
-from gossip.algorithms.base import Algorithm
+from gossip.algorithms.base import COMMON_OPTIONS, Algorithm, ParamLayout, WireFormat
 from gossip.algorithms.efsgd import (
     DistEFSGD,
     EFBlockSGD,
@@ -46,6 +48,9 @@ from gossip.algorithms.decentralized import (
 
 __all__ = [
     "Algorithm",
+    "COMMON_OPTIONS",
+    "ParamLayout",
+    "WireFormat",
     "AllReduce",
     "AllReduceConfig",
     "DPSGD",
@@ -82,6 +87,7 @@ __all__ = [
     "config_class",
     "is_decentralized",
     "local_momentum_default",
+    "option_names",
 ]
 
 _REGISTRY: dict[str, tuple[type[Algorithm], type]] = {
@@ -130,9 +136,32 @@ def local_momentum_default(name: str) -> float:
     return _lookup(name)[0].local_momentum_default
 
 
-def build(name: str, comm: Any, **options: Any) -> Algorithm:
-    """``build("ecd", comm, compressor="quant:bits=8", seed=0)``."""
+def option_names(name: str) -> tuple[str, ...]:
+    """The options the algorithm's Config takes (its field names)."""
+    return _config_fields(config_class(name))
+
+
+def _config_fields(cfg_cls: type) -> tuple[str, ...]:
+    import dataclasses
+
+    return tuple(f.name for f in dataclasses.fields(cfg_cls))
+
+
+def build(name: str, comm: Any, *, common: Mapping[str, Any] | None = None, **options: Any) -> Algorithm:
+    """``build("ecd", comm, compressor="quant:bits=8", seed=0)``.
+
+    ``options`` go to the algorithm's Config, which must take every one. ``common``
+    holds values of :data:`COMMON_OPTIONS` a caller has for any algorithm (a training
+    run's seed, compressor and momentum): each is passed where the Config takes it and
+    left out elsewhere, as are None values; ``options`` win over it.
+    """
     cls, cfg_cls = _lookup(name)
+    if common:
+        unknown = sorted(set(common) - set(COMMON_OPTIONS))
+        if unknown:
+            raise ValueError(f"`common` takes {', '.join(COMMON_OPTIONS)}, got {', '.join(unknown)}")
+        takes = _config_fields(cfg_cls)
+        options = {**{k: v for k, v in common.items() if k in takes and v is not None}, **options}
     try:
         config = cfg_cls(**options)
     except TypeError as e:

@@ -6,6 +6,8 @@
   momentum: they get the current learning rate through :meth:`_Centralized.set_lr`
   and rewrite the gradient into the final *direction* ``D`` such that a plain SGD step
   ``x <- x - lr * D`` (user optimizer with momentum 0) performs the paper's update.
+  Where the Config's ``momentum`` is non-zero the algorithm owns the momentum
+  (``owns_momentum``) and the local optimizer must have none.
 * Config checks shared by their Configs.
 """
 
@@ -66,7 +68,7 @@ class _Centralized(Algorithm):
     """Gradient algorithms that own their step-size rescaling and momentum.
 
     ``set_lr(lr)`` must be called with the step size ``eta_t`` of the coming step
-    before :meth:`reduce_gradients` (the training loop does it every step). Without
+    before :meth:`reduce_gradients` (``GossipOptimizer.step`` does it every step). Without
     any call the step size is taken as constant (``eta_t / eta_{t-1} = 1``).
     """
 
@@ -74,8 +76,15 @@ class _Centralized(Algorithm):
     #: the compressed direction is the whole update: no local momentum unless asked for
     local_momentum_default = 0.0
 
+    @property
+    def owns_momentum(self) -> bool:  # type: ignore[override]
+        """True where the Config's ``momentum`` is non-zero: the algorithm applies it,
+        so the local optimizer must have none."""
+        return float(getattr(self.config, "momentum", 0.0)) > 0
+
     def set_lr(self, lr: float) -> None:
-        """Tell the algorithm the step size ``eta_t`` the optimizer will use next."""
+        """Tell the algorithm the step size ``eta_t`` the optimizer will use next
+        (``GossipOptimizer`` does, from the local optimizer's first param group)."""
         if isinstance(lr, bool) or not isinstance(lr, (int, float)):
             raise TypeError(f"Arg `lr` must be a number, got {type(lr).__name__} {lr!r}")
         if not math.isfinite(lr) or lr <= 0:
@@ -105,28 +114,3 @@ def check_fraction(name: str, value: Any, *, lo_open: bool = False) -> None:
     if not (lo_ok and value < 1):
         rule = "0 < {0} < 1" if lo_open else "0 <= {0} < 1"
         raise ValueError(f"Arg `{name}` must satisfy {rule.format(name)}, got {value}")
-
-
-def check_offsets(offsets: Any) -> tuple[int, ...] | None:
-    """Block start offsets (0 first, strictly increasing) or None; pairs (offset,
-    numel) as in ``FlatParams.blocks`` are accepted and empty blocks dropped."""
-    if offsets is None:
-        return None
-    try:
-        items = list(offsets)
-    except TypeError:
-        raise TypeError(
-            f"Arg `offsets` must be a sequence of block start offsets, got {offsets!r}"
-        ) from None
-    if items and all(isinstance(b, (tuple, list)) and len(b) == 2 for b in items):
-        items = [int(o) for o, n in items if int(n) > 0]
-    out = []
-    for o in items:
-        if isinstance(o, bool) or not isinstance(o, int):
-            raise TypeError(f"Arg `offsets` must hold integers, got {o!r}")
-        out.append(int(o))
-    if not out or out[0] != 0 or any(b <= a for a, b in zip(out, out[1:])):
-        raise ValueError(
-            f"Arg `offsets` must start at 0 and increase strictly, got {tuple(out)}"
-        )
-    return tuple(out)

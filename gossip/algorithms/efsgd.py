@@ -16,8 +16,18 @@ worker error e_{t,i}, server error e~_t, momentum mu (Alg. 4; mu = 0 gives Alg. 
 
 ``efsgd`` takes any compressor (``sign`` by default, papers/000 eq. 1);
 ``efblocksgd`` is ``efsgd`` with the blockwise sign compressor (Alg. 3) whose blocks
-are the parameter tensors (pass ``offsets``: ``FlatParams.blocks`` or their starts);
-``efblocksgdm`` adds Nesterov momentum inside the compressed update (Alg. 4).
+are the parameter tensors (the :class:`~gossip.algorithms.base.ParamLayout` given to
+``setup``; without one the whole vector is one block); ``efblocksgdm`` adds Nesterov
+momentum inside the compressed update (Alg. 4).
+
+Steps 1, 2 and 4 are the functions :func:`ef_momentum`, :func:`ef_push` and
+:func:`ef_pull`, on any slice of the vector: MergeComp (``gossip.algorithms.mergecomp``)
+runs the same code group by group.
+
+Momentum: with ``momentum`` > 0 the algorithm owns the momentum (``owns_momentum``),
+so the local optimizer must have none (``GossipOptimizer`` refuses one that has some).
+The step size eta_t is read every step from the local optimizer (``set_lr``), so a
+learning-rate schedule rescales the memories as Alg. 2 requires.
 
 Baselines with majority vote and no error feedback (papers/000 Sec. 4):
 
@@ -42,14 +52,9 @@ from typing import Any
 import torch
 
 from gossip import compress as _compress
-from gossip.algorithms._centralized import (
-    ErrorFeedback,
-    _Centralized,
-    check_fraction,
-    check_offsets,
-    check_spec,
-)
+from gossip.algorithms._centralized import ErrorFeedback, _Centralized, check_fraction, check_spec
 from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
+from gossip.algorithms.base import ParamLayout, WireFormat
 
 __all__ = [
     "DistEFSGD",
@@ -61,6 +66,9 @@ __all__ = [
     "SignSGDConfig",
     "SignumConfig",
     "SignState",
+    "ef_momentum",
+    "ef_pull",
+    "ef_push",
 ]
 
 _WORKER_STREAM = 0
@@ -84,35 +92,18 @@ class EFSGDConfig:
         check_fraction("momentum", self.momentum)
         check_int("seed", self.seed, minimum=0)
 
-    def build_compressor(self) -> Any:
-        return _compress.build(self.compressor)
-
 
 @dataclass(frozen=True, kw_only=True)
 class EFBlockSGDConfig:
-    """dist-EF-blockSGD (papers/000 Alg. 3): blockwise sign, one block per tensor.
+    """dist-EF-blockSGD (papers/000 Alg. 3): blockwise sign, one block per tensor of the
+    layout given to ``setup``."""
 
-    ``offsets``: block start offsets into the flat parameter vector, or the
-    ``(offset, numel)`` pairs of ``FlatParams.blocks``; None makes one block.
-    """
-
-    offsets: tuple[int, ...] | None = None
     momentum: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "offsets", check_offsets(self.offsets))
         check_fraction("momentum", self.momentum)
         check_int("seed", self.seed, minimum=0)
-
-    @property
-    def compressor(self) -> str:
-        return self.build_compressor().spec
-
-    def build_compressor(self) -> Any:
-        if self.offsets is None:
-            return _compress.build("blocksign")
-        return _compress.build("blocksign", offsets=self.offsets)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,6 +166,43 @@ class SignState:
 
 
 # --------------------------------------------------------------------------------------
+# Steps 1, 2 and 4 on a slice (shared with MergeComp)
+# --------------------------------------------------------------------------------------
+def ef_momentum(G: torch.Tensor, momentum: torch.Tensor, mu: float) -> torch.Tensor:
+    """Step 1: ``m <- mu m + g`` (in place) and the Nesterov ``v = g + mu m``; ``v = g``
+    when ``mu == 0`` (``momentum`` is then unused and may be empty)."""
+    if mu <= 0:
+        return G
+    momentum.mul_(mu).add_(G)
+    return G + mu * momentum
+
+
+def ef_push(
+    feedback: ErrorFeedback, V: torch.Tensor, error: torch.Tensor, *, ratio: float,
+    seed: int, nodes: torch.Tensor, t: int, stream: int,
+) -> torch.Tensor:
+    """Step 2: the worker's payload ``C(v + ratio e)``; ``error`` becomes what was not
+    sent. Keys: (seed, node, t, stream), one per hosted worker."""
+    keys = node_keys(seed, nodes, t, stream)
+    _, payload, _ = feedback(V, error, rescale=ratio, keys=keys, tag=step_tag(t))
+    return payload
+
+
+def ef_pull(
+    feedback: ErrorFeedback, pushed: torch.Tensor, numel: int, server_error: torch.Tensor, *,
+    ratio: float, seed: int, t: int, stream: int, dtype: torch.dtype,
+) -> torch.Tensor:
+    """Step 4, the server, computed identically on every worker (same payloads, same
+    decode, same reduction order, a key shared by all): ``p~ = mean_i C(p_i) + ratio e~``,
+    returns ``Delta~ = C(p~)`` (shape ``(1, numel)``) and keeps ``e~ = p~ - Delta~``."""
+    tag = step_tag(t)
+    mean = feedback.compressor.decode(pushed, numel, tag=tag).to(dtype).mean(0, keepdim=True)
+    skey = torch.full((1,), shared_key(seed, t, stream), dtype=torch.int64)
+    _, _, pulled = feedback(mean, server_error, rescale=ratio, keys=skey, tag=tag)
+    return pulled
+
+
+# --------------------------------------------------------------------------------------
 # Algorithms
 # --------------------------------------------------------------------------------------
 class DistEFSGD(_Centralized):
@@ -185,15 +213,27 @@ class DistEFSGD(_Centralized):
 
     def __init__(self, config: Any, comm: Any) -> None:
         super().__init__(config, comm)
-        self.compressor = config.build_compressor()
+        self.compressor = self._make_compressor(None)
         self.feedback = ErrorFeedback(self.compressor)
+
+    def _make_compressor(self, layout: ParamLayout | None) -> Any:
+        """The compressor of the pushes and the pull (efblocksgd: one block per tensor)."""
+        return _compress.build(self.config.compressor)
 
     @property
     def payload_compressor(self) -> Any:
         return self.compressor
 
-    def setup(self, X: torch.Tensor) -> None:
+    def wire_format(self) -> WireFormat:
+        return WireFormat.of_compressor(
+            self.compressor, self.layout.dim if self.layout else 1 << 20,
+            "each worker's error-corrected payload, all-gathered; the server's reply computed on every worker",
+        )
+
+    def _setup(self, X: torch.Tensor, layout: ParamLayout) -> None:
         m, d = X.shape
+        self.compressor = self._make_compressor(layout)
+        self.feedback = ErrorFeedback(self.compressor)
         self.compressor.payload_nbytes(d)  # a bad block layout fails here, not mid-run
         mom = X.new_zeros(m, d) if self.config.momentum > 0 else X.new_zeros(0)
         self.state = EFState(
@@ -203,30 +243,23 @@ class DistEFSGD(_Centralized):
 
     @torch.no_grad()
     def reduce_gradients(self, G: torch.Tensor) -> None:
-        st, mu, ledger = self.state, self.config.momentum, self.comm.ledger
+        st, cfg, ledger = self.state, self.config, self.comm.ledger
         m, d = G.shape
-        tag = step_tag(st.t)
         ratio = self._lr_ratio()
         with ledger.phase("compute"):
             # 1. Nesterov momentum inside the compressed update (Alg. 4 lines 4-5)
-            if mu > 0:
-                st.momentum.mul_(mu).add_(G)
-                V = G + mu * st.momentum
-            else:
-                V = G
+            V = ef_momentum(G, st.momentum, cfg.momentum)
         with ledger.phase("compress"):
             # 2. worker error feedback, e rescaled by eta_{t-1}/eta_t
-            keys = node_keys(self.config.seed, self.comm.nodes, st.t, _WORKER_STREAM)
-            _, payload, _ = self.feedback(V, st.error, rescale=ratio, keys=keys, tag=tag)
+            payload = ef_push(self.feedback, V, st.error, ratio=ratio, seed=cfg.seed,
+                              nodes=self.comm.nodes, t=st.t, stream=_WORKER_STREAM)
         with ledger.phase("communicate"):
             # 3. push: every worker receives every worker's payload
             pushed = self.comm.all_gather(payload)
         with ledger.phase("compress"):
-            # 4. the server's step, computed identically on every worker: same payloads,
-            #    same decode, same reduction order, a key shared by all
-            mean = self.compressor.decode(pushed, d, tag=tag).to(G.dtype).mean(0, keepdim=True)
-            skey = torch.full((1,), shared_key(self.config.seed, st.t, _SERVER_STREAM), dtype=torch.int64)
-            _, _, pulled = self.feedback(mean, st.server_error, rescale=ratio, keys=skey, tag=tag)
+            # 4. the server's step, replicated on every worker
+            pulled = ef_pull(self.feedback, pushed, d, st.server_error, ratio=ratio, seed=cfg.seed,
+                             t=st.t, stream=_SERVER_STREAM, dtype=G.dtype)
         # 5. the pulled direction replaces the gradient: x <- x - eta_t Delta~_t
         G.copy_(pulled.expand(m, d))
         st.prev_lr = st.lr
@@ -237,8 +270,20 @@ class EFBlockSGD(DistEFSGD):
     name = "efblocksgd"
     summary = "dist-EF-blockSGD (papers/000 Alg. 3): blockwise sign per tensor, two-way error feedback"
 
+    def _make_compressor(self, layout: ParamLayout | None) -> Any:
+        if layout is None or len(layout.block_starts) == 1:
+            return _compress.build("blocksign")
+        return _compress.build("blocksign", offsets=layout.block_starts)
 
-class EFBlockSGDM(DistEFSGD):
+    def wire_format(self) -> WireFormat:
+        return WireFormat(
+            "blocksign", 1.0,
+            "1-bit signs and one fp32 scale per tensor from each worker, all-gathered; "
+            "the server's reply computed on every worker",
+        )
+
+
+class EFBlockSGDM(EFBlockSGD):
     name = "efblocksgdm"
     summary = "dist-EF-blockSGDM (papers/000 Alg. 4): blockwise sign with Nesterov momentum and error feedback"
 
@@ -258,7 +303,10 @@ class SignSGD(_Centralized):
     def payload_compressor(self) -> Any:
         return self.compressor
 
-    def setup(self, X: torch.Tensor) -> None:
+    def wire_format(self) -> WireFormat:
+        return WireFormat("sign", 1.0, "1-bit signs (and one fp32 scale) from each worker, all-gathered; majority vote")
+
+    def _setup(self, X: torch.Tensor, layout: ParamLayout) -> None:
         m, d = X.shape
         beta = getattr(self.config, "momentum", 0.0)
         mom = X.new_zeros(m, d) if beta > 0 else X.new_zeros(0)

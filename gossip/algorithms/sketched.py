@@ -19,8 +19,11 @@ Worker i, gradient g_i, momentum factor mu, k coordinates per step, P k candidat
 7. momentum-factor masking: u_i, v_i <- 0 where gtilde != 0 (Alg. 3 line 13);
 8. G <- gtilde (+ the uncompressed part), so the plain SGD step is x <- x - eta gtilde.
 
-Uncompressed tensors (1-D shapes, i.e. biases and norms, when ``shapes`` is given) get
-momentum SGD: u_i <- mu u_i + g_i and the mean of u travels exactly in round 1.
+Uncompressed tensors (the 1-D tensors of the layout given to ``setup``, i.e. biases
+and norms, when it has a tensor of two or more dimensions; without a layout everything
+is compressed) get momentum SGD: u_i <- mu u_i + g_i and the mean of u travels exactly
+in round 1. All three own their momentum (``owns_momentum`` when mu > 0): the local
+optimizer must have none.
 
 Baselines with the same momentum correction, masking and uncompressed biases:
 
@@ -38,7 +41,6 @@ and ``localtopk`` record what their collectives send.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +49,7 @@ import torch
 
 from gossip.algorithms._centralized import _Centralized, check_fraction
 from gossip.algorithms._common import check_int, shared_key
+from gossip.algorithms.base import ParamLayout, WireFormat
 
 __all__ = [
     "CountSketch",
@@ -62,32 +65,15 @@ __all__ = [
 _HASH_STREAM = 3
 
 
-def _check_shapes(shapes: Any, algo: str) -> tuple[tuple[int, ...], ...] | None:
-    if shapes is None:
-        return None
-    try:
-        out = tuple(tuple(int(s) for s in sh) for sh in shapes)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"Arg `shapes` of {algo} must be a sequence of shapes (sequences of ints), got {shapes!r}"
-        ) from None
-    if not out or any(s < 0 for sh in out for s in sh):
-        raise ValueError(
-            f"Arg `shapes` of {algo} must be a non-empty sequence of shapes with non-negative sizes, got {out}"
-        )
-    return out
-
-
 @dataclass(frozen=True, kw_only=True)
 class TrueTopKConfig:
     """``k`` (coordinates per step) or ``p`` (their fraction of the compressed
-    coordinates, default 0.01); ``momentum`` mu in [0, 1) (0.9); ``shapes``: parameter
-    shapes in flat order (1-D tensors travel uncompressed; None = compress all)."""
+    coordinates, default 0.01); ``momentum`` mu in [0, 1) (0.9). The 1-D tensors of the
+    layout travel uncompressed (see the module docstring)."""
 
     k: int | None = None
     p: float | None = None
     momentum: float = 0.9
-    shapes: tuple[tuple[int, ...], ...] | None = None
     seed: int = 0
 
     _algo = "truetopk"
@@ -105,7 +91,6 @@ class TrueTopKConfig:
             raise ValueError(f"Arg `p` of {algo} must be a number in (0, 1], got {p!r}")
         object.__setattr__(self, "p", None if p is None else float(p))
         check_fraction("momentum", self.momentum)
-        object.__setattr__(self, "shapes", _check_shapes(self.shapes, algo))
         check_int("seed", self.seed, minimum=0)
 
     def k_for(self, n: int) -> int:
@@ -212,28 +197,19 @@ class _TopKFamily(_Centralized):
         self.cmp_index: torch.Tensor | None = None
         self.k = 0
 
-    def setup(self, X: torch.Tensor) -> None:
+    def _setup(self, X: torch.Tensor, layout: ParamLayout) -> None:
         m, d = X.shape
         cfg = self.config
-        if cfg.shapes is not None:
-            total = sum(math.prod(sh) for sh in cfg.shapes)
-            if total != d:
-                raise ValueError(
-                    f"{self.name}: the parameter shapes hold {total} values, the flat buffer has {d}"
-                )
+        if any(len(sh) >= 2 and n > 0 for sh, n in zip(layout.shapes, layout.numels)):
             is_vec = torch.zeros(d, dtype=torch.bool)
-            off = 0
-            for sh in cfg.shapes:
-                numel = math.prod(sh)
+            for sh, off, numel in zip(layout.shapes, layout.offsets, layout.numels):
                 if len(sh) <= 1:
                     is_vec[off : off + numel] = True
-                off += numel
             self.unc_index = torch.nonzero(is_vec).view(-1)
             self.cmp_index = torch.nonzero(~is_vec).view(-1)
-        else:
+        else:  # no matrix (or no layout): every value is compressed
+            self.unc_index = torch.zeros(0, dtype=torch.int64)
             self.cmp_index = torch.arange(d)
-        if self.cmp_index.numel() == 0:
-            raise ValueError(f"{self.name}: no tensor to compress (every shape is 1-D)")
         self.k = cfg.k_for(int(self.cmp_index.numel()))
         self._setup_extra(int(self.cmp_index.numel()))
         self.state = TopKState(t=1, lr=1.0, u=X.new_zeros(m, d), v=X.new_zeros(m, d))
@@ -286,6 +262,11 @@ class _TopKFamily(_Centralized):
     def _mask_index(self, sel: torch.Tensor) -> torch.Tensor:
         return sel
 
+    def _check_setup(self) -> int:
+        if self.cmp_index is None:
+            raise RuntimeError(f"{self.name}: call setup() before wire_format()")
+        return int(self.cmp_index.numel() + self.unc_index.numel())
+
 
 class Sketched(_TopKFamily):
     """Sketched-SGD (papers/003 Alg. 3); steps in the module docstring."""
@@ -297,6 +278,17 @@ class Sketched(_TopKFamily):
         cfg = self.config
         self.num_candidates = min(n, cfg.candidates * self.k)
         self.cs = CountSketch(n, cfg.rows, cfg.cols_for(self.k), shared_key(cfg.seed, 0, _HASH_STREAM))
+
+    def wire_format(self) -> WireFormat:
+        """fp32 sketch, candidates, update and uncompressed values as papers/003 counts
+        them (``values_per_step``), spread over the coordinates."""
+        d = self._check_setup()
+        cfg = self.config
+        return WireFormat(
+            f"sketched:k={self.k},rows={cfg.rows},cols={self.cs.cols},candidates={cfg.candidates}",
+            32.0 * self.values_per_step / d,
+            "a Count Sketch and the uncompressed values all-reduced, then the exact values of P k candidates",
+        )
 
     @property
     def values_per_step(self) -> int:
@@ -335,6 +327,10 @@ class TrueTopK(_TopKFamily):
     name = "truetopk"
     summary = "true top-k of the summed momentum-corrected gradient (papers/003 baseline; full all-reduce)"
 
+    def wire_format(self) -> WireFormat:
+        self._check_setup()
+        return WireFormat("fp32", 32.0, f"the full momentum-corrected vector all-reduced; the top {self.k} of its mean applied")
+
     def _select(self, V, Uu):
         ledger = self.comm.ledger
         with ledger.phase("communicate"):
@@ -352,6 +348,14 @@ class LocalTopK(_TopKFamily):
 
     name = "localtopk"
     summary = "local top-k of each worker, all-gathered, union averaged (papers/003 baseline)"
+
+    def wire_format(self) -> WireFormat:
+        """k fp32 values and k int32 indices (and the uncompressed values) per worker."""
+        d = self._check_setup()
+        return WireFormat(
+            f"topk:k={self.k}", (64.0 * self.k + 32.0 * self.unc_index.numel()) / d,
+            f"each worker's top {self.k} (fp32 values, int32 indices) all-gathered; the uncompressed values all-reduced",
+        )
 
     def _select(self, V, Uu):
         ledger = self.comm.ledger

@@ -43,7 +43,6 @@ ranks always use the same partition; it is part of the state (checkpoints).
 from __future__ import annotations
 
 import copy
-import math
 import statistics
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -54,6 +53,7 @@ import torch
 from gossip import compress as _compress
 from gossip.algorithms._centralized import ErrorFeedback, _Centralized, check_fraction, check_spec
 from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
+from gossip.algorithms.base import ParamLayout
 from gossip.schedule.cost import CostModel, alg2, best_partition, fit_linear
 from gossip.schedule.partition import Partition, parse_merge
 
@@ -66,9 +66,8 @@ DEFAULT_ALPHA = 0.05
 
 @dataclass(frozen=True, kw_only=True)
 class MergeCompConfig:
-    """``shapes``: the parameter shapes in ``parameters()`` order (required)."""
+    """The parameter tensors come from the layout given to ``setup``."""
 
-    shapes: tuple[tuple[int, ...], ...] | None = None
     compressor: str = "sign"
     momentum: float = 0.0
     seed: int = 0
@@ -79,15 +78,6 @@ class MergeCompConfig:
     trial_steps: int = 4
 
     def __post_init__(self) -> None:
-        if self.shapes is None:
-            raise ValueError("Arg `shapes` of mergecomp is required: the parameter shapes (FlatParams.shapes)")
-        try:
-            shapes = tuple(tuple(int(s) for s in sh) for sh in self.shapes)
-        except (TypeError, ValueError):
-            raise TypeError(f"Arg `shapes` must be a sequence of shapes, got {self.shapes!r}") from None
-        if not shapes:
-            raise ValueError("Arg `shapes` must hold at least one parameter shape")
-        object.__setattr__(self, "shapes", shapes)
         comp = check_spec(self.compressor, "mergecomp")
         bcfg = getattr(comp, "config", None)
         if comp.spec.startswith("blocksign") and (
@@ -99,17 +89,11 @@ class MergeCompConfig:
         check_fraction("momentum", self.momentum)
         check_int("seed", self.seed, minimum=0)
         object.__setattr__(self, "merge", parse_merge(self.merge))
-        if isinstance(self.merge, int) and self.merge > len(shapes):
-            raise ValueError(f"--merge {self.merge}: the model has only {len(shapes)} parameter tensors")
         check_int("max_groups", self.max_groups, minimum=1)
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < 1:
             raise ValueError(f"Arg `alpha` must lie in (0, 1), got {self.alpha!r}")
         check_int("profile_steps", self.profile_steps, minimum=1)
         check_int("trial_steps", self.trial_steps, minimum=1)
-
-    @property
-    def tensors(self) -> int:
-        return len(self.shapes)
 
 
 @dataclass
@@ -142,10 +126,9 @@ class MergeComp(_Centralized):
 
     def __init__(self, config: MergeCompConfig, comm: Any) -> None:
         super().__init__(config, comm)
-        self.numels = [math.prod(s) for s in config.shapes]
+        self.numels: list[int] = []
         self.spec = _compress.build(config.compressor).spec
         self.reduce = self.spec == "identity"  # linear: all-reduce the values
-        self.on_event: Callable[[str], None] | None = None
         #: with ``keep_timeline``: this step's (event, group or tensor position, time);
         #: ``last_timeline`` is the previous step's (events: grad, encode, launch, done,
         #: step, received)
@@ -161,12 +144,17 @@ class MergeComp(_Centralized):
         self._reset_step()
 
     # ---------------------------------------------------------------- set-up
-    def setup(self, X: torch.Tensor) -> None:
+    @property
+    def tensors(self) -> int:
+        return len(self.numels)
+
+    def _setup(self, X: torch.Tensor, layout: ParamLayout) -> None:
         m, d = X.shape
-        if d != sum(self.numels):
-            raise ValueError(f"mergecomp: the parameter shapes hold {sum(self.numels)} values, the flat buffer has {d}")
-        cfg, n = self.config, self.config.tensors
+        cfg, n = self.config, len(layout)
         mode = cfg.merge
+        if isinstance(mode, int) and mode > n:
+            raise ValueError(f"the model has only {n} parameter tensors to merge into {mode} groups")
+        self.numels = list(layout.numels)
         fixed = mode == "layer" or mode == "whole"
         self.state = MergeCompState(
             t=1, lr=1.0, prev_lr=0.0,
@@ -216,8 +204,8 @@ class MergeComp(_Centralized):
         """Use this partition from the next step on and stop any search (call it the same
         way on every rank). The memories keep their values."""
         sizes = tuple(partition.sizes if isinstance(partition, Partition) else Partition(tuple(partition)).sizes)
-        if sum(sizes) != self.config.tensors:
-            raise ValueError(f"the partition covers {sum(sizes)} tensors, the model has {self.config.tensors}")
+        if sum(sizes) != self.tensors:
+            raise ValueError(f"the partition covers {sum(sizes)} tensors, the model has {self.tensors}")
         self.state.phase, self.state.phase_step = "done", 0
         self._relayout(sizes=sizes)
 
@@ -440,8 +428,7 @@ class MergeComp(_Centralized):
     # ---------------------------------------------------------------- the schedule
     def _emit(self, line: str) -> None:
         self.state.search.setdefault("log", []).append(line)
-        if self.on_event is not None:
-            self.on_event(line)
+        super()._emit(line)
 
     def _advance(self, iter_s: float | None, t_step: float) -> None:
         """End of a step: move the schedule on (same decisions on every rank)."""
@@ -476,7 +463,7 @@ class MergeComp(_Centralized):
         self._reset_step()
 
     def _learn_order(self) -> None:
-        st, n = self.state, self.config.tensors
+        st, n = self.state, self.tensors
         fired, seen = [], set()
         for j in self._fired:
             if j not in seen:
@@ -507,7 +494,7 @@ class MergeComp(_Centralized):
     def _record_profile(self, t_step: float) -> None:
         """One layer-wise step's costs, per tensor in backward order."""
         s, tm = self.state.search, self._times
-        n = self.config.tensors
+        n = self.tensors
         if len(tm["hook_in"]) != n or self._last_end is None:
             return  # a tensor without gradient, or no previous step to time from
         prof = s.setdefault("profile", {"head": [], "compute": [], "enc": [], "comm": [], "dec": []})
@@ -519,7 +506,7 @@ class MergeComp(_Centralized):
 
     def _fit_and_plan(self) -> None:
         st, cfg = self.state, self.config
-        s, n = st.search, cfg.tensors
+        s, n = st.search, self.tensors
         prof = s.get("profile")
         lay = [self.numels[j] for j in st.order]
         if prof and prof["head"]:

@@ -61,24 +61,9 @@ def _models():
     return [("resnet20", resnet20), ("mlp11m", mlp)]
 
 
-def _options(name, spec, extra, model):
-    shapes = tuple(tuple(p.shape) for p in model.parameters())
-    offsets, off = [], 0
-    for p in model.parameters():
-        offsets.append(off)
-        off += p.numel()
-    cfg = algorithms.config_class(name)
-    import dataclasses
-
-    fields = {f.name for f in dataclasses.fields(cfg)}
-    opts = dict(extra)
-    if "shapes" in fields:
-        opts["shapes"] = shapes
-    if "offsets" in fields:
-        opts["offsets"] = tuple(offsets)
-    if spec is not None:
-        opts["compressor"] = spec
-    return opts
+def _options(spec, extra):
+    """The algorithm's own options; the parameter layout comes from the model."""
+    return {**extra, **({"compressor": spec} if spec is not None else {})}
 
 
 def _worker(rank: int, store_path: str, steps: int, warmup: int, out_path: str) -> None:
@@ -95,7 +80,7 @@ def _worker(rank: int, store_path: str, steps: int, warmup: int, out_path: str) 
                 y = torch.randint(0, 10, (BATCH,), generator=g)
                 c = comm.DistCommunicator(None, timeout=300)
                 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-                algo = algorithms.build(name, c, **_options(name, spec, extra, model))
+                algo = algorithms.build(name, c, **_options(spec, extra))
                 gopt = GossipOptimizer(model, opt, algo)
                 times, splits = [], []
                 for s in range(warmup + steps):
@@ -105,8 +90,6 @@ def _worker(rank: int, store_path: str, steps: int, warmup: int, out_path: str) 
                     gopt.zero_grad()
                     with c.ledger.phase("compute"):
                         F.cross_entropy(model(x), y).backward()
-                    if hasattr(algo, "set_lr"):
-                        algo.set_lr(0.01)
                     gopt.step()
                     c.ledger.step()
                     dt = time.perf_counter() - t

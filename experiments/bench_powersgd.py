@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gossip import algorithms, comm  # noqa: E402
+from gossip.algorithms import ParamLayout  # noqa: E402
 
 WORLD = 2
 
@@ -112,8 +113,8 @@ def _worker(rank_id, store_path, steps, warmup, rank, out_path):
     for _ in range(2):
         ph.powerSGD_hook(st, _Bucket(torch.zeros(d), shapes)).wait()
     c = comm.DistCommunicator(timeout=300)
-    alg = algorithms.build("powersgd", c, shapes=shapes, rank=rank, momentum=0.0)
-    alg.setup(torch.zeros(1, d))
+    alg = algorithms.build("powersgd", c, rank=rank, momentum=0.0)
+    alg.setup(torch.zeros(1, d), ParamLayout.from_shapes(shapes))
     sd = alg.state_dict()
     sd["q"] = _hook_q0(0, shapes, rank).unsqueeze(0)
     alg.load_state_dict(sd)

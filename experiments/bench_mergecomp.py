@@ -6,7 +6,8 @@ World 4 on loopback gloo (real processes, one thread each). Two models with many
 tensors: ResNet-20 (gossip.models, 65 tensors, CIFAR-10 shapes) and a ResNet-50-shaped
 network (ResNet-50's 161 parameter tensors: bottlenecks 3-4-6-3 with downsampling, at
 a quarter of its width, 32x32 inputs). Four compressors (fp16, blocksign, topk 1%,
-quant 8 bits), all inside dist-EF-SGD (``gossip.schedule.MergeComp``). For each, in
+quant 8 bits), all inside dist-EF-SGD scheduled by MergeComp
+(``gossip.algorithms.build("efsgd", comm, compressor=..., merge=...)``). For each, in
 the same world and in turn:
 
 * ``auto``: the search of Alg. 2 (Y = 2) runs first, then the chosen partition is timed;
@@ -36,10 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from _benchlib import markdown_table, run_spawned_world
-from gossip import comm
+from gossip import algorithms, comm
 from gossip.models import build_model
 from gossip.runtime import GossipOptimizer
-from gossip.schedule import MergeComp, MergeCompConfig, Partition
+from gossip.schedule import Partition
 
 WORLD = 4
 BATCH = 8
@@ -93,8 +94,7 @@ def _step(model, gopt, alg, c, x, y):
     gopt.zero_grad()
     with c.ledger.phase("compute"):
         F.cross_entropy(model(x), y).backward()
-    alg.set_lr(0.01)
-    gopt.step()
+    gopt.step()  # hands the algorithm the optimizer's lr
     c.ledger.step()
 
 
@@ -134,10 +134,10 @@ def _worker(rank: int, store_path: str, steps: int, models: list[str], comps: li
                     model = make()
                     shapes = tuple(tuple(p.shape) for p in model.parameters())
                     c = comm.DistCommunicator(None, timeout=600)
-                    alg = MergeComp(MergeCompConfig(shapes=shapes, compressor=spec, merge=mode), c)
+                    alg = algorithms.build("efsgd", c, compressor=spec, merge=mode)
                     gopt = GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.01), alg)
                     searched = 0
-                    while alg.state.phase != "done" or searched == 0:  # the search, and step 1
+                    while alg.report()["phase"] != "done" or searched == 0:  # the search, and step 1
                         _step(model, gopt, alg, c, x, y)
                         searched += 1
                     if mode == "auto":

@@ -15,8 +15,9 @@ from gossip import algorithms, comm
 from gossip import compress as gc
 from gossip.algorithms._common import node_keys, shared_key
 from gossip.algorithms.base import ParamLayout
+from gossip.algorithms import MergeComp
 from gossip.runtime import GossipOptimizer
-from gossip.schedule import MergeComp, MergeCompConfig, Partition
+from gossip.schedule import Partition
 from tests._dist import run_world
 from tests.test_train import QUICK, _one_error_line, final_params, train
 
@@ -33,8 +34,13 @@ def _grads(n=N, t=T, d=D, seed=3):
 
 
 def _build(spec, merge="layer", n=N, mu=0.0, shapes=SHAPES, **kw):
+    """efsgd with ``spec`` scheduled by MergeComp; ``blocksign`` is efblocksgd's."""
     c = comm.SimulatedCommunicator(world_size=n)
-    alg = MergeComp(MergeCompConfig(compressor=spec, merge=merge, momentum=mu, **kw), c)
+    if spec == "blocksign":
+        alg = algorithms.build("efblocksgd", c, merge=merge, momentum=mu, **kw)
+    else:
+        alg = algorithms.build("efsgd", c, compressor=spec, merge=merge, momentum=mu, **kw)
+    assert isinstance(alg, MergeComp)
     alg.setup(torch.zeros(n, sum(math.prod(s) for s in shapes)), ParamLayout.from_shapes(shapes))
     return alg, c
 
@@ -189,14 +195,40 @@ def test_bytes_are_the_group_payloads():
 @pytest.mark.parametrize("kw,needle", [
     ({"merge": "0"}, "layer, whole, auto"),
     ({"merge": "lots"}, "layer, whole, auto"),
-    ({"compressor": "blocksign:block=4"}, "blocksign"),
-    ({"alpha": 1.0}, "alpha"),
-    ({"max_groups": 0}, "max_groups"),
-    ({"trial_steps": 0}, "trial_steps"),
+    ({"merge": "layer", "compressor": "blocksign:block=4"}, "plain 'blocksign'"),
+    ({"merge_alpha": 1.0}, "merge_alpha"),
+    ({"merge_max_groups": 0}, "merge_max_groups"),
+    ({"merge_trial_steps": 0}, "merge_trial_steps"),
 ])
 def test_config_errors(kw, needle):
     with pytest.raises((ValueError, TypeError), match=needle):
-        MergeCompConfig(**kw)
+        algorithms.build("efsgd", comm.SimulatedCommunicator(world_size=1), **kw)
+
+
+def test_the_registry_schedules_the_ef_family_and_nothing_else():
+    c = comm.SimulatedCommunicator(world_size=2)
+    for name in ("efsgd", "efblocksgd", "efblocksgdm"):
+        alg = algorithms.build(name, c, merge="whole")
+        assert isinstance(alg, MergeComp) and alg.name == name
+        assert not isinstance(algorithms.build(name, c), MergeComp)
+    assert algorithms.build("efblocksgdm", c, merge="layer").owns_momentum
+    with pytest.raises(ValueError, match="powersgd: .*unexpected keyword argument 'merge'"):
+        algorithms.build("powersgd", c, merge="layer")
+    alg, _ = _build("blocksign", "layer", n=2)
+    assert alg.wire_format().label == "blocksign" and alg.wire_format().bits_per_coord == 1.0
+    alg, _ = _build("quant:bits=4", "layer", n=2)
+    assert alg.wire_format().label == "quant:bits=4" and alg.wire_format().bits_per_coord == 4.0
+
+
+def test_the_schedule_shares_efsgds_push_and_pull():
+    """No copy of the error-feedback math: the module calls efsgd's functions."""
+    import inspect
+
+    from gossip.algorithms import mergecomp
+
+    src = inspect.getsource(mergecomp)
+    assert "ef_push(" in src and "ef_pull(" in src and "ef_momentum(" in src
+    assert ".mul_(" not in src and "shared_key(" not in src and "node_keys(" not in src
 
 
 def test_more_groups_than_tensors_is_refused_at_setup():
@@ -233,7 +265,7 @@ def _world_train(spec, merge, steps, parts, width=16, depth=3, batch=32, keep=Fa
     model = _MLP(width, depth)
     shapes = tuple(tuple(p.shape) for p in model.parameters())
     c = comm.DistCommunicator(timeout=60)
-    alg = MergeComp(MergeCompConfig(compressor=spec, merge=merge, momentum=0.5, **kw), c)
+    alg = algorithms.build("efsgd", c, compressor=spec, merge=merge, momentum=0.5, **kw)
     alg.keep_timeline = keep
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gopt = GossipOptimizer(model, opt, alg)
@@ -308,7 +340,7 @@ def test_communication_overlaps_backward():
 @pytest.mark.multiprocess
 def test_auto_search_decides_the_same_partition_on_every_rank():
     res = run_world(2, _world_train, "topk:p=0.1", "auto", 11, None, timeout=120,
-                    profile_steps=2, trial_steps=2)
+                    merge_profile_steps=2, merge_trial_steps=2)
     a, b = res
     assert a["phase"] == b["phase"] == "done"
     assert a["state_sizes"] == b["state_sizes"] and sum(a["state_sizes"]) == 8

@@ -25,6 +25,7 @@ from gossip.algorithms.efsgd import (
     SignumConfig,
 )
 from gossip.algorithms.efmomentum import EFMomentum, EFMomentumConfig
+from gossip.algorithms.mergecomp import MergeComp, MergeCompState
 from gossip.algorithms.powersgd import PowerSGD, PowerSGDConfig
 from gossip.algorithms.sketched import (
     LocalTopK,
@@ -76,6 +77,9 @@ __all__ = [
     "PowerSGDConfig",
     "EFMomentum",
     "EFMomentumConfig",
+    "MERGEABLE",
+    "MergeComp",
+    "MergeCompState",
     "Sketched",
     "SketchedConfig",
     "TrueTopK",
@@ -107,6 +111,10 @@ _REGISTRY: dict[str, tuple[type[Algorithm], type]] = {
     "truetopk": (TrueTopK, TrueTopKConfig),
     "localtopk": (LocalTopK, LocalTopKConfig),
 }
+
+
+#: the algorithms MergeComp (papers/004) can schedule: ``build(name, comm, merge=...)``
+MERGEABLE = ("efsgd", "efblocksgd", "efblocksgdm")
 
 
 def available() -> dict[str, str]:
@@ -154,6 +162,9 @@ def build(name: str, comm: Any, *, common: Mapping[str, Any] | None = None, **op
     holds values of :data:`COMMON_OPTIONS` a caller has for any algorithm (a training
     run's seed, compressor and momentum): each is passed where the Config takes it and
     left out elsewhere, as are None values; ``options`` win over it.
+
+    For the EF family (:data:`MERGEABLE`), ``merge="layer" | "whole" | "auto" | N``
+    returns the algorithm scheduled by MergeComp (``gossip.algorithms.mergecomp``).
     """
     cls, cfg_cls = _lookup(name)
     if common:
@@ -171,4 +182,6 @@ def build(name: str, comm: Any, *, common: Mapping[str, Any] | None = None, **op
         if "unexpected keyword" in str(e):
             raise ValueError(f"{name}: {e}; accepted options: {accepted}") from None
         raise
+    if name in MERGEABLE and config.merge is not None:
+        return MergeComp(config, comm, family=cls)
     return cls(config, comm)

@@ -55,6 +55,8 @@ from gossip import compress as _compress
 from gossip.algorithms._centralized import ErrorFeedback, _Centralized, check_fraction, check_spec
 from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
 from gossip.algorithms.base import ParamLayout, WireFormat
+from gossip.schedule.cost import DEFAULT_ALPHA
+from gossip.schedule.partition import parse_merge
 
 __all__ = [
     "DistEFSGD",
@@ -78,32 +80,69 @@ _SERVER_STREAM = 1
 # --------------------------------------------------------------------------------------
 # Configs
 # --------------------------------------------------------------------------------------
+def _check_merge_options(cfg: Any, algo: str) -> None:
+    """The MergeComp options of an EF Config (``merge`` None: not scheduled)."""
+    if cfg.merge is not None:
+        object.__setattr__(cfg, "merge", parse_merge(cfg.merge))
+    check_int("merge_max_groups", cfg.merge_max_groups, minimum=1)
+    a = cfg.merge_alpha
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a < 1:
+        raise ValueError(f"Arg `merge_alpha` of {algo} must lie in (0, 1), got {a!r}")
+    check_int("merge_profile_steps", cfg.merge_profile_steps, minimum=1)
+    check_int("merge_trial_steps", cfg.merge_trial_steps, minimum=1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EFSGDConfig:
     """dist-EF-SGD (papers/000 Alg. 2) with any compressor; ``momentum`` > 0 gives the
-    non-block variant of Alg. 4."""
+    non-block variant of Alg. 4.
+
+    ``merge`` (None, ``"layer"``, ``"whole"``, ``"auto"`` or a number of groups N)
+    schedules it with MergeComp (papers/004, ``gossip.algorithms.mergecomp``): the
+    same update, compressed and sent in groups of tensors during backward.
+    ``merge_max_groups`` (Y) and ``merge_alpha`` are Alg. 2's; ``merge_profile_steps``
+    and ``merge_trial_steps`` how long ``N``/``auto`` measure."""
 
     compressor: str = "sign"
     momentum: float = 0.0
     seed: int = 0
+    merge: str | int | None = None
+    merge_max_groups: int = 2
+    merge_alpha: float = DEFAULT_ALPHA
+    merge_profile_steps: int = 5
+    merge_trial_steps: int = 4
 
     def __post_init__(self) -> None:
-        check_spec(self.compressor, "efsgd")
+        comp = check_spec(self.compressor, "efsgd")
         check_fraction("momentum", self.momentum)
         check_int("seed", self.seed, minimum=0)
+        _check_merge_options(self, "efsgd")
+        if self.merge is not None and comp.name == "blocksign" and comp.spec != "blocksign":
+            raise ValueError(
+                "efsgd: under merge, blocksign's blocks are the parameter tensors; give plain 'blocksign', "
+                f"got {self.compressor!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
 class EFBlockSGDConfig:
     """dist-EF-blockSGD (papers/000 Alg. 3): blockwise sign, one block per tensor of the
-    layout given to ``setup``."""
+    layout given to ``setup``. The ``merge`` options are ``efsgd``'s."""
 
     momentum: float = 0.0
     seed: int = 0
+    merge: str | int | None = None
+    merge_max_groups: int = 2
+    merge_alpha: float = DEFAULT_ALPHA
+    merge_profile_steps: int = 5
+    merge_trial_steps: int = 4
 
     def __post_init__(self) -> None:
         check_fraction("momentum", self.momentum)
         check_int("seed", self.seed, minimum=0)
+        _check_merge_options(self, type(self)._algo)
+
+    _algo = "efblocksgd"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +150,7 @@ class EFBlockSGDMConfig(EFBlockSGDConfig):
     """dist-EF-blockSGDM (papers/000 Alg. 4): Nesterov momentum ``0 < momentum < 1``."""
 
     momentum: float = 0.9
+    _algo = "efblocksgdm"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,43 +1,50 @@
-"""MergeComp (papers/004): compress and send gradients in groups, overlapped with backward.
+"""MergeComp (papers/004): a scheduling policy of the dist-EF-SGD family. The same
+update, compressed and sent in groups of tensors, overlapped with backward.
 
-The algorithm scheduled is dist-EF-SGD (papers/000 Alg. 2, with momentum Alg. 4
-without blocks; ``gossip.algorithms.efsgd``), applied group by group (papers/004
-Alg. 1): for group k of step t, with x_k its slice of the gradient buffer,
+Reached through the registry: ``build("efsgd", comm, merge="auto")`` (and
+``efblocksgd``, ``efblocksgdm``) returns a :class:`MergeComp` that runs that
+algorithm's error-feedback step (``gossip.algorithms.efsgd``, Alg. 2, with momentum
+Alg. 4) group by group (papers/004 Alg. 1), with the very functions the unscheduled
+algorithm uses: for group k of step t, with x_k its slice of the gradient buffer,
 
-1. momentum (mu > 0): m[x_k] = mu m[x_k] + g[x_k];  v = g[x_k] + mu m[x_k];
-2. worker error feedback: p = v + (eta_{t-1}/eta_t) e[x_k]; payload = C_k(p);
-   e[x_k] = p - C_k(p) (random keys: stream 2k of (seed, node, t));
+1. :func:`~gossip.algorithms.efsgd.ef_momentum` on the slice;
+2. :func:`~gossip.algorithms.efsgd.ef_push`: the worker's error-corrected payload
+   (random keys: stream 2k of (seed, node, t));
 3. communicate: all-gather of the payloads (all-reduce of the values for the
    ``identity`` compressor, the full-precision baseline);
-4. replicated server: p~ = mean_i C_k(p_i) + (eta_{t-1}/eta_t) e~[x_k];
-   Delta~ = C_k(p~); e~[x_k] = p~ - Delta~ (shared key: stream 2k + 1);
+4. :func:`~gossip.algorithms.efsgd.ef_pull`: the replicated server step (shared key:
+   stream 2k + 1);
 5. the gradient of group k becomes Delta~.
 
-With one group (``--merge whole``) this is exactly ``efsgd`` (same keys, same
-payloads, same reduction order). The error memories and the momentum are flat
-vectors over the whole model, cut into groups by the current partition, so they
-survive a change of partition. ``blocksign`` keeps one block per parameter tensor
-whatever the grouping.
+With one group (``merge="whole"``) this is exactly the unscheduled algorithm (same
+keys, same payloads, same reduction order). The error memories and the momentum are
+flat vectors over the whole model, cut into groups by the current partition, so they
+survive a change of partition. ``blocksign`` (efblocksgd) keeps one block per
+parameter tensor whatever the grouping. The tensors are those of the layout given to
+``setup``.
 
 Overlap. The gradients are laid out in the order back-propagation produces them, so
 each group is one contiguous slice. A post-accumulate-grad hook on every parameter
-copies its gradient into that buffer; when every tensor of a group is in (and all
-earlier groups have been launched), the group is encoded and its asynchronous
-collective posted, while backward goes on. The step then waits only for what is
-still in flight, decodes, and applies the server step. Overlap needs one node per
-process (torchrun); in the in-process simulation all groups are processed at the
-step, with the same results.
+(registered by ``attach(models)``) copies its gradient into that buffer; when every
+tensor of a group is in (and all earlier groups have been launched), the group is
+encoded and its asynchronous collective posted, while backward goes on. The step then
+waits only for what is still in flight, decodes, and applies the server step. Overlap
+needs one node per process (torchrun); in the in-process simulation all groups are
+processed at the step, with the same results.
 
 Partitions (``merge``): ``"layer"`` (one group per tensor), ``"whole"`` (one group),
 an int N (N groups, split chosen by the cost model), ``"auto"`` (papers/004 Alg. 2).
-N and auto first learn the backward order (step 1), then time ``profile_steps``
+N and auto first learn the backward order (step 1), then time ``merge_profile_steps``
 layer-wise steps in which each tensor is encoded, sent and decoded on its own (so
 each cost is measured alone), fit the linear costs of Assumption 5 (see
 :mod:`gossip.schedule.cost`), and take the model's best split for each y. auto then
-runs the candidates y = 1..Y in turn, one step each, for a warm-up round and then
-``trial_steps`` timed rounds (interleaved, so a change of load on the machine hits
-every candidate alike), and applies Alg. 2 to their median iteration times. Every decision is made on rank 0 and broadcast, so all
-ranks always use the same partition; it is part of the state (checkpoints).
+runs the candidates y = 1..Y (``merge_max_groups``) in turn, one step each, for a
+warm-up round and then ``merge_trial_steps`` timed rounds (interleaved, so a change of
+load on the machine hits every candidate alike), and applies Alg. 2
+(``merge_alpha``) to their median iteration times. Every decision is made on rank 0
+and broadcast, so all ranks always use the same partition; it is part of the state
+(checkpoints). Decisions go to the event sink (``set_event_sink``) as one line each,
+and ``report()`` gives what was measured and chosen.
 """
 
 from __future__ import annotations
@@ -51,49 +58,13 @@ from typing import Any, Callable
 import torch
 
 from gossip import compress as _compress
-from gossip.algorithms._centralized import ErrorFeedback, _Centralized, check_fraction, check_spec
-from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
-from gossip.algorithms.base import ParamLayout
+from gossip.algorithms._centralized import ErrorFeedback, _Centralized
+from gossip.algorithms.base import Algorithm, ParamLayout, WireFormat
+from gossip.algorithms.efsgd import ef_momentum, ef_pull, ef_push
 from gossip.schedule.cost import CostModel, alg2, best_partition, fit_linear
-from gossip.schedule.partition import Partition, parse_merge
+from gossip.schedule.partition import Partition
 
-__all__ = ["MergeComp", "MergeCompConfig", "MergeCompState", "DEFAULT_ALPHA"]
-
-#: papers/004 gives no value for alpha; 5% is the order of the gains of its Table 3.
-#: With the default Y = 2 it has no effect (Alg. 2 returns X_2 unless F(2) > F(1)).
-DEFAULT_ALPHA = 0.05
-
-
-@dataclass(frozen=True, kw_only=True)
-class MergeCompConfig:
-    """The parameter tensors come from the layout given to ``setup``."""
-
-    compressor: str = "sign"
-    momentum: float = 0.0
-    seed: int = 0
-    merge: str | int = "auto"
-    max_groups: int = 2
-    alpha: float = DEFAULT_ALPHA
-    profile_steps: int = 5
-    trial_steps: int = 4
-
-    def __post_init__(self) -> None:
-        comp = check_spec(self.compressor, "mergecomp")
-        bcfg = getattr(comp, "config", None)
-        if comp.spec.startswith("blocksign") and (
-            getattr(bcfg, "offsets", None) is not None or getattr(bcfg, "block", None) is not None
-        ):
-            raise ValueError(
-                "mergecomp: blocksign's blocks are the parameter tensors under --merge; give plain 'blocksign'"
-            )
-        check_fraction("momentum", self.momentum)
-        check_int("seed", self.seed, minimum=0)
-        object.__setattr__(self, "merge", parse_merge(self.merge))
-        check_int("max_groups", self.max_groups, minimum=1)
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < 1:
-            raise ValueError(f"Arg `alpha` must lie in (0, 1), got {self.alpha!r}")
-        check_int("profile_steps", self.profile_steps, minimum=1)
-        check_int("trial_steps", self.trial_steps, minimum=1)
+__all__ = ["MergeComp", "MergeCompState"]
 
 
 @dataclass
@@ -119,15 +90,17 @@ class MergeCompState:
 
 
 class MergeComp(_Centralized):
-    """dist-EF-SGD scheduled in groups overlapped with backward; see the module docstring."""
+    """An EF-family algorithm scheduled in groups overlapped with backward; see the
+    module docstring. ``family`` is the scheduled algorithm's class (``DistEFSGD``,
+    ``EFBlockSGD``, ``EFBlockSGDM``): its name and its compressor are this one's."""
 
-    name = "mergecomp"
-    summary = "MergeComp (papers/004): efsgd compressed in merged groups, overlapped with backward"
+    summary = "MergeComp (papers/004): the EF family compressed in merged groups, overlapped with backward"
 
-    def __init__(self, config: MergeCompConfig, comm: Any) -> None:
+    def __init__(self, config: Any, comm: Any, family: type) -> None:
         super().__init__(config, comm)
+        self.name = family.name  # what runs is that algorithm, scheduled
         self.numels: list[int] = []
-        self.spec = _compress.build(config.compressor).spec
+        self.spec = family(config, comm).compressor.spec  # efblocksgd: blocksign, one block per tensor
         self.reduce = self.spec == "identity"  # linear: all-reduce the values
         #: with ``keep_timeline``: this step's (event, group or tensor position, time);
         #: ``last_timeline`` is the previous step's (events: grad, encode, launch, done,
@@ -154,8 +127,13 @@ class MergeComp(_Centralized):
         mode = cfg.merge
         if isinstance(mode, int) and mode > n:
             raise ValueError(f"the model has only {n} parameter tensors to merge into {mode} groups")
-        self.numels = list(layout.numels)
         fixed = mode == "layer" or mode == "whole"
+        if not fixed and m > 1:
+            raise ValueError(
+                f"merge={mode} times the backward pass of one node per process: run it under torchrun "
+                f"(or --simulate 1); merge layer and whole work with any number of hosted nodes"
+            )
+        self.numels = list(layout.numels)
         self.state = MergeCompState(
             t=1, lr=1.0, prev_lr=0.0,
             # provisional: reverse definition order; whole (nothing to overlap) and the
@@ -171,11 +149,6 @@ class MergeComp(_Centralized):
             momentum=X.new_zeros(m, d) if cfg.momentum > 0 else X.new_zeros(0),
             search={"mode": str(mode)},
         )
-        if not fixed and m > 1:
-            raise ValueError(
-                f"--merge {mode} times the backward pass of one node per process: run it under "
-                "torchrun (or --simulate 1); --merge layer, whole work with any --simulate"
-            )
         self._layout()
 
     def attach(self, models: list[Any]) -> None:
@@ -194,7 +167,15 @@ class MergeComp(_Centralized):
 
     @property
     def payload_compressor(self) -> Any:
-        return _compress.build(self.config.compressor)
+        return _compress.build(self.spec)
+
+    def wire_format(self) -> WireFormat:
+        """The scheduled algorithm's wire format; one payload per group."""
+        how = "one payload per group of tensors from each worker (MergeComp), all-gathered"
+        if self.spec == "blocksign":
+            return WireFormat("blocksign", 1.0, "1-bit signs and one fp32 scale per tensor, " + how)
+        d = self.layout.dim if self.layout is not None else 1 << 20
+        return WireFormat.of_compressor(self.payload_compressor, d, how)
 
     @property
     def partition(self) -> Partition:
@@ -261,10 +242,12 @@ class MergeComp(_Centralized):
     def _codec(self, k: int) -> tuple[Any, ErrorFeedback]:
         key = (self._slices[k], self._tensor_bounds[k])
         if key not in self._codecs:
-            if self.spec.startswith("blocksign"):
-                comp = _compress.build("blocksign", offsets=self._tensor_bounds[k])
+            if self.spec == "blocksign":  # one block per (non-empty) tensor of the group
+                a, b = self._slices[k]
+                starts = tuple(dict.fromkeys(o for o in self._tensor_bounds[k] if o < b - a))
+                comp = _compress.build("blocksign", offsets=starts)
             else:
-                comp = _compress.build(self.config.compressor)
+                comp = _compress.build(self.spec)
             self._codecs[key] = (comp, ErrorFeedback(comp))
         return self._codecs[key]
 
@@ -356,18 +339,16 @@ class MergeComp(_Centralized):
         t0 = perf_counter()
         self._mark("encode", k)
         with ledger.phase("compress"):
-            V = self._buf[:, a:b]
-            if cfg.momentum > 0:
-                mom = st.momentum[:, a:b]
-                mom.mul_(cfg.momentum).add_(V)
-                V = V + cfg.momentum * mom
+            # 1. momentum on the slice (the memories are flat over the model)
+            mom = st.momentum[:, a:b] if cfg.momentum > 0 else st.momentum
+            V = ef_momentum(self._buf[:, a:b], mom, cfg.momentum)
             if self.reduce:  # identity: e stays 0, the values themselves are reduced
                 payload = V.clone()
             else:
-                comp, fb = self._codec(k)
-                keys = node_keys(cfg.seed, self.comm.nodes, st.t, 2 * k)
-                err = st.error[:, a:b]
-                _, payload, _ = fb(V, err, rescale=self._lr_ratio(), keys=keys, tag=step_tag(st.t))
+                # 2. the worker's error-corrected payload of group k (stream 2k)
+                _, fb = self._codec(k)
+                payload = ef_push(fb, V, st.error[:, a:b], ratio=self._lr_ratio(), seed=cfg.seed,
+                                  nodes=self.comm.nodes, t=st.t, stream=2 * k)
         self._times["enc"][k] = perf_counter() - t0
         self._mark("launch", k)
         with ledger.phase("communicate"):
@@ -388,11 +369,11 @@ class MergeComp(_Centralized):
             if self.reduce:
                 pulled = res[:1]
             else:
-                comp, fb = self._codec(k)
-                mean = comp.decode(res, b - a, tag=step_tag(st.t)).to(self._out.dtype).mean(0, keepdim=True)
-                skey = torch.full((1,), shared_key(cfg.seed, st.t, 2 * k + 1), dtype=torch.int64)
-                _, _, pulled = fb(mean, st.server_error[:, a:b], rescale=self._lr_ratio(), keys=skey,
-                                  tag=step_tag(st.t))
+                # 4. the replicated server step of group k (shared key: stream 2k + 1)
+                _, fb = self._codec(k)
+                pulled = ef_pull(fb, res, b - a, st.server_error[:, a:b], ratio=self._lr_ratio(),
+                                 seed=cfg.seed, t=st.t, stream=2 * k + 1, dtype=self._out.dtype)
+            # 5. the group's gradient becomes Delta~
             self._out[:, a:b] = pulled.expand(m, b - a)
         self._times["dec"][k] = perf_counter() - t0
         self._finished[k] = True
@@ -442,7 +423,7 @@ class MergeComp(_Centralized):
         if st.phase == "profile":
             self._record_profile(t_step)
             st.phase_step += 1
-            if st.phase_step >= cfg.profile_steps:
+            if st.phase_step >= cfg.merge_profile_steps:
                 self._fit_and_plan()
             self._reset_step()
             return
@@ -454,7 +435,7 @@ class MergeComp(_Centralized):
             if k >= len(ys) and iter_s is not None:  # round 0 warms every candidate up
                 s["trial_times"].setdefault(str(y), []).append(iter_s)
             st.phase_step += 1
-            if st.phase_step >= len(ys) * (cfg.trial_steps + 1):
+            if st.phase_step >= len(ys) * (cfg.merge_trial_steps + 1):
                 self._trials_done()
             else:
                 self._try(ys[st.phase_step % len(ys)])
@@ -516,7 +497,7 @@ class MergeComp(_Centralized):
                 encode=fit_linear(lay, med(prof["enc"])), decode=fit_linear(lay, med(prof["dec"])),
                 comm=fit_linear(lay, med(prof["comm"])),
             )
-            want = [cfg.merge] if isinstance(cfg.merge, int) else list(range(1, min(cfg.max_groups, n) + 1))
+            want = [cfg.merge] if isinstance(cfg.merge, int) else list(range(1, min(cfg.merge_max_groups, n) + 1))
             self.cost_model = model
             plans = [list(best_partition(model, y).sizes) for y in want]
             preds = [model.predict(Partition(tuple(p))) for p in plans]
@@ -561,8 +542,9 @@ class MergeComp(_Centralized):
         for y, f in zip(ys, agreed):
             s["candidates"][str(y)]["measured_s"] = float(f)
         fmin = dict(zip(ys, (float(f) for f in agreed)))
-        chosen, _ = alg2(lambda q: fmin[q], max(ys), cfg.alpha)
-        self._choose(s["candidates"][str(chosen)]["sizes"], f"Alg. 2 (Y = {cfg.max_groups}, alpha = {cfg.alpha:g})")
+        chosen, _ = alg2(lambda q: fmin[q], max(ys), cfg.merge_alpha)
+        self._choose(s["candidates"][str(chosen)]["sizes"],
+                     f"Alg. 2 (Y = {cfg.merge_max_groups}, alpha = {cfg.merge_alpha:g})")
 
     def _choose(self, sizes: list[int], why: str) -> None:
         st = self.state
@@ -585,6 +567,9 @@ class MergeComp(_Centralized):
         st.order, st.sizes = tuple(int(j) for j in st.order), tuple(int(v) for v in st.sizes)
         st.search = copy.deepcopy(st.search)
         self._layout()
+        if st.phase == "done" and self.config.merge not in ("layer", "whole"):
+            # a decision taken before the checkpoint: said once, not added to the log
+            Algorithm._emit(self, f"mergecomp: partition {self.partition} restored from the checkpoint")
 
     def report(self) -> dict:
         """What the schedule measured and decided (for logs and summaries)."""

@@ -218,3 +218,18 @@ def test_algorithms_describe_their_wire_format():
     assert p2.bits_per_coord == pytest.approx(32 * (4 * 2 * 42 + 128 + 36) / 484)
     assert _wire("sketched").label.startswith("sketched:k=")
     assert _wire("efmomentum", compressor="sign").bits_per_coord == 1.0
+
+
+def test_the_loop_uses_the_contract_only():
+    """The training loop calls the hooks the base class declares: no probing of
+    algorithms, no guessing of Config fields, no reading of an algorithm's State."""
+    import inspect
+
+    from gossip import loop
+
+    src = inspect.getsource(loop)
+    assert "hasattr(" not in src and "isinstance(self.algo" not in src
+    assert "dataclasses.fields" not in src and "state.phase" not in src
+    assert "shapes" not in src and "offsets" not in src
+    for hook in ("set_event_sink", "on_epoch_end", "report", "wire_format"):
+        assert callable(getattr(algorithms.Algorithm, hook))

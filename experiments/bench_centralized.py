@@ -61,14 +61,18 @@ def _models():
     return [("resnet20", resnet20), ("mlp11m", mlp)]
 
 
-def _options(spec, extra):
-    """The algorithm's own options; the parameter layout comes from the model."""
-    return {**extra, **({"compressor": spec} if spec is not None else {})}
+def _options(name, spec, extra, model):
+    """The algorithm's options; the tensors' shapes reach it through GossipOptimizer's layout."""
+    opts = dict(extra)
+    if spec is not None:
+        opts["compressor"] = spec
+    return opts
 
 
 def _worker(rank: int, store_path: str, steps: int, warmup: int, out_path: str) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, WORLD)
+    __import__("torch.distributed.nn.functional")  # before the group: see gossip.comm.distributed._preload_before_init
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     rows = []
     try:
@@ -80,7 +84,7 @@ def _worker(rank: int, store_path: str, steps: int, warmup: int, out_path: str) 
                 y = torch.randint(0, 10, (BATCH,), generator=g)
                 c = comm.DistCommunicator(None, timeout=300)
                 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-                algo = algorithms.build(name, c, **_options(spec, extra))
+                algo = algorithms.build(name, c, **_options(name, spec, extra, model))
                 gopt = GossipOptimizer(model, opt, algo)
                 times, splits = [], []
                 for s in range(warmup + steps):
@@ -90,6 +94,8 @@ def _worker(rank: int, store_path: str, steps: int, warmup: int, out_path: str) 
                     gopt.zero_grad()
                     with c.ledger.phase("compute"):
                         F.cross_entropy(model(x), y).backward()
+                    if hasattr(algo, "set_lr"):
+                        algo.set_lr(0.01)
                     gopt.step()
                     c.ledger.step()
                     dt = time.perf_counter() - t

@@ -6,8 +6,7 @@ World 4 on loopback gloo (real processes, one thread each). Two models with many
 tensors: ResNet-20 (gossip.models, 65 tensors, CIFAR-10 shapes) and a ResNet-50-shaped
 network (ResNet-50's 161 parameter tensors: bottlenecks 3-4-6-3 with downsampling, at
 a quarter of its width, 32x32 inputs). Four compressors (fp16, blocksign, topk 1%,
-quant 8 bits), all inside dist-EF-SGD scheduled by MergeComp
-(``gossip.algorithms.build("efsgd", comm, compressor=..., merge=...)``). For each, in
+quant 8 bits), all inside dist-EF-SGD (``gossip.schedule.MergeComp``). For each, in
 the same world and in turn:
 
 * ``auto``: the search of Alg. 2 (Y = 2) runs first, then the chosen partition is timed;
@@ -37,9 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from _benchlib import markdown_table, run_spawned_world
-from gossip import algorithms, comm
+from gossip import comm
 from gossip.models import build_model
 from gossip.runtime import GossipOptimizer
+from gossip.algorithms.mergecomp import MergeComp, MergeCompConfig
 from gossip.schedule import Partition
 
 WORLD = 4
@@ -94,7 +94,8 @@ def _step(model, gopt, alg, c, x, y):
     gopt.zero_grad()
     with c.ledger.phase("compute"):
         F.cross_entropy(model(x), y).backward()
-    gopt.step()  # hands the algorithm the optimizer's lr
+    alg.set_lr(0.01)
+    gopt.step()
     c.ledger.step()
 
 
@@ -116,6 +117,7 @@ def _plain_iter(make, x, y, steps: int) -> float:
 def _worker(rank: int, store_path: str, steps: int, models: list[str], comps: list[str], out_path: str) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, WORLD)
+    __import__("torch.distributed.nn.functional")  # before the group: see gossip.comm.distributed._preload_before_init
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     rows = []
     try:
@@ -134,10 +136,10 @@ def _worker(rank: int, store_path: str, steps: int, models: list[str], comps: li
                     model = make()
                     shapes = tuple(tuple(p.shape) for p in model.parameters())
                     c = comm.DistCommunicator(None, timeout=600)
-                    alg = algorithms.build("efsgd", c, compressor=spec, merge=mode)
+                    alg = MergeComp(MergeCompConfig(compressor=spec, merge=mode), c)  # layout: GossipOptimizer
                     gopt = GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.01), alg)
                     searched = 0
-                    while alg.report()["phase"] != "done" or searched == 0:  # the search, and step 1
+                    while alg.state.phase != "done" or searched == 0:  # the search, and step 1
                         _step(model, gopt, alg, c, x, y)
                         searched += 1
                     if mode == "auto":

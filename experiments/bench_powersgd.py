@@ -31,7 +31,6 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gossip import algorithms, comm  # noqa: E402
-from gossip.algorithms import ParamLayout  # noqa: E402
 
 WORLD = 2
 
@@ -103,6 +102,7 @@ def _worker(rank_id, store_path, steps, warmup, rank, out_path):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
 
     torch.set_num_threads(1)
+    __import__("torch.distributed.nn.functional")  # before the group: see gossip.comm.distributed._preload_before_init
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank_id, world_size=WORLD)
     shapes = resnet18_shapes()
     d = sum(math.prod(s) for s in shapes)
@@ -114,7 +114,7 @@ def _worker(rank_id, store_path, steps, warmup, rank, out_path):
         ph.powerSGD_hook(st, _Bucket(torch.zeros(d), shapes)).wait()
     c = comm.DistCommunicator(timeout=300)
     alg = algorithms.build("powersgd", c, rank=rank, momentum=0.0)
-    alg.setup(torch.zeros(1, d), ParamLayout.from_shapes(shapes))
+    alg.setup(torch.zeros(1, d), algorithms.ParamLayout(tuple(shapes)))
     sd = alg.state_dict()
     sd["q"] = _hook_q0(0, shapes, rank).unsqueeze(0)
     alg.load_state_dict(sd)

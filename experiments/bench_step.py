@@ -49,6 +49,7 @@ def _model() -> nn.Module:
 def _worker(rank: int, store_path: str, steps: int, warmup: int, out_path: str) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, WORLD)
+    __import__("torch.distributed.nn.functional")  # before the group: see gossip.comm.distributed._preload_before_init
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     topo = topologies.build("ring", WORLD)
     g = torch.Generator().manual_seed(rank)

@@ -226,6 +226,14 @@ def code_version() -> dict[str, Any]:
             "library_changes": None if changed is None else [ln[3:] for ln in changed.splitlines()]}
 
 
+def _diverged(run_dir: Path) -> bool:
+    """What the run itself recorded (summary.json's ``diverged``), not its message text."""
+    try:
+        return bool(json.loads((run_dir / "summary.json").read_text()).get("diverged"))
+    except (OSError, ValueError):
+        return False
+
+
 def run_one(cmd: list[str], run_dir: Path, log, prefix: str) -> dict:
     """Run one training command, streaming its epoch lines; write ``outcome.json``."""
     if run_dir.exists():
@@ -249,8 +257,8 @@ def run_one(cmd: list[str], run_dir: Path, log, prefix: str) -> dict:
     last = next((ln.strip() for ln in reversed(err.splitlines()) if ln.strip()), "")
     if rc == 0:
         status = "ok"
-    elif "non-finite" in err:
-        status = "diverged"  # the compressor refuses NaN/inf parameters: the run blew up
+    elif _diverged(run_dir):
+        status = "diverged"  # the run's own record: its loss or model became non-finite
     else:
         status = "failed"
     outcome = {"command": cmd, "returncode": rc, "status": status, "wall_s": round(wall, 2), "error": last if rc else None,

@@ -61,23 +61,18 @@ def _is_decentralized(name: str) -> bool:
 def _algo_fields(name: str) -> set[str]:
     from gossip import algorithms as _alg
 
-    return set(_alg.option_names(name))
+    return {f.name for f in dataclasses.fields(_alg.config_class(name))}
 
 
 class ConfigError(ValueError):
     """A user error in the run's configuration (one line, no traceback)."""
 
 
-#: options a user may not give through --algo-opt, and where they come from instead: the
-#: run's values of ``gossip.algorithms.COMMON_OPTIONS`` (their own flags), MergeComp's
-#: flags, and the parameter layout, which every algorithm gets from the model at setup
+#: algorithm Config fields the training loop sets itself, and where the user sets them
 LOOP_SET_OPTIONS = {
     "seed": "give --seed instead",
     "compressor": "give --compressor (or --bits) instead",
     "momentum": "give --momentum instead",
-    "merge": "give --merge instead",
-    "merge_max_groups": "give --merge-max-groups instead",
-    "merge_alpha": "give --merge-alpha instead",
     "shapes": "it comes from the model",
     "offsets": "it comes from the model",
 }
@@ -472,9 +467,7 @@ class TrainConfig:
     # --- derived ---------------------------------------------------------------------
     @property
     def local_momentum(self) -> float:
-        """Momentum of the local SGD optimizer: none where the algorithm has a momentum
-        of its own (``--momentum`` is then the algorithm's, never a second one), else
-        ``--momentum`` or the algorithm's ``local_momentum_default``."""
+        """Momentum of the local SGD optimizer: none where the algorithm has its own."""
         if "momentum" in _algo_fields(self.algorithm.name):
             return 0.0
         if self.optim.momentum is not None:

@@ -42,6 +42,9 @@ shuffles and the augmentation of different nodes never share a random stream.
 
 from __future__ import annotations
 
+from gossip._checks import check_int
+from gossip._registry import Registry
+
 import importlib.metadata
 import math
 import os
@@ -99,11 +102,7 @@ class DataError(ValueError):
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
+    return check_int(name, value, minimum=minimum)
 
 
 def _check_seed(seed: Any, name: str = "seed") -> int:
@@ -502,16 +501,15 @@ def _build_synthetic(
 
 # --------------------------------------------------------------------------- registry
 
-_DATASETS: dict[str, tuple[Callable[..., Dataset], tuple[str, ...]]] = {
-    "mnist1d": (_build_mnist1d, ()),
-    "cifar10": (_build_cifar10, ()),
-    "synthetic": (_build_synthetic, ("num_features", "num_classes", "num_train", "num_test")),
-}
+_DATASETS: Registry[tuple[Callable[..., Dataset], tuple[str, ...]]] = Registry("dataset")
+_DATASETS.register("mnist1d", (_build_mnist1d, ()))
+_DATASETS.register("cifar10", (_build_cifar10, ()))
+_DATASETS.register("synthetic", (_build_synthetic, ("num_features", "num_classes", "num_train", "num_test")))
 
 
 def available_datasets() -> tuple[str, ...]:
     """Names accepted by :func:`build_dataset`, the default (``mnist1d``) first."""
-    return tuple(_DATASETS)
+    return tuple(_DATASETS.names())
 
 
 def build_dataset(
@@ -530,9 +528,7 @@ def build_dataset(
     ``options`` are data-set specific: ``synthetic`` accepts ``num_features`` (32),
     ``num_classes`` (10), ``num_train`` (4096) and ``num_test`` (1024).
     """
-    if name not in _DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(_DATASETS)}")
-    builder, accepted = _DATASETS[name]
+    builder, accepted = _DATASETS.get(name)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ValueError(

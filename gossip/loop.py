@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import dataclasses
 import datetime as _dt
 import math
 import os
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 import topologies
 from gossip import algorithms, checkpoint, compress, data, factories, models, rundir
+from gossip.errors import NonFiniteError
 from gossip.config import TrainConfig
 from gossip.runtime import GossipOptimizer
 
@@ -105,23 +107,22 @@ def _build_topology(cfg: TrainConfig, n: int):
 
 
 def _build_algorithm(cfg: TrainConfig, comm) -> algorithms.Algorithm:
-    """The registry builds it from the run's values of ``gossip.algorithms.COMMON_OPTIONS``
-    (``--seed``, ``--compressor``/``--bits``, ``--momentum``: the algorithm's own momentum
-    where it has one), the user's ``--algo-opt`` and MergeComp's flags."""
+    """The registry builds it; the run supplies the options common to every Config
+    (``seed``, ``compressor``, ``momentum``: see ``gossip.algorithms.COMMON_OPTIONS``)
+    where the Config takes them, the user's ``--algo-opt`` and MergeComp's flags."""
     a = cfg.algorithm
-    common = {"seed": cfg.run.seed, "compressor": a.compressor_spec, "momentum": cfg.optim.momentum}
-    opts: dict[str, Any] = dict(a.options)
+    ours = {"seed": cfg.run.seed, "compressor": a.compressor_spec, "momentum": cfg.optim.momentum}
+    common = {k: ours[k] for k in algorithms.COMMON_OPTIONS}
+    takes = {f.name for f in dataclasses.fields(algorithms.config_class(a.name))}
+    opts: dict[str, Any] = {k: v for k, v in common.items() if k in takes and v is not None}
+    opts.update(dict(a.options))
     if a.merge is not None:  # MergeComp: a schedule of the efsgd family, built by the registry
         opts.update(merge=a.merge, merge_max_groups=a.merge_max_groups, merge_alpha=a.merge_alpha)
     try:
-        return algorithms.build(a.name, comm, common=common, **opts)
+        return algorithms.build(a.name, comm, **opts)
     except (ValueError, TypeError) as e:
-        raise RunError(f"{_algo_flag(cfg, e)}: {e}") from None
-
-
-def _algo_flag(cfg: TrainConfig, e: Exception) -> str:
-    a = cfg.algorithm
-    return f"--merge {a.merge}" if a.merge is not None and "merge" in str(e) else f"--algo {a.name}"
+        flag = f"--merge {a.merge}" if a.merge is not None and "merge" in str(e) else f"--algo {a.name}"
+        raise RunError(f"{flag}: {e}") from None
 
 
 def _build_dataset(cfg: TrainConfig):
@@ -190,8 +191,6 @@ def run(cfg: TrainConfig) -> dict | None:
 
     from gossip import comm as gcomm
 
-    import torch.distributed as dist
-
     try:
         if env.distributed:
             gcomm.init_from_env(
@@ -209,8 +208,8 @@ def run(cfg: TrainConfig) -> dict | None:
     except gcomm.PeerError as e:
         raise RunError(str(e)) from None
     finally:
-        if env.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+        if env.distributed:
+            gcomm.shutdown()  # gloo's threads joined before the interpreter exits
 
 
 #: config keys every rank must share: the fingerprinted ones and the run's length and cadence
@@ -335,10 +334,10 @@ class Run:
                             weight_decay=cfg.optim.weight_decay)
             for m in self.models
         ]
-        try:  # the algorithm's setup sees the model's layout; a second momentum is refused
+        try:  # the algorithm's setup meets the model here (its layout, the local momentum)
             self.gopt = GossipOptimizer(self.models, self.opts, self.algo)
-        except ValueError as e:
-            raise RunError(f"{_algo_flag(cfg, e)}: {e}") from None
+        except (ValueError, TypeError) as e:
+            raise RunError(str(e) if str(e).startswith("--") else f"--algo {cfg.algorithm.name}: {e}") from None
         self.dim = self.gopt.flat.dim
         # Step 2: each node's shard of the training data
         shards = data.partition(dataset.y_train, env.world_size, scheme=cfg.data.partition, seed=cfg.run.seed)
@@ -444,9 +443,7 @@ class Run:
             raise Diverged(f"training diverged at step {p.step + 1}: non-finite loss on node(s) {bad}")
         try:
             self.gopt.step()
-        except ValueError as e:
-            if "non-finite" not in str(e) and "too large" not in str(e):  # TEMP until NonFiniteError lands
-                raise
+        except NonFiniteError as e:  # by type: a compressor met NaN/inf or an overflowing scale
             raise Diverged(f"training diverged at step {p.step + 1}: {e}") from None
         return losses
 
@@ -615,7 +612,7 @@ class Run:
         return {
             **self.cfg_dict, "schema": rundir.SCHEMA_VERSION, "world_size": self.env.world_size,
             "params": self.dim, "mode": self.env.mode, "hostname": socket.gethostname(),
-            "torch": torch.__version__, "bits": wire.bits_per_coord, "wire": wire.to_dict(),
+            "torch": torch.__version__, "wire": wire.to_dict(),
             "compressor_payload_bytes": _payload_bytes(self.algo, self.dim),
             "layout": self.gopt.layout.to_dict(),
         }

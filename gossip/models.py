@@ -20,6 +20,8 @@ statistics (BatchNorm) keep them in *buffers*, which are not averaged: see
 
 from __future__ import annotations
 
+from gossip._registry import Registry
+
 import math
 from typing import Any, Callable, Sequence
 
@@ -239,17 +241,16 @@ def _build_resnet20(input_shape: Sequence[int], num_classes: int, *, norm: str =
 
 # --------------------------------------------------------------------------- registry
 
-_MODELS: dict[str, tuple[Callable[..., nn.Module], tuple[str, ...]]] = {
-    "cnn1d": (_build_cnn1d, ("channels", "hidden")),
-    "mlp": (_build_mlp, ("hidden",)),
-    "logreg": (_build_logreg, ()),
-    "resnet20": (_build_resnet20, ("norm", "groups")),
-}
+_MODELS: Registry[tuple[Callable[..., nn.Module], tuple[str, ...]]] = Registry("model")
+_MODELS.register("cnn1d", (_build_cnn1d, ("channels", "hidden")))
+_MODELS.register("mlp", (_build_mlp, ("hidden",)))
+_MODELS.register("logreg", (_build_logreg, ()))
+_MODELS.register("resnet20", (_build_resnet20, ("norm", "groups")))
 
 
 def available_models() -> tuple[str, ...]:
     """Names accepted by :func:`build_model`, the default (``cnn1d``) first."""
-    return tuple(_MODELS)
+    return tuple(_MODELS.names())
 
 
 def build_model(
@@ -269,9 +270,7 @@ def build_model(
     ``mlp``: ``hidden`` ((256, 256)); ``resnet20``: ``norm`` ("batch" or "group"),
     ``groups`` (2).
     """
-    if name not in _MODELS:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(_MODELS)}")
-    builder, accepted = _MODELS[name]
+    builder, accepted = _MODELS.get(name)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ValueError(

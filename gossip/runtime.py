@@ -2,19 +2,25 @@
 
 :class:`FlatParams` makes every hosted model's parameters views into one flat
 ``(m, d)`` buffer, so the algorithms see one row per node and one message per
-neighbour per step; its :class:`~gossip.algorithms.ParamLayout` says which tensor
-lies where. :class:`GossipOptimizer` wraps the user's local optimizer(s):
+neighbour per step. :class:`GossipOptimizer` wraps the user's local optimizer(s):
 
 .. code-block:: python
 
     algo = gossip.algorithms.build("ecd", comm, compressor="quant:bits=8")
-    opt = GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), algo)
+    opt = GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), algo)
     for x, y in loader:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
 
 In the in-process simulation pass one model and one optimizer per hosted node.
+
+The parameter layout (each tensor's name, shape and place in the flat vector) is
+built here from the models and given to the algorithm's ``setup``: no algorithm
+needs shapes or offsets from its caller. An algorithm that applies momentum itself
+(``owns_momentum``: powersgd, efblocksgdm, signum, efmomentum, ...) refuses a local
+optimizer that has momentum too, at construction, in one line: the two would
+compound.
 """
 
 from __future__ import annotations
@@ -24,9 +30,13 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from gossip.algorithms.base import Algorithm, ParamLayout
+from gossip.algorithms.base import ParamLayout
 
-__all__ = ["FlatParams", "GossipOptimizer"]
+__all__ = ["FlatParams", "GossipOptimizer", "MomentumConflict"]
+
+
+class MomentumConflict(ValueError):
+    """The algorithm owns momentum and the local optimizer has momentum too."""
 
 
 class FlatParams:
@@ -34,16 +44,21 @@ class FlatParams:
 
     After construction each model parameter is a view into its row, so in-place
     updates by any optimizer land in the buffer and writes to the buffer are seen by
-    the models. ``layout`` names every tensor with its shape and offset, in
-    ``parameters()`` order; ``shapes`` and ``blocks`` ((offset, numel) of each tensor)
-    are its views.
+    the models. ``blocks`` gives (offset, numel) of each tensor, in ``parameters()``
+    order (used by blockwise compressors).
     """
 
     def __init__(self, models: Sequence[nn.Module]) -> None:
         if not models:
             raise ValueError("FlatParams needs at least one model")
-        self.layout = ParamLayout.from_models(list(models))  # checks that the models agree
         plists = [[p for p in mdl.parameters()] for mdl in models]
+        ref = [tuple(p.shape) for p in plists[0]]
+        if not ref:
+            raise ValueError("the model has no parameters")
+        for r, pl in enumerate(plists[1:], start=1):
+            shapes = [tuple(p.shape) for p in pl]
+            if shapes != ref:
+                raise ValueError(f"model {r} has parameter shapes {shapes}, model 0 has {ref}")
         dtypes = {p.dtype for pl in plists for p in pl}
         devices = {p.device for pl in plists for p in pl}
         if len(dtypes) != 1 or len(devices) != 1:
@@ -51,7 +66,15 @@ class FlatParams:
                 f"all parameters must share one dtype and device, got {sorted(map(str, dtypes))} "
                 f"on {sorted(map(str, devices))}"
             )
-        self.dim = self.layout.dim
+        self.shapes = ref
+        self.layout = ParamLayout(tuple(ref), tuple(n for n, _ in models[0].named_parameters()))
+        numels = [p.numel() for p in plists[0]]
+        self.blocks: list[tuple[int, int]] = []
+        off = 0
+        for n in numels:
+            self.blocks.append((off, n))
+            off += n
+        self.dim = off
         (dtype,), (device,) = dtypes, devices
         self.data = torch.empty(len(models), self.dim, dtype=dtype, device=device)
         self._params = plists
@@ -60,14 +83,6 @@ class FlatParams:
                 for p, (o, n) in zip(pl, self.blocks):
                     self.data[r, o : o + n].copy_(p.detach().reshape(-1))
                     p.data = self.data[r, o : o + n].view(p.shape)
-
-    @property
-    def shapes(self) -> list[tuple[int, ...]]:
-        return list(self.layout.shapes)
-
-    @property
-    def blocks(self) -> list[tuple[int, int]]:
-        return list(self.layout.blocks)
 
     @property
     def rows(self) -> int:
@@ -92,26 +107,28 @@ class FlatParams:
                     p.grad.copy_(g)
 
 
+def _check_momentum(algorithm: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    if not algorithm.owns_momentum:
+        return
+    for opt in optimizers:
+        for group in opt.param_groups:
+            mom = group.get("momentum", 0.0) or group.get("betas", (0.0,))[0]
+            if mom:
+                raise MomentumConflict(
+                    f"{algorithm.name} applies its own momentum ({algorithm.config.momentum:g}) and the local "
+                    f"{type(opt).__name__} has momentum {mom:g}: they would compound; give the local optimizer "
+                    f"momentum=0, or set the algorithm's momentum instead"
+                )
+
+
 class GossipOptimizer:
-    """Runs the local optimizer(s), then the algorithm's communication step.
-
-    Construction builds the :class:`FlatParams` of the models, hands the algorithm
-    ``setup(x_1, layout)`` and ``attach(models)``. It refuses, with one line, a local
-    optimizer with momentum when the algorithm owns momentum
-    (``algorithm.owns_momentum``: PowerSGD, efblocksgdm, signum, efmomentum, Sketched-SGD,
-    efsgd with momentum): the two would compound. Give the local optimizer
-    ``momentum=0`` or set the algorithm's own ``momentum``.
-
-    Every :meth:`step` first tells the algorithm the step size of the local optimizer's
-    first param group (``set_lr``), so learning-rate schedulers reach the algorithms
-    that rescale their error memories by it, and ends with ``on_step_end(step)``.
-    """
+    """Runs the local optimizer(s), then the algorithm's communication step."""
 
     def __init__(
         self,
         models: nn.Module | Sequence[nn.Module],
         optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-        algorithm: Algorithm,
+        algorithm: Any,
     ) -> None:
         models = [models] if isinstance(models, nn.Module) else list(models)
         optimizers = (
@@ -123,19 +140,15 @@ class GossipOptimizer:
                 f"the communicator hosts {m} node(s): pass {m} model(s) and optimizer(s), "
                 f"got {len(models)} and {len(optimizers)}"
             )
-        _check_one_momentum(algorithm, optimizers)
+        _check_momentum(algorithm, optimizers)
         self.models = models
         self.optimizers = optimizers
         self.algorithm = algorithm
         self.flat = FlatParams(models)
-        self.steps = 0
+        self.layout: ParamLayout = self.flat.layout
         with algorithm.comm.ledger.setup():  # x_1 exchanges are one-off, not step traffic
-            algorithm.setup(self.flat.data, self.flat.layout)
+            algorithm.setup(self.flat.data, self.layout)
         algorithm.attach(models)  # schedulers that work during backward (MergeComp)
-
-    @property
-    def layout(self) -> ParamLayout:
-        return self.flat.layout
 
     @property
     def comm(self) -> Any:
@@ -147,6 +160,7 @@ class GossipOptimizer:
 
     def step(self) -> None:
         algo = self.algorithm
+        # the step size the local optimizer is about to use (a user's scheduler included)
         algo.set_lr(float(self.optimizers[0].param_groups[0]["lr"]))
         if algo.acts_on == "gradient":
             G = self.flat.gather_grads()
@@ -154,17 +168,15 @@ class GossipOptimizer:
             self.flat.scatter_grads(G)
             for opt in self.optimizers:
                 opt.step()
-        else:
-            X = self.flat.data
-            with torch.no_grad():
-                x_t = X.clone()
-                for opt in self.optimizers:
-                    opt.step()
-                U = X - x_t
-                X.copy_(x_t)
-                algo.step(X, U)
-        self.steps += 1
-        algo.on_step_end(self.steps)
+            return
+        X = self.flat.data
+        with torch.no_grad():
+            x_t = X.clone()
+            for opt in self.optimizers:
+                opt.step()
+            U = X - x_t
+            X.copy_(x_t)
+            algo.step(X, U)
 
     # --- views for evaluation --------------------------------------------------------
     @torch.no_grad()
@@ -199,24 +211,3 @@ class GossipOptimizer:
         self.algorithm.load_state_dict(sd["algorithm"])
         for opt, osd in zip(self.optimizers, sd["optimizers"]):
             opt.load_state_dict(osd)
-
-
-def _check_one_momentum(algorithm: Algorithm, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """One line when the algorithm owns momentum and a local optimizer has some too."""
-    if not algorithm.owns_momentum:
-        return
-    for opt in optimizers:
-        for g in opt.param_groups:
-            mu = g.get("momentum", 0.0)
-            betas = g.get("betas")
-            if mu:
-                what = f"momentum={mu:g}"
-            elif betas is not None and betas[0]:  # Adam and alike: beta1 is a momentum
-                what = f"betas[0]={betas[0]:g}"
-            else:
-                continue
-            raise ValueError(
-                f"{algorithm.name} applies its own momentum and the local "
-                f"{type(opt).__name__} has {what}: they would compound; give the local optimizer "
-                f"momentum=0, and set the algorithm's momentum option instead"
-            )

@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print("gossip.train: interrupted", file=sys.stderr, flush=True)
         return 130
+    finally:
+        from gossip.comm import shutdown
+
+        shutdown()  # on every path: no native thread of the process group outlives main()
     return 0
 
 

@@ -7,17 +7,27 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gossip import comm
+from gossip.algorithms import ParamLayout
+
+
+def layout_of(offsets: Sequence[int] | None, d: int) -> ParamLayout | None:
+    """A layout of 1-D tensors starting at ``offsets`` in a flat vector of ``d`` values
+    (None: no layout, one tensor)."""
+    if offsets is None:
+        return None
+    bounds = list(offsets) + [d]
+    return ParamLayout(tuple((b - a,) for a, b in zip(bounds, bounds[1:])))
 
 
 def assert_restore_bit_identical(
     build: Callable[[Any], Any], grads: torch.Tensor, split: int, lrs: Sequence[float] | None = None,
-    layout: Any = None,
+    layout: ParamLayout | None = None,
 ) -> None:
     """Run ``split`` steps, save the state, run the rest; a fresh algorithm restored from
     that state must produce the same rewritten gradients bit for bit.
 
     ``build(communicator)`` returns a new algorithm; ``grads`` is (T, n, d); ``lrs``
-    (one per step) are passed to ``set_lr`` when given; ``layout`` to ``setup``.
+    (one per step) are passed to ``set_lr`` when given.
     """
     T_, n, d = grads.shape
 

@@ -103,6 +103,7 @@ def _worker(
     torch.set_num_threads(threads)
     try:
         store = dist.FileStore(store_path, world_size)
+        __import__("torch.distributed.nn.functional")  # before the group: see gossip.comm.distributed._preload_before_init
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),

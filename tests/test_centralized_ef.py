@@ -9,13 +9,12 @@ from gossip import algorithms, comm
 from gossip import compress as gc
 from gossip.algorithms._centralized import ErrorFeedback
 from gossip.algorithms._common import node_keys, shared_key
-from gossip.algorithms.base import ParamLayout
-from tests._centralized import assert_restore_bit_identical
+from tests._centralized import assert_restore_bit_identical, layout_of
 from tests._dist import run_world
 
 N, D, T = 4, 37, 6
 OFFSETS = (0, 10, 12, 30)  # four "tensors" of 10, 2, 18 and 7 values
-LAYOUT = ParamLayout.from_shapes([(10,), (2,), (18,), (7,)])
+LAYOUT = layout_of(OFFSETS, D)
 LRS = [0.1, 0.1, 0.05, 0.05, 0.2, 0.02]  # a changing step size exercises eta_{t-1}/eta_t
 
 
@@ -64,8 +63,10 @@ def _ef_reference(grads, lrs, mu, compress_worker, compress_server):
 
 def _run_sim(name, opts, grads, lrs, n=N):
     c = comm.SimulatedCommunicator(world_size=n)
+    opts = dict(opts)
+    layout = opts.pop("layout", None)
     alg = algorithms.build(name, c, **opts)
-    alg.setup(torch.zeros(n, grads.shape[2]), LAYOUT)
+    alg.setup(torch.zeros(n, grads.shape[2]), layout)
     outs = []
     for t in range(grads.shape[0]):
         alg.set_lr(lrs[t])
@@ -94,9 +95,9 @@ def _keyed(spec, seed):
 EF_CASES = [
     ("efsgd", {}, 0.0, lambda p, t, i: _sign_ref(p), lambda p, t: _sign_ref(p)),
     ("efsgd", {"momentum": 0.5}, 0.5, lambda p, t, i: _sign_ref(p), lambda p, t: _sign_ref(p)),
-    ("efblocksgd", {}, 0.0,
+    ("efblocksgd", {"layout": LAYOUT}, 0.0,
      lambda p, t, i: _sign_ref(p, OFFSETS), lambda p, t: _sign_ref(p, OFFSETS)),
-    ("efblocksgdm", {"momentum": 0.9}, 0.9,
+    ("efblocksgdm", {"layout": LAYOUT, "momentum": 0.9}, 0.9,
      lambda p, t, i: _sign_ref(p, OFFSETS), lambda p, t: _sign_ref(p, OFFSETS)),
     ("efsgd", {"compressor": "identity"}, 0.0, lambda p, t, i: p, lambda p, t: p),
 ]
@@ -166,7 +167,7 @@ def test_error_feedback_identity_sent_plus_error_is_input():
 
 @pytest.mark.parametrize("name,opts,spec", [
     ("efsgd", {}, "sign"),
-    ("efblocksgd", {}, "blocksign:offsets=0/10/12/30"),
+    ("efblocksgd", {"layout": LAYOUT}, "blocksign:offsets=0/10/12/30"),
     ("efsgd", {"compressor": "topk:k=5"}, "topk:k=5"),
     ("signum", {}, "sign"),
 ])
@@ -181,12 +182,14 @@ def test_bytes_per_step_equal_the_formula(name, opts, spec):
 
 
 @pytest.mark.parametrize("name,opts", [
-    ("efblocksgdm", {}),
+    ("efblocksgdm", {"layout": LAYOUT}),
     ("efsgd", {"compressor": "randomk:k=9", "seed": 3}),
     ("signum", {}),
 ])
 def test_state_save_restore_bit_identical(name, opts):
-    assert_restore_bit_identical(lambda c: algorithms.build(name, c, **opts), _grads(), 3, LRS, LAYOUT)
+    opts = dict(opts)
+    layout = opts.pop("layout", None)
+    assert_restore_bit_identical(lambda c: algorithms.build(name, c, **opts), _grads(), 3, LRS, layout)
 
 
 def test_config_validation_messages():
@@ -195,7 +198,7 @@ def test_config_validation_messages():
         algorithms.build("efsgd", c, momentum=1.0)
     with pytest.raises(ValueError, match=r"Arg `momentum` must satisfy 0 < momentum < 1, got 0"):
         algorithms.build("efblocksgdm", c, momentum=0)
-    with pytest.raises(ValueError, match=r"efblocksgd: .*unexpected keyword argument 'offsets'.*accepted options"):
+    with pytest.raises(ValueError, match=r"unexpected keyword argument 'offsets'; accepted options: momentum, seed"):
         algorithms.build("efblocksgd", c, offsets=(0, 5, 5))  # the blocks come from the layout
     with pytest.raises(TypeError, match=r"Arg `compressor` of efsgd must be a compressor spec string"):
         algorithms.build("efsgd", c, compressor=3)
@@ -207,27 +210,17 @@ def test_config_validation_messages():
     a.setup(torch.zeros(2, 4))
     with pytest.raises(ValueError, match=r"Arg `lr` must be a positive finite number, got 0"):
         a.set_lr(0)
-    with pytest.raises(ValueError, match=rf"efblocksgd: the layout holds {D} values, the flat buffer has 4"):
-        algorithms.build("efblocksgd", c).setup(torch.zeros(2, 4), LAYOUT)
-
-
-def test_blocks_are_the_layouts_tensors_and_empty_ones_are_dropped():
-    c = comm.SimulatedCommunicator(world_size=2)
-    a = algorithms.build("efblocksgd", c)
-    a.setup(torch.zeros(2, 7), ParamLayout.from_shapes([(3,), (0,), (2, 2)]))
-    assert a.compressor.spec == "blocksign:offsets=0/3"
+    # empty tensors of the layout make no block
     b = algorithms.build("efblocksgd", c)
-    b.setup(torch.zeros(2, 7))  # no layout: one block
-    assert b.compressor.spec == "blocksign"
-    assert a.wire_format().label == b.wire_format().label == "blocksign"
-    assert a.wire_format().bits_per_coord == 1.0
+    b.setup(torch.zeros(2, 7), algorithms.ParamLayout(((3,), (0,), (4,))))
+    assert b.compressor.spec == "blocksign:offsets=0/3"
 
 
 # ---------------------------------------------------------------- real processes
 _DIST_CASES = [
     ("efsgd", {}),
-    ("efblocksgd", {}),
-    ("efblocksgdm", {}),
+    ("efblocksgd", {"layout": LAYOUT}),
+    ("efblocksgdm", {"layout": LAYOUT}),
     ("efsgd", {"compressor": "randomk:k=9", "seed": 2}),
     ("signsgd", {}),
     ("signum", {}),
@@ -242,8 +235,10 @@ def _dist_worker(n):
     c = comm.DistCommunicator(timeout=30)
     out = []
     for name, opts in _DIST_CASES:
+        opts = dict(opts)
+        layout = opts.pop("layout", None)
         alg = algorithms.build(name, c, **opts)
-        alg.setup(torch.zeros(1, D), LAYOUT)
+        alg.setup(torch.zeros(1, D), layout)
         traj = []
         for t in range(T):
             alg.set_lr(LRS[t])

@@ -13,15 +13,13 @@ import torch
 from gossip import algorithms, comm
 from gossip import compress as gc
 from gossip.algorithms._common import node_keys
-from gossip.algorithms.base import ParamLayout
 from gossip.algorithms.efmomentum import _BLOCK_STREAM
-from tests._centralized import assert_restore_bit_identical
+from tests._centralized import assert_restore_bit_identical, layout_of
 from tests._dist import run_world
 
 N, D, T = 4, 37, 5
 OFFSETS = (0, 10, 12, 30)  # four "tensors" of 10, 2, 18 and 7 values
 SIZES = (10, 2, 18, 7)
-LAYOUT = ParamLayout.from_shapes([(n,) for n in SIZES])
 SEED = 3
 SPECS = ["randomblock:k=4", "randomk:p=0.3", "sign", "topk:k=3", "identity"]
 
@@ -88,7 +86,7 @@ def _reference(grads, spec, lam, nesterov, offsets=OFFSETS):
 def _run_sim(spec, grads, n=N, offsets=OFFSETS, **opts):
     c = comm.SimulatedCommunicator(world_size=n)
     a = algorithms.build("efmomentum", c, compressor=spec, seed=SEED, **opts)
-    a.setup(torch.zeros(n, grads.shape[2]), LAYOUT if offsets else None)  # None: one block
+    a.setup(torch.zeros(n, grads.shape[2]), layout_of(offsets, grads.shape[2]))
     outs, errors = [], []
     for t in range(grads.shape[0]):
         a.set_lr(0.1)
@@ -202,7 +200,8 @@ def test_bytes_per_step_equal_the_formula(spec):
 @pytest.mark.parametrize("spec", ["randomk:p=0.3", "topk:k=3"])
 def test_state_save_restore_bit_identical(spec):
     assert_restore_bit_identical(
-        lambda c: algorithms.build("efmomentum", c, compressor=spec, seed=SEED), _grads(), 2, layout=LAYOUT
+        lambda c: algorithms.build("efmomentum", c, compressor=spec, seed=SEED), _grads(), 2,
+        layout=layout_of(OFFSETS, D),
     )
 
 
@@ -223,17 +222,21 @@ def test_config_validation_messages():
         algorithms.build("efmomentum", c, nesterov="yes")
     with pytest.raises(ValueError, match=r"Arg `seed` must be >= 0, got -1"):
         algorithms.build("efmomentum", c, seed=-1)
+    with pytest.raises(ValueError, match=r"unexpected keyword argument 'offsets'"):
+        algorithms.build("efmomentum", c, offsets=(0, 5, 5))  # the blocks come from the layout
     with pytest.raises(ValueError, match=r"efmomentum: .*accepted options: .*compressor"):
         algorithms.build("efmomentum", c, rank=2)
     a = algorithms.build("efmomentum", c)
-    with pytest.raises(ValueError, match=r"efmomentum: the layout holds 10 values, the flat buffer has 9"):
-        a.setup(torch.zeros(2, 9), ParamLayout.from_shapes([(3,), (6,), (1,)]))
+    with pytest.raises(ValueError, match=r"efmomentum: the layout's tensors hold 12 values, the flat parameters 9"):
+        a.setup(torch.zeros(2, 9), algorithms.ParamLayout(((3,), (9,))))
     with pytest.raises(RuntimeError, match=r"call setup\(\) before set_lr"):
         a.set_lr(0.1)
-    a.setup(torch.zeros(2, 10), ParamLayout.from_shapes([(3,), (0,), (7,)]))
-    assert [(b.start, b.stop) for b in a.blocks] == [(0, 3), (3, 10)]  # empty tensors dropped
+    a.setup(torch.zeros(2, 10))
     with pytest.raises(ValueError, match=r"Arg `lr` must be a positive finite number, got 0"):
         a.set_lr(0)
+    # empty tensors of the layout make no block
+    a.setup(torch.zeros(2, 7), algorithms.ParamLayout(((3,), (0,), (4,))))
+    assert [(b.start, b.stop) for b in a.blocks] == [(0, 3), (3, 7)]
 
 
 # ---------------------------------------------------------------- real processes
@@ -246,7 +249,7 @@ def _dist_worker(n):
     out = []
     for spec in SPECS:
         a = algorithms.build("efmomentum", c, compressor=spec, seed=SEED)
-        a.setup(torch.zeros(1, D), LAYOUT)
+        a.setup(torch.zeros(1, D), layout_of(OFFSETS, D))
         traj = []
         for t in range(T):
             G = grads[t, rank : rank + 1].clone()

@@ -14,16 +14,15 @@ from torch import nn
 from gossip import algorithms, comm
 from gossip import compress as gc
 from gossip.algorithms._common import node_keys, shared_key
-from gossip.algorithms.base import ParamLayout
-from gossip.algorithms import MergeComp
 from gossip.runtime import GossipOptimizer
+from gossip.algorithms import ParamLayout
+from gossip.algorithms.mergecomp import MergeComp, MergeCompConfig
 from gossip.schedule import Partition
 from tests._dist import run_world
 from tests.test_train import QUICK, _one_error_line, final_params, train
 
 SHAPES = ((6, 4), (6,), (5, 6), (5,), (3, 5), (3,))
 D = sum(math.prod(s) for s in SHAPES)
-LAYOUT = ParamLayout.from_shapes(SHAPES)
 N, T = 4, 6
 LRS = [0.1, 0.1, 0.05, 0.05, 0.2, 0.02]
 SPECS = ["sign", "topk:p=0.2", "quant:bits=4", "randomk:p=0.3", "qsgd:levels=4", "fp16", "blocksign"]
@@ -34,14 +33,9 @@ def _grads(n=N, t=T, d=D, seed=3):
 
 
 def _build(spec, merge="layer", n=N, mu=0.0, shapes=SHAPES, **kw):
-    """efsgd with ``spec`` scheduled by MergeComp; ``blocksign`` is efblocksgd's."""
     c = comm.SimulatedCommunicator(world_size=n)
-    if spec == "blocksign":
-        alg = algorithms.build("efblocksgd", c, merge=merge, momentum=mu, **kw)
-    else:
-        alg = algorithms.build("efsgd", c, compressor=spec, merge=merge, momentum=mu, **kw)
-    assert isinstance(alg, MergeComp)
-    alg.setup(torch.zeros(n, sum(math.prod(s) for s in shapes)), ParamLayout.from_shapes(shapes))
+    alg = MergeComp(MergeCompConfig(compressor=spec, merge=merge, momentum=mu, **kw), c)
+    alg.setup(torch.zeros(n, sum(math.prod(s) for s in shapes)), ParamLayout(tuple(shapes)))
     return alg, c
 
 
@@ -133,7 +127,7 @@ def test_blocksign_whole_model_is_exactly_efblocksgd():
     grads = _grads()
     alg, _ = _build("blocksign", "whole", mu=0.9)
     ref_alg = algorithms.build("efblocksgdm", comm.SimulatedCommunicator(world_size=N), momentum=0.9)
-    ref_alg.setup(torch.zeros(N, D), LAYOUT)
+    ref_alg.setup(torch.zeros(N, D), ParamLayout(SHAPES))  # one block per tensor
     assert torch.equal(_run(alg, grads), _run(ref_alg, grads))
 
 
@@ -195,45 +189,16 @@ def test_bytes_are_the_group_payloads():
 @pytest.mark.parametrize("kw,needle", [
     ({"merge": "0"}, "layer, whole, auto"),
     ({"merge": "lots"}, "layer, whole, auto"),
-    ({"merge": "layer", "compressor": "blocksign:block=4"}, "plain 'blocksign'"),
-    ({"merge_alpha": 1.0}, "merge_alpha"),
-    ({"merge_max_groups": 0}, "merge_max_groups"),
-    ({"merge_trial_steps": 0}, "merge_trial_steps"),
+    ({"merge": 7}, "only 6 parameter tensors"),
+    ({"compressor": "blocksign:block=4"}, "blocksign"),
+    ({"alpha": 1.0}, "alpha"),
+    ({"max_groups": 0}, "max_groups"),
+    ({"trial_steps": 0}, "trial_steps"),
 ])
 def test_config_errors(kw, needle):
     with pytest.raises((ValueError, TypeError), match=needle):
-        algorithms.build("efsgd", comm.SimulatedCommunicator(world_size=1), **kw)
-
-
-def test_the_registry_schedules_the_ef_family_and_nothing_else():
-    c = comm.SimulatedCommunicator(world_size=2)
-    for name in ("efsgd", "efblocksgd", "efblocksgdm"):
-        alg = algorithms.build(name, c, merge="whole")
-        assert isinstance(alg, MergeComp) and alg.name == name
-        assert not isinstance(algorithms.build(name, c), MergeComp)
-    assert algorithms.build("efblocksgdm", c, merge="layer").owns_momentum
-    with pytest.raises(ValueError, match="powersgd: .*unexpected keyword argument 'merge'"):
-        algorithms.build("powersgd", c, merge="layer")
-    alg, _ = _build("blocksign", "layer", n=2)
-    assert alg.wire_format().label == "blocksign" and alg.wire_format().bits_per_coord == 1.0
-    alg, _ = _build("quant:bits=4", "layer", n=2)
-    assert alg.wire_format().label == "quant:bits=4" and alg.wire_format().bits_per_coord == 4.0
-
-
-def test_the_schedule_shares_efsgds_push_and_pull():
-    """No copy of the error-feedback math: the module calls efsgd's functions."""
-    import inspect
-
-    from gossip.algorithms import mergecomp
-
-    src = inspect.getsource(mergecomp)
-    assert "ef_push(" in src and "ef_pull(" in src and "ef_momentum(" in src
-    assert ".mul_(" not in src and "shared_key(" not in src and "node_keys(" not in src
-
-
-def test_more_groups_than_tensors_is_refused_at_setup():
-    with pytest.raises(ValueError, match="only 6 parameter tensors to merge into 7 groups"):
-        _build("sign", 7, n=1)
+        MergeComp(MergeCompConfig(**kw), comm.SimulatedCommunicator(world_size=1)).setup(
+            torch.zeros(1, D), ParamLayout(SHAPES))
 
 
 def test_auto_needs_one_node_per_process():
@@ -263,9 +228,8 @@ def _world_train(spec, merge, steps, parts, width=16, depth=3, batch=32, keep=Fa
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = _MLP(width, depth)
-    shapes = tuple(tuple(p.shape) for p in model.parameters())
     c = comm.DistCommunicator(timeout=60)
-    alg = algorithms.build("efsgd", c, compressor=spec, merge=merge, momentum=0.5, **kw)
+    alg = MergeComp(MergeCompConfig(compressor=spec, merge=merge, momentum=0.5, **kw), c)
     alg.keep_timeline = keep
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gopt = GossipOptimizer(model, opt, alg)
@@ -291,7 +255,7 @@ def _world_train(spec, merge, steps, parts, width=16, depth=3, batch=32, keep=Fa
     return {
         "raw": torch.stack(raw), "reduced": torch.stack(reduced), "orders": orders, "sizes": sizes,
         "timelines": timelines, "params": gopt.flat.data[0].clone(), "report": alg.report(),
-        "shapes": shapes, "state_sizes": alg.state.sizes, "phase": alg.state.phase,
+        "shapes": gopt.layout.shapes, "state_sizes": alg.state.sizes, "phase": alg.state.phase,
     }
 
 
@@ -340,7 +304,7 @@ def test_communication_overlaps_backward():
 @pytest.mark.multiprocess
 def test_auto_search_decides_the_same_partition_on_every_rank():
     res = run_world(2, _world_train, "topk:p=0.1", "auto", 11, None, timeout=120,
-                    merge_profile_steps=2, merge_trial_steps=2)
+                    profile_steps=2, trial_steps=2)
     a, b = res
     assert a["phase"] == b["phase"] == "done"
     assert a["state_sizes"] == b["state_sizes"] and sum(a["state_sizes"]) == 8

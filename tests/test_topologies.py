@@ -500,7 +500,7 @@ def test_register_a_new_name():
         with pytest.raises(TopologyError, match="'petersen_test' is already registered"):
             topologies.register("petersen_test", petersen, "again")
     finally:
-        topologies.registry._REGISTRY.pop("petersen_test", None)
+        topologies.registry._REGISTRY.unregister("petersen_test")
     with pytest.raises(TopologyError, match="lower-case identifier, got 'Bad Name'"):
         topologies.register("Bad Name", petersen, "x")
 

@@ -8,7 +8,9 @@ import io
 import json
 import os
 import pickle
+import re
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -43,11 +45,28 @@ def train(*args: str) -> subprocess.CompletedProcess:
 
 
 def torchrun(n: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    """gossip.train under torchrun; each rank's own output is also kept in a log directory
+    (``result.logs``), so a failure shows the failing rank's tail (:func:`why`)."""
+    logs = Path(tempfile.mkdtemp(prefix="torchrun-logs-"))
+    r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-         "-m", "gossip.train", *args],
+         "--log-dir", str(logs), "--tee", "3", "-m", "gossip.train", *args],
         capture_output=True, text=True, timeout=timeout, env=ENV,
     )
+    # --tee prefixes each rank's lines with "[default<k>]:"; the tests read them as a user's terminal would
+    r.stdout, r.stderr = (re.sub(r"(?m)^\[default\d+\]:", "", t) for t in (r.stdout, r.stderr))
+    r.logs = logs  # type: ignore[attr-defined]
+    return r
+
+
+def why(r: subprocess.CompletedProcess, chars: int = 3000) -> str:
+    """What a failed torchrun printed, then every rank's own stderr tail."""
+    out = [f"exit {r.returncode}; torchrun's stderr:", r.stderr[-chars:]]
+    for f in sorted(Path(getattr(r, "logs", "/nonexistent")).rglob("stderr.log")):
+        text = f.read_text(errors="replace")
+        if text.strip():
+            out += [f"--- {f.parent.name} (rank {f.parent.name}) stderr:", text[-chars:]]
+    return "\n".join(out)
 
 
 def final_params(run_dir: Path) -> torch.Tensor:
@@ -117,16 +136,18 @@ def test_simulate_resume_is_bit_identical(tmp_path):
 def test_torchrun_world2_equals_simulation_and_resumes(tmp_path):
     args = ["--algo", "ecd", "--bits", "6", "--topology", "complete", *QUICK]
     r = torchrun(2, *args, "--out", str(tmp_path / "dist"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = train("--simulate", "2", *args, "--out", str(tmp_path / "sim"))
+    assert r.returncode == 0, why(r)
+    # the simulation in a process of its own, with the ranks' thread count (ENV pins 1):
+    # bit-identity holds whatever OMP_NUM_THREADS the caller has
+    r = train_process("--simulate", "2", *args, "--out", str(tmp_path / "sim"))
     assert r.returncode == 0, r.stderr
     # simulation equals reality: the same parameters, bit for bit
     assert torch.equal(final_params(tmp_path / "dist"), final_params(tmp_path / "sim"))
     # and an interrupted torchrun run resumes to the same numbers
     r = torchrun(2, *args, "--out", str(tmp_path / "part"), "--max-steps", "9")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, why(r)
     r = torchrun(2, *args, "--resume", str(tmp_path / "part"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, why(r)
     assert torch.equal(final_params(tmp_path / "dist"), final_params(tmp_path / "part"))
 
 
@@ -134,7 +155,7 @@ def test_torchrun_world2_equals_simulation_and_resumes(tmp_path):
 def test_torchrun_world4_ring(tmp_path):
     out = tmp_path / "run"
     r = torchrun(4, "--algo", "dcd", "--bits", "8", "--topology", "ring", "--out", str(out), *QUICK)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, why(r)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["mode"] == "torchrun"
     assert sorted(p.name for p in out.glob("metrics-rank*.jsonl")) == [f"metrics-rank{k}.jsonl" for k in range(4)]

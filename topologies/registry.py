@@ -6,6 +6,8 @@ and nowhere else.
 
 from __future__ import annotations
 
+from gossip._registry import Registry  # torch-free: gossip's package init is lazy
+
 import inspect
 from typing import Any, Callable
 
@@ -18,7 +20,9 @@ from .topology import Topology
 
 __all__ = ["build", "available", "describe", "register"]
 
-_REGISTRY: dict[str, tuple[Callable[..., Topology], str]] = {}
+_REGISTRY: Registry[Callable[..., Topology]] = Registry(
+    "topology", error=TopologyError, known="known topologies", sort=True
+)
 
 
 def register(name: str, builder: Callable[..., Topology], description: str) -> None:
@@ -28,27 +32,23 @@ def register(name: str, builder: Callable[..., Topology], description: str) -> N
     """
     if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
         raise TopologyError(f"register: name must be a lower-case identifier, got {name!r}")
-    if name in _REGISTRY:
-        raise TopologyError(f"register: a topology named {name!r} is already registered")
-    _REGISTRY[name] = (builder, description)
+    _REGISTRY.register(name, builder, description)
 
 
 def available() -> list[str]:
     """The registered topology names, sorted."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def describe(name: str) -> str:
     """The one-line description of a registered topology."""
-    return _REGISTRY[_lookup(name)][1]
+    return _REGISTRY.summary(_lookup(name))
 
 
 def _lookup(name: object) -> str:
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in _REGISTRY:
-        raise TopologyError(
-            f"unknown topology {name!r}; known topologies: {', '.join(available())}"
-        )
+        _REGISTRY.get(name)  # raises the one-line TopologyError naming the known ones
     return key  # type: ignore[return-value]
 
 
@@ -59,7 +59,7 @@ def _parameters(builder: Callable[..., Topology]) -> list[str]:
 
 def parameters(name: str) -> list[str]:
     """The keyword parameters the ``name`` builder accepts (``weights`` and ``lazy`` included)."""
-    return _parameters(_REGISTRY[_lookup(name)][0])
+    return _parameters(_REGISTRY.get(_lookup(name)))
 
 
 def build(
@@ -80,7 +80,7 @@ def build(
     be ones the builder accepts.
     """
     key = _lookup(name)
-    builder = _REGISTRY[key][0]
+    builder = _REGISTRY.get(key)
     accepted = _parameters(builder)
     unknown = sorted(set(params) - set(accepted))
     if unknown:

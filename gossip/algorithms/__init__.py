@@ -1,14 +1,15 @@
 """Training algorithms: one module per family, each a Config, a State and a step.
 
 Strings become objects here only: ``build(name, comm, **options)``; ``available()``
-lists the names with a one-line description each. The contract every algorithm keeps
-(``setup(X, layout)``, the hooks, ``wire_format()``, ``owns_momentum``) is
-:class:`~gossip.algorithms.base.Algorithm`'s.
+lists the names with a one-line description each.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+from typing import Any
+
+from gossip._registry import Registry
 
 from gossip.algorithms.allreduce import AllReduce, AllReduceConfig
 from gossip.algorithms.base import COMMON_OPTIONS, Algorithm, ParamLayout, WireFormat
@@ -25,7 +26,6 @@ from gossip.algorithms.efsgd import (
     SignumConfig,
 )
 from gossip.algorithms.efmomentum import EFMomentum, EFMomentumConfig
-from gossip.algorithms.mergecomp import MergeComp, MergeCompState
 from gossip.algorithms.powersgd import PowerSGD, PowerSGDConfig
 from gossip.algorithms.sketched import (
     LocalTopK,
@@ -50,6 +50,7 @@ from gossip.algorithms.decentralized import (
 __all__ = [
     "Algorithm",
     "COMMON_OPTIONS",
+    "MERGE_OPTIONS",
     "ParamLayout",
     "WireFormat",
     "AllReduce",
@@ -77,9 +78,6 @@ __all__ = [
     "PowerSGDConfig",
     "EFMomentum",
     "EFMomentumConfig",
-    "MERGEABLE",
-    "MergeComp",
-    "MergeCompState",
     "Sketched",
     "SketchedConfig",
     "TrueTopK",
@@ -91,44 +89,37 @@ __all__ = [
     "config_class",
     "is_decentralized",
     "local_momentum_default",
-    "option_names",
 ]
 
-_REGISTRY: dict[str, tuple[type[Algorithm], type]] = {
-    "allreduce": (AllReduce, AllReduceConfig),
-    "dpsgd": (DPSGD, DPSGDConfig),
-    "naive": (Naive, NaiveConfig),
-    "dcd": (DCD, DCDConfig),
-    "ecd": (ECD, ECDConfig),
-    "efsgd": (DistEFSGD, EFSGDConfig),
-    "efblocksgd": (EFBlockSGD, EFBlockSGDConfig),
-    "efblocksgdm": (EFBlockSGDM, EFBlockSGDMConfig),
-    "signsgd": (SignSGD, SignSGDConfig),
-    "signum": (Signum, SignumConfig),
-    "powersgd": (PowerSGD, PowerSGDConfig),
-    "efmomentum": (EFMomentum, EFMomentumConfig),
-    "sketched": (Sketched, SketchedConfig),
-    "truetopk": (TrueTopK, TrueTopKConfig),
-    "localtopk": (LocalTopK, LocalTopKConfig),
-}
-
-
-#: the algorithms MergeComp (papers/004) can schedule: ``build(name, comm, merge=...)``
-MERGEABLE = ("efsgd", "efblocksgd", "efblocksgdm")
+#: the algorithms: name -> (class, Config); every part of the project reaches them here
+_REGISTRY: Registry[tuple[type[Algorithm], type]] = Registry("algorithm")
+for _cls, _cfg in (
+    (AllReduce, AllReduceConfig),
+    (DPSGD, DPSGDConfig),
+    (Naive, NaiveConfig),
+    (DCD, DCDConfig),
+    (ECD, ECDConfig),
+    (DistEFSGD, EFSGDConfig),
+    (EFBlockSGD, EFBlockSGDConfig),
+    (EFBlockSGDM, EFBlockSGDMConfig),
+    (SignSGD, SignSGDConfig),
+    (Signum, SignumConfig),
+    (PowerSGD, PowerSGDConfig),
+    (EFMomentum, EFMomentumConfig),
+    (Sketched, SketchedConfig),
+    (TrueTopK, TrueTopKConfig),
+    (LocalTopK, LocalTopKConfig),
+):
+    _REGISTRY.register(_cls.name, (_cls, _cfg), _cls.summary)
 
 
 def available() -> dict[str, str]:
     """Algorithm names and one-line descriptions."""
-    return {name: cls.summary for name, (cls, _) in _REGISTRY.items()}
+    return _REGISTRY.available()
 
 
 def _lookup(name: str) -> tuple[type[Algorithm], type]:
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown algorithm {name!r}; known: {', '.join(_REGISTRY)}"
-        ) from None
+    return _REGISTRY.get(name)
 
 
 def config_class(name: str) -> type:
@@ -144,44 +135,53 @@ def local_momentum_default(name: str) -> float:
     return _lookup(name)[0].local_momentum_default
 
 
-def option_names(name: str) -> tuple[str, ...]:
-    """The options the algorithm's Config takes (its field names)."""
-    return _config_fields(config_class(name))
+#: the EF family's scheduling options: with ``merge`` set, ``build`` returns MergeComp
+#: (papers/004) scheduling that algorithm group by group
+MERGE_OPTIONS = ("merge", "merge_max_groups", "merge_alpha", "merge_profile_steps", "merge_trial_steps")
+_MERGEABLE = ("efsgd", "efblocksgd", "efblocksgdm")
 
 
-def _config_fields(cfg_cls: type) -> tuple[str, ...]:
-    import dataclasses
+def _build_mergecomp(name: str, comm: Any, options: dict[str, Any]) -> Algorithm:
+    from gossip.algorithms.mergecomp import MergeComp, MergeCompConfig
 
-    return tuple(f.name for f in dataclasses.fields(cfg_cls))
+    if name not in _MERGEABLE:
+        raise ValueError(f"merge applies to {', '.join(_MERGEABLE)} (MergeComp schedules the EF family), not {name}")
+    base = config_class(name)
+    defaults = {f.name: f.default for f in dataclasses.fields(base)}
+    sched = {k.removeprefix("merge_"): options.pop(k) for k in MERGE_OPTIONS[1:] if k in options}
+    sched["merge"] = options.pop("merge")
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise ValueError(f"{name}: unexpected option(s) {unknown}; accepted options: {', '.join(defaults)}")
+    if name != "efsgd":
+        options["compressor"] = "blocksign"  # one block per parameter tensor, whatever the grouping
+    cfg = MergeCompConfig(
+        compressor=options.get("compressor", defaults.get("compressor", "sign")),
+        momentum=options.get("momentum", defaults.get("momentum", 0.0)),
+        seed=options.get("seed", defaults.get("seed", 0)),
+        **sched,
+    )
+    base(**{k: v for k, v in options.items() if k in defaults})  # the base algorithm's own checks
+    return MergeComp(cfg, comm)
 
 
-def build(name: str, comm: Any, *, common: Mapping[str, Any] | None = None, **options: Any) -> Algorithm:
+def build(name: str, comm: Any, **options: Any) -> Algorithm:
     """``build("ecd", comm, compressor="quant:bits=8", seed=0)``.
 
-    ``options`` go to the algorithm's Config, which must take every one. ``common``
-    holds values of :data:`COMMON_OPTIONS` a caller has for any algorithm (a training
-    run's seed, compressor and momentum): each is passed where the Config takes it and
-    left out elsewhere, as are None values; ``options`` win over it.
-
-    For the EF family (:data:`MERGEABLE`), ``merge="layer" | "whole" | "auto" | N``
-    returns the algorithm scheduled by MergeComp (``gossip.algorithms.mergecomp``).
+    For efsgd, efblocksgd and efblocksgdm, ``merge`` (``"layer"``, ``"whole"``, N or
+    ``"auto"``) with ``merge_max_groups``, ``merge_alpha``, ``merge_profile_steps`` and
+    ``merge_trial_steps`` schedules the algorithm with MergeComp (papers/004).
     """
     cls, cfg_cls = _lookup(name)
-    if common:
-        unknown = sorted(set(common) - set(COMMON_OPTIONS))
-        if unknown:
-            raise ValueError(f"`common` takes {', '.join(COMMON_OPTIONS)}, got {', '.join(unknown)}")
-        takes = _config_fields(cfg_cls)
-        options = {**{k: v for k, v in common.items() if k in takes and v is not None}, **options}
+    if options.get("merge") is not None:
+        return _build_mergecomp(name, comm, dict(options))
+    for k in MERGE_OPTIONS:
+        options.pop(k, None)
     try:
         config = cfg_cls(**options)
     except TypeError as e:
-        import dataclasses
-
         accepted = ", ".join(f.name for f in dataclasses.fields(cfg_cls))
         if "unexpected keyword" in str(e):
             raise ValueError(f"{name}: {e}; accepted options: {accepted}") from None
         raise
-    if name in MERGEABLE and config.merge is not None:
-        return MergeComp(config, comm, family=cls)
     return cls(config, comm)

@@ -6,8 +6,6 @@
   momentum: they get the current learning rate through :meth:`_Centralized.set_lr`
   and rewrite the gradient into the final *direction* ``D`` such that a plain SGD step
   ``x <- x - lr * D`` (user optimizer with momentum 0) performs the paper's update.
-  Where the Config's ``momentum`` is non-zero the algorithm owns the momentum
-  (``owns_momentum``) and the local optimizer must have none.
 * Config checks shared by their Configs.
 """
 
@@ -19,6 +17,7 @@ from typing import Any
 import torch
 
 from gossip import compress as _compress
+from gossip._checks import check_float
 from gossip.algorithms.base import Algorithm
 
 __all__: list[str] = []
@@ -68,7 +67,7 @@ class _Centralized(Algorithm):
     """Gradient algorithms that own their step-size rescaling and momentum.
 
     ``set_lr(lr)`` must be called with the step size ``eta_t`` of the coming step
-    before :meth:`reduce_gradients` (``GossipOptimizer.step`` does it every step). Without
+    before :meth:`reduce_gradients` (the training loop does it every step). Without
     any call the step size is taken as constant (``eta_t / eta_{t-1} = 1``).
     """
 
@@ -76,15 +75,8 @@ class _Centralized(Algorithm):
     #: the compressed direction is the whole update: no local momentum unless asked for
     local_momentum_default = 0.0
 
-    @property
-    def owns_momentum(self) -> bool:  # type: ignore[override]
-        """True where the Config's ``momentum`` is non-zero: the algorithm applies it,
-        so the local optimizer must have none."""
-        return float(getattr(self.config, "momentum", 0.0)) > 0
-
     def set_lr(self, lr: float) -> None:
-        """Tell the algorithm the step size ``eta_t`` the optimizer will use next
-        (``GossipOptimizer`` does, from the local optimizer's first param group)."""
+        """Tell the algorithm the step size ``eta_t`` the optimizer will use next."""
         if isinstance(lr, bool) or not isinstance(lr, (int, float)):
             raise TypeError(f"Arg `lr` must be a number, got {type(lr).__name__} {lr!r}")
         if not math.isfinite(lr) or lr <= 0:
@@ -110,7 +102,8 @@ def check_fraction(name: str, value: Any, *, lo_open: bool = False) -> None:
     """``0 <= value < 1`` (``0 < value < 1`` with ``lo_open``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"Arg `{name}` must be a number, got {type(value).__name__} {value!r}")
-    lo_ok = value > 0 if lo_open else value >= 0
-    if not (lo_ok and value < 1):
+    try:
+        check_float(f"Arg `{name}`", value, lo=0.0, hi=1.0, lo_open=lo_open, hi_open=True)
+    except ValueError:  # the historical wording names the argument in the rule
         rule = "0 < {0} < 1" if lo_open else "0 <= {0} < 1"
-        raise ValueError(f"Arg `{name}` must satisfy {rule.format(name)}, got {value}")
+        raise ValueError(f"Arg `{name}` must satisfy {rule.format(name)}, got {value}") from None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from gossip._checks import check_int as _check_int
+
 import numpy as np
 import torch
 
@@ -48,7 +50,5 @@ def step_tag(step: int) -> int:
 
 
 def check_int(name: str, value, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"Arg `{name}` must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"Arg `{name}` must be >= {minimum}, got {value}")
+    """An algorithm Config's integer option (the shared check, ``Arg `name``` in messages)."""
+    _check_int(f"Arg `{name}`", value, minimum=minimum)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from gossip.algorithms._common import check_int
-from gossip.algorithms.base import Algorithm, ParamLayout, WireFormat
+from gossip.algorithms.base import Algorithm
 
 __all__ = ["AllReduce", "AllReduceConfig", "AllReduceState"]
 
@@ -39,11 +39,9 @@ class AllReduce(Algorithm):
     def __init__(self, config: AllReduceConfig, comm: Any) -> None:
         super().__init__(config, comm)
 
-    def _setup(self, X: torch.Tensor, layout: ParamLayout) -> None:
+    def setup(self, X: torch.Tensor, layout: Any = None) -> None:
+        self._take_layout(X, layout)
         self.state = AllReduceState(t=1)
-
-    def wire_format(self) -> WireFormat:
-        return WireFormat("fp32", 32.0, "the full-precision gradient, all-reduced")
 
     def reduce_gradients(self, G: torch.Tensor) -> None:
         with self.comm.ledger.phase("communicate"):

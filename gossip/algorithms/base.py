@@ -1,4 +1,4 @@
-"""The contract between an algorithm and its caller: Config, State, step, and hooks.
+"""The shape every algorithm has: a frozen Config, a State, and a step.
 
 Two kinds of algorithm exist, told apart by :attr:`Algorithm.acts_on`:
 
@@ -9,218 +9,150 @@ Two kinds of algorithm exist, told apart by :attr:`Algorithm.acts_on`:
     algorithm then replaces ``x_t`` by the paper's ``x_{t+1}``, in which ``u_t`` stands
     for ``-gamma * g_t``: ``step(X, U)``.
 ``"gradient"``
-    Centralized algorithms (all-reduce SGD and the compressed all-reduce family). They
-    rewrite the gradient before the local optimizer steps: ``reduce_gradients(G)``.
+    Centralized algorithms (all-reduce SGD and the compressed all-reduce family).
+    They rewrite the gradient before the local optimizer steps:
+    ``reduce_gradients(G)``.
+
+The contract with the caller: ``setup(X, layout)`` once (the :class:`ParamLayout`
+of the model), then every step ``set_lr(lr)`` and ``step``/``reduce_gradients``;
+the hooks ``on_epoch_end``, ``set_event_sink``, ``attach``, ``report`` and
+``wire_format`` are declared on :class:`Algorithm` with no-op defaults, so a caller
+calls them on any algorithm without probing it. ``owns_momentum`` says whether the
+algorithm applies momentum itself. Configs never carry shapes or offsets; the options
+a caller may fill in from its own flags are :data:`COMMON_OPTIONS`.
 
 Tensors are batched over the nodes a process hosts (see docs/internals.md): ``X``,
 ``U`` and ``G`` have shape ``(m, d)``.
-
-What a caller may rely on, and nothing more (:class:`Algorithm`):
-
-1. ``setup(X, layout)`` once, before anything else: ``layout`` is the
-   :class:`ParamLayout` of the flat vector (tensor names, shapes, offsets, blocks),
-   built once from the models; no Config carries shapes or offsets;
-2. every step, ``set_lr(lr)`` with the step size the local optimizer will use, then
-   ``step(X, U)`` or ``reduce_gradients(G)``, then ``on_step_end(step)``;
-3. ``on_epoch_end(epoch)`` after an epoch's last step (callers without epochs skip it);
-4. ``attach(models)`` after ``setup`` when the caller owns the models' backward pass
-   (schedulers that communicate during backward register their hooks there);
-5. ``set_event_sink(fn)``: where the algorithm's one-line decisions go;
-6. ``report()``: the algorithm's own account of the run, or None;
-7. ``wire_format()``: what the algorithm sends (:class:`WireFormat`); runs record this,
-   never a CLI string;
-8. ``owns_momentum``: True when the algorithm applies momentum itself; the caller must
-   then give the local optimizer none (``GossipOptimizer`` refuses one that has some);
-9. ``state_dict()`` / ``load_state_dict(sd)`` for an exact continuation.
-
-Every hook has a documented no-op default here, so callers never probe with
-``hasattr``. :data:`COMMON_OPTIONS` are the Config options a caller may hold for every
-algorithm (a training run's seed, compressor and momentum); ``gossip.algorithms.build``
-passes each where the algorithm's Config takes it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-__all__ = ["Algorithm", "COMMON_OPTIONS", "ParamLayout", "WireFormat", "code_bits"]
+__all__ = ["Algorithm", "ParamLayout", "WireFormat", "COMMON_OPTIONS", "code_bits"]
 
-#: Config options a caller may hold for every algorithm; each is passed where the
-#: algorithm's Config takes it (``gossip.algorithms.build(..., common=...)``)
+#: options every algorithm's Config may take, which a caller (the training loop) fills
+#: in from its own flags where the Config has them: nothing else is guessed
 COMMON_OPTIONS: tuple[str, ...] = ("seed", "compressor", "momentum")
 
 
-# --------------------------------------------------------------------------------------
-# the parameter layout
-# --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ParamLayout:
-    """How the flat parameter vector of one node is cut into the model's tensors.
+    """How the flat ``(m, d)`` parameter rows are cut into the model's tensors.
 
-    ``names`` and ``shapes`` are given (in ``parameters()`` order); ``offsets`` (start of
-    each tensor in the flat vector), ``numels`` and ``dim`` (their sum) follow. ``blocks``
-    are the ``(offset, numel)`` pairs the blockwise families use (blockwise sign: one
-    scale per tensor; PowerSGD: which tensors are matrices). Build it with
-    :meth:`from_models` or :meth:`from_shapes`; :meth:`whole` is one block of ``d``
-    values, what ``setup(X)`` assumes without a layout.
+    ``shapes``: each tensor's shape in ``parameters()`` order; ``names``: their names
+    (``named_parameters()``). ``offsets``/``numels``/``blocks`` follow. Built once by
+    :class:`gossip.runtime.GossipOptimizer` (or :meth:`from_models`) and handed to
+    every algorithm's :meth:`Algorithm.setup`: the per-tensor blocks of the sign and
+    error-feedback families and PowerSGD's matrices come from here, never from a
+    Config.
     """
 
-    names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
-    offsets: tuple[int, ...] = field(init=False)
-    numels: tuple[int, ...] = field(init=False)
-    dim: int = field(init=False)
+    names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         try:
             shapes = tuple(tuple(int(s) for s in sh) for sh in self.shapes)
-            bad = any(isinstance(s, bool) or int(s) != s for sh in self.shapes for s in sh)
         except (TypeError, ValueError):
-            shapes, bad = (), True
-        if bad:
-            raise TypeError(f"ParamLayout: `shapes` must be a sequence of shapes (sequences of ints), got {self.shapes!r}")
-        if not shapes:
-            raise ValueError("ParamLayout: `shapes` must hold at least one tensor shape, got none")
-        if any(s < 0 for sh in shapes for s in sh):
-            raise ValueError(f"ParamLayout: sizes must be non-negative, got shapes {shapes}")
-        names = tuple(self.names)
-        if len(names) != len(shapes) or not all(isinstance(n, str) and n for n in names):
-            raise ValueError(
-                f"ParamLayout: `names` must be {len(shapes)} non-empty strings, one per shape, got {self.names!r}"
-            )
-        if len(set(names)) != len(names):
-            dup = sorted({n for n in names if names.count(n) > 1})
-            raise ValueError(f"ParamLayout: tensor names must be unique, {dup} repeat")
-        numels = tuple(math.prod(sh) for sh in shapes)
-        offsets, o = [], 0
-        for n in numels:
-            offsets.append(o)
-            o += n
-        if o == 0:
-            raise ValueError(f"ParamLayout: the tensors hold no values, shapes {shapes}")
-        for k, v in (("names", names), ("shapes", shapes), ("offsets", tuple(offsets)), ("numels", numels), ("dim", o)):
-            object.__setattr__(self, k, v)
-
-    # --- builders ------------------------------------------------------------------------
-    @classmethod
-    def from_shapes(cls, shapes: Sequence[Sequence[int]], names: Sequence[str] | None = None) -> ParamLayout:
-        """Tensors of these shapes in this order; unnamed ones are ``p0``, ``p1``, ..."""
-        shapes = list(shapes)
-        return cls(tuple(names) if names is not None else tuple(f"p{i}" for i in range(len(shapes))),
-                   tuple(tuple(sh) for sh in shapes))
+            raise TypeError(f"ParamLayout: `shapes` must be a sequence of shapes, got {self.shapes!r}") from None
+        if not shapes or any(s < 0 for sh in shapes for s in sh):
+            raise ValueError(f"ParamLayout: `shapes` must be a non-empty sequence of non-negative shapes, got {shapes}")
+        names = tuple(str(n) for n in self.names) or tuple(f"p{k}" for k in range(len(shapes)))
+        if len(names) != len(shapes):
+            raise ValueError(f"ParamLayout: {len(names)} names for {len(shapes)} shapes")
+        object.__setattr__(self, "shapes", shapes)
+        object.__setattr__(self, "names", names)
 
     @classmethod
-    def from_models(cls, models: torch.nn.Module | Sequence[torch.nn.Module]) -> ParamLayout:
-        """The layout of a model's ``named_parameters()``; several models must agree."""
-        models = [models] if isinstance(models, torch.nn.Module) else list(models)
-        if not models:
-            raise ValueError("ParamLayout.from_models needs at least one model")
-        named = [[(n, tuple(p.shape)) for n, p in mdl.named_parameters()] for mdl in models]
-        if not named[0]:
-            raise ValueError("the model has no parameters")
-        for r, nm in enumerate(named[1:], start=1):
-            if [s for _, s in nm] != [s for _, s in named[0]]:
-                raise ValueError(
-                    f"model {r} has parameter shapes {[s for _, s in nm]}, model 0 has {[s for _, s in named[0]]}"
-                )
-        return cls(tuple(n for n, _ in named[0]), tuple(s for _, s in named[0]))
+    def from_models(cls, models: Any) -> ParamLayout:
+        """The layout of a model (or the first of a list of identical ones)."""
+        model = models[0] if isinstance(models, (list, tuple)) else models
+        named = list(model.named_parameters())
+        return cls(tuple(tuple(p.shape) for _, p in named), tuple(n for n, _ in named))
 
     @classmethod
-    def whole(cls, dim: int) -> ParamLayout:
-        """One 1-D tensor of ``dim`` values: the layout assumed when none is given."""
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"ParamLayout.whole: `dim` must be a positive int, got {dim!r}")
-        return cls(("flat",), ((dim,),))
+    def whole(cls, d: int) -> ParamLayout:
+        """One tensor of ``d`` values: what an algorithm assumes when given no layout."""
+        return cls(((int(d),),), ("flat",))
 
-    # --- views -----------------------------------------------------------------------------
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(math.prod(sh) for sh in self.shapes)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        out, off = [], 0
+        for n in self.numels:
+            out.append(off)
+            off += n
+        return tuple(out)
+
+    @property
+    def dim(self) -> int:
+        return sum(self.numels)
+
     @property
     def blocks(self) -> tuple[tuple[int, int], ...]:
-        """``(offset, numel)`` of every tensor, in flat order."""
+        """``(offset, numel)`` of each tensor in the flat vector."""
         return tuple(zip(self.offsets, self.numels))
 
     @property
     def block_starts(self) -> tuple[int, ...]:
-        """Start offsets of the non-empty tensors (a blockwise compressor's ``offsets``)."""
-        return tuple(o for o, n in self.blocks if n > 0)
+        """Start offsets of the non-empty tensors: the blocks of the blockwise compressors."""
+        return tuple(o for o, n in self.blocks if n > 0) or (0,)
 
-    def __len__(self) -> int:
-        return len(self.shapes)
+    def check(self, d: int, algo: str) -> None:
+        if self.dim != d:
+            raise ValueError(f"{algo}: the layout's tensors hold {self.dim} values, the flat parameters {d}")
 
     def to_dict(self) -> dict[str, Any]:
-        """For config.json: names, shapes, offsets and dim."""
-        return {"names": list(self.names), "shapes": [list(s) for s in self.shapes],
-                "offsets": list(self.offsets), "dim": self.dim}
+        return {"names": list(self.names), "shapes": [list(sh) for sh in self.shapes]}
 
 
-# --------------------------------------------------------------------------------------
-# what goes on the wire
-# --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class WireFormat:
-    """What an algorithm sends each step, described by the algorithm itself.
+    """What an algorithm sends per step, described by the algorithm itself.
 
-    ``label``: a compressor spec (``"quant:bits=8"``, ``"topk:p=0.01"``), ``"fp32"`` for
-    full precision, or the algorithm's own scheme (``"blocksign"``, ``"powersgd:rank=2"``,
-    ``"sketched:k=..,rows=5,cols=.."``). ``bits_per_coord``: the nominal bits per
-    coordinate of the model, per message: the code width (8 for ``quant:bits=8``, 1 for a
-    sign), or for schemes that send fewer values than coordinates, the bits of what is
-    sent spread over the coordinates (PowerSGD: 32 (P + Q + uncompressed) / d). Side
-    information fixed per tensor or message (scales, headers, padding) is left out;
-    the run's ``bits_per_coord_measured`` (ledger bytes) includes it. ``detail``: one
-    human line on what is sent.
+    ``label``: the payload's format (``quant:bits=8``, ``blocksign``, ``powersgd:rank=2``,
+    ``fp32``); ``bits_per_coord``: the nominal code bits per model coordinate (side
+    information such as scales and the headers excluded: the run's ledger measures
+    those, as ``bits_per_coord_measured``).
     """
 
     label: str
     bits_per_coord: float
-    detail: str = ""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.label, str) or not self.label:
-            raise ValueError(f"WireFormat: `label` must be a non-empty string, got {self.label!r}")
-        b = self.bits_per_coord
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b < 0:
-            raise ValueError(f"WireFormat: `bits_per_coord` must be a finite number >= 0, got {b!r}")
-        object.__setattr__(self, "bits_per_coord", float(b))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "bits_per_coord": self.bits_per_coord, "detail": self.detail}
-
-    @classmethod
-    def of_compressor(cls, compressor: Any, numel: int, detail: str = "") -> WireFormat:
-        """A compressor's payloads over ``numel`` coordinates (``identity`` is ``fp32``)."""
-        label = "fp32" if compressor.spec == "identity" else compressor.spec
-        return cls(label, code_bits(compressor, numel), detail)
+        return {"label": self.label, "bits_per_coord": self.bits_per_coord}
 
 
-def code_bits(compressor: Any, numel: int) -> float:
-    """Nominal bits per coordinate of ``compressor`` on ``numel`` values.
+def code_bits(compressor: Any, d: int) -> float:
+    """Nominal code bits per coordinate of ``compressor`` on ``d`` values: the quantizer's
+    bit width, 1 for signs, 32 for fp32, else its ideal size (codes and indices) per value."""
+    name = getattr(compressor, "name", "")
+    if name == "identity":
+        return 32.0
+    if name == "fp16":
+        return 16.0
+    if name in ("sign", "blocksign"):
+        return 1.0
+    bits = getattr(getattr(compressor, "config", None), "bits", None)
+    if isinstance(bits, int):
+        return float(bits)
+    return round(8.0 * compressor.ideal_nbytes(max(1, d)) / max(1, d), 4)
 
-    What one more coordinate costs (``8 * (ideal(2n) - ideal(n)) / n``, from the
-    compressor's ``ideal_nbytes``: code bits, plus the scales of a fixed block size), so
-    a scale per message or tensor is left out and ``quant:bits=8`` gives exactly 8. A
-    sparsifier with a fixed count (``topk:k=20``), whose cost does not grow with ``n``,
-    gives what it sends spread over the ``n`` coordinates instead.
-    """
-    n = max(1, int(numel))
-    a, b = compressor.ideal_nbytes(n), compressor.ideal_nbytes(2 * n)
-    slope = 8.0 * (b - a) / n
-    return slope if slope > 0 else 8.0 * a / n
 
-
-# --------------------------------------------------------------------------------------
-# the algorithm
-# --------------------------------------------------------------------------------------
 class Algorithm:
-    """Base class: holds the config, the communicator, the layout and the State.
+    """Base class: holds the config, the communicator and the State.
 
-    Subclasses implement :meth:`_setup` (the State from ``x_1``) and ``step`` or
-    ``reduce_gradients``; they override the hooks they need. Everything else a caller
-    may call is declared here with its default.
+    The contract with a caller (:class:`gossip.runtime.GossipOptimizer`, the training
+    loop) is this class: every hook below is declared here with a no-op default, and
+    a caller never probes an algorithm for anything else.
     """
 
     name: ClassVar[str] = ""
@@ -230,41 +162,33 @@ class Algorithm:
     #: momentum of the CLI's local SGD optimizer when ``--momentum`` is unset and the
     #: algorithm has no momentum of its own
     local_momentum_default: ClassVar[float] = 0.9
-    #: True when the algorithm applies momentum itself (an instance property where it
-    #: depends on the Config): a second momentum in the local optimizer would compound
-    #: with it, so ``GossipOptimizer`` refuses a local optimizer with momentum != 0
-    owns_momentum: bool = False
+    #: True where the algorithm applies momentum itself: the local optimizer must then
+    #: have none (GossipOptimizer refuses one that has), or momentum would compound
+    owns_momentum: ClassVar[bool] = False
 
     def __init__(self, config: Any, comm: Any) -> None:
         self.config = config
         self.comm = comm
         self.state: Any = None
         self.layout: ParamLayout | None = None
-        self._event_sink: Callable[[str], None] | None = None
+        self._sink: Callable[[str], None] | None = None
 
     # --- lifecycle -----------------------------------------------------------------
     def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         """Initialise the State from the starting point ``x_1`` (shape ``(m, d)``).
 
-        ``layout`` cuts the flat vector into the model's tensors; None means one block
-        of all ``d`` values (:meth:`ParamLayout.whole`): blockwise schemes then have one
-        block, and PowerSGD has no matrix to compress.
+        ``layout`` cuts the rows into the model's tensors; None means one tensor of
+        ``d`` values (:meth:`ParamLayout.whole`). Subclasses call :meth:`_take_layout`.
         """
-        if not isinstance(X, torch.Tensor) or X.dim() != 2 or X.shape[1] < 1:
-            got = tuple(X.shape) if isinstance(X, torch.Tensor) else type(X).__name__
-            raise ValueError(f"{self.name}: setup() takes the (m, d) parameter buffer, got {got}")
-        d = int(X.shape[1])
-        if layout is None:
-            layout = ParamLayout.whole(d)
-        elif not isinstance(layout, ParamLayout):
-            raise TypeError(f"{self.name}: `layout` must be a ParamLayout or None, got {type(layout).__name__}")
-        elif layout.dim != d:
-            raise ValueError(f"{self.name}: the layout holds {layout.dim} values, the flat buffer has {d}")
-        self.layout = layout
-        self._setup(X, layout)
-
-    def _setup(self, X: torch.Tensor, layout: ParamLayout) -> None:
         raise NotImplementedError
+
+    def _take_layout(self, X: torch.Tensor, layout: ParamLayout | None) -> ParamLayout:
+        layout = ParamLayout.whole(X.shape[1]) if layout is None else layout
+        if not isinstance(layout, ParamLayout):
+            raise TypeError(f"{self.name}: `layout` must be a ParamLayout, got {type(layout).__name__}")
+        layout.check(X.shape[1], self.name)
+        self.layout = layout
+        return layout
 
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         """Model algorithms: turn ``x_t`` (updated in place) into ``x_{t+1}``."""
@@ -274,41 +198,36 @@ class Algorithm:
         """Gradient algorithms: rewrite ``G`` in place before the local optimizer."""
         raise NotImplementedError(f"{self.name} acts on models, not on gradients")
 
-    # --- hooks: every one a caller may call, with its default -------------------------
+    # --- hooks a caller may call; each a no-op unless the algorithm needs it ----------
     def set_lr(self, lr: float) -> None:
-        """The step size the local optimizer uses in the coming step. Default: ignored
-        (algorithms that rescale error memories by ``eta_{t-1} / eta_t`` keep it)."""
-
-    def on_step_end(self, step: int) -> None:
-        """After optimizer step number ``step`` (1, 2, ...) has completed. Default: nothing."""
+        """The step size ``eta_t`` of the coming step (algorithms that rescale their
+        error memories by ``eta_{t-1} / eta_t``); called before every step."""
 
     def on_epoch_end(self, epoch: int) -> None:
-        """After the last step of epoch ``epoch`` (1, 2, ...). Default: nothing."""
-
-    def attach(self, models: Sequence[torch.nn.Module]) -> None:
-        """The hosted models, after :meth:`setup`, for work during backward (gradient
-        hooks that overlap communication with back-propagation). Default: nothing."""
+        """An epoch (a pass over each node's shard) has ended."""
 
     def set_event_sink(self, fn: Callable[[str], None] | None) -> None:
-        """Where the algorithm's one-line decisions go (None: nowhere). Use :meth:`_emit`."""
-        self._event_sink = fn
+        """Where to print one-line events (e.g. MergeComp's decisions); None: nowhere."""
+        self._sink = fn
 
-    def _emit(self, line: str) -> None:
-        if self._event_sink is not None:
-            self._event_sink(line)
+    def _say(self, line: str) -> None:
+        if self._sink is not None:
+            self._sink(line)
+
+    def attach(self, models: Sequence[Any]) -> None:
+        """The hosted models, for algorithms that work during backward (gradient hooks)."""
 
     def report(self) -> dict | None:
-        """The algorithm's own account of the run (for summaries), or None. Default: None."""
+        """The algorithm's own account of the run (for summary.json), or None."""
         return None
 
     def wire_format(self) -> WireFormat:
-        """What the algorithm sends each step. Default: its payload compressor over the
-        layout's coordinates, or full precision (``fp32``) without one."""
+        """What goes on the wire each step; by default the payload compressor's spec."""
         c = self.payload_compressor
-        d = self.layout.dim if self.layout is not None else 1 << 20
-        if c is None:
-            return WireFormat("fp32", 32.0, "full-precision values")
-        return WireFormat.of_compressor(c, d)
+        d = self.layout.dim if self.layout is not None else 1
+        if c is None or c.spec == "identity":
+            return WireFormat("fp32", 32.0)
+        return WireFormat(c.spec, code_bits(c, d))
 
     @property
     def payload_compressor(self) -> Any:

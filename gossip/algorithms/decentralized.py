@@ -33,7 +33,7 @@ import torch
 
 from gossip import compress as _compress
 from gossip.algorithms._common import check_int, node_keys, step_tag
-from gossip.algorithms.base import Algorithm, ParamLayout, WireFormat
+from gossip.algorithms.base import Algorithm
 
 __all__ = [
     "DPSGD",
@@ -241,13 +241,9 @@ class _Gossip(Algorithm):
         out[valid] = D[rows[valid]]
         return out
 
-    def wire_format(self) -> WireFormat:
-        """The compressor's payload of the whole model, one per neighbour per step."""
-        return WireFormat.of_compressor(self.compressor, self.layout.dim if self.layout else 1 << 20,
-                                        "one payload of the model per neighbour")
-
-    def _setup(self, X: torch.Tensor, layout: ParamLayout) -> None:
+    def setup(self, X: torch.Tensor, layout: Any = None) -> None:
         m, d = X.shape
+        self._take_layout(X, layout)
         empty = X.new_zeros(0)
         mix = empty
         rec = None

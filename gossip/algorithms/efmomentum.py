@@ -3,12 +3,10 @@ papers/001 compares with PowerSGD (Table 4, Appendix G): Random Block (G.1), Ran
 (G.2), Sign+Norm (G.3) and Top K (G.4); ``identity`` is accepted as the uncompressed
 reference.
 
-The flat vector is cut into blocks, one per parameter tensor of the layout given to
-``setup`` (as the paper compresses each update matrix M separately; without a layout
-the whole vector is one block), and every block is compressed on its own with the
-spec's parameters: ``p`` is the fraction kept of each block, ``k`` the count kept per
-block (a block smaller than k is kept whole). With ``momentum`` > 0 the algorithm owns
-the momentum: the local optimizer must have none.
+The flat vector is cut into blocks (one per parameter tensor of the layout given to
+``setup``, as the paper compresses each update matrix M separately) and every
+block is compressed on its own with the spec's parameters: ``p`` is the fraction kept
+of each block, ``k`` the count kept per block (a block smaller than k is kept whole).
 
 One step on worker w with gradient g_w (Alg. 2, steps numbered as in the code):
 
@@ -47,9 +45,14 @@ from typing import Any
 
 import torch
 
-from gossip.algorithms._centralized import ErrorFeedback, _Centralized, check_fraction, check_spec
+from gossip.algorithms._centralized import (
+    ErrorFeedback,
+    _Centralized,
+    check_fraction,
+    check_spec,
+)
+from gossip.algorithms.base import ParamLayout
 from gossip.algorithms._common import check_int, node_keys, step_tag
-from gossip.algorithms.base import ParamLayout, WireFormat, code_bits
 from gossip.compress import build as _build_compressor
 from gossip.compress import wire as _wire
 
@@ -64,8 +67,8 @@ _BLOCK_STREAM = 5
 @dataclass(frozen=True, kw_only=True)
 class EFMomentumConfig:
     """``compressor``: ``randomblock``, ``randomk``, ``sign``, ``topk`` (papers/001
-    G.1-G.4) or ``identity``, with its parameters (``topk:p=0.01``); the blocks are the
-    tensors of the layout given to ``setup``."""
+    G.1-G.4) or ``identity``, with its parameters (``topk:p=0.01``). Every parameter
+    tensor of the layout given to ``setup`` is a block of its own."""
 
     compressor: str = "topk"
     momentum: float = 0.9
@@ -144,23 +147,13 @@ class EFMomentum(_Centralized):
             return _build_compressor(self.compressor.spec, k=numel)
         return self.compressor
 
-    def wire_format(self) -> WireFormat:
-        """The compressor's code bits over every block (a linear one: its kept fp32
-        values alone, all-reduced)."""
-        if not self.blocks:
-            raise RuntimeError(f"{self.name}: call setup() before wire_format()")
-        d = self.blocks[-1].stop
-        if self.linear:
-            bits, how = 32.0 * sum(b.kept for b in self.blocks) / d, "the kept fp32 values of every tensor, all-reduced"
-        else:
-            bits = sum(code_bits(b.compressor, b.stop - b.start) * (b.stop - b.start) for b in self.blocks) / d
-            how = "one payload per tensor from each worker, all-gathered"
-        label = "fp32" if self.compressor.spec == "identity" else self.compressor.spec
-        return WireFormat(label, bits, how)
+    @property
+    def owns_momentum(self) -> bool:  # type: ignore[override]
+        return self.config.momentum > 0
 
-    def _setup(self, X: torch.Tensor, layout: ParamLayout) -> None:
+    def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         m, d = X.shape
-        starts = layout.block_starts
+        starts = self._take_layout(X, layout).block_starts
         self.blocks = []
         for a, b in zip(starts, starts[1:] + (d,)):
             c = self._block_compressor(b - a)

@@ -16,18 +16,8 @@ worker error e_{t,i}, server error e~_t, momentum mu (Alg. 4; mu = 0 gives Alg. 
 
 ``efsgd`` takes any compressor (``sign`` by default, papers/000 eq. 1);
 ``efblocksgd`` is ``efsgd`` with the blockwise sign compressor (Alg. 3) whose blocks
-are the parameter tensors (the :class:`~gossip.algorithms.base.ParamLayout` given to
-``setup``; without one the whole vector is one block); ``efblocksgdm`` adds Nesterov
-momentum inside the compressed update (Alg. 4).
-
-Steps 1, 2 and 4 are the functions :func:`ef_momentum`, :func:`ef_push` and
-:func:`ef_pull`, on any slice of the vector: MergeComp (``gossip.algorithms.mergecomp``)
-runs the same code group by group.
-
-Momentum: with ``momentum`` > 0 the algorithm owns the momentum (``owns_momentum``),
-so the local optimizer must have none (``GossipOptimizer`` refuses one that has some).
-The step size eta_t is read every step from the local optimizer (``set_lr``), so a
-learning-rate schedule rescales the memories as Alg. 2 requires.
+are the parameter tensors (from the ``ParamLayout`` given to ``setup``);
+``efblocksgdm`` adds Nesterov momentum inside the compressed update (Alg. 4).
 
 Baselines with majority vote and no error feedback (papers/000 Sec. 4):
 
@@ -52,14 +42,20 @@ from typing import Any
 import torch
 
 from gossip import compress as _compress
-from gossip.algorithms._centralized import ErrorFeedback, _Centralized, check_fraction, check_spec
-from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
+from gossip.algorithms._centralized import (
+    ErrorFeedback,
+    _Centralized,
+    check_fraction,
+    check_spec,
+)
 from gossip.algorithms.base import ParamLayout, WireFormat
-from gossip.schedule.cost import DEFAULT_ALPHA
-from gossip.schedule.partition import parse_merge
+from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
 
 __all__ = [
     "DistEFSGD",
+    "ef_momentum",
+    "ef_pull",
+    "ef_push",
     "EFSGDConfig",
     "EFBlockSGDConfig",
     "EFBlockSGDMConfig",
@@ -68,9 +64,6 @@ __all__ = [
     "SignSGDConfig",
     "SignumConfig",
     "SignState",
-    "ef_momentum",
-    "ef_pull",
-    "ef_push",
 ]
 
 _WORKER_STREAM = 0
@@ -80,69 +73,44 @@ _SERVER_STREAM = 1
 # --------------------------------------------------------------------------------------
 # Configs
 # --------------------------------------------------------------------------------------
-def _check_merge_options(cfg: Any, algo: str) -> None:
-    """The MergeComp options of an EF Config (``merge`` None: not scheduled)."""
-    if cfg.merge is not None:
-        object.__setattr__(cfg, "merge", parse_merge(cfg.merge))
-    check_int("merge_max_groups", cfg.merge_max_groups, minimum=1)
-    a = cfg.merge_alpha
-    if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a < 1:
-        raise ValueError(f"Arg `merge_alpha` of {algo} must lie in (0, 1), got {a!r}")
-    check_int("merge_profile_steps", cfg.merge_profile_steps, minimum=1)
-    check_int("merge_trial_steps", cfg.merge_trial_steps, minimum=1)
-
-
 @dataclass(frozen=True, kw_only=True)
 class EFSGDConfig:
     """dist-EF-SGD (papers/000 Alg. 2) with any compressor; ``momentum`` > 0 gives the
-    non-block variant of Alg. 4.
-
-    ``merge`` (None, ``"layer"``, ``"whole"``, ``"auto"`` or a number of groups N)
-    schedules it with MergeComp (papers/004, ``gossip.algorithms.mergecomp``): the
-    same update, compressed and sent in groups of tensors during backward.
-    ``merge_max_groups`` (Y) and ``merge_alpha`` are Alg. 2's; ``merge_profile_steps``
-    and ``merge_trial_steps`` how long ``N``/``auto`` measure."""
+    non-block variant of Alg. 4."""
 
     compressor: str = "sign"
     momentum: float = 0.0
     seed: int = 0
-    merge: str | int | None = None
-    merge_max_groups: int = 2
-    merge_alpha: float = DEFAULT_ALPHA
-    merge_profile_steps: int = 5
-    merge_trial_steps: int = 4
 
     def __post_init__(self) -> None:
-        comp = check_spec(self.compressor, "efsgd")
+        check_spec(self.compressor, "efsgd")
         check_fraction("momentum", self.momentum)
         check_int("seed", self.seed, minimum=0)
-        _check_merge_options(self, "efsgd")
-        if self.merge is not None and comp.name == "blocksign" and comp.spec != "blocksign":
-            raise ValueError(
-                "efsgd: under merge, blocksign's blocks are the parameter tensors; give plain 'blocksign', "
-                f"got {self.compressor!r}"
-            )
+
+    def build_compressor(self, layout: ParamLayout | None = None) -> Any:
+        return _compress.build(self.compressor)
 
 
 @dataclass(frozen=True, kw_only=True)
 class EFBlockSGDConfig:
-    """dist-EF-blockSGD (papers/000 Alg. 3): blockwise sign, one block per tensor of the
-    layout given to ``setup``. The ``merge`` options are ``efsgd``'s."""
+    """dist-EF-blockSGD (papers/000 Alg. 3): blockwise sign, one block per parameter
+    tensor (the blocks come from the layout given to ``setup``)."""
 
     momentum: float = 0.0
     seed: int = 0
-    merge: str | int | None = None
-    merge_max_groups: int = 2
-    merge_alpha: float = DEFAULT_ALPHA
-    merge_profile_steps: int = 5
-    merge_trial_steps: int = 4
 
     def __post_init__(self) -> None:
         check_fraction("momentum", self.momentum)
         check_int("seed", self.seed, minimum=0)
-        _check_merge_options(self, type(self)._algo)
 
-    _algo = "efblocksgd"
+    @property
+    def compressor(self) -> str:
+        return "blocksign"
+
+    def build_compressor(self, layout: ParamLayout | None = None) -> Any:
+        if layout is None or len(layout.block_starts) == 1:
+            return _compress.build("blocksign")
+        return _compress.build("blocksign", offsets=layout.block_starts)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,7 +118,6 @@ class EFBlockSGDMConfig(EFBlockSGDConfig):
     """dist-EF-blockSGDM (papers/000 Alg. 4): Nesterov momentum ``0 < momentum < 1``."""
 
     momentum: float = 0.9
-    _algo = "efblocksgdm"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -206,38 +173,32 @@ class SignState:
 
 
 # --------------------------------------------------------------------------------------
-# Steps 1, 2 and 4 on a slice (shared with MergeComp)
+# The steps on a slice of the flat vector, shared with MergeComp (which runs them group
+# by group): momentum, the worker's push and the replicated server's pull
 # --------------------------------------------------------------------------------------
 def ef_momentum(G: torch.Tensor, momentum: torch.Tensor, mu: float) -> torch.Tensor:
-    """Step 1: ``m <- mu m + g`` (in place) and the Nesterov ``v = g + mu m``; ``v = g``
-    when ``mu == 0`` (``momentum`` is then unused and may be empty)."""
+    """Alg. 4 lines 4-5: ``m = mu m + g`` (in place) and ``v = g + mu m``; ``g`` if mu = 0."""
     if mu <= 0:
         return G
     momentum.mul_(mu).add_(G)
     return G + mu * momentum
 
 
-def ef_push(
-    feedback: ErrorFeedback, V: torch.Tensor, error: torch.Tensor, *, ratio: float,
-    seed: int, nodes: torch.Tensor, t: int, stream: int,
-) -> torch.Tensor:
-    """Step 2: the worker's payload ``C(v + ratio e)``; ``error`` becomes what was not
-    sent. Keys: (seed, node, t, stream), one per hosted worker."""
-    keys = node_keys(seed, nodes, t, stream)
-    _, payload, _ = feedback(V, error, rescale=ratio, keys=keys, tag=step_tag(t))
+def ef_push(feedback: ErrorFeedback, V: torch.Tensor, error: torch.Tensor, *, ratio: float,
+            keys: torch.Tensor, tag: int) -> torch.Tensor:
+    """Worker error feedback (Alg. 2 lines 4-6): the payload of ``C(v + ratio e)``, with
+    ``e`` (in place) what was not sent."""
+    _, payload, _ = feedback(V, error, rescale=ratio, keys=keys, tag=tag)
     return payload
 
 
-def ef_pull(
-    feedback: ErrorFeedback, pushed: torch.Tensor, numel: int, server_error: torch.Tensor, *,
-    ratio: float, seed: int, t: int, stream: int, dtype: torch.dtype,
-) -> torch.Tensor:
-    """Step 4, the server, computed identically on every worker (same payloads, same
-    decode, same reduction order, a key shared by all): ``p~ = mean_i C(p_i) + ratio e~``,
-    returns ``Delta~ = C(p~)`` (shape ``(1, numel)``) and keeps ``e~ = p~ - Delta~``."""
-    tag = step_tag(t)
+def ef_pull(feedback: ErrorFeedback, pushed: torch.Tensor, server_error: torch.Tensor, *, numel: int,
+            ratio: float, key: int, tag: int, dtype: torch.dtype) -> torch.Tensor:
+    """The replicated server (Alg. 2 lines 8-10), the same on every worker: decode every
+    worker's payload, average in a fixed order, error feedback with the shared ``key``;
+    returns the pulled direction (1, numel)."""
     mean = feedback.compressor.decode(pushed, numel, tag=tag).to(dtype).mean(0, keepdim=True)
-    skey = torch.full((1,), shared_key(seed, t, stream), dtype=torch.int64)
+    skey = torch.full((1,), key, dtype=torch.int64)
     _, _, pulled = feedback(mean, server_error, rescale=ratio, keys=skey, tag=tag)
     return pulled
 
@@ -253,26 +214,21 @@ class DistEFSGD(_Centralized):
 
     def __init__(self, config: Any, comm: Any) -> None:
         super().__init__(config, comm)
-        self.compressor = self._make_compressor(None)
+        self.compressor = config.build_compressor()
         self.feedback = ErrorFeedback(self.compressor)
 
-    def _make_compressor(self, layout: ParamLayout | None) -> Any:
-        """The compressor of the pushes and the pull (efblocksgd: one block per tensor)."""
-        return _compress.build(self.config.compressor)
+    @property
+    def owns_momentum(self) -> bool:  # type: ignore[override]
+        return self.config.momentum > 0
 
     @property
     def payload_compressor(self) -> Any:
         return self.compressor
 
-    def wire_format(self) -> WireFormat:
-        return WireFormat.of_compressor(
-            self.compressor, self.layout.dim if self.layout else 1 << 20,
-            "each worker's error-corrected payload, all-gathered; the server's reply computed on every worker",
-        )
-
-    def _setup(self, X: torch.Tensor, layout: ParamLayout) -> None:
+    def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         m, d = X.shape
-        self.compressor = self._make_compressor(layout)
+        layout = self._take_layout(X, layout)
+        self.compressor = self.config.build_compressor(layout)  # blockwise: one block per tensor
         self.feedback = ErrorFeedback(self.compressor)
         self.compressor.payload_nbytes(d)  # a bad block layout fails here, not mid-run
         mom = X.new_zeros(m, d) if self.config.momentum > 0 else X.new_zeros(0)
@@ -283,23 +239,25 @@ class DistEFSGD(_Centralized):
 
     @torch.no_grad()
     def reduce_gradients(self, G: torch.Tensor) -> None:
-        st, cfg, ledger = self.state, self.config, self.comm.ledger
+        st, mu, ledger = self.state, self.config.momentum, self.comm.ledger
         m, d = G.shape
+        tag = step_tag(st.t)
         ratio = self._lr_ratio()
         with ledger.phase("compute"):
             # 1. Nesterov momentum inside the compressed update (Alg. 4 lines 4-5)
-            V = ef_momentum(G, st.momentum, cfg.momentum)
+            V = ef_momentum(G, st.momentum, mu)
         with ledger.phase("compress"):
             # 2. worker error feedback, e rescaled by eta_{t-1}/eta_t
-            payload = ef_push(self.feedback, V, st.error, ratio=ratio, seed=cfg.seed,
-                              nodes=self.comm.nodes, t=st.t, stream=_WORKER_STREAM)
+            keys = node_keys(self.config.seed, self.comm.nodes, st.t, _WORKER_STREAM)
+            payload = ef_push(self.feedback, V, st.error, ratio=ratio, keys=keys, tag=tag)
         with ledger.phase("communicate"):
             # 3. push: every worker receives every worker's payload
             pushed = self.comm.all_gather(payload)
         with ledger.phase("compress"):
-            # 4. the server's step, replicated on every worker
-            pulled = ef_pull(self.feedback, pushed, d, st.server_error, ratio=ratio, seed=cfg.seed,
-                             t=st.t, stream=_SERVER_STREAM, dtype=G.dtype)
+            # 4. the server's step, computed identically on every worker: same payloads,
+            #    same decode, same reduction order, a key shared by all
+            pulled = ef_pull(self.feedback, pushed, st.server_error, numel=d, ratio=ratio,
+                             key=shared_key(self.config.seed, st.t, _SERVER_STREAM), tag=tag, dtype=G.dtype)
         # 5. the pulled direction replaces the gradient: x <- x - eta_t Delta~_t
         G.copy_(pulled.expand(m, d))
         st.prev_lr = st.lr
@@ -310,17 +268,8 @@ class EFBlockSGD(DistEFSGD):
     name = "efblocksgd"
     summary = "dist-EF-blockSGD (papers/000 Alg. 3): blockwise sign per tensor, two-way error feedback"
 
-    def _make_compressor(self, layout: ParamLayout | None) -> Any:
-        if layout is None or len(layout.block_starts) == 1:
-            return _compress.build("blocksign")
-        return _compress.build("blocksign", offsets=layout.block_starts)
-
     def wire_format(self) -> WireFormat:
-        return WireFormat(
-            "blocksign", 1.0,
-            "1-bit signs and one fp32 scale per tensor from each worker, all-gathered; "
-            "the server's reply computed on every worker",
-        )
+        return WireFormat("blocksign", 1.0)  # one sign per value, one fp32 scale per tensor
 
 
 class EFBlockSGDM(EFBlockSGD):
@@ -343,11 +292,13 @@ class SignSGD(_Centralized):
     def payload_compressor(self) -> Any:
         return self.compressor
 
-    def wire_format(self) -> WireFormat:
-        return WireFormat("sign", 1.0, "1-bit signs (and one fp32 scale) from each worker, all-gathered; majority vote")
+    @property
+    def owns_momentum(self) -> bool:  # type: ignore[override]
+        return getattr(self.config, "momentum", 0.0) > 0
 
-    def _setup(self, X: torch.Tensor, layout: ParamLayout) -> None:
+    def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         m, d = X.shape
+        self._take_layout(X, layout)
         beta = getattr(self.config, "momentum", 0.0)
         mom = X.new_zeros(m, d) if beta > 0 else X.new_zeros(0)
         self.state = SignState(t=1, lr=1.0, prev_lr=0.0, momentum=mom)

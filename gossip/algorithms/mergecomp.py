@@ -1,55 +1,49 @@
-"""MergeComp (papers/004): a scheduling policy of the dist-EF-SGD family. The same
-update, compressed and sent in groups of tensors, overlapped with backward.
+"""MergeComp (papers/004): compress and send gradients in groups, overlapped with backward.
 
-Reached through the registry: ``build("efsgd", comm, merge="auto")`` (and
-``efblocksgd``, ``efblocksgdm``) returns a :class:`MergeComp` that runs that
-algorithm's error-feedback step (``gossip.algorithms.efsgd``, Alg. 2, with momentum
-Alg. 4) group by group (papers/004 Alg. 1), with the very functions the unscheduled
-algorithm uses: for group k of step t, with x_k its slice of the gradient buffer,
+The algorithm scheduled is dist-EF-SGD (papers/000 Alg. 2, with momentum Alg. 4
+without blocks; ``gossip.algorithms.efsgd``), applied group by group (papers/004
+Alg. 1): for group k of step t, with x_k its slice of the gradient buffer,
 
-1. :func:`~gossip.algorithms.efsgd.ef_momentum` on the slice;
-2. :func:`~gossip.algorithms.efsgd.ef_push`: the worker's error-corrected payload
-   (random keys: stream 2k of (seed, node, t));
+1. momentum (mu > 0): m[x_k] = mu m[x_k] + g[x_k];  v = g[x_k] + mu m[x_k];
+2. worker error feedback: p = v + (eta_{t-1}/eta_t) e[x_k]; payload = C_k(p);
+   e[x_k] = p - C_k(p) (random keys: stream 2k of (seed, node, t));
 3. communicate: all-gather of the payloads (all-reduce of the values for the
    ``identity`` compressor, the full-precision baseline);
-4. :func:`~gossip.algorithms.efsgd.ef_pull`: the replicated server step (shared key:
-   stream 2k + 1);
+4. replicated server: p~ = mean_i C_k(p_i) + (eta_{t-1}/eta_t) e~[x_k];
+   Delta~ = C_k(p~); e~[x_k] = p~ - Delta~ (shared key: stream 2k + 1);
 5. the gradient of group k becomes Delta~.
 
-With one group (``merge="whole"``) this is exactly the unscheduled algorithm (same
-keys, same payloads, same reduction order). The error memories and the momentum are
-flat vectors over the whole model, cut into groups by the current partition, so they
-survive a change of partition. ``blocksign`` (efblocksgd) keeps one block per
-parameter tensor whatever the grouping. The tensors are those of the layout given to
-``setup``.
+With one group (``--merge whole``) this is exactly ``efsgd`` (same keys, same
+payloads, same reduction order). The error memories and the momentum are flat
+vectors over the whole model, cut into groups by the current partition, so they
+survive a change of partition. ``blocksign`` keeps one block per parameter tensor
+whatever the grouping.
 
 Overlap. The gradients are laid out in the order back-propagation produces them, so
 each group is one contiguous slice. A post-accumulate-grad hook on every parameter
-(registered by ``attach(models)``) copies its gradient into that buffer; when every
-tensor of a group is in (and all earlier groups have been launched), the group is
-encoded and its asynchronous collective posted, while backward goes on. The step then
-waits only for what is still in flight, decodes, and applies the server step. Overlap
-needs one node per process (torchrun); in the in-process simulation all groups are
-processed at the step, with the same results.
+copies its gradient into that buffer; when every tensor of a group is in (and all
+earlier groups have been launched), the group is encoded and its asynchronous
+collective posted, while backward goes on. The step then waits only for what is
+still in flight, decodes, and applies the server step. Overlap needs one node per
+process (torchrun); in the in-process simulation all groups are processed at the
+step, with the same results.
 
 Partitions (``merge``): ``"layer"`` (one group per tensor), ``"whole"`` (one group),
 an int N (N groups, split chosen by the cost model), ``"auto"`` (papers/004 Alg. 2).
-N and auto first learn the backward order (step 1), then time ``merge_profile_steps``
+N and auto first learn the backward order (step 1), then time ``profile_steps``
 layer-wise steps in which each tensor is encoded, sent and decoded on its own (so
 each cost is measured alone), fit the linear costs of Assumption 5 (see
 :mod:`gossip.schedule.cost`), and take the model's best split for each y. auto then
-runs the candidates y = 1..Y (``merge_max_groups``) in turn, one step each, for a
-warm-up round and then ``merge_trial_steps`` timed rounds (interleaved, so a change of
-load on the machine hits every candidate alike), and applies Alg. 2
-(``merge_alpha``) to their median iteration times. Every decision is made on rank 0
-and broadcast, so all ranks always use the same partition; it is part of the state
-(checkpoints). Decisions go to the event sink (``set_event_sink``) as one line each,
-and ``report()`` gives what was measured and chosen.
+runs the candidates y = 1..Y in turn, one step each, for a warm-up round and then
+``trial_steps`` timed rounds (interleaved, so a change of load on the machine hits
+every candidate alike), and applies Alg. 2 to their median iteration times. Every decision is made on rank 0 and broadcast, so all
+ranks always use the same partition; it is part of the state (checkpoints).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -58,13 +52,50 @@ from typing import Any, Callable
 import torch
 
 from gossip import compress as _compress
-from gossip.algorithms._centralized import ErrorFeedback, _Centralized
-from gossip.algorithms.base import Algorithm, ParamLayout, WireFormat
+from gossip.algorithms._centralized import ErrorFeedback, _Centralized, check_fraction, check_spec
+from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
+from gossip.algorithms.base import ParamLayout, WireFormat, code_bits
 from gossip.algorithms.efsgd import ef_momentum, ef_pull, ef_push
 from gossip.schedule.cost import CostModel, alg2, best_partition, fit_linear
-from gossip.schedule.partition import Partition
+from gossip.schedule.partition import Partition, parse_merge
 
-__all__ = ["MergeComp", "MergeCompState"]
+__all__ = ["MergeComp", "MergeCompConfig", "MergeCompState", "DEFAULT_ALPHA"]
+
+#: papers/004 gives no value for alpha; 5% is the order of the gains of its Table 3.
+#: With the default Y = 2 it has no effect (Alg. 2 returns X_2 unless F(2) > F(1)).
+DEFAULT_ALPHA = 0.05
+
+
+@dataclass(frozen=True, kw_only=True)
+class MergeCompConfig:
+    """The schedule's options; the tensors come from the layout given to ``setup``."""
+
+    compressor: str = "sign"
+    momentum: float = 0.0
+    seed: int = 0
+    merge: str | int = "auto"
+    max_groups: int = 2
+    alpha: float = DEFAULT_ALPHA
+    profile_steps: int = 5
+    trial_steps: int = 4
+
+    def __post_init__(self) -> None:
+        comp = check_spec(self.compressor, "mergecomp")
+        bcfg = getattr(comp, "config", None)
+        if comp.spec.startswith("blocksign") and (
+            getattr(bcfg, "offsets", None) is not None or getattr(bcfg, "block", None) is not None
+        ):
+            raise ValueError(
+                "mergecomp: blocksign's blocks are the parameter tensors under --merge; give plain 'blocksign'"
+            )
+        check_fraction("momentum", self.momentum)
+        check_int("seed", self.seed, minimum=0)
+        object.__setattr__(self, "merge", parse_merge(self.merge))
+        check_int("max_groups", self.max_groups, minimum=1)
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < 1:
+            raise ValueError(f"Arg `alpha` must lie in (0, 1), got {self.alpha!r}")
+        check_int("profile_steps", self.profile_steps, minimum=1)
+        check_int("trial_steps", self.trial_steps, minimum=1)
 
 
 @dataclass
@@ -90,17 +121,16 @@ class MergeCompState:
 
 
 class MergeComp(_Centralized):
-    """An EF-family algorithm scheduled in groups overlapped with backward; see the
-    module docstring. ``family`` is the scheduled algorithm's class (``DistEFSGD``,
-    ``EFBlockSGD``, ``EFBlockSGDM``): its name and its compressor are this one's."""
+    """dist-EF-SGD scheduled in groups overlapped with backward; see the module docstring."""
 
-    summary = "MergeComp (papers/004): the EF family compressed in merged groups, overlapped with backward"
+    name = "mergecomp"
+    summary = "MergeComp (papers/004): efsgd compressed in merged groups, overlapped with backward"
 
-    def __init__(self, config: Any, comm: Any, family: type) -> None:
+    def __init__(self, config: MergeCompConfig, comm: Any) -> None:
         super().__init__(config, comm)
-        self.name = family.name  # what runs is that algorithm, scheduled
-        self.numels: list[int] = []
-        self.spec = family(config, comm).compressor.spec  # efblocksgd: blocksign, one block per tensor
+        self.numels: list[int] = []  # per tensor, from the layout given to setup
+        self.n_tensors = 0
+        self.spec = _compress.build(config.compressor).spec
         self.reduce = self.spec == "identity"  # linear: all-reduce the values
         #: with ``keep_timeline``: this step's (event, group or tensor position, time);
         #: ``last_timeline`` is the previous step's (events: grad, encode, launch, done,
@@ -118,22 +148,26 @@ class MergeComp(_Centralized):
 
     # ---------------------------------------------------------------- set-up
     @property
-    def tensors(self) -> int:
-        return len(self.numels)
+    def owns_momentum(self) -> bool:  # type: ignore[override]
+        return self.config.momentum > 0
 
-    def _setup(self, X: torch.Tensor, layout: ParamLayout) -> None:
+    def wire_format(self) -> WireFormat:
+        """The scheduled compressor's payloads (``blocksign``: one block per tensor)."""
+        comp = _compress.build(self.config.compressor)
+        if comp.name == "identity":
+            return WireFormat("fp32", 32.0)
+        return WireFormat(comp.spec, code_bits(comp, sum(self.numels) or 1))
+
+    def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         m, d = X.shape
-        cfg, n = self.config, len(layout)
+        layout = self._take_layout(X, layout)
+        self.numels = [n for n in layout.numels]
+        self.n_tensors = len(self.numels)
+        cfg, n = self.config, self.n_tensors
+        if isinstance(cfg.merge, int) and cfg.merge > n:
+            raise ValueError(f"--merge {cfg.merge}: the model has only {n} parameter tensors")
         mode = cfg.merge
-        if isinstance(mode, int) and mode > n:
-            raise ValueError(f"the model has only {n} parameter tensors to merge into {mode} groups")
         fixed = mode == "layer" or mode == "whole"
-        if not fixed and m > 1:
-            raise ValueError(
-                f"merge={mode} times the backward pass of one node per process: run it under torchrun "
-                f"(or --simulate 1); merge layer and whole work with any number of hosted nodes"
-            )
-        self.numels = list(layout.numels)
         self.state = MergeCompState(
             t=1, lr=1.0, prev_lr=0.0,
             # provisional: reverse definition order; whole (nothing to overlap) and the
@@ -149,6 +183,11 @@ class MergeComp(_Centralized):
             momentum=X.new_zeros(m, d) if cfg.momentum > 0 else X.new_zeros(0),
             search={"mode": str(mode)},
         )
+        if not fixed and m > 1:
+            raise ValueError(
+                f"--merge {mode} times the backward pass of one node per process: run it under "
+                "torchrun (or --simulate 1); --merge layer, whole work with any --simulate"
+            )
         self._layout()
 
     def attach(self, models: list[Any]) -> None:
@@ -167,15 +206,7 @@ class MergeComp(_Centralized):
 
     @property
     def payload_compressor(self) -> Any:
-        return _compress.build(self.spec)
-
-    def wire_format(self) -> WireFormat:
-        """The scheduled algorithm's wire format; one payload per group."""
-        how = "one payload per group of tensors from each worker (MergeComp), all-gathered"
-        if self.spec == "blocksign":
-            return WireFormat("blocksign", 1.0, "1-bit signs and one fp32 scale per tensor, " + how)
-        d = self.layout.dim if self.layout is not None else 1 << 20
-        return WireFormat.of_compressor(self.payload_compressor, d, how)
+        return _compress.build(self.config.compressor)
 
     @property
     def partition(self) -> Partition:
@@ -185,8 +216,8 @@ class MergeComp(_Centralized):
         """Use this partition from the next step on and stop any search (call it the same
         way on every rank). The memories keep their values."""
         sizes = tuple(partition.sizes if isinstance(partition, Partition) else Partition(tuple(partition)).sizes)
-        if sum(sizes) != self.tensors:
-            raise ValueError(f"the partition covers {sum(sizes)} tensors, the model has {self.tensors}")
+        if sum(sizes) != self.n_tensors:
+            raise ValueError(f"the partition covers {sum(sizes)} tensors, the model has {self.n_tensors}")
         self.state.phase, self.state.phase_step = "done", 0
         self._relayout(sizes=sizes)
 
@@ -242,12 +273,10 @@ class MergeComp(_Centralized):
     def _codec(self, k: int) -> tuple[Any, ErrorFeedback]:
         key = (self._slices[k], self._tensor_bounds[k])
         if key not in self._codecs:
-            if self.spec == "blocksign":  # one block per (non-empty) tensor of the group
-                a, b = self._slices[k]
-                starts = tuple(dict.fromkeys(o for o in self._tensor_bounds[k] if o < b - a))
-                comp = _compress.build("blocksign", offsets=starts)
+            if self.spec.startswith("blocksign"):
+                comp = _compress.build("blocksign", offsets=self._tensor_bounds[k])
             else:
-                comp = _compress.build(self.spec)
+                comp = _compress.build(self.config.compressor)
             self._codecs[key] = (comp, ErrorFeedback(comp))
         return self._codecs[key]
 
@@ -339,16 +368,14 @@ class MergeComp(_Centralized):
         t0 = perf_counter()
         self._mark("encode", k)
         with ledger.phase("compress"):
-            # 1. momentum on the slice (the memories are flat over the model)
             mom = st.momentum[:, a:b] if cfg.momentum > 0 else st.momentum
             V = ef_momentum(self._buf[:, a:b], mom, cfg.momentum)
             if self.reduce:  # identity: e stays 0, the values themselves are reduced
                 payload = V.clone()
             else:
-                # 2. the worker's error-corrected payload of group k (stream 2k)
-                _, fb = self._codec(k)
-                payload = ef_push(fb, V, st.error[:, a:b], ratio=self._lr_ratio(), seed=cfg.seed,
-                                  nodes=self.comm.nodes, t=st.t, stream=2 * k)
+                comp, fb = self._codec(k)
+                keys = node_keys(cfg.seed, self.comm.nodes, st.t, 2 * k)
+                payload = ef_push(fb, V, st.error[:, a:b], ratio=self._lr_ratio(), keys=keys, tag=step_tag(st.t))
         self._times["enc"][k] = perf_counter() - t0
         self._mark("launch", k)
         with ledger.phase("communicate"):
@@ -369,11 +396,10 @@ class MergeComp(_Centralized):
             if self.reduce:
                 pulled = res[:1]
             else:
-                # 4. the replicated server step of group k (shared key: stream 2k + 1)
-                _, fb = self._codec(k)
-                pulled = ef_pull(fb, res, b - a, st.server_error[:, a:b], ratio=self._lr_ratio(),
-                                 seed=cfg.seed, t=st.t, stream=2 * k + 1, dtype=self._out.dtype)
-            # 5. the group's gradient becomes Delta~
+                comp, fb = self._codec(k)
+                pulled = ef_pull(fb, res, st.server_error[:, a:b], numel=b - a, ratio=self._lr_ratio(),
+                                 key=shared_key(cfg.seed, st.t, 2 * k + 1), tag=step_tag(st.t),
+                                 dtype=self._out.dtype)
             self._out[:, a:b] = pulled.expand(m, b - a)
         self._times["dec"][k] = perf_counter() - t0
         self._finished[k] = True
@@ -409,7 +435,7 @@ class MergeComp(_Centralized):
     # ---------------------------------------------------------------- the schedule
     def _emit(self, line: str) -> None:
         self.state.search.setdefault("log", []).append(line)
-        super()._emit(line)
+        self._say(line)
 
     def _advance(self, iter_s: float | None, t_step: float) -> None:
         """End of a step: move the schedule on (same decisions on every rank)."""
@@ -423,7 +449,7 @@ class MergeComp(_Centralized):
         if st.phase == "profile":
             self._record_profile(t_step)
             st.phase_step += 1
-            if st.phase_step >= cfg.merge_profile_steps:
+            if st.phase_step >= cfg.profile_steps:
                 self._fit_and_plan()
             self._reset_step()
             return
@@ -435,7 +461,7 @@ class MergeComp(_Centralized):
             if k >= len(ys) and iter_s is not None:  # round 0 warms every candidate up
                 s["trial_times"].setdefault(str(y), []).append(iter_s)
             st.phase_step += 1
-            if st.phase_step >= len(ys) * (cfg.merge_trial_steps + 1):
+            if st.phase_step >= len(ys) * (cfg.trial_steps + 1):
                 self._trials_done()
             else:
                 self._try(ys[st.phase_step % len(ys)])
@@ -444,7 +470,7 @@ class MergeComp(_Centralized):
         self._reset_step()
 
     def _learn_order(self) -> None:
-        st, n = self.state, self.tensors
+        st, n = self.state, self.n_tensors
         fired, seen = [], set()
         for j in self._fired:
             if j not in seen:
@@ -475,7 +501,7 @@ class MergeComp(_Centralized):
     def _record_profile(self, t_step: float) -> None:
         """One layer-wise step's costs, per tensor in backward order."""
         s, tm = self.state.search, self._times
-        n = self.tensors
+        n = self.n_tensors
         if len(tm["hook_in"]) != n or self._last_end is None:
             return  # a tensor without gradient, or no previous step to time from
         prof = s.setdefault("profile", {"head": [], "compute": [], "enc": [], "comm": [], "dec": []})
@@ -487,7 +513,7 @@ class MergeComp(_Centralized):
 
     def _fit_and_plan(self) -> None:
         st, cfg = self.state, self.config
-        s, n = st.search, self.tensors
+        s, n = st.search, self.n_tensors
         prof = s.get("profile")
         lay = [self.numels[j] for j in st.order]
         if prof and prof["head"]:
@@ -497,7 +523,7 @@ class MergeComp(_Centralized):
                 encode=fit_linear(lay, med(prof["enc"])), decode=fit_linear(lay, med(prof["dec"])),
                 comm=fit_linear(lay, med(prof["comm"])),
             )
-            want = [cfg.merge] if isinstance(cfg.merge, int) else list(range(1, min(cfg.merge_max_groups, n) + 1))
+            want = [cfg.merge] if isinstance(cfg.merge, int) else list(range(1, min(cfg.max_groups, n) + 1))
             self.cost_model = model
             plans = [list(best_partition(model, y).sizes) for y in want]
             preds = [model.predict(Partition(tuple(p))) for p in plans]
@@ -542,9 +568,8 @@ class MergeComp(_Centralized):
         for y, f in zip(ys, agreed):
             s["candidates"][str(y)]["measured_s"] = float(f)
         fmin = dict(zip(ys, (float(f) for f in agreed)))
-        chosen, _ = alg2(lambda q: fmin[q], max(ys), cfg.merge_alpha)
-        self._choose(s["candidates"][str(chosen)]["sizes"],
-                     f"Alg. 2 (Y = {cfg.merge_max_groups}, alpha = {cfg.merge_alpha:g})")
+        chosen, _ = alg2(lambda q: fmin[q], max(ys), cfg.alpha)
+        self._choose(s["candidates"][str(chosen)]["sizes"], f"Alg. 2 (Y = {cfg.max_groups}, alpha = {cfg.alpha:g})")
 
     def _choose(self, sizes: list[int], why: str) -> None:
         st = self.state
@@ -568,8 +593,7 @@ class MergeComp(_Centralized):
         st.search = copy.deepcopy(st.search)
         self._layout()
         if st.phase == "done" and self.config.merge not in ("layer", "whole"):
-            # a decision taken before the checkpoint: said once, not added to the log
-            Algorithm._emit(self, f"mergecomp: partition {self.partition} restored from the checkpoint")
+            self._say(f"mergecomp: partition {self.partition} restored from the checkpoint")
 
     def report(self) -> dict:
         """What the schedule measured and decided (for logs and summaries)."""

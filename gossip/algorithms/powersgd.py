@@ -1,9 +1,8 @@
 """PowerSGD (papers/001): rank-r power-iteration compression inside error-feedback SGD
 with momentum, and the two rank-r approximators the paper compares it with.
 
-The flat parameter vector is cut into the model's tensors by the
-:class:`~gossip.algorithms.base.ParamLayout` given to ``setup`` (without one the vector
-is a single 1-D tensor, so nothing is compressed). A tensor of two or more
+The flat parameter vector is cut into the model's tensors (the ``ParamLayout`` given
+to ``setup``, which ``GossipOptimizer`` builds from the model). A tensor of two or more
 dimensions is the matrix M of shape (shape[0], prod(shape[1:])) (a conv weight
 (out, in, kh, kw) becomes (out, in*kh*kw)); it is compressed when that pays:
 (n + k) r * min_compression_rate < n k, with r = min(n, k, rank). Vectors (biases,
@@ -25,9 +24,6 @@ One step on worker w with gradient g_w (Alg. 2 around Alg. 1), ``approximator="p
    direction Delta' + lambda m (Nesterov, as torch.optim.SGD(nesterov=True); see
    docs/centralized.md for the paper box's "Delta' + m"), or m with ``nesterov=False``;
 9. G <- direction, so the user's plain SGD step is x <- x - gamma * direction.
-
-PowerSGD owns its momentum (``owns_momentum`` when ``momentum`` > 0): the local
-optimizer must have none, or the two would compound.
 
 Warm start (Sec. 4.2): the Q of step 5 is the next step's Q. The first Q (and every
 Q without warm start) is i.i.d. standard normal from a generator seeded identically on
@@ -66,9 +62,9 @@ from typing import Any
 
 import torch
 
+from gossip.algorithms.base import WireFormat
 from gossip.algorithms._centralized import _Centralized, check_fraction
 from gossip.algorithms._common import check_int, shared_key
-from gossip.algorithms.base import ParamLayout, WireFormat
 
 __all__ = ["PowerSGD", "PowerSGDConfig", "PowerSGDState", "orthogonalize"]
 
@@ -79,7 +75,7 @@ _BEST_ITERATIONS = 4  # papers/001 G.7
 
 @dataclass(frozen=True, kw_only=True)
 class PowerSGDConfig:
-    """The parameter shapes come from the layout given to ``setup``.
+    """The options of PowerSGD; the tensors' shapes come from the layout at ``setup``.
 
     ``approximator``: ``"power"`` (Alg. 1, one power iteration, warm start),
     ``"best"`` (G.7: ``iterations`` subspace iterations from a fresh Q every step,
@@ -195,40 +191,41 @@ class PowerSGD(_Centralized):
 
     def __init__(self, config: PowerSGDConfig, comm: Any) -> None:
         super().__init__(config, comm)
-        self.matrices: list[_Matrix] = []
-        self.groups: list[_Group] = []
-        self.p_numel = self.q_numel = 0
-        self.unc_index = torch.zeros(0, dtype=torch.int64)
-        self._unc_runs: list[tuple[int, int]] = []
-        self._q_sqrt_r = torch.zeros(0)
-        self._index_cache: dict[torch.device, torch.Tensor] = {}
 
-    def _plan(self, layout: ParamLayout) -> None:
+    @property
+    def owns_momentum(self) -> bool:  # type: ignore[override]
+        return self.config.momentum > 0
+
+    def _plan(self, layout: Any) -> None:
         """Which tensors are compressed matrices, and where their P and Q lie."""
         config = self.config
         found: list[tuple[int, int, int, int]] = []  # offset, n, k, r
         unc: list[int] = []
-        for sh, off, numel in zip(layout.shapes, layout.offsets, layout.numels):
+        off = 0
+        for sh in layout.shapes:
+            numel = math.prod(sh)
             if len(sh) >= 2 and numel > 0:
                 n, k = sh[0], numel // sh[0]
                 r = min(n, k, config.rank)
                 if (n + k) * r * config.min_compression_rate < n * k:
                     found.append((off, n, k, r))
+                    off += numel
                     continue
             unc.extend(range(off, off + numel))
+            off += numel
         # P grouped by shape (first-seen order), Q in parameter order (the state's layout)
         by_shape: dict[tuple[int, int], list[int]] = {}
         for j, (_, n, _, r) in enumerate(found):
             by_shape.setdefault((n, r), []).append(j)
         p_offs: dict[int, int] = {}
-        self.groups = []
+        self.groups: list[_Group] = []
         p_tot = 0
         for (n, r), members in by_shape.items():
             self.groups.append(_Group(n, r, p_tot, len(members)))
             for j in members:
                 p_offs[j] = p_tot
                 p_tot += n * r
-        self.matrices = []
+        self.matrices: list[_Matrix] = []
         q_tot = 0
         for j, (o, n, k, r) in enumerate(found):
             self.matrices.append(_Matrix(o, n, k, r, p_offs[j], q_tot))
@@ -241,7 +238,16 @@ class PowerSGD(_Centralized):
         self._q_sqrt_r = torch.cat(
             [torch.full((m.k * m.r,), math.sqrt(m.r)) for m in self.matrices]
         ) if self.matrices else torch.zeros(0)
-        self._index_cache = {}
+        self._index_cache: dict[torch.device, torch.Tensor] = {}
+
+    def wire_format(self) -> WireFormat:
+        """``powersgd:rank=R`` (and the approximator when not ``power``): fp32 factors P
+        and Q and the uncompressed tensors, per coordinate of the model."""
+        cfg = self.config
+        label = f"powersgd:rank={cfg.rank}" + ("" if cfg.approximator == "power" else f",approximator={cfg.approximator}")
+        if self.layout is None:
+            return WireFormat(label, 32.0)
+        return WireFormat(label, round(32.0 * self.compressed_numel / max(1, self.layout.dim), 4))
 
     @property
     def compressed_numel(self) -> int:
@@ -261,21 +267,9 @@ class PowerSGD(_Centralized):
             q.div_(self._q_sqrt_r)  # N(0, 1/r): E[U U^T] = I
         return q.to(dtype=like.dtype, device=like.device).expand(m, -1).clone()
 
-    def wire_format(self) -> WireFormat:
-        """``powersgd:rank=r`` (and the approximator when not ``power``); bits per
-        coordinate: 32 (U + rounds (P + Q)) / d, the fp32 values all-reduced per step."""
-        if self.layout is None:
-            raise RuntimeError(f"{self.name}: call setup() before wire_format()")
-        cfg = self.config
-        label = f"powersgd:rank={cfg.rank}" + (f",approximator={cfg.approximator}" if cfg.approximator != "power" else "")
-        return WireFormat(
-            label, 32.0 * self.compressed_numel / self.layout.dim,
-            f"fp32 P and Q of {len(self.matrices)} matrices and {self.unc_index.numel()} uncompressed values, all-reduced",
-        )
-
-    def _setup(self, X: torch.Tensor, layout: ParamLayout) -> None:
+    def setup(self, X: torch.Tensor, layout: Any = None) -> None:
         m, d = X.shape
-        self._plan(layout)
+        self._plan(self._take_layout(X, layout))
         cfg = self.config
         self.state = PowerSGDState(
             t=1,

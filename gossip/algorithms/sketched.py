@@ -19,11 +19,8 @@ Worker i, gradient g_i, momentum factor mu, k coordinates per step, P k candidat
 7. momentum-factor masking: u_i, v_i <- 0 where gtilde != 0 (Alg. 3 line 13);
 8. G <- gtilde (+ the uncompressed part), so the plain SGD step is x <- x - eta gtilde.
 
-Uncompressed tensors (the 1-D tensors of the layout given to ``setup``, i.e. biases
-and norms, when it has a tensor of two or more dimensions; without a layout everything
-is compressed) get momentum SGD: u_i <- mu u_i + g_i and the mean of u travels exactly
-in round 1. All three own their momentum (``owns_momentum`` when mu > 0): the local
-optimizer must have none.
+Uncompressed tensors (1-D shapes, i.e. biases and norms, of the layout given to ``setup``) get
+momentum SGD: u_i <- mu u_i + g_i and the mean of u travels exactly in round 1.
 
 Baselines with the same momentum correction, masking and uncompressed biases:
 
@@ -41,15 +38,16 @@ and ``localtopk`` record what their collectives send.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from gossip.algorithms.base import ParamLayout, WireFormat
 from gossip.algorithms._centralized import _Centralized, check_fraction
 from gossip.algorithms._common import check_int, shared_key
-from gossip.algorithms.base import ParamLayout, WireFormat
 
 __all__ = [
     "CountSketch",
@@ -69,7 +67,8 @@ _HASH_STREAM = 3
 class TrueTopKConfig:
     """``k`` (coordinates per step) or ``p`` (their fraction of the compressed
     coordinates, default 0.01); ``momentum`` mu in [0, 1) (0.9). The 1-D tensors of the
-    layout travel uncompressed (see the module docstring)."""
+    layout given to ``setup`` (biases, norms) travel uncompressed; without a layout
+    every coordinate is compressed."""
 
     k: int | None = None
     p: float | None = None
@@ -197,19 +196,37 @@ class _TopKFamily(_Centralized):
         self.cmp_index: torch.Tensor | None = None
         self.k = 0
 
-    def _setup(self, X: torch.Tensor, layout: ParamLayout) -> None:
+    @property
+    def owns_momentum(self) -> bool:  # type: ignore[override]
+        return self.config.momentum > 0
+
+    def wire_format(self) -> WireFormat:
+        """``<name>:k=K``, and the fp32 values each worker sends per step per coordinate."""
+        d = self.layout.dim if self.layout is not None else 1
+        return WireFormat(f"{self.name}:k={self.k}", round(32.0 * self._wire_values() / max(1, d), 4))
+
+    def _wire_values(self) -> int:
+        return self.layout.dim if self.layout is not None else 0  # the full all-reduce
+
+    def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         m, d = X.shape
         cfg = self.config
-        if any(len(sh) >= 2 and n > 0 for sh, n in zip(layout.shapes, layout.numels)):
+        given = layout is not None
+        layout = self._take_layout(X, layout)
+        if given:
             is_vec = torch.zeros(d, dtype=torch.bool)
-            for sh, off, numel in zip(layout.shapes, layout.offsets, layout.numels):
+            off = 0
+            for sh in layout.shapes:
+                numel = math.prod(sh)
                 if len(sh) <= 1:
                     is_vec[off : off + numel] = True
+                off += numel
             self.unc_index = torch.nonzero(is_vec).view(-1)
             self.cmp_index = torch.nonzero(~is_vec).view(-1)
-        else:  # no matrix (or no layout): every value is compressed
-            self.unc_index = torch.zeros(0, dtype=torch.int64)
+        else:
             self.cmp_index = torch.arange(d)
+        if self.cmp_index.numel() == 0:
+            raise ValueError(f"{self.name}: no tensor to compress (every shape is 1-D)")
         self.k = cfg.k_for(int(self.cmp_index.numel()))
         self._setup_extra(int(self.cmp_index.numel()))
         self.state = TopKState(t=1, lr=1.0, u=X.new_zeros(m, d), v=X.new_zeros(m, d))
@@ -262,11 +279,6 @@ class _TopKFamily(_Centralized):
     def _mask_index(self, sel: torch.Tensor) -> torch.Tensor:
         return sel
 
-    def _check_setup(self) -> int:
-        if self.cmp_index is None:
-            raise RuntimeError(f"{self.name}: call setup() before wire_format()")
-        return int(self.cmp_index.numel() + self.unc_index.numel())
-
 
 class Sketched(_TopKFamily):
     """Sketched-SGD (papers/003 Alg. 3); steps in the module docstring."""
@@ -279,21 +291,13 @@ class Sketched(_TopKFamily):
         self.num_candidates = min(n, cfg.candidates * self.k)
         self.cs = CountSketch(n, cfg.rows, cfg.cols_for(self.k), shared_key(cfg.seed, 0, _HASH_STREAM))
 
-    def wire_format(self) -> WireFormat:
-        """fp32 sketch, candidates, update and uncompressed values as papers/003 counts
-        them (``values_per_step``), spread over the coordinates."""
-        d = self._check_setup()
-        cfg = self.config
-        return WireFormat(
-            f"sketched:k={self.k},rows={cfg.rows},cols={self.cs.cols},candidates={cfg.candidates}",
-            32.0 * self.values_per_step / d,
-            "a Count Sketch and the uncompressed values all-reduced, then the exact values of P k candidates",
-        )
-
     @property
     def values_per_step(self) -> int:
         """|S| + P k + k + 2 U: the values papers/003 counts per worker per step."""
         return self.cs.size + self.num_candidates + self.k + 2 * int(self.unc_index.numel())
+
+    def _wire_values(self) -> int:
+        return self.values_per_step
 
     def _select(self, V, Uu):
         ledger = self.comm.ledger
@@ -327,10 +331,6 @@ class TrueTopK(_TopKFamily):
     name = "truetopk"
     summary = "true top-k of the summed momentum-corrected gradient (papers/003 baseline; full all-reduce)"
 
-    def wire_format(self) -> WireFormat:
-        self._check_setup()
-        return WireFormat("fp32", 32.0, f"the full momentum-corrected vector all-reduced; the top {self.k} of its mean applied")
-
     def _select(self, V, Uu):
         ledger = self.comm.ledger
         with ledger.phase("communicate"):
@@ -348,14 +348,6 @@ class LocalTopK(_TopKFamily):
 
     name = "localtopk"
     summary = "local top-k of each worker, all-gathered, union averaged (papers/003 baseline)"
-
-    def wire_format(self) -> WireFormat:
-        """k fp32 values and k int32 indices (and the uncompressed values) per worker."""
-        d = self._check_setup()
-        return WireFormat(
-            f"topk:k={self.k}", (64.0 * self.k + 32.0 * self.unc_index.numel()) / d,
-            f"each worker's top {self.k} (fp32 values, int32 indices) all-gathered; the uncompressed values all-reduced",
-        )
 
     def _select(self, V, Uu):
         ledger = self.comm.ledger
@@ -385,3 +377,6 @@ class LocalTopK(_TopKFamily):
     def _mask_index(self, sel):
         # a worker clears the coordinates it sent
         return self._own
+
+    def _wire_values(self) -> int:
+        return 2 * self.k + int(self.unc_index.numel())  # k values and k indices, the rest exact

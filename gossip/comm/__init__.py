@@ -12,8 +12,8 @@ compressors or algorithms: payloads are opaque bytes and decoding is a callable.
 """
 
 from .base import Communicator, Handle, Received
-from .distributed import DistCommunicator, init_from_env
-from .errors import PeerConnectionError, PeerError, PeerPayloadError, PeerTimeoutError
+from .distributed import DistCommunicator, init_from_env, shutdown
+from gossip.errors import PeerConnectionError, PeerError, PeerPayloadError, PeerTimeoutError
 from .latency import LatencyCommunicator, latency_rounds
 from .ledger import OPS, PHASES, Ledger
 from .simulated import SimulatedCommunicator
@@ -23,6 +23,7 @@ __all__ = [
     "DistCommunicator",
     "SimulatedCommunicator",
     "init_from_env",
+    "shutdown",
     "Received",
     "Handle",
     "Ledger",

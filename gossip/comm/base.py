@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import PeerPayloadError, _format_peers
+from gossip.errors import PeerPayloadError, _format_peers
 from .ledger import Ledger
 
 __all__ = ["Communicator", "Received", "Handle"]

@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 
 from .base import Communicator, Handle, Received, _Done, _ring_allreduce_bytes, _tensor_nbytes
-from .errors import PeerConnectionError, PeerPayloadError, PeerTimeoutError, _format_peers
+from gossip.errors import PeerConnectionError, PeerPayloadError, PeerTimeoutError, _format_peers
 from .ledger import Ledger
 
-__all__ = ["DistCommunicator", "init_from_env"]
+__all__ = ["DistCommunicator", "init_from_env", "shutdown"]
 
 _TAG_PAYLOAD = 0x6701
 _TAG_SIZE = 0x6702
@@ -92,6 +92,7 @@ def init_from_env(
         torch.cuda.set_device(device)  # batch_isend_irecv on NCCL hangs without it
     if dist.is_initialized():
         return device
+    _preload_before_init()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = _restart_store(world, timedelta(seconds=t))
     if store is None:
@@ -100,6 +101,27 @@ def init_from_env(
     else:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=t))
     return device
+
+
+def _preload_before_init() -> None:
+    """Import ``torch.distributed.nn.functional`` before the process group exists.
+
+    That module binds ``group.WORLD`` as a default argument when it is imported. Imported
+    after ``init_process_group`` (torch._dynamo imports it on the first compiled call,
+    e.g. an optimizer's first step), it keeps the gloo process group referenced after
+    ``destroy_process_group``; gloo's native threads then outlive the interpreter and
+    the process aborts at exit ("terminate called without an active exception",
+    SIGABRT). Imported before, it binds nothing that outlives the group.
+    """
+    import torch.distributed.nn.functional  # noqa: F401
+
+
+def shutdown() -> None:
+    """Destroy the default process group in order, so that its native threads are
+    joined before the interpreter exits; a no-op when there is none. Safe on error
+    paths: it waits for no peer."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _restart_store(world_size: int, timeout: timedelta):

@@ -1,48 +1,5 @@
-"""Errors raised by communicators when a peer misbehaves.
+"""Peer errors; they live in :mod:`gossip.errors` (kept importable from here)."""
 
-Every error names the peer(s) involved in ``.peers`` (global node ids, ascending) so
-that a failed run says *which* rank stopped answering or sent a bad payload.
-"""
+from gossip.errors import PeerConnectionError, PeerError, PeerPayloadError, PeerTimeoutError, _format_peers
 
-from __future__ import annotations
-
-from collections.abc import Iterable
-
-__all__ = ["PeerError", "PeerTimeoutError", "PeerPayloadError", "PeerConnectionError"]
-
-
-class PeerError(RuntimeError):
-    """A peer did not take part in a communication as expected.
-
-    ``peers`` are the global ids of the peers at fault (or, where the backend cannot
-    tell them apart, of every peer the operation waited for); ``op`` names the
-    operation (``"neighbor_exchange"``, ``"all_reduce"``, ...).
-    """
-
-    def __init__(self, message: str, peers: Iterable[int] = (), op: str = "") -> None:
-        super().__init__(message)
-        self.peers: tuple[int, ...] = tuple(sorted(int(p) for p in peers))
-        self.op = op
-
-    def __reduce__(self):  # keep peers and op when pickled across processes
-        return (type(self), (self.args[0] if self.args else "", self.peers, self.op))
-
-
-class PeerTimeoutError(PeerError, TimeoutError):
-    """An exchange or collective did not complete within the communicator's timeout."""
-
-
-class PeerPayloadError(PeerError, ValueError):
-    """A payload received from a peer could not be decoded (wrong format, size or step)."""
-
-
-class PeerConnectionError(PeerError, ConnectionError):
-    """The backend reported a broken connection to a peer (it crashed or exited)."""
-
-
-def _format_peers(peers: Iterable[int]) -> str:
-    """'rank 3' or 'ranks [1, 3]'."""
-    ps = sorted(int(p) for p in peers)
-    if not ps:
-        return "no peer"
-    return f"rank {ps[0]}" if len(ps) == 1 else f"ranks {ps}"
+__all__ = ["PeerError", "PeerTimeoutError", "PeerPayloadError", "PeerConnectionError", "_format_peers"]

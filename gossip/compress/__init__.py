@@ -9,12 +9,15 @@ from ._kernels import set_backend
 from .base import Compressor, Config
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .registry import available, build, register
-from .wire import HEADER_NBYTES, PayloadError
+from gossip.errors import NonFiniteError, PayloadError
+
+from .wire import HEADER_NBYTES
 
 __all__ = [
     "Compressor",
     "Config",
     "PayloadError",
+    "NonFiniteError",
     "HEADER_NBYTES",
     "available",
     "build",

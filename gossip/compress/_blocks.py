@@ -9,6 +9,13 @@ from . import _kernels
 __all__: list[str] = []
 
 
+def check_block(cfg) -> None:
+    """The ``block`` parameter of a block-scaled quantizer's Config."""
+    b = cfg.block
+    if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+        cfg._fail("block", "must be a positive integer (elements per block) or omitted for one block per row")
+
+
 def block_size(block: int | None, d: int) -> int:
     return d if block is None or block >= d else block
 

@@ -13,8 +13,18 @@ from typing import ClassVar
 
 import torch
 
+from gossip.errors import NonFiniteError, PayloadError
+
 from . import wire
-from .wire import HEADER_NBYTES, Layout, PayloadError
+from .wire import HEADER_NBYTES, Layout
+
+#: compressor id -> name, filled by ``registry.register`` (kept here, not in the
+#: registry, so that this module never imports the registry: no import cycle)
+NAMES_BY_ID: dict[int, str] = {}
+
+
+def name_of_id(cid: int) -> str:
+    return NAMES_BY_ID.get(int(cid), "unknown")
 
 __all__ = ["Compressor", "Config"]
 
@@ -171,8 +181,6 @@ class Compressor:
         raise AssertionError("unreachable: a check failed but none reported")  # pragma: no cover
 
     def _check_header(self, h: dict, expected_numel: int | None) -> None:
-        from .registry import _name_of_id
-
         word0 = wire._MAGIC_WORD0 | (self.cid << 24)
         ok = (h["word0"] == word0) & (h["phash"] == self._phash)
         if expected_numel is not None:
@@ -184,7 +192,7 @@ class Compressor:
         _first_bad(h["version"] != wire.FORMAT_VERSION, "format version",
                    lambda r: f"expected {wire.FORMAT_VERSION}, got {int(h['version'][r])}")
         _first_bad(h["cid"] != self.cid, "compressor",
-                   lambda r: f"expected {self.name!r} (id {self.cid}), got {_name_of_id(int(h['cid'][r]))!r} (id {int(h['cid'][r])})")
+                   lambda r: f"expected {self.name!r} (id {self.cid}), got {name_of_id(int(h['cid'][r]))!r} (id {int(h['cid'][r])})")
         _first_bad(h["phash"] != self._phash, "parameters",
                    lambda r: f"expected {self.spec!r} (hash 0x{self._phash:08x}), got hash 0x{int(h['phash'][r]):08x}")
         if expected_numel is not None:
@@ -250,13 +258,13 @@ class Compressor:
         if bool(bad.any()):
             r = int(bad.nonzero()[0, 0])
             n = int((~torch.isfinite(X[r])).sum())
-            raise ValueError(
+            raise NonFiniteError(
                 f"{self.name}.encode: row {r} of the input has {n} non-finite value(s) (NaN or inf); "
                 "compressors accept finite floating-point input only"
             )
         # finite input whose statistic overflowed fp32
         r = int((~torch.isfinite(stat)).nonzero()[0, 0])
-        raise ValueError(
+        raise NonFiniteError(
             f"{self.name}.encode: row {r} of the input is finite but too large: its scale overflows float32"
         )
 

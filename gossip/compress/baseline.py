@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from gossip.errors import NonFiniteError
+
 import dataclasses
 
 import torch
@@ -65,7 +67,7 @@ class FP16(Compressor):
         h = X.to(torch.float16)
         if not bool(torch.isfinite(h).all()):
             r = int((~torch.isfinite(h).all(dim=1)).nonzero()[0, 0])
-            raise ValueError(f"fp16.encode: row {r} has values beyond the fp16 range (|x| > 65504)")
+            raise NonFiniteError(f"fp16.encode: row {r} has values beyond the fp16 range (|x| > 65504)")
         v["values"].copy_(h)
 
     def _decode(self, v, numel, keys):

@@ -15,7 +15,6 @@ import torch
 from . import _blocks, _random as R
 from .base import Compressor, Config
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
-from .quant import _check_block
 from .registry import register
 from .wire import Layout
 
@@ -31,7 +30,7 @@ class QSGDConfig(Config):
         s = self.levels
         if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 32767:
             self._fail("levels", "must be an integer in 1..32767 (codes of at most 16 bits)")
-        _check_block(self)
+        _blocks.check_block(self)
 
 
 @register

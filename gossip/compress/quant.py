@@ -30,13 +30,7 @@ class QuantConfig(Config):
     def __post_init__(self):
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 16:
             self._fail("bits", "must be an integer in 1..16")
-        _check_block(self)
-
-
-def _check_block(cfg) -> None:
-    b = cfg.block
-    if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-        cfg._fail("block", "must be a positive integer (elements per block) or omitted for one block per row")
+        _blocks.check_block(self)
 
 
 @register

@@ -9,34 +9,35 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from .base import Compressor
+from gossip._registry import Registry
+
+from .base import NAMES_BY_ID, Compressor
 
 __all__ = ["build", "available", "register"]
 
-_REGISTRY: dict[str, type[Compressor]] = {}
-_BY_ID: dict[int, str] = {}
+_REGISTRY: Registry[type[Compressor]] = Registry("compressor", known="available", sort=True)
 
 
 def register(cls: type[Compressor]) -> type[Compressor]:
     """Class decorator: make a compressor reachable by ``build(cls.name)``."""
-    if cls.name in _REGISTRY or cls.cid in _BY_ID:
+    if cls.name in _REGISTRY or cls.cid in NAMES_BY_ID:
         raise ValueError(f"compressor name {cls.name!r} or id {cls.cid} registered twice")
     if not 0 < cls.cid < 256:
         raise ValueError(f"compressor id must be in 1..255, got {cls.cid}")
-    _REGISTRY[cls.name] = cls
-    _BY_ID[cls.cid] = cls.name
+    _REGISTRY.register(cls.name, cls, cls.description)
+    NAMES_BY_ID[cls.cid] = cls.name
     cls.Config._compressor_name = cls.name
     return cls
 
 
 def _name_of_id(cid: int) -> str:
-    return _BY_ID.get(cid, "unknown")
+    return NAMES_BY_ID.get(cid, "unknown")
 
 
 def available() -> dict[str, str]:
     """Registered compressors: name -> one-line description (with accepted parameters)."""
     _load()
-    return {n: _REGISTRY[n].description + _params_hint(_REGISTRY[n]) for n in sorted(_REGISTRY)}
+    return {n: _REGISTRY.get(n).description + _params_hint(_REGISTRY.get(n)) for n in _REGISTRY.names()}
 
 
 def _params_hint(cls) -> str:
@@ -103,9 +104,7 @@ def build(spec: str | Compressor, **params) -> Compressor:
         raise ValueError(f"build: spec must be a string like 'quant:bits=8', got {type(spec).__name__}")
     name, _, rest = spec.strip().partition(":")
     name = name.strip().lower()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown compressor {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    cls = _REGISTRY[name]
+    cls = _REGISTRY.get(name)
     types = _field_types(cls)
     accepted = ", ".join(types) or "none"
     values: dict = {}

@@ -14,7 +14,6 @@ import torch
 from . import _blocks, _random as R
 from .base import Compressor, Config
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
-from .quant import _check_block
 from .registry import register
 from .wire import Layout
 
@@ -26,7 +25,7 @@ class TernaryConfig(Config):
     block: int | None = None  # elements per block; None = the whole row
 
     def __post_init__(self):
-        _check_block(self)
+        _blocks.check_block(self)
 
 
 @register

@@ -27,6 +27,8 @@ catch swapped words. It costs one multiply-add pass over the payload bytes
 
 from __future__ import annotations
 
+from gossip.errors import PayloadError  # noqa: F401  (re-exported: gossip.compress.wire.PayloadError)
+
 import zlib
 from dataclasses import dataclass
 
@@ -41,15 +43,6 @@ FORMAT_VERSION = 1
 MAGIC = b"GZ"
 _MAGIC_WORD0 = MAGIC[0] | (MAGIC[1] << 8) | (FORMAT_VERSION << 16)  # + (id << 24)
 _CHECK_WORD = 7
-
-
-class PayloadError(ValueError):
-    """A payload that does not match what the receiver expects, or is damaged."""
-
-    def __init__(self, row: int, what: str, detail: str):
-        self.row = row
-        self.what = what
-        super().__init__(f"payload row {row}: {what} mismatch: {detail}")
 
 
 def params_hash(spec: str) -> int:

@@ -42,11 +42,7 @@ import numpy as np
 
 from gossip.schedule.partition import Partition
 
-__all__ = ["DEFAULT_ALPHA", "Linear", "fit_linear", "CostModel", "best_partition", "alg2"]
-
-#: alpha of Alg. 2: papers/004 gives no value; 5% is the order of the gains of its
-#: Table 3. With the default Y = 2 it has no effect (Alg. 2 returns X_2 unless F(2) > F(1)).
-DEFAULT_ALPHA = 0.05
+__all__ = ["Linear", "fit_linear", "CostModel", "best_partition", "alg2"]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,82 @@
+"""The errors several parts share, in one module that imports nothing of gossip's.
+
+- :class:`NonFiniteError`: a compressor met NaN/inf, or values whose scale overflows
+  (fp32 scales, the fp16 range). The training loop turns it into "diverged" by its
+  type, never by matching message text.
+- :class:`PayloadError`: a payload that does not match what the receiver expects, or
+  is damaged (compressors raise it; communicators re-raise it naming the sender).
+- :class:`PeerError` and its kinds: a peer did not take part in a communication as
+  expected. Every peer error names the peer(s) involved in ``.peers`` (global node
+  ids, ascending) so that a failed run says *which* rank stopped answering or sent a
+  bad payload.
+
+``gossip.comm`` and ``gossip.compress`` both import from here, so neither depends on
+the other; the old import paths (``gossip.comm.errors``, ``gossip.compress.PayloadError``)
+still work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = [
+    "NonFiniteError",
+    "PayloadError",
+    "PeerError",
+    "PeerTimeoutError",
+    "PeerPayloadError",
+    "PeerConnectionError",
+]
+
+
+class NonFiniteError(ValueError):
+    """Input a compressor cannot encode: NaN or inf, or a scale that overflows."""
+
+
+class PayloadError(ValueError):
+    """A payload that does not match what the receiver expects, or is damaged."""
+
+    def __init__(self, row: int, what: str, detail: str):
+        self.row = row
+        self.what = what
+        super().__init__(f"payload row {row}: {what} mismatch: {detail}")
+
+    def __reduce__(self):  # keep row and what when pickled across processes
+        return (type(self), (self.row, self.what, str(self).split(" mismatch: ", 1)[-1]))
+
+
+class PeerError(RuntimeError):
+    """A peer did not take part in a communication as expected.
+
+    ``peers`` are the global ids of the peers at fault (or, where the backend cannot
+    tell them apart, of every peer the operation waited for); ``op`` names the
+    operation (``"neighbor_exchange"``, ``"all_reduce"``, ...).
+    """
+
+    def __init__(self, message: str, peers: Iterable[int] = (), op: str = "") -> None:
+        super().__init__(message)
+        self.peers: tuple[int, ...] = tuple(sorted(int(p) for p in peers))
+        self.op = op
+
+    def __reduce__(self):  # keep peers and op when pickled across processes
+        return (type(self), (self.args[0] if self.args else "", self.peers, self.op))
+
+
+class PeerTimeoutError(PeerError, TimeoutError):
+    """An exchange or collective did not complete within the communicator's timeout."""
+
+
+class PeerPayloadError(PeerError, ValueError):
+    """A payload received from a peer could not be decoded (wrong format, size or step)."""
+
+
+class PeerConnectionError(PeerError, ConnectionError):
+    """The backend reported a broken connection to a peer (it crashed or exited)."""
+
+
+def _format_peers(peers: Iterable[int]) -> str:
+    """'rank 3' or 'ranks [1, 3]'."""
+    ps = sorted(int(p) for p in peers)
+    if not ps:
+        return "no peer"
+    return f"rank {ps[0]}" if len(ps) == 1 else f"ranks {ps}"

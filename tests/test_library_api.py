@@ -162,3 +162,51 @@ def test_a_scheduler_reaches_the_algorithms_step_size():
         assert opt.algorithm.state.prev_lr == pytest.approx(0.1 * 0.5 ** step)
         for s in scheds:
             s.step()
+
+
+def test_common_options_go_where_a_config_takes_them():
+    c = comm.SimulatedCommunicator(topologies.build("ring", NODES))
+    common = {"seed": 3, "compressor": "quant:bits=4", "momentum": 0.5}
+    assert algorithms.build("dcd", c, common=common).config.compressor == "quant:bits=4"
+    assert algorithms.build("powersgd", c, common=common).config.momentum == 0.5
+    assert algorithms.build("allreduce", c, common=common).config.seed == 3
+    # None values are left out, the algorithm's own options win
+    assert algorithms.build("dcd", c, common={"compressor": None}).config.compressor == "quant:bits=8"
+    assert algorithms.build("powersgd", c, common=common, momentum=0.8).config.momentum == 0.8
+    with pytest.raises(ValueError, match=r"`common` holds only seed, compressor, momentum, got rank"):
+        algorithms.build("powersgd", c, common={"rank": 2})
+    with pytest.raises(ValueError, match=r"dpsgd: .*unexpected keyword argument 'compressor'"):
+        algorithms.build("dpsgd", c, compressor="quant:bits=4")  # options are never dropped
+
+
+def test_every_hook_is_declared_and_called_without_probing():
+    calls = []
+
+    class Counting(algorithms.AllReduce):
+        def on_step_end(self, step):
+            calls.append(step)
+
+    c = comm.SimulatedCommunicator(world_size=1)
+    m = Net()
+    opt = GossipOptimizer(m, torch.optim.SGD(m.parameters(), lr=0.1), Counting(algorithms.AllReduceConfig(), c))
+    for _ in range(3):
+        opt.zero_grad()
+        m(torch.randn(4, FEATURES)).sum().backward()
+        opt.step()
+    assert calls == [1, 2, 3] and opt.state_dict()["steps"] == 3
+    a = algorithms.build("allreduce", c)  # the defaults: nothing happens, nothing fails
+    a.set_lr(0.1), a.on_step_end(1), a.on_epoch_end(1), a.attach([m]), a.set_event_sink(print)
+    assert a.report() is None
+
+
+def test_the_loop_uses_the_contract_only():
+    """The training loop calls the hooks the base class declares: no probing of
+    algorithms, no reading of Config fields, no reading of an algorithm's State."""
+    import inspect
+
+    from gossip import loop
+
+    src = inspect.getsource(loop)
+    assert "hasattr(" not in src and "isinstance(self.algo" not in src
+    assert "dataclasses.fields" not in src and "state.phase" not in src
+    assert "shapes" not in src and "offsets" not in src

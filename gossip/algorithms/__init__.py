@@ -7,7 +7,7 @@ lists the names with a one-line description each.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 from gossip._registry import Registry
 
@@ -165,14 +165,25 @@ def _build_mergecomp(name: str, comm: Any, options: dict[str, Any]) -> Algorithm
     return MergeComp(cfg, comm)
 
 
-def build(name: str, comm: Any, **options: Any) -> Algorithm:
+def build(name: str, comm: Any, *, common: Mapping[str, Any] | None = None, **options: Any) -> Algorithm:
     """``build("ecd", comm, compressor="quant:bits=8", seed=0)``.
+
+    ``options`` go to the algorithm's Config, which must take each of them. ``common``
+    holds a caller's values of :data:`COMMON_OPTIONS` (a training run's seed,
+    compressor and momentum), which it has for any algorithm: each is passed where the
+    Config takes it and left out elsewhere, as are None values; ``options`` win.
 
     For efsgd, efblocksgd and efblocksgdm, ``merge`` (``"layer"``, ``"whole"``, N or
     ``"auto"``) with ``merge_max_groups``, ``merge_alpha``, ``merge_profile_steps`` and
     ``merge_trial_steps`` schedules the algorithm with MergeComp (papers/004).
     """
     cls, cfg_cls = _lookup(name)
+    if common:
+        unknown = sorted(set(common) - set(COMMON_OPTIONS))
+        if unknown:
+            raise ValueError(f"`common` holds only {', '.join(COMMON_OPTIONS)}, got {', '.join(unknown)}")
+        takes = {f.name for f in dataclasses.fields(cfg_cls)}
+        options = {**{k: v for k, v in common.items() if k in takes and v is not None}, **options}
     if options.get("merge") is not None:
         return _build_mergecomp(name, comm, dict(options))
     for k in MERGE_OPTIONS:

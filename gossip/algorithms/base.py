@@ -15,7 +15,7 @@ Two kinds of algorithm exist, told apart by :attr:`Algorithm.acts_on`:
 
 The contract with the caller: ``setup(X, layout)`` once (the :class:`ParamLayout`
 of the model), then every step ``set_lr(lr)`` and ``step``/``reduce_gradients``;
-the hooks ``on_epoch_end``, ``set_event_sink``, ``attach``, ``report`` and
+the hooks ``on_step_end``, ``on_epoch_end``, ``set_event_sink``, ``attach``, ``report`` and
 ``wire_format`` are declared on :class:`Algorithm` with no-op defaults, so a caller
 calls them on any algorithm without probing it. ``owns_momentum`` says whether the
 algorithm applies momentum itself. Configs never carry shapes or offsets; the options
@@ -202,6 +202,10 @@ class Algorithm:
     def set_lr(self, lr: float) -> None:
         """The step size ``eta_t`` of the coming step (algorithms that rescale their
         error memories by ``eta_{t-1} / eta_t``); called before every step."""
+
+    def on_step_end(self, step: int) -> None:
+        """Optimizer step number ``step`` (1, 2, ...) has completed; ``GossipOptimizer``
+        calls it after every step."""
 
     def on_epoch_end(self, epoch: int) -> None:
         """An epoch (a pass over each node's shard) has ended."""

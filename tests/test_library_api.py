@@ -210,3 +210,28 @@ def test_the_loop_uses_the_contract_only():
     assert "hasattr(" not in src and "isinstance(self.algo" not in src
     assert "dataclasses.fields" not in src and "state.phase" not in src
     assert "shapes" not in src and "offsets" not in src
+
+
+def test_the_layout_is_validated_and_recorded():
+    from gossip.algorithms import ParamLayout
+
+    lay = ParamLayout.from_models([Net(), Net()])
+    assert lay == ParamLayout.from_shapes(lay.shapes, lay.names)
+    assert lay.to_dict() == {"names": ["hidden.weight", "hidden.bias", "out.weight", "out.bias"],
+                             "shapes": [[32, FEATURES], [32], [CLASSES, 32], [CLASSES]],
+                             "offsets": [0, 320, 352, 480], "dim": 484}
+    assert ParamLayout.from_shapes([(2, 3), (4,)]).names == ("p0", "p1")
+    assert ParamLayout.whole(7).blocks == ((0, 7),)
+    with pytest.raises(ValueError, match=r"ParamLayout: tensor names must be unique, \['a'\] repeat"):
+        ParamLayout.from_shapes([(2,), (3,)], ["a", "a"])
+    with pytest.raises(ValueError, match=r"ParamLayout: 1 names for 2 shapes"):
+        ParamLayout.from_shapes([(2,), (3,)], ["a"])
+    with pytest.raises(TypeError, match=r"ParamLayout: `shapes` must be a sequence of shapes"):
+        ParamLayout.from_shapes([(2, 2.5)])
+    with pytest.raises(ValueError, match=r"non-negative"):
+        ParamLayout.from_shapes([(2, -1)])
+    with pytest.raises(ValueError, match=r"model 1 has parameter shapes"):
+        ParamLayout.from_models([Net(), nn.Linear(3, 3)])
+    c = comm.SimulatedCommunicator(world_size=2)
+    with pytest.raises(ValueError, match=r"powersgd: the layout's tensors hold 484 values, the flat parameters 7"):
+        algorithms.build("powersgd", c).setup(torch.zeros(2, 7), lay)

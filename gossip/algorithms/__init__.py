@@ -146,23 +146,23 @@ def _build_mergecomp(name: str, comm: Any, options: dict[str, Any]) -> Algorithm
 
     if name not in _MERGEABLE:
         raise ValueError(f"merge applies to {', '.join(_MERGEABLE)} (MergeComp schedules the EF family), not {name}")
-    base = config_class(name)
-    defaults = {f.name: f.default for f in dataclasses.fields(base)}
     sched = {k.removeprefix("merge_"): options.pop(k) for k in MERGE_OPTIONS[1:] if k in options}
     sched["merge"] = options.pop("merge")
-    unknown = sorted(set(options) - set(defaults))
-    if unknown:
-        raise ValueError(f"{name}: unexpected option(s) {unknown}; accepted options: {', '.join(defaults)}")
-    if name != "efsgd":
-        options["compressor"] = "blocksign"  # one block per parameter tensor, whatever the grouping
-    cfg = MergeCompConfig(
-        compressor=options.get("compressor", defaults.get("compressor", "sign")),
-        momentum=options.get("momentum", defaults.get("momentum", 0.0)),
-        seed=options.get("seed", defaults.get("seed", 0)),
-        **sched,
-    )
-    base(**{k: v for k, v in options.items() if k in defaults})  # the base algorithm's own checks
+    # the scheduled algorithm's own Config: its checks, its defaults, its compressor
+    # (efblocksgd's is blocksign: one block per parameter tensor, whatever the grouping)
+    base = _config(name, config_class(name), options)
+    cfg = MergeCompConfig(compressor=base.compressor, momentum=base.momentum, seed=base.seed, **sched)
     return MergeComp(cfg, comm)
+
+
+def _config(name: str, cfg_cls: type, options: dict[str, Any]) -> Any:
+    try:
+        return cfg_cls(**options)
+    except TypeError as e:
+        accepted = ", ".join(f.name for f in dataclasses.fields(cfg_cls))
+        if "unexpected keyword" in str(e):
+            raise ValueError(f"{name}: {e}; accepted options: {accepted}") from None
+        raise
 
 
 def build(name: str, comm: Any, *, common: Mapping[str, Any] | None = None, **options: Any) -> Algorithm:
@@ -188,11 +188,4 @@ def build(name: str, comm: Any, *, common: Mapping[str, Any] | None = None, **op
         return _build_mergecomp(name, comm, dict(options))
     for k in MERGE_OPTIONS:
         options.pop(k, None)
-    try:
-        config = cfg_cls(**options)
-    except TypeError as e:
-        accepted = ", ".join(f.name for f in dataclasses.fields(cfg_cls))
-        if "unexpected keyword" in str(e):
-            raise ValueError(f"{name}: {e}; accepted options: {accepted}") from None
-        raise
-    return cls(config, comm)
+    return cls(_config(name, cfg_cls, options), comm)

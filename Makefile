@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 # The main job: ECD-PSGD at 8 bits on a ring of 4 ranks (torchrun, gloo), MNIST-1D.
+# --overwrite: each `make demo` replaces the previous demo's run directory (its run files
+# only); other runs are never overwritten without it.
 demo: setup
-	$(VENV)/bin/torchrun --nproc_per_node 4 -m gossip.train --algo ecd --bits 8 --topology ring --out runs/demo-ecd8-ring4
+	$(VENV)/bin/torchrun --nproc_per_node 4 -m gossip.train --algo ecd --bits 8 --topology ring --out runs/demo-ecd8-ring4 --overwrite
 
 topologies-demo: setup
 	$(PY) -m topologies ring 8

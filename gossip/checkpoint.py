@@ -3,6 +3,7 @@
 File format (version 1)::
 
     GOSSIP-CHECKPOINT\\n                       magic line
+    HSUM <sha256 of the header line>\\n          the header's own checksum
     {"format_version": 1, "sha256": ..., ...}\\n   one JSON header line
     <body>                                     torch.save(payload), exactly header["nbytes"] bytes
 
@@ -62,6 +63,7 @@ __all__ = [
 
 FORMAT_VERSION = 1
 _MAGIC = b"GOSSIP-CHECKPOINT\n"
+_HSUM = b"HSUM "
 _MAX_HEADER = 1 << 20  # bytes; a longer first line means the file is not ours
 _NAME = re.compile(r"^ckpt-step(\d+)-rank(\d+)\.pt$")
 
@@ -222,6 +224,7 @@ def save_checkpoint(
 
     def write(f: Any) -> None:
         f.write(_MAGIC)
+        f.write(_HSUM + hashlib.sha256(header_line).hexdigest().encode() + b"\n")
         f.write(header_line)
         f.write(body)
 
@@ -244,6 +247,13 @@ def _read_header(f: Any, path: Path) -> dict[str, Any]:
     line = f.readline(_MAX_HEADER)
     if not line.endswith(b"\n"):
         raise bad("its header line is truncated")
+    if line.startswith(_HSUM):  # the header's checksum (files written before it have none)
+        want = line[len(_HSUM):].strip().decode("ascii", "replace")
+        line = f.readline(_MAX_HEADER)
+        if not line.endswith(b"\n"):
+            raise bad("its header line is truncated")
+        if hashlib.sha256(line).hexdigest() != want:
+            raise CheckpointError(f"checkpoint '{path}' is damaged: its header does not match the header's checksum")
     try:
         header = json.loads(line)
     except ValueError as exc:

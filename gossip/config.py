@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import tomllib
 import types
 import typing
@@ -267,6 +268,8 @@ class AlgorithmSection:
                 v = float(v)  # TOML's p = 1 for a float field
             elif v is not None and not isinstance(v, (bool, int, float)):
                 raise ConfigError(f"--algo-opt {key}: a value must be a number, true/false or text, got {v!r}")
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"--algo-opt {key}={v!r}: must be a finite number")
             opts[key] = v
         object.__setattr__(self, "options", tuple(sorted(opts.items())))
 
@@ -341,6 +344,8 @@ class CommSection:
         e = self.emulate_latency
         if e is not None and (isinstance(e, bool) or not isinstance(e, (int, float)) or not math.isfinite(e) or e < 0):
             raise ConfigError(f"--emulate-latency must be a finite number of milliseconds >= 0, got {e!r}")
+        if e is not None and e > 60_000:
+            raise ConfigError(f"--emulate-latency must be at most 60000 ms (one minute per message round), got {e!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -356,6 +361,7 @@ class RunSection:
     log_every: int = 10
     progress: bool = True
     tensorboard: bool = False
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         for name, lo in (("epochs", 1), ("log_every", 1), ("checkpoint_every", 0), ("seed", 0)):
@@ -364,8 +370,16 @@ class RunSection:
                 raise ConfigError(f"{_flag(name)} must be an integer >= {lo}, got {v!r}")
         if self.max_steps is not None and _bad_int("max_steps", self.max_steps, 1):
             raise ConfigError(f"--max_steps must be a positive integer, got {self.max_steps!r}")
+        if self.seed >= 2**63:
+            raise ConfigError(f"--seed must be below 2**63 (torch's generators take 64-bit seeds), got {self.seed}")
         if self.resume == "auto" and self.out is None:
             raise ConfigError("--resume auto continues the run in --out: give --out DIR")
+        if self.resume is not None and self.overwrite:
+            raise ConfigError("--overwrite replaces a run and --resume continues one: give one of them")
+        if (self.resume not in (None, "auto") and self.out is not None
+                and os.path.abspath(self.out) != os.path.abspath(self.resume)):
+            raise ConfigError(f"--resume {self.resume!r} continues the run in that directory; --out "
+                              f"{self.out!r} names another: drop --out (or give --resume auto --out DIR)")
 
 
 #: the sections of a TrainConfig, in the order of ``to_dict`` and of ``--help``
@@ -508,7 +522,7 @@ _FLAT_ORDER = (
     "data_dir", "partition", "epochs", "max_steps", "batch_size", "lr", "lr_schedule", "momentum",
     "weight_decay", "seed", "device", "out", "checkpoint_every", "resume", "timeout", "emulate_latency",
     "simulate", "log_every", "progress", "merge", "merge_max_groups", "merge_alpha", "algo_options",
-    "tensorboard",
+    "tensorboard", "overwrite",
 )
 assert set(_FLAT_ORDER) == set(FLAT_KEYS), "every flat key has its place in config.json"
 
@@ -555,6 +569,8 @@ _HELP = {
     "for networks where tc netem is unavailable (outputs say 'latency: emulated')",
     "log_every": "write a metrics record every N steps",
     "progress": "show a progress bar on rank 0",
+    "overwrite": "replace the run already in --out: its config, summary, metrics, checkpoints and TensorBoard "
+    "files are deleted first (other files are left alone); without it a non-empty --out is refused",
     "tensorboard": "also write the metrics as TensorBoard scalars to <out>/tensorboard "
     "(needs the optional extra: pip install 'gossip[tensorboard]')",
     "merge": "MergeComp (papers/004) for efsgd/efblocksgd/efblocksgdm: layer (one group per tensor), whole "
@@ -634,11 +650,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     p.add_argument("--tensorboard", action="store_true", help=_HELP["tensorboard"])
+    p.add_argument("--overwrite", action="store_true", help=_HELP["overwrite"])
     return p
 
 
 #: section field -> flat key, for TOML tables such as ``[optim]`` and ``[algorithm]``
 _FIELD_TO_FLAT = {(sec, fld): key for key, (sec, fld) in FLAT_KEYS.items()}
+
+
+def _check_toml_type(path: str, key: str, value: Any) -> None:
+    """A TOML value against its field's type: ``lazy = "false"`` is text, not a bool."""
+    if key == "algo_options":
+        if not isinstance(value, dict):
+            raise ConfigError(f"--config {path!r}: algo_options = {value!r} must be a table, e.g. [algo_options]")
+        return
+    sec, fld = FLAT_KEYS[key]
+    kinds = _kinds(typing.get_type_hints(SECTIONS[sec])[fld])
+    ok = any(
+        (k is bool and isinstance(value, bool))
+        or (k is int and isinstance(value, int) and not isinstance(value, bool))
+        or (k is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+        or (k is str and isinstance(value, str))
+        or (k not in (bool, int, float, str, type(None)) and isinstance(value, k))
+        for k in kinds
+    )
+    if not ok:
+        want = " or ".join(_WORDS.get(k, k.__name__) for k in kinds if k is not type(None))
+        raise ConfigError(f"--config {path!r}: {key} = {value!r} has the wrong type; expected {want}")
 
 
 def _load_toml(path: str) -> dict[str, Any]:
@@ -649,13 +687,22 @@ def _load_toml(path: str) -> dict[str, Any]:
             raw = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"--config {path!r}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path!r} is a directory; expected a TOML file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path!r} is not a text file; expected a TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path!r} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path!r}: cannot read it ({e.strerror})") from None
     out: dict[str, Any] = {}
 
     def put(key: str, value: Any, where: str) -> None:
         if key in out:
             raise ConfigError(f"--config {path!r}: {where} sets {key!r} a second time")
+        if key == "merge" and isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # merge = 4 (groups), as --merge 4
+        _check_toml_type(path, key, value)
         out[key] = value
 
     for k, v in raw.items():

@@ -17,6 +17,7 @@ import json
 import datetime as _dt
 import math
 import os
+import shutil
 import socket
 import time
 from dataclasses import dataclass, field
@@ -144,6 +145,39 @@ def _build_model(cfg: TrainConfig, dataset, device: torch.device) -> torch.nn.Mo
         return models.build_model(name, input_shape=dataset.input_shape, num_classes=dataset.num_classes).to(device)
     except factories.FactoryError as e:
         raise RunError(str(e)) from None
+    except (ValueError, TypeError) as e:
+        raise RunError(f"--model {name} does not fit --data {cfg.data.name}: {e}") from None
+
+
+#: full copies of the flat parameters a node keeps, roughly: the model, its gradient,
+#: the local optimizer's momentum, the flat buffers, and the algorithm's own state
+_STATE_COPIES = {"dcd": 8, "ecd": 9, "naive": 5, "dpsgd": 5, "allreduce": 5, "powersgd": 7, "efmomentum": 7}
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _check_memory(cfg: TrainConfig, m: int, d: int, device: torch.device) -> None:
+    """Refuse, in one line, a simulation that cannot fit in this machine's memory."""
+    if device.type != "cpu" or m < 2:
+        return
+    copies = _STATE_COPIES.get(cfg.algorithm.name, 7)
+    need, have = 4 * d * copies * m, _available_bytes()
+    if have is not None and need > have:
+        fit = max(1, have // (4 * d * copies))
+        raise RunError(
+            f"--simulate {m}: {m} nodes x {d:,} parameters x about {copies} copies need about "
+            f"{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB are available; about {fit} nodes would fit "
+            f"(or run under torchrun on several machines)"
+        )
 
 
 def _device(cfg: TrainConfig, env: _Env) -> torch.device:
@@ -168,11 +202,50 @@ def _lr_at(cfg: TrainConfig, step: int, total: int) -> float:
 
 
 def _default_out(cfg: TrainConfig) -> str:
+    """``runs/<time>-<algo>-<topology>-<pid>``, created here so that two runs started in
+    the same second on this host never share it (rank 0 chooses; the ranks agree)."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     algo = cfg.algorithm.name
     topo = cfg.comm.topology if algorithms.is_decentralized(algo) else "allreduce"
     name = f"{algo}-{topo}" if topo != algo else algo
-    return str(Path("runs") / f"{stamp}-{name}")
+    for k in range(1000):
+        out = Path("runs") / (f"{stamp}-{name}-{os.getpid()}" + (f"-{k}" if k else ""))
+        try:
+            out.mkdir(parents=True, exist_ok=False)
+            return str(out)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise RunError(f"cannot create the run directory {str(out)!r} ({e.strerror}); give --out DIR") from None
+    raise RunError("cannot find a free default run directory under runs/; give --out DIR")
+
+
+def _prepare_out(cfg: TrainConfig, out: Path, is_main: bool) -> str | None:
+    """Make ``out`` ready for this run, or say in one line why not (None: ready).
+
+    A run directory that already holds files is refused unless the run continues it
+    (``--resume``) or replaces it (``--overwrite``: rank 0 deletes the previous run's
+    own files first and leaves any other file alone). Nothing is written before every
+    rank has agreed.
+    """
+    if out.exists() and not out.is_dir():
+        return f"--out {str(out)!r} is a file, not a directory"
+    if cfg.run.resume is None and out.is_dir() and any(out.iterdir()):
+        if not cfg.run.overwrite:
+            kept = ", ".join(sorted(p.name for p in out.iterdir())[:4])
+            return (f"--out {str(out)!r} already holds a run ({kept}, ...); give --resume {str(out)!r} to "
+                    f"continue it, --overwrite to replace it, or another --out")
+    return None
+
+
+def _clear_run_files(out: Path) -> None:
+    """--overwrite: the previous run's own files (rank 0), nothing else."""
+    for p in list(out.iterdir()):
+        if p.name in (rundir.CONFIG, rundir.SUMMARY) or p.name.startswith("metrics-rank") or (
+                p.name.startswith("ckpt-step") and p.suffix == ".pt"):
+            p.unlink()
+        elif p.name == rundir.TENSORBOARD_DIR and p.is_dir():
+            shutil.rmtree(p)
 
 
 # --------------------------------------------------------------------------------------
@@ -240,13 +313,20 @@ def _agree_config(cfg: TrainConfig, env: _Env) -> None:
 
 def _agree_out_dir(cfg: TrainConfig, env: _Env) -> Path:
     resume = None if cfg.run.resume == AUTO else cfg.run.resume
-    out = resume or cfg.run.out or (_default_out(cfg) if env.rank == 0 else None)
-    if env.distributed:
+    out, err = resume or cfg.run.out, None
+    if out is None and env.rank == 0:
+        try:
+            out = _default_out(cfg)
+        except RunError as e:
+            err = str(e)
+    if env.distributed:  # rank 0's choice for all, or its error for all
         import torch.distributed as dist
 
-        box = [out]
+        box = [out, err]
         dist.broadcast_object_list(box, src=0)
-        out = box[0]
+        out, err = box
+    if err is not None:
+        raise RunError(err)
     return Path(out)
 
 
@@ -318,15 +398,16 @@ class Run:
         self.nodes = [int(i) for i in comm.nodes]
         self.is_main = env.rank == 0
         self.out = _agree_out_dir(cfg, env)
-        self.out.mkdir(parents=True, exist_ok=True)
         self.cfg_dict = cfg.to_dict()
         self.fingerprint = checkpoint.config_fingerprint(self.cfg_dict, FINGERPRINT_KEYS)
         # Step 1: the algorithm, then identical x_1 on every node with its local optimizer
         self.algo = _build_algorithm(cfg, comm)
         self.models = []
-        for _ in self.nodes:
+        for k, _ in enumerate(self.nodes):
             torch.manual_seed(cfg.run.seed)
             self.models.append(_build_model(cfg, dataset, device))
+            if k == 0:  # before m copies exist: will they fit?
+                _check_memory(cfg, len(self.nodes), sum(p.numel() for p in self.models[0].parameters()), device)
         self.opts = [
             torch.optim.SGD(m.parameters(), lr=cfg.optim.lr, momentum=cfg.local_momentum,
                             weight_decay=cfg.optim.weight_decay)
@@ -339,11 +420,15 @@ class Run:
         self.dim = self.gopt.flat.dim
         # Step 2: each node's shard of the training data
         shards = data.partition(dataset.y_train, env.world_size, scheme=cfg.data.partition, seed=cfg.run.seed)
-        self.loaders = [
-            data.ShardLoader(dataset.x_train, dataset.y_train, shards[i], cfg.data.batch_size,
-                             seed=cfg.run.seed, node=i, device=device)
-            for i in self.nodes
-        ]
+        try:
+            self.loaders = [
+                data.ShardLoader(dataset.x_train, dataset.y_train, shards[i], cfg.data.batch_size,
+                                 seed=cfg.run.seed, node=i, device=device)
+                for i in self.nodes
+            ]
+        except ValueError as e:
+            raise RunError(f"--batch-size {cfg.data.batch_size}: {e}") from None
+        self._claim_out()  # nothing is written before every check above has passed
         self.steps_per_epoch = self.loaders[0].steps_per_epoch
         self.total = cfg.run.epochs * self.steps_per_epoch  # the schedule spans the whole run
         self.stop = self.total if cfg.run.max_steps is None else min(self.total, cfg.run.max_steps)
@@ -357,6 +442,25 @@ class Run:
         self.tb: rundir.TensorBoardWriter | None = None
         self._t0 = 0.0
         self._first_step = 0
+
+    def _claim_out(self) -> None:
+        """Refuse a run directory that holds another run (all ranks agree), then create it."""
+        err = _prepare_out(self.cfg, self.out, self.is_main)
+        if self.env.distributed:  # every rank fails together instead of one writing alone
+            flags = self.comm.all_gather(torch.tensor([[float(err is None)]], dtype=torch.float64), record=False)
+            if err is None and bool((flags[:, 0] < 1).any()):
+                bad = [int(i) for i in torch.nonzero(flags[:, 0] < 1).flatten()]
+                err = f"--out {str(self.out)!r} cannot be used on rank(s) {bad}"
+        if err is not None:
+            raise RunError(err)
+        if self.cfg.run.overwrite and self.is_main and self.out.is_dir():
+            _clear_run_files(self.out)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunError(f"--out {str(self.out)!r}: cannot create the run directory ({e.strerror})") from None
+        if self.env.distributed:  # nobody writes before rank 0 has cleared
+            self.comm.all_gather(torch.zeros(1, 1, dtype=torch.float64), record=False)
 
     # --- the whole run -----------------------------------------------------------------
     def train(self) -> dict | None:
@@ -541,6 +645,11 @@ class Run:
                 expect_fingerprint=self.fingerprint, expect_world_size=self.env.world_size,
             )
             record = CheckpointRecord.from_payload(payload, str(path))
+            if list(record.nodes) != list(self.nodes) or len(record.loaders) != len(self.loaders):
+                raise checkpoint.CheckpointError(
+                    f"checkpoint '{path}' holds {len(record.loaders)} data-loader state(s) for nodes "
+                    f"{list(record.nodes)[:8]}, this rank hosts {list(self.nodes)[:8]}: it is damaged or forged"
+                )
             self.gopt.load_state_dict(record.optimizer)
             self.gopt.steps = record.progress.step  # older checkpoints do not hold it
             for ld, s in zip(self.loaders, record.loaders):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import os
 
 import pytest
@@ -77,8 +78,9 @@ def test_the_body_loads_with_weights_only(saved):
     """The body is a plain torch.save that the safe unpickler accepts (what load_checkpoint uses)."""
     path, payload = saved
     blob = path.read_bytes()
-    magic, header, body = blob.split(b"\n", 2)
+    magic, hsum, header, body = blob.split(b"\n", 3)
     assert magic == b"GOSSIP-CHECKPOINT"
+    assert hsum == b"HSUM " + hashlib.sha256(header + b"\n").hexdigest().encode()  # the header's checksum
     assert _equal(torch.load(io.BytesIO(body), weights_only=True), payload)
     assert json.loads(header)["sha256"] == hashlib.sha256(body).hexdigest()
 
@@ -207,8 +209,18 @@ def test_save_replaces_an_existing_checkpoint(saved):
 # --------------------------------------------------------------------------- CheckpointError
 
 
+def _split(blob: bytes) -> tuple[bytes, bytes, bytes]:
+    """magic, header line, body; the header's checksum line dropped (a file without it is
+    still read: checkpoints written before it had none)."""
+    magic, rest = blob.split(b"\n", 1)
+    if rest.startswith(b"HSUM "):
+        rest = rest.split(b"\n", 1)[1]
+    head, body = rest.split(b"\n", 1)
+    return magic, head, body
+
+
 def _rewrite(path, *, header=None, body=None):
-    magic, head, rest = path.read_bytes().split(b"\n", 2)
+    magic, head, rest = _split(path.read_bytes())
     h = json.loads(head)
     if header:
         h.update(header)
@@ -277,10 +289,24 @@ def test_flipped_byte_fails_the_checksum(saved):
         load_checkpoint(path)
 
 
+def test_a_flipped_bit_in_the_header_says_damaged(saved):
+    path, _ = saved
+    original = path.read_bytes()
+    end = original.index(b"\n", original.index(b"HSUM "))
+    head_end = original.index(b"\n", end + 1)
+    for off in range(0, head_end, 5):  # every 5th byte of the marker, the checksum and the header
+        blob = bytearray(original)
+        blob[off] ^= 0x10
+        path.write_bytes(bytes(blob))
+        with pytest.raises(CheckpointError, match=rf"checkpoint '{re.escape(str(path))}' is damaged"):
+            load_checkpoint(path)
+    path.write_bytes(original)
+
+
 def test_header_not_json(saved):
     path, _ = saved
     original = path.read_bytes()
-    magic, _, rest = original.split(b"\n", 2)
+    magic, _, rest = _split(original)
     path.write_bytes(magic + b"\n{oops\n" + rest)
     with pytest.raises(CheckpointError, match="its header is not JSON"):
         load_checkpoint(path)

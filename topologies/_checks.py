@@ -47,3 +47,30 @@ def check_bool(who: str, name: str, value: object) -> bool:
     if isinstance(value, bool) or type(value).__name__ == "bool_":
         return bool(value)
     raise TopologyError(f"{who}: {name} must be True or False, got {name}={value!r}")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux's MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_fits(who: str, n: int, edges: int, bytes_per_edge: int = 64) -> None:
+    """Refuse, in one line, a graph whose matrices cannot fit in memory: ``edges`` undirected
+    edges cost about ``bytes_per_edge`` each (index arrays, the CSR adjacency and mixing
+    matrix, both directions, and the builder's temporaries)."""
+    have = available_memory()
+    need = edges * bytes_per_edge
+    if have is not None and need > have:
+        # largest n whose edge count fits, for a graph of this density (edges ~ c n^2 or c n)
+        ratio = (have / need) ** (0.5 if edges > 4 * n else 1.0)
+        raise TopologyError(
+            f"{who}: n={n} has {edges:,} edges, whose matrices need about {need / 2**30:.1f} GiB; "
+            f"{have / 2**30:.1f} GiB are available: at most about n={max(2, int(n * ratio)):,} fits"
+        )

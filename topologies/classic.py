@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import check_int
+from ._checks import check_fits, check_int
 from ._graph import adjacency, finish
 from .topology import Topology
 
@@ -29,6 +29,7 @@ def complete(n: int, *, weights: str | None = None, lazy: bool = False) -> Topol
     (``rho = 0``). Dense: ``n^2`` entries, so keep ``n`` moderate.
     """
     n = check_int("complete", "n", n, 2)
+    check_fits("complete", n, n * (n - 1) // 2)
     src, dst = np.triu_indices(n, k=1)
     return finish("complete", adjacency(n, src, dst), {}, weights, lazy)
 

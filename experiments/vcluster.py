@@ -34,12 +34,21 @@ As a CLI::
     python experiments/vcluster.py --nodes 4 --rate 20mbit -- python -m gossip.train --algo dcd --bits 8
     python experiments/vcluster.py --cleanup --prefix gsp    # remove what a crashed run left
     python experiments/vcluster.py --probe                   # which qdiscs this kernel has
+    python experiments/vcluster.py torchrun --hosts 2 --nproc-per-node 2 --rate 100mbit -- \
+        -m gossip.train --algo ecd --bits 8 --topology ring
 
-Each rank runs inside its namespace with torchrun's variables (RANK, LOCAL_RANK=0,
-WORLD_SIZE, LOCAL_WORLD_SIZE=1, MASTER_ADDR = host 0, MASTER_PORT) and
-GLOO_SOCKET_IFNAME set to its veth. Teardown is idempotent and runs on normal exit,
-on errors, on Ctrl-C and on SIGTERM/SIGHUP. Needs root (CAP_NET_ADMIN and
-CAP_SYS_ADMIN), ``ip`` and ``tc`` (iproute2).
+By default each rank runs inside its namespace with torchrun's variables (RANK,
+LOCAL_RANK=0, WORLD_SIZE, LOCAL_WORLD_SIZE=1, MASTER_ADDR = host 0, MASTER_PORT) set
+by the cluster. ``torchrun`` (``VirtualCluster.run_torchrun``) launches as across
+real machines instead: one ``torchrun`` per host (``--nnodes H --nproc-per-node P``
+and a c10d rendezvous on host 0, or ``--node-rank``/``--master-addr``), its elastic
+agent starting the workers and giving them their variables; it reports which ranks
+ran on which host, each host's interface and loopback bytes (what crossed hosts and
+what stayed inside one) and, for a ``gossip.train`` run, the ledgers' bytes between
+hosts and within each. Either way GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name the
+host's veth. Teardown is idempotent and runs on normal exit, on errors, on Ctrl-C and
+on SIGTERM/SIGHUP. Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN), ``ip`` and ``tc``
+(iproute2).
 """
 
 from __future__ import annotations
@@ -73,6 +82,8 @@ __all__ = [
     "probe_qdiscs",
     "cleanup",
     "check_rights",
+    "ledger_traffic",
+    "torchrun_program",
 ]
 
 HERE = Path(__file__).resolve().parent
@@ -80,6 +91,12 @@ TC_SHAPE = HERE / "tc_shape.sh"
 DEFAULT_PREFIX = "gsp"
 DEFAULT_SUBNET = "10.213.77.0/24"
 DEFAULT_PORT = 29500
+RDZV_PORTS = {"c10d": 29400, "static": 29500}  # torchrun's own defaults
+# set by torchrun for its workers: never passed down to a torchrun from outside
+_TORCHRUN_VARS = frozenset({
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+})
 
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
@@ -252,6 +269,80 @@ def cleanup(prefix: str = DEFAULT_PREFIX) -> list[str]:
     return removed
 
 
+def torchrun_program() -> list[str]:
+    """``torchrun`` (the one next to this interpreter, whose directory
+    :meth:`VirtualCluster.torchrun_env` puts first on PATH), else ``python -m
+    torch.distributed.run``: the same program, for an interpreter without its scripts."""
+    exe = Path(sys.executable).with_name("torchrun")
+    if exe.is_file() and os.access(exe, os.X_OK):
+        return ["torchrun"]
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _children() -> dict[int, list[int]]:
+    """``{ppid: [pid, ...]}`` of every process (from /proc)."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        kids.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(d))
+    return kids
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _torchrun_workers(agent: int, kids: Mapping[int, list[int]]) -> list[dict[str, int]]:
+    """The workers an elastic agent started: its first descendants with a ``RANK``."""
+    found, todo = [], list(kids.get(agent, []))
+    while todo:
+        pid = todo.pop()
+        e = _environ(pid)
+        if "RANK" in e and "TORCHELASTIC_RUN_ID" in e:
+            try:
+                found.append({"rank": int(e["RANK"]), "local_rank": int(e.get("LOCAL_RANK", -1)),
+                              "group_rank": int(e.get("GROUP_RANK", -1)), "world_size": int(e["WORLD_SIZE"])})
+            except (KeyError, ValueError):
+                pass
+        else:
+            todo += kids.get(pid, [])
+    return sorted(found, key=lambda w: w["rank"])
+
+
+def ledger_traffic(run_dir: str | os.PathLike, workers: Sequence[Sequence[int]]) -> list[dict[str, int]]:
+    """Per host, what the ledgers of a ``gossip.train`` run recorded its ranks sending:
+    ``inter`` to ranks on other hosts, ``intra`` to ranks on the same host.
+
+    Read from each rank's checkpoint of the last step all ranks have (the run writes
+    one at its end); ``workers[h]`` are the global ranks of host ``h``.
+    """
+    from gossip import checkpoint  # only this needs torch
+
+    host_of = {r: h for h, ranks in enumerate(workers) for r in ranks}
+    world = len(host_of)
+    out = [{"inter": 0, "intra": 0} for _ in workers]
+    for r, h in sorted(host_of.items()):
+        path = checkpoint.latest_checkpoint(run_dir, rank=r, num_ranks=world)
+        if path is None:
+            raise VClusterError(f"{run_dir}: no checkpoint of rank {r} to read its ledger from")
+        state = checkpoint.load_checkpoint(path)["ledger"]
+        n = int(state["world_size"])
+        for key, nbytes in zip(state["pair_keys"], state["pair_bytes"]):
+            src, dst = divmod(int(key), n)
+            if src == r:
+                out[h]["intra" if host_of.get(dst) == h else "inter"] += int(nbytes)
+    return out
+
+
 def _check_prefix(prefix: str) -> None:
     if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
         raise VClusterError(
@@ -280,6 +371,8 @@ class RankResult:
     killed: bool = False  # stopped by the cluster (timeout, another rank failed, Ctrl-C)
     tx_bytes: int = 0  # bytes the host's interface sent during the run (L2 frames)
     rx_bytes: int = 0
+    tx_packets: int = 0
+    lo_bytes: int = 0  # bytes its loopback carried: between processes of the same host
 
     @property
     def ok(self) -> bool:
@@ -293,6 +386,9 @@ class RunResult:
     outdir: Path
     latency_mode: str
     timed_out: bool = False
+    # run_torchrun only: per host, the global ranks of the workers torchrun started
+    # there (read from the environment of the processes in its namespace)
+    workers: list[list[int]] | None = None
 
     @property
     def ok(self) -> bool:
@@ -599,14 +695,18 @@ class VirtualCluster:
 
     # ------------------------------------------------------------------ counters
     def counters(self) -> list[dict[str, int]]:
-        """Per host: ``tx_bytes``/``rx_bytes`` (and packets) of its interface, cumulative."""
+        """Per host: ``tx_bytes``/``rx_bytes`` (and packets) of its interface, cumulative,
+        and ``lo_bytes``: what its loopback carried (traffic between two processes of
+        the same host, which never reaches the interface)."""
         out = []
         for h in self.hosts:
-            p = _run(["ip", "-n", h.netns, "-j", "-s", "link", "show", "dev", h.ifname])
-            st = json.loads(p.stdout)[0]["stats64"]
+            p = _run(["ip", "-n", h.netns, "-j", "-s", "link", "show"])
+            links = {link["ifname"]: link["stats64"] for link in json.loads(p.stdout)}
+            st = links[h.ifname]
             out.append({
                 "tx_bytes": int(st["tx"]["bytes"]), "rx_bytes": int(st["rx"]["bytes"]),
                 "tx_packets": int(st["tx"]["packets"]), "rx_packets": int(st["rx"]["packets"]),
+                "lo_bytes": int(links["lo"]["tx"]["bytes"]) if "lo" in links else 0,
             })
         return out
 
@@ -628,6 +728,120 @@ class VirtualCluster:
         })
         return e
 
+    def torchrun_env(self, host: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment of host ``host``'s torchrun: ours, ``env`` on top, its interface.
+
+        torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR ...) are taken out, not set:
+        the elastic agent gives its workers theirs. GLOO_SOCKET_IFNAME and
+        NCCL_SOCKET_IFNAME name the host's interface, as on a real host with several.
+        """
+        h = self.hosts[host]
+        e = dict(os.environ)
+        e.setdefault("OMP_NUM_THREADS", "1")  # the hosts share this machine's cores
+        if env:
+            e.update({k: str(v) for k, v in env.items()})
+        e = {k: v for k, v in e.items() if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+        here = str(Path(sys.executable).parent)  # this interpreter's torchrun and python come first
+        e["PATH"] = os.pathsep.join([here, *[d for d in e.get("PATH", "").split(os.pathsep) if d and d != here]])
+        e.update({
+            "GLOO_SOCKET_IFNAME": h.ifname, "NCCL_SOCKET_IFNAME": h.ifname,
+            "GOSSIP_LATENCY_MODE": self.latency_mode,
+            "GOSSIP_EMULATE_LATENCY_MS": f"{self.emulated_latency_s * 1e3:g}",
+        })
+        return e
+
+    def torchrun_argv(self, host: int, nproc_per_node: int, command: Sequence[str], *, rdzv: str = "c10d",
+                      port: int | None = None, run_id: str | None = None,
+                      options: Sequence[str] = ()) -> list[str]:
+        """The torchrun line of host ``host``, as it would be typed on a real host.
+
+        ``rdzv="c10d"`` (torchrun's elastic rendezvous)::
+
+            torchrun --nnodes H --nproc-per-node P --rdzv-backend c10d
+                     --rdzv-endpoint <host 0>:<port> --rdzv-id ID --local-addr <this host>
+                     [--rdzv-conf is_host=1 on host 0] COMMAND
+
+        The agent whose machine the endpoint names hosts the rendezvous store; torchrun
+        tells by comparing the endpoint with the hostname and the addresses it resolves
+        to. Here every namespace has the machine's hostname, resolving to a loopback
+        address (as on many real hosts), so host 0 is told with ``is_host=1``; and
+        ``--local-addr`` is the address the others reach a host at, where torchrun would
+        publish that hostname. ``rdzv="static"``: ``--node-rank K --master-addr <host 0>
+        --master-port <port>`` instead. ``port`` defaults to torchrun's (29400 for c10d,
+        29500 static); ``options`` are more of torchrun's own (``["--max-restarts",
+        "3"]``); ``command`` is what follows them (``-m gossip.train ...`` or ``train.py
+        ...``).
+        """
+        if rdzv not in RDZV_PORTS:
+            raise VClusterError(f"bad rendezvous {rdzv!r}: expected one of {', '.join(RDZV_PORTS)}")
+        if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or not 1 <= nproc_per_node <= 64:
+            raise VClusterError(f"bad number of processes per host {nproc_per_node!r}: expected an integer from 1 to 64")
+        port = RDZV_PORTS[rdzv] if port is None else port
+        if isinstance(port, bool) or not isinstance(port, int) or not 1024 <= port <= 65535:
+            raise VClusterError(f"bad rendezvous port {port!r}: expected an integer from 1024 to 65535")
+        argv = [*torchrun_program(), "--nnodes", str(self.n), "--nproc-per-node", str(nproc_per_node)]
+        if rdzv == "c10d":
+            argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.master_addr}:{port}",
+                     "--rdzv-id", run_id or f"vcluster-{self.prefix}", "--local-addr", self.hosts[host].addr]
+            if host == 0:
+                argv += ["--rdzv-conf", "is_host=1"]
+        else:
+            argv += ["--node-rank", str(host), "--master-addr", self.master_addr, "--master-port", str(port)]
+        return [*argv, *map(str, options), *map(str, command)]
+
+    def run_torchrun(
+        self,
+        command: Sequence[str],
+        nproc_per_node: int,
+        *,
+        rdzv: str = "c10d",
+        port: int | None = None,
+        run_id: str | None = None,
+        options: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        outdir: str | os.PathLike | None = None,
+        cwd: str | os.PathLike | None = None,
+        fail_grace: float = 30.0,
+        monitor: Callable[[], None] | None = None,
+    ) -> RunResult:
+        """Launch ``command`` as across real machines: one torchrun per host.
+
+        Host k runs :meth:`torchrun_argv` in its namespace with :meth:`torchrun_env`;
+        the elastic agents meet at the rendezvous and each starts ``nproc_per_node``
+        workers with the variables torchrun gives them. Returns one result per host
+        (outputs ``host<k>.out``/``host<k>.err``: the agent's and its workers'), its
+        interface and loopback counters, and ``workers``: the global ranks each host
+        ran, read from the environment of the processes torchrun started.
+        """
+        cmds = [self.torchrun_argv(k, nproc_per_node, command, rdzv=rdzv, port=port, run_id=run_id, options=options)
+                for k in range(self.n)]
+        envs = [self.torchrun_env(k, env) for k in range(self.n)]
+        seen: list[list[dict[str, int]]] = [[] for _ in range(self.n)]
+        last = [0.0]
+
+        def watch(agents: list[subprocess.Popen]) -> None:
+            if monitor is not None:
+                monitor()
+            now = time.monotonic()
+            if now - last[0] < 0.5:
+                return
+            last[0] = now
+            kids = _children()
+            for k, agent in enumerate(agents):
+                found = _torchrun_workers(agent.pid, kids)
+                if len(found) == nproc_per_node:  # a complete set (the latest, after a restart)
+                    seen[k] = found
+
+        def extra() -> dict:
+            return {"launch": "torchrun", "rdzv": rdzv, "nproc_per_node": nproc_per_node,
+                    "torchrun": [" ".join(c) for c in cmds], "workers": seen}
+
+        res = self._run(cmds, envs, timeout, outdir=outdir, cwd=cwd, fail_grace=fail_grace, monitor=None,
+                        watch=watch, name="host", extra=extra)
+        res.workers = [[w["rank"] for w in found] for found in seen] if all(seen) else None
+        return res
+
     def popen(self, rank: int, cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
               stdout: Any = None, stderr: Any = None, cwd: str | os.PathLike | None = None,
               torchrun_env: bool = True) -> subprocess.Popen:
@@ -635,13 +849,18 @@ class VirtualCluster:
 
         The cluster stops it on teardown if it is still running.
         """
+        e = self.rank_env(rank, env) if torchrun_env else {**os.environ, **(env or {})}
+        return self._spawn(rank, cmd, e, stdout=stdout, stderr=stderr, cwd=cwd)
+
+    def _spawn(self, host: int, cmd: Sequence[str], env: Mapping[str, str], *, stdout: Any = None,
+               stderr: Any = None, cwd: str | os.PathLike | None = None) -> subprocess.Popen:
+        """``cmd`` in host ``host``'s namespace with exactly the environment ``env``."""
         if not self._up:
             raise VClusterError("the virtual cluster is not up (use it as a context manager or call up())")
-        h = self.hosts[rank]
-        e = self.rank_env(rank, env) if torchrun_env else {**os.environ, **(env or {})}
+        h = self.hosts[host]
         p = subprocess.Popen(
             ["ip", "netns", "exec", h.netns, *[str(c) for c in cmd]],
-            env=e, stdout=stdout, stderr=stderr, cwd=cwd, start_new_session=True,
+            env=dict(env), stdout=stdout, stderr=stderr, cwd=cwd, start_new_session=True,
         )
         with self._lock:
             self._procs[p.pid] = p
@@ -694,12 +913,19 @@ class VirtualCluster:
             monitor: called about every 50 ms while the ranks run (e.g. to read
                 ``counters()`` when a rank's log reaches a step).
         """
-        cmds = self._commands(cmd_per_rank)
+        return self._run(self._commands(cmd_per_rank), [self.rank_env(k, env) for k in range(self.n)],
+                         timeout, outdir=outdir, cwd=cwd, fail_grace=fail_grace, monitor=monitor, name="rank")
+
+    def _run(self, cmds: list[list[str]], envs: list[dict[str, str]], timeout: float | None, *,
+             outdir: str | os.PathLike | None, cwd: str | os.PathLike | None, fail_grace: float,
+             monitor: Callable[[], None] | None, name: str, extra: Callable[[], dict] | None = None,
+             watch: Callable[[list[subprocess.Popen]], None] | None = None) -> RunResult:
+        """One command per host with its whole environment; outputs ``<name><k>.out/.err``."""
         out = Path(outdir) if outdir is not None else Path(tempfile.mkdtemp(prefix=f"vcluster-{self.prefix}-"))
         out.mkdir(parents=True, exist_ok=True)
         (out / "cluster.json").write_text(json.dumps(self.info(), indent=2) + "\n")
         before = self.counters()
-        results = [RankResult(k, None, out / f"rank{k}.out", out / f"rank{k}.err") for k in range(self.n)]
+        results = [RankResult(k, None, out / f"{name}{k}.out", out / f"{name}{k}.err") for k in range(self.n)]
         procs: list[subprocess.Popen] = []
         files = []
         t0 = time.perf_counter()
@@ -709,10 +935,10 @@ class VirtualCluster:
                 fo = open(results[k].stdout, "w")
                 fe = open(results[k].stderr, "w")
                 files += [fo, fe]
-                fo.write(f"# vcluster rank {k}/{self.n} netns {self.hosts[k].netns} addr "
+                fo.write(f"# vcluster {name} {k}/{self.n} netns {self.hosts[k].netns} addr "
                          f"{self.hosts[k].addr}: {self.describe()}\n")
                 fo.flush()
-                procs.append(self.popen(k, cmd, env=env, stdout=fo, stderr=fe, cwd=cwd))
+                procs.append(self._spawn(k, cmd, envs[k], stdout=fo, stderr=fe, cwd=cwd))
             first_fail: float | None = None
             while True:
                 codes = [p.poll() for p in procs]
@@ -734,6 +960,8 @@ class VirtualCluster:
                     break
                 if monitor is not None:
                     monitor()
+                if watch is not None:
+                    watch(procs)
                 time.sleep(0.05)
         except BaseException:
             for k, p in enumerate(procs):
@@ -751,10 +979,14 @@ class VirtualCluster:
             results[k].returncode = p.returncode
             results[k].tx_bytes = after[k]["tx_bytes"] - before[k]["tx_bytes"]
             results[k].rx_bytes = after[k]["rx_bytes"] - before[k]["rx_bytes"]
+            results[k].tx_packets = after[k]["tx_packets"] - before[k]["tx_packets"]
+            results[k].lo_bytes = after[k]["lo_bytes"] - before[k]["lo_bytes"]
         res = RunResult(results, wall, out, self.latency_mode, timed_out)
-        summary = {**self.info(), "wall_s": wall, "timed_out": timed_out, "ranks": [
-            {"rank": r.rank, "returncode": r.returncode, "timed_out": r.timed_out, "killed": r.killed,
-             "tx_bytes": r.tx_bytes, "rx_bytes": r.rx_bytes} for r in results]}
+        summary = {**self.info(), "wall_s": wall, "timed_out": timed_out, **(extra() if extra else {}),
+                   "ranks" if name == "rank" else "per_host": [
+            {name: r.rank, "returncode": r.returncode, "timed_out": r.timed_out, "killed": r.killed,
+             "tx_bytes": r.tx_bytes, "rx_bytes": r.rx_bytes, "tx_packets": r.tx_packets, "lo_bytes": r.lo_bytes}
+            for r in results]}
         (out / "cluster.json").write_text(json.dumps(summary, indent=2) + "\n")
         return res
 
@@ -785,18 +1017,10 @@ class VirtualCluster:
 
 
 # ---------------------------------------------------------------------------- CLI
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vcluster.py",
-        description="Run one command per rank on N network namespaces joined by a bridge, with "
-                    "tc-shaped links (rate with tbf; delay with netem or, where netem is missing, "
-                    "emulated by the command itself).",
-        epilog="example: python experiments/vcluster.py --nodes 4 --rate 20mbit -- "
-               "python -m gossip.train --algo dcd --bits 8 --data mnist1d --epochs 1",
-    )
-    p.add_argument("--nodes", type=int, default=2, metavar="N", help="number of hosts (default 2)")
-    p.add_argument("--rate", metavar="R", help="link rate per host and direction, e.g. 20mbit, 1.4gbit")
-    p.add_argument("--delay", metavar="D", help="one-way latency, e.g. 20ms, 0.13ms")
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    """The options that build and shape the cluster, shared by both commands."""
+    p.add_argument("--rate", "--bandwidth", metavar="R", help="link rate per host and direction, e.g. 20mbit, 1.4gbit")
+    p.add_argument("--delay", "--latency", metavar="D", help="one-way latency, e.g. 20ms, 0.13ms")
     p.add_argument("--jitter", metavar="J", help="netem jitter, e.g. 1ms (needs netem)")
     p.add_argument("--loss", metavar="P", help="netem loss in percent, e.g. 0.1 (needs netem)")
     p.add_argument("--no-ingress", action="store_true", help="shape only what each host sends")
@@ -805,14 +1029,56 @@ def _parser() -> argparse.ArgumentParser:
                         "e.g. cubic,reno (default: the kernel's)")
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help=f"name prefix (default {DEFAULT_PREFIX})")
     p.add_argument("--subnet", default=DEFAULT_SUBNET, help=f"private IPv4 subnet (default {DEFAULT_SUBNET})")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"MASTER_PORT (default {DEFAULT_PORT})")
-    p.add_argument("--out", metavar="DIR", help="directory for rank<k>.out/.err and cluster.json")
-    p.add_argument("--timeout", type=float, metavar="S", help="stop every rank after S seconds")
+    p.add_argument("--timeout", type=float, metavar="S", help="stop everything after S seconds")
     p.add_argument("--no-latency-flag", action="store_true",
                    help="do not append --emulate-latency MS to a gossip.train command when emulating")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vcluster.py",
+        description="Run one command per rank on N network namespaces joined by a bridge, with "
+                    "tc-shaped links (rate with tbf; delay with netem or, where netem is missing, "
+                    "emulated by the command itself). `vcluster.py torchrun --help`: one torchrun "
+                    "per host instead, as across real machines.",
+        epilog="example: python experiments/vcluster.py --nodes 4 --rate 20mbit -- "
+               "python -m gossip.train --algo dcd --bits 8 --data mnist1d --epochs 1",
+    )
+    p.add_argument("--nodes", type=int, default=2, metavar="N", help="number of hosts (default 2)")
+    _cluster_args(p)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"MASTER_PORT (default {DEFAULT_PORT})")
+    p.add_argument("--out", metavar="DIR", help="directory for rank<k>.out/.err and cluster.json")
     p.add_argument("--cleanup", action="store_true", help="remove the namespaces of --prefix and exit")
     p.add_argument("--probe", action="store_true", help="print which qdiscs this kernel has and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command each rank runs")
+    return p
+
+
+def _torchrun_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vcluster.py torchrun",
+        description="Launch as across real machines: one torchrun per host, its elastic agent "
+                    "starting --nproc-per-node workers, the agents meeting at a rendezvous on host 0. "
+                    "Prints each host's interface and loopback bytes and, for a gossip.train run, "
+                    "what the ledgers recorded between hosts and within each.",
+        epilog="example: python experiments/vcluster.py torchrun --hosts 2 --nproc-per-node 2 "
+               "--rate 100mbit -- -m gossip.train --algo ecd --bits 8 --topology ring",
+    )
+    p.add_argument("--hosts", type=int, default=2, metavar="H", help="number of hosts (default 2)")
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="P",
+                   help="processes per host, torchrun's --nproc-per-node (default 1)")
+    p.add_argument("--rdzv", choices=sorted(RDZV_PORTS), default="c10d",
+                   help="c10d: --rdzv-backend c10d --rdzv-endpoint <host 0>:PORT (default); "
+                        "static: --node-rank K --master-addr <host 0> --master-port PORT")
+    p.add_argument("--rdzv-port", type=int, metavar="PORT",
+                   help="rendezvous port (default: torchrun's, 29400 for c10d, 29500 for static)")
+    p.add_argument("--rdzv-id", metavar="ID", help="torchrun's --rdzv-id (default vcluster-PREFIX)")
+    p.add_argument("--max-restarts", type=int, metavar="N",
+                   help="torchrun's --max-restarts: how often the agents restart failed workers")
+    _cluster_args(p)
+    p.add_argument("--out", metavar="DIR", help="directory for host<k>.out/.err and cluster.json")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="-- then what follows torchrun's options: -m MODULE ... or SCRIPT ...")
     return p
 
 
@@ -826,49 +1092,133 @@ def _emulating_command(cmd: list[str], ms: str) -> tuple[list[str], str] | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def _say(msg: str) -> None:
+    print(f"vcluster: {msg}", file=sys.stderr, flush=True)
+
+
+def _cluster_from(args: argparse.Namespace, n: int, **kw: Any) -> VirtualCluster:
+    return VirtualCluster(
+        n, rate=args.rate, delay=args.delay, jitter=args.jitter, loss=args.loss,
+        prefix=args.prefix, subnet=args.subnet, shape_ingress=not args.no_ingress,
+        tcp_cc=[c for c in (args.tcp_cc or "").split(",") if c] or None, **kw,
+    )
+
+
+def _latency_notice(vc: VirtualCluster, cmd: list[str], args: argparse.Namespace) -> list[str]:
+    """Where latency is emulated: the command with --emulate-latency, and a notice."""
+    if vc.latency_mode != "emulated":
+        return cmd
+    ms = f"{vc.emulated_latency_s * 1e3:g}"
+    new = None if args.no_latency_flag else _emulating_command(cmd, ms)
+    if new is not None:
+        cmd, how = new
+        _say(f"latency: emulated; {how}")
+    else:
+        _say(f"latency: emulated; the command must wait {ms} ms per message round "
+             f"itself (GOSSIP_EMULATE_LATENCY_MS={ms} is set)")
+    return cmd
+
+
+def _exit_code(res: RunResult) -> int:
+    if res.timed_out:
+        return 124
+    bad = res.failed
+    return 0 if not bad else (bad[0].returncode if bad[0].returncode and bad[0].returncode > 0 else 1)
+
+
+def _command(args: argparse.Namespace) -> list[str]:
     cmd = list(args.command)
-    if cmd[:1] == ["--"]:
-        cmd = cmd[1:]
+    return cmd[1:] if cmd[:1] == ["--"] else cmd
+
+
+def _main_ranks(args: argparse.Namespace) -> int:
+    cmd = _command(args)
+    if args.cleanup:
+        check_rights()
+        removed = cleanup(args.prefix)
+        print(f"vcluster: removed {len(removed)} namespace(s){': ' + ', '.join(removed) if removed else ''}")
+        return 0
+    if args.probe:
+        check_rights()
+        print(" ".join(f"{k}={'yes' if v else 'no'}" for k, v in probe_qdiscs().items()))
+        return 0
+    if not cmd:
+        raise VClusterError("no command: put it after --, e.g. -- python -m gossip.train --algo dcd")
+    vc = _cluster_from(args, args.nodes, master_port=args.port)
+    with vc:
+        _say(vc.describe())
+        cmd = _latency_notice(vc, cmd, args)
+        res = vc.run(cmd, timeout=args.timeout, outdir=args.out)
+    for r in res.ranks:
+        state = "timed out" if r.timed_out else ("stopped" if r.killed else f"exit {r.returncode}")
+        print(f"vcluster: rank {r.rank}: {state}, sent {r.tx_bytes} B, received {r.rx_bytes} B "
+              f"(interface), output {r.stdout}", file=sys.stderr)
+    print(f"vcluster: {res.wall_s:.1f} s, latency: {res.latency_mode}, outputs in {res.outdir}", file=sys.stderr)
+    return _exit_code(res)
+
+
+def _run_dir(cmd: list[str], res: RunResult) -> Path | None:
+    """The run directory of a gossip.train command: its --out, else what rank 0 printed."""
+    for i, a in enumerate(cmd):
+        if a == "--out" and i + 1 < len(cmd):
+            return Path(cmd[i + 1])
+        if a.startswith("--out="):
+            return Path(a.split("=", 1)[1])
+    for r in res.ranks:
+        try:
+            for line in r.stdout.read_text(errors="replace").splitlines():
+                if line.startswith("run directory: "):
+                    return Path(line[len("run directory: "):].strip())
+        except OSError:
+            pass
+    return None
+
+
+def _main_torchrun(args: argparse.Namespace) -> int:
+    cmd = _command(args)
+    if not cmd:
+        raise VClusterError("no command: put what follows torchrun's options after --, "
+                            "e.g. -- -m gossip.train --algo ecd --bits 8")
+    vc = _cluster_from(args, args.hosts)
+    with vc:
+        _say(vc.describe())
+        cmd = _latency_notice(vc, cmd, args)
+        options = [] if args.max_restarts is None else ["--max-restarts", str(args.max_restarts)]
+        for k in range(vc.n):  # fail on bad values before anything starts
+            argv = vc.torchrun_argv(k, args.nproc_per_node, cmd, rdzv=args.rdzv, port=args.rdzv_port,
+                                    run_id=args.rdzv_id, options=options)
+            _say(f"host {k} ({vc.hosts[k].netns}, GLOO_SOCKET_IFNAME={vc.hosts[k].ifname}): {' '.join(argv)}")
+        res = vc.run_torchrun(cmd, args.nproc_per_node, rdzv=args.rdzv, port=args.rdzv_port, run_id=args.rdzv_id,
+                              options=options, timeout=args.timeout, outdir=args.out)
+    for r in res.ranks:
+        state = "timed out" if r.timed_out else ("stopped" if r.killed else f"exit {r.returncode}")
+        ranks = f"ranks {res.workers[r.rank]}" if res.workers else "ranks unknown"
+        _say(f"host {r.rank}: {state}, {ranks}, interface sent {r.tx_bytes} B received {r.rx_bytes} B, "
+             f"loopback {r.lo_bytes} B, output {r.stdout}")
+    run_dir = _run_dir(cmd, res) if "gossip.train" in cmd else None
+    if res.ok and res.workers and run_dir is not None and run_dir.is_dir():
+        ledger = ledger_traffic(run_dir, res.workers)
+        _say(f"ledger of {run_dir} (bytes its ranks recorded sending) against the counters:")
+        for k, (r, led) in enumerate(zip(res.ranks, ledger)):
+            ratio = f"x{r.tx_bytes / led['inter']:.4f}" if led["inter"] else "-"
+            _say(f"host {k}: to other hosts {led['inter']} B (ledger), its interface sent {r.tx_bytes} B ({ratio}); "
+                 f"within the host {led['intra']} B (ledger), its loopback carried {r.lo_bytes} B")
+        _say("(the interfaces also carry start-up: rendezvous, store, gloo's connections; the evaluations' "
+             "all-reduces, which the ledger leaves out; TCP/IP headers and acks. Two run lengths within one "
+             "epoch differ by the steps' traffic alone)")
+        info = json.loads((res.outdir / "cluster.json").read_text())
+        info["ledger"] = {"run_dir": str(run_dir), "per_host": ledger}
+        (res.outdir / "cluster.json").write_text(json.dumps(info, indent=2) + "\n")
+    _say(f"{res.wall_s:.1f} s, latency: {res.latency_mode}, outputs in {res.outdir}")
+    return _exit_code(res)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if args.cleanup:
-            check_rights()
-            removed = cleanup(args.prefix)
-            print(f"vcluster: removed {len(removed)} namespace(s){': ' + ', '.join(removed) if removed else ''}")
-            return 0
-        if args.probe:
-            check_rights()
-            print(" ".join(f"{k}={'yes' if v else 'no'}" for k, v in probe_qdiscs().items()))
-            return 0
-        if not cmd:
-            raise VClusterError("no command: put it after --, e.g. -- python -m gossip.train --algo dcd")
-        vc = VirtualCluster(
-            args.nodes, rate=args.rate, delay=args.delay, jitter=args.jitter, loss=args.loss,
-            prefix=args.prefix, subnet=args.subnet, master_port=args.port, shape_ingress=not args.no_ingress,
-            tcp_cc=[c for c in (args.tcp_cc or "").split(",") if c] or None,
-        )
-        with vc:
-            print(f"vcluster: {vc.describe()}", file=sys.stderr, flush=True)
-            if vc.latency_mode == "emulated":
-                ms = f"{vc.emulated_latency_s * 1e3:g}"
-                new = None if args.no_latency_flag else _emulating_command(cmd, ms)
-                if new is not None:
-                    cmd, how = new
-                    print(f"vcluster: latency: emulated; {how}", file=sys.stderr, flush=True)
-                else:
-                    print(f"vcluster: latency: emulated; the command must wait {ms} ms per message round "
-                          f"itself (GOSSIP_EMULATE_LATENCY_MS={ms} is set)", file=sys.stderr, flush=True)
-            res = vc.run(cmd, timeout=args.timeout, outdir=args.out)
-        for r in res.ranks:
-            state = "timed out" if r.timed_out else ("stopped" if r.killed else f"exit {r.returncode}")
-            print(f"vcluster: rank {r.rank}: {state}, sent {r.tx_bytes} B, received {r.rx_bytes} B "
-                  f"(interface), output {r.stdout}", file=sys.stderr)
-        print(f"vcluster: {res.wall_s:.1f} s, latency: {res.latency_mode}, outputs in {res.outdir}", file=sys.stderr)
-        if res.timed_out:
-            return 124
-        bad = res.failed
-        return 0 if not bad else (bad[0].returncode if bad[0].returncode and bad[0].returncode > 0 else 1)
+        if argv[:1] == ["torchrun"]:
+            return _main_torchrun(_torchrun_parser().parse_args(argv[1:]))
+        return _main_ranks(_parser().parse_args(argv))
     except VClusterError as e:
         print(f"vcluster: error: {e}", file=sys.stderr)
         return 2

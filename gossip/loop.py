@@ -83,6 +83,15 @@ def _detect_env(cfg: TrainConfig) -> _Env:
     return _Env(world_size=1, distributed=False, rank=0)
 
 
+def _hosts(env: _Env) -> dict:
+    """``hosts`` and ``procs_per_host`` as torchrun launched the run (its LOCAL_WORLD_SIZE
+    processes on each of WORLD_SIZE / LOCAL_WORLD_SIZE hosts); 1 and 1 in one process."""
+    if not env.distributed:
+        return {"hosts": 1, "procs_per_host": 1}
+    per_host = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return {"hosts": max(1, env.world_size // per_host), "procs_per_host": per_host}
+
+
 def _build_topology(cfg: TrainConfig, n: int):
     c, algo = cfg.comm, cfg.algorithm.name
     if not algorithms.is_decentralized(algo):
@@ -710,6 +719,7 @@ class Run:
             "algo": self.cfg.algorithm.name,
             "topology": self.cfg.comm.topology if self.topo is not None else None,
             "world_size": self.env.world_size,
+            **_hosts(self.env),
             "compressor": wire.label,
             "bits": wire.bits_per_coord,
             "wire": wire.to_dict(),

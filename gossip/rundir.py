@@ -20,7 +20,10 @@
     figures, bytes per node per step (setup traffic left out), ``setup_bytes_per_node``
     and ``bytes_sent_per_node_total``, the wire format and the measured bits per
     coordinate, the time split of the steady steps and ``warmup_s`` (the algorithm's
-    setup and each process's first step: compilation and first calls).
+    setup and each process's first step: compilation and first calls). ``hosts`` and
+    ``procs_per_host`` say how torchrun laid the ranks out (WORLD_SIZE /
+    LOCAL_WORLD_SIZE hosts of LOCAL_WORLD_SIZE processes; 1 and 1 for a run in one
+    process; absent before they were recorded).
 ``ckpt-step<N>-rank<k>.pt``
     Checkpoints (:mod:`gossip.checkpoint` owns their format).
 

@@ -1,0 +1,131 @@
+"""Across hosts as users launch it: one ``torchrun`` per host on the virtual cluster.
+
+2 hosts x 2 processes (``VirtualCluster.run_torchrun``: torchrun's own elastic agents
+meeting at a c10d rendezvous on host 0) train a few steps. The parameters are
+bit-identical to the same run on one host (``torchrun --nproc_per_node 4``, threads
+pinned in both); what the ledgers record between hosts crosses the hosts' interfaces
+and what they record within a host stays on its loopback, to within the protocol
+overhead; ``summary.json`` says 2 hosts of 2 processes.
+
+These build network namespaces, so they need root (CAP_NET_ADMIN and CAP_SYS_ADMIN),
+``ip`` and ``tc``; elsewhere they are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gossip import checkpoint
+from tests.conftest import child_env, run_process
+from tests.test_netshape_cluster import _ours, _prefix, needs_netns, vcl
+
+TRAIN = ["-m", "gossip.train", "--algo", "ecd", "--bits", "8", "--topology", "ring", "--no-progress"]
+# two run lengths inside the first epoch (31 steps of MNIST-1D at batch 32 on 4 nodes):
+# both have the same start-up, setup exchange and one evaluation, so their difference
+# is the traffic of the steps alone
+SHORT, LONG = 2, 25
+# what neither run's ledger holds and may differ between them: the agents' keep-alives
+# and store traffic, a retransmitted segment (a 64 KiB one on lo) on these 2 shared cores
+SLACK = 128 * 1024
+
+
+@pytest.fixture
+def prefix():
+    p = _prefix()
+    yield p
+    left = _ours(p)
+    if left:  # never leave anything behind, even when a test fails
+        vcl.cleanup(p)
+    assert not left, f"namespaces left behind: {left}"
+
+
+def _final_params(run_dir: Path) -> torch.Tensor:
+    """The (n, d) parameters of the run's last checkpoint, rank by rank."""
+    step = max(int(p.name.split("-step")[1].split("-")[0]) for p in run_dir.glob("ckpt-step*-rank*.pt"))
+    files = sorted(run_dir.glob(f"ckpt-step{step}-rank*.pt"), key=lambda p: int(p.stem.split("rank")[1]))
+    return torch.cat([checkpoint.load_checkpoint(f)["optimizer"]["params"] for f in files])
+
+
+def _failure(res) -> str:
+    return "\n".join(f"host {r.rank}: exit {r.returncode}\n{res.tail(r.rank, 15)}" for r in res.ranks)
+
+
+@needs_netns
+def test_two_hosts_of_two_processes_match_one_host(tmp_path, prefix, mnist1d_cache):
+    env = child_env(1, {"GOSSIP_CACHE": str(mnist1d_cache[0])})
+    runs = {}
+    with vcl.VirtualCluster(2, prefix=prefix, subnet="10.213.79.0/24") as vc:
+        # exactly the line a user types on each host: no RANK/WORLD_SIZE from us
+        argv = vc.torchrun_argv(1, 2, TRAIN)
+        assert argv[-len(TRAIN):] == TRAIN and "--rdzv-backend" in argv and "--local-addr" in argv
+        assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"} & set(vc.torchrun_env(1, env))
+        assert vc.torchrun_env(1, env)["GLOO_SOCKET_IFNAME"] == f"{prefix}h1"
+        for steps in (SHORT, LONG):
+            out = tmp_path / f"hosts-{steps}"
+            res = vc.run_torchrun([*TRAIN, "--max-steps", str(steps), "--out", str(out)], 2, env=env,
+                                  timeout=300, outdir=tmp_path / f"vcluster-{steps}")
+            assert res.ok, _failure(res)
+            runs[steps] = (res, out)
+    assert _ours(prefix) == []
+
+    res, out = runs[LONG]
+    assert len(res.workers) == 2 and sorted(r for ranks in res.workers for r in ranks) == [0, 1, 2, 3]
+    assert all(len(ranks) == 2 for ranks in res.workers)
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["world_size"], summary["hosts"], summary["procs_per_host"]) == (4, 2, 2)
+    assert summary["steps"] == LONG and summary["mode"] == "torchrun"
+
+    # the same run on one host: the same numbers, bit for bit
+    one = tmp_path / "one-host"
+    p = run_process([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+                     *TRAIN, "--max-steps", str(LONG), "--out", str(one)], timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    one_summary = json.loads((one / "summary.json").read_text())
+    assert (one_summary["hosts"], one_summary["procs_per_host"]) == (1, 4)
+    assert torch.equal(_final_params(out), _final_params(one))
+    assert summary["final_test_loss"] == one_summary["final_test_loss"]
+
+    # the steps' traffic: between hosts over the interfaces, within a host over lo
+    for _, o in runs.values():  # one evaluation (its all-reduces are not in the ledger) in each
+        records = [json.loads(ln) for ln in (o / "metrics-rank0.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if r["kind"] == "eval"] in ([SHORT], [LONG])
+    ledger = {s: vcl.ledger_traffic(o, r.workers) for s, (r, o) in runs.items()}
+    short = runs[SHORT][0]
+    for h in range(2):
+        inter = ledger[LONG][h]["inter"] - ledger[SHORT][h]["inter"]
+        intra = ledger[LONG][h]["intra"] - ledger[SHORT][h]["intra"]
+        sent = res.ranks[h].tx_bytes - short.ranks[h].tx_bytes
+        loopback = res.ranks[h].lo_bytes - short.ranks[h].lo_bytes
+        assert inter > 0 and intra > 0
+        # TCP/IP/Ethernet headers (66 B per 1448) and acks: a few percent over the ledger;
+        # had the processes of one host talked over its interface, lo would be empty
+        assert inter - SLACK <= sent <= 1.08 * inter + SLACK, (h, inter, sent)
+        assert intra - SLACK <= loopback <= 1.08 * intra + SLACK, (h, intra, loopback)
+
+
+@needs_netns
+def test_torchrun_static_rendezvous_and_bad_values(tmp_path, prefix):
+    show = ("import os, time; print('worker', *[os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'GROUP_RANK', "
+            "'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GLOO_SOCKET_IFNAME')], flush=True); "
+            "time.sleep(2)")  # long enough for the cluster to see which ranks run where
+    script = tmp_path / "show.py"
+    script.write_text(show + "\n")
+    with vcl.VirtualCluster(2, prefix=prefix, subnet="10.213.80.0/24") as vc:
+        with pytest.raises(vcl.VClusterError, match=r"bad rendezvous 'etcd': expected one of c10d, static"):
+            vc.torchrun_argv(0, 2, [str(script)], rdzv="etcd")
+        with pytest.raises(vcl.VClusterError, match=r"bad number of processes per host 0"):
+            vc.torchrun_argv(0, 0, [str(script)])
+        assert vc.torchrun_argv(1, 2, [str(script)], rdzv="static")[-7:] == [
+            "--node-rank", "1", "--master-addr", "10.213.80.1", "--master-port", "29500", str(script)]
+        res = vc.run_torchrun([str(script)], 2, rdzv="static", timeout=120, outdir=tmp_path / "out")
+    assert res.ok, _failure(res)
+    for h in range(2):
+        rows = [ln.split()[1:] for ln in res.ranks[h].stdout.read_text().splitlines() if ln.startswith("worker")]
+        assert sorted(rows) == [[str(2 * h), "0", str(h), "4", "2", f"{prefix}h{h}"],
+                                [str(2 * h + 1), "1", str(h), "4", "2", f"{prefix}h{h}"]]
+    assert res.workers == [[0, 1], [2, 3]]

@@ -94,8 +94,6 @@ def _worker(rank: int, store_path: str, steps: int, warmup: int, out_path: str) 
                     gopt.zero_grad()
                     with c.ledger.phase("compute"):
                         F.cross_entropy(model(x), y).backward()
-                    if hasattr(algo, "set_lr"):
-                        algo.set_lr(0.01)
                     gopt.step()
                     c.ledger.step()
                     dt = time.perf_counter() - t

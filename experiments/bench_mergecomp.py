@@ -94,8 +94,7 @@ def _step(model, gopt, alg, c, x, y):
     gopt.zero_grad()
     with c.ledger.phase("compute"):
         F.cross_entropy(model(x), y).backward()
-    alg.set_lr(0.01)
-    gopt.step()
+    gopt.step()  # hands the algorithm the optimizer's lr
     c.ledger.step()
 
 
@@ -139,7 +138,7 @@ def _worker(rank: int, store_path: str, steps: int, models: list[str], comps: li
                     alg = MergeComp(MergeCompConfig(compressor=spec, merge=mode), c)  # layout: GossipOptimizer
                     gopt = GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.01), alg)
                     searched = 0
-                    while alg.state.phase != "done" or searched == 0:  # the search, and step 1
+                    while alg.report()["phase"] != "done" or searched == 0:  # the search, and step 1
                         _step(model, gopt, alg, c, x, y)
                         searched += 1
                     if mode == "auto":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import dataclasses
 import datetime as _dt
 import math
 import os
@@ -117,19 +116,18 @@ def _build_topology(cfg: TrainConfig, n: int):
 
 
 def _build_algorithm(cfg: TrainConfig, comm) -> algorithms.Algorithm:
-    """The registry builds it; the run supplies the options common to every Config
-    (``seed``, ``compressor``, ``momentum``: see ``gossip.algorithms.COMMON_OPTIONS``)
-    where the Config takes them, the user's ``--algo-opt`` and MergeComp's flags."""
+    """The registry builds it from the run's values of ``gossip.algorithms.COMMON_OPTIONS``
+    (``--seed``, ``--compressor``/``--bits``, ``--momentum``: the algorithm's own momentum
+    where its Config has one; the registry decides where each applies), the user's
+    ``--algo-opt`` and MergeComp's flags. The loop reads no Config field."""
     a = cfg.algorithm
     ours = {"seed": cfg.run.seed, "compressor": a.compressor_spec, "momentum": cfg.optim.momentum}
-    common = {k: ours[k] for k in algorithms.COMMON_OPTIONS}
-    takes = {f.name for f in dataclasses.fields(algorithms.config_class(a.name))}
-    opts: dict[str, Any] = {k: v for k, v in common.items() if k in takes and v is not None}
-    opts.update(dict(a.options))
+    common = {k: ours[k] for k in algorithms.COMMON_OPTIONS}  # the registry passes each where it applies
+    opts: dict[str, Any] = dict(a.options)
     if a.merge is not None:  # MergeComp: a schedule of the efsgd family, built by the registry
         opts.update(merge=a.merge, merge_max_groups=a.merge_max_groups, merge_alpha=a.merge_alpha)
     try:
-        return algorithms.build(a.name, comm, **opts)
+        return algorithms.build(a.name, comm, common=common, **opts)
     except (ValueError, TypeError) as e:
         flag = f"--merge {a.merge}" if a.merge is not None and "merge" in str(e) else f"--algo {a.name}"
         raise RunError(f"{flag}: {e}") from None
@@ -678,6 +676,7 @@ class Run:
                     f"{list(record.nodes)[:8]}, this rank hosts {list(self.nodes)[:8]}: it is damaged or forged"
                 )
             self.gopt.load_state_dict(record.optimizer)
+            self.gopt.steps = record.progress.step  # older checkpoints do not hold it
             for ld, s in zip(self.loaders, record.loaders):
                 ld.load_state_dict(s)
             self.ledger.load_state_dict(record.ledger)

@@ -122,7 +122,17 @@ def _check_momentum(algorithm: Any, optimizers: Sequence[torch.optim.Optimizer])
 
 
 class GossipOptimizer:
-    """Runs the local optimizer(s), then the algorithm's communication step."""
+    """Runs the local optimizer(s), then the algorithm's communication step.
+
+    Construction builds the :class:`FlatParams` and their ``ParamLayout`` and calls the
+    algorithm's ``setup(x_1, layout)`` and ``attach(models)``. It raises
+    :class:`MomentumConflict` (one line) when the algorithm owns momentum
+    (``owns_momentum``) and a local optimizer has some too: give the local optimizer
+    ``momentum=0`` and set the algorithm's own ``momentum`` instead. Every :meth:`step`
+    calls ``set_lr`` with the local optimizer's first param group's ``lr`` (so a
+    scheduler reaches algorithms that rescale their memories), the local and the
+    algorithm's step, then ``on_step_end(steps)``.
+    """
 
     def __init__(
         self,
@@ -145,6 +155,7 @@ class GossipOptimizer:
         self.optimizers = optimizers
         self.algorithm = algorithm
         self.flat = FlatParams(models)
+        self.steps = 0  # optimizer steps taken (on_step_end's count)
         self.layout: ParamLayout = self.flat.layout
         with algorithm.comm.ledger.setup():  # x_1 exchanges are one-off, not step traffic
             algorithm.setup(self.flat.data, self.layout)
@@ -168,15 +179,17 @@ class GossipOptimizer:
             self.flat.scatter_grads(G)
             for opt in self.optimizers:
                 opt.step()
-            return
-        X = self.flat.data
-        with torch.no_grad():
-            x_t = X.clone()
-            for opt in self.optimizers:
-                opt.step()
-            U = X - x_t
-            X.copy_(x_t)
-            algo.step(X, U)
+        else:
+            X = self.flat.data
+            with torch.no_grad():
+                x_t = X.clone()
+                for opt in self.optimizers:
+                    opt.step()
+                U = X - x_t
+                X.copy_(x_t)
+                algo.step(X, U)
+        self.steps += 1
+        algo.on_step_end(self.steps)
 
     # --- views for evaluation --------------------------------------------------------
     @torch.no_grad()
@@ -197,6 +210,7 @@ class GossipOptimizer:
             "params": self.flat.data.detach().clone(),
             "algorithm": self.algorithm.state_dict(),
             "optimizers": [opt.state_dict() for opt in self.optimizers],
+            "steps": self.steps,
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -211,3 +225,4 @@ class GossipOptimizer:
         self.algorithm.load_state_dict(sd["algorithm"])
         for opt, osd in zip(self.optimizers, sd["optimizers"]):
             opt.load_state_dict(osd)
+        self.steps = int(sd.get("steps", 0))  # absent from checkpoints written before it was kept

@@ -7,7 +7,7 @@ lists the names with a one-line description each.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 from gossip._registry import Registry
 
@@ -146,42 +146,46 @@ def _build_mergecomp(name: str, comm: Any, options: dict[str, Any]) -> Algorithm
 
     if name not in _MERGEABLE:
         raise ValueError(f"merge applies to {', '.join(_MERGEABLE)} (MergeComp schedules the EF family), not {name}")
-    base = config_class(name)
-    defaults = {f.name: f.default for f in dataclasses.fields(base)}
     sched = {k.removeprefix("merge_"): options.pop(k) for k in MERGE_OPTIONS[1:] if k in options}
     sched["merge"] = options.pop("merge")
-    unknown = sorted(set(options) - set(defaults))
-    if unknown:
-        raise ValueError(f"{name}: unexpected option(s) {unknown}; accepted options: {', '.join(defaults)}")
-    if name != "efsgd":
-        options["compressor"] = "blocksign"  # one block per parameter tensor, whatever the grouping
-    cfg = MergeCompConfig(
-        compressor=options.get("compressor", defaults.get("compressor", "sign")),
-        momentum=options.get("momentum", defaults.get("momentum", 0.0)),
-        seed=options.get("seed", defaults.get("seed", 0)),
-        **sched,
-    )
-    base(**{k: v for k, v in options.items() if k in defaults})  # the base algorithm's own checks
+    # the scheduled algorithm's own Config: its checks, its defaults, its compressor
+    # (efblocksgd's is blocksign: one block per parameter tensor, whatever the grouping)
+    base = _config(name, config_class(name), options)
+    cfg = MergeCompConfig(compressor=base.compressor, momentum=base.momentum, seed=base.seed, **sched)
     return MergeComp(cfg, comm)
 
 
-def build(name: str, comm: Any, **options: Any) -> Algorithm:
+def _config(name: str, cfg_cls: type, options: dict[str, Any]) -> Any:
+    try:
+        return cfg_cls(**options)
+    except TypeError as e:
+        accepted = ", ".join(f.name for f in dataclasses.fields(cfg_cls))
+        if "unexpected keyword" in str(e):
+            raise ValueError(f"{name}: {e}; accepted options: {accepted}") from None
+        raise
+
+
+def build(name: str, comm: Any, *, common: Mapping[str, Any] | None = None, **options: Any) -> Algorithm:
     """``build("ecd", comm, compressor="quant:bits=8", seed=0)``.
+
+    ``options`` go to the algorithm's Config, which must take each of them. ``common``
+    holds a caller's values of :data:`COMMON_OPTIONS` (a training run's seed,
+    compressor and momentum), which it has for any algorithm: each is passed where the
+    Config takes it and left out elsewhere, as are None values; ``options`` win.
 
     For efsgd, efblocksgd and efblocksgdm, ``merge`` (``"layer"``, ``"whole"``, N or
     ``"auto"``) with ``merge_max_groups``, ``merge_alpha``, ``merge_profile_steps`` and
     ``merge_trial_steps`` schedules the algorithm with MergeComp (papers/004).
     """
     cls, cfg_cls = _lookup(name)
+    if common:
+        unknown = sorted(set(common) - set(COMMON_OPTIONS))
+        if unknown:
+            raise ValueError(f"`common` holds only {', '.join(COMMON_OPTIONS)}, got {', '.join(unknown)}")
+        takes = {f.name for f in dataclasses.fields(cfg_cls)}
+        options = {**{k: v for k, v in common.items() if k in takes and v is not None}, **options}
     if options.get("merge") is not None:
         return _build_mergecomp(name, comm, dict(options))
     for k in MERGE_OPTIONS:
         options.pop(k, None)
-    try:
-        config = cfg_cls(**options)
-    except TypeError as e:
-        accepted = ", ".join(f.name for f in dataclasses.fields(cfg_cls))
-        if "unexpected keyword" in str(e):
-            raise ValueError(f"{name}: {e}; accepted options: {accepted}") from None
-        raise
-    return cls(config, comm)
+    return cls(_config(name, cfg_cls, options), comm)

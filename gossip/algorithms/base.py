@@ -15,7 +15,7 @@ Two kinds of algorithm exist, told apart by :attr:`Algorithm.acts_on`:
 
 The contract with the caller: ``setup(X, layout)`` once (the :class:`ParamLayout`
 of the model), then every step ``set_lr(lr)`` and ``step``/``reduce_gradients``;
-the hooks ``on_epoch_end``, ``set_event_sink``, ``attach``, ``report`` and
+the hooks ``on_step_end``, ``on_epoch_end``, ``set_event_sink``, ``attach``, ``report`` and
 ``wire_format`` are declared on :class:`Algorithm` with no-op defaults, so a caller
 calls them on any algorithm without probing it. ``owns_momentum`` says whether the
 algorithm applies momentum itself. Configs never carry shapes or offsets; the options
@@ -57,23 +57,44 @@ class ParamLayout:
 
     def __post_init__(self) -> None:
         try:
-            shapes = tuple(tuple(int(s) for s in sh) for sh in self.shapes)
+            shapes = tuple(tuple(_size(s) for s in sh) for sh in self.shapes)
         except (TypeError, ValueError):
-            raise TypeError(f"ParamLayout: `shapes` must be a sequence of shapes, got {self.shapes!r}") from None
+            raise TypeError(
+                f"ParamLayout: `shapes` must be a sequence of shapes (sequences of ints), got {self.shapes!r}"
+            ) from None
         if not shapes or any(s < 0 for sh in shapes for s in sh):
             raise ValueError(f"ParamLayout: `shapes` must be a non-empty sequence of non-negative shapes, got {shapes}")
+        if sum(math.prod(sh) for sh in shapes) == 0:
+            raise ValueError(f"ParamLayout: the tensors hold no values, shapes {shapes}")
         names = tuple(str(n) for n in self.names) or tuple(f"p{k}" for k in range(len(shapes)))
         if len(names) != len(shapes):
             raise ValueError(f"ParamLayout: {len(names)} names for {len(shapes)} shapes")
+        if len(set(names)) != len(names):
+            raise ValueError(f"ParamLayout: tensor names must be unique, {sorted({n for n in names if names.count(n) > 1})} repeat")
         object.__setattr__(self, "shapes", shapes)
         object.__setattr__(self, "names", names)
 
     @classmethod
+    def from_shapes(cls, shapes: Sequence[Sequence[int]], names: Sequence[str] | None = None) -> ParamLayout:
+        """Tensors of these shapes, in this order; unnamed ones are ``p0``, ``p1``, ..."""
+        return cls(tuple(tuple(sh) for sh in shapes), tuple(names) if names is not None else ())
+
+    @classmethod
     def from_models(cls, models: Any) -> ParamLayout:
-        """The layout of a model (or the first of a list of identical ones)."""
-        model = models[0] if isinstance(models, (list, tuple)) else models
-        named = list(model.named_parameters())
-        return cls(tuple(tuple(p.shape) for _, p in named), tuple(n for n, _ in named))
+        """The layout of a model's ``named_parameters()``; a list of models must agree."""
+        models = list(models) if isinstance(models, (list, tuple)) else [models]
+        if not models:
+            raise ValueError("ParamLayout.from_models needs at least one model")
+        named = [[(n, tuple(p.shape)) for n, p in m.named_parameters()] for m in models]
+        if not named[0]:
+            raise ValueError("ParamLayout.from_models: the model has no parameters")
+        for r, other in enumerate(named[1:], start=1):
+            if [sh for _, sh in other] != [sh for _, sh in named[0]]:
+                raise ValueError(
+                    f"ParamLayout.from_models: model {r} has parameter shapes {[sh for _, sh in other]}, "
+                    f"model 0 has {[sh for _, sh in named[0]]}"
+                )
+        return cls(tuple(sh for _, sh in named[0]), tuple(n for n, _ in named[0]))
 
     @classmethod
     def whole(cls, d: int) -> ParamLayout:
@@ -111,7 +132,16 @@ class ParamLayout:
             raise ValueError(f"{algo}: the layout's tensors hold {self.dim} values, the flat parameters {d}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"names": list(self.names), "shapes": [list(sh) for sh in self.shapes]}
+        """For config.json: names, shapes, offsets into the flat vector and its size."""
+        return {"names": list(self.names), "shapes": [list(sh) for sh in self.shapes],
+                "offsets": list(self.offsets), "dim": self.dim}
+
+
+def _size(s: Any) -> int:
+    """One dimension of a shape: an int (not a bool, not a float)."""
+    if isinstance(s, bool) or int(s) != s or isinstance(s, float):
+        raise TypeError(s)
+    return int(s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +232,10 @@ class Algorithm:
     def set_lr(self, lr: float) -> None:
         """The step size ``eta_t`` of the coming step (algorithms that rescale their
         error memories by ``eta_{t-1} / eta_t``); called before every step."""
+
+    def on_step_end(self, step: int) -> None:
+        """Optimizer step number ``step`` (1, 2, ...) has completed; ``GossipOptimizer``
+        calls it after every step."""
 
     def on_epoch_end(self, epoch: int) -> None:
         """An epoch (a pass over each node's shard) has ended."""

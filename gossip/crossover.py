@@ -12,7 +12,8 @@ step:
 
 - ``bytes``: what the node sends (setup traffic and size checks left out);
 - ``codec``: the time spent compressing and decompressing (the ledger's ``compress``);
-- ``compute``: forward and backward of the model on one batch;
+- ``compute``: forward and backward of the model on one batch (the same for every
+  candidate: the median of their measurements is used for all);
 - ``rounds``: the communication calls per step, by kind.
 
 The link model: a node's step takes ``compute + codec + overhead * bytes * 8 /
@@ -37,6 +38,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
@@ -289,6 +291,11 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
         say(f"[{k}/{len(cands)}] measuring {cand.label} ...")
         measured.append(measure(cand, factory, shape, classes, world_size=args.world_size, topology=args.topology,
                                 degree=args.degree, batch_size=args.batch_size, steps=args.steps))
+    # the model and batch are the same for every candidate: one compute time for all (the
+    # median of the candidates' measurements), so that noise in it moves no crossover
+    compute = statistics.median(m.compute_s for m in measured)
+    for m in measured:
+        m.compute_s = compute
     n, ov = args.world_size, args.link_overhead
     base = {m.label: m for m in measured if m.label in BASELINES}
     import torch

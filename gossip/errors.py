@@ -53,13 +53,15 @@ class PeerError(RuntimeError):
     operation (``"neighbor_exchange"``, ``"all_reduce"``, ...).
     """
 
-    def __init__(self, message: str, peers: Iterable[int] = (), op: str = "") -> None:
+    def __init__(self, message: str, peers: Iterable[int] = (), op: str = "", detail: str = "") -> None:
         super().__init__(message)
         self.peers: tuple[int, ...] = tuple(sorted(int(p) for p in peers))
         self.op = op
+        #: the backend's own text (gloo's, NCCL's): for a log file, not for the one line
+        self.detail = detail
 
-    def __reduce__(self):  # keep peers and op when pickled across processes
-        return (type(self), (self.args[0] if self.args else "", self.peers, self.op))
+    def __reduce__(self):  # keep peers, op and detail when pickled across processes
+        return (type(self), (self.args[0] if self.args else "", self.peers, self.op, self.detail))
 
 
 class PeerTimeoutError(PeerError, TimeoutError):

@@ -250,7 +250,7 @@ def _prepare_out(cfg: TrainConfig, out: Path, is_main: bool) -> str | None:
 def _clear_run_files(out: Path) -> None:
     """--overwrite: the previous run's own files (rank 0), nothing else."""
     for p in list(out.iterdir()):
-        if p.name in (rundir.CONFIG, rundir.SUMMARY) or p.name.startswith("metrics-rank") or (
+        if p.name in (rundir.CONFIG, rundir.SUMMARY) or p.name.startswith(("metrics-rank", "error-rank")) or (
                 p.name.startswith("ckpt-step") and p.suffix == ".pt"):
             p.unlink()
         elif p.name == rundir.TENSORBOARD_DIR and p.is_dir():
@@ -271,6 +271,7 @@ def run(cfg: TrainConfig) -> dict | None:
 
     from gossip import comm as gcomm
 
+    runner: Run | None = None
     try:
         if env.distributed:
             _init_group(cfg, env, device)
@@ -282,9 +283,15 @@ def run(cfg: TrainConfig) -> dict | None:
             from gossip.comm.latency import LatencyCommunicator
 
             comm = LatencyCommunicator(comm, cfg.comm.emulate_latency / 1000.0)
-        return Run(cfg, env, topo, device, dataset, comm).train()
+        runner = Run(cfg, env, topo, device, dataset, comm)
+        return runner.train()
     except gcomm.PeerError as e:
-        raise RunError(str(e)) from None
+        log = runner.log_failure(e) if runner is not None else None
+        raise RunError(str(e) + (f"; details in {log}" if log is not None else "")) from None
+    except BaseException as e:  # an interrupt, a divergence, a user error, a bug: the detail to the log
+        if runner is not None:
+            runner.log_failure(e)
+        raise
     finally:
         if env.distributed:
             gcomm.shutdown()  # gloo's threads joined before the interpreter exits
@@ -532,6 +539,26 @@ class Run:
 
     def _say(self, line: str) -> None:
         (self.bar.write(line) if self.bar is not None else print(line, flush=True))
+
+    def log_failure(self, exc: BaseException) -> Path | None:
+        """Append the full detail of what stopped this rank to ``error-rank<k>.log`` in
+        the run directory (the rank prints one line); its path, or None if it cannot be
+        written (the run directory is gone or read-only: the line still says what failed)."""
+        import traceback
+
+        path = rundir.error_log_path(self.out, self.env.rank)
+        lines = [f"{time.strftime('%Y-%m-%d %H:%M:%S')} rank {self.env.rank} of {self.env.world_size} "
+                 f"on {socket.gethostname()}, at step {self.progress.step}: {type(exc).__name__}: {exc}"]
+        detail = getattr(exc, "detail", "")
+        if detail:
+            lines.append(f"backend: {detail}")
+        lines.append("".join(traceback.format_exception(exc)).rstrip())
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n\n")
+        except OSError:
+            return None
+        return path
 
     # --- one step ----------------------------------------------------------------------
     def step(self) -> None:

@@ -26,6 +26,10 @@
     process; absent before they were recorded).
 ``ckpt-step<N>-rank<k>.pt``
     Checkpoints (:mod:`gossip.checkpoint` owns their format).
+``error-rank<k>.log``
+    Written by a rank whose run stopped on an error or an interrupt: the time, the
+    rank, the step and the full detail (traceback and the backend's own text), which
+    the one line the rank prints leaves out. Appended to across attempts.
 
 Versions. Schema 1 (no ``schema`` key) is what the first releases wrote: no
 ``wire``/``layout`` in config.json, and ``compressor``/``bits`` in summary.json came
@@ -56,6 +60,7 @@ __all__ = [
     "is_run_dir",
     "metrics_files",
     "metrics_path",
+    "error_log_path",
     "read_json",
     "read_metrics",
     "summary_path",
@@ -71,6 +76,7 @@ SCHEMA_VERSION = 3
 CONFIG = "config.json"
 SUMMARY = "summary.json"
 _METRICS = "metrics-rank{}.jsonl"
+_ERROR_LOG = "error-rank{}.log"
 _METRICS_RE = re.compile(r"^metrics-rank(\d+)\.jsonl$")
 
 
@@ -88,6 +94,10 @@ def summary_path(run_dir: str | Path) -> Path:
 
 def metrics_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / _METRICS.format(int(rank))
+
+
+def error_log_path(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / _ERROR_LOG.format(rank)
 
 
 def metrics_files(run_dir: str | Path) -> dict[int, Path]:

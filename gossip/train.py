@@ -5,15 +5,28 @@
 
 Thin by design: parse and validate the config, build the parts from their registries,
 run the loop in :mod:`gossip.loop`, and always tear the process group down. User errors
-print one line ``gossip.train: error: ...`` and exit 2 on every rank.
+print one line ``gossip.train: error: ...`` and exit 2 on every rank; under torchrun
+each rank's line starts with ``[rank K]``, and a rank stopped by a failure writes the
+full detail to ``error-rank<K>.log`` in the run directory.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 __all__ = ["main"]
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: torchrun's agent sends it to every worker when one fails (and a
+    scheduler when it preempts a job). Raised in the main thread, so the run unwinds
+    like on Ctrl-C: files closed, the process group torn down, checkpoints intact."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,20 +34,28 @@ def main(argv: list[str] | None = None) -> int:
     from gossip.loop import RunError, run
 
     rank = int(os.environ.get("RANK", "0"))
+    # under torchrun every rank may print its line at once: say whose each one is
+    who = f"[rank {rank}] " if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         cfg = parse_args(argv)
         run(cfg)
     except ConfigError as e:
-        print(f"gossip.train: error: {e}", file=sys.stderr, flush=True)
+        print(f"{who}gossip.train: error: {e}", file=sys.stderr, flush=True)
         return 2
     except RunError as e:
-        print(f"gossip.train: error: {e}", file=sys.stderr, flush=True)
+        print(f"{who}gossip.train: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt:
         if rank == 0:
-            print("gossip.train: interrupted", file=sys.stderr, flush=True)
+            print(f"{who}gossip.train: interrupted", file=sys.stderr, flush=True)
         return 130
+    except Terminated:
+        print(f"{who}gossip.train: stopped by SIGTERM (torchrun stops every worker when one fails: "
+              "the failing rank's own line says why)", file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
     finally:
+        signal.signal(signal.SIGTERM, previous)
         from gossip.comm import shutdown
 
         shutdown()  # on every path: no native thread of the process group outlives main()

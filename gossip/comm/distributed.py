@@ -397,14 +397,17 @@ class DistCommunicator(Communicator):
             else:
                 if ok is False:
                     late.update(ps)
+        detail = str(first) if first is not None else ""
         if lost:
+            # gloo closes all of a rank's connections when one of its own waits fails, so
+            # a closed connection is no proof that this peer is the one at fault
             also = f"; no answer from {_format_peers(late - lost)} either" if late - lost else ""
             msg = (
-                f"{what}: rank {self.rank} lost the connection to {_format_peers(lost)} "
-                f"(it crashed or exited){also}: {first}"
+                f"{what}: rank {self.rank} lost the connection to {_format_peers(lost)}, which closed it "
+                f"(crashed or killed, or stopped after a failure of its own or of a rank it waits on){also}"
             )
             self._broken = msg
-            raise PeerConnectionError(msg, lost, what) from first
+            raise PeerConnectionError(msg, lost, what, detail) from first
         if late:
             waited = sorted({p for ps in posted.peers for p in ps})
             msg = (
@@ -412,7 +415,7 @@ class DistCommunicator(Communicator):
                 f"{self.timeout:g} s (waited for {_format_peers(waited)})"
             )
             self._broken = msg
-            raise PeerTimeoutError(msg, late, what) from first
+            raise PeerTimeoutError(msg, late, what, detail) from first
 
     def _check_usable(self) -> None:
         if self._broken is not None:

@@ -288,7 +288,9 @@ def run(cfg: TrainConfig) -> dict | None:
     except gcomm.PeerError as e:
         log = runner.log_failure(e) if runner is not None else None
         raise RunError(str(e) + (f"; details in {log}" if log is not None else "")) from None
-    except BaseException as e:  # an interrupt, a divergence, a user error, a bug: the detail to the log
+    except RunError:  # the user's to act on, whole in its one line; a refused resume writes nothing
+        raise
+    except BaseException as e:  # an interrupt, SIGTERM, a bug: the detail to the rank's log
         if runner is not None:
             runner.log_failure(e)
         raise

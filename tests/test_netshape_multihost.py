@@ -129,3 +129,44 @@ def test_torchrun_static_rendezvous_and_bad_values(tmp_path, prefix):
         assert sorted(rows) == [[str(2 * h), "0", str(h), "4", "2", f"{prefix}h{h}"],
                                 [str(2 * h + 1), "1", str(h), "4", "2", f"{prefix}h{h}"]]
     assert res.workers == [[0, 1], [2, 3]]
+
+
+@needs_netns
+def test_a_worker_killed_on_host_1_restarts_and_the_run_ends_as_on_one_host(tmp_path, prefix, mnist1d_cache):
+    """``--resume auto`` across hosts: SIGKILL of a worker on host 1 after the step-10
+    checkpoints; the agents restart the workers (a new rendezvous round), they continue
+    from the newest checkpoint, and the run ends bit-identical to an uninterrupted run
+    on one host, each step logged once."""
+    import os
+    import signal
+
+    env = child_env(1, {"GOSSIP_CACHE": str(mnist1d_cache[0])})
+    run = [*TRAIN, "--max-steps", "40", "--checkpoint-every", "10", "--log-every", "1", "--emulate-latency", "20"]
+    out = tmp_path / "restarted"
+    killed: list[int] = []
+
+    def kill_rank_3_once() -> None:
+        if killed or not all((out / f"ckpt-step10-rank{r}.pt").exists() for r in range(4)):
+            return
+        for pid in (p for ps in vcl._children().values() for p in ps):
+            e = vcl._environ(pid)
+            if e.get("RANK") == "3" and "TORCHELASTIC_RUN_ID" in e:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+
+    with vcl.VirtualCluster(2, prefix=prefix, subnet="10.213.80.0/24") as vc:
+        res = vc.run_torchrun([*run, "--out", str(out), "--resume", "auto"], 2, options=["--max-restarts", "3"],
+                              env=env, timeout=400, outdir=tmp_path / "vcluster", monitor=kill_rank_3_once)
+    assert killed, "found no worker of rank 3 to kill"
+    assert res.ok, _failure(res)
+    assert "exitcode: -9" in res.ranks[1].stderr.read_text()  # host 1's agent saw it and restarted
+    one = tmp_path / "one-host"
+    p = run_process([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+                     *run, "--out", str(one)], timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert torch.equal(_final_params(out), _final_params(one))
+    for rank in range(4):
+        lines = (out / f"metrics-rank{rank}.jsonl").read_text().splitlines()
+        steps = [json.loads(x)["step"] for x in lines if json.loads(x)["kind"] == "train"]
+        assert steps == list(range(1, 41)), (rank, steps)

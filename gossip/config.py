@@ -770,7 +770,7 @@ def _load_toml(path: str) -> dict[str, Any]:
                 fld = k2.replace("-", "_")
                 flat = _FIELD_TO_FLAT.get((key, fld)) or (fld if FLAT_KEYS.get(fld, ("",))[0] == key else None)
                 if flat is None:
-                    fields = sorted(f.name for f in dataclasses.fields(SECTIONS[key]))
+                    fields = [f.name for f in dataclasses.fields(SECTIONS[key])]  # declared order
                     raise ConfigError(
                         f"--config {path!r}: unknown key {k2!r} in [{key}]; accepted: {', '.join(fields)}"
                     )

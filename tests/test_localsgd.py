@@ -285,20 +285,73 @@ def test_simulation_with_8_nodes(tmp_path):
             assert s["bytes_sent_per_node_total"] == 2 * 2 * compress.build("identity").payload_nbytes(d) + 2 * 16
 
 
-TORCHRUN = {
-    "localsgd": ["--algo", "localsgd", "--algo-opt", "local_steps=3"],
-    "slowmo": ["--algo", "slowmo", "--algo-opt", "local_steps=3", "--lr", "0.1"],
-    "diloco": ["--algo", "diloco", "--bits", "4", "--algo-opt", "error_feedback=true", "--algo-opt",
-               "fragments=2", "--algo-opt", "local_steps=4"],
-}
+WORLD_CASES = [
+    ("localsgd", {"local_steps": 3}),
+    ("slowmo", {"local_steps": 3}),
+    ("diloco", {"local_steps": 4, "compressor": "quant:bits=4", "error_feedback": True, "fragments": 2}),
+    ("dpsgd", {"local_steps": 2}),
+]
+STEPS, D = 9, 41
+
+
+def _problem(n: int):
+    g = torch.Generator().manual_seed(11)
+    return torch.randn(n, D, generator=g), torch.randn(D, generator=g)
+
+
+def _trajectory(c, X, A):
+    """Every case on communicator ``c``: x <- step with u = -0.1 (x - a_node) after set_lr(0.1)."""
+    out = {}
+    layout = algorithms.ParamLayout.from_shapes([(20,), (21,)])
+    for name, opts in WORLD_CASES:
+        alg = algorithms.build(name, c, **opts)
+        Y = X.clone()
+        alg.setup(Y, layout)
+        rows = []
+        for _ in range(STEPS):
+            alg.set_lr(0.1)
+            alg.step(Y, -0.1 * (Y - A))
+            rows.append(Y.clone())
+        out[name] = torch.stack(rows, dim=1)
+    return out, c.ledger.bytes_sent
+
+
+def _rank():
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    A, x1 = _problem(n)
+    c = comm.DistCommunicator(topologies.build("complete", n), timeout=30)
+    traj, sent = _trajectory(c, x1.unsqueeze(0), A[rank : rank + 1])
+    return {k: v[0] for k, v in traj.items()}, sent
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", list(TORCHRUN))
-def test_torchrun_two_processes_equal_the_simulation(tmp_path, name):
-    """Two real processes (gloo) end bit for bit where the 2-node simulation ends (a sum
-    of two values is the same in either order, so the all-reduce is exact here)."""
-    args = [*TORCHRUN[name], "--max-steps", "10", *QUICK]
+def test_two_real_processes_equal_the_simulation_for_every_algorithm():
+    """Each algorithm on 2 real processes (gloo) is its 2-node simulation bit for bit (a sum
+    of two values is the same in either order, so the all-reduce is exact here), bytes too."""
+    from tests._dist import run_world
+
+    results = run_world(2, _rank, timeout=120)
+    A, x1 = _problem(2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks
+    try:
+        sim, _ = _trajectory(comm.SimulatedCommunicator(topologies.build("complete", 2)), x1.repeat(2, 1), A)
+    finally:
+        torch.set_num_threads(threads)
+    for rank, (traj, sent) in enumerate(results):
+        for name, _ in WORLD_CASES:
+            assert torch.equal(traj[name], sim[name][rank]), (name, rank)
+    assert results[0][1] == results[1][1] > 0
+
+
+@pytest.mark.multiprocess
+def test_torchrun_diloco_equals_the_simulation(tmp_path):
+    """The CLI under torchrun, 2 ranks: streaming DiLoCo with 4-bit pseudo-gradients and
+    error feedback, inner AdamW, ends where the 2-node simulation ends, bit for bit."""
+    args = ["--algo", "diloco", "--bits", "4", "--algo-opt", "error_feedback=true", "--algo-opt", "fragments=2",
+            "--algo-opt", "local_steps=4", "--max-steps", "10", *QUICK]
     r = torchrun(2, *args, "--out", str(tmp_path / "dist"))
     assert r.returncode == 0, why(r)
     r = train_process("--simulate", "2", *args, "--out", str(tmp_path / "sim"))

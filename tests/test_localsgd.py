@@ -168,9 +168,15 @@ def test_bad_options_are_one_line():
         algorithms.DiLoCoConfig(local_steps=4, fragments=5)
     with pytest.raises(ValueError, match=r"Arg `outer_momentum` must satisfy 0 <= outer_momentum < 1, got 1.0"):
         algorithms.DiLoCoConfig(outer_momentum=1.0)
-    with pytest.raises(ValueError, match=r"Arg `slow_lr` must be .*> 0|Arg `slow_lr`"):
+    with pytest.raises(ValueError, match=r"Arg `slow_lr` must be a finite number > 0, got 0.0"):
         algorithms.SlowMoConfig(slow_lr=0.0)
-    with pytest.raises(ValueError, match=r"unknown compressor|zip"):
+    with pytest.raises(ValueError, match=r"Arg `outer_lr` must be a finite number > 0, got -1"):
+        algorithms.DiLoCoConfig(outer_lr=-1)
+    with pytest.raises(ValueError, match=r"Arg `local_steps` must be >= 1, got 0"):
+        algorithms.LocalSGDConfig(local_steps=0)
+    with pytest.raises(TypeError, match=r"Arg `error_feedback` must be a bool, got 'yes'"):
+        algorithms.DiLoCoConfig(error_feedback="yes")
+    with pytest.raises(ValueError, match=r"unknown compressor 'zip'; available: .*quant"):
         algorithms.DiLoCoConfig(compressor="zip")
     c = comm.SimulatedCommunicator(world_size=2)
     with pytest.raises(ValueError, match=r"diloco: `fragments` 3 exceeds the model's 2 non-empty tensors"):
@@ -230,6 +236,13 @@ def test_optimizer_defaults_and_refusals():
 ])
 def test_refused_combinations_are_one_line(args, needles):
     _one_error_line(train("--simulate", "2", "--data", "synthetic", "--no-progress", *args), *needles)
+
+
+def test_resume_refuses_another_local_optimizer(tmp_path):
+    common = ["--simulate", "2", "--algo", "localsgd", "--max-steps", "4", *QUICK]
+    assert train(*common, "--out", str(tmp_path / "r")).returncode == 0
+    r = train(*common, "--optimizer", "adamw", "--max-steps", "6", "--resume", str(tmp_path / "r"))
+    _one_error_line(r, "different config", "local_optimizer (absent) != 'adamw'")
 
 
 def test_owner_with_adamw_beta1_0_trains(tmp_path):

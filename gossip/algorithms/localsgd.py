@@ -58,7 +58,10 @@ _PSEUDO_STREAM = 7
 
 
 def _check_positive(name: str, value: Any) -> None:
-    check_float(f"Arg `{name}`", value, lo=0.0, lo_open=True)
+    try:
+        check_float(f"Arg `{name}`", value, lo=0.0, lo_open=True)
+    except ValueError:
+        raise ValueError(f"Arg `{name}` must be a finite number > 0, got {value!r}") from None
 
 
 # --------------------------------------------------------------------------------------

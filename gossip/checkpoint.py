@@ -118,8 +118,6 @@ def config_fingerprint(config: Mapping[str, Any], keys: Iterable[str] | None = N
 
 def _config_diff(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     diffs = []
-    for key in sorted(set(current) - set(stored)):  # a key a newer run fingerprints, e.g. local_optimizer
-        diffs.append(f"{key} (absent) != {current[key]!r}")
     for key in sorted(stored):
         if key not in current:
             diffs.append(f"{key} {stored[key]!r} != (absent)")

@@ -683,6 +683,7 @@ class Run:
         """Load and restore every part from one checkpoint file; the error, or None. A
         later candidate overwrites whatever a failed one restored."""
         try:
+            self._check_optimizer(path)
             payload = checkpoint.load_checkpoint(
                 path, expect_config={k: self.cfg_dict[k] for k in self.fp_keys},
                 expect_fingerprint=self.fingerprint, expect_world_size=self.env.world_size,
@@ -702,6 +703,17 @@ class Run:
             return str(e)
         self.progress = record.progress
         return None
+
+    def _check_optimizer(self, path: Path) -> None:
+        """A checkpoint without ``local_optimizer`` in its config was written by an SGD run
+        (of a version before --optimizer, or fingerprinted as one): say so by name,
+        where the fingerprint alone would only differ."""
+        stored = checkpoint.checkpoint_info(path).get("config") or {}
+        mine = self.cfg_dict["local_optimizer"]
+        if "local_optimizer" not in stored and mine != "sgd":
+            raise checkpoint.CheckpointError(
+                f"checkpoint '{path}' was written with a different config: local_optimizer 'sgd' != {mine!r}"
+            )
 
     # --- the end -------------------------------------------------------------------------
     def finish(self) -> dict | None:

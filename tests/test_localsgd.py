@@ -242,7 +242,7 @@ def test_resume_refuses_another_local_optimizer(tmp_path):
     common = ["--simulate", "2", "--algo", "localsgd", "--max-steps", "4", *QUICK]
     assert train(*common, "--out", str(tmp_path / "r")).returncode == 0
     r = train(*common, "--optimizer", "adamw", "--max-steps", "6", "--resume", str(tmp_path / "r"))
-    _one_error_line(r, "different config", "local_optimizer (absent) != 'adamw'")
+    _one_error_line(r, "different config", "local_optimizer 'sgd' != 'adamw'")
 
 
 def test_owner_with_adamw_beta1_0_trains(tmp_path):

@@ -274,6 +274,14 @@ class Algorithm:
         """The compressor whose payloads go on the wire each step (None if none)."""
         return None
 
+    @property
+    def period(self) -> int:
+        """Steps in one communication cycle: 1 where every step communicates, H for the
+        algorithms that communicate every H steps (``local_steps``). Any ``period``
+        consecutive steps carry the same traffic, so a measurement of bytes per step
+        covers a multiple of it."""
+        return 1
+
     # --- state ---------------------------------------------------------------------
     def state_dict(self) -> dict:
         if self.state is None:

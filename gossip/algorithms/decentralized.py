@@ -293,6 +293,10 @@ class DPSGD(_Gossip):
     def __init__(self, config: DPSGDConfig, comm: Any) -> None:
         super().__init__(config, comm)
 
+    @property
+    def period(self) -> int:
+        return self.config.local_steps
+
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         t = self.state.t
         if t % self.config.local_steps:  # a local step: no gossip

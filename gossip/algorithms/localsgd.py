@@ -181,6 +181,10 @@ class _Periodic(Algorithm):
     def wire_format(self) -> WireFormat:
         return WireFormat("fp32", 32.0)
 
+    @property
+    def period(self) -> int:
+        return self.config.local_steps
+
     def _local(self, X: torch.Tensor, U: torch.Tensor) -> bool:
         """Step I: the local optimizer's step; True when the round ends here."""
         X.add_(U)

@@ -207,7 +207,6 @@ class OptimSection:
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         _check_number("lr", self.lr, strict=True, allow_none=True)
-        _check_number("momentum", self.momentum, strict=False, allow_none=True)
         _check_number("weight_decay", self.weight_decay, strict=False)
         for name in ("momentum", "beta1", "beta2"):
             v = getattr(self, name)

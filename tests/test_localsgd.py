@@ -224,6 +224,19 @@ def test_optimizer_defaults_and_refusals():
         TrainConfig.from_flat(optimizer="adamw", beta1=1.0)
 
 
+def test_optimizer_from_a_toml_file(tmp_path):
+    from gossip.config import parse_args
+
+    f = tmp_path / "run.toml"
+    f.write_text('algo = "localsgd"\n[optim]\noptimizer = "adamw"\nbeta1 = 0.8\nweight-decay = 0.1\n'
+                 '[algorithm.options]\nlocal_steps = 5\n')
+    cfg = parse_args(["--config", str(f)])
+    assert cfg.local_optimizer == "adamw" and cfg.betas == (0.8, 0.999) and cfg.optim.weight_decay == 0.1
+    assert dict(cfg.algorithm.options) == {"local_steps": 5}
+    with pytest.raises(ConfigError, match=r"--beta1/--beta2 are AdamW's"):
+        parse_args(["--config", str(f), "--optimizer", "sgd"])  # the file's beta1 with the flag's SGD
+
+
 @pytest.mark.parametrize("args,needles", [
     # an algorithm that owns momentum, with AdamW's beta1 > 0: they would compound
     (["--algo", "powersgd", "--optimizer", "adamw"], ["powersgd applies its own momentum", "beta1", "--beta1 0"]),

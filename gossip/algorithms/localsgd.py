@@ -26,6 +26,11 @@ Bytes per node per H steps (ledger): one ring all-reduce of the fp32 model,
 randomblock) all-reduces its kept fp32 values; with any other compressor it
 all-gathers the packed payloads, (n - 1) x payload_nbytes(d): for ``quant:bits=4``
 on 2 nodes an eighth of the fp32 all-reduce plus the headers and scales.
+
+Simulation and torchrun: the all-gathered path decodes and averages the same payloads
+in the same order everywhere, so it is bit-identical between the two; an all-reduce
+is, like ``allreduce``'s, equal only to rounding beyond 2 nodes (the backend's ring
+adds in another order, see docs/comm.md).
 """
 
 from __future__ import annotations

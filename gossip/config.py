@@ -39,6 +39,7 @@ __all__ = [
     "DataSection",
     "FLAT_KEYS",
     "LR_SCHEDULES",
+    "OPTIMIZERS",
     "ModelSection",
     "OptimSection",
     "RunSection",
@@ -49,6 +50,12 @@ __all__ = [
 ]
 
 LR_SCHEDULES = ("constant", "cosine", "step")
+#: the local optimizers of ``--optimizer``
+OPTIMIZERS = ("sgd", "adamw")
+#: the learning rate of each local optimizer when ``--lr`` is unset
+DEFAULT_LR = {"sgd": 0.05, "adamw": 0.001}
+#: AdamW's (beta1, beta2) when ``--beta1``/``--beta2`` are unset (torch's defaults)
+DEFAULT_BETAS = (0.9, 0.999)
 #: the algorithms ``--merge`` can schedule (papers/004 over papers/000's error feedback)
 MERGE_ALGOS = ("efsgd", "efblocksgd", "efblocksgdm")
 
@@ -180,21 +187,32 @@ class ModelSection:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimSection:
-    """``[optim]``: the local optimizer and its schedule."""
+    """``[optim]``: the local optimizer and its schedule.
 
-    lr: float = 0.05
+    ``optimizer`` unset is the algorithm's default (sgd; adamw for diloco); ``lr`` unset
+    is :data:`DEFAULT_LR` of that optimizer; ``beta1``/``beta2`` are AdamW's (unset:
+    0.9 and 0.999), ``momentum`` is SGD's."""
+
+    lr: float | None = None
     lr_schedule: str = "constant"
     momentum: float | None = None
     weight_decay: float = 0.0
+    optimizer: str | None = None
+    beta1: float | None = None
+    beta2: float | None = None
 
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ConfigError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
-        _check_number("lr", self.lr, strict=True)
-        _check_number("momentum", self.momentum, strict=False, allow_none=True)
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        _check_number("lr", self.lr, strict=True, allow_none=True)
         _check_number("weight_decay", self.weight_decay, strict=False)
-        if self.momentum is not None and self.momentum >= 1.0:
-            raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum!r}")
+        for name in ("momentum", "beta1", "beta2"):
+            v = getattr(self, name)
+            _check_number(name, v, strict=False, allow_none=True)
+            if v is not None and v >= 1.0:
+                raise ConfigError(f"--{name} must be in [0, 1), got {v!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -469,7 +487,12 @@ class TrainConfig:
         return TrainConfig.from_flat(current, **flat)
 
     def _check_across(self) -> None:
-        alg, comm = self.algorithm, self.comm
+        alg, comm, opt = self.algorithm, self.comm, self.optim
+        which = "--optimizer adamw" if opt.optimizer else f"--algo {alg.name}'s default optimizer adamw"
+        if self.local_optimizer == "adamw" and opt.momentum is not None and "momentum" not in _algo_fields(alg.name):
+            raise ConfigError(f"--momentum is the SGD optimizer's; {which} has --beta1 (its momentum) and --beta2 instead")
+        if self.local_optimizer == "sgd" and (opt.beta1 is not None or opt.beta2 is not None):
+            raise ConfigError("--beta1/--beta2 are AdamW's; give --optimizer adamw with them (SGD has --momentum)")
         if comm.simulate is not None and alg.decentralized and comm.simulate < 2:
             raise ConfigError(f"--simulate must be >= 2 for the decentralized --algo {alg.name}, got {comm.simulate}")
         if alg.merge is not None and alg.merge not in ("layer", "whole") and comm.simulate is not None and comm.simulate > 1:
@@ -481,14 +504,37 @@ class TrainConfig:
     # --- derived ---------------------------------------------------------------------
     @property
     def local_momentum(self) -> float:
-        """Momentum of the local SGD optimizer: none where the algorithm has its own."""
-        if "momentum" in _algo_fields(self.algorithm.name):
+        """Momentum of the local SGD optimizer: none where the algorithm has its own or
+        the local optimizer is AdamW (its momentum is beta1)."""
+        if "momentum" in _algo_fields(self.algorithm.name) or self.local_optimizer != "sgd":
             return 0.0
         if self.optim.momentum is not None:
             return self.optim.momentum
         from gossip import algorithms as _alg
 
         return _alg.local_momentum_default(self.algorithm.name)
+
+    @property
+    def local_optimizer(self) -> str:
+        """``sgd`` or ``adamw``: --optimizer, else the algorithm's default."""
+        if self.optim.optimizer is not None:
+            return self.optim.optimizer
+        from gossip import algorithms as _alg
+
+        return _alg.local_optimizer_default(self.algorithm.name)
+
+    @property
+    def learning_rate(self) -> float:
+        """--lr, else the local optimizer's default (:data:`DEFAULT_LR`)."""
+        return self.optim.lr if self.optim.lr is not None else DEFAULT_LR[self.local_optimizer]
+
+    @property
+    def betas(self) -> tuple[float, float] | None:
+        """AdamW's (beta1, beta2); None for SGD."""
+        if self.local_optimizer != "adamw":
+            return None
+        b1, b2 = self.optim.beta1, self.optim.beta2
+        return (DEFAULT_BETAS[0] if b1 is None else b1, DEFAULT_BETAS[1] if b2 is None else b2)
 
     @property
     def model_name(self) -> str:
@@ -510,9 +556,13 @@ class TrainConfig:
         """config.json's keys: the flat keys in the historical order, then derived ones."""
         flat = self.flat()
         d = {k: flat[k] for k in _FLAT_ORDER}
+        d["lr"] = self.learning_rate  # the value the run uses (unset: the optimizer's default)
         d["compressor_spec"] = self.algorithm.compressor_spec
         d["model_name"] = self.model_name
         d["local_momentum"] = self.local_momentum
+        d["local_optimizer"] = self.local_optimizer
+        betas = self.betas
+        d["betas"] = list(betas) if betas is not None else None
         return d
 
 
@@ -522,7 +572,7 @@ _FLAT_ORDER = (
     "data_dir", "partition", "epochs", "max_steps", "batch_size", "lr", "lr_schedule", "momentum",
     "weight_decay", "seed", "device", "out", "checkpoint_every", "resume", "timeout", "emulate_latency",
     "simulate", "log_every", "progress", "merge", "merge_max_groups", "merge_alpha", "algo_options",
-    "tensorboard", "overwrite",
+    "tensorboard", "overwrite", "optimizer", "beta1", "beta2",
 )
 assert set(_FLAT_ORDER) == set(FLAT_KEYS), "every flat key has its place in config.json"
 
@@ -552,11 +602,15 @@ _HELP = {
     "epochs": "passes over each node's shard",
     "max_steps": "stop after this many steps (the schedule still spans --epochs; resume to go on)",
     "batch_size": "mini-batch size per node",
-    "lr": "learning rate gamma of the local optimizer",
+    "lr": "learning rate gamma of the local optimizer (unset: 0.05 for sgd, 0.001 for adamw)",
     "lr_schedule": "constant, cosine (to 0 over the run) or step (x0.1 at 50%% and 75%%)",
     "momentum": "momentum of the local SGD optimizer (unset: 0.9 for allreduce and the decentralized algorithms, "
     "0 for signsgd), or of the algorithm where it has its own (efsgd family, signum, powersgd; unset: its default)",
-    "weight_decay": "weight decay of the local SGD optimizer",
+    "weight_decay": "weight decay of the local optimizer (AdamW's is decoupled)",
+    "optimizer": "the local optimizer (unset: adamw for diloco, sgd for every other algorithm); an "
+    "algorithm that applies its own momentum refuses adamw with --beta1 > 0",
+    "beta1": "AdamW's first-moment decay, its momentum (unset: 0.9); adamw only",
+    "beta2": "AdamW's second-moment decay (unset: 0.999); adamw only",
     "seed": "seed of the model's x_1, the data order and the compressors' randomness",
     "device": "auto (cuda if available), cpu (gloo) or cuda (NCCL)",
     "out": "output directory (default runs/<timestamp>-<algo>-<topology>)",
@@ -633,6 +687,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("lr_schedule", choices=list(LR_SCHEDULES))
     add("momentum", type=float)
     add("weight_decay", type=float)
+    add("optimizer", choices=list(OPTIMIZERS))
+    add("beta1", type=float)
+    add("beta2", type=float)
     add("seed", type=int)
     add("device", choices=["auto", "cpu", "cuda"])
     add("out", metavar="DIR")
@@ -712,7 +769,7 @@ def _load_toml(path: str) -> dict[str, Any]:
                 fld = k2.replace("-", "_")
                 flat = _FIELD_TO_FLAT.get((key, fld)) or (fld if FLAT_KEYS.get(fld, ("",))[0] == key else None)
                 if flat is None:
-                    fields = sorted(f.name for f in dataclasses.fields(SECTIONS[key]))
+                    fields = [f.name for f in dataclasses.fields(SECTIONS[key])]  # declared order
                     raise ConfigError(
                         f"--config {path!r}: unknown key {k2!r} in [{key}]; accepted: {', '.join(fields)}"
                     )

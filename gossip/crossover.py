@@ -151,7 +151,8 @@ def model_factory(model: str | None, params: int | None) -> tuple[Callable[[], A
 def measure(cand: Candidate, factory: Callable[[], Any], input_shape: Sequence[int], classes: int, *,
             world_size: int, topology: str, degree: int | None = None, batch_size: int = 32,
             steps: int = 3, seed: int = 0) -> Measured:
-    """Run ``steps`` steps (after one warm-up step) of ``cand`` on ``world_size`` simulated nodes."""
+    """Run ``steps`` steps (after one warm-up step) of ``cand`` on ``world_size`` simulated nodes,
+    rounded up to whole communication cycles (``Algorithm.period``)."""
     import torch
     import torch.nn.functional as F
 
@@ -190,8 +191,11 @@ def measure(cand: Candidate, factory: Callable[[], Any], input_shape: Sequence[i
         gopt.step()
         ledger.step()
 
-    with ledger.warmup():  # compilation and first calls
-        one_step()
+    with ledger.warmup():  # compilation and first calls (of a whole cycle: its first exchange too)
+        for _ in range(algo.period):
+            one_step()
+    # whole communication cycles (local SGD, DiLoCo: one all-reduce per local_steps steps)
+    steps = -(-steps // algo.period) * algo.period
     before = ledger.as_dict()
     for _ in range(steps):
         one_step()
@@ -255,7 +259,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--link-overhead", type=float, default=LINK_OVERHEAD,
                    help=f"bytes on the wire per payload byte (default {LINK_OVERHEAD}: TCP/IP framing)")
     p.add_argument("--batch-size", type=int, default=32, help="per node, for the compute time (default 32)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per candidate after one warm-up (default 3)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per candidate after one warm-up, rounded up to whole communication "
+                   "cycles of the algorithms that communicate every H steps (default 3)")
     p.add_argument("--json", action="store_true", help="print the table as JSON instead")
     p.add_argument("--plot", metavar="FILE.png", help="draw step time against bandwidth, crossovers marked")
     return p

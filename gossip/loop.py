@@ -33,7 +33,7 @@ from gossip.errors import NonFiniteError
 from gossip.config import TrainConfig
 from gossip.runtime import GossipOptimizer
 
-__all__ = ["CheckpointRecord", "Diverged", "FINGERPRINT_KEYS", "Progress", "Run", "RunError", "run"]
+__all__ = ["CheckpointRecord", "Diverged", "FINGERPRINT_KEYS", "Progress", "Run", "RunError", "fingerprint_keys", "run"]
 
 
 class RunError(RuntimeError):
@@ -56,6 +56,16 @@ FINGERPRINT_KEYS = (
     "momentum", "local_momentum", "weight_decay", "seed", "merge", "merge_max_groups", "merge_alpha",
     "algo_options",
 )
+#: fingerprinted too where the local optimizer is not SGD: checkpoints written before
+#: ``--optimizer`` existed (all SGD) keep the fingerprint they were written with
+OPTIMIZER_FINGERPRINT_KEYS = ("local_optimizer", "betas")
+
+
+def fingerprint_keys(config: dict) -> tuple[str, ...]:
+    """The config keys a checkpoint of this run is fingerprinted with."""
+    if config.get("local_optimizer", "sgd") == "sgd":
+        return FINGERPRINT_KEYS
+    return FINGERPRINT_KEYS + OPTIMIZER_FINGERPRINT_KEYS
 
 
 # --------------------------------------------------------------------------------------
@@ -160,7 +170,8 @@ def _build_model(cfg: TrainConfig, dataset, device: torch.device) -> torch.nn.Mo
 
 #: full copies of the flat parameters a node keeps, roughly: the model, its gradient,
 #: the local optimizer's momentum, the flat buffers, and the algorithm's own state
-_STATE_COPIES = {"dcd": 8, "ecd": 9, "naive": 5, "dpsgd": 5, "allreduce": 5, "powersgd": 7, "efmomentum": 7}
+_STATE_COPIES = {"dcd": 8, "ecd": 9, "naive": 5, "dpsgd": 5, "allreduce": 5, "powersgd": 7, "efmomentum": 7,
+                 "localsgd": 5, "slowmo": 7, "diloco": 9}
 
 
 def _available_bytes() -> int | None:
@@ -201,8 +212,18 @@ def _device(cfg: TrainConfig, env: _Env) -> torch.device:
     return torch.device("cpu")
 
 
+def _local_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """--optimizer: SGD with the local momentum, or AdamW with --beta1/--beta2 (decoupled
+    weight decay); --lr and --weight-decay for both."""
+    if cfg.local_optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=cfg.betas,
+                                 weight_decay=cfg.optim.weight_decay)
+    return torch.optim.SGD(model.parameters(), lr=cfg.learning_rate, momentum=cfg.local_momentum,
+                           weight_decay=cfg.optim.weight_decay)
+
+
 def _lr_at(cfg: TrainConfig, step: int, total: int) -> float:
-    lr, schedule = cfg.optim.lr, cfg.optim.lr_schedule
+    lr, schedule = cfg.learning_rate, cfg.optim.lr_schedule
     if schedule == "cosine":
         return 0.5 * lr * (1.0 + math.cos(math.pi * step / max(1, total)))
     if schedule == "step":
@@ -303,7 +324,7 @@ def run(cfg: TrainConfig) -> dict | None:
 #: (paths such as --out and --data-dir may differ between hosts)
 AGREE_KEYS = FINGERPRINT_KEYS + (
     "max_steps", "checkpoint_every", "log_every", "emulate_latency", "device", "simulate", "tensorboard",
-)
+) + OPTIMIZER_FINGERPRINT_KEYS
 
 
 def _agree_config(cfg: TrainConfig, env: _Env) -> None:
@@ -433,7 +454,8 @@ class Run:
         self.is_main = env.rank == 0
         self.out = _agree_out_dir(cfg, env)
         self.cfg_dict = cfg.to_dict()
-        self.fingerprint = checkpoint.config_fingerprint(self.cfg_dict, FINGERPRINT_KEYS)
+        self.fp_keys = fingerprint_keys(self.cfg_dict)
+        self.fingerprint = checkpoint.config_fingerprint(self.cfg_dict, self.fp_keys)
         # Step 1: the algorithm, then identical x_1 on every node with its local optimizer
         self.algo = _build_algorithm(cfg, comm)
         self.models = []
@@ -442,11 +464,7 @@ class Run:
             self.models.append(_build_model(cfg, dataset, device))
             if k == 0:  # before m copies exist: will they fit?
                 _check_memory(cfg, len(self.nodes), sum(p.numel() for p in self.models[0].parameters()), device)
-        self.opts = [
-            torch.optim.SGD(m.parameters(), lr=cfg.optim.lr, momentum=cfg.local_momentum,
-                            weight_decay=cfg.optim.weight_decay)
-            for m in self.models
-        ]
+        self.opts = [_local_optimizer(cfg, m) for m in self.models]
         try:  # the algorithm's setup meets the model here (its layout, the local momentum)
             self.gopt = GossipOptimizer(self.models, self.opts, self.algo)
         except (ValueError, TypeError) as e:
@@ -653,7 +671,7 @@ class Run:
         )
         checkpoint.save_checkpoint(
             checkpoint.checkpoint_path(self.out, self.progress.step, self.env.rank), record.to_payload(),
-            config=self.cfg_dict, fingerprint_keys=FINGERPRINT_KEYS, fingerprint=self.fingerprint,
+            config=self.cfg_dict, fingerprint_keys=self.fp_keys, fingerprint=self.fingerprint,
             world_size=self.env.world_size,
         )
 
@@ -694,8 +712,9 @@ class Run:
         """Load and restore every part from one checkpoint file; the error, or None. A
         later candidate overwrites whatever a failed one restored."""
         try:
+            self._check_optimizer(path)
             payload = checkpoint.load_checkpoint(
-                path, expect_config={k: self.cfg_dict[k] for k in FINGERPRINT_KEYS},
+                path, expect_config={k: self.cfg_dict[k] for k in self.fp_keys},
                 expect_fingerprint=self.fingerprint, expect_world_size=self.env.world_size,
             )
             record = CheckpointRecord.from_payload(payload, str(path))
@@ -713,6 +732,17 @@ class Run:
             return str(e)
         self.progress = record.progress
         return None
+
+    def _check_optimizer(self, path: Path) -> None:
+        """A checkpoint without ``local_optimizer`` in its config was written by an SGD run
+        (of a version before --optimizer, or fingerprinted as one): say so by name,
+        where the fingerprint alone would only differ."""
+        stored = checkpoint.checkpoint_info(path).get("config") or {}
+        mine = self.cfg_dict["local_optimizer"]
+        if "local_optimizer" not in stored and mine != "sgd":
+            raise checkpoint.CheckpointError(
+                f"checkpoint '{path}' was written with a different config: local_optimizer 'sgd' != {mine!r}"
+            )
 
     # --- the end -------------------------------------------------------------------------
     def finish(self) -> dict | None:

@@ -113,6 +113,13 @@ def _check_momentum(algorithm: Any, optimizers: Sequence[torch.optim.Optimizer])
     for opt in optimizers:
         for group in opt.param_groups:
             mom = group.get("momentum", 0.0) or group.get("betas", (0.0,))[0]
+            if mom and "betas" in group:  # Adam's first-moment decay is its momentum
+                raise MomentumConflict(
+                    f"{algorithm.name} applies its own momentum ({algorithm.config.momentum:g}) and the local "
+                    f"{type(opt).__name__} has momentum {mom:g} (beta1): they would compound; give the local "
+                    f"optimizer betas=(0, beta2) (--beta1 0), use SGD with momentum=0, or set the algorithm's "
+                    f"momentum to 0"
+                )
             if mom:
                 raise MomentumConflict(
                     f"{algorithm.name} applies its own momentum ({algorithm.config.momentum:g}) and the local "

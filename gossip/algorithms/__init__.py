@@ -25,6 +25,14 @@ from gossip.algorithms.efsgd import (
     Signum,
     SignumConfig,
 )
+from gossip.algorithms.localsgd import (
+    DiLoCo,
+    DiLoCoConfig,
+    LocalSGD,
+    LocalSGDConfig,
+    SlowMo,
+    SlowMoConfig,
+)
 from gossip.algorithms.efmomentum import EFMomentum, EFMomentumConfig
 from gossip.algorithms.powersgd import PowerSGD, PowerSGDConfig
 from gossip.algorithms.sketched import (
@@ -84,11 +92,18 @@ __all__ = [
     "TrueTopKConfig",
     "LocalTopK",
     "LocalTopKConfig",
+    "LocalSGD",
+    "LocalSGDConfig",
+    "SlowMo",
+    "SlowMoConfig",
+    "DiLoCo",
+    "DiLoCoConfig",
     "available",
     "build",
     "config_class",
     "is_decentralized",
     "local_momentum_default",
+    "local_optimizer_default",
 ]
 
 #: the algorithms: name -> (class, Config); every part of the project reaches them here
@@ -109,6 +124,9 @@ for _cls, _cfg in (
     (Sketched, SketchedConfig),
     (TrueTopK, TrueTopKConfig),
     (LocalTopK, LocalTopKConfig),
+    (LocalSGD, LocalSGDConfig),
+    (SlowMo, SlowMoConfig),
+    (DiLoCo, DiLoCoConfig),
 ):
     _REGISTRY.register(_cls.name, (_cls, _cfg), _cls.summary)
 
@@ -127,12 +145,18 @@ def config_class(name: str) -> type:
 
 
 def is_decentralized(name: str) -> bool:
-    return _lookup(name)[0].acts_on == "model"
+    """Whether the algorithm exchanges with graph neighbours (needs a topology)."""
+    return _lookup(name)[0].decentralized
 
 
 def local_momentum_default(name: str) -> float:
     """Momentum of the CLI's local SGD optimizer when --momentum is unset."""
     return _lookup(name)[0].local_momentum_default
+
+
+def local_optimizer_default(name: str) -> str:
+    """The CLI's local optimizer when --optimizer is unset: "sgd", or "adamw" for diloco."""
+    return _lookup(name)[0].local_optimizer_default
 
 
 #: the EF family's scheduling options: with ``merge`` set, ``build`` returns MergeComp

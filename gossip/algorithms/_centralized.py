@@ -72,6 +72,7 @@ class _Centralized(Algorithm):
     """
 
     acts_on = "gradient"
+    decentralized = False
     #: the compressed direction is the whole update: no local momentum unless asked for
     local_momentum_default = 0.0
 

@@ -34,6 +34,7 @@ class AllReduceState:
 class AllReduce(Algorithm):
     name = "allreduce"
     acts_on = "gradient"
+    decentralized = False
     summary = "C-PSGD: all-reduce the full-precision gradients (centralized baseline)"
 
     def __init__(self, config: AllReduceConfig, comm: Any) -> None:

@@ -18,7 +18,8 @@ of the model), then every step ``set_lr(lr)`` and ``step``/``reduce_gradients``;
 the hooks ``on_step_end``, ``on_epoch_end``, ``set_event_sink``, ``attach``, ``report`` and
 ``wire_format`` are declared on :class:`Algorithm` with no-op defaults, so a caller
 calls them on any algorithm without probing it. ``owns_momentum`` says whether the
-algorithm applies momentum itself. Configs never carry shapes or offsets; the options
+algorithm applies momentum itself; ``decentralized`` whether it needs a graph (a model
+algorithm may average over all nodes instead: local SGD, SlowMo, DiLoCo). Configs never carry shapes or offsets; the options
 a caller may fill in from its own flags are :data:`COMMON_OPTIONS`.
 
 Tensors are batched over the nodes a process hosts (see docs/internals.md): ``X``,
@@ -195,6 +196,11 @@ class Algorithm:
     #: True where the algorithm applies momentum itself: the local optimizer must then
     #: have none (GossipOptimizer refuses one that has), or momentum would compound
     owns_momentum: ClassVar[bool] = False
+    #: True where the algorithm exchanges with graph neighbours (it needs a topology and
+    #: at least 2 nodes); False for the all-reduce algorithms, whatever they act on
+    decentralized: ClassVar[bool] = True
+    #: the CLI's local optimizer when ``--optimizer`` is unset (``"sgd"`` or ``"adamw"``)
+    local_optimizer_default: ClassVar[str] = "sgd"
 
     def __init__(self, config: Any, comm: Any) -> None:
         self.config = config
@@ -267,6 +273,14 @@ class Algorithm:
     def payload_compressor(self) -> Any:
         """The compressor whose payloads go on the wire each step (None if none)."""
         return None
+
+    @property
+    def period(self) -> int:
+        """Steps in one communication cycle: 1 where every step communicates, H for the
+        algorithms that communicate every H steps (``local_steps``). Any ``period``
+        consecutive steps carry the same traffic, so a measurement of bytes per step
+        covers a multiple of it."""
+        return 1
 
     # --- state ---------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -76,9 +76,11 @@ def _unbiased_names() -> list[str]:
 
 @dataclass(frozen=True, kw_only=True)
 class DPSGDConfig:
-    """D-PSGD: full-precision models are exchanged (``precision`` = wire format)."""
+    """D-PSGD: full-precision models are exchanged (``precision`` = wire format);
+    ``local_steps`` H > 1 gossips only after every H-th step (local steps between)."""
 
     precision: str = "fp32"
+    local_steps: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -86,6 +88,7 @@ class DPSGDConfig:
             raise ValueError(
                 f"Arg `precision` must be 'fp32' or 'fp16', got {self.precision!r}"
             )
+        check_int("local_steps", self.local_steps, minimum=1)
         check_int("seed", self.seed, minimum=0)
 
     @property
@@ -280,6 +283,8 @@ class DPSGD(_Gossip):
 
     Step I:   send x_i to every neighbour, receive x_j.
     Step II:  x_i <- W_ii x_i + sum_{j != i} W_ij x_j + u_i.
+    With ``local_steps`` H > 1, steps t with t % H != 0 are local (x_i <- x_i + u_i,
+    nothing sent) and steps I-II run at t = H, 2H, ...; H = 1 is D-PSGD.
     """
 
     name = "dpsgd"
@@ -288,8 +293,16 @@ class DPSGD(_Gossip):
     def __init__(self, config: DPSGDConfig, comm: Any) -> None:
         super().__init__(config, comm)
 
+    @property
+    def period(self) -> int:
+        return self.config.local_steps
+
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         t = self.state.t
+        if t % self.config.local_steps:  # a local step: no gossip
+            X.add_(U)
+            self.state.t = t + 1
+            return
         # Step I
         _, mixed, _, _ = self._gossip(X, t, self.compressor, want_own=False)
         # Step II

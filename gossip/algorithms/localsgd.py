@@ -1,0 +1,384 @@
+"""Communicate less often: local SGD, SlowMo and DiLoCo.
+
+All three let every node take ``H = local_steps`` steps of its local optimizer on its
+own, then synchronise the nodes with one all-reduce (over all nodes: no graph). Node
+i, round start x_s (the model every node held after the last synchronisation), local
+update u_i (the local optimizer's step, ``-gamma * g_i`` for plain SGD), mean over the
+n nodes written xbar:
+
+* local SGD:  x_i <- x_i + u_i every step; after every H-th step x_i <- xbar.
+* SlowMo (Wang et al., ICLR 2020, Alg. 1), step size eta (the current learning rate):
+  after every H-th step,  v <- beta v + (x_s - xbar) / eta,  x <- x_s - alpha eta v.
+* DiLoCo (Douillard et al. 2023, Alg. 1): after every H-th step the outer gradient
+  Delta = x_s - mean_i x_i (each node sends Delta_i = x_s - x_i, compressed with any
+  compressor of the registry, optionally with error feedback), then an outer Nesterov
+  SGD step  b <- mu b + Delta,  x <- x_s - lr_out (Delta + mu b).  With ``fragments=F``
+  (Streaming DiLoCo, 2025) the model is cut into F fragments that are synchronised
+  at staggered steps: fragment f after every step t with t = o_f (mod H),
+  o_f = ((f + 1) H // F) mod H; every fragment still synchronises once per H steps.
+
+They act on the model (``acts_on = "model"``): the local optimizer steps first, its
+state (momentum buffers, AdamW's moments) stays each node's own and is neither
+averaged nor reset at a synchronisation. Nothing is sent on the other steps.
+
+Bytes per node per H steps (ledger): one ring all-reduce of the fp32 model,
+2 (n - 1) / n x 4 d. DiLoCo with a linear compressor (identity, randomk,
+randomblock) all-reduces its kept fp32 values; with any other compressor it
+all-gathers the packed payloads, (n - 1) x payload_nbytes(d): for ``quant:bits=4``
+on 2 nodes an eighth of the fp32 all-reduce plus the headers and scales.
+
+Simulation and torchrun: the all-gathered path decodes and averages the same payloads
+in the same order everywhere, so it is bit-identical between the two; an all-reduce
+is, like ``allreduce``'s, equal only to rounding beyond 2 nodes (the backend's ring
+adds in another order, see docs/comm.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from gossip import compress as _compress
+from gossip._checks import check_float
+from gossip.algorithms._centralized import ErrorFeedback, check_fraction, check_spec
+from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
+from gossip.algorithms.base import Algorithm, ParamLayout, WireFormat, code_bits
+from gossip.compress import wire as _wire
+
+__all__ = [
+    "DiLoCo",
+    "DiLoCoConfig",
+    "DiLoCoState",
+    "LocalSGD",
+    "LocalSGDConfig",
+    "LocalState",
+    "SlowMo",
+    "SlowMoConfig",
+    "SlowMoState",
+]
+
+_PSEUDO_STREAM = 7
+
+
+def _check_positive(name: str, value: Any) -> None:
+    try:
+        check_float(f"Arg `{name}`", value, lo=0.0, lo_open=True)
+    except ValueError:
+        raise ValueError(f"Arg `{name}` must be a finite number > 0, got {value!r}") from None
+
+
+# --------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class LocalSGDConfig:
+    """``local_steps``: H, the local steps between two averages (1: average every step)."""
+
+    local_steps: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("local_steps", self.local_steps, minimum=1)
+        check_int("seed", self.seed, minimum=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlowMoConfig:
+    """``slow_lr``: alpha; ``slow_momentum``: beta (papers' defaults alpha = 1, beta = 0.7)."""
+
+    local_steps: int = 12
+    slow_lr: float = 1.0
+    slow_momentum: float = 0.7
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("local_steps", self.local_steps, minimum=1)
+        _check_positive("slow_lr", self.slow_lr)
+        check_fraction("slow_momentum", self.slow_momentum)
+        check_int("seed", self.seed, minimum=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiLoCoConfig:
+    """DiLoCo's outer step and pseudo-gradient exchange.
+
+    ``outer_lr`` 0.7 and ``outer_momentum`` 0.9 (Nesterov) are the paper's; ``compressor``
+    compresses each node's pseudo-gradient (``identity``: exact); ``error_feedback``
+    keeps what compression dropped for the next round; ``fragments`` F > 1 is the
+    streaming variant (F <= local_steps, so every fragment has its own step).
+    """
+
+    local_steps: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    compressor: str = "identity"
+    error_feedback: bool = False
+    fragments: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("local_steps", self.local_steps, minimum=1)
+        _check_positive("outer_lr", self.outer_lr)
+        check_fraction("outer_momentum", self.outer_momentum)
+        check_spec(self.compressor, "diloco")
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError(f"Arg `error_feedback` must be a bool, got {self.error_feedback!r}")
+        check_int("fragments", self.fragments, minimum=1)
+        if self.fragments > self.local_steps:
+            raise ValueError(
+                f"Arg `fragments` must be <= local_steps ({self.local_steps}) so that every fragment "
+                f"synchronises at a step of its own, got {self.fragments}"
+            )
+        check_int("seed", self.seed, minimum=0)
+
+
+# --------------------------------------------------------------------------------------
+# State
+# --------------------------------------------------------------------------------------
+@dataclass
+class LocalState:
+    """``t``: local steps taken; the step in the round is ``t % local_steps``."""
+
+    t: int
+
+
+@dataclass
+class SlowMoState:
+    """``start`` (m, d): x_s, the round's start; ``slow`` (m, d): the slow momentum v
+    (identical on every node)."""
+
+    t: int
+    start: torch.Tensor
+    slow: torch.Tensor
+
+
+@dataclass
+class DiLoCoState:
+    """``start`` (m, d): each coordinate's value at its fragment's last synchronisation
+    (theta of the round); ``momentum`` (m, d): the outer Nesterov buffer b; ``error``
+    (m, d): the error-feedback memory (empty without ``error_feedback``). Random keys
+    are a pure function of (seed, node, t), so no generator state is kept."""
+
+    t: int
+    start: torch.Tensor
+    momentum: torch.Tensor
+    error: torch.Tensor
+
+
+# --------------------------------------------------------------------------------------
+# Algorithms
+# --------------------------------------------------------------------------------------
+class _Periodic(Algorithm):
+    """Local steps, then an all-reduce every ``local_steps`` steps."""
+
+    decentralized = False
+
+    def __init__(self, config: Any, comm: Any) -> None:
+        super().__init__(config, comm)
+        self.lr = 1.0
+
+    def set_lr(self, lr: float) -> None:
+        check_float("Arg `lr`", lr, lo=0.0, lo_open=True)
+        self.lr = float(lr)
+
+    def wire_format(self) -> WireFormat:
+        return WireFormat("fp32", 32.0)
+
+    @property
+    def period(self) -> int:
+        return self.config.local_steps
+
+    def _local(self, X: torch.Tensor, U: torch.Tensor) -> bool:
+        """Step I: the local optimizer's step; True when the round ends here."""
+        X.add_(U)
+        self.state.t += 1
+        return self.state.t % self.config.local_steps == 0
+
+    def _average(self, X: torch.Tensor) -> torch.Tensor:
+        with self.comm.ledger.phase("communicate"):
+            return self.comm.all_reduce(X, op="mean")
+
+
+class LocalSGD(_Periodic):
+    """Local SGD: H local steps, then the exact average of the models.
+
+    Step I:   x_i <- x_i + u_i.
+    Step II:  after every H-th step, x_i <- mean_j x_j (one all-reduce).
+    """
+
+    name = "localsgd"
+    summary = "local SGD: H local steps, then an exact average of the models (all-reduce)"
+
+    def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
+        self._take_layout(X, layout)
+        self.state = LocalState(t=0)
+
+    @torch.no_grad()
+    def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
+        if self._local(X, U):  # Step I
+            X.copy_(self._average(X))  # Step II
+
+
+class SlowMo(_Periodic):
+    """SlowMo (Wang et al., ICLR 2020, Alg. 1) with an exact average as the base.
+
+    Step I:   x_i <- x_i + u_i.
+    Step II:  after every H-th step, xbar = mean_j x_j (one all-reduce);
+    Step III: v <- beta v + (x_s - xbar) / eta, x_i <- x_s - alpha eta v, x_s <- x_i.
+    eta is the step size of the round's last step. alpha = 1, beta = 0 is local SGD.
+    """
+
+    name = "slowmo"
+    summary = "SlowMo: local steps, exact average, then a slow-momentum step on the round's change"
+
+    def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
+        self._take_layout(X, layout)
+        self.state = SlowMoState(t=0, start=X.detach().clone(), slow=torch.zeros_like(X))
+
+    @torch.no_grad()
+    def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
+        if not self._local(X, U):  # Step I
+            return
+        st, cfg, eta = self.state, self.config, self.lr
+        xbar = self._average(X)  # Step II
+        with self.comm.ledger.phase("compute"):  # Step III
+            st.slow.mul_(cfg.slow_momentum).add_((st.start - xbar) / eta)
+            X.copy_(st.start - (cfg.slow_lr * eta) * st.slow)
+            st.start.copy_(X)
+
+
+class DiLoCo(_Periodic):
+    """DiLoCo (Douillard et al. 2023, Alg. 1); Streaming DiLoCo with ``fragments`` > 1.
+
+    For each fragment f (the whole model when F = 1), after every step t with
+    t = o_f (mod H):
+
+    Step I:   Delta_i = theta - x_i on the fragment (theta: ``start``);
+    Step II:  send C(Delta_i + e_i) (e_i <- what C dropped, with ``error_feedback``):
+              an all-reduce of the kept fp32 values for a linear compressor, an
+              all-gather of the packed payloads otherwise; Delta = the mean of the
+              decoded messages, the same on every node;
+    Step III: outer Nesterov SGD, as torch.optim.SGD(nesterov=True):
+              b <- mu b + Delta, x_i <- theta - lr_out (Delta + mu b), theta <- x_i.
+    Every other step is the inner optimizer's alone.
+    """
+
+    name = "diloco"
+    summary = "DiLoCo: H inner (AdamW) steps, then an outer Nesterov step on the averaged pseudo-gradient"
+    local_optimizer_default = "adamw"
+
+    def __init__(self, config: DiLoCoConfig, comm: Any) -> None:
+        super().__init__(config, comm)
+        self.compressor = _compress.build(config.compressor)
+        self.fragments: list[tuple[int, int]] = []
+        self.linear = False
+
+    @property
+    def payload_compressor(self) -> Any:
+        return self.compressor
+
+    def wire_format(self) -> WireFormat:
+        c = self.compressor
+        if c.spec == "identity":
+            return WireFormat("fp32", 32.0)
+        d = self.layout.dim if self.layout is not None else 1
+        return WireFormat(c.spec, code_bits(c, d))
+
+    @property
+    def collective(self) -> str:
+        """``"all_reduce"`` of the kept fp32 values (linear compressors with a plain value
+        body: identity, randomk, randomblock) or ``"all_gather"`` of the payloads."""
+        return "all_reduce" if self.linear else "all_gather"
+
+    def offsets(self) -> list[int]:
+        """o_f: fragment f synchronises after every step t with t % local_steps == o_f."""
+        H, F = self.config.local_steps, len(self.fragments) or self.config.fragments
+        return [((f + 1) * H // F) % H for f in range(F)]
+
+    def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
+        layout = self._take_layout(X, layout)
+        self.fragments = _fragments(layout, self.config.fragments)
+        c = self.compressor
+        for a, b in self.fragments:
+            c.payload_nbytes(b - a)  # a bad size fails here, not mid-run
+        segs = c.layout(self.fragments[0][1] - self.fragments[0][0]).segments
+        self.linear = c.linear and len(segs) == 1 and segs[0][:2] == ("values", torch.float32)
+        err = torch.zeros_like(X) if self.config.error_feedback else X.new_zeros(0)
+        self.state = DiLoCoState(t=0, start=X.detach().clone(), momentum=torch.zeros_like(X), error=err)
+
+    @torch.no_grad()
+    def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
+        self._local(X, U)
+        phase = self.state.t % self.config.local_steps
+        for f, o in enumerate(self.offsets()):
+            if o == phase:
+                self._sync(X, *self.fragments[f])
+
+    def _sync(self, X: torch.Tensor, a: int, b: int) -> None:
+        st, cfg, ledger = self.state, self.config, self.comm.ledger
+        m, n = X.shape[0], b - a
+        theta = st.start[:, a:b]
+        tag = step_tag(st.t)
+        with ledger.phase("compute"):
+            delta = theta - X[:, a:b]  # Step I
+        c = self.compressor
+        with ledger.phase("compress"):  # Step II
+            if self.linear:  # positions (if any) from a key every node shares
+                keys = torch.full((m,), shared_key(cfg.seed, st.t, _PSEUDO_STREAM + a), dtype=torch.int64)
+            else:
+                keys = node_keys(cfg.seed, self.comm.nodes, st.t, _PSEUDO_STREAM)
+            if cfg.error_feedback:
+                _, payload, _ = ErrorFeedback(c)(delta, st.error[:, a:b], rescale=1.0, keys=keys, tag=tag)
+            else:
+                payload = c.encode(delta, keys, tag=tag)
+        if self.linear:
+            values = c.layout(n).views(payload)["values"]
+            with ledger.phase("communicate"):
+                mean = self.comm.all_reduce(values.contiguous(), op="mean")
+            with ledger.phase("compress"):
+                # the mean values in our own payload's frame (same compressor and key), decoded
+                agg = payload[:1].clone()
+                c.layout(n).views(agg)["values"].copy_(mean[:1])
+                _wire.write_header(agg, c.cid, _wire.params_hash(c.spec), n, keys[:1], tag)
+                outer = c.decode(agg, n, tag=tag).to(X.dtype)
+        else:
+            with ledger.phase("communicate"):
+                gathered = self.comm.all_gather(payload)
+            with ledger.phase("compress"):
+                outer = c.decode(gathered, n, tag=tag).to(X.dtype).mean(0, keepdim=True)
+        with ledger.phase("compute"):  # Step III
+            mom = st.momentum[:, a:b]
+            mu = cfg.outer_momentum
+            mom.mul_(mu).add_(outer)
+            direction = outer + mu * mom if mu > 0 else outer
+            X[:, a:b] = theta - cfg.outer_lr * direction
+            theta.copy_(X[:, a:b])
+
+    def report(self) -> dict | None:
+        if len(self.fragments) <= 1:
+            return None
+        return {"fragments": [{"start": a, "stop": b, "sync_step_mod_h": o}
+                              for (a, b), o in zip(self.fragments, self.offsets())],
+                "local_steps": self.config.local_steps}
+
+
+def _fragments(layout: ParamLayout, F: int) -> list[tuple[int, int]]:
+    """F fragments of consecutive tensors (``parameters()`` order): fragment f ends at the
+    first tensor boundary where the running count of values reaches (f + 1) d / F,
+    leaving at least one tensor to each later fragment."""
+    blocks = [(o, k) for o, k in layout.blocks if k > 0]
+    if F > len(blocks):
+        raise ValueError(f"diloco: `fragments` {F} exceeds the model's {len(blocks)} non-empty tensors")
+    d, cuts, start, i = layout.dim, [], 0, 0
+    for f in range(F - 1):
+        target = (f + 1) * d / F
+        i += 1  # at least one tensor
+        while i < len(blocks) - (F - 1 - f) and blocks[i - 1][0] + blocks[i - 1][1] < target:
+            i += 1
+        end = blocks[i - 1][0] + blocks[i - 1][1]
+        cuts.append((start, end))
+        start = end
+    cuts.append((start, d))
+    return cuts

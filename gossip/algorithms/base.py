@@ -195,6 +195,9 @@ class Algorithm:
     #: True where the algorithm applies momentum itself: the local optimizer must then
     #: have none (GossipOptimizer refuses one that has), or momentum would compound
     owns_momentum: ClassVar[bool] = False
+    #: True where the algorithm keeps replicas or estimates of fixed neighbours (DCD, ECD,
+    #: CHOCO): it cannot run on a graph whose neighbourhoods change from step to step
+    needs_static_graph: ClassVar[bool] = False
 
     def __init__(self, config: Any, comm: Any) -> None:
         self.config = config

@@ -35,6 +35,7 @@ from gossip.algorithms.sketched import (
     TrueTopK,
     TrueTopKConfig,
 )
+from gossip.algorithms.choco import Choco, ChocoConfig, ChocoState
 from gossip.algorithms.decentralized import (
     DCD,
     DPSGD,
@@ -64,6 +65,9 @@ __all__ = [
     "ECD",
     "ECDConfig",
     "GossipState",
+    "Choco",
+    "ChocoConfig",
+    "ChocoState",
     "DistEFSGD",
     "EFSGDConfig",
     "EFBlockSGD",
@@ -99,6 +103,7 @@ for _cls, _cfg in (
     (Naive, NaiveConfig),
     (DCD, DCDConfig),
     (ECD, ECDConfig),
+    (Choco, ChocoConfig),
     (DistEFSGD, EFSGDConfig),
     (EFBlockSGD, EFBlockSGDConfig),
     (EFBlockSGDM, EFBlockSGDMConfig),

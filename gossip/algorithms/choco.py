@@ -66,10 +66,14 @@ def _guaranteed() -> list[str]:
 class ChocoConfig:
     """CHOCO-SGD: compressed differences to public estimates, consensus step ``gamma``.
 
-    ``gamma`` in (0, 1]: the consensus step. 1 with the identity compressor is
-    adapt-then-combine D-PSGD; compressed runs need it smaller, the more so the cruder
-    the compressor (the default 0.3 suits scaled sign and top-1% on rings; see
-    README). ``start``: ``"x1"`` or ``"zero"``, where the estimates start.
+    ``compressor``: any contraction or unbiased compressor (default ``sign``, the scaled
+    sign ||x||_1/d sign(x), 1 bit per value). ``gamma`` in (0, 1]: the consensus step;
+    1 with the identity compressor is adapt-then-combine D-PSGD. The default 0.1 is the
+    largest value at which top-1% stays stable on a label-sorted ring of 8
+    (experiments/choco_gamma.py; it diverges from 0.2 on); scaled sign and the
+    quantizers tolerate 1 and mix faster there. ``start``: ``"x1"`` or ``"zero"``, where
+    the estimates start (module docstring). ``track_replicas``: also keep each
+    neighbour's estimate, for tests of the invariants.
     """
 
     compressor: str = "sign"

@@ -100,6 +100,7 @@ _RUN_SUMMARY_KEYS = (
 )
 #: config keys that may tell two runs with the same label apart, with their short names
 _DISAMBIGUATE = (
+    ("algo_options", ""),  # shown as its own key=value pairs (choco's gamma, powersgd's rank)
     ("world_size", "n"), ("partition", "partition"), ("data", "data"), ("model_name", "model"),
     ("lr", "lr"), ("momentum", "momentum"), ("batch_size", "batch"), ("epochs", "epochs"),
     ("lr_schedule", "schedule"), ("weight_decay", "wd"), ("weights", "weights"), ("lazy", "lazy"),
@@ -312,7 +313,8 @@ def _disambiguate(loaded: list[Run]) -> list[Run]:
                 break
         new = {}
         for i in idx:
-            extra = " ".join(f"{short}={_fmt_value(loaded[i].config.get(k))}" for k, short in keys)
+            extra = " ".join(f"{short}={_fmt_value(loaded[i].config.get(k))}" if short
+                             else _fmt_options(loaded[i].config.get(k)) for k, short in keys)
             new[i] = f"{label} {extra}".strip()
         counts: dict[str, int] = {}
         for lab in new.values():
@@ -325,6 +327,15 @@ def _disambiguate(loaded: list[Run]) -> list[Run]:
                 m["label"] = new[i]
             out[i] = r._replace(label=new[i], metrics=m)
     return out
+
+
+def _fmt_options(v: Any) -> str:
+    """An algorithm's options as ``key=value`` pairs (``defaults`` where none were given)."""
+    if not v:
+        return "defaults"
+    if isinstance(v, dict):
+        return ",".join(f"{k}={_fmt_value(v[k])}" for k in sorted(v))
+    return _fmt_value(v)
 
 
 def _fmt_value(v: Any) -> str:

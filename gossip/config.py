@@ -585,7 +585,7 @@ def _flat_default(key: str) -> Any:
 _HELP = {
     "algo": "training algorithm",
     "bits": "shorthand for --compressor quant:bits=BITS (algorithms with a compressor; default: the algorithm's, 8 bits for naive/dcd/ecd)",
-    "compressor": "compressor spec, e.g. quant:bits=4,block=256, qsgd:levels=16, randk:p=0.1",
+    "compressor": "compressor spec, e.g. quant:bits=4,block=256, qsgd:levels=16, randk:p=0.1 (choco also: topk:p=0.01, sign)",
     "topology": "communication graph of the decentralized algorithms",
     "degree": "degree of the expander topology",
     "rows": "rows of the torus (with --cols)",
@@ -652,7 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="gossip.train",
         description=(
-            "Train with decentralized gossip (dpsgd, naive, dcd, ecd) or all-reduce, under "
+            "Train with decentralized gossip (dpsgd, naive, dcd, ecd, choco) or all-reduce, under "
             "torchrun (one rank per process) or in one process with --simulate N."
         ),
         epilog="Example: torchrun --nproc_per_node 8 -m gossip.train --algo ecd --bits 8 --topology ring",

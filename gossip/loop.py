@@ -170,7 +170,7 @@ def _build_model(cfg: TrainConfig, dataset, device: torch.device) -> torch.nn.Mo
 
 #: full copies of the flat parameters a node keeps, roughly: the model, its gradient,
 #: the local optimizer's momentum, the flat buffers, and the algorithm's own state
-_STATE_COPIES = {"dcd": 8, "ecd": 9, "naive": 5, "dpsgd": 5, "allreduce": 5, "powersgd": 7, "efmomentum": 7,
+_STATE_COPIES = {"dcd": 8, "ecd": 9, "choco": 9, "naive": 5, "dpsgd": 5, "allreduce": 5, "powersgd": 7, "efmomentum": 7,
                  "localsgd": 5, "slowmo": 7, "diloco": 9}
 
 

@@ -70,6 +70,8 @@ CASES = [
     ("torus", 9, "ecd", "ternary"),
     ("ring", 8, "ecd", "quant:bits=8"),
     ("exponential", 8, "dcd", "quant:bits=2"),
+    ("ring", 4, "choco", "topk:p=0.05"),
+    ("star", 4, "choco", "quant:bits=4"),  # unbiased: decoded values scaled by 1 / (1 + omega)
 ]
 
 

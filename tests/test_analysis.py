@@ -113,6 +113,17 @@ def test_shared_labels_get_the_config_keys_that_differ(small_runs, tmp_path):
     assert set(metrics["label"]) == set(labels.values())
 
 
+def test_runs_that_differ_in_algorithm_options_are_labelled_by_them(small_runs, tmp_path):
+    src = small_runs / "gossip" / "dpsgd"
+    copy_run(src, tmp_path / "a", algo_options={"gamma": 0.5})
+    copy_run(src, tmp_path / "b", algo_options={"gamma": 0.1, "start": "zero"})
+    copy_run(src, tmp_path / "c")
+    runs, _ = ga.load_runs(tmp_path)
+    labels = dict(zip(runs["run"], runs["label"]))
+    assert labels == {"a": "dpsgd/fp32/ring gamma=0.5", "b": "dpsgd/fp32/ring gamma=0.1,start=zero",
+                      "c": "dpsgd/fp32/ring defaults"}
+
+
 def test_an_unfinished_run_loads_from_its_records(small_runs, tmp_path):
     run = copy_run(small_runs / "gossip" / "ecd8", tmp_path / "live")
     (run / "summary.json").unlink()

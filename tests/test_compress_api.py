@@ -426,3 +426,70 @@ def test_other_float_dtypes_are_accepted():
         X = _X(2, 20).to(dt)
         P = c.encode(X, _keys(2))
         assert torch.equal(P, c.encode(X.float(), _keys(2)))
+
+
+# ------------------------------------------------------------------ error guarantees
+def _error_ratios(c, X, K, seed=0):
+    """||C(x) - x||^2 / ||x||^2 for each row of X under K keys: (rows, K) float64."""
+    m, d = X.shape
+    Xr = X.repeat_interleave(K, dim=0)
+    out = c.decode(c.encode(Xr, _keys(m * K, seed)), d).to(torch.float64)
+    err = ((out - Xr.to(torch.float64)) ** 2).sum(1) / (Xr.to(torch.float64) ** 2).sum(1)
+    return err.view(m, K)
+
+
+def _hard_rows(d):
+    """Gaussian rows and the worst cases of the declared bounds: a single non-zero value
+    (sign, random block), values of one magnitude (top-k), (1, -1, 0, ...) (quant)."""
+    g = torch.Generator().manual_seed(5)
+    one_hot = torch.zeros(2, d)
+    one_hot[0, 0], one_hot[1, d - 1] = 1.0, -3.0
+    pm = torch.zeros(1, d)
+    pm[0, 0], pm[0, 1] = 1.0, -1.0
+    return torch.cat([torch.randn(3, d, generator=g), one_hot, pm, torch.ones(1, d)])
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_declared_error_guarantees_hold_on_random_and_worst_case_vectors(spec):
+    """omega: E||C(x) - x||^2 <= omega ||x||^2 (unbiased); delta: <= (1 - delta) ||x||^2.
+    Estimated over K keys per vector; the tolerance is 5 standard errors of the mean plus
+    float rounding. A contraction's ratio lies in [0, 1], so at the bound b its variance
+    can be b (1 - b) even where K draws happen to agree (a rare kept value)."""
+    c = gc.build(spec)
+    d = 103
+    om, de = c.omega(d), c.delta(d)
+    assert (om is not None) == c.unbiased and (de is not None) == c.contractive, spec
+    assert om is None or om >= 0
+    assert de is None or 0 < de <= 1
+    if om is None and de is None:
+        return  # fp16 declares no guarantee
+    K = 200
+    R = _error_ratios(c, _hard_rows(d), K=K)
+    mean, var = R.mean(1), R.var(1)
+    random = bool((var > 0).any())  # top-k, sign, identity: the same error under every key
+    if om is not None:
+        assert bool((mean <= om + 5 * (var / K).sqrt() + 1e-5).all()), (spec, om, mean.tolist())
+    if de is not None:
+        b = 1 - de
+        var = var.clamp(min=b * (1 - b)) if random else var
+        assert bool((mean <= b + 5 * (var / K).sqrt() + 1e-5).all()), (spec, b, mean.tolist())
+
+
+@pytest.mark.parametrize("spec,row,expect", [
+    ("topk:k=5", "ones", lambda c, d: 1 - c.delta(d)),          # equal magnitudes: exactly 1 - k/d
+    ("randomk:k=5", "gauss", lambda c, d: 1 - c.delta(d)),      # exactly 1 - k/d in expectation
+    ("randomblock:k=7", "first", lambda c, d: 1 - c.delta(d)),  # the first value is kept 1 in d-k+1 times
+    ("sign", "first", lambda c, d: 1 - c.delta(d)),             # one non-zero value: 1 - 1/d
+    ("randk:k=5", "gauss", lambda c, d: c.omega(d)),            # exactly d/k - 1
+    ("quant:bits=2", "pm", lambda c, d: c.omega(d) * (d - 2) / d),
+])
+def test_declared_guarantees_are_reached(spec, row, expect):
+    """The declarations are the guarantees, not loose bounds: each is met on its worst case."""
+    c = gc.build(spec)
+    d = 103
+    rows = {"ones": torch.ones(1, d), "gauss": torch.randn(1, d, generator=torch.Generator().manual_seed(1)),
+            "first": torch.nn.functional.one_hot(torch.tensor([0]), d).float(),
+            "pm": torch.cat([torch.tensor([[1.0, -1.0]]), torch.zeros(1, d - 2)], dim=1)}
+    R = _error_ratios(c, rows[row], K=4000)
+    mean, se = float(R.mean()), float(R.std()) / 4000**0.5
+    assert abs(mean - expect(c, d)) <= 5 * se + 1e-5, (spec, mean, expect(c, d), se)

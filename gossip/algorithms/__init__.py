@@ -43,6 +43,7 @@ from gossip.algorithms.sketched import (
     TrueTopK,
     TrueTopKConfig,
 )
+from gossip.algorithms.choco import Choco, ChocoConfig, ChocoState
 from gossip.algorithms.decentralized import (
     DCD,
     DPSGD,
@@ -72,6 +73,9 @@ __all__ = [
     "ECD",
     "ECDConfig",
     "GossipState",
+    "Choco",
+    "ChocoConfig",
+    "ChocoState",
     "DistEFSGD",
     "EFSGDConfig",
     "EFBlockSGD",
@@ -114,6 +118,7 @@ for _cls, _cfg in (
     (Naive, NaiveConfig),
     (DCD, DCDConfig),
     (ECD, ECDConfig),
+    (Choco, ChocoConfig),
     (DistEFSGD, EFSGDConfig),
     (EFBlockSGD, EFBlockSGDConfig),
     (EFBlockSGDM, EFBlockSGDMConfig),

@@ -201,6 +201,9 @@ class Algorithm:
     decentralized: ClassVar[bool] = True
     #: the CLI's local optimizer when ``--optimizer`` is unset (``"sgd"`` or ``"adamw"``)
     local_optimizer_default: ClassVar[str] = "sgd"
+    #: True where the algorithm keeps replicas or estimates of fixed neighbours (DCD, ECD,
+    #: CHOCO): it cannot run on a graph whose neighbourhoods change from step to step
+    needs_static_graph: ClassVar[bool] = False
 
     def __init__(self, config: Any, comm: Any) -> None:
         self.config = config

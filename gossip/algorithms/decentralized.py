@@ -60,6 +60,7 @@ def _check_spec(spec: str, *, need_unbiased: bool, algo: str) -> None:
             f"Arg `compressor` of {algo} must be unbiased (papers/002 Assumption 1.6), "
             f"got {spec!r}; unbiased compressors: "
             + ", ".join(n for n in _unbiased_names())
+            + "; for a biased (contractive) compressor use algo 'choco' (CHOCO-SGD)"
         )
 
 
@@ -104,7 +105,7 @@ class NaiveConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_spec(self.compressor, need_unbiased=False, algo="naive")
+        _check_spec(self.compressor, need_unbiased=True, algo="naive")
         check_int("seed", self.seed, minimum=0)
 
 
@@ -345,6 +346,7 @@ class DCD(_Gossip):
     name = "dcd"
     summary = "DCD-PSGD (papers/002 Alg. 1): exchange compressed model differences"
     uses_mix = True
+    needs_static_graph = True
 
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         s = self.state
@@ -382,6 +384,7 @@ class ECD(_Gossip):
     summary = "ECD-PSGD (papers/002 Alg. 2): exchange compressed extrapolations"
     uses_mix = True
     has_self_estimate = True
+    needs_static_graph = True
 
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         s = self.state

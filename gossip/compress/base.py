@@ -59,6 +59,8 @@ class Compressor:
     description: ClassVar[str]
     unbiased: ClassVar[bool]
     linear: ClassVar[bool]
+    #: True where the compressor is a delta-contraction for some delta > 0 (see :meth:`delta`)
+    contractive: ClassVar[bool] = False
     Config: ClassVar[type]
 
     def __init__(self, config: Config | None = None, **params):
@@ -113,6 +115,17 @@ class Compressor:
     def ideal_nbytes(self, numel: int) -> float:
         """Code bits plus scales for ``numel`` elements, in bytes; no header, no padding."""
         raise NotImplementedError
+
+    # ---- error guarantees (what CHOCO-SGD and the unbiased-only algorithms check) -------
+    def omega(self, numel: int) -> float | None:
+        """Variance factor of an unbiased compressor: ``E||C(x) - x||^2 <= omega ||x||^2``
+        for every ``x`` of ``numel`` values; None where the compressor is not unbiased."""
+        return None
+
+    def delta(self, numel: int) -> float | None:
+        """Contraction factor: ``E||C(x) - x||^2 <= (1 - delta) ||x||^2`` for every ``x``
+        of ``numel`` values, ``0 < delta <= 1``; None where ``contractive`` is False."""
+        return None
 
     def _check_numel(self, numel) -> int:
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:

@@ -27,7 +27,14 @@ class Identity(Compressor):
     description = "no compression: the fp32 values (unbiased, linear)"
     unbiased = True
     linear = True
+    contractive = True
     Config = dataclasses.make_dataclass("IdentityConfig", [], bases=(_NoParams,), frozen=True, kw_only=True)
+
+    def omega(self, numel: int) -> float:
+        return 0.0
+
+    def delta(self, numel: int) -> float:
+        return 1.0
 
     def layout(self, numel: int) -> Layout:
         return Layout((("values", torch.float32, numel),))
@@ -47,7 +54,9 @@ class Identity(Compressor):
 class FP16(Compressor):
     """Round to nearest fp16. Biased (deterministic rounding) and declared not linear:
     summing fp16 bodies rounds every partial sum to fp16 and can overflow, so an
-    all-reduce of the bodies is not the sum of the decoded values."""
+    all-reduce of the bodies is not the sum of the decoded values. Not declared a
+    contraction either: a vector of values below half the smallest fp16 subnormal
+    rounds to zero, ``||C(x) - x|| = ||x||``, so no ``delta > 0`` holds for every x."""
 
     name = "fp16"
     cid = 2

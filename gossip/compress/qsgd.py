@@ -54,6 +54,11 @@ class QSGD(Compressor):
         numel = self._check_numel(numel)
         return (numel * self.bits + 32 * _blocks.nblocks(self.config.block, numel)) / 8
 
+    def omega(self, numel: int) -> float:
+        B = _blocks.block_size(self.config.block, self._check_numel(numel))
+        s = self.config.levels
+        return min(B / s**2, B**0.5 / s)
+
     def _encode(self, X, keys, v):
         m, d = X.shape
         s = self.config.levels

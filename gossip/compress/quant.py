@@ -2,6 +2,10 @@
 
 Per block, 2**b levels evenly spread over the block's [min, max]; a value rounds to
 one of its two neighbouring levels with the probabilities that make it unbiased.
+Variance: with ``L = 2**b - 1`` levels and blocks of at most ``B`` values, each value
+adds at most ``step^2 / 4`` and ``(max - min)^2 <= 2 ||x_b||^2``, so
+``E||Q(x) - x||^2 <= B / (2 L^2) ||x||^2`` (``omega``; ``(1, -1, 0, ..., 0)`` reaches
+``(B - 2) / (2 L^2)``).
 Body: fp32 ``min`` per block, fp32 ``step = (max - min) / (2**b - 1)`` per block,
 then the codes packed b bits each (gossip.compress.bitpack).
 """
@@ -54,6 +58,10 @@ class Quant(Compressor):
     def ideal_nbytes(self, numel: int) -> float:
         numel = self._check_numel(numel)
         return (numel * self.config.bits + 64 * _blocks.nblocks(self.config.block, numel)) / 8
+
+    def omega(self, numel: int) -> float:
+        B = _blocks.block_size(self.config.block, self._check_numel(numel))
+        return B / (2.0 * self.levels**2)
 
     def _encode(self, X, keys, v):
         m, d = X.shape

@@ -7,6 +7,11 @@
   vector is one block, which is ``sign``.
 
 Signs travel as 1 bit each (1 = negative; zero counts as positive), scales as fp32.
+
+Both are contractions: per block of B values ``||C(x) - x||^2 = ||x||^2 - ||x||_1^2 / B``,
+so delta = min over blocks of ``||x_b||_1^2 / (B ||x_b||^2)``, at least ``1 / B`` (one
+non-zero value) and about ``2 / pi`` for Gaussian-like vectors; the declared
+``delta(numel)`` is the guaranteed ``1 / (largest block)``.
 """
 
 from __future__ import annotations
@@ -54,7 +59,11 @@ class BlockSign(Compressor):
     description = "blockwise sign with one L1 scale per block (papers/000 sec. 3.2), 1 bit per value, biased"
     unbiased = False
     linear = False
+    contractive = True
     Config = BlockSignConfig
+
+    def delta(self, numel: int) -> float:
+        return 1.0 / max(b - a for a, b in self._bounds(self._check_numel(numel)))
 
     def _bounds(self, numel: int) -> list[tuple[int, int]]:
         cfg = self.config

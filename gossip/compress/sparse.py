@@ -8,12 +8,14 @@ Payload sizes are fixed by (parameters, numel), so the random ones keep exactly
   probability k/d and scaled by d/k, so E[C(x)] = x exactly and
   E||C(x) - x||^2 = (d/k - 1) ||x||^2. The key is in the header: the receiver
   regenerates the same coordinates and only the k fp32 values travel.
-- ``randomk`` (papers/001 G.2): the same coordinates, values not scaled.
+- ``randomk`` (papers/001 G.2): the same coordinates, values not scaled; a
+  contraction, E||C(x) - x||^2 = (1 - k/d) ||x||^2 (delta = k/d).
 - ``randomblock`` (papers/001 G.1): k consecutive coordinates starting at an
   offset drawn uniformly from 0..d-k (the block always fits, unlike a slice that
-  runs past the end), values not scaled.
+  runs past the end), values not scaled; the end coordinates are kept only when
+  the block starts or ends there, so delta = 1/(d-k+1) (1 when k = d).
 - ``topk`` (papers/001 G.4): the k largest |x_i| (ties broken by lower index),
-  fp32 values and int32 indices.
+  fp32 values and int32 indices; ||C(x) - x||^2 <= (1 - k/d) ||x||^2 (delta = k/d).
 
 With the same key on every node (a shared seed), ``randomk`` and ``randomblock``
 payload bodies can be summed: they are linear, as papers/001 all-reduces them.
@@ -117,6 +119,9 @@ class RandK(_Sparse):
         # d/k in fp32 arithmetic: the multiply happens in fp32
         return numel / self.count(numel)
 
+    def omega(self, numel: int) -> float:
+        return numel / self.count(numel) - 1.0
+
 
 @register
 class RandomK(_Sparse):
@@ -124,7 +129,11 @@ class RandomK(_Sparse):
     cid = 10
     description = "Random K (papers/001 G.2): k coordinates from a shared seed, unscaled, biased, linear"
     linear = True
+    contractive = True
     Config = _count_config("randomk", 0.01)
+
+    def delta(self, numel: int) -> float:
+        return self.count(numel) / numel
 
 
 @register
@@ -133,7 +142,11 @@ class RandomBlock(_Sparse):
     cid = 11
     description = "Random Block (papers/001 G.1): k consecutive coordinates at a shared random offset, biased, linear"
     linear = True
+    contractive = True
     Config = _count_config("randomblock", 0.01)
+
+    def delta(self, numel: int) -> float:
+        return 1.0 / (numel - self.count(numel) + 1)
 
     def _positions(self, keys, numel):
         k = self.count(numel)
@@ -147,7 +160,11 @@ class TopK(_Sparse):
     name = "topk"
     cid = 9
     description = "Top K (papers/001 G.4): the k largest |x_i| with their int32 indices, biased"
+    contractive = True
     Config = _count_config("topk", 0.01)
+
+    def delta(self, numel: int) -> float:
+        return self.count(numel) / numel
 
     def layout(self, numel: int) -> Layout:
         if numel >= 1 << 31:

@@ -2,7 +2,9 @@
 
 ``s`` is the block's max |x| (fp32, one per block); each value becomes one of
 {-s, 0, +s} with the probabilities that keep it unbiased. Codes 0 (zero),
-1 (+s), 2 (-s), packed 2 bits each.
+1 (+s), 2 (-s), packed 2 bits each. Variance per block of B values:
+``E||Q(x) - x||^2 = s ||x||_1 - ||x||^2 <= (sqrt(B) - 1) / 2 ||x||^2`` (``omega``; the
+worst case is one value 1 and the others ``(sqrt(B) - 1) / (B - 1)``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class Ternary(Compressor):
     def ideal_nbytes(self, numel: int) -> float:
         numel = self._check_numel(numel)
         return (numel * 2 + 32 * _blocks.nblocks(self.config.block, numel)) / 8
+
+    def omega(self, numel: int) -> float:
+        B = _blocks.block_size(self.config.block, self._check_numel(numel))
+        return (B**0.5 - 1.0) / 2.0
 
     def _encode(self, X, keys, v):
         m, d = X.shape

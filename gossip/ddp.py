@@ -53,6 +53,10 @@ from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
+# before the user's script creates its process group: imported later (torch._dynamo does
+# it on a first compiled call) it keeps the gloo group alive past the interpreter's exit
+# (see gossip.comm.distributed._preload_before_init)
+import torch.distributed.nn.functional  # noqa: F401
 from torch import nn
 
 from gossip import algorithms as _algorithms

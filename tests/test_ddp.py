@@ -11,6 +11,7 @@ Each multi-process test starts one 2-rank gloo world and runs every case in it:
 """
 
 import math
+import re
 import warnings
 
 import numpy as np
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gossip import algorithms, comm, ddp
-from gossip.runtime import GossipOptimizer, MomentumConflict
+from gossip.runtime import GossipOptimizer
 from tests._dist import run_world
 
 LR = 0.1
@@ -266,3 +267,55 @@ def test_powersgd_hook_agrees_with_torchs_powersgd_hook():
     for diffs, groups, order in results:
         assert len(groups) == 1 and sorted(order) == sorted(groups[0])
         assert max(diffs) < 1e-5, diffs
+
+
+# ------------------------------------------------------------------------ bad input
+def _errors():
+    model = nn.parallel.DistributedDataParallel(_net())
+    out = {}
+
+    def catch(key, fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the test reads the type and the line
+            out[key] = (type(e).__name__, str(e))
+        else:
+            out[key] = None
+
+    catch("decentralized", lambda: ddp.hook_state(model, "dcd"))
+    catch("unknown", lambda: ddp.hook_state(model, "nope"))
+    catch("merge", lambda: ddp.hook_state(model, "efsgd", merge="layer"))
+    catch("compressor", lambda: ddp.hook_state(model, "efsgd", compressor="quant:bits=99"))
+    catch("option", lambda: ddp.hook_state(model, "powersgd", rnak=2))
+    catch("warmup", lambda: ddp.hook_state(model, "efsgd", warmup_steps=0))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    catch("momentum", lambda: ddp.hook_state(model, "powersgd", optimizer=sgd))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        state = ddp.hook_state(model, "powersgd")
+    out["warning"] = [str(x.message) for x in w]
+    catch("load_other", lambda: state.load_state_dict(ddp.hook_state(model, "efsgd").state_dict()))
+    catch("load_junk", lambda: state.load_state_dict({"x": 1}))
+    return out
+
+
+def test_bad_input_gets_one_line():
+    (out,) = run_world(1, _errors, timeout=120)
+    expect = {
+        "decentralized": ("ValueError", r"'dcd' acts on the models.*DDP hooks exist for allreduce, efsgd"),
+        "unknown": ("ValueError", r"'nope' is not an algorithm; DDP hooks exist for"),
+        "merge": ("ValueError", r"`merge` \(MergeComp\).*not a DDP hook"),
+        "compressor": ("ValueError", r"bits"),
+        "option": ("ValueError", r"unexpected keyword.*rnak.*accepted options: rank"),
+        "warmup": ("ValueError", r"`warmup_steps` must be an int >= 1.*got 0"),
+        "momentum": ("MomentumConflict", r"powersgd applies its own momentum.*SGD has momentum 0.9"),
+        "load_other": ("ValueError", r"the state is efsgd's, this hook runs powersgd"),
+        "load_junk": ("ValueError", r"load_state_dict expects a HookState.state_dict\(\)"),
+    }
+    for key, (kind, pattern) in expect.items():
+        assert out[key] is not None, f"{key}: nothing raised"
+        got_kind, msg = out[key]
+        assert got_kind == kind, (key, out[key])
+        assert "\n" not in msg, (key, msg)
+        assert re.search(pattern, msg), (key, msg)
+    assert any("applies its own momentum" in w and "optimizer=" in w for w in out["warning"]), out["warning"]

@@ -40,7 +40,10 @@ def local_batch(rank: int, gen: torch.Generator, device: torch.device):
 
 
 def option(text: str) -> tuple[str, object]:
+    """KEY=VALUE, the value read as a bool, an int, a float or else a string."""
     key, _, value = text.partition("=")
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
     for kind in (int, float):
         try:
             return key, kind(value)

@@ -90,6 +90,10 @@ def main() -> None:
         stats = torch.stack([acc, loss.detach().double(), torch.tensor(float(state.ledger.bytes_sent),
                                                                        dtype=torch.float64, device=device)])
         dist.all_reduce(stats)
+        # gloo's worker thread may still be releasing that all-reduce's tensor, which takes
+        # the GIL; the process group's destructor joins it holding the GIL. A barrier waits
+        # without the GIL (its own tensor is not a Python object), so the release is done.
+        dist.barrier()
         acc_mean, loss_mean, sent_mean = (stats / world).tolist()
         # a ring all-reduce sends 2 (W - 1) / W of the gradient's bytes per step
         numel = sum(p.numel() for p in model.parameters())

@@ -6,8 +6,9 @@ Each multi-process test starts one 2-rank gloo world and runs every case in it:
   (the library's own loop) ends, for every algorithm the hooks support;
 * our PowerSGD hook agrees with torch's ``powerSGD_hook`` as closely as the two are
   defined to (see docs/centralized.md for the differences);
-* a run resumed from ``state_dict`` into a fresh DDP model is bit-identical with the
-  uninterrupted run, with several buckets.
+* with several buckets, the hook equals one algorithm per bucket's parameters written
+  plainly, and a run resumed from ``state_dict`` into a fresh DDP model is
+  bit-identical with the uninterrupted run.
 """
 
 import math
@@ -158,6 +159,7 @@ def _resume(cases):
         net, model, opt, state = fresh()
         _train_ddp(model, opt, 6)
         straight, straight_bytes = _params(net), state.ledger.bytes_sent
+        per_group = _per_group_reference(name, opts, state.groups, 6)
 
         net, model, opt, state = fresh()
         _train_ddp(model, opt, 3)
@@ -167,19 +169,58 @@ def _resume(cases):
         net, model, opt, state = fresh(saved[0])
         state.load_state_dict(saved[1])
         _train_ddp(model, opt, 3, first=3)
-        out[name] = (straight, _params(net), straight_bytes, state.ledger.bytes_sent, state.groups)
+        out[name] = (straight, _params(net), straight_bytes, state.ledger.bytes_sent, state.groups, per_group)
         dist.barrier()
     return out
 
 
+def _per_group_reference(name, opts, groups, steps):
+    """The hook's per-bucket semantics written plainly: after one mean all-reduce, one
+    algorithm per group (seeded seed + g) on the group's tensors in the model's order."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = _net()
+    params = dict(net.named_parameters())
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    c = comm.DistCommunicator(timeout=60)
+    algos = []
+    for g, names in enumerate(groups):
+        a = algorithms.build(name, c, **{**opts, "seed": g})
+        layout = algorithms.ParamLayout.from_shapes([params[n].shape for n in names], names)
+        a.setup(torch.zeros(1, layout.dim), layout)
+        algos.append(a)
+    for t in range(steps):
+        x, y = _batch(rank, t)
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        for names, a in zip(groups, algos):
+            G = torch.cat([params[n].grad.reshape(-1) for n in names]).view(1, -1)
+            if t == 0:
+                dist.all_reduce(G)
+                G.div_(world)
+            else:
+                a.set_lr(LR)
+                a.reduce_gradients(G)
+            off = 0
+            for n in names:
+                k = params[n].numel()
+                params[n].grad.copy_(G[0, off:off + k].view_as(params[n]))
+                off += k
+        opt.step()
+    return _params(net)
+
+
 @pytest.mark.multiprocess
-def test_resume_through_state_dict_is_bit_identical():
+def test_several_buckets_and_resume_through_state_dict_are_bit_identical():
     cases = [("efsgd", {"compressor": "quant:bits=4"}), ("powersgd", {"rank": 1}), ("sketched", {"p": 0.2})]
     results = run_world(2, _resume, cases, timeout=180)
     for name, _ in cases:
         for res in results:
-            straight, resumed, b1, b2, groups = res[name]
+            straight, resumed, b1, b2, groups, per_group = res[name]
             assert len(groups) >= 2, (name, groups)  # several buckets, one group each
+            for a, b in zip(straight, per_group):
+                assert torch.equal(a, b), (name, "per-group reference")
             assert sorted(n for g in groups for n in g) == sorted(
                 ["body.weight", "body.bias", "head.weight", "head.bias"])
             for a, b in zip(straight, resumed):

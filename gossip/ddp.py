@@ -140,9 +140,20 @@ class HookState:
         named = list(module.named_parameters())
         if not named:
             raise ValueError("gossip.ddp: the model has no parameters")
+        # the Config's checks run now, not in the middle of a backward pass (an algorithm
+        # touches its communicator only in setup and reduce_gradients)
+        probe = _algorithms.build(algorithm, None, **options)
+        if optimizer is not None:
+            from gossip.runtime import _check_momentum  # the one-line MomentumConflict
+
+            _check_momentum(probe, [optimizer])
+        elif probe.owns_momentum:
+            warnings.warn(
+                f"gossip.ddp: {algorithm} applies its own momentum; the local optimizer must have none "
+                "(pass optimizer= to hook_state to have it checked)", stacklevel=3)
         self.name = algorithm
         self.options = dict(options)
-        self.seed = 0
+        self.seed = int(probe.config.seed)
         self.warmup_steps = warmup_steps
         self.optimizer = optimizer
         self.comm = DistCommunicator(group=process_group, timeout=timeout)
@@ -153,17 +164,6 @@ class HookState:
         self._groups: list[_Group] = []
         self._group_of: dict[int, int] = {}  # parameter position -> group index
         self._plans: dict[tuple[int, ...], list[tuple[_Group, torch.Tensor | None]]] = {}
-        # the Config's checks run now, not in the middle of a backward pass
-        probe = _algorithms.build(algorithm, self.comm, **options)
-        self.seed = int(probe.config.seed)
-        if optimizer is not None:
-            from gossip.runtime import _check_momentum  # the one-line MomentumConflict
-
-            _check_momentum(probe, [optimizer])
-        elif probe.owns_momentum:
-            warnings.warn(
-                f"gossip.ddp: {algorithm} applies its own momentum; the local optimizer must have none "
-                "(pass optimizer= to hook_state to have it checked)", stacklevel=3)
 
     # ------------------------------------------------------------------ views
     @property

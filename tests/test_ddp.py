@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gossip import algorithms, comm, ddp
-from gossip.runtime import GossipOptimizer
+from gossip.runtime import GossipOptimizer, MomentumConflict
 from tests._dist import run_world
 
 LR = 0.1
@@ -171,7 +171,24 @@ def _resume(cases):
         _train_ddp(model, opt, 3, first=3)
         out[name] = (straight, _params(net), straight_bytes, state.ledger.bytes_sent, state.groups, per_group)
         dist.barrier()
+    out["_checks"] = _state_checks()
     return out
+
+
+def _state_checks():
+    """What needs a process group: the momentum warning and load_state_dict's errors."""
+    model = _net()
+    found = {}
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        state = ddp.hook_state(model, "powersgd")
+    found["warning"] = [str(x.message) for x in w]
+    for key, sd in (("other", ddp.hook_state(model, "efsgd").state_dict()), ("junk", {"x": 1})):
+        try:
+            state.load_state_dict(sd)
+        except ValueError as e:
+            found[key] = str(e)
+    return found
 
 
 def _per_group_reference(name, opts, groups, steps):
@@ -213,8 +230,13 @@ def _per_group_reference(name, opts, groups, steps):
 
 @pytest.mark.multiprocess
 def test_several_buckets_and_resume_through_state_dict_are_bit_identical():
+    """Also the state's errors and the momentum warning, which need a process group."""
     cases = [("efsgd", {"compressor": "quant:bits=4"}), ("powersgd", {"rank": 1}), ("sketched", {"p": 0.2})]
     results = run_world(2, _resume, cases, timeout=180)
+    checks = results[0]["_checks"]
+    assert any("applies its own momentum" in w and "optimizer=" in w for w in checks["warning"]), checks
+    assert re.fullmatch(r"gossip.ddp: the state is efsgd's, this hook runs powersgd", checks.get("other", "")), checks
+    assert re.match(r"gossip.ddp: load_state_dict expects a HookState.state_dict\(\)", checks.get("junk", "")), checks
     for name, _ in cases:
         for res in results:
             straight, resumed, b1, b2, groups, per_group = res[name]
@@ -312,52 +334,22 @@ def test_powersgd_hook_agrees_with_torchs_powersgd_hook():
 
 
 # ------------------------------------------------------------------------ bad input
-def _errors():
-    model = nn.parallel.DistributedDataParallel(_net())
-    out = {}
-
-    def catch(key, fn):
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - the test reads the type and the line
-            out[key] = (type(e).__name__, str(e))
-        else:
-            out[key] = None
-
-    catch("decentralized", lambda: ddp.hook_state(model, "dcd"))
-    catch("unknown", lambda: ddp.hook_state(model, "nope"))
-    catch("merge", lambda: ddp.hook_state(model, "efsgd", merge="layer"))
-    catch("compressor", lambda: ddp.hook_state(model, "efsgd", compressor="quant:bits=99"))
-    catch("option", lambda: ddp.hook_state(model, "powersgd", rnak=2))
-    catch("warmup", lambda: ddp.hook_state(model, "efsgd", warmup_steps=0))
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    catch("momentum", lambda: ddp.hook_state(model, "powersgd", optimizer=sgd))
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        state = ddp.hook_state(model, "powersgd")
-    out["warning"] = [str(x.message) for x in w]
-    catch("load_other", lambda: state.load_state_dict(ddp.hook_state(model, "efsgd").state_dict()))
-    catch("load_junk", lambda: state.load_state_dict({"x": 1}))
-    return out
-
-
 def test_bad_input_gets_one_line():
-    (out,) = run_world(1, _errors, timeout=120)
-    expect = {
-        "decentralized": ("ValueError", r"'dcd' acts on the models.*DDP hooks exist for allreduce, efsgd"),
-        "unknown": ("ValueError", r"'nope' is not an algorithm; DDP hooks exist for"),
-        "merge": ("ValueError", r"`merge` \(MergeComp\).*not a DDP hook"),
-        "compressor": ("ValueError", r"bits"),
-        "option": ("ValueError", r"unexpected keyword.*rnak.*accepted options: rank"),
-        "warmup": ("ValueError", r"`warmup_steps` must be an int >= 1.*got 0"),
-        "momentum": ("MomentumConflict", r"powersgd applies its own momentum.*SGD has momentum 0.9"),
-        "load_other": ("ValueError", r"the state is efsgd's, this hook runs powersgd"),
-        "load_junk": ("ValueError", r"load_state_dict expects a HookState.state_dict\(\)"),
-    }
-    for key, (kind, pattern) in expect.items():
-        assert out[key] is not None, f"{key}: nothing raised"
-        got_kind, msg = out[key]
-        assert got_kind == kind, (key, out[key])
-        assert "\n" not in msg, (key, msg)
-        assert re.search(pattern, msg), (key, msg)
-    assert any("applies its own momentum" in w and "optimizer=" in w for w in out["warning"]), out["warning"]
+    """Checked before the process group is touched: no world needed."""
+    model = _net()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cases = [
+        (dict(algorithm="dcd"), ValueError, r"'dcd' acts on the models.*DDP hooks exist for allreduce, efsgd"),
+        (dict(algorithm="nope"), ValueError, r"'nope' is not an algorithm; DDP hooks exist for"),
+        (dict(algorithm="efsgd", merge="layer"), ValueError, r"`merge` \(MergeComp\).*not a DDP hook"),
+        (dict(algorithm="efsgd", compressor="quant:bits=99"), ValueError, r"`bits` must be an integer in 1..16"),
+        (dict(algorithm="powersgd", rnak=2), ValueError, r"unexpected keyword.*rnak.*accepted options: rank"),
+        (dict(algorithm="efsgd", warmup_steps=0), ValueError, r"`warmup_steps` must be an int >= 1.*got 0"),
+        (dict(algorithm="powersgd", optimizer=sgd), MomentumConflict,
+         r"powersgd applies its own momentum.*SGD has momentum 0.9"),
+        (dict(algorithm="efsgd"), RuntimeError, r"no process group; call .*init_process_group\(\) first"),
+    ]
+    for kwargs, kind, pattern in cases:
+        with pytest.raises(kind, match=pattern) as info:
+            ddp.hook_state(model, **kwargs)
+        assert "\n" not in str(info.value), str(info.value)

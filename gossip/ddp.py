@@ -41,9 +41,14 @@ none. Pass ``optimizer=`` to :func:`hook_state`: it is refused in one line
 (:class:`gossip.runtime.MomentumConflict`) when both have momentum, and its
 ``param_groups[0]["lr"]`` is handed to ``set_lr`` before every iteration (the EF-SGD
 family rescales its memories by ``eta_{t-1} / eta_t``). Without it the step size is
-taken as constant and a warning says that momentum could not be checked.
+taken as constant, and for an algorithm that owns momentum a warning says that the
+optimizer's could not be checked.
 
-The decentralized algorithms (d-psgd, dcd, ecd, naive) act on the models, not on the
+Overlap: the algorithms wait for their collectives inside the hook, so a bucket's
+communication does not overlap the rest of the backward pass as DDP's own
+asynchronous all-reduce does; the returned future is already complete.
+
+The decentralized algorithms (dpsgd, dcd, ecd, naive) act on the models, not on the
 gradients, and are no hooks; MergeComp (``merge``) schedules tensors during backward
 itself and is not offered here either.
 """

@@ -188,6 +188,24 @@ def _state_checks():
             state.load_state_dict(sd)
         except ValueError as e:
             found[key] = str(e)
+
+    # one group saved from one bucket, resumed with small buckets that cut it apart
+    def fresh(cap):
+        model = nn.parallel.DistributedDataParallel(_net(), bucket_cap_mb=cap)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        state = ddp.hook_state(model, "efsgd", optimizer=opt)
+        model.register_comm_hook(state, ddp.hook)
+        return model, opt, state
+
+    model, opt, state = fresh(25)
+    _train_ddp(model, opt, 2)
+    saved = state.state_dict()
+    model, opt, state = fresh(0.0001)
+    state.load_state_dict(saved)
+    try:
+        _train_ddp(model, opt, 2, first=2)
+    except RuntimeError as e:
+        found["cut"] = str(e)
     return found
 
 
@@ -237,6 +255,8 @@ def test_several_buckets_and_resume_through_state_dict_are_bit_identical():
     assert any("applies its own momentum" in w and "optimizer=" in w for w in checks["warning"]), checks
     assert re.fullmatch(r"gossip.ddp: the state is efsgd's, this hook runs powersgd", checks.get("other", "")), checks
     assert re.match(r"gossip.ddp: load_state_dict expects a HookState.state_dict\(\)", checks.get("junk", "")), checks
+    assert re.fullmatch(r"gossip.ddp: bucket \d+ \(2 tensors\) cuts across the groups set up on earlier buckets; "
+                        r"DDP's buckets changed .*bucket_cap_mb than the checkpoint's\?\)", checks.get("cut", "")), checks
     for name, _ in cases:
         for res in results:
             straight, resumed, b1, b2, groups, per_group = res[name]

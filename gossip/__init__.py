@@ -2,7 +2,8 @@
 
 Subpackages: :mod:`gossip.compress` (compressors and the wire format),
 :mod:`gossip.comm` (communicators and the ledger), :mod:`gossip.algorithms` (the
-algorithm contract and every algorithm). The graphs live in the separate, torch-free
+algorithm contract and every algorithm), :mod:`gossip.ddp` (the centralized
+algorithms as DistributedDataParallel communication hooks). The graphs live in the separate, torch-free
 package :mod:`topologies`. The training CLI is ``python -m gossip.train``.
 
 ``import gossip`` is cheap: the names below load their modules on first use.

@@ -8,7 +8,10 @@ Data factory
     ``fn(seed: int) -> gossip.data.Dataset`` or ``((x_train, y_train), (x_test, y_test))``
     with float inputs ``x`` shaped ``(N, *input_shape)`` and integer class labels
     ``y`` shaped ``(N,)`` in ``[0, num_classes)`` (``num_classes`` is one more than
-    the largest label). The run partitions the training set over the nodes as for the
+    the largest label), or ``(train_set, test_set)``: two map-style
+    ``torch.utils.data.Dataset`` whose items are ``(x, label)`` pairs (a
+    ``TensorDataset``, a torchvision data set with a ``ToTensor`` transform), read
+    once into memory. The run partitions the training set over the nodes as for the
     built-in data sets (``--partition``); the test set evaluates the averaged model.
 Model factory
     ``fn(input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module`` returning
@@ -29,7 +32,8 @@ from typing import Any, Callable
 __all__ = ["FactoryError", "is_factory", "load", "dataset_from", "model_from", "check_model_output"]
 
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-DATA_SIGNATURE = "fn(seed) -> gossip.data.Dataset or ((x_train, y_train), (x_test, y_test))"
+DATA_SIGNATURE = ("fn(seed) -> gossip.data.Dataset, ((x_train, y_train), (x_test, y_test)) "
+                  "or (train_set, test_set) of torch Datasets of (x, label)")
 MODEL_SIGNATURE = "fn(input_shape, num_classes) -> torch.nn.Module"
 
 
@@ -78,6 +82,9 @@ def dataset_from(spec: str, seed: int):
     got = _call(load(spec, "--data", DATA_SIGNATURE), spec, "--data", DATA_SIGNATURE, seed=seed)
     if isinstance(got, data.Dataset):
         return got
+    if isinstance(got, (tuple, list)) and len(got) == 2 and all(
+            isinstance(d, torch.utils.data.Dataset) for d in got):
+        got = tuple(_materialise(d, spec, split) for d, split in zip(got, ("train", "test")))
     bad = FactoryError(f"--data {spec!r} returned {_describe(got)}; expected {DATA_SIGNATURE}, "
                        f"with float x shaped (N, ...) and integer labels y shaped (N,)")
     try:
@@ -102,6 +109,21 @@ def dataset_from(spec: str, seed: int):
                             y_test=yte.long(), num_classes=classes, input_shape=tuple(xtr.shape[1:]))
     except (ValueError, TypeError) as e:
         raise FactoryError(f"--data {spec!r}: {e}") from None
+
+
+def _materialise(ds: Any, spec: str, split: str):
+    """A map-style torch Dataset of ``(x, label)`` items as the tensors ``(x, y)``."""
+    import torch
+
+    try:
+        items = [ds[i] for i in range(len(ds))]
+        xs = torch.stack([torch.as_tensor(item[0]) for item in items])
+        ys = torch.as_tensor([int(item[1]) for item in items], dtype=torch.int64)
+    except Exception as e:  # no len, items not (x, label), inputs of different shapes
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise FactoryError(f"--data {spec!r}: the {split} set's items are not (x, label) pairs of one shape "
+                           f"({type(e).__name__}: {first}); expected {DATA_SIGNATURE}") from None
+    return xs, ys
 
 
 def model_from(spec: str, input_shape: tuple[int, ...], num_classes: int):

@@ -81,6 +81,15 @@ def test_toml_sections_and_flat_keys(tmp_path):
     assert dict(cfg.algorithm.options) == {"rank": 3, "approximator": "best"}
 
 
+def test_toml_tensorboard_key(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('algo = "allreduce"\n\n[run]\ntensorboard = true\n')
+    assert parse_args(["--config", str(f)]).run.tensorboard is True
+    f.write_text('tensorboard = true\n')
+    assert parse_args(["--config", str(f)]).run.tensorboard is True
+    assert parse_args([]).run.tensorboard is False
+
+
 @pytest.mark.parametrize("text, needle", [
     ('[optim]\nspeed = 1\n', r"unknown key 'speed' in \[optim\]; accepted: lr"),
     ('lr = 0.1\n[optim]\nlr = 0.2\n', r"\[optim\] sets 'lr' a second time"),

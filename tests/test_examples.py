@@ -1,8 +1,8 @@
 """Every script in examples/ runs as a newcomer would run it, at a tiny size.
 
 Each example is started as its own process from an empty temporary directory: once
-with all nodes simulated in one process, once under ``torchrun`` with 2 processes
-over gloo. The test reads what the example prints. :data:`CASES` must name every
+with all nodes simulated in one process (where it can: a DDP script needs torchrun),
+once under ``torchrun`` with 2 processes over gloo. The test reads what the example prints. :data:`CASES` must name every
 file in examples/: a new example without a case fails here.
 """
 
@@ -27,8 +27,9 @@ TIMEOUT = 180  # seconds per process; a few steps take a few seconds even on a b
 class Case:
     """How one example runs at a tiny size, and what its output must show."""
 
-    simulate: list[str]
-    """Flags for one process hosting every node."""
+    simulate: list[str] | None
+    """Flags for one process hosting every node; None for a script that only runs
+    under torchrun (DDP)."""
     torchrun: list[str]
     """Flags for each of the 2 processes torchrun starts."""
     check: Callable[[str, list[str]], dict]
@@ -68,7 +69,36 @@ def _check_own_training_loop(out: str, flags: list[str]) -> dict:
     return {"n": int(m["n"]), "acc": acc, "loss": loss, "distance": distance, "bytes": sent}
 
 
+# --------------------------------------------------------------------------- ddp_hook.py
+_DDP_LINE = re.compile(
+    r"^(?P<algo>\S+) under DDP on (?P<n>\d+) processes, (?P<steps>\d+) steps: "
+    r"test accuracy (?P<acc>\S+), last training loss (?P<loss>\S+), "
+    r"bytes sent per process (?P<bytes>[\d,]+) \(full-precision all-reduce (?P<full>[\d,]+)\)$",
+    re.MULTILINE,
+)
+
+
+def _check_ddp_hook(out: str, flags: list[str]) -> dict:
+    found = _DDP_LINE.findall(out)
+    assert len(found) == 1, f"expected the summary line once (rank 0 only), got:\n{out}"
+    m = _DDP_LINE.search(out)
+    assert m["algo"] == _flag(flags, "--algo", "efsgd")
+    assert int(m["n"]) == 2 and int(m["steps"]) == int(_flag(flags, "--steps", "200"))
+    acc, loss = float(m["acc"]), float(m["loss"])
+    sent, full = int(m["bytes"].replace(",", "")), int(m["full"].replace(",", ""))
+    assert 0.75 < acc <= 1.0, out
+    assert math.isfinite(loss) and 0 < loss < math.log(2), out
+    # 8-bit codes after one full-precision warm-up step: well under a third of fp32
+    assert 0 < sent < full / 3, out
+    return {"acc": acc, "loss": loss, "bytes": sent}
+
+
 CASES: dict[str, Case] = {
+    "ddp_hook.py": Case(
+        simulate=None,
+        torchrun=["--algo", "efsgd", "--opt", "compressor=quant:bits=8", "--steps", "20"],
+        check=_check_ddp_hook,
+    ),
     "own_training_loop.py": Case(
         simulate=["--simulate", "4", "--algo", "ecd", "--bits", "8", "--steps", "20"],
         torchrun=["--topology", "complete", "--steps", "20"],  # a ring needs 3 nodes
@@ -102,7 +132,7 @@ def _run(cmd: list[str], cwd) -> str:
     return r.stdout
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("name", [s for s in SCRIPTS if s not in CASES or CASES[s].simulate is not None])
 def test_example_runs_simulated(name, tmp_path):
     case = _case(name)
     out = _run([sys.executable, str(EXAMPLES / name), *case.simulate], tmp_path)

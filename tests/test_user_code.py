@@ -28,6 +28,24 @@ def blobs(seed: int):
     return draw(512), draw(256)
 
 
+def blob_sets(seed: int):
+    """The same blobs as two torch Datasets of (x, label) items."""
+    (xtr, ytr), (xte, yte) = blobs(seed)
+    return torch.utils.data.TensorDataset(xtr, ytr), torch.utils.data.TensorDataset(xte, yte)
+
+
+class _Ragged(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return torch.zeros(3 + i), i
+
+
+def ragged_datasets(seed: int):
+    return _Ragged(), _Ragged()
+
+
 def small_net(input_shape, num_classes):
     return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], 16), nn.Tanh(), nn.Linear(16, num_classes))
 
@@ -71,6 +89,21 @@ def test_own_model_and_data_train_and_are_recorded(tmp_path):
     assert summary["final_test_acc"] > 0.9  # well separated blobs
 
 
+def test_own_torch_datasets(tmp_path):
+    """A pair of torch Datasets of (x, label) is read into memory: the same data, the
+    same run as the tensor pair."""
+    runs = []
+    for fn in ("blobs", "blob_sets"):
+        out = tmp_path / fn
+        r = _train(tmp_path, "--simulate", "2", "--algo", "allreduce", "--data", f"{HERE}:{fn}", "--model",
+                   f"{HERE}:small_net", "--max-steps", "5", "--out", str(out))
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs.append(json.loads((out / "summary.json").read_text()))
+    assert runs[1]["data"] == f"{HERE}:blob_sets"
+    assert runs[0]["final_test_acc"] is not None and runs[0]["final_test_acc"] == runs[1]["final_test_acc"]
+    assert runs[0]["final_test_loss"] == runs[1]["final_test_loss"]
+
+
 def test_own_data_with_a_built_in_model(tmp_path):
     r = _train(tmp_path, "--simulate", "2", "--algo", "allreduce", "--data", f"{HERE}:blobs", "--model", "mlp",
                "--max-steps", "3", "--out", str(tmp_path / "run"))
@@ -83,6 +116,7 @@ def test_own_data_with_a_built_in_model(tmp_path):
     (["--data", f"{HERE}:NOT_CALLABLE"], ["not callable"]),
     (["--data", f"{HERE}:broken_data"], ["raised OSError: the disk is gone"]),
     (["--data", f"{HERE}:three_tensors"], ["returned a tuple of 3", "((x_train, y_train), (x_test, y_test))"]),
+    (["--data", f"{HERE}:ragged_datasets"], ["the train set's items are not (x, label) pairs of one shape"]),
     (["--data", f"{HERE}:blobs", "--model", f"{HERE}:not_a_model"], ["returned a str", "torch.nn.Module"]),
     (["--data", f"{HERE}:blobs", "--model", f"{HERE}:wrong_width"], ["fails on inputs shaped (B, 6)"]),
     (["--data", "not a spec"], ["unknown --data 'not a spec'", "module.path:function"]),

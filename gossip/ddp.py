@@ -1,0 +1,314 @@
+"""The centralized compressed algorithms as DistributedDataParallel communication hooks.
+
+.. code-block:: python
+
+    from gossip import ddp
+    model = DDP(model)
+    state = ddp.hook_state(model, "efsgd", compressor="quant:bits=8", optimizer=opt)
+    model.register_comm_hook(state, ddp.hook)
+
+A DDP script stays as it is; these two lines replace DDP's all-reduce of the
+gradients by the algorithm's compressed reduction. What the hook does with one
+``GradBucket`` (a flat buffer of some parameters' gradients):
+
+1. warm-up: during the first ``warmup_steps`` iterations (1 by default) the bucket is
+   all-reduced in full precision (mean), as torch's own ``powerSGD_hook`` does for its
+   first ``start_powerSGD_iter`` iterations. DDP puts every parameter in one bucket for
+   its first iteration and rebuilds its buckets, in the order the gradients become
+   ready, before the second; memories set up on the first iteration's bucket would
+   not fit the rebuilt ones;
+2. the bucket's parameters are looked up in the model; a *group* is the parameters of
+   one bucket as first seen after the warm-up, in the model's ``parameters()`` order.
+   Each group has its own instance of the algorithm, set up on the group's
+   ``ParamLayout`` (so per-tensor blocks and PowerSGD's matrices are the bucket's
+   tensors, as in ``powerSGD_hook``) with its own State: error-feedback memories,
+   momentum, warm-start matrices. Group ``g`` is seeded with ``seed + g``;
+3. the group's gradients (gathered from the bucket, which DDP orders by readiness) go
+   through the algorithm's ``reduce_gradients`` as one ``(1, d)`` row, after
+   ``set_lr`` with the optimizer's step size, and are scattered back. A bucket that
+   holds several whole groups (the first iteration of a new DDP model after
+   :meth:`HookState.load_state_dict`: one bucket of everything) runs each group in
+   turn, so a resumed run computes exactly what the uninterrupted one did;
+4. the hook returns a completed ``torch.futures.Future`` holding the bucket's buffer:
+   the reduced direction, which DDP copies into the parameters' ``.grad``. The
+   algorithms all-reduce or all-gather synchronously over DDP's process group, through
+   a :class:`gossip.comm.DistCommunicator` whose :class:`~gossip.comm.Ledger`
+   (``state.ledger``) counts every byte.
+
+Momentum: an algorithm that applies momentum itself (powersgd, efblocksgdm, signum,
+efmomentum, sketched, truetopk, localtopk by default) must have a local optimizer with
+none. Pass ``optimizer=`` to :func:`hook_state`: it is refused in one line
+(:class:`gossip.runtime.MomentumConflict`) when both have momentum, and its
+``param_groups[0]["lr"]`` is handed to ``set_lr`` before every iteration (the EF-SGD
+family rescales its memories by ``eta_{t-1} / eta_t``). Without it the step size is
+taken as constant, and for an algorithm that owns momentum a warning says that the
+optimizer's could not be checked.
+
+Overlap: the algorithms wait for their collectives inside the hook, so a bucket's
+communication does not overlap the rest of the backward pass as DDP's own
+asynchronous all-reduce does; the returned future is already complete.
+
+The decentralized algorithms (dpsgd, dcd, ecd, naive) act on the models, not on the
+gradients, and are no hooks; MergeComp (``merge``) schedules tensors during backward
+itself and is not offered here either.
+"""
+
+import warnings
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+# before the user's script creates its process group: imported later (torch._dynamo does
+# it on a first compiled call) it keeps the gloo group alive past the interpreter's exit
+# (see gossip.comm.distributed._preload_before_init)
+import torch.distributed.nn.functional  # noqa: F401
+from torch import nn
+
+from gossip import algorithms as _algorithms
+from gossip.algorithms.base import ParamLayout
+from gossip.comm import DistCommunicator, Ledger
+
+__all__ = ["HOOK_ALGORITHMS", "HookState", "hook", "hook_state"]
+
+#: the algorithms that work as DDP hooks: the centralized ones, which rewrite gradients
+HOOK_ALGORITHMS: tuple[str, ...] = (
+    "allreduce", "efsgd", "efblocksgd", "efblocksgdm", "signsgd", "signum", "powersgd",
+    "efmomentum", "sketched", "truetopk", "localtopk",
+)
+_FORMAT = "gossip.ddp/1"
+
+
+def hook_state(
+    model: nn.Module,
+    algorithm: str,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    process_group: Any = None,
+    warmup_steps: int = 1,
+    timeout: float = 300.0,
+    **options: Any,
+) -> "HookState":
+    """The state for ``model.register_comm_hook(state, ddp.hook)``.
+
+    ``model``: the DDP model (or the module it wraps), whose parameter names and order
+    define the groups. ``algorithm``: one of :data:`HOOK_ALGORITHMS`; ``options`` go to
+    its Config (``compressor="quant:bits=8"``, ``rank=2``, ``momentum=0.9``, ``seed``, ...)
+    and are checked here. ``optimizer``: the local optimizer, for the momentum check and
+    the step size (see the module docstring). ``process_group``: DDP's
+    (``None``: the default group). ``warmup_steps`` (>= 1): iterations all-reduced in
+    full precision before the algorithm starts. ``timeout``: seconds a collective may
+    take before the peer is named in an error.
+    """
+    return HookState(model, algorithm, optimizer=optimizer, process_group=process_group,
+                     warmup_steps=warmup_steps, timeout=timeout, **options)
+
+
+class _Group:
+    """The parameters of one bucket (model order) and the algorithm reducing them."""
+
+    __slots__ = ("positions", "names", "layout", "algorithm")
+
+    def __init__(self, positions: tuple[int, ...], names: tuple[str, ...], layout: ParamLayout,
+                 algorithm: Any) -> None:
+        self.positions, self.names, self.layout, self.algorithm = positions, names, layout, algorithm
+
+
+class HookState:
+    """One algorithm instance per group of parameters (a DDP bucket), lazily set up.
+
+    ``ledger``: the bytes and times of every collective (warm-up included);
+    ``iteration``: DDP iterations reduced so far; ``algorithms``: the group's
+    algorithm instances, in the order the groups were made. :meth:`state_dict` /
+    :meth:`load_state_dict` hold every group's State, so a resumed run continues
+    bit-identically. Build it with :func:`hook_state`.
+    """
+
+    def __init__(self, model: nn.Module, algorithm: str, *, optimizer: Any = None, process_group: Any = None,
+                 warmup_steps: int = 1, timeout: float = 300.0, **options: Any) -> None:
+        if not isinstance(algorithm, str) or algorithm not in HOOK_ALGORITHMS:
+            known = _algorithms.available()
+            why = ("acts on the models, not on the gradients" if isinstance(algorithm, str) and algorithm in known
+                   and _algorithms.is_decentralized(algorithm) else "is not an algorithm")
+            raise ValueError(f"gossip.ddp: {algorithm!r} {why}; DDP hooks exist for {', '.join(HOOK_ALGORITHMS)}")
+        if "merge" in options or any(k.startswith("merge_") for k in options):
+            raise ValueError("gossip.ddp: `merge` (MergeComp) schedules tensors during backward itself and is "
+                             "not a DDP hook; DDP's buckets are the groups here (tune them with bucket_cap_mb)")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"gossip.ddp: `warmup_steps` must be an int >= 1 (DDP rebuilds its buckets after "
+                             f"the first iteration), got {warmup_steps!r}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"gossip.ddp: `model` must be the nn.Module (DDP or not), got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"gossip.ddp: `optimizer` must be a torch.optim.Optimizer or None, got "
+                            f"{type(optimizer).__name__}")
+        module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        named = list(module.named_parameters())
+        if not named:
+            raise ValueError("gossip.ddp: the model has no parameters")
+        # the Config's checks run now, not in the middle of a backward pass (an algorithm
+        # touches its communicator only in setup and reduce_gradients)
+        probe = _algorithms.build(algorithm, None, **options)
+        if optimizer is not None:
+            from gossip.runtime import _check_momentum  # the one-line MomentumConflict
+
+            _check_momentum(probe, [optimizer])
+        elif probe.owns_momentum:
+            warnings.warn(
+                f"gossip.ddp: {algorithm} applies its own momentum; the local optimizer must have none "
+                "(pass optimizer= to hook_state to have it checked)", stacklevel=3)
+        self.name = algorithm
+        self.options = dict(options)
+        self.seed = int(probe.config.seed)
+        self.warmup_steps = warmup_steps
+        self.optimizer = optimizer
+        self.comm = DistCommunicator(group=process_group, timeout=timeout)
+        self.iteration = 0
+        self._params = [p for _, p in named]
+        self._names = [n for n, _ in named]
+        self._position = {id(p): k for k, p in enumerate(self._params)}
+        self._groups: list[_Group] = []
+        self._group_of: dict[int, int] = {}  # parameter position -> group index
+        self._plans: dict[tuple[int, ...], list[tuple[_Group, torch.Tensor | None]]] = {}
+
+    # ------------------------------------------------------------------ views
+    @property
+    def ledger(self) -> Ledger:
+        """Bytes sent and received and time per phase, over every bucket and iteration."""
+        return self.comm.ledger
+
+    @property
+    def algorithms(self) -> list[Any]:
+        return [g.algorithm for g in self._groups]
+
+    @property
+    def groups(self) -> list[tuple[str, ...]]:
+        """The parameter names of every group, in the model's order."""
+        return [g.names for g in self._groups]
+
+    # ------------------------------------------------------------------ groups
+    def _build(self, index: int) -> Any:
+        # every hook algorithm's Config takes a seed; groups draw independent randomness
+        return _algorithms.build(self.name, self.comm, **{**self.options, "seed": self.seed + index})
+
+    def _new_group(self, positions: list[int]) -> _Group:
+        positions = sorted(positions)
+        names = tuple(self._names[k] for k in positions)
+        layout = ParamLayout.from_shapes([tuple(self._params[k].shape) for k in positions], names)
+        p0 = self._params[positions[0]]
+        algo = self._build(len(self._groups))
+        with self.ledger.setup():
+            algo.setup(torch.zeros(1, layout.dim, dtype=p0.dtype, device=p0.device), layout)
+        group = _Group(tuple(positions), names, layout, algo)
+        for k in positions:
+            self._group_of[k] = len(self._groups)
+        self._groups.append(group)
+        self._plans.clear()
+        return group
+
+    def _plan(self, bucket: Any) -> list[tuple[_Group, torch.Tensor | None]]:
+        """For a bucket: each group it holds, and the indices of the group's values in
+        the bucket's buffer (None when the buffer is the group, in order)."""
+        params = bucket.parameters()
+        try:
+            order = tuple(self._position[id(p)] for p in params)
+        except KeyError:
+            raise RuntimeError("gossip.ddp: a bucket holds a parameter that is not in the model given to "
+                               "hook_state; pass the DDP model (or its module)") from None
+        plan = self._plans.get(order)
+        if plan is not None:
+            return plan
+        numels = [self._params[k].numel() for k in order]
+        if sum(numels) != bucket.buffer().numel():
+            raise RuntimeError(f"gossip.ddp: bucket {bucket.index()} holds {bucket.buffer().numel()} values for "
+                               f"parameters of {sum(numels)} (sparse gradients are not supported)")
+        owners = {self._group_of.get(k) for k in order}
+        if owners == {None}:
+            groups = [self._new_group(list(order))]
+        elif None in owners or any(set(self._groups[g].positions) - set(order) for g in owners):
+            raise RuntimeError(
+                f"gossip.ddp: bucket {bucket.index()} ({len(order)} tensors) cuts across the groups set up on "
+                f"earlier buckets; DDP's buckets changed after the warm-up (find_unused_parameters? a "
+                f"different bucket_cap_mb than the checkpoint's?)")
+        else:
+            groups = [self._groups[g] for g in sorted(owners)]
+        offset, where = 0, {}
+        for k, n in zip(order, numels):
+            where[k] = (offset, n)
+            offset += n
+        plan = []
+        for g in groups:
+            idx = torch.cat([torch.arange(where[k][0], where[k][0] + where[k][1]) for k in g.positions])
+            same = len(groups) == 1 and bool(torch.equal(idx, torch.arange(offset)))
+            plan.append((g, None if same else idx.to(bucket.buffer().device)))
+        self._plans[order] = plan
+        return plan
+
+    # ------------------------------------------------------------------ the hook's body
+    @torch.no_grad()
+    def reduce(self, bucket: Any) -> torch.Tensor:
+        buf = bucket.buffer()
+        if self.iteration < self.warmup_steps:
+            # 1. full precision while DDP settles its buckets
+            buf.copy_(self.comm.all_reduce(buf.view(1, -1), op="mean")[0])
+        else:
+            lr = None if self.optimizer is None else float(self.optimizer.param_groups[0]["lr"])
+            for group, idx in self._plan(bucket):
+                # 2-3. the group's gradients as one row, through the algorithm
+                G = buf.view(1, -1) if idx is None else buf.index_select(0, idx).view(1, -1)
+                if lr is not None:
+                    group.algorithm.set_lr(lr)
+                group.algorithm.reduce_gradients(G)
+                if idx is not None:
+                    buf.index_copy_(0, idx, G[0])
+        if bucket.is_last():
+            self.iteration += 1
+            self.ledger.step()
+        return buf
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Every group's parameter names and algorithm State, the iteration count and
+        the ledger: enough to continue bit-identically."""
+        return {
+            "format": _FORMAT,
+            "algorithm": self.name,
+            "iteration": self.iteration,
+            "groups": [{"names": list(g.names), "state": g.algorithm.state_dict()} for g in self._groups],
+            "ledger": self.ledger.state_dict(),
+        }
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; the groups are set up here, from the
+        saved parameter names, before any bucket arrives."""
+        if not isinstance(sd, Mapping) or sd.get("format") != _FORMAT:
+            got = sd.get("format") if isinstance(sd, Mapping) else type(sd).__name__
+            raise ValueError(f"gossip.ddp: load_state_dict expects a HookState.state_dict() ({_FORMAT!r}), "
+                             f"got format {got!r}")
+        if sd["algorithm"] != self.name:
+            raise ValueError(f"gossip.ddp: the state is {sd['algorithm']}'s, this hook runs {self.name}")
+        index = {n: k for k, n in enumerate(self._names)}
+        missing = [n for g in sd["groups"] for n in g["names"] if n not in index]
+        if missing:
+            raise ValueError(f"gossip.ddp: the state names parameters this model does not have: {missing[:5]}")
+        self._groups, self._group_of, self._plans = [], {}, {}
+        for g in sd["groups"]:
+            self._new_group([index[n] for n in g["names"]]).algorithm.load_state_dict(g["state"])
+        self.iteration = int(sd["iteration"])
+        self.ledger.load_state_dict(sd["ledger"])
+
+    def __repr__(self) -> str:
+        return (f"HookState({self.name}, {len(self._groups)} group(s), iteration={self.iteration}, "
+                f"warmup_steps={self.warmup_steps})")
+
+
+# no ``from __future__ import annotations`` in this module: DDP's register_comm_hook
+# compares these annotations with the real classes
+def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The communication hook: ``model.register_comm_hook(state, ddp.hook)``.
+
+    Reduces the bucket with ``state``'s algorithm (see the module docstring) and returns
+    a completed future of the bucket's buffer.
+    """
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(state.reduce(bucket))
+    return fut

@@ -35,6 +35,7 @@ from gossip.algorithms.sketched import (
     TrueTopK,
     TrueTopKConfig,
 )
+from gossip.algorithms.sgp import SGP, SGPConfig, SGPState
 from gossip.algorithms.decentralized import (
     DCD,
     DPSGD,
@@ -64,6 +65,9 @@ __all__ = [
     "ECD",
     "ECDConfig",
     "GossipState",
+    "SGP",
+    "SGPConfig",
+    "SGPState",
     "DistEFSGD",
     "EFSGDConfig",
     "EFBlockSGD",
@@ -99,6 +103,7 @@ for _cls, _cfg in (
     (Naive, NaiveConfig),
     (DCD, DCDConfig),
     (ECD, ECDConfig),
+    (SGP, SGPConfig),
     (DistEFSGD, EFSGDConfig),
     (EFBlockSGD, EFBlockSGDConfig),
     (EFBlockSGDM, EFBlockSGDMConfig),

@@ -34,6 +34,7 @@ import torch
 from gossip import compress as _compress
 from gossip.algorithms._common import check_int, node_keys, step_tag
 from gossip.algorithms.base import Algorithm
+from gossip.comm.base import is_time_varying
 
 __all__ = [
     "DPSGD",
@@ -185,6 +186,15 @@ class _Gossip(Algorithm):
             )
         self.compressor = _compress.build(config.compressor)
         nodes = comm.nodes.cpu()
+        self._nodes = nodes
+        #: a time-varying topology: W(t) changes every step (the base class has refused
+        #: it to algorithms that need a static graph)
+        self._tv = is_time_varying(topo)
+        if self._tv:
+            self._self_w64 = torch.zeros(len(nodes), 1, dtype=torch.float64)
+            self._pad_idx = torch.zeros(len(nodes), 0, dtype=torch.int64)
+            self._pad_w64 = torch.zeros(len(nodes), 0, dtype=torch.float64)
+            return
         self._self_w64 = torch.tensor(
             [float(topo.self_weight(int(i))) for i in nodes], dtype=torch.float64
         ).unsqueeze(1)
@@ -196,8 +206,19 @@ class _Gossip(Algorithm):
     def payload_compressor(self) -> Any:
         return self.compressor
 
-    def _self_w(self, like: torch.Tensor) -> torch.Tensor:
+    def _self_w(self, like: torch.Tensor, t: int | None = None) -> torch.Tensor:
+        """``W_ii`` of the hosted nodes; of ``W(t - 1)`` (the graph of paper step ``t``)
+        on a time-varying topology."""
+        if self._tv:
+            if t is None:
+                raise ValueError(f"{self.name}: a time-varying topology needs the step of W(t)")
+            sw = self.comm.topology.at(t - 1).self_weights[self._nodes.numpy()]
+            return torch.as_tensor(sw, dtype=like.dtype, device=like.device).unsqueeze(1)
         return self._self_w64.to(dtype=like.dtype, device=like.device)
+
+    def _exchange_kw(self, t: int) -> dict:
+        """The communicator's ``step``: paper step t (1, 2, ...) uses W(t - 1)."""
+        return {"step": t - 1} if self._tv else {}
 
     # one encode -> exchange -> (own decode, weighted sum of neighbours' decodes)
     def _gossip(
@@ -211,7 +232,7 @@ class _Gossip(Algorithm):
             P = compressor.encode(Z, keys, tag=tag)
             own = compressor.decode(P, d, tag=tag).to(Z.dtype) if want_own else None
         with ledger.phase("communicate"):
-            rec = self.comm.neighbor_exchange(P)
+            rec = self.comm.neighbor_exchange(P, **self._exchange_kw(t))
         def decode(Q: torch.Tensor) -> torch.Tensor:
             # In the simulation the received batch is our own batch of payloads: reuse
             # the decode of it instead of decoding the same bytes twice.
@@ -293,7 +314,7 @@ class DPSGD(_Gossip):
         # Step I
         _, mixed, _, _ = self._gossip(X, t, self.compressor, want_own=False)
         # Step II
-        X.copy_(self._self_w(X) * X + mixed + U)
+        X.copy_(self._self_w(X, t) * X + mixed + U)
         self.state.t = t + 1
 
 
@@ -311,7 +332,7 @@ class Naive(_Gossip):
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         t = self.state.t
         _, mixed, _, _ = self._gossip(X, t, self.compressor, want_own=False)
-        X.copy_(self._self_w(X) * X + mixed + U)
+        X.copy_(self._self_w(X, t) * X + mixed + U)
         self.state.t = t + 1
 
 
@@ -332,6 +353,7 @@ class DCD(_Gossip):
     name = "dcd"
     summary = "DCD-PSGD (papers/002 Alg. 1): exchange compressed model differences"
     uses_mix = True
+    needs_static_graph = True
 
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         s = self.state
@@ -368,6 +390,7 @@ class ECD(_Gossip):
     name = "ecd"
     summary = "ECD-PSGD (papers/002 Alg. 2): exchange compressed extrapolations"
     uses_mix = True
+    needs_static_graph = True
     has_self_estimate = True
 
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:

@@ -121,7 +121,7 @@ class SimulatedCommunicator(Communicator):
         if t is None:
             n = self.world_size
             idx, w = graph.padded_neighbors()
-            deg = np.asarray(graph.degrees, dtype=np.int64)
+            deg = np.array(graph.degrees, dtype=np.int64)  # own, writable copy
             real = np.arange(idx.shape[1])[None, :] < deg[:, None]
             src = idx[real]  # sender j of each received message ...
             dst = np.broadcast_to(np.arange(n)[:, None], idx.shape)[real]  # ... to receiver i

@@ -134,6 +134,21 @@ def test_cli_onepeer_exp_json(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "n must be even" in r.stderr
 
 
+def test_analysis_rows_for_time_varying_graphs():
+    from gossip import analysis
+
+    gaps = analysis.spectral_gaps([8, 12], names=("ring", "onepeer-exp", "matching"))
+    one = gaps[gaps.topology == "onepeer-exp"].set_index("n")
+    assert one.loc[8, "spectral_gap"] == 1.0 and 0 < one.loc[12, "rho"] < 1 and one["degree"].eq(1).all()
+    assert one["lambda2"].isna().all()
+    m = gaps[gaps.topology == "matching"].set_index("n")
+    assert m.loc[8, "rho"] == pytest.approx(6 / 14)
+    curve = analysis.consensus_contraction(topologies.build("onepeer-exp", 12), 16)
+    assert (curve.measured <= curve.rho_t + 1e-12).all()  # the period bound holds at every step
+    exact = analysis.consensus_contraction(topologies.build("onepeer-exp", 16), 4)
+    assert exact.measured.iloc[-1] < 1e-14  # one period: the exact average
+
+
 # ------------------------------------------------------------------ communicators
 def test_simulated_exchange_follows_w_of_t_with_degree_one_traffic():
     n = 8

@@ -10,6 +10,13 @@ plain SGD, the local optimizer's step otherwise), compressor C:
 All four run on a batch of hosted nodes (one row each), so the same code serves one
 rank under torchrun and a thousand nodes in the in-process simulation.
 
+Time-varying graphs (``onepeer-exp``, ``matching``): D-PSGD and naive keep nothing
+about their neighbours, so step t simply mixes with ``W(t - 1)`` (the communicator's
+``step``), rows as they are: on the directed one-peer graph node i takes
+``(x_i + x_{i-k})/2``, which keeps the average because the columns sum to 1 too. DCD
+and ECD keep replicas of fixed neighbours (``needs_static_graph``) and are refused
+such a graph in one line.
+
 Replicas. DCD and ECD need sum_j W_ij xhat_j, a weighted sum over the replicas (or
 estimates) a node holds of its neighbours. The sum is linear in the replicas, so each
 node keeps it as one running vector ``mix`` of size d instead of deg replicas of size

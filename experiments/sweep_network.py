@@ -62,8 +62,18 @@ LABELS = {
     "naive": "Naive compressed gossip ({bits} bits)",
     "dcd": "DCD-PSGD ({bits} bits)",
     "ecd": "ECD-PSGD ({bits} bits)",
+    "dpsgd-onepeer": "D-PSGD, one-peer exponential graph (32 bits)",
+    "sgp": "SGP, one-peer exponential graph (32 bits)",
+    "sgp-overlap": "Overlapped SGP, one-peer exponential graph (32 bits)",
 }
 COMPRESSED = ("naive", "dcd", "ecd")
+#: sweep names that stand for an algorithm run with flags of their own (given after the
+#: sweep's --topology, so theirs wins)
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "dpsgd-onepeer": ("dpsgd", ["--topology", "onepeer-exp"]),
+    "sgp": ("sgp", ["--topology", "onepeer-exp"]),
+    "sgp-overlap": ("sgp", ["--topology", "onepeer-exp", "--algo-opt", "overlap=1"]),
+}
 
 
 class SweepError(ValueError):
@@ -448,7 +458,8 @@ def _calibrate(args: argparse.Namespace, out: Path) -> int:
 
 def _train_cmd(args: argparse.Namespace, cell: Cell, run_dir: Path, epochs: int, latency_mode: str,
                has_max_steps: bool) -> list[str]:
-    flags = ["--algo", cell.algo, "--topology", args.topology, "--data", args.data,
+    algo, own = VARIANTS.get(cell.algo, (cell.algo, []))
+    flags = ["--algo", algo, "--topology", args.topology, *own, "--data", args.data,
              "--batch-size", str(args.batch_size), "--epochs", str(epochs), "--lr", str(args.lr),
              "--seed", str(args.seed), "--out", str(run_dir), "--log-every", "1", "--no-progress",
              "--timeout", str(args.peer_timeout)]
@@ -495,6 +506,8 @@ def ideal_bytes_ratio(algo: str, bits: int | None, n: int) -> float | None:
         return 1.0
     if algo == "dpsgd":
         return 2 / ar
+    if algo in VARIANTS:  # one-peer graphs: one model sent per step
+        return 1 / ar
     if algo in COMPRESSED and bits:
         return 2 * bits / 32 / ar
     return None

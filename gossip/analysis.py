@@ -621,8 +621,11 @@ def spectral_gaps(
                 t = topologies.build(name, int(n), **kw)
             except (ValueError, TypeError):
                 continue
+            # a time-varying graph has no lambda_2 of its own; its rho is that of one period's
+            # product (or the expected one, for random matchings): see topologies.timevarying
             rows.append({"topology": name, "n": int(n), "degree": float(np.mean(t.degrees)),
-                         "lambda2": t.lambda2, "rho": t.rho, "spectral_gap": t.spectral_gap})
+                         "lambda2": float("nan") if t.time_varying else t.lambda2,
+                         "rho": t.rho, "spectral_gap": t.spectral_gap})
     return pd.DataFrame(rows, columns=["topology", "n", "degree", "lambda2", "rho", "spectral_gap"])
 
 
@@ -648,20 +651,32 @@ def consensus_contraction(topology, steps: int = 100, *, dim: int = 16, seed: in
     ``topology`` is a :class:`topologies.Topology`. Returns ``t``, ``measured`` =
     ||X_t - mean||_F / ||X_0 - mean||_F (the mean over nodes is preserved by a doubly
     stochastic W) and ``rho_t`` = rho^t, the bound it must stay under.
+
+    A :class:`topologies.TimeVaryingTopology` applies ``W(t)`` at step ``t``; its
+    ``rho_t`` is ``rho^floor(t / period)`` for a periodic graph (``rho`` of one period's
+    product: a bound at the end of each period) and ``rho^(t/2)`` for random matchings
+    (``rho`` bounds the expected squared distance, so this is the bound on its root,
+    which one run's curve follows only on average).
     """
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise AnalysisError(f"steps must be a positive integer, got {steps!r}")
-    W = topology.matrix
     rng = np.random.default_rng(seed)
     X = rng.standard_normal((topology.n, dim))
     X -= X.mean(axis=0, keepdims=True)  # the mean is a fixed point; only the rest contracts
     x0 = np.linalg.norm(X)
     meas = [1.0]
-    for _ in range(steps):
+    for k in range(steps):
+        W = topology.at(k).to_sparse() if topology.time_varying else topology.matrix
         X = W @ X
         meas.append(float(np.linalg.norm(X - X.mean(axis=0, keepdims=True)) / x0))
     t = np.arange(steps + 1)
-    return pd.DataFrame({"t": t, "measured": meas, "rho_t": topology.rho ** t.astype(float),
+    if not topology.time_varying:
+        expo = t.astype(float)
+    elif topology.period is not None:
+        expo = np.floor(t / topology.period)
+    else:
+        expo = t / 2.0
+    return pd.DataFrame({"t": t, "measured": meas, "rho_t": topology.rho ** expo,
                          "topology": topology.name, "n": topology.n, "rho": topology.rho})
 
 

@@ -117,7 +117,7 @@ def _build_topology(cfg: TrainConfig, n: int):
             params[key] = getattr(c, key)
     if c.lazy:
         params["lazy"] = True
-    if c.topology == "expander":
+    if c.topology in ("expander", "matching"):  # random graphs: the run's seed
         params.setdefault("seed", cfg.run.seed)
     try:
         return topologies.build(c.topology, n, **params)

@@ -59,7 +59,7 @@ def test_public_surface():
         assert hasattr(topologies, name)
     assert issubclass(TopologyError, ValueError)
     assert topologies.available() == [
-        "complete", "expander", "exponential", "hypercube", "ring", "star", "torus"
+        "complete", "expander", "exponential", "hypercube", "matching", "onepeer-exp", "ring", "star", "torus"
     ]
 
 
@@ -501,7 +501,7 @@ def test_register_a_new_name():
             topologies.register("petersen_test", petersen, "again")
     finally:
         topologies.registry._REGISTRY.unregister("petersen_test")
-    with pytest.raises(TopologyError, match="lower-case identifier, got 'Bad Name'"):
+    with pytest.raises(TopologyError, match=r"lower-case identifier \(hyphens allowed\), got 'Bad Name'"):
         topologies.register("Bad Name", petersen, "x")
 
 
@@ -535,7 +535,7 @@ BAD_PARAMETERS = [
     (lambda: topologies.ring(8, weights="max"), r"^ring: weights must be 'uniform' or 'metropolis' \(or None for the default\), got weights='max'$"),
     (lambda: topologies.ring(8, lazy="yes"), r"^ring: lazy must be True or False, got lazy='yes'$"),
     (lambda: topologies.star(5, weights="uniform"), r"^star: weights='uniform' needs a regular graph \(every node the same degree\), but node 1 has degree 1 and node 0 has degree 4; use weights='metropolis', which works on any graph$"),
-    (lambda: topologies.build("rng", 8), r"^unknown topology 'rng'; known topologies: complete, expander, exponential, hypercube, ring, star, torus$"),
+    (lambda: topologies.build("rng", 8), r"^unknown topology 'rng'; known topologies: complete, expander, exponential, hypercube, matching, onepeer-exp, ring, star, torus$"),
     (lambda: topologies.build(3, 8), r"^unknown topology 3; known topologies: complete"),
     (lambda: topologies.build("ring", 8, degree=3), r"^ring: unknown parameter 'degree'; ring accepts weights, lazy$"),
     (lambda: topologies.build("expander", 8, rows=3, cols=2), r"^expander: unknown parameter 'cols', 'rows'; expander accepts degree, weights, lazy, seed$"),

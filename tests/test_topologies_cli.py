@@ -40,7 +40,7 @@ REPORTS = {
 }
 
 ERRORS = {
-    "unknown name": (["rng", "8"], r"unknown topology 'rng'; known topologies: complete, expander, exponential, hypercube, ring, star, torus"),
+    "unknown name": (["rng", "8"], r"unknown topology 'rng'; known topologies: complete, expander, exponential, hypercube, matching, onepeer-exp, ring, star, torus"),
     "ring too small": (["ring", "2"], r"ring: n must be >= 3, got n=2"),
     "torus too small": (["torus", "7"], r"torus: n must be >= 9, got n=7"),
     "torus no shape": (["torus", "14"], r"torus: n=14 has no factorisation rows x cols with both sides >= 3; use an n such as 9, 12, 15, 16, or give rows and cols"),

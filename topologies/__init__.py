@@ -9,7 +9,8 @@ Pure numpy/scipy/networkx; nothing here imports torch or touches a process group
 
 Builders (each returns a fresh, validated ``Topology``): ``ring``, ``torus``,
 ``expander``, ``complete``, ``exponential``, ``hypercube``, ``star``, and
-``from_graph`` / ``from_adjacency`` for any other graph; ``Topology(W)`` takes a mixing
+``from_graph`` / ``from_adjacency`` for any other graph; the time-varying
+``onepeer_exp`` and ``matching`` (``TimeVaryingTopology``: ``at(t)`` is ``W(t)``); ``Topology(W)`` takes a mixing
 matrix as it is. ``build(name, n, **params)`` resolves a registered name;
 ``available()`` lists them. Weight rules live in ``topologies.weights``, the spectral
 computation in ``topologies.spectral``. See docs/topologies.md.
@@ -23,10 +24,12 @@ from .exponential import exponential
 from .lattice import hypercube, torus
 from .registry import available, build, describe, register
 from .spectral import Spectrum
+from .timevarying import TimeVaryingTopology, matching, onepeer_exp
 from .topology import Topology
 
 __all__ = [
     "Topology",
+    "TimeVaryingTopology",
     "TopologyError",
     "Spectrum",
     "build",
@@ -42,4 +45,6 @@ __all__ = [
     "star",
     "from_graph",
     "from_adjacency",
+    "onepeer_exp",
+    "matching",
 ]

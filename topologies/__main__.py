@@ -83,7 +83,26 @@ def _steps_text(topo: Topology) -> str:
     return f"{steps}  (ceil(log(1e-3) / log(rho)))"
 
 
+def _report_time_varying(topo) -> str:
+    f = topo.summary()
+    params = ", ".join(f"{k}={v}" for k, v in topo.params.items())
+    steps = f["steps_to_1e-3"]
+    rows = [
+        ("topology", f"{topo.name} ({params}), time-varying{', directed' if f['directed'] else ''}"),
+        ("n", str(topo.n)),
+        ("degree", f"{f['degree_per_step']} per step"),
+        ("period", "none (random)" if f["period"] is None else f"{f['period']} steps"),
+        ("rho", f"{f['rho']:.12g}  ({f['gap_of']})"),
+        ("spectral gap", f"{f['spectral_gap']:.12g}"),
+        ("exact average", "yes, after one period" if f["exact_average"] else "no"),
+        ("steps to 1e-3", "never" if steps is None else str(steps)),
+    ]
+    return "\n".join(f"{label:<14} {value}" for label, value in rows)
+
+
 def _report(topo: Topology) -> str:
+    if topo.time_varying:
+        return _report_time_varying(topo)
     s = topo.spectrum()
     deg = topo.degrees
     degree = str(int(deg[0])) if topo.is_regular else f"min {int(deg.min())}, max {int(deg.max())}"

@@ -16,6 +16,7 @@ from .errors import TopologyError
 from .expander import expander
 from .exponential import exponential
 from .lattice import hypercube, torus
+from .timevarying import TimeVaryingTopology, matching, onepeer_exp
 from .topology import Topology
 
 __all__ = ["build", "available", "describe", "register"]
@@ -25,13 +26,13 @@ _REGISTRY: Registry[Callable[..., Topology]] = Registry(
 )
 
 
-def register(name: str, builder: Callable[..., Topology], description: str) -> None:
+def register(name: str, builder: Callable[..., Topology | TimeVaryingTopology], description: str) -> None:
     """Make ``builder(n, *, weights=None, lazy=False, **params)`` buildable as ``name``.
 
     ``description`` is the one line ``python -m topologies --list`` shows.
     """
-    if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
-        raise TopologyError(f"register: name must be a lower-case identifier, got {name!r}")
+    if not isinstance(name, str) or not name.replace("-", "_").isidentifier() or name != name.lower():
+        raise TopologyError(f"register: name must be a lower-case identifier (hyphens allowed), got {name!r}")
     _REGISTRY.register(name, builder, description)
 
 
@@ -70,8 +71,9 @@ def build(
     lazy: bool = False,
     seed: int | None = None,
     **params: Any,
-) -> Topology:
-    """The topology ``name`` on ``n`` nodes.
+) -> Topology | TimeVaryingTopology:
+    """The topology ``name`` on ``n`` nodes (a :class:`TimeVaryingTopology` for
+    ``onepeer-exp`` and ``matching``).
 
     ``weights`` (``'uniform'`` | ``'metropolis'`` | ``None`` for the default rule) and
     ``lazy`` apply to every topology. ``seed`` is used by random topologies and ignored
@@ -109,3 +111,9 @@ register("complete", complete, "every pair linked (degree n-1); uniform weights 
 register("exponential", exponential, "static exponential graph, i linked to i +- 2^k (mod n) for 2^k < n")
 register("hypercube", hypercube, "log2(n)-dimensional hypercube, i linked to i XOR 2^k; n a power of 2")
 register("star", star, "node 0 linked to every other node (irregular: Metropolis weights by default)")
+register(
+    "onepeer-exp",
+    onepeer_exp,
+    "time-varying: at step t node i sends to i + 2^(t mod ceil(log2 n)) (degree 1; exact average per period for n = 2^k)",
+)
+register("matching", matching, "time-varying: a random perfect matching per step, seeded by (seed, t); n even")

@@ -39,7 +39,18 @@ class Topology:
 
     The spectral figures (``lambda2``, ``lambdan``, ``rho``, ``spectral_gap``) are
     computed on first use and cached; see ``topologies.spectral`` for how.
+
+    One step ``W(t)`` of a time-varying topology (``topologies.timevarying``) is a
+    ``Topology`` built with ``connected=False`` (one step of a one-peer graph links each
+    node to one other) and, for a directed graph, ``symmetric=False``: rows and columns
+    must still sum to 1. Such a step has no spectral figures of its own (the
+    time-varying topology reports those of a whole period); its rows are what a node
+    receives (``neighbors``: in-neighbours ``j`` with ``W_ij``) and its columns whom it
+    sends to (``out_neighbors``).
     """
+
+    #: a static graph; ``TimeVaryingTopology`` says True
+    time_varying = False
 
     def __init__(
         self,
@@ -47,9 +58,12 @@ class Topology:
         *,
         name: str = "custom",
         params: Mapping[str, Any] | None = None,
+        symmetric: bool = True,
+        connected: bool = True,
     ) -> None:
         W = _as_csr(matrix)
-        _validate(W)
+        _validate(W, symmetric=bool(symmetric), connected=bool(connected))
+        self.symmetric: bool = bool(symmetric)
         W.data.flags.writeable = False
         self._W = W
         self._dense: np.ndarray | None = None
@@ -68,6 +82,7 @@ class Topology:
         deg = np.diff(off.indptr).astype(np.int64)
         deg.flags.writeable = False
         self._degrees = deg
+        self._out: sp.csr_matrix | None = None
 
     # ------------------------------------------------------------------ matrix
     @property
@@ -101,6 +116,23 @@ class Topology:
         lo, hi = self._off.indptr[i], self._off.indptr[i + 1]
         ids = self._off.indices[lo:hi].astype(np.int64)
         return ids, np.array(self._off.data[lo:hi], dtype=np.float64)
+
+    def out_neighbors(self, i: int) -> np.ndarray:
+        """The nodes ``j != i`` with ``W_ji > 0`` (whom ``i`` sends to), ascending.
+
+        The same ids as ``neighbors(i)`` for a symmetric matrix.
+        """
+        i = self._node(i)
+        if self._out is None:
+            out = sp.csr_matrix(self._off.T)
+            out.sort_indices()
+            self._out = out
+        lo, hi = self._out.indptr[i], self._out.indptr[i + 1]
+        return self._out.indices[lo:hi].astype(np.int64)
+
+    def at(self, t: int) -> "Topology":
+        """``W(t)`` of a static topology: itself, whatever ``t``."""
+        return self
 
     def self_weight(self, i: int) -> float:
         """``W_ii``."""
@@ -151,6 +183,12 @@ class Topology:
         ``"auto"`` is cached and backs ``lambda2``, ``lambdan``, ``rho`` and
         ``spectral_gap``; forcing a method recomputes (to cross-check the two).
         """
+        if not self.symmetric:
+            raise TopologyError(
+                f"{self.name}: a directed mixing matrix (built with symmetric=False, one step of "
+                f"a time-varying topology) has no symmetric spectrum; the time-varying "
+                f"topology reports the spectral gap of a whole period"
+            )
         if method != "auto":
             return spectral.spectrum(self._W, method)
         if self._spectrum is None:
@@ -245,7 +283,7 @@ def _entry(W: sp.csr_matrix, k: int) -> tuple[int, int]:
     return row, int(W.indices[k])
 
 
-def _validate(W: sp.csr_matrix) -> None:
+def _validate(W: sp.csr_matrix, *, symmetric: bool = True, connected: bool = True) -> None:
     n = W.shape[0]
     if n < 2:
         raise TopologyError(f"a topology needs n >= 2 nodes, got a {n} x {n} matrix")
@@ -262,7 +300,7 @@ def _validate(W: sp.csr_matrix) -> None:
             f"(or build from the graph with weights='metropolis')"
         )
     D = sp.csr_matrix(W - W.T)
-    if D.nnz:
+    if symmetric and D.nnz:
         k = int(np.argmax(np.abs(D.data)))
         if abs(D.data[k]) > TOLERANCE:
             i, j = _entry(D, k)
@@ -279,6 +317,8 @@ def _validate(W: sp.csr_matrix) -> None:
                 f"{what} {k} sums to {float(sums[k])!r}; rescale it, or set the self weight "
                 f"W[{k}, {k}] = 1 - (sum of the other weights) as Metropolis-Hastings does"
             )
+    if not connected:
+        return
     ncomp, labels = csgraph.connected_components(W, directed=False)
     if ncomp > 1:
         other = int(np.flatnonzero(labels != labels[0])[0])

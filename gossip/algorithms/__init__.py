@@ -44,6 +44,7 @@ from gossip.algorithms.sketched import (
     TrueTopKConfig,
 )
 from gossip.algorithms.choco import Choco, ChocoConfig, ChocoState
+from gossip.algorithms.sgp import SGP, SGPConfig, SGPState
 from gossip.algorithms.decentralized import (
     DCD,
     DPSGD,
@@ -76,6 +77,9 @@ __all__ = [
     "Choco",
     "ChocoConfig",
     "ChocoState",
+    "SGP",
+    "SGPConfig",
+    "SGPState",
     "DistEFSGD",
     "EFSGDConfig",
     "EFBlockSGD",
@@ -119,6 +123,7 @@ for _cls, _cfg in (
     (DCD, DCDConfig),
     (ECD, ECDConfig),
     (Choco, ChocoConfig),
+    (SGP, SGPConfig),
     (DistEFSGD, EFSGDConfig),
     (EFBlockSGD, EFBlockSGDConfig),
     (EFBlockSGDM, EFBlockSGDMConfig),

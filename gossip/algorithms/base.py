@@ -34,6 +34,8 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
+from gossip.comm.base import is_time_varying
+
 __all__ = ["Algorithm", "ParamLayout", "WireFormat", "COMMON_OPTIONS", "code_bits"]
 
 #: options every algorithm's Config may take, which a caller (the training loop) fills
@@ -202,10 +204,17 @@ class Algorithm:
     #: the CLI's local optimizer when ``--optimizer`` is unset (``"sgd"`` or ``"adamw"``)
     local_optimizer_default: ClassVar[str] = "sgd"
     #: True where the algorithm keeps replicas or estimates of fixed neighbours (DCD, ECD,
-    #: CHOCO): it cannot run on a graph whose neighbourhoods change from step to step
+    #: CHOCO): it is refused a time-varying topology (``topologies.TimeVaryingTopology``)
     needs_static_graph: ClassVar[bool] = False
 
     def __init__(self, config: Any, comm: Any) -> None:
+        topo = getattr(comm, "topology", None)
+        if self.needs_static_graph and is_time_varying(topo):
+            raise ValueError(
+                f"{self.name} keeps replicas of fixed neighbours and cannot run on the time-varying "
+                f"topology {topo.name!r}; use a static one (ring, torus, expander, exponential, ...) "
+                f"or an algorithm that accepts time-varying graphs (dpsgd, naive, sgp)"
+            )
         self.config = config
         self.comm = comm
         self.state: Any = None

@@ -10,6 +10,13 @@ plain SGD, the local optimizer's step otherwise), compressor C:
 All four run on a batch of hosted nodes (one row each), so the same code serves one
 rank under torchrun and a thousand nodes in the in-process simulation.
 
+Time-varying graphs (``onepeer-exp``, ``matching``): D-PSGD and naive keep nothing
+about their neighbours, so step t simply mixes with ``W(t - 1)`` (the communicator's
+``step``), rows as they are: on the directed one-peer graph node i takes
+``(x_i + x_{i-k})/2``, which keeps the average because the columns sum to 1 too. DCD
+and ECD keep replicas of fixed neighbours (``needs_static_graph``) and are refused
+such a graph in one line.
+
 Replicas. DCD and ECD need sum_j W_ij xhat_j, a weighted sum over the replicas (or
 estimates) a node holds of its neighbours. The sum is linear in the replicas, so each
 node keeps it as one running vector ``mix`` of size d instead of deg replicas of size
@@ -34,6 +41,7 @@ import torch
 from gossip import compress as _compress
 from gossip.algorithms._common import check_int, node_keys, step_tag
 from gossip.algorithms.base import Algorithm
+from gossip.comm.base import is_time_varying
 
 __all__ = [
     "DPSGD",
@@ -189,6 +197,15 @@ class _Gossip(Algorithm):
             )
         self.compressor = _compress.build(config.compressor)
         nodes = comm.nodes.cpu()
+        self._nodes = nodes
+        #: a time-varying topology: W(t) changes every step (the base class has refused
+        #: it to algorithms that need a static graph)
+        self._tv = is_time_varying(topo)
+        if self._tv:
+            self._self_w64 = torch.zeros(len(nodes), 1, dtype=torch.float64)
+            self._pad_idx = torch.zeros(len(nodes), 0, dtype=torch.int64)
+            self._pad_w64 = torch.zeros(len(nodes), 0, dtype=torch.float64)
+            return
         self._self_w64 = torch.tensor(
             [float(topo.self_weight(int(i))) for i in nodes], dtype=torch.float64
         ).unsqueeze(1)
@@ -200,8 +217,19 @@ class _Gossip(Algorithm):
     def payload_compressor(self) -> Any:
         return self.compressor
 
-    def _self_w(self, like: torch.Tensor) -> torch.Tensor:
+    def _self_w(self, like: torch.Tensor, t: int | None = None) -> torch.Tensor:
+        """``W_ii`` of the hosted nodes; of ``W(t - 1)`` (the graph of paper step ``t``)
+        on a time-varying topology."""
+        if self._tv:
+            if t is None:
+                raise ValueError(f"{self.name}: a time-varying topology needs the step of W(t)")
+            sw = self.comm.topology.at(t - 1).self_weights[self._nodes.numpy()]
+            return torch.as_tensor(sw, dtype=like.dtype, device=like.device).unsqueeze(1)
         return self._self_w64.to(dtype=like.dtype, device=like.device)
+
+    def _exchange_kw(self, t: int) -> dict:
+        """The communicator's ``step``: paper step t (1, 2, ...) uses W(t - 1)."""
+        return {"step": t - 1} if self._tv else {}
 
     # one encode -> exchange -> (own decode, weighted sum of neighbours' decodes)
     def _gossip(
@@ -215,7 +243,7 @@ class _Gossip(Algorithm):
             P = compressor.encode(Z, keys, tag=tag)
             own = compressor.decode(P, d, tag=tag).to(Z.dtype) if want_own else None
         with ledger.phase("communicate"):
-            rec = self.comm.neighbor_exchange(P)
+            rec = self.comm.neighbor_exchange(P, **self._exchange_kw(t))
         def decode(Q: torch.Tensor) -> torch.Tensor:
             # In the simulation the received batch is our own batch of payloads: reuse
             # the decode of it instead of decoding the same bytes twice.
@@ -307,7 +335,7 @@ class DPSGD(_Gossip):
         # Step I
         _, mixed, _, _ = self._gossip(X, t, self.compressor, want_own=False)
         # Step II
-        X.copy_(self._self_w(X) * X + mixed + U)
+        X.copy_(self._self_w(X, t) * X + mixed + U)
         self.state.t = t + 1
 
 
@@ -325,7 +353,7 @@ class Naive(_Gossip):
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         t = self.state.t
         _, mixed, _, _ = self._gossip(X, t, self.compressor, want_own=False)
-        X.copy_(self._self_w(X) * X + mixed + U)
+        X.copy_(self._self_w(X, t) * X + mixed + U)
         self.state.t = t + 1
 
 
@@ -383,6 +411,7 @@ class ECD(_Gossip):
     name = "ecd"
     summary = "ECD-PSGD (papers/002 Alg. 2): exchange compressed extrapolations"
     uses_mix = True
+    needs_static_graph = True
     has_self_estimate = True
     needs_static_graph = True
 

@@ -201,9 +201,15 @@ class Communicator(abc.ABC):
     ledger: Ledger
 
     # ---------------------------------------------------------------- blocking
-    def neighbor_exchange(self, P: torch.Tensor, *, record: bool = True) -> Received:
-        """Send each hosted node's payload row to its neighbours; receive theirs."""
-        return self.neighbor_exchange_async(P, record=record).wait()
+    def neighbor_exchange(self, P: torch.Tensor, *, record: bool = True, step: int | None = None) -> Received:
+        """Send each hosted node's payload row to its neighbours; receive theirs.
+
+        On a time-varying topology ``step`` (the graph's step index ``t >= 0``) is
+        required and the exchange follows ``W(t)``: each node sends to its
+        out-neighbours of ``W(t)`` and receives from its in-neighbours, whose weights
+        ``W_ij(t)`` the :class:`Received` carries. On a static topology it is ignored.
+        """
+        return self.neighbor_exchange_async(P, record=record, step=step).wait()
 
     def all_reduce(self, X: torch.Tensor, op: str = "sum", *, record: bool = True) -> torch.Tensor:
         """Each row := the sum (or mean) over all ``n`` nodes' rows."""
@@ -219,8 +225,9 @@ class Communicator(abc.ABC):
 
     # ---------------------------------------------------------------- asynchronous
     @abc.abstractmethod
-    def neighbor_exchange_async(self, P: torch.Tensor, *, record: bool = True) -> Handle:
-        """Post the exchange; ``.wait()`` returns the :class:`Received`."""
+    def neighbor_exchange_async(self, P: torch.Tensor, *, record: bool = True, step: int | None = None) -> Handle:
+        """Post the exchange; ``.wait()`` returns the :class:`Received`. Several may be
+        in flight (overlapped algorithms); they must be waited in the order posted."""
 
     @abc.abstractmethod
     def all_reduce_async(self, X: torch.Tensor, op: str = "sum", *, record: bool = True) -> Handle:
@@ -235,6 +242,18 @@ class Communicator(abc.ABC):
         """Post the broadcast; ``.wait()`` returns ``Tensor[m, ...]``."""
 
     # ---------------------------------------------------------------- shared checks
+    def _graph(self, step: int | None, what: str) -> Any:
+        """The topology of this exchange: ``topology.at(step)`` on a time-varying one."""
+        topo = self.topology
+        if not is_time_varying(topo):
+            return topo
+        if step is None or isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(
+                f"{type(self).__name__}.{what}: the topology {topo.name!r} is time-varying, so "
+                f"`step` (the step index t >= 0 of W(t)) is required, got {step!r}"
+            )
+        return topo.at(int(step))
+
     def _check_rows(self, X: torch.Tensor, what: str, name: str = "X") -> None:
         m = int(self.nodes.numel())
         if not isinstance(X, torch.Tensor) or X.dim() < 1 or X.shape[0] != m:
@@ -274,6 +293,12 @@ class Communicator(abc.ABC):
                 f"[0, {self.world_size}), got {src!r}"
             )
         return int(src)
+
+
+def is_time_varying(topology: Any) -> bool:
+    """Whether ``topology`` is a ``topologies.TimeVaryingTopology`` (its ``time_varying``
+    flag; a stand-in topology object without the flag is static)."""
+    return bool(getattr(topology, "time_varying", False))
 
 
 def _ring_allreduce_bytes(nbytes: int, n: int) -> int:

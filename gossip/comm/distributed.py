@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import Communicator, Handle, Received, _Done, _ring_allreduce_bytes, _tensor_nbytes
+from .base import Communicator, Handle, Received, _Done, _ring_allreduce_bytes, _tensor_nbytes, is_time_varying
 from gossip.errors import PeerConnectionError, PeerPayloadError, PeerTimeoutError, _format_peers
 from .ledger import Ledger
 
@@ -43,6 +43,7 @@ __all__ = ["DistCommunicator", "init_from_env", "shutdown"]
 
 _TAG_PAYLOAD = 0x6701
 _TAG_SIZE = 0x6702
+_TAG_STEP = 0x6710  # time-varying exchanges: + (step & 1), so two overlapped steps never share a tag
 _MAGIC = 0x676F73736970  # "gossip": marks a size-check message
 _SIZE_MSG_BYTES = 16  # two int64: magic, payload bytes
 
@@ -200,12 +201,12 @@ class DistCommunicator(Communicator):
         self._broken: str | None = None
         self._peers = np.zeros(0, dtype=np.int64)
         self._w = np.zeros(0, dtype=np.float64)
-        if topology is not None:
-            if int(topology.n) != n:
-                raise ValueError(
-                    f"DistCommunicator: topology has n = {topology.n} nodes but the process "
-                    f"group has {n} ranks"
-                )
+        if topology is not None and int(topology.n) != n:
+            raise ValueError(
+                f"DistCommunicator: topology has n = {topology.n} nodes but the process "
+                f"group has {n} ranks"
+            )
+        if topology is not None and not is_time_varying(topology):
             idx, w = topology.padded_neighbors()
             deg = int(np.asarray(topology.degrees)[self.rank])
             # the same rows the simulation uses, so the weights are the same numbers
@@ -219,14 +220,25 @@ class DistCommunicator(Communicator):
 
     @property
     def neighbors(self) -> tuple[int, ...]:
-        """This rank's neighbours, ascending."""
+        """This rank's neighbours, ascending (static topologies)."""
         return tuple(int(j) for j in self._peers)
 
+    def _step_peers(self, step: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """``(receive from, their weights, send to, tag)`` of this exchange: the static
+        neighbours, or this rank's in- and out-neighbours of ``W(step)``."""
+        if not is_time_varying(self.topology):
+            return self._peers, self._w, self._peers, _TAG_PAYLOAD
+        graph = self._graph(step, "neighbor_exchange")
+        ids, w = graph.neighbors(self.rank)  # the simulation's rows: same weights, same order
+        return ids, w, graph.out_neighbors(self.rank), _TAG_STEP + (int(step) & 1)
+
     # ---------------------------------------------------------------- exchange
-    def neighbor_exchange_async(self, P: torch.Tensor, *, record: bool = True) -> Handle:
+    def neighbor_exchange_async(self, P: torch.Tensor, *, record: bool = True, step: int | None = None) -> Handle:
         """Post sends of ``P[0]`` to every neighbour and receives of theirs.
 
-        ``P`` must not be modified until the handle is waited on.
+        ``P`` must not be modified until the handle is waited on. On a time-varying
+        topology the sends go to the out-neighbours of ``W(step)`` and the receives come
+        from its in-neighbours (one each on the one-peer and matching graphs).
         """
         self._check_usable()
         if self.topology is None:
@@ -235,45 +247,47 @@ class DistCommunicator(Communicator):
                 "(built for a centralized run)"
             )
         self._check_payload(P)
+        src, w_in, dst, tag = self._step_peers(step)
         with self.ledger.phase("communicate"):
             P = P.contiguous()
             nbytes = int(P.shape[1])
-            if self.check_sizes and nbytes not in self._agreed and self._peers.size:
-                self._agree_size(nbytes, P.device)
-            deg = int(self._peers.size)
+            if self.check_sizes and nbytes not in self._agreed and (src.size or dst.size):
+                self._agree_size(nbytes, P.device, src, dst)
+            deg = int(src.size)
             buf = torch.empty((deg, nbytes), dtype=torch.uint8, device=P.device)
-            peers = self._peers.tolist()
-            ops = [dist.P2POp(dist.irecv, buf[k], self._global[j], self.group, _TAG_PAYLOAD)
-                   for k, j in enumerate(peers)]
-            ops += [dist.P2POp(dist.isend, P[0], self._global[j], self.group, _TAG_PAYLOAD)
-                    for j in peers]
-            posted = self._post(ops, peers * 2, "neighbor_exchange") if deg else None
+            recv_from, send_to = src.tolist(), dst.tolist()
+            ops = [dist.P2POp(dist.irecv, buf[k], self._global[j], self.group, tag)
+                   for k, j in enumerate(recv_from)]
+            ops += [dist.P2POp(dist.isend, P[0], self._global[j], self.group, tag)
+                    for j in send_to]
+            posted = self._post(ops, recv_from + send_to, "neighbor_exchange") if ops else None
             if record:
-                self.ledger.record(self.rank, self._peers, nbytes, op="exchange")
+                self.ledger.record(self.rank, dst, nbytes, op="exchange")
                 self.ledger.count("exchange")
         received = Received(
             self.nodes.to(P.device),
             buf,
-            torch.as_tensor(self._peers, device=P.device),
+            torch.as_tensor(src, device=P.device),
             torch.arange(deg, dtype=torch.int64, device=P.device).unsqueeze(0),
-            torch.as_tensor(self._w, device=P.device).unsqueeze(0),
+            torch.as_tensor(w_in, device=P.device).unsqueeze(0),
             torch.tensor([deg], dtype=torch.int64, device=P.device),
         )
         if posted is None:
             return _Done(received)
-        return _ExchangeHandle(self, posted, received, nbytes, record)
+        return _ExchangeHandle(self, posted, received, nbytes, record, src)
 
-    def _agree_size(self, nbytes: int, device: torch.device) -> None:
-        """Swap payload sizes with the neighbours (one 16-byte message each way)."""
-        peers = self._peers.tolist()
+    def _agree_size(self, nbytes: int, device: torch.device, src: np.ndarray, dst: np.ndarray) -> None:
+        """Swap payload sizes with the neighbours (one 16-byte message each way): send
+        ours to ``dst`` (whom we send payloads to), receive from ``src``."""
+        peers = src.tolist()
         mine = torch.tensor([_MAGIC, nbytes], dtype=torch.int64, device=device)
         theirs = torch.zeros((len(peers), 2), dtype=torch.int64, device=device)
         ops = [dist.P2POp(dist.irecv, theirs[k], self._global[j], self.group, _TAG_SIZE)
                for k, j in enumerate(peers)]
-        ops += [dist.P2POp(dist.isend, mine, self._global[j], self.group, _TAG_SIZE) for j in peers]
-        self._wait(self._post(ops, peers * 2, "neighbor_exchange (payload size check)"))
-        self.ledger.record(self.rank, self._peers, _SIZE_MSG_BYTES, op="control")
-        self.ledger.record(self._peers, self.rank, _SIZE_MSG_BYTES, op="control")
+        ops += [dist.P2POp(dist.isend, mine, self._global[j], self.group, _TAG_SIZE) for j in dst.tolist()]
+        self._wait(self._post(ops, peers + dst.tolist(), "neighbor_exchange (payload size check)"))
+        self.ledger.record(self.rank, dst, _SIZE_MSG_BYTES, op="control")
+        self.ledger.record(src, self.rank, _SIZE_MSG_BYTES, op="control")
         self.ledger.count("control")
         got = theirs.cpu().tolist()
         bad = [(j, g) for j, g in zip(peers, got) if g[0] != _MAGIC or g[1] != nbytes]
@@ -460,13 +474,14 @@ class _Posted:
 
 
 class _ExchangeHandle(Handle):
-    __slots__ = ("_comm", "_posted", "_received", "_nbytes", "_record", "_done")
+    __slots__ = ("_comm", "_posted", "_received", "_nbytes", "_record", "_done", "_src")
 
     def __init__(
-        self, comm: DistCommunicator, posted: _Posted, received: Received, nbytes: int, record: bool
+        self, comm: DistCommunicator, posted: _Posted, received: Received, nbytes: int, record: bool,
+        src: np.ndarray,
     ) -> None:
         self._comm, self._posted, self._received = comm, posted, received
-        self._nbytes, self._record, self._done = nbytes, record, False
+        self._nbytes, self._record, self._done, self._src = nbytes, record, False, src
 
     def wait(self) -> Received:
         if not self._done:
@@ -474,7 +489,7 @@ class _ExchangeHandle(Handle):
             with comm.ledger.phase("communicate"):
                 comm._wait(self._posted)
             if self._record:
-                comm.ledger.record(comm._peers, comm.rank, self._nbytes, op="exchange")
+                comm.ledger.record(self._src, comm.rank, self._nbytes, op="exchange")
             self._done = True
         return self._received
 

@@ -171,8 +171,9 @@ class LatencyCommunicator(Communicator):
             time.sleep(left)
 
     # ---------------------------------------------------------------- asynchronous
-    def neighbor_exchange_async(self, P: torch.Tensor, *, record: bool = True) -> Handle:
-        return self._wrap(self.inner.neighbor_exchange_async(P, record=record), "neighbor_exchange")
+    def neighbor_exchange_async(self, P: torch.Tensor, *, record: bool = True, step: int | None = None) -> Handle:
+        kw = {} if step is None else {"step": step}  # static graphs: the inner call as before
+        return self._wrap(self.inner.neighbor_exchange_async(P, record=record, **kw), "neighbor_exchange")
 
     def all_reduce_async(self, X: torch.Tensor, op: str = "sum", *, record: bool = True) -> Handle:
         return self._wrap(self.inner.all_reduce_async(X, op, record=record), "all_reduce")

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Communicator, Handle, Received, _Done, _ring_allreduce_bytes, _tensor_nbytes
+from .base import Communicator, Handle, Received, _Done, _ring_allreduce_bytes, _tensor_nbytes, is_time_varying
 from .ledger import Ledger
 
 _SIZE_MSG_BYTES = 16  # DistCommunicator's size check: two int64 each way
@@ -71,7 +71,12 @@ class SimulatedCommunicator(Communicator):
         self.check_sizes = bool(check_sizes)
         self._agreed: set[int] = set()
         self._tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
-        if topology is not None:
+        #: time-varying topologies: (step key -> tables of W(t)), recent steps only
+        self._step_tables: dict[tuple[int, torch.device], tuple[Any, ...]] = {}
+        if topology is not None and is_time_varying(topology):
+            if int(topology.n) != n:
+                raise ValueError(f"SimulatedCommunicator: topology has n = {topology.n}, expected {n}")
+        elif topology is not None:
             idx, w = topology.padded_neighbors()
             # own, writable copies: topologies hands out read-only arrays
             idx = np.array(idx, dtype=np.int64).reshape(n, -1)
@@ -107,23 +112,48 @@ class SimulatedCommunicator(Communicator):
             self._tables[device] = t
         return t
 
+    def _step_table(self, graph: Any, device: torch.device) -> tuple[Any, ...]:
+        """Tables of one step ``W(t)`` of a time-varying topology: padded in-neighbours
+        (whom each node receives from, ascending) and their weights, and every
+        directed edge sender -> receiver for the ledger."""
+        key = (id(graph), device)
+        t = self._step_tables.get(key)
+        if t is None:
+            n = self.world_size
+            idx, w = graph.padded_neighbors()
+            deg = np.array(graph.degrees, dtype=np.int64)  # own, writable copy
+            real = np.arange(idx.shape[1])[None, :] < deg[:, None]
+            src = idx[real]  # sender j of each received message ...
+            dst = np.broadcast_to(np.arange(n)[:, None], idx.shape)[real]  # ... to receiver i
+            t = (torch.as_tensor(idx, device=device), torch.as_tensor(w, device=device),
+                 torch.as_tensor(deg, device=device), self.nodes.to(device), src, dst, graph)
+            if len(self._step_tables) >= 64:
+                self._step_tables.pop(next(iter(self._step_tables)))
+            self._step_tables[key] = t
+        return t
+
     # ---------------------------------------------------------------- exchange
-    def neighbor_exchange_async(self, P: torch.Tensor, *, record: bool = True) -> Handle:
+    def neighbor_exchange_async(self, P: torch.Tensor, *, record: bool = True, step: int | None = None) -> Handle:
         if self.topology is None:
             raise ValueError(
                 "SimulatedCommunicator.neighbor_exchange: this communicator has no topology "
                 "(built for a centralized run)"
             )
         self._check_payload(P)
-        idx, w, deg, senders = self._table(P.device)
+        if is_time_varying(self.topology):
+            graph = self._graph(step, "neighbor_exchange")
+            idx, w, deg, senders, edge_src, edge_dst, _ = self._step_table(graph, P.device)
+        else:
+            idx, w, deg, senders = self._table(P.device)
+            edge_src, edge_dst = self._edge_src, self._edge_dst
         nbytes = int(P.shape[1])
-        if self.check_sizes and nbytes not in self._agreed and self._edge_src.size:
+        if self.check_sizes and nbytes not in self._agreed and edge_src.size:
             # what the distributed size check sends (always recorded there too)
-            self.ledger.record(self._edge_src, self._edge_dst, _SIZE_MSG_BYTES, op="control")
+            self.ledger.record(edge_src, edge_dst, _SIZE_MSG_BYTES, op="control")
             self.ledger.count("control")
             self._agreed.add(nbytes)
         if record:
-            self.ledger.record(self._edge_src, self._edge_dst, nbytes, op="exchange")
+            self.ledger.record(edge_src, edge_dst, nbytes, op="exchange")
             self.ledger.count("exchange")
         return _Done(Received(senders, P, senders, idx, w, deg))
 

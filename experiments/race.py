@@ -148,7 +148,8 @@ def table(results: dict, target: float, bw_labels: list[str]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict, bandwidths: list[float], bw_labels: list[str], latency: float, path: Path) -> bool:
+def plot(results: dict, bandwidths: list[float], bw_labels: list[str], latency: float, path: Path,
+         target: float | None = None) -> bool:
     try:
         import matplotlib
 
@@ -162,6 +163,8 @@ def plot(results: dict, bandwidths: list[float], bw_labels: list[str], latency: 
             n = r["world_size"]
             xs = [modelled_time(p, r["calls_per_step"], n, b, latency) for p in r["points"]]
             ax.plot(xs, [p["test_acc"] for p in r["points"]], marker=".", label=name)
+        if target is not None:
+            ax.axhline(target, color="grey", lw=0.8, ls="--")
         ax.set_xscale("log")
         ax.set_xlabel("modelled wall-clock time (s)")
         ax.set_ylabel("test accuracy")
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         "latency_s": latency, "recipe": RECIPE, "methods": {k: METHODS[k] + METHOD_RECIPE.get(k, []) for k in names},
         "results": results, "mode": "simulated-time", "load_average": load, "cpu_count": os.cpu_count(),
     }, indent=1))
-    drew = plot(results, bandwidths, bw_labels, latency, out / "race.png")
+    drew = plot(results, bandwidths, bw_labels, latency, out / "race.png", a.target)
     print(md)
     print(f"race: wrote {out / 'race.md'}, {out / 'race.json'}" + (f", {out / 'race.png'}" if drew else ""))
     return 0

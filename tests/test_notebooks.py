@@ -70,7 +70,28 @@ def test_convergence_notebook(small_runs, kernel_env):
     assert f"3 run(s) under {runs}" in text
     for label in ("dpsgd/fp32/ring", "ecd/quant:bits=8/ring", "allreduce/fp32/-"):
         assert label in text
+    assert f"no race results under {runs}" in text
     assert images(nb) >= 4
+
+
+def test_convergence_notebook_reads_a_race(kernel_env, tmp_path):
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        import race
+    finally:
+        sys.path.remove(str(REPO / "experiments"))
+    runs = tmp_path / "runs"
+    assert race.main(["--methods", "allreduce,localsgd", "--nodes", "2", "--epochs", "1", "--data", "synthetic",
+                      "--target", "0", "--bandwidth", "10mbit,100mbit", "--out", str(runs / "race")]) == 0
+    kernel_env.setenv("GOSSIP_RUNS", str(runs))
+    nb = execute("convergence.ipynb")
+    text = text_of(nb)
+    # the race's run directories are ordinary runs, and its race.json gives the table and the panels
+    assert f"2 run(s) under {runs}" in text
+    assert f"race {runs / 'race' / 'race.json'}: simulated-time, 2 nodes, 2 method(s), target 0%" in text
+    assert "time_to_target_s@10mbit" in text and "localsgd" in text
+    assert "no race results" not in text
+    assert images(nb) >= 5
 
 
 def test_topologies_notebook(kernel_env, tmp_path):

@@ -371,9 +371,12 @@ def _make_planar_encode(bits: int):
             c = lvl.to(wide) << (bits * j)
             word = c if word is None else word | c
             tie = t if tie is None else torch.maximum(tie, t)
-        for q in range(bits):
-            out4[:, :, q].copy_(((word >> (8 * q)) & 0xFF).to(torch.uint8))
-        return a, R, s, tie.amax()
+        # `word` is returned, so it is computed once into a buffer (n / 8 words) and the
+        # planes are cut from it (one pointwise write of all planes, not one per plane:
+        # writing plane by plane makes inductor blend each plane into the old contents)
+        shifts = (torch.arange(bits, dtype=wide, device=dev) * 8).view(1, 1, bits, 1)
+        out4.copy_(((word.unsqueeze(2) >> shifts) & 0xFF).to(torch.uint8))
+        return a, R, s, tie.amax(), word
 
     return quant_planar_encode
 
@@ -388,8 +391,9 @@ def _make_planar_decode(bits: int):
         for q in range(bits):
             c = p4[:, :, q].to(wide) << (8 * q)
             word = c if word is None else word | c
-        for j in range(8):
-            out4[:, :, j].copy_(((word >> (bits * j)) & mask).to(torch.float32) * step + a)
+        shifts = (torch.arange(8, dtype=wide, device=p4.device) * bits).view(1, 1, 8, 1)
+        c = (word.unsqueeze(2) >> shifts) & mask
+        out4.copy_(c.to(torch.float32) * step.unsqueeze(3) + a.unsqueeze(3))
 
     return quant_planar_decode
 
@@ -416,7 +420,7 @@ def quant_planar_encode(x, keys, seeds, start: int, bits: int, out):
     N = B // 8
     s1, s2, base = _seed_args(seeds, start)
     k = _planar("encode", bits)
-    a, R, s, tie = run(k, x.numel(), x.view(m, nb, 8, N), s1, s2, base, out.view(m, nb, bits, N))
+    a, R, s, tie, _ = run(k, x.numel(), x.view(m, nb, 8, N), s1, s2, base, out.view(m, nb, bits, N))
     if float(tie) != 0:  # rare: redo the group with ties resolved (exactly the same codes otherwise)
         from .bitpack import pack_planes
 

@@ -212,11 +212,23 @@ def _round_half(x, a, s, u, L: float, mode: int):
     return lvl, up * (D < 1).to(torch.float32)
 
 
-def _sr_compiled(x, a, s, s1, s2, base, L: float, mode: int, out):
-    """Round blocks x (m, nb, B) into ``out``; returns tie flags (m, nb, B) uint8."""
-    lvl, tie = _round_half(x, a, s, R.hash24(_index(x, base), s1, s2), L, mode)
-    out.copy_(lvl)
-    return tie.to(torch.uint8)
+# The compiled kernels get the mode and the top level L as integer constants of their
+# own code object (see _closure_variant), not as arguments, and make the float L
+# inside: torch.compile treats float arguments (and float closure cells) as symbols,
+# and inductor then compiled the first value it saw into the clamp, so a second
+# variant in the same process rounded with the first one's L (the first-call check
+# caught it).
+
+
+def _make_sr(mode: int, levels: int, dtype=None):
+    def stochastic_round(x, a, s, s1, s2, base, out):
+        """Round blocks x (m, nb, B) into ``out``; returns tie flags (m, nb, B) uint8."""
+        L = float(levels)
+        lvl, tie = _round_half(x, a, s, R_.hash24(_index(x, base), s1, s2), L, mode)
+        out.copy_(lvl)
+        return tie.to(torch.uint8)
+
+    return stochastic_round
 
 
 def _sr_eager(x, a, s, u, L: float, mode: int, out):
@@ -240,7 +252,14 @@ def _sr_eager(x, a, s, u, L: float, mode: int, out):
     return tie
 
 
-SR = Kernel("stochastic_round", _sr_compiled)
+_VARIANTS: dict = {}
+
+
+def _variant(name: str, factory, key) -> "Kernel":
+    k = _VARIANTS.get((name, key))
+    if k is None:
+        k = _VARIANTS[(name, key)] = _closure_variant(name, factory, key)
+    return k
 
 
 def safe_inverse(L: float, R: torch.Tensor) -> torch.Tensor:
@@ -265,23 +284,24 @@ def _scales(x, L: float, mode: int):
     return a, R, safe_inverse(L, R)
 
 
-def _fused_compiled(x, s1, s2, base, L: float, mode: int, out):
-    """Scales and rounding of nb blocks in one compiled call (quant and ternary).
+def _make_fused(mode: int, levels: int, dtype=None):
+    def scale_and_round(x, s1, s2, base, out):
+        """Scales and rounding of nb blocks in one compiled call (quant and ternary).
 
-    For quant (mode 0) only whether there is a tie comes back: ties need t < 0.5, the
-    lowest half level, and then have probability 2**-24, so they are rare enough
-    that a second pass to locate them is cheaper on average than writing a flag per
-    element. Ternary values mostly lie below 0.5: flags.
-    """
-    a, R, s = _scales(x, L, mode)
-    lvl, tie = _round_half(x, a, s, R_.hash24(_index(x, base), s1, s2), L, mode)
-    out.copy_(lvl)
-    if mode == 0:
-        return a, R, s, tie.amax()
-    return a, R, s, tie.to(torch.uint8)
+        For quant (mode 0) only whether there is a tie comes back: ties need t < 0.5,
+        the lowest half level, and then have probability 2**-24, so they are rare
+        enough that a second pass to locate them is cheaper on average than writing a
+        flag per element. Ternary values mostly lie below 0.5: flags.
+        """
+        L = float(levels)
+        a, R, s = _scales(x, L, mode)
+        lvl, tie = _round_half(x, a, s, R_.hash24(_index(x, base), s1, s2), L, mode)
+        out.copy_(lvl)
+        if mode == 0:
+            return a, R, s, tie.amax()
+        return a, R, s, tie.to(torch.uint8)
 
-
-FUSED = Kernel("scale_and_round", _fused_compiled)
+    return scale_and_round
 
 
 def _ties(x, a, s, seeds, start: int, L: float, mode: int, out) -> torch.Tensor:
@@ -297,10 +317,10 @@ def scale_and_round(x, keys, seeds, start: int, L: float, mode: int, out):
     inverse step per block, (m, nb, 1) each.
     """
     m, nb, B = x.shape
-    k = FUSED.variant((mode, out.dtype, L))
+    k = _variant("scale_and_round", _make_fused, (mode, int(L), out.dtype))
     if _want_compiled(k, x.numel(), x.device):
         s1, s2, base = _seed_args(seeds, start)
-        a, R, s, flags = run(k, x.numel(), x, s1, s2, base, float(L), mode, out)
+        a, R, s, flags = run(k, x.numel(), x, s1, s2, base, out)
         if flags.dim() == 0:  # whether there is a tie: locate them, if any, with a second pass
             if float(flags) != 0:
                 resolve_ties(out, _ties(x, a, s, seeds, start, L, mode, out), x, a, s, keys, start, float(L), mode)
@@ -320,10 +340,10 @@ def stochastic_round(x, a, s, keys, seeds, start: int, L: float, mode: int, out)
     ``start``: index of x[:, 0, 0] in its row (names the digits of every element).
     """
     m, nb, B = x.shape
-    k = SR.variant((mode, out.dtype, L))
+    k = _variant("stochastic_round", _make_sr, (mode, int(L), out.dtype))
     if _want_compiled(k, x.numel(), x.device):
         s1, s2, base = _seed_args(seeds, start)
-        flags = run(k, x.numel(), x, a, s, s1, s2, base, float(L), mode, out)
+        flags = run(k, x.numel(), x, a, s, s1, s2, base, out)
         if bool(flags.any()):
             resolve_ties(out, flags.bool(), x, a, s, keys, start, float(L), mode)
     else:
@@ -345,19 +365,19 @@ def _closure_variant(name: str, factory, key) -> Kernel:
     """A Kernel whose function comes from ``factory(*key)`` under its own code object
     (torch.compile caches per code object: one cache and one graph per variant)."""
     f = factory(*key)
-    tag = "_" + "_".join(str(p) for p in key)
+    tag = "_" + "_".join(str(p).replace(".", "_").replace("torch_", "") for p in key)
     code = f.__code__.replace(co_name=f.__name__ + tag)
     g = types.FunctionType(code, f.__globals__, code.co_name, f.__defaults__, f.__closure__)
     return Kernel(name + tag, g)
 
 
 def _make_planar_encode(bits: int):
-    L = float((1 << bits) - 1)
     wide = torch.int32 if bits <= 4 else torch.int64
 
     def quant_planar_encode(x4, s1, s2, base, out4):
         """x4 (m, nb, 8, N) -> out4 (m, nb, bits, N) uint8; returns a, R, s (m, nb, 1) and
         whether some element is a tie (0-d float)."""
+        L = float((1 << bits) - 1)
         m, nb, _, N = x4.shape
         a = x4.amin(dim=(2, 3)).view(m, nb, 1)
         R = x4.amax(dim=(2, 3)).view(m, nb, 1) - a

@@ -402,18 +402,28 @@ def _make_planar_encode(bits: int):
 
 
 def _make_planar_decode(bits: int):
-    wide = torch.int32 if bits <= 4 else torch.int64
     mask = (1 << bits) - 1
 
     def quant_planar_decode(p4, a, step, out4):
         """p4 (m, nb, bits, N) uint8 -> out4 (m, nb, 8, N) = code * step + a."""
-        word = None
-        for q in range(bits):
-            c = p4[:, :, q].to(wide) << (8 * q)
-            word = c if word is None else word | c
-        shifts = (torch.arange(8, dtype=wide, device=p4.device) * bits).view(1, 1, 8, 1)
-        c = (word.unsqueeze(2) >> shifts) & mask
-        out4.copy_(c.to(torch.float32) * step.unsqueeze(3) + a.unsqueeze(3))
+        if bits <= 4:  # the column's word fits in int32
+            word = None
+            for q in range(bits):
+                c = p4[:, :, q].to(torch.int32) << (8 * q)
+                word = c if word is None else word | c
+            shifts = (torch.arange(8, dtype=torch.int32, device=p4.device) * bits).view(1, 1, 8, 1)
+            codes = (word.unsqueeze(2) >> shifts) & mask
+        else:  # 40..56-bit words: each code from the (at most two) bytes it spans, in int32
+            planes = [p4[:, :, q].to(torch.int32) for q in range(bits)]
+            cs = []
+            for j in range(8):
+                q0, sh = (bits * j) // 8, (bits * j) % 8
+                v = planes[q0] >> sh
+                if sh + bits > 8:
+                    v = v | (planes[q0 + 1] << (8 - sh))
+                cs.append(v & mask)
+            codes = torch.stack(cs, dim=2)
+        out4.copy_(codes.to(torch.float32) * step.unsqueeze(3) + a.unsqueeze(3))
 
     return quant_planar_decode
 

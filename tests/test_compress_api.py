@@ -308,6 +308,9 @@ def test_payload_errors_name_row_and_field():
     bad[2, 2] = 9
     with pytest.raises(PayloadError, match=r"payload row 2: format version mismatch: expected 2, got 9"):
         c.decode(bad, 100)
+    bad[2, 2] = 1  # version 1: quant's earlier code layout and rounding digits
+    with pytest.raises(PayloadError, match=r"payload row 2: format version mismatch: expected 2, got 1"):
+        c.decode(bad, 100)
     bad = P.clone()
     bad[4, 100] ^= 0x10
     with pytest.raises(PayloadError, match=r"payload row 4: checksum mismatch: stored 0x[0-9a-f]{8}, computed"):

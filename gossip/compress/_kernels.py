@@ -413,16 +413,19 @@ def _make_planar_decode(bits: int):
                 word = c if word is None else word | c
             shifts = (torch.arange(8, dtype=torch.int32, device=p4.device) * bits).view(1, 1, 8, 1)
             codes = (word.unsqueeze(2) >> shifts) & mask
-        else:  # 40..56-bit words: each code from the (at most two) bytes it spans, in int32
-            planes = [p4[:, :, q].to(torch.int32) for q in range(bits)]
-            cs = []
-            for j in range(8):
-                q0, sh = (bits * j) // 8, (bits * j) % 8
-                v = planes[q0] >> sh
-                if sh + bits > 8:
-                    v = v | (planes[q0 + 1] << (8 - sh))
-                cs.append(v & mask)
-            codes = torch.stack(cs, dim=2)
+        else:  # 40..56-bit words, read as two int32 windows: bytes 0..3 and bytes 3..bits-1;
+            # each code lies wholly in one of them (it starts below bit 24 only if it ends by bit 31)
+            lo = hi = None
+            for q in range(bits):
+                v = p4[:, :, q].to(torch.int32)
+                if q < 4:
+                    lo = v if lo is None else lo | (v << (8 * q))
+                if q >= 3:
+                    hi = v if hi is None else hi | (v << (8 * (q - 3)))
+            j = torch.arange(8, dtype=torch.int32, device=p4.device).view(1, 1, 8, 1)
+            in_lo = j * bits + bits <= 32
+            sh = torch.where(in_lo, j * bits, j * bits - 24)
+            codes = (torch.where(in_lo, lo.unsqueeze(2), hi.unsqueeze(2)) >> sh) & mask
         out4.copy_(codes.to(torch.float32) * step.unsqueeze(3) + a.unsqueeze(3))
 
     return quant_planar_decode

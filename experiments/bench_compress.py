@@ -7,13 +7,20 @@ reports encode and decode throughput in GB/s of fp32 input, the throughput of a
 memcpy of the same tensor measured in the same run (``dst.copy_(src)`` into a
 preallocated buffer), the ratios to it, the payload bytes per element (and its
 ratio to fp32 and to the ideal size) and the relative error ||C(x) - x|| / ||x||
-on a standard normal input. All times are medians (``--stat min`` for minima).
+on a standard normal input. All times are medians (``--stat min`` for minima) of
+repetitions interleaved with the memcpy, so that load changes hit both alike.
+Encode and decode write into buffers allocated once (``encode(..., out=P)``,
+``decode(..., out=Y)``), as a training loop does. The 1-minute load average is
+printed before and after each size and a warning is given above 0.3 (the figures
+of a loaded machine are not the machine's). The "cpu" ratio uses the thread's CPU
+time instead of wall time, which other processes disturb less.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -45,16 +52,24 @@ def bench(spec: str, numel: int, reps: int, stat=statistics.median) -> dict:
     x = torch.randn(1, numel, generator=g)
     keys = torch.tensor([12345], dtype=torch.int64)
     dst = torch.empty_like(x)
+    dst.copy_(x)  # fault its pages in
     # warm-up (compiles the fast path on first use) and the error
     P = c.encode(x, keys)
     y = c.decode(P, numel)
     rel = float((y - x).norm() / x.norm())
-    t_copy, t_enc, t_dec = [], [], []
+    c.encode(x, keys, out=P)
+    c.decode(P, numel, out=y)
+    times = {k: ([], []) for k in ("copy", "enc", "dec")}
+    fns = {"copy": lambda: dst.copy_(x), "enc": lambda: c.encode(x, keys, out=P),
+           "dec": lambda: c.decode(P, numel, out=y)}
     for _ in range(reps):  # interleaved, so that load changes hit all three alike
-        t_copy.append(_median_time(lambda: dst.copy_(x), 1))
-        t_enc.append(_median_time(lambda: c.encode(x, keys), 1))
-        t_dec.append(_median_time(lambda: c.decode(P, numel), 1))
-    tc, te, td = (stat(t) for t in (t_copy, t_enc, t_dec))
+        for k, fn in fns.items():
+            t0, c0 = time.perf_counter(), time.thread_time()
+            fn()
+            times[k][1].append(time.thread_time() - c0)
+            times[k][0].append(time.perf_counter() - t0)
+    tc, te, td = (stat(times[k][0]) for k in ("copy", "enc", "dec"))
+    cc, ce, cd = (stat(times[k][1]) for k in ("copy", "enc", "dec"))
     nbytes = 4.0 * numel
     mem = nbytes / tc / 1e9
     bpe = c.payload_nbytes(numel) / numel
@@ -68,6 +83,8 @@ def bench(spec: str, numel: int, reps: int, stat=statistics.median) -> dict:
         "encode_ratio": nbytes / te / 1e9 / mem,
         "decode_ratio": nbytes / td / 1e9 / mem,
         "roundtrip_ratio": nbytes / (te + td) / 1e9 / mem,
+        "roundtrip_ratio_cpu": cc / (ce + cd) if ce + cd > 0 else float("nan"),
+        "load_avg": os.getloadavg()[0],
         "encode_ms": te * 1e3,
         "decode_ms": td * 1e3,
         "memcpy_ms": tc * 1e3,
@@ -81,21 +98,34 @@ def bench(spec: str, numel: int, reps: int, stat=statistics.median) -> dict:
 
 def _table(rows: list[dict]) -> str:
     head = (f"{'compressor':<26}{'numel':>10}{'enc GB/s':>10}{'dec GB/s':>10}{'memcpy':>9}"
-            f"{'enc/mem':>9}{'dec/mem':>9}{'rt/mem':>8}{'B/elem':>9}{'/fp32':>7}{'/ideal':>8}{'rel err':>9}")
+            f"{'enc/mem':>9}{'dec/mem':>9}{'rt/mem':>8}{'cpu':>7}{'load':>6}{'B/elem':>9}{'/fp32':>7}{'/ideal':>8}{'rel err':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['compressor']:<26}{r['numel']:>10}{r['encode_gbps']:>10.3f}{r['decode_gbps']:>10.3f}"
             f"{r['memcpy_gbps']:>9.2f}{r['encode_ratio']:>9.3f}{r['decode_ratio']:>9.3f}"
-            f"{r['roundtrip_ratio']:>8.3f}{r['bytes_per_element']:>9.4f}{r['ratio_to_fp32']:>7.3f}"
+            f"{r['roundtrip_ratio']:>8.3f}{r['roundtrip_ratio_cpu']:>7.3f}{r['load_avg']:>6.2f}{r['bytes_per_element']:>9.4f}{r['ratio_to_fp32']:>7.3f}"
             f"{r['ratio_to_ideal']:>8.4f}{r['rel_error']:>9.4f}"
         )
     return "\n".join(lines)
 
 
+LOAD_WARN = 0.3
+
+
+def _load_check(when: str) -> float:
+    load = os.getloadavg()[0]
+    msg = f"load average (1 min) {when}: {load:.2f}"
+    if load > LOAD_WARN:
+        msg += f"  WARNING: above {LOAD_WARN}; other processes share the machine, figures are not its own"
+    print(msg, file=sys.stderr if load > LOAD_WARN else sys.stdout, flush=True)
+    return load
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1M elements only")
+    ap.add_argument("--numel", type=int, default=0, help="one size only (elements per row)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
     ap.add_argument("--only", metavar="SPECS", help="comma-free list of specs separated by ';'")
     ap.add_argument("--backend", choices=("auto", "compile", "eager"), default="auto",
@@ -114,16 +144,23 @@ def main(argv=None) -> int:
             print(f"bench_compress: {e}", file=sys.stderr)
             return 2
     sizes = [1 << 20] if args.quick else [1 << 20, 1 << 24]
+    if args.numel:
+        sizes = [args.numel]
     rows = []
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, backend {args.backend}; {args.stat}s",
           flush=True)
     for n in sizes:
+        _load_check(f"before {n} elements")
         for s in specs:
             stat = min if args.stat == "min" else statistics.median
             rows.append(bench(s, n, args.reps or (21 if n <= 1 << 20 else 7), stat))
             print(_table(rows[-1:]).splitlines()[-1] if len(rows) > 1 else _table(rows), flush=True)
+    _load_check("at the end")
     print()
     print(_table(rows))
+    for n in sizes:
+        mem = statistics.median(r["memcpy_gbps"] for r in rows if r["numel"] == n)
+        print(f"memcpy at {n} elements: {mem:.2f} GB/s (median over the compressors' runs)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

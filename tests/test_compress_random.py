@@ -52,22 +52,55 @@ def test_digit_layouts_agree(n):
     assert torch.equal(d[:, 0::2], w[:, : (n + 1) // 2] & 0xFFFFFFFF)
 
 
-@pytest.mark.parametrize("n,nb,w0", [(1, 1, 0), (2, 3, 0), (7, 2, 5), (100, 4, 0), (101, 3, 9)])
-def test_block_digit_layout(n, nb, w0):
-    """First digits of quantizer blocks: element k < n//2 takes bits 8..31 of word
-    w0 + b*ceil(n/2) + k, element n//2 + k bits 40..63, an odd last element bits 8..31
-    of the block's last word."""
+def _hash24_ref(i: int, s1: int, s2: int) -> int:
+    """hash24 written with Python integers (unsigned 32-bit arithmetic)."""
+    M = 0xFFFFFFFF
+    h = (i + s1) & M
+    h ^= h >> 16
+    h = (h * 0x21F0AAAD) & M
+    h ^= s2 & M
+    h ^= h >> 15
+    h = (h * 0x735A2D97) & M
+    h ^= h >> 15
+    return h >> 8
+
+
+def test_hash24_matches_reference():
+    seeds = R.stream_seeds(torch.tensor([11, -4, 1 << 62]), R.STREAM_ROUND)
+    s1, s2 = R.seeds32(seeds)
+    assert s1.dtype == s2.dtype == torch.int32
+    for r, sd in enumerate(seeds.tolist()):
+        assert int(s1[r]) & 0xFFFFFFFF == sd & 0xFFFFFFFF and int(s2[r]) & 0xFFFFFFFF == (sd >> 32) & 0xFFFFFFFF
+    idx = torch.tensor([0, 1, 2, 1000, (1 << 31) - 1, -(1 << 31), -1], dtype=torch.int32)
+    got = R.hash24(idx.view(1, -1), s1.view(-1, 1), s2.view(-1, 1))
+    for r in range(3):
+        want = [_hash24_ref(i & 0xFFFFFFFF, int(s1[r]) & 0xFFFFFFFF, int(s2[r])) for i in idx.tolist()]
+        assert got[r].tolist() == want
+
+
+def test_hash24_is_a_bijection_of_the_index():
+    # for a fixed seed, i -> h is one-to-one on 32-bit integers (checked on 2**20 indices),
+    # which makes each element's digit exactly uniform when the seed is
+    s1, s2 = torch.tensor(123456789, dtype=torch.int32), torch.tensor(-987654321, dtype=torch.int32)
+    i = torch.arange(1 << 20, dtype=torch.int32)
+    h = R.hash32(i, s1, s2)
+    assert torch.unique(h).numel() == i.numel()
+    assert torch.equal(R.hash24(i, s1, s2), (h >> 8) & 0xFFFFFF)
+
+
+@pytest.mark.parametrize("n,nb,start", [(1, 1, 0), (2, 3, 0), (7, 2, 5), (100, 4, 0), (101, 3, 9)])
+def test_block_digit_layout(n, nb, start):
+    """First digits of quantizer blocks: element k of block b is element start + b*n + k
+    of its row, and its digit is hash24 of that index."""
     from gossip.compress._kernels import block_digits
 
     seeds = R.stream_seeds(torch.tensor([11, -4]), R.STREAM_ROUND)
-    u = block_digits(seeds, nb, n, w0)
-    hb, H = (n + 1) // 2, n // 2
-    W = R.words(seeds, w0 + nb * hb)
-    for b in range(nb):
-        for k in range(n):
-            j = w0 + b * hb + (k if k < H else k - H if k < 2 * H else H)
-            want = (W[:, j] >> 8) & 0xFFFFFF if (k < H or k == 2 * H) else (W[:, j] >> 40) & 0xFFFFFF
-            assert torch.equal(u[:, b, k], want), (b, k)
+    u = block_digits(seeds, nb, n, start)
+    s1, s2 = R.seeds32(seeds)
+    assert u.shape == (2, nb, n)
+    for r in range(2):
+        want = [_hash24_ref(start + j, int(s1[r]) & 0xFFFFFFFF, int(s2[r])) for j in range(nb * n)]
+        assert u[r].flatten().tolist() == want
 
 
 def _digits_many(nkeys=256, n=4096, stream=R.STREAM_ROUND, first_key=0):
@@ -94,13 +127,32 @@ def test_rounding_digits_are_uniform_and_independent():
     for shift in (0, 16):
         counts = torch.bincount(((u >> shift) & 0xFF).flatten(), minlength=256).numpy()
         assert stats.chisquare(counts).pvalue > 1e-4
-    lo, hi = u[..., :2048], u[..., 2048:]  # the two digits that share a word
+    lo, hi = u[..., :2048], u[..., 2048:]  # two halves of a block
     tol = 5 / math.sqrt(lo.numel())
     assert abs(_corr(lo, hi)) < tol
     assert abs(_corr(u[:, 0], u[:, 1])) < tol  # neighbouring blocks
     assert abs(_corr(u[:-1], u[1:])) < tol  # consecutive keys
     joint = torch.bincount(((lo >> 20) * 16 + (hi >> 20)).flatten(), minlength=256).numpy()
     assert stats.chisquare(joint).pvalue > 1e-4
+
+
+def test_rounding_digits_neighbours_bits_and_shifts():
+    from gossip.compress._kernels import block_digits
+
+    u = block_digits(R.stream_seeds(torch.arange(256), R.STREAM_ROUND), 1, 4096, 0)[:, 0]  # (256, 4096)
+    tol = 5 / math.sqrt(u[:, :-1].numel())
+    for lag in (1, 2, 8, 16):  # neighbouring elements, e.g. the codes that share a packed byte
+        assert abs(_corr(u[:, :-lag], u[:, lag:])) < tol, lag
+    joint = torch.bincount(((u[:, 0::2] >> 20) * 16 + (u[:, 1::2] >> 20)).flatten(), minlength=256).numpy()
+    assert stats.chisquare(joint).pvalue > 1e-4
+    bits = torch.stack([(u >> s) & 1 for s in (0, 1, 11, 22, 23)])
+    frac = bits.double().mean(dim=(1, 2))
+    assert torch.all((frac - 0.5).abs() < 5 * 0.5 / math.sqrt(u.numel()))
+    uu = (u.flatten()[:200_000].double() + 0.5) / 2.0**24
+    assert stats.kstest(uu.numpy(), "uniform").pvalue > 1e-4
+    for lag in range(1, 64):  # nearby keys are not shifted copies of each other
+        assert not torch.equal(u[0, lag:lag + 100], u[1, :100])
+        assert not torch.equal(u[1, lag:lag + 100], u[0, :100])
 
 
 def test_pairs_are_uniform():

@@ -37,12 +37,12 @@ def split(X: torch.Tensor, B: int):
 
 def round_group(x3, a, s, keys, seeds, start: int, b0: int, B: int, L: int, mode: int, out) -> None:
     """Stochastically round a group from ``split`` (first block b0 of full size B) into ``out``."""
-    _kernels.stochastic_round(x3, a, s, keys, seeds, start, b0 * ((B + 1) // 2), L, mode, out)
+    _kernels.stochastic_round(x3, a, s, keys, seeds, start, L, mode, out)
 
 
 def scale_group(x3, keys, seeds, start: int, b0: int, B: int, L: int, mode: int, out):
     """Block scales (a, R, s) and rounding of a group from ``split`` (modes 0 and 2)."""
-    return _kernels.scale_and_round(x3, keys, seeds, start, b0 * ((B + 1) // 2), L, mode, out)
+    return _kernels.scale_and_round(x3, keys, seeds, start, L, mode, out)
 
 
 safe_inverse = _kernels.safe_inverse

@@ -30,6 +30,8 @@ import torch
 
 from . import _random as R
 
+R_ = R  # the _random module, under a name that the kernels' local `R` (a range) does not shadow
+
 __all__: list[str] = []
 
 MIN_COMPILED_NUMEL = 1 << 16
@@ -146,23 +148,15 @@ def _run_verified(k: Kernel, args):
 # Stochastic rounding.
 #
 # For t >= 0, code = floor(t) + [U < frac(t)] with U uniform in [0, 1). U's first 24
-# bits are the element's digit u of stream STREAM_ROUND, compared with
-# F = frac(t) * 2**24 in fp32 (a power-of-two scaling: exact; u < 2**24: exact).
-# D = F - u > 0 means "up" unless 0 < D < 1, where u == floor(F) and F has bits
-# below 2**-24, only possible when t < 0.5 (for t >= 0.5 the fp32 spacing of t is at
-# least 2**-24, so F is an integer): then further 32-bit digits of U decide, drawn
-# lazily for those few elements (resolve_ties). Wherever |D| >= 1 its sign is right
-# even if D was rounded, and for 0 < D < 1 it is exact. So P(up) == frac(t)
-# exactly, for the fp32 value t.
-#
-# Digits are laid out per block so that one 64-bit word serves two elements that
-# sit half a block apart (both halves are contiguous, so the fused loop stays
-# vectorised and hashes once per pair): in a block of n elements whose words start
-# at w0, with H = n // 2, element k < H reads the low half of word w0 + k, element
-# H + k the high half of word w0 + k, and when n is odd the last element reads the
-# low half of word w0 + H. Full blocks of size B start at w0 = b * ceil(B / 2); the
-# tail block after nb full blocks at w0 = nb * ceil(B / 2). A "low" digit is bits
-# 8..31 of the word, a "high" digit bits 40..63.
+# bits are the element's digit u = hash24(i, seed) (see _random: one int32 hash per
+# element, i the element's index in its row), compared with F = frac(t) * 2**24 in
+# fp32 (a power-of-two scaling: exact; u < 2**24: exact). D = F - u > 0 means "up"
+# unless 0 < D < 1, where u == floor(F) and F has bits below 2**-24, only possible
+# when t < 0.5 (for t >= 0.5 the fp32 spacing of t is at least 2**-24, so F is an
+# integer): then further 32-bit digits of U decide, drawn lazily for those few
+# elements (resolve_ties). Wherever |D| >= 1 its sign is right even if D was
+# rounded, and for 0 < D < 1 it is exact. So P(up) == frac(t) exactly, for the fp32
+# value t.
 #
 # Modes: 0 = affine, t = (x - a) * s, code = level (quant);
 #        1 = signed, t = |x| * s, code = 2 * level + [x < 0] (qsgd);
@@ -174,20 +168,27 @@ _TWO24 = 16777216.0
 _MASK24 = 0xFFFFFF
 
 
-def block_digits(seeds: torch.Tensor, nb: int, n: int, w0: int) -> torch.Tensor:
-    """First (24-bit) digits (m, nb, n) int64 of nb blocks of n elements, block b at word w0 + b*ceil(n/2)."""
+def block_digits(seeds: torch.Tensor, nb: int, n: int, start: int) -> torch.Tensor:
+    """First (24-bit) digits (m, nb, n) int32 of nb blocks of n elements, the first
+    element being element ``start`` of its row: element i's digit is hash24(i, seed)."""
+    s1, s2 = R.seeds32(seeds)
+    e = torch.arange(start, start + nb * n, dtype=torch.int32, device=seeds.device).view(1, nb, n)
+    return R.hash24(e, s1.view(-1, 1, 1), s2.view(-1, 1, 1))
+
+
+def _seed_args(seeds: torch.Tensor, start: int):
+    """Arguments of the compiled kernels: seed halves (m, 1, 1) and the first index (int32 0-d)."""
+    s1, s2 = R.seeds32(seeds)
     m = seeds.shape[0]
-    hb, H = (n + 1) // 2, n // 2
-    W = R.words(seeds, nb * hb, offset=w0).view(m, nb, hb)
-    u = torch.empty(m, nb, n, dtype=torch.int64, device=seeds.device)
-    torch.bitwise_right_shift(W[..., :H], 8, out=u[..., :H])
-    u[..., :H].bitwise_and_(_MASK24)
-    torch.bitwise_right_shift(W[..., :H], 40, out=u[..., H: 2 * H])
-    u[..., H: 2 * H].bitwise_and_(_MASK24)
-    if n % 2:
-        torch.bitwise_right_shift(W[..., H:], 8, out=u[..., 2 * H:])
-        u[..., 2 * H:].bitwise_and_(_MASK24)
-    return u
+    return s1.view(m, 1, 1), s2.view(m, 1, 1), torch.tensor(start, dtype=torch.int32, device=seeds.device)
+
+
+def _index(x, base):
+    """Element indices (1, nb, B) int32 of blocks x (m, nb, B) that start at element ``base``."""
+    nb, B = x.shape[1], x.shape[2]
+    dev = x.device
+    return base + (torch.arange(nb, dtype=torch.int32, device=dev) * B).view(1, nb, 1) \
+        + torch.arange(B, dtype=torch.int32, device=dev).view(1, 1, B)
 
 
 def _scaled(x, a, s, L: float, mode: int):
@@ -196,11 +197,11 @@ def _scaled(x, a, s, L: float, mode: int):
 
 
 def _round_half(x, a, s, u, L: float, mode: int):
-    """Codes and tie flags (float32 0/1) of one half; u: the digits (int64)."""
+    """Codes and tie flags (float32 0/1); u: the digits (int32)."""
     t = _scaled(x, a, s, L, mode)
     f = t.floor()
     F = (t - f) * _TWO24
-    D = F - u.to(torch.int32).to(torch.float32)  # narrowing first vectorises better
+    D = F - u.to(torch.float32)
     up = (D > 0).to(torch.float32)
     lvl = f + up
     if mode == 1:
@@ -211,26 +212,27 @@ def _round_half(x, a, s, u, L: float, mode: int):
     return lvl, up * (D < 1).to(torch.float32)
 
 
-def _pairs(xl, xh, a, s, seeds, w0: int, hb: int, L: float, mode: int, ol, oh):
-    m, nb, H = xl.shape
-    j = (torch.arange(nb, device=xl.device) * hb).view(1, nb, 1) + torch.arange(H, device=xl.device).view(1, 1, H)
-    w = R.mix64(seeds.view(m, 1, 1) + (j + (w0 + 1)) * R.GAMMA)
-    lo, tlo = _round_half(xl, a, s, (w >> 8) & _MASK24, L, mode)
-    hi, thi = _round_half(xh, a, s, (w >> 40) & _MASK24, L, mode)
-    ol.copy_(lo)
-    oh.copy_(hi)
-    return tlo, thi
+# The compiled kernels get the mode and the top level L as integer constants of their
+# own code object (see _closure_variant), not as arguments, and make the float L
+# inside: torch.compile treats float arguments (and float closure cells) as symbols,
+# and inductor then compiled the first value it saw into the clamp, so a second
+# variant in the same process rounded with the first one's L (the first-call check
+# caught it).
 
 
-def _sr_pairs_compiled(xl, xh, a, s, seeds, w0: int, hb: int, L: float, mode: int, ol, oh):
-    """Both halves of nb blocks: xl = x[..., :H], xh = x[..., H:2H]; returns tie flags
-    (m, nb, H) uint8, bit 0 for the low half, bit 1 for the high half."""
-    tlo, thi = _pairs(xl, xh, a, s, seeds, w0, hb, L, mode, ol, oh)
-    return (tlo + 2 * thi).to(torch.uint8)
+def _make_sr(mode: int, levels: int, dtype=None):
+    def stochastic_round(x, a, s, s1, s2, base, out):
+        """Round blocks x (m, nb, B) into ``out``; returns tie flags (m, nb, B) uint8."""
+        L = float(levels)
+        lvl, tie = _round_half(x, a, s, R_.hash24(_index(x, base), s1, s2), L, mode)
+        out.copy_(lvl)
+        return tie.to(torch.uint8)
+
+    return stochastic_round
 
 
 def _sr_eager(x, a, s, u, L: float, mode: int, out):
-    """The same rounding with all digits given: u (m, nb, B) int64. Returns bool ties."""
+    """The same rounding with all digits given: u (m, nb, B) int32. Returns bool ties."""
     if mode == 0:
         t = torch.sub(x, a)
     else:
@@ -250,7 +252,14 @@ def _sr_eager(x, a, s, u, L: float, mode: int, out):
     return tie
 
 
-SR = Kernel("stochastic_round", _sr_pairs_compiled)
+_VARIANTS: dict = {}
+
+
+def _variant(name: str, factory, key) -> "Kernel":
+    k = _VARIANTS.get((name, key))
+    if k is None:
+        k = _VARIANTS[(name, key)] = _closure_variant(name, factory, key)
+    return k
 
 
 def safe_inverse(L: float, R: torch.Tensor) -> torch.Tensor:
@@ -275,88 +284,191 @@ def _scales(x, L: float, mode: int):
     return a, R, safe_inverse(L, R)
 
 
-def _fused_compiled(x, seeds, w0: int, hb: int, L: float, mode: int, ol, oh):
-    """Scales and rounding of nb blocks in one compiled call (quant and ternary).
+def _make_fused(mode: int, levels: int, dtype=None):
+    def scale_and_round(x, s1, s2, base, out):
+        """Scales and rounding of nb blocks in one compiled call (quant and ternary).
 
-    For quant (mode 0) only the number of ties comes back: ties need t < 0.5, the
-    lowest half level, and then have probability 2**-24, so they are rare enough
-    that a second pass to locate them (stochastic_round) is cheaper on average than
-    writing a flag per element. Ternary values mostly lie below 0.5: flags.
-    """
-    H = ol.shape[2]
-    a, R, s = _scales(x, L, mode)
-    tlo, thi = _pairs(x[..., :H], x[..., H: 2 * H], a, s, seeds, w0, hb, L, mode, ol, oh)
-    if mode == 0:
-        return a, R, s, (tlo + thi).sum()
-    return a, R, s, (tlo + 2 * thi).to(torch.uint8)
+        For quant (mode 0) only whether there is a tie comes back: ties need t < 0.5,
+        the lowest half level, and then have probability 2**-24, so they are rare
+        enough that a second pass to locate them is cheaper on average than writing a
+        flag per element. Ternary values mostly lie below 0.5: flags.
+        """
+        L = float(levels)
+        a, R, s = _scales(x, L, mode)
+        lvl, tie = _round_half(x, a, s, R_.hash24(_index(x, base), s1, s2), L, mode)
+        out.copy_(lvl)
+        if mode == 0:
+            return a, R, s, tie.amax()
+        return a, R, s, tie.to(torch.uint8)
+
+    return scale_and_round
 
 
-FUSED = Kernel("scale_and_round", _fused_compiled)
+def _ties(x, a, s, seeds, start: int, L: float, mode: int, out) -> torch.Tensor:
+    """Where the first digit leaves the rounding open (bool, like x); eager."""
+    return _sr_eager(x, a, s, block_digits(seeds, x.shape[1], x.shape[2], start), float(L), mode,
+                     torch.empty_like(out))
 
 
-def scale_and_round(x, keys, seeds, start: int, w0: int, L: float, mode: int, out):
+def scale_and_round(x, keys, seeds, start: int, L: float, mode: int, out):
     """Block scales and stochastic rounding for quant (mode 0) and ternary (mode 2).
 
-    Returns (a, R, s): offset, range and inverse step per block, (m, nb, 1) each.
+    ``start``: index of x[:, 0, 0] in its row. Returns (a, R, s): offset, range and
+    inverse step per block, (m, nb, 1) each.
     """
     m, nb, B = x.shape
-    H, hb = B // 2, (B + 1) // 2
-    k = FUSED.variant((mode, out.dtype, L))
-    if H and _want_compiled(k, x.numel(), x.device):
-        a, R, s, flags = run(k, x.numel(), x, seeds, w0, hb, float(L), mode, out[..., :H], out[..., H: 2 * H])
-        if flags.dim() == 0:  # a tie count: locate the ties, if any, with a second pass
-            if int(flags) == 0:
-                flags = torch.zeros((), dtype=torch.uint8, device=x.device)  # nothing to finish
-            else:
-                stochastic_round(x, a, s, keys, seeds, start, w0, L, mode, out)
-                return a, R, s
-        _finish(x, a, s, keys, seeds, start, w0, L, mode, out, flags)
+    k = _variant("scale_and_round", _make_fused, (mode, int(L), out.dtype))
+    if _want_compiled(k, x.numel(), x.device):
+        s1, s2, base = _seed_args(seeds, start)
+        a, R, s, flags = run(k, x.numel(), x, s1, s2, base, out)
+        if flags.dim() == 0:  # whether there is a tie: locate them, if any, with a second pass
+            if float(flags) != 0:
+                resolve_ties(out, _ties(x, a, s, seeds, start, L, mode, out), x, a, s, keys, start, float(L), mode)
+        elif bool(flags.any()):
+            resolve_ties(out, flags.bool(), x, a, s, keys, start, float(L), mode)
     else:
         a, R, s = _scales(x, float(L), mode)
-        tie = _sr_eager(x, a, s, block_digits(seeds, nb, B, w0), float(L), mode, out)
+        tie = _sr_eager(x, a, s, block_digits(seeds, nb, B, start), float(L), mode, out)
         if bool(tie.any()):
             resolve_ties(out, tie, x, a, s, keys, start, float(L), mode)
     return a, R, s
 
 
-def stochastic_round(x, a, s, keys, seeds, start: int, w0: int, L: float, mode: int, out) -> None:
+def stochastic_round(x, a, s, keys, seeds, start: int, L: float, mode: int, out) -> None:
     """Round nb blocks x (m, nb, B) into the integer codes ``out`` (m, nb, B).
 
-    ``start``: row index of x[:, 0, 0] (names the tie-breaking digits); ``w0``: first
-    word of the blocks' digits (see the layout above).
+    ``start``: index of x[:, 0, 0] in its row (names the digits of every element).
     """
     m, nb, B = x.shape
-    H, hb = B // 2, (B + 1) // 2
-    k = SR.variant((mode, out.dtype, L))
-    if H and _want_compiled(k, x.numel(), x.device):
-        flags = run(k, x.numel(), x[..., :H], x[..., H: 2 * H], a, s, seeds, w0, hb, float(L), mode,
-                    out[..., :H], out[..., H: 2 * H])
-        _finish(x, a, s, keys, seeds, start, w0, L, mode, out, flags)
+    k = _variant("stochastic_round", _make_sr, (mode, int(L), out.dtype))
+    if _want_compiled(k, x.numel(), x.device):
+        s1, s2, base = _seed_args(seeds, start)
+        flags = run(k, x.numel(), x, a, s, s1, s2, base, out)
+        if bool(flags.any()):
+            resolve_ties(out, flags.bool(), x, a, s, keys, start, float(L), mode)
     else:
-        tie = _sr_eager(x, a, s, block_digits(seeds, nb, B, w0), float(L), mode, out)
+        tie = _sr_eager(x, a, s, block_digits(seeds, nb, B, start), float(L), mode, out)
         if bool(tie.any()):
             resolve_ties(out, tie, x, a, s, keys, start, float(L), mode)
 
 
-def _finish(x, a, s, keys, seeds, start, w0, L, mode, out, flags) -> None:
-    """After the compiled pairs: the odd last element of each block, then any ties."""
+# --------------------------------------------------------------------------------------
+# quant with 1..7 bits, blocks of a multiple of 8 elements: rounding and packing in
+# one pass (encode), unpacking and the affine map in one pass (decode). Codes of a
+# block of B = 8 N elements are packed in planes (bitpack.pack_planes): code j * N + i
+# is bits [b j, b j + b) of the 8b-bit word i, whose byte q is byte q * N + i of the
+# block's codes. Each step reads and writes contiguous runs, so it vectorises.
+# --------------------------------------------------------------------------------------
+
+
+def _closure_variant(name: str, factory, key) -> Kernel:
+    """A Kernel whose function comes from ``factory(*key)`` under its own code object
+    (torch.compile caches per code object: one cache and one graph per variant)."""
+    f = factory(*key)
+    tag = "_" + "_".join(str(p).replace(".", "_").replace("torch_", "") for p in key)
+    code = f.__code__.replace(co_name=f.__name__ + tag)
+    g = types.FunctionType(code, f.__globals__, code.co_name, f.__defaults__, f.__closure__)
+    return Kernel(name + tag, g)
+
+
+def _make_planar_encode(bits: int):
+    wide = torch.int32 if bits <= 4 else torch.int64
+
+    def quant_planar_encode(x4, s1, s2, base, out4):
+        """x4 (m, nb, 8, N) -> out4 (m, nb, bits, N) uint8; returns a, R, s (m, nb, 1) and
+        whether some element is a tie (0-d float)."""
+        L = float((1 << bits) - 1)
+        m, nb, _, N = x4.shape
+        a = x4.amin(dim=(2, 3)).view(m, nb, 1)
+        R = x4.amax(dim=(2, 3)).view(m, nb, 1) - a
+        s = safe_inverse(L, R)
+        dev = x4.device
+        e0 = base + (torch.arange(nb, dtype=torch.int32, device=dev) * (8 * N)).view(1, nb, 1) \
+            + torch.arange(N, dtype=torch.int32, device=dev).view(1, 1, N)
+        word = tie = None
+        for j in range(8):
+            lvl, t = _round_half(x4[:, :, j], a, s, R_.hash24(e0 + j * N, s1, s2), L, 0)
+            c = lvl.to(wide) << (bits * j)
+            word = c if word is None else word | c
+            tie = t if tie is None else torch.maximum(tie, t)
+        # `word` is returned, so it is computed once into a buffer (n / 8 words) and the
+        # planes are cut from it (one pointwise write of all planes, not one per plane:
+        # writing plane by plane makes inductor blend each plane into the old contents)
+        shifts = (torch.arange(bits, dtype=wide, device=dev) * 8).view(1, 1, bits, 1)
+        out4.copy_(((word.unsqueeze(2) >> shifts) & 0xFF).to(torch.uint8))
+        return a, R, s, tie.amax(), word
+
+    return quant_planar_encode
+
+
+def _make_planar_decode(bits: int):
+    mask = (1 << bits) - 1
+
+    def quant_planar_decode(p4, a, step, out4):
+        """p4 (m, nb, bits, N) uint8 -> out4 (m, nb, 8, N) = code * step + a."""
+        if bits <= 4:  # the column's word fits in int32
+            word = None
+            for q in range(bits):
+                c = p4[:, :, q].to(torch.int32) << (8 * q)
+                word = c if word is None else word | c
+            shifts = (torch.arange(8, dtype=torch.int32, device=p4.device) * bits).view(1, 1, 8, 1)
+            codes = (word.unsqueeze(2) >> shifts) & mask
+        else:  # 40..56-bit words, read as two int32 windows: bytes 0..3 and bytes 3..bits-1;
+            # each code lies wholly in one of them (it starts below bit 24 only if it ends by bit 31)
+            lo = hi = None
+            for q in range(bits):
+                v = p4[:, :, q].to(torch.int32)
+                if q < 4:
+                    lo = v if lo is None else lo | (v << (8 * q))
+                if q >= 3:
+                    hi = v if hi is None else hi | (v << (8 * (q - 3)))
+            j = torch.arange(8, dtype=torch.int32, device=p4.device).view(1, 1, 8, 1)
+            in_lo = j * bits + bits <= 32
+            sh = torch.where(in_lo, j * bits, j * bits - 24)
+            codes = (torch.where(in_lo, lo.unsqueeze(2), hi.unsqueeze(2)) >> sh) & mask
+        out4.copy_(codes.to(torch.float32) * step.unsqueeze(3) + a.unsqueeze(3))
+
+    return quant_planar_decode
+
+
+_PLANAR: dict = {}
+
+
+def _planar(kind: str, bits: int) -> Kernel:
+    k = _PLANAR.get((kind, bits))
+    if k is None:
+        factory = _make_planar_encode if kind == "encode" else _make_planar_decode
+        k = _PLANAR[(kind, bits)] = _closure_variant("quant_planar_" + kind, factory, (bits,))
+    return k
+
+
+def planar_wanted(bits: int, B: int, numel: int, device) -> bool:
+    """Whether quant's one-pass planar kernels serve a group of blocks of B elements."""
+    return 1 <= bits < 8 and B % 8 == 0 and _want_compiled(_planar("encode", bits), numel, device)
+
+
+def quant_planar_encode(x, keys, seeds, start: int, bits: int, out):
+    """Blocks x (m, nb, 8N) -> packed codes out (m, nb, bits * N); returns (a, R, s)."""
     m, nb, B = x.shape
-    H, hb = B // 2, (B + 1) // 2
-    tie = None
-    if bool(flags.any()):
-        tie = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
-        tie[..., :H] = (flags & 1).bool()
-        tie[..., H: 2 * H] = (flags & 2).bool()
-    if B % 2:  # the odd last element of each block, on its own word
-        w = R.mix64(seeds.view(m, 1, 1) + (torch.arange(nb, device=x.device).view(1, nb, 1) * hb
-                                            + (w0 + H + 1)) * R.GAMMA)
-        t_odd = _sr_eager(x[..., 2 * H:], a, s, (w >> 8) & _MASK24, float(L), mode, out[..., 2 * H:])
-        if bool(t_odd.any()):
-            if tie is None:
-                tie = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
-            tie[..., 2 * H:] = t_odd
-    if tie is not None:
-        resolve_ties(out, tie, x, a, s, keys, start, float(L), mode)
+    N = B // 8
+    s1, s2, base = _seed_args(seeds, start)
+    k = _planar("encode", bits)
+    a, R, s, tie, _ = run(k, x.numel(), x.view(m, nb, 8, N), s1, s2, base, out.view(m, nb, bits, N))
+    if float(tie) != 0:  # rare: redo the group with ties resolved (exactly the same codes otherwise)
+        from .bitpack import pack_planes
+
+        codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+        tie = _sr_eager(x, a, s, block_digits(seeds, nb, B, start), float((1 << bits) - 1), 0, codes)
+        resolve_ties(codes, tie, x, a, s, keys, start, float((1 << bits) - 1), 0)
+        pack_planes(codes, bits, out)
+    return a, R, s
+
+
+def quant_planar_decode(p, a, step, bits: int, out) -> None:
+    """Packed codes p (m, nb, bits * N) -> out (m, nb, 8N) fp32 = code * step + a."""
+    m, nb, nby = p.shape
+    N = nby // bits
+    run(_planar("decode", bits), out.numel(), p.view(m, nb, bits, N), a, step, out.view(m, nb, 8, N))
 
 
 def resolve_ties(codes, tie, x, a, s, keys, start: int, L: float, mode: int) -> None:
@@ -401,13 +513,13 @@ def resolve_ties(codes, tie, x, a, s, keys, start: int, L: float, mode: int) -> 
 # --------------------------------------------------------------------------------------
 
 
-def _affine_compiled(codes, a, step):
-    return codes.to(torch.float32) * step + a
+def _affine_compiled(codes, a, step, out):
+    out.copy_(codes.to(torch.float32) * step + a)
 
 
-def _affine_eager(codes, a, step):
-    out = codes.to(torch.float32)
-    return out.mul_(step).add_(a)
+def _affine_eager(codes, a, step, out):
+    torch.mul(codes, step, out=out)  # codes convert to fp32 exactly, one rounding for the product
+    out.add_(a)
 
 
 AFFINE = Kernel("affine_decode", _affine_eager, _affine_compiled)

@@ -133,15 +133,22 @@ class Compressor:
         return numel
 
     # ---- batched core ----------------------------------------------------------------
-    def encode(self, X: torch.Tensor, keys: torch.Tensor, tag: int = 0) -> torch.Tensor:
-        """Encode each row of ``X`` (m, d) with its int64 key into payload rows (m, nbytes) uint8."""
+    def encode(self, X: torch.Tensor, keys: torch.Tensor, tag: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Encode each row of ``X`` (m, d) with its int64 key into payload rows (m, nbytes) uint8.
+
+        ``out``: a contiguous uint8 tensor (m, nbytes) to write the payloads into (a
+        buffer reused across steps: no allocation, no page faults); it is returned.
+        """
         X = self._check_input(X)
         m, d = X.shape
         keys = self._check_keys(keys, m, X.device)
         if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < _U32:
             raise ValueError(f"{self.name}.encode: tag must be an int in [0, 2**32), got {tag!r}")
         layout = self._layout(self._check_numel(d))
-        P = torch.empty(m, layout.nbytes, dtype=torch.uint8, device=X.device)
+        if out is None:
+            P = torch.empty(m, layout.nbytes, dtype=torch.uint8, device=X.device)
+        else:
+            P = _check_out(self.name + ".encode", out, (m, layout.nbytes), torch.uint8, X.device)
         for a, b in layout.gaps():  # zero padding so the checksum is well defined
             P[:, a:b] = 0
         if m:
@@ -149,8 +156,13 @@ class Compressor:
             wire.write_header(P, self.cid, self._phash, d, keys, tag)
         return P
 
-    def decode(self, P: torch.Tensor, numel: int, tag: int | None = None) -> torch.Tensor:
-        """Decode payload rows (m, nbytes) uint8 into (m, numel) float32; raises PayloadError."""
+    def decode(self, P: torch.Tensor, numel: int, tag: int | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode payload rows (m, nbytes) uint8 into (m, numel) float32; raises PayloadError.
+
+        ``out``: a contiguous float32 tensor (m, numel) to write the values into (a buffer
+        reused across steps); it is returned. Without it the result is a new tensor.
+        """
         if not isinstance(P, torch.Tensor) or P.dtype != torch.uint8 or P.dim() != 2:
             raise ValueError(
                 f"{self.name}.decode: payloads must be a 2-D uint8 tensor (m, nbytes), got "
@@ -163,8 +175,10 @@ class Compressor:
         if P.storage_offset() % 8:  # header fields are read through an int64 view
             P = P.clone()
         m = P.shape[0]
+        if out is not None:
+            out = _check_out(self.name + ".decode", out, (m, numel), torch.float32, P.device)
         if m == 0:
-            return torch.empty(0, numel, dtype=torch.float32, device=P.device)
+            return torch.empty(0, numel, dtype=torch.float32, device=P.device) if out is None else out
         layout = self._layout(numel)
         expected = layout.nbytes
         if P.shape[1] < HEADER_NBYTES or P.shape[1] % 8:
@@ -178,7 +192,10 @@ class Compressor:
             c = wire.checksum(P)
             ok &= c == ((h[:, 3] >> 32) & 0xFFFFFFFF)
             if bool(ok.all()):
-                return self._decode(layout.views(P), numel, h[:, 2])
+                if out is None:
+                    return self._decode(layout.views(P), numel, h[:, 2])
+                self._decode_into(layout.views(P), numel, h[:, 2], out)
+                return out
         # something is wrong: find the first failing check, in a fixed order
         f = wire.header_fields(P)
         self._check_header(f, expected_numel=numel)
@@ -192,6 +209,10 @@ class Compressor:
             lambda r: f"stored 0x{int(f['checksum'][r]):08x}, computed 0x{int(c[r]):08x} (damaged payload)",
         )
         raise AssertionError("unreachable: a check failed but none reported")  # pragma: no cover
+
+    def _decode_into(self, views: dict, numel: int, keys: torch.Tensor, out: torch.Tensor) -> None:
+        """Decode into ``out`` (m, numel) float32; compressors with a faster way override this."""
+        out.copy_(self._decode(views, numel, keys))
 
     def _check_header(self, h: dict, expected_numel: int | None) -> None:
         word0 = wire._MAGIC_WORD0 | (self.cid << 24)
@@ -280,6 +301,17 @@ class Compressor:
         raise NonFiniteError(
             f"{self.name}.encode: row {r} of the input is finite but too large: its scale overflows float32"
         )
+
+
+def _check_out(what: str, out, shape: tuple, dtype, device) -> torch.Tensor:
+    if (not isinstance(out, torch.Tensor) or out.dtype != dtype or tuple(out.shape) != shape
+            or out.device != torch.device(device) or not out.is_contiguous() or out.storage_offset() % 8):
+        got = (f"{out.dtype} of shape {tuple(out.shape)} on {out.device}"
+               + ("" if out.is_contiguous() else ", not contiguous")
+               if isinstance(out, torch.Tensor) else type(out).__name__)
+        raise ValueError(f"{what}: out must be a contiguous, 8-byte aligned {dtype} tensor of shape {shape} "
+                         f"on {torch.device(device)}, got {got}")
+    return out
 
 
 def _first_bad(bad: torch.Tensor, what: str, detail) -> None:

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-__all__ = ["pack_bits", "unpack_bits", "packed_nbytes"]
+__all__ = ["pack_bits", "unpack_bits", "packed_nbytes", "pack_planes", "unpack_planes", "planar_nbytes"]
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -142,3 +142,63 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
             acc = term if acc is None else acc.bitwise_or_(term)
         out[..., j] = acc & mask
     return out.view(*lead, g * 8)[..., :n]
+
+
+# --------------------------------------------------------------------------------------
+# Planar layout (quant, 1..8 bits): the codes of a block of n elements are split into
+# 8 planes of N = ceil(n / 8) codes (code j * N + i is in plane j, column i; missing
+# codes at the end count as 0). Column i's codes form the 8b-bit integer
+# sum_j code(j * N + i) << (b * j), whose byte q is byte q * N + i of the packed
+# block: b * N bytes in all. For b = 8 this is the codes themselves (n bytes, no
+# padding). Packing and unpacking read and write contiguous runs (they vectorise),
+# unlike the LSB-first stream above.
+# --------------------------------------------------------------------------------------
+
+
+def planar_nbytes(n: int, bits: int) -> int:
+    """Bytes of ``n`` codes of ``bits`` (1..8) bits in the planar layout."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"planar layout: bits must be an int in 1..8, got {bits!r}")
+    return n if bits == 8 else bits * ((n + 7) // 8)
+
+
+def pack_planes(codes: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
+    """Pack codes (..., n) in [0, 2**bits) into ``out`` (..., planar_nbytes(n, bits)) uint8."""
+    n = codes.shape[-1]
+    lead = codes.shape[:-1]
+    if planar_nbytes(n, bits) != out.shape[-1]:
+        raise ValueError(f"pack_planes: {n} codes of {bits} bits take {planar_nbytes(n, bits)} bytes, "
+                         f"out has {out.shape[-1]}")
+    if bits == 8:
+        out.copy_(codes)
+        return out
+    N = (n + 7) // 8
+    wide = torch.int32 if bits <= 4 else torch.int64
+    c = _pad_last(codes.to(wide), 8 * N).view(*lead, 8, N) & ((1 << bits) - 1)
+    word = c[..., 0, :].clone()
+    for j in range(1, 8):
+        word |= c[..., j, :] << (bits * j)
+    o = out.view(*lead, bits, N)
+    for q in range(bits):
+        o[..., q, :] = (word >> (8 * q)) & 0xFF
+    return out
+
+
+def unpack_planes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_planes`: uint8 (..., planar_nbytes(n, bits)) -> uint8 codes (..., n)."""
+    if packed.shape[-1] != planar_nbytes(n, bits):
+        raise ValueError(f"unpack_planes: {n} codes of {bits} bits take {planar_nbytes(n, bits)} bytes, "
+                         f"got {packed.shape[-1]}")
+    if bits == 8:
+        return packed
+    lead = packed.shape[:-1]
+    N = (n + 7) // 8
+    wide = torch.int32 if bits <= 4 else torch.int64
+    p = packed.reshape(*lead, bits, N).to(wide)
+    word = p[..., 0, :].clone()
+    for q in range(1, bits):
+        word |= p[..., q, :] << (8 * q)
+    out = torch.empty(*lead, 8, N, dtype=torch.uint8, device=packed.device)
+    for j in range(8):
+        out[..., j, :] = (word >> (bits * j)) & ((1 << bits) - 1)
+    return out.view(*lead, 8 * N)[..., :n]

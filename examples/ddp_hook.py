@@ -11,6 +11,7 @@ what DDP's full-precision all-reduce would have sent for the same steps.
 """
 
 import argparse
+import gc
 import os
 
 import torch
@@ -67,6 +68,7 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    model = state = stats = None
     try:
         torch.manual_seed(0)
         model = DDP(make_model().to(device), device_ids=[device.index] if cuda else None)
@@ -90,10 +92,6 @@ def main() -> None:
         stats = torch.stack([acc, loss.detach().double(), torch.tensor(float(state.ledger.bytes_sent),
                                                                        dtype=torch.float64, device=device)])
         dist.all_reduce(stats)
-        # gloo's worker thread may still be releasing that all-reduce's tensor, which takes
-        # the GIL; the process group's destructor joins it holding the GIL. A barrier waits
-        # without the GIL (its own tensor is not a Python object), so the release is done.
-        dist.barrier()
         acc_mean, loss_mean, sent_mean = (stats / world).tolist()
         # a ring all-reduce sends 2 (W - 1) / W of the gradient's bytes per step
         numel = sum(p.numel() for p in model.parameters())
@@ -103,6 +101,14 @@ def main() -> None:
                   f"test accuracy {acc_mean:.3f}, last training loss {loss_mean:.4f}, "
                   f"bytes sent per process {sent_mean:,.0f} (full-precision all-reduce {full:,})")
     finally:
+        # Teardown order (torch 2.13, gloo): DDP's reducer holds the process group, so the
+        # group's destructor runs where the last of the two goes, and it joins gloo's worker
+        # threads holding the GIL. A worker that is still releasing a finished collective
+        # whose tensor Python no longer references needs the GIL for it: a deadlock. So
+        # the reducer goes first, and the group while `stats` (the last collective's
+        # tensor) is still referenced here.
+        model = state = None
+        gc.collect()  # DDP modules sit in reference cycles
         dist.destroy_process_group()
 
 

@@ -126,20 +126,24 @@ def shutdown() -> None:
 
 
 def _restart_store(world_size: int, timeout: timedelta):
-    """Under torchrun's elastic agent, the agent's store with a prefix per attempt.
+    """Under torchrun's elastic agent, the agent's store with a prefix per incarnation.
 
-    The agent keeps one TCPStore for the whole job; ``env://`` connects to it without
+    The agent may keep one TCPStore for the whole job; ``env://`` connects to it without
     a prefix, so after a restart (``--max-restarts``) the new workers read the previous
     attempt's gloo addresses and ``connectFullMesh`` fails with "Connection refused"
-    or hangs. Keys under ``gossip/attempt_<TORCHELASTIC_RESTART_COUNT>`` are the
-    current attempt's only. None outside the elastic agent (plain ``env://``).
+    or hangs. ``TORCHELASTIC_RESTART_COUNT`` cannot name the attempt: across hosts it
+    differs, as an agent counts only the restarts its own workers' failures caused, not
+    those it makes when another host's agent asks for a new round. Every round
+    restarts every worker of every host, so each rank counts its own incarnations in
+    the store (``gossip/incarnations/<rank>``): the n-th worker of every rank meets the
+    others under ``gossip/incarnation_<n>``. None outside the elastic agent (``env://``).
     """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                          is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"gossip/attempt_{attempt}", base)
+    incarnation = base.add(f"gossip/incarnations/{os.environ['RANK']}", 1)
+    return dist.PrefixStore(f"gossip/incarnation_{incarnation}", base)
 
 
 class DistCommunicator(Communicator):

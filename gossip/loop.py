@@ -471,7 +471,11 @@ class Run:
             raise RunError(str(e) if str(e).startswith("--") else f"--algo {cfg.algorithm.name}: {e}") from None
         self.dim = self.gopt.flat.dim
         # Step 2: each node's shard of the training data
-        shards = data.partition(dataset.y_train, env.world_size, scheme=cfg.data.partition, seed=cfg.run.seed)
+        try:
+            shards = data.partition(dataset.y_train, env.world_size, scheme=cfg.data.partition, seed=cfg.run.seed)
+        except ValueError as e:
+            raise RunError(f"--partition {cfg.data.partition} over {env.world_size} nodes: {e}; "
+                           "use fewer nodes or more data") from None
         try:
             self.loaders = [
                 data.ShardLoader(dataset.x_train, dataset.y_train, shards[i], cfg.data.batch_size,

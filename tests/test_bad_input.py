@@ -111,6 +111,7 @@ CASES = [
     (["--model", "cnn1d"], ["--model cnn1d", "--data synthetic"]),
     (["--batch-size", "100000"], ["--batch-size 100000", "shard size"]),
     (["--simulate", "100000", "--model", "mlp"], ["--simulate 100000", "GiB", "would fit"]),
+    (["--simulate", "5000"], ["over 5000 nodes", "4096 samples", "fewer nodes"]),  # more nodes than samples
     # --- run directories
     (["--out", "{finished}"], ["already holds a run", "--resume", "--overwrite"]),
     (["--out", "{tmp}/plain.txt"], ["is a file"]),

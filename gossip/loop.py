@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import topologies
+from topologies._checks import available_memory  # one reading of MemAvailable for both checks
 from gossip import algorithms, checkpoint, compress, data, factories, models, rundir
 from gossip.errors import NonFiniteError
 from gossip.config import TrainConfig
@@ -174,23 +175,12 @@ _STATE_COPIES = {"dcd": 8, "ecd": 9, "choco": 9, "naive": 5, "dpsgd": 5, "allred
                  "localsgd": 5, "slowmo": 7, "diloco": 9}
 
 
-def _available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def _check_memory(cfg: TrainConfig, m: int, d: int, device: torch.device) -> None:
     """Refuse, in one line, a simulation that cannot fit in this machine's memory."""
     if device.type != "cpu" or m < 2:
         return
     copies = _STATE_COPIES.get(cfg.algorithm.name, 7)
-    need, have = 4 * d * copies * m, _available_bytes()
+    need, have = 4 * d * copies * m, available_memory()
     if have is not None and need > have:
         fit = max(1, have // (4 * d * copies))
         raise RunError(

@@ -165,6 +165,86 @@ def test_setup_traffic_is_counted_as_setup_and_steps_send_one_payload_per_neighb
     assert alg.needs_static_graph and alg.wire_format().label == "topk:p=0.01"
 
 
+# ------------------------------------------------------------------ local steps
+def ledger_run(spec, steps, **opts):
+    """choco on a ring of 5 with a fixed pull per node; the final models and the ledger."""
+    topo = topologies.build("ring", 5)
+    c = SimulatedCommunicator(topo)
+    alg = algorithms.build("choco", c, compressor=spec, seed=2, **opts)
+    A, x1 = quadratic(5, 30, seed=6)
+    X = x1.repeat(5, 1)
+    alg.setup(X)
+    for _ in range(steps):
+        alg.step(X, -0.1 * (X - A))
+    return X, c.ledger.as_dict(), alg
+
+
+@pytest.mark.parametrize("spec", ["topk:p=0.1", "quant:bits=4"])
+def test_local_steps_1_is_choco_bit_for_bit(spec):
+    ref, led, _ = ledger_run(spec, 9)
+    got, led1, alg = ledger_run(spec, 9, local_steps=1)
+    assert torch.equal(got, ref) and led1["bytes"] == led["bytes"] and alg.period == 1
+
+
+def test_local_steps_h_gossips_every_h_steps_with_1_over_h_of_the_bytes():
+    """Steps H, 2H, ... are choco's steps exactly (a plain choco stepped only there, the
+    local updates added in between by hand, ends bit for bit where H does); the steps in
+    between send nothing and leave the estimates alone."""
+    H, steps = 4, 12
+    topo = topologies.build("ring", 5)
+    A, x1 = quadratic(5, 30, seed=6)
+    c_h, c_1 = SimulatedCommunicator(topo), SimulatedCommunicator(topo)
+    alg = algorithms.build("choco", c_h, compressor="topk:p=0.1", local_steps=H)
+    ref = algorithms.build("choco", c_1, compressor="topk:p=0.1")
+    X, Xr = x1.repeat(5, 1), x1.repeat(5, 1)
+    alg.setup(X)
+    ref.setup(Xr)
+    for t in range(1, steps + 1):
+        before = alg.state.xhat.clone()
+        alg.step(X, -0.1 * (X - A))
+        if t % H:
+            Xr.add_(-0.1 * (Xr - A))
+            assert torch.equal(alg.state.xhat, before), t
+        else:
+            ref.step(Xr, -0.1 * (Xr - A))
+        assert torch.equal(X, Xr), t
+    assert alg.state.t == steps + 1 and alg.period == H
+    # bytes: 1/H of H = 1's over the same 12 steps (one payload to each of 2 neighbours per
+    # gossip step), the setup exchange of x_1 the same
+    def gossip_bytes(led):
+        setup = led["setup"]["sent"] - led["setup"]["control"]["sent"]
+        return led["ops"]["exchange"]["sent"] - setup
+
+    _, full, _ = ledger_run("topk:p=0.1", steps)
+    _, led, _ = ledger_run("topk:p=0.1", steps, local_steps=H)
+    payload = compress.build("topk:p=0.1").payload_nbytes(30)
+    assert gossip_bytes(full) == 5 * 2 * payload * steps
+    assert gossip_bytes(led) == gossip_bytes(full) // H == 5 * 2 * payload * (steps // H)
+    assert led["ops"]["exchange"]["calls"] == 1 + steps // H and led["setup"] == full["setup"]
+
+
+def test_local_steps_resume_in_the_middle_of_a_round_is_bit_identical():
+    topo = topologies.build("ring", 5)
+    A, x1 = quadratic(5, 30, seed=8)
+    a1 = make("choco", topo, compressor="sign", local_steps=3)
+    X1 = x1.repeat(5, 1)
+    a1.setup(X1)
+    for _ in range(7):  # t = 8 next: the second step of the third round
+        a1.step(X1, -0.1 * (X1 - A))
+    sd, Xs = a1.state_dict(), X1.clone()
+    for _ in range(5):
+        a1.step(X1, -0.1 * (X1 - A))
+    a2 = make("choco", topo, compressor="sign", local_steps=3)
+    X2 = Xs.clone()
+    a2.setup(torch.zeros_like(X2))
+    a2.load_state_dict(sd)
+    for _ in range(5):
+        a2.step(X2, -0.1 * (X2 - A))
+    assert sd["t"] == 8 and torch.equal(X1, X2)
+    with pytest.raises(TypeError, match=r"Arg `local_steps` must be an integer, got float 2\.5"):
+        algorithms.ChocoConfig(local_steps=2.5)
+
+
 # ------------------------------------------------------------------ heterogeneous problem
 def logistic_problem(n=8, d=800, per_node=384, seed=0):
     """Label-sorted shards: nodes 0-3 hold (almost) only label 0, nodes 4-7 label 1."""
@@ -243,6 +323,7 @@ def test_unbiased_only_algorithms_refuse_a_biased_compressor_pointing_at_choco(a
     ({"compressor": "fp16"}, r"Arg `compressor` of choco must be a contraction or unbiased, got 'fp16'.*accepted: .*topk"),
     ({"compressor": "topk:p=2"}, r"topk: parameter `p`"),
     ({"seed": -1}, r"Arg `seed` must be >= 0"),
+    ({"local_steps": 0}, r"Arg `local_steps` must be >= 1, got 0"),
     ({"gamma_": 0.1}, r"choco: .*unexpected keyword argument 'gamma_'; accepted options: compressor, gamma, seed, start"),
 ])
 def test_bad_config_is_one_line(opts, pattern):
@@ -298,11 +379,34 @@ def test_cli_runs_choco_and_resumes_bit_identically(tmp_path):
     assert (b["steps"], b["final_test_loss"]) == (s["steps"], s["final_test_loss"])
 
 
+def test_cli_local_steps_resumes_mid_round_and_sends_once_per_round(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = ["--simulate", "4", "--algo", "choco", "--compressor", "topk:p=0.01", "--algo-opt", "local_steps=3", *QUICK]
+    r = cli(*common, "--out", str(full))
+    assert r.returncode == 0, r.stderr
+    s = json.loads((full / "summary.json").read_text())
+    assert json.loads((full / "config.json").read_text())["algo_options"] == {"local_steps": 3}
+    # ring of 4: one top-1% payload to each of 2 neighbours at steps 3, 6, ...; one size check
+    # each; and x_1 once at the start
+    payload = compress.build("topk:p=0.01").payload_nbytes(s["params"])
+    gossip = (s["steps"] // 3) * 2 * payload + 2 * 16
+    assert s["bytes_sent_per_node_total"] == s["setup_bytes_per_node"] + gossip
+    assert s["bytes_sent_per_node_per_step"] == gossip / s["steps"]
+    r = cli(*common, "--out", str(part), "--max-steps", "7", "--checkpoint-every", "5")  # step 5: mid-round
+    assert r.returncode == 0, r.stderr
+    r = cli(*common, "--resume", str(part))
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(final_params(full), final_params(part))
+    b = json.loads((part / "summary.json").read_text())
+    assert (b["steps"], b["final_test_loss"]) == (s["steps"], s["final_test_loss"])
+
+
 @pytest.mark.parametrize("args,needles", [
     (["--algo", "dcd", "--compressor", "topk:p=0.01"], ["dcd must be unbiased", "'choco'"]),
     (["--algo", "naive", "--compressor", "sign"], ["naive must be unbiased", "'choco'"]),
     (["--algo", "choco", "--algo-opt", "gamma=2"], ["gamma", "(0, 1]"]),
     (["--algo", "choco", "--compressor", "fp16"], ["choco", "contraction or unbiased"]),
+    (["--algo", "choco", "--algo-opt", "local_steps=0"], ["local_steps", ">= 1", "got 0"]),
 ])
 def test_cli_bad_input_is_one_line(args, needles):
     r = cli("--simulate", "4", *args, *QUICK)

@@ -316,6 +316,7 @@ WORLD_CASES = [
     ("slowmo", {"local_steps": 3}),
     ("diloco", {"local_steps": 4, "compressor": "quant:bits=4", "error_feedback": True, "fragments": 2}),
     ("dpsgd", {"local_steps": 2}),
+    ("choco", {"local_steps": 2, "compressor": "topk:p=0.2"}),
 ]
 STEPS, D = 9, 41
 

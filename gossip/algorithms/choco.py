@@ -28,6 +28,12 @@ Start. With ``start="x1"`` (the default) the estimates start at x_1, exchanged o
 full precision (setup traffic in the ledger, like DCD's and ECD's replicas); the
 compressor then carries only how far each model has moved. ``start="zero"`` is the
 paper's xhat = 0: no setup traffic, but the compressor must first carry x_1 itself.
+
+Local steps. With ``local_steps`` H > 1, steps t with t % H != 0 are local
+(``x_i <- x_i + u_i``; nothing is sent and the estimates and ``s_i`` stay as they are)
+and the four steps above run at t = H, 2H, ...: 1/H of the bytes. The step counter t
+keeps counting every step, so the payload tags and random keys are those of the step
+that gossips, and H = 1 is the algorithm above exactly.
 """
 
 from __future__ import annotations
@@ -72,7 +78,8 @@ class ChocoConfig:
     largest of 0.02, 0.05, 0.1, 0.2, 0.5, 1 at which top-1% stays stable on a
     label-sorted ring of 8 (experiments/choco_gamma.py; it diverges from 0.2 on); scaled sign and the
     quantizers tolerate 1 and mix faster there. ``start``: ``"x1"`` or ``"zero"``, where
-    the estimates start (module docstring). ``track_replicas``: also keep each
+    the estimates start (module docstring). ``local_steps`` H: gossip only after every
+    H-th step, local steps between (1: every step). ``track_replicas``: also keep each
     neighbour's estimate, for tests of the invariants.
     """
 
@@ -80,6 +87,7 @@ class ChocoConfig:
     gamma: float = 0.1
     seed: int = 0
     start: str = "x1"
+    local_steps: int = 1
     track_replicas: bool = False
 
     def __post_init__(self) -> None:
@@ -98,6 +106,7 @@ class ChocoConfig:
         check_int("seed", self.seed, minimum=0)
         if self.start not in STARTS:
             raise ValueError(f"Arg `start` must be one of {', '.join(map(repr, STARTS))}, got {self.start!r}")
+        check_int("local_steps", self.local_steps, minimum=1)
         if not isinstance(self.track_replicas, bool):
             raise TypeError(f"Arg `track_replicas` must be a bool, got {self.track_replicas!r}")
 
@@ -144,6 +153,8 @@ class Choco(_Gossip):
     Step 2:  q_i = Q(x_i^{t+1/2} - xhat_i); send q_i, receive q_j from every neighbour
     Step 3:  xhat_i += q_i;  s_i += W_ii q_i + sum_{j != i} W_ij q_j
     Step 4:  x_i^{t+1} = x_i^{t+1/2} + gamma (s_i - xhat_i)
+    With ``local_steps`` H > 1, steps t with t % H != 0 are local (x_i <- x_i + u_i,
+    nothing sent, estimates unchanged) and steps 1-4 run at t = H, 2H, ...
     """
 
     name = "choco"
@@ -153,6 +164,10 @@ class Choco(_Gossip):
     def __init__(self, config: ChocoConfig, comm: Any) -> None:
         super().__init__(config, comm)
         self._q: Any = self.compressor  # what step() encodes and decodes: Q or Q / (1 + omega)
+
+    @property
+    def period(self) -> int:
+        return self.config.local_steps
 
     def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         m, d = X.shape
@@ -185,6 +200,10 @@ class Choco(_Gossip):
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         s = self.state
         t = s.t
+        if t % self.config.local_steps:  # a local step: no gossip
+            X.add_(U)
+            s.t = t + 1
+            return
         # Step 1
         half = X + U
         # Step 2

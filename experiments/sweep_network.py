@@ -65,6 +65,8 @@ LABELS = {
     "dpsgd-onepeer": "D-PSGD, one-peer exponential graph (32 bits)",
     "sgp": "SGP, one-peer exponential graph (32 bits)",
     "sgp-overlap": "Overlapped SGP, one-peer exponential graph (32 bits)",
+    "choco-top1": "CHOCO-SGD, top-1% (0.64 bits)",
+    "choco-sign": "CHOCO-SGD, scaled sign (1 bit)",
 }
 COMPRESSED = ("naive", "dcd", "ecd")
 #: sweep names that stand for an algorithm run with flags of their own (given after the
@@ -73,7 +75,13 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "dpsgd-onepeer": ("dpsgd", ["--topology", "onepeer-exp"]),
     "sgp": ("sgp", ["--topology", "onepeer-exp"]),
     "sgp-overlap": ("sgp", ["--topology", "onepeer-exp", "--algo-opt", "overlap=1"]),
+    # on the sweep's own (static) graph, at the default consensus step gamma = 0.1
+    "choco-top1": ("choco", ["--compressor", "topk:p=0.01"]),
+    "choco-sign": ("choco", ["--compressor", "sign"]),
 }
+#: bits per coordinate on the wire of the compressed variants (headers left out): top-k
+#: sends an int32 index and an fp32 value per kept coordinate
+VARIANT_BITS: dict[str, float] = {"choco-top1": 0.01 * 64, "choco-sign": 1.0}
 
 
 class SweepError(ValueError):
@@ -506,6 +514,8 @@ def ideal_bytes_ratio(algo: str, bits: int | None, n: int) -> float | None:
         return 1.0
     if algo == "dpsgd":
         return 2 / ar
+    if algo in VARIANT_BITS:  # the sweep's graph (ring): 2 payloads
+        return 2 * VARIANT_BITS[algo] / 32 / ar
     if algo in VARIANTS:  # one-peer graphs: one model sent per step
         return 1 / ar
     if algo in COMPRESSED and bits:

@@ -69,6 +69,9 @@ def test_parse_algos():
         sw.parse_algos("dcd:x")
     with pytest.raises(sw.SweepError, match=r"dpsgd sends fp32 and takes no :bits"):
         sw.parse_algos("dpsgd:8")
+    assert sw.parse_algos("choco-top1,choco-sign") == [("choco-top1", None), ("choco-sign", None)]
+    with pytest.raises(sw.SweepError, match=r"choco-sign sends fp32 and takes no :bits"):
+        sw.parse_algos("choco-sign:8")
 
 
 def test_ideal_ratios():
@@ -77,14 +80,17 @@ def test_ideal_ratios():
     assert sw.ideal_bytes_ratio("ecd", 8, 8) == pytest.approx(2 / 7)
     assert sw.ideal_bytes_ratio("dpsgd", None, 4) == pytest.approx(4 / 3)
     assert sw.ideal_bytes_ratio("allreduce", None, 8) == 1.0
+    # choco on the ring: 2 payloads of 0.64 bits (top-1%: index and value) or 1 bit (sign) per value
+    assert sw.ideal_bytes_ratio("choco-top1", None, 8) == pytest.approx(2 * 0.64 / 32 / (14 / 8))
+    assert sw.ideal_bytes_ratio("choco-sign", None, 4) == pytest.approx(2 / 32 / (6 / 4))
 
 
 class FakeLauncher:
     """Writes what a run under a shaped network would: time per step = bytes / rate + rounds x latency."""
 
     runs: list[str] = []
-    BYTES = {"allreduce": 1500, "dpsgd": 2000, "dcd": 520, "ecd": 520}
-    ROUNDS = {"allreduce": 6, "dpsgd": 1, "dcd": 1, "ecd": 1}
+    BYTES = {"allreduce": 1500, "dpsgd": 2000, "dcd": 520, "ecd": 520, "choco": 80}
+    ROUNDS = {"allreduce": 6, "dpsgd": 1, "dcd": 1, "ecd": 1, "choco": 1}
 
     shaping, tcp_cc = "both", "reno"
 
@@ -159,6 +165,22 @@ def test_sweep_writes_results_and_skips_measured_cells(tmp_path, fake):
     assert len(fake.runs) == 20
 
 
+def test_choco_cells_run_choco_with_their_compressor_on_the_sweeps_graph(tmp_path, fake):
+    out = tmp_path / "sweep"
+    assert sw.main(["--nodes", "4", "--algos", "allreduce,choco-top1,choco-sign", "--bandwidth", "5mbit",
+                    "--latency", "1ms", "--steps", "8", "--warmup", "2", "--out", str(out)]) == 0
+    rows = {r["algo"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert set(rows) == {"allreduce", "choco-top1", "choco-sign"} and all(r["ok"] for r in rows.values())
+    for name, spec in (("choco-top1", "topk:p=0.01"), ("choco-sign", "sign")):
+        assert rows[name]["bits"] is None and rows[name]["bytes_per_step"] == pytest.approx(80)
+        cmd = (out / "cells" / rows[name]["cell"] / "command.txt").read_text()
+        assert f"--algo choco --topology ring --compressor {spec} " in cmd, cmd
+    table = (out / "results.md").read_text()
+    assert "| choco-top1 | 5 | 1 | emulated |" in table and "| choco-sign | 5 | 1 | emulated |" in table
+    assert f"| {2 * 0.64 / 32 / 1.5:.3f} |" in table  # the ideal ratio of top-1% on a ring of 4
+    assert (out / "fig3.png").stat().st_size > 10_000
+
+
 def test_failed_cell_is_reported_and_retried(tmp_path, fake, monkeypatch):
     out = tmp_path / "sweep"
 
@@ -207,6 +229,11 @@ def test_hosts_dry_run_prints_the_commands(tmp_path, monkeypatch, capsys):
            "--rate 5000000bit --delay 20000us'" in printed
     assert "MASTER_ADDR=10.0.0.1" in printed and "GLOO_SOCKET_IFNAME=ens5" in printed and "RANK=1" in printed
     assert "tc_shape.sh clear --dev ens5" in printed  # the hosts are always left unshaped
+    assert sw.main(["--hosts", str(hosts), "--algos", "choco-top1", "--bandwidth", "5mbit", "--latency", "20ms",
+                    "--steps", "4", "--warmup", "1", "--out", str(tmp_path / "c"), "--dry-run",
+                    "--remote-repo", "/srv/gossip"]) == 0
+    printed = capsys.readouterr().out
+    assert "-m gossip.train --algo choco --topology ring --compressor topk:p=0.01 " in printed, printed
 
 
 def test_step_window_reads_the_counters_at_two_steps(tmp_path):

@@ -94,6 +94,42 @@ def test_convergence_notebook_reads_a_race(kernel_env, tmp_path):
     assert images(nb) >= 5
 
 
+def test_decentralized_notebook_reads_a_comparison(kernel_env, tmp_path):
+    """experiments/gossip_compare.py at a tiny size (synthetic data, one epoch of 8 nodes),
+    then the notebook on its run directories and compare.json."""
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        import gossip_compare
+    finally:
+        sys.path.remove(str(REPO / "experiments"))
+    runs = tmp_path / "runs"
+    out = runs / "cmp"
+    assert gossip_compare.main(["--epochs", "1", "--data", "synthetic", "--out", str(out)]) == 0
+    res = json.loads((out / "compare.json").read_text())["results"]
+    assert list(res) == ["dpsgd", "dcd:8", "ecd:8", "choco-sign", "choco-top1", "sgp"]
+    per_step = {m: r["bytes_per_step"] for m, r in res.items()}
+    assert per_step["choco-top1"] < per_step["choco-sign"] < per_step["dcd:8"] == per_step["ecd:8"] < per_step["dpsgd"]
+    assert 0.45 < per_step["sgp"] / per_step["dpsgd"] < 0.55  # one message per step on onepeer-exp, two on the ring
+    assert res["dpsgd"]["setup_bytes"] == 0 < res["choco-top1"]["setup_bytes"] == res["dcd:8"]["setup_bytes"]
+    p = res["choco-top1"]["points"][-1]  # latency 0: compute + codec + 1.05 * 8 * bytes / 10 Mbit/s
+    assert p["time_s"][0] == pytest.approx(p["compute_s"] + p["codec_s"] + 1.05 * 8 * p["bytes"] / 1e7)
+    assert "| choco-top1 | ring | topk:p=0.01 |" in (out / "compare.md").read_text()
+    kernel_env.setenv("GOSSIP_RUNS", str(runs))
+    nb = execute("decentralized.ipynb")
+    text = text_of(nb)
+    assert f"comparison {out / 'compare.json'}: simulated-time, 8 nodes, sorted shards, 1 epoch(s), 6 method(s)" in text
+    assert f"6 run(s) under {out}" in text
+    for label in ("choco/topk:p=0.01/ring", "dcd/quant:bits=8/ring", "sgp/fp32/onepeer-exp", "time_s@10mbit"):
+        assert label in text, label
+    assert "no comparison" not in text and images(nb) == 1
+
+
+def test_decentralized_notebook_without_a_comparison_says_so(kernel_env, tmp_path):
+    kernel_env.setenv("GOSSIP_RUNS", str(tmp_path))
+    nb = execute("decentralized.ipynb")
+    assert f"no comparison under {tmp_path}" in text_of(nb) and images(nb) == 0
+
+
 def test_topologies_notebook(kernel_env, tmp_path):
     kernel_env.setenv("GOSSIP_RUNS", str(tmp_path))
     nb = execute("topologies.ipynb")

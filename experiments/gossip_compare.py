@@ -62,8 +62,8 @@ METHODS: dict[str, list[str]] = {
     "choco-top1": ["--algo", "choco", "--compressor", "topk:p=0.01", "--topology", "ring"],
     "sgp": ["--algo", "sgp", "--topology", "onepeer-exp"],
 }
-#: the shared recipe: experiments/race.py's (plain SGD, no momentum, so every method is its
-#: paper's update), on sorted shards
+#: the shared recipe: experiments/race.py's (batch 32 per node, lr 0.1 with the step schedule,
+#: weight decay 1e-3, gossip.train's default local SGD momentum 0.9), on sorted shards
 RECIPE = ["--lr", "0.1", "--lr-schedule", "step", "--weight-decay", "1e-3", "--batch-size", "32",
           "--partition", "sorted"]
 

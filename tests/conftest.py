@@ -7,7 +7,8 @@ with ``from tests.conftest import ...``.
 - :data:`REPO`: the repository root, so no test depends on the current directory.
 - :func:`child_env` and :func:`run_process`: child processes that import this
   checkout, run with pinned threads, and are killed with everything they started
-  when they overrun.
+  when they overrun; :func:`torchrun` and :func:`why`: a torchrun job with each rank's
+  output kept, and the failing rank's own stderr tail for an assertion message.
 - :func:`small_runs`, :func:`sweep_rows`, :func:`mnist1d_cache`: small data made once.
 - :func:`payloads`, :func:`decode_f32`, :func:`strict_decode`: communicator payloads.
 - :data:`requires_cuda`: skip where there is no CUDA device.
@@ -17,10 +18,12 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -75,6 +78,33 @@ def run_process(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def torchrun(nproc: int, *args: str, timeout: float, cwd: Path | str | None = None,
+             env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node nproc *args`` via :func:`run_process`, each
+    rank's own stdout/stderr also kept in a log directory (``--log-dir``, ``--tee 3``;
+    ``result.logs``), so that a failure can show the failing rank's own tail (:func:`why`).
+    ``--tee`` prefixes each rank's lines in the streams with ``[default<k>]:``; that
+    prefix is removed, so the streams read as a user's terminal shows them."""
+    logs = Path(tempfile.mkdtemp(prefix="torchrun-logs-"))
+    r = run_process([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                     "--log-dir", str(logs), "--tee", "3", *args], timeout=timeout, cwd=cwd, env=env)
+    r.stdout, r.stderr = (re.sub(r"(?m)^\[default\d+\]:", "", t) for t in (r.stdout, r.stderr))
+    r.logs = logs  # type: ignore[attr-defined]
+    return r
+
+
+def why(r: subprocess.CompletedProcess, chars: int = 3000) -> str:
+    """What a failed :func:`torchrun` printed: its exit code and stderr tail, then each
+    rank's own stderr tail (the aborting rank's last words are there, not cut off by the
+    others' output)."""
+    out = [f"exit {r.returncode}; torchrun's stderr:", r.stderr[-chars:]]
+    for f in sorted(Path(getattr(r, "logs", "/nonexistent")).rglob("stderr.log")):
+        text = f.read_text(errors="replace")
+        if text.strip():
+            out += [f"--- rank {f.parent.name} stderr ({f}):", text[-chars:]]
+    return "\n".join(out)
 
 
 # --------------------------------------------------------------------------- small data

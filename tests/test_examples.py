@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.conftest import REPO, run_process
+from tests.conftest import REPO, run_process, torchrun, why
 
 EXAMPLES = REPO / "examples"
 SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
@@ -143,8 +143,9 @@ def test_example_runs_simulated(name, tmp_path):
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_example_runs_under_torchrun(name, tmp_path):
     case = _case(name)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    out = _run([*launch, str(EXAMPLES / name), *case.torchrun], tmp_path)
+    r = torchrun(2, str(EXAMPLES / name), *case.torchrun, timeout=TIMEOUT, cwd=tmp_path)
+    assert r.returncode == 0, why(r)
+    out = r.stdout
     got = case.check(out, case.torchrun)
     if case.twin is not None:
         # the simulation is the same computation: the same numbers, to the printed digits

@@ -8,9 +8,7 @@ import io
 import json
 import os
 import pickle
-import re
 import subprocess
-import tempfile
 import sys
 from pathlib import Path
 
@@ -20,6 +18,8 @@ import torch
 
 from gossip import checkpoint
 from gossip import train as gossip_train
+from tests.conftest import torchrun as _torchrun
+from tests.conftest import why
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 QUICK = ["--data", "synthetic", "--epochs", "2", "--batch-size", "64", "--no-progress"]
@@ -45,28 +45,9 @@ def train(*args: str) -> subprocess.CompletedProcess:
 
 
 def torchrun(n: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """gossip.train under torchrun; each rank's own output is also kept in a log directory
-    (``result.logs``), so a failure shows the failing rank's tail (:func:`why`)."""
-    logs = Path(tempfile.mkdtemp(prefix="torchrun-logs-"))
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-         "--log-dir", str(logs), "--tee", "3", "-m", "gossip.train", *args],
-        capture_output=True, text=True, timeout=timeout, env=ENV,
-    )
-    # --tee prefixes each rank's lines with "[default<k>]:"; the tests read them as a user's terminal would
-    r.stdout, r.stderr = (re.sub(r"(?m)^\[default\d+\]:", "", t) for t in (r.stdout, r.stderr))
-    r.logs = logs  # type: ignore[attr-defined]
-    return r
-
-
-def why(r: subprocess.CompletedProcess, chars: int = 3000) -> str:
-    """What a failed torchrun printed, then every rank's own stderr tail."""
-    out = [f"exit {r.returncode}; torchrun's stderr:", r.stderr[-chars:]]
-    for f in sorted(Path(getattr(r, "logs", "/nonexistent")).rglob("stderr.log")):
-        text = f.read_text(errors="replace")
-        if text.strip():
-            out += [f"--- {f.parent.name} (rank {f.parent.name}) stderr:", text[-chars:]]
-    return "\n".join(out)
+    """gossip.train under torchrun; each rank's own output is also kept (``result.logs``),
+    so a failure shows the failing rank's own stderr tail (:func:`why`)."""
+    return _torchrun(n, "-m", "gossip.train", *args, timeout=timeout, env=ENV)
 
 
 def final_params(run_dir: Path) -> torch.Tensor:

@@ -118,11 +118,43 @@ def _preload_before_init() -> None:
 
 
 def shutdown() -> None:
-    """Destroy the default process group in order, so that its native threads are
-    joined before the interpreter exits; a no-op when there is none. Safe on error
-    paths: it waits for no peer."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Tear the default process group down so that none of its native threads outlives
+    the interpreter; a no-op when there is none. Safe on every exit path (success, error,
+    SIGTERM): it waits for no peer.
+
+    Why the order matters (gloo): a collective's tensors are held by the ``AsyncWork`` on
+    gloo's worker thread, which drops it a moment *after* the waiting Python thread has
+    returned. If Python has let go of the tensor by then, that drop frees a Python object
+    and needs the GIL. Should the worker still be alive when the interpreter finalizes,
+    CPython ends the thread with ``pthread_exit`` inside that C++ destructor, and the
+    forced unwind through it calls ``std::terminate``: "terminate called without an
+    active exception", SIGABRT, after a run that succeeded. So the worker threads must be
+    joined *here*, while the interpreter is whole: ``destroy_process_group`` does it when
+    it drops the last reference to the group. References it does not know of keep the
+    group (and its threads) alive; the one torch itself makes, the default arguments of
+    ``torch.distributed.nn.functional`` when it was imported after the group existed
+    (torch._dynamo imports it on a first compiled call), is dropped here.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    pg = dist.group.WORLD
+    dist.destroy_process_group()
+    _forget_group(pg)
+    del pg  # the last reference: the group's destructor joins its threads here
+
+
+def _forget_group(pg: Any) -> None:
+    """Drop the references to a destroyed group that outlive ``destroy_process_group``:
+    default arguments bound to it (``torch.distributed.nn.functional`` imported after
+    ``init_process_group``) become None, i.e. "the default group at call time", which is
+    what they are when that module is imported first."""
+    import sys
+
+    mod = sys.modules.get("torch.distributed.nn.functional")
+    for fn in list(vars(mod).values()) if mod is not None else ():
+        defaults = getattr(fn, "__defaults__", None)
+        if isinstance(defaults, tuple) and any(d is pg for d in defaults):
+            fn.__defaults__ = tuple(None if d is pg else d for d in defaults)
 
 
 def _restart_store(world_size: int, timeout: timedelta):

@@ -43,7 +43,7 @@ from .wire import Layout
 __all__ = ["Sign", "BlockSign", "BlockSignConfig"]
 
 _GROUP = 1024  # |x| values per fp32 partial sum of a scale
-_CHUNK = 1 << 16  # elements (rows x columns) per step of the chunked loops
+_CHUNK = 1 << 18  # elements (rows x columns) per step of the chunked loops (1.5 MiB of scratch)
 _MAGIC = 0x0102040810204080  # (8 bytes of 0/1) * _MAGIC: their bits in the top byte, byte j -> bit j
 _TABLES: dict = {}  # device -> (256, 8) fp32: the signs +-1 of each byte's 8 values
 
@@ -70,7 +70,8 @@ def _partial_sums(a: torch.Tensor, out: torch.Tensor) -> None:
 def _ordered_total(parts: torch.Tensor) -> torch.Tensor:
     """Partial sums (..., P) fp32 added in index order in float64: (...) float64."""
     cs = _scratch.buffer("sign.cumsum", parts.numel(), torch.float64, parts.device).view(parts.shape)
-    torch.cumsum(parts, -1, dtype=torch.float64, out=cs)
+    cs.copy_(parts)  # (a cumsum with a dtype would convert into a temporary)
+    cs.cumsum_(-1)
     return cs[..., -1]
 
 
@@ -92,11 +93,12 @@ def _encode_chunks(X: torch.Tensor, signs: torch.Tensor, parts: torch.Tensor | N
     rows = max(1, _CHUNK // cols)
     cpad = -(-cols // 8) * 8
     neg = _scratch.buffer("sign.neg", rows * cpad, torch.uint8, dev)
-    # x < 0 into int32 and then narrowed to bytes: ATen's comparisons vectorise for
-    # 32-bit outputs, not for bool or uint8 ones (about twice as fast together)
-    neg32 = _scratch.buffer("sign.neg32", rows * cols, torch.int32, dev)
+    # x < 0 as fp32 0/1 (ATen's comparisons vectorise for a 32-bit output of the input's
+    # dtype, not for bool or uint8 ones, and other output dtypes take a temporary), whose
+    # bits >> 29 are the int32 0/1, then narrowed to bytes: about twice as fast as a bool
+    # output. The flags reuse the |x| buffer once its sums are taken.
+    absx = _scratch.buffer("sign.abs", rows * cols, torch.float32, dev)
     words = _scratch.buffer("sign.words", rows * cpad // 8, torch.int64, dev)
-    absx = _scratch.buffer("sign.abs", rows * cols, torch.float32, dev) if parts is not None else None
     for r0 in range(0, m, rows):
         rr = min(rows, m - r0)
         for a in range(0, d, cols):
@@ -108,8 +110,10 @@ def _encode_chunks(X: torch.Tensor, signs: torch.Tensor, parts: torch.Tensor | N
                 torch.abs(xc, out=av)
                 _partial_sums(av, parts[r0: r0 + rr, a // _GROUP:])
             nv = neg[: rr * npad].view(rr, npad)
-            n32 = neg32[: rr * n].view(rr, n)
-            torch.lt(xc, 0, out=n32)
+            f = absx[: rr * n].view(rr, n)
+            torch.lt(xc, 0, out=f)
+            n32 = f.view(torch.int32)
+            torch.bitwise_right_shift(n32, 29, out=n32)  # 1.0f = 0x3F800000 -> 1
             nv[:, :n].copy_(n32)
             if npad > n:
                 nv[:, n:] = 0  # the unused high bits of a row's last byte are zero
@@ -138,7 +142,9 @@ def _decode_chunks(signs: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) 
             for c0 in range(0, d8, cols):
                 nb = min(cols, d8 - c0)
                 iv = idx[: rr * nb].view(rr, nb)
-                torch.add(signs[r0: r0 + rr, c0: c0 + nb], off[:rr], out=iv)
+                iv.copy_(signs[r0: r0 + rr, c0: c0 + nb])  # (an add with a cast would take a temporary)
+                if rr > 1:
+                    iv.add_(off[:rr])  # row r's table starts at 256 r
                 dst = out[r0: r0 + rr, c0 * 8: (c0 + nb) * 8]
                 if dst.is_contiguous():
                     torch.index_select(t.view(rr * 256, 8), 0, iv.view(-1), out=dst.view(rr * nb, 8))

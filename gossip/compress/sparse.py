@@ -117,17 +117,21 @@ def _first_distinct(seeds: torch.Tensor, k: int, d: int) -> torch.Tensor:
         if m * d <= 1 << 31:
             key = key.to(torch.int32)  # sorts twice as fast
         srt = torch.sort(key, stable=True)
-        val = srt.values.view(m, n).to(torch.int64)
-        draw = srt.indices.view(m, n) - torch.arange(m, dtype=torch.int64, device=dev).view(m, 1) * n
-        first = torch.ones_like(val, dtype=torch.bool)
+        val = srt.values.view(m, n)
+        draw = srt.indices.view(m, n)
+        if m > 1:
+            draw = draw - torch.arange(m, dtype=torch.int64, device=dev).view(m, 1) * n
+        first = torch.ones(m, n, dtype=torch.int32, device=dev)  # a value's first draw (1) or a repeat (0)
         torch.ne(val[:, 1:], val[:, :-1], out=first[:, 1:])
-        fpos = torch.where(first, draw, n)  # draw of each value's first occurrence
-        cut = torch.kthvalue(fpos, k, dim=1).values  # draw at which the k-th distinct value appeared
+        # the same flags in draw order; their running count reaches k at the cut
+        by_draw = torch.empty_like(first).scatter_(1, draw, first)
+        count = by_draw.cumsum_(1)
+        cut = torch.searchsorted(count, torch.full((m, 1), k, dtype=torch.int32, device=dev))
         if bool((cut < n).all()):
             break
         extra *= 4  # fewer than k distinct values in n draws (rare): draw more
-    keep = first & (draw <= cut.view(m, 1))  # exactly k per row
-    return (val[keep].view(m, k) - rows)
+    keep = first.bool() & (draw <= cut)  # exactly k per row
+    return val[keep].view(m, k).to(torch.int64) - rows
 
 
 class _Sparse(Compressor):

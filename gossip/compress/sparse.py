@@ -273,8 +273,11 @@ class TopK(_Sparse):
         m, d = X.shape
         step = max(1, d // _TOPK_SAMPLE)
         S = (d + step - 1) // step
-        sample = _scratch.buffer("topk.sample", m * S, torch.float32, X.device).view(m, S)
-        torch.abs(X[:, ::step], out=sample)
+        if m * S <= _TOPK_CHUNK:  # kept across calls; a large batch's sample is a temporary
+            sample = _scratch.buffer("topk.sample", m * S, torch.float32, X.device).view(m, S)
+            torch.abs(X[:, ::step], out=sample)
+        else:
+            sample = X[:, ::step].abs()
         mean = S * k / d  # expected sample values at or above the k-th largest |x|
         rank = min(S, int(mean + 4 * math.sqrt(mean) + 2))
         t = torch.topk(sample, rank, dim=1, sorted=False).values.amin(dim=1, keepdim=True)

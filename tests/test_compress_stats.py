@@ -312,3 +312,12 @@ def test_topk_threshold_selection_is_exact(kind, monkeypatch):
         assert torch.equal(Y, torch.zeros_like(X).scatter_(1, ref, X.gather(1, ref)))
     # the sample sees only the large half of "periodic": too high a threshold, the fallback
     assert ("magnitude_keys" in full) == (kind == "periodic")
+
+
+def test_randk_short_of_draws_draws_more_with_the_same_result(monkeypatch):
+    from gossip.compress import sparse
+
+    seeds = R.stream_seeds(torch.arange(6), R.STREAM_SAMPLE)
+    want = sparse._first_distinct(seeds, 40, 90)
+    monkeypatch.setattr(sparse.math, "log1p", lambda v: 0.0)  # expect no draws at all: retries
+    assert torch.equal(sparse._first_distinct(seeds, 40, 90), want)

@@ -106,7 +106,9 @@ def _first_distinct(seeds: torch.Tensor, k: int, d: int) -> torch.Tensor:
     m = seeds.shape[0]
     dev = seeds.device
     mean = -d * math.log1p(-k / d)  # expected draws for k distinct values
-    extra = 8 * math.sqrt(2 * k) + 64  # the count's standard deviation is below sqrt(2 k) for k <= d / 2
+    # the count of draws is a sum of geometric variables, of variance below
+    # k (k/d) / (1 - k/d)**2; a shortfall (rare) draws more, with the same result
+    extra = 6 * math.sqrt(k * (k / d)) / (1 - k / d) + 8
     while True:
         n = int(math.ceil(mean + extra))
         u = _uniform_draws(seeds, n, d)

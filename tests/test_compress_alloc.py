@@ -38,6 +38,38 @@ def test_steady_state_encode_decode_allocate_nothing_large(spec):
     assert got < P.numel() // 16, (spec, got)
 
 
+def _steady_state_bytes(spec, d, m=2):
+    c = gc.build(spec)
+    X = torch.randn(m, d, generator=torch.Generator().manual_seed(1))
+    keys = torch.arange(3, 3 + m)
+    P = torch.empty(m, c.payload_nbytes(d), dtype=torch.uint8)
+    Y = torch.empty(m, d)
+    for _ in range(2):  # warm-up: the per-thread scratch buffers are allocated here
+        c.encode(X, keys, tag=7, out=P)
+        c.decode(P, d, tag=7, out=Y)
+    assert torch.equal(Y, c.decode(c.encode(X, keys, tag=7), d, tag=7))
+
+    def step():
+        c.encode(X, keys, tag=7, out=P)
+        c.decode(P, d, tag=7, out=Y)
+
+    return _allocated_bytes(step), P, X
+
+
+def test_sign_steady_state_allocates_nothing_large():
+    # chunked encode and table decode work in per-thread scratch buffers
+    got, P, X = _steady_state_bytes("sign", 1 << 18)
+    assert got < P.numel() // 16, got
+
+
+@pytest.mark.parametrize("spec", ["randk:p=0.001", "topk:p=0.001"])
+def test_sparse_steady_state_allocates_nothing_of_the_models_size(spec):
+    # the draws (randk) and candidates (topk) are O(k) temporaries; nothing of size d
+    # (a d-byte mask alone would be X.nbytes / 4)
+    got, P, X = _steady_state_bytes(spec, 1 << 18)
+    assert got < X.numel() * 4 // 8, (spec, got)
+
+
 def test_out_buffers_are_checked():
     c = gc.build("quant:bits=8")
     X = torch.randn(2, 100)

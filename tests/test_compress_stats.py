@@ -106,6 +106,7 @@ CASES = [
     ("ternary:block=16", _ternary_var),
     ("randk:p=0.1", _randk_var),
     ("randk:p=0.5", _randk_var),
+    ("randk:p=0.75", _randk_var),  # k > d / 2: the k smallest hashed priorities
     ("randk:k=1", _randk_var),
 ]
 
@@ -234,3 +235,89 @@ def test_ties_are_deterministic_per_key(monkeypatch):
     assert torch.equal(c.encode(x, keys), c.encode(x, keys))
     alone = torch.cat([c.encode(x[i:i + 1], keys[i:i + 1]) for i in range(50)])
     assert torch.equal(alone, c.encode(x, keys))
+
+
+def test_randk_keeps_the_first_k_distinct_draws():
+    """Reference in plain Python: draw j is uniform_below(seed, j, d); the first k distinct
+    draws are kept (sequential sampling without replacement), reported ascending."""
+    d, k = 30, 12
+    c = gc.build(f"randk:k={k}")
+    keys = torch.tensor([5, -9, 1 << 40])
+    seeds = R.stream_seeds(keys, R.STREAM_SAMPLE)
+    got = c._positions(keys, d)
+    for r in range(3):
+        seen, j = [], 0
+        while len(seen) < k:
+            u = int(R.uniform_below(seeds[r: r + 1], torch.tensor([j]), d))
+            if u not in seen:
+                seen.append(u)
+            j += 1
+        assert got[r].tolist() == sorted(seen)
+
+
+def test_randk_subsets_are_uniform():
+    from scipy import stats
+
+    d, k, trials = 20, 5, 20_000
+    c = gc.build(f"randk:k={k}")
+    chosen = c._positions(torch.arange(trials), d)
+    assert bool((chosen[:, 1:] > chosen[:, :-1]).all())  # distinct, ascending
+    assert stats.chisquare(torch.bincount(chosen.flatten(), minlength=d).numpy()).pvalue > 1e-4
+    # pairs and triples of coordinates appear together as often as in a uniform k-subset
+    for group in ((0, 1), (4, 17), (2, 3, 19)):
+        together = torch.ones(trials, dtype=torch.bool)
+        for i in group:
+            together &= (chosen == i).any(1)
+        g = len(group)
+        expected = math.comb(d - g, k - g) / math.comb(d, k)
+        freq = together.double().mean().item()
+        assert abs(freq - expected) < 5 * math.sqrt(expected * (1 - expected) / trials), (group, freq, expected)
+
+
+def _reference_topk(X, k):
+    """The k largest |x| per row, ties by lower index, ascending: by a stable sort."""
+    order = torch.sort(-X.abs(), dim=1, stable=True).indices
+    return order[:, :k].sort(dim=1).values
+
+
+@pytest.mark.parametrize("kind", ["gauss", "ties", "zeros", "periodic", "spike"])
+def test_topk_threshold_selection_is_exact(kind, monkeypatch):
+    # rows of 2**15 values and more select through a threshold from a strided sample (and
+    # fall back to a full top-k when fewer than k values reach it): still the exact top k
+    m, d = 3, 140_003  # a sample of every second value
+    full = []
+    real = _kernels.run
+    monkeypatch.setattr(_kernels, "run", lambda k, *a: (full.append(k.name), real(k, *a))[1])
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(m, d, generator=g)
+    if kind == "ties":
+        X = torch.randint(-3, 4, (m, d), generator=g).float()  # thousands of equal |x|
+    elif kind == "zeros":
+        X[:, 50:] = 0.0  # fewer non-zeros than k: the fallback
+        X[1, 60] = -0.0
+    elif kind == "periodic":
+        X[:, 1::2] *= 1e-3  # half the values tiny, in step with a strided sample
+    elif kind == "spike":
+        X[2, ::7] *= 100.0
+    for k in (1, 400, 4000):
+        c = gc.build(f"topk:k={k}")
+        keys = torch.arange(m)
+        P = c.encode(X, keys)
+        v = c.layout(d).views(P)
+        ref = _reference_topk(X, k)
+        assert torch.equal(v["index"].long(), ref), (kind, k)
+        assert torch.equal(v["values"], X.gather(1, ref))
+        assert torch.equal(c.encode(X[1:2], keys[1:2])[0], P[1])  # alone as in the batch
+        Y = c.decode(P, d)
+        assert torch.equal(Y, torch.zeros_like(X).scatter_(1, ref, X.gather(1, ref)))
+    # the sample sees only the large half of "periodic": too high a threshold, the fallback
+    assert ("magnitude_keys" in full) == (kind == "periodic")
+
+
+def test_randk_short_of_draws_draws_more_with_the_same_result(monkeypatch):
+    from gossip.compress import sparse
+
+    seeds = R.stream_seeds(torch.arange(6), R.STREAM_SAMPLE)
+    want = sparse._first_distinct(seeds, 40, 90)
+    monkeypatch.setattr(sparse.math, "log1p", lambda v: 0.0)  # expect no draws at all: retries
+    assert torch.equal(sparse._first_distinct(seeds, 40, 90), want)

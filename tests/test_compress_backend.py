@@ -89,8 +89,16 @@ def test_backend_selection(backend):
     assert _kernels._want_compiled(k, 1, cpu)
     backend("auto")
     assert not _kernels._want_compiled(k, _kernels.MIN_COMPILED_NUMEL - 1, cpu)
-    assert _kernels._want_compiled(k, _kernels.MIN_COMPILED_NUMEL, cpu)
+    assert _kernels._want_compiled(k, _kernels.COMPILE_NOW_NUMEL, cpu)
     assert not _kernels._want_compiled(k, 1 << 30, torch.device("meta"))
+    # in between: eager until the kernel's eager calls have processed EAGER_BUDGET_NUMEL
+    # elements (small calls do not count), then compiled for good
+    mid = _kernels.MIN_COMPILED_NUMEL
+    calls = -(-_kernels.EAGER_BUDGET_NUMEL // mid)
+    k2 = _kernels.Kernel("probe2", lambda x: x)
+    got = [_kernels._want_compiled(k2, mid, cpu) for _ in range(calls)]
+    assert got == [False] * (calls - 1) + [True]
+    assert _kernels._want_compiled(k2, mid, cpu) and _kernels._want_compiled(k2, 1, cpu)
     with pytest.raises(ValueError, match=r"backend must be one of auto, compile, eager, got 'fast'"):
         _kernels.set_backend("fast")
 

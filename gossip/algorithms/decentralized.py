@@ -280,11 +280,13 @@ class _Gossip(Algorithm):
             if own is not None and _same_tensor(Q, P):
                 return own
             D = self._buf("received", (Q.shape[0], d), f32, dev)
-            return compressor.decode(Q, d, tag=tag, out=D, share=True).to(Z.dtype)
+            with ledger.phase("compress"):
+                return compressor.decode(Q, d, tag=tag, out=D, share=True).to(Z.dtype)
 
-        with ledger.phase("compress"):
-            mixed = rec.weighted_sum(decode, out=self._buf("mixed", (m, d), Z.dtype, dev),
-                                     scratch=self._buf("scratch", (m, d), Z.dtype, dev))
+        # "compress" is encoding and decoding only; the weighted sum is the mixing
+        # step's arithmetic, like the update of x that follows it
+        mixed = rec.weighted_sum(decode, out=self._buf("mixed", (m, d), Z.dtype, dev),
+                                 scratch=self._buf("scratch", (m, d), Z.dtype, dev))
         return own, mixed, rec, P
 
     def _exact_mix(self, X: torch.Tensor) -> tuple[torch.Tensor, Any]:

@@ -56,10 +56,13 @@ _CASES = [
     ("dcd", {"compressor": "identity"}),
     ("ecd", {"compressor": "identity"}),
     ("choco", {"compressor": "identity"}),
+    ("sgp", {}),
+    ("sgp", {"overlap": 1}),
 ]
 
 
-@pytest.mark.parametrize("name,extra", _CASES, ids=[f"{n}-identity" for n, _ in _CASES])
+@pytest.mark.parametrize("name,extra", _CASES, ids=[f"{n}-identity{'-overlap' if e.get('overlap') else ''}"
+                                                     for n, e in _CASES])
 def test_identity_steps_allocate_nothing_of_model_size(name, extra):
     got, model = _steady_state_bytes(name, extra)
     assert got < model // 16, (name, got, model)

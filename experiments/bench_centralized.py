@@ -100,7 +100,7 @@ def _worker(rank: int, store_path: str, steps: int, warmup: int, out_path: str) 
                     if s >= warmup:
                         times.append(dt)
                         splits.append(c.ledger.since(snap))
-                med = lambda k: statistics.median(sp["time"].get(k, 0.0) for sp in splits)  # noqa: E731
+                med = lambda *ks: statistics.median(sum(sp["time"].get(k, 0.0) for k in ks) for sp in splits)  # noqa: E731
                 rows.append({
                     "algo": name,
                     "compressor": spec or ", ".join(f"{k}={v}" for k, v in extra.items()) or "-",
@@ -109,7 +109,7 @@ def _worker(rank: int, store_path: str, steps: int, warmup: int, out_path: str) 
                     "step_s": statistics.median(times),
                     "compute_s": med("compute"),
                     "compress_s": med("compress"),
-                    "comm_s": med("communicate"),
+                    "comm_s": med("communicate", "wait"),  # posting and waiting for the peers
                     "bytes_per_step": statistics.median(sp["bytes"]["sent"] for sp in splits),
                 })
                 del gopt, algo, opt, model

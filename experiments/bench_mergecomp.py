@@ -153,7 +153,7 @@ def _worker(rank: int, store_path: str, steps: int, models: list[str], comps: li
                         if s >= 2:
                             times.append(dt)
                             splits.append(c.ledger.since(snap))
-                    med = lambda k: statistics.median(sp["time"].get(k, 0.0) for sp in splits)  # noqa: E731
+                    med = lambda *ks: statistics.median(sum(sp["time"].get(k, 0.0) for k in ks) for sp in splits)  # noqa: E731
                     it = statistics.median(times)
                     pred = cost_model.predict(alg.partition) if cost_model is not None else float("nan")
                     rows.append({
@@ -162,7 +162,7 @@ def _worker(rank: int, store_path: str, steps: int, models: list[str], comps: li
                         "sizes": list(alg.partition.sizes) if alg.partition.groups <= 4 else None,
                         "search_steps": searched,
                         "iter_s": it, "compute_s": med("compute"), "compress_s": med("compress"),
-                        "comm_s": med("communicate"),
+                        "comm_s": med("communicate", "wait"),  # posting and waiting for the peers
                         "bytes_per_step": statistics.median(sp["bytes"]["sent"] for sp in splits),
                         "t1_s": float(t1[0]), "scaling_factor": float(t1[0]) / it,
                         "predicted_s": pred, "model_error": pred / it - 1.0,

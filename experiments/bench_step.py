@@ -4,8 +4,18 @@
 
 Part 1: world 4 on loopback gloo (real processes, torch.distributed), a model of about
 1M parameters, each algorithm measured in the same run: median step time split into
-compute (forward + backward), compress (encode + decode) and communicate; bytes sent
-per node per step; the ratio of each to ``allreduce``.
+compute (forward + backward), compress (encode + decode, nothing else), communicate
+(posting the messages) and wait (blocked until the neighbours' payloads have arrived:
+a late peer or a transfer still under way); bytes sent per node per step; the ratio
+of each to ``allreduce``.
+
+Then, per compressor, the step's compress time next to what the same encodes and
+decodes cost standalone (``bench_compress.bench`` at the model's size, one thread,
+run by every rank at once right after the algorithm's steps, so under the same
+sharing of the cores as the steps): one encode plus one decode per neighbour (and one
+more for the node's own payload where the algorithm decodes it: dcd, ecd), and the
+ratio of the two. A ratio near 1 means the runtime adds nothing to the codec's own
+cost.
 
 Part 2: the in-process simulation's steps per second for n = 16, 256 and 1024 nodes on
 a logistic-regression problem with d = 100 (ring), with ``dpsgd`` and ``dcd`` at 8 bits.
@@ -26,6 +36,7 @@ from torch import nn
 
 import topologies
 from _benchlib import markdown_table, run_spawned_world
+from bench_compress import bench as bench_codec
 from gossip import algorithms, comm
 from gossip.runtime import GossipOptimizer
 
@@ -79,6 +90,10 @@ def _worker(rank: int, store_path: str, steps: int, warmup: int, out_path: str) 
                     times.append(dt)
                     splits.append(c.ledger.since(snap))
             med = lambda k: statistics.median(sp["time"].get(k, 0.0) for sp in splits)
+            # the codec alone, at the same size, in every rank at once (same core sharing)
+            dist.barrier()
+            codec = (bench_codec(spec or "identity", gopt.flat.dim, max(3, steps // 2)) if name != "allreduce"
+                     else {"encode_ms": 0.0, "decode_ms": 0.0})
             rows.append({
                 "algo": name,
                 "compressor": spec or "none (fp32)",
@@ -88,6 +103,9 @@ def _worker(rank: int, store_path: str, steps: int, warmup: int, out_path: str) 
                 "compute_s": med("compute"),
                 "compress_s": med("compress"),
                 "comm_s": med("communicate"),
+                "wait_s": med("wait"),
+                "codec_encode_s": codec["encode_ms"] / 1e3,
+                "codec_decode_s": codec["decode_ms"] / 1e3,
                 "bytes_sent_per_step": statistics.median(sp["bytes"]["sent"] for sp in splits),
             })
     finally:
@@ -104,6 +122,27 @@ def bench_distributed(steps: int, warmup: int) -> list[dict]:
         r["step_ratio_to_allreduce"] = r["step_s"] / base["step_s"]
         r["bytes_ratio_to_allreduce"] = r["bytes_sent_per_step"] / base["bytes_sent_per_step"]
     return rows
+
+
+#: decodes per step beyond the neighbours' (one per neighbour): the node's own payload
+_OWN_DECODE = {"dcd": 1, "ecd": 1}
+
+
+def bench_standalone(rows: list[dict]) -> list[dict]:
+    """Per compressed algorithm: its compress time per step against the same encodes
+    and decodes timed standalone (bench_compress, in the ranks) at the model's size."""
+    deg = int(topologies.build("ring", WORLD).degrees[0])
+    out = []
+    for r in rows:
+        if r["algo"] == "allreduce":
+            continue
+        spec = "identity" if r["compressor"] == "none (fp32)" else r["compressor"]
+        decodes = deg + _OWN_DECODE.get(r["algo"], 0)
+        ref = r["codec_encode_s"] + decodes * r["codec_decode_s"]
+        out.append({"algo": r["algo"], "compressor": spec, "params": r["params"],
+                    "compress_s": r["compress_s"], "standalone_s": ref, "decodes": decodes,
+                    "ratio": r["compress_s"] / ref if ref > 0 else float("nan")})
+    return out
 
 
 def bench_simulation(sizes: list[int], steps: int, dim: int = 100) -> list[dict]:
@@ -147,14 +186,18 @@ def main(argv: list[str] | None = None) -> int:
         a.steps, a.warmup, a.sim_steps = 5, 1, 20
     print(f"torch {torch.__version__}, {WORLD} ranks on loopback gloo, 1 thread each", flush=True)
     steps = bench_distributed(a.steps, a.warmup)
-    print(markdown_table(steps, ["algo", "compressor", "step_s", "compute_s", "compress_s", "comm_s",
+    print(markdown_table(steps, ["algo", "compressor", "step_s", "compute_s", "compress_s", "comm_s", "wait_s",
                          "bytes_sent_per_step", "step_ratio_to_allreduce", "bytes_ratio_to_allreduce"]))
+    codec = bench_standalone(steps)
+    print()
+    print("compress per step in the run vs the same encodes/decodes standalone (bench_compress, 1 thread):")
+    print(markdown_table(codec, ["algo", "compressor", "params", "decodes", "compress_s", "standalone_s", "ratio"]))
     sim = bench_simulation([16, 256, 1024], a.sim_steps)
     print()
     print(markdown_table(sim, ["algo", "nodes", "dim", "steps_per_s"]))
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"steps": steps, "simulation": sim}, fh, indent=2)
+            json.dump({"steps": steps, "codec": codec, "simulation": sim}, fh, indent=2)
     return 0
 
 

@@ -764,7 +764,7 @@ class Run:
             "bytes_sent_per_node_total": total,
             "bits_per_coord": wire.bits_per_coord,
             "bits_per_coord_measured": _measured_bits(self.comm, snap, self.dim, self.env),
-            "time_split_s": {k: snap["time"].get(k, 0.0) for k in ("compute", "compress", "communicate")},
+            "time_split_s": {k: snap["time"].get(k, 0.0) for k in ("compute", "compress", "communicate", "wait")},
             "warmup_s": snap["time"].get("warmup", 0.0),
             "wall_time_s": self._elapsed(),
             "mode": self.env.mode,
@@ -877,7 +877,9 @@ def _node_ledger(snap: dict, r: int, hosted: int) -> dict:
         "warmup_s": t.get("warmup", 0.0) / hosted,
         "compute_s": t.get("compute", 0.0) / hosted,
         "compress_s": t.get("compress", 0.0) / hosted,
-        "comm_s": t.get("communicate", 0.0) / hosted,
+        # all time on the network: posting and transfers plus waiting for the peers
+        "comm_s": (t.get("communicate", 0.0) + t.get("wait", 0.0)) / hosted,
+        "wait_s": t.get("wait", 0.0) / hosted,
     }
 
 
@@ -959,7 +961,8 @@ def _epoch_line(epoch: float, epochs, ev, ledger, dpsgd_bytes, step) -> str:
         f"acc {ev['test_acc']:.2%} [nodes {ev['node_acc_min']:.2%}-{ev['node_acc_max']:.2%}]  "
         f"consensus {ev['consensus_distance']:.3g}  sent/node/step {_fmt_bytes(per_step)}{ratio}  "
         f"time compute {t.get('compute', 0):.1f}s compress {t.get('compress', 0):.1f}s "
-        f"comm {t.get('communicate', 0):.1f}s" + (f" warm-up {t['warmup']:.1f}s" if t.get("warmup") else "")
+        f"comm {t.get('communicate', 0):.1f}s wait {t.get('wait', 0):.1f}s"
+        + (f" warm-up {t['warmup']:.1f}s" if t.get("warmup") else "")
     )
 
 

@@ -163,6 +163,8 @@ class GossipOptimizer:
         self.algorithm = algorithm
         self.flat = FlatParams(models)
         self.steps = 0  # optimizer steps taken (on_step_end's count)
+        self._xt: torch.Tensor | None = None  # step scratch: x_t and u_t (see step)
+        self._u: torch.Tensor | None = None
         self.layout: ParamLayout = self.flat.layout
         with algorithm.comm.ledger.setup():  # x_1 exchanges are one-off, not step traffic
             algorithm.setup(self.flat.data, self.layout)
@@ -189,10 +191,14 @@ class GossipOptimizer:
         else:
             X = self.flat.data
             with torch.no_grad():
-                x_t = X.clone()
+                # x_t and u_t in two buffers kept across steps (no allocation of size d)
+                if self._xt is None or self._xt.shape != X.shape or self._xt.dtype != X.dtype \
+                        or self._xt.device != X.device:
+                    self._xt, self._u = torch.empty_like(X), torch.empty_like(X)
+                x_t = self._xt.copy_(X)
                 for opt in self.optimizers:
                     opt.step()
-                U = X - x_t
+                U = torch.sub(X, x_t, out=self._u)
                 X.copy_(x_t)
                 algo.step(X, U)
         self.steps += 1

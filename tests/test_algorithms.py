@@ -27,13 +27,13 @@ class Recorder:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def encode(self, X, keys, tag=0):
-        P = self.inner.encode(X, keys, tag=tag)
+    def encode(self, X, keys, tag=0, out=None):
+        P = self.inner.encode(X, keys, tag=tag, out=out)
         self.encoded.append(P.clone())
         return P
 
-    def decode(self, P, numel, tag=None):
-        return self.inner.decode(P, numel, tag=tag)
+    def decode(self, P, numel, tag=None, out=None, *, share=False):
+        return self.inner.decode(P, numel, tag=tag, out=out, share=share)
 
 
 def quadratic_problem(n, d, seed=0):

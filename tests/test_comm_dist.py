@@ -339,3 +339,26 @@ def test_nccl_exchange_is_bit_identical_to_the_simulation() -> None:
     for r in range(n):
         assert torch.equal(_bits(res[r][0][0]), _bits(ref[r]))
         assert torch.equal(res[r][1], torch.full((1, 3), float(n)))
+
+
+def _late_peer_world(delay: float) -> dict:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    comm = DistCommunicator(build("ring", n), timeout=30)
+    P = payloads(n, D, 1)
+    comm.neighbor_exchange(P[rank : rank + 1])  # the size check and first connections
+    comm.all_reduce(torch.ones(1, 1))  # both ranks start the timed exchange together
+    comm.ledger.reset()
+    if rank == 1:
+        time.sleep(delay)
+    comm.neighbor_exchange(P[rank : rank + 1])
+    return comm.ledger.times
+
+
+@multiprocess
+def test_waiting_for_a_late_peer_is_charged_to_wait() -> None:
+    delay = 1.0
+    t0, t1, t2 = run_world(3, _late_peer_world, delay, timeout=30)
+    for t in (t0, t2):  # rank 1's neighbours wait for its payload ...
+        assert t["wait"] >= 0.8 * delay
+        assert t["communicate"] < 0.5 * delay and t["compress"] == 0.0  # ... and nothing else gets it
+    assert t1["wait"] < 0.5 * delay  # rank 1's neighbours were there already

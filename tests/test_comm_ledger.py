@@ -71,7 +71,8 @@ def test_phases_nest_without_double_counting(clock: _Clock) -> None:
         clock.t += 0.25
         assert led.times["compute"] == pytest.approx(1.25)  # open phase counted so far
     led.add_time("compress", 4.0)
-    assert led.times == pytest.approx({"compute": 1.25, "compress": 4.0, "communicate": 2.5, "warmup": 0.0})
+    assert led.times == pytest.approx({"compute": 1.25, "compress": 4.0, "communicate": 2.5, "wait": 0.0,
+                                       "warmup": 0.0})
 
 
 def test_warmup_takes_the_time_of_every_phase_inside_it(clock: _Clock) -> None:
@@ -84,7 +85,8 @@ def test_warmup_takes_the_time_of_every_phase_inside_it(clock: _Clock) -> None:
                 clock.t += 2.0
             led.add_time("compute", 0.5)
         clock.t += 0.25
-    assert led.times == pytest.approx({"compute": 0.0, "compress": 1.25, "communicate": 0.0, "warmup": 7.5})
+    assert led.times == pytest.approx({"compute": 0.0, "compress": 1.25, "communicate": 0.0, "wait": 0.0,
+                                       "warmup": 7.5})
 
 
 def test_setup_traffic_is_counted_in_the_total_and_kept_apart(clock: _Clock) -> None:
@@ -186,5 +188,20 @@ def test_constructor_validates(kwargs, match) -> None:
 
 def test_defaults_are_the_documented_names() -> None:
     led = Ledger()
-    assert led.phases == PHASES == ("compute", "compress", "communicate")
+    assert led.phases == PHASES == ("compute", "compress", "communicate", "wait")
     assert set(led.calls) == set(OPS) and led.nodes == (0,) and led.world_size == 1
+
+
+def test_a_state_from_before_the_wait_phase_loads(clock: _Clock) -> None:
+    led = Ledger()
+    with led.phase("communicate"):
+        clock.t += 2.0
+    sd = led.state_dict()
+    sd["phases"] = ["compute", "compress", "communicate"]  # as written before "wait" was kept apart
+    del sd["times"]["wait"]
+    new = Ledger()
+    new.load_state_dict(sd)
+    assert new.times["communicate"] == pytest.approx(2.0) and new.times["wait"] == 0.0
+    sd["phases"] = ["compute", "communicate"]
+    with pytest.raises(ValueError, match=r"state has phases \['compute', 'communicate'\]"):
+        new.load_state_dict(sd)

@@ -89,8 +89,16 @@ def test_backend_selection(backend):
     assert _kernels._want_compiled(k, 1, cpu)
     backend("auto")
     assert not _kernels._want_compiled(k, _kernels.MIN_COMPILED_NUMEL - 1, cpu)
-    assert _kernels._want_compiled(k, _kernels.MIN_COMPILED_NUMEL, cpu)
+    assert _kernels._want_compiled(k, _kernels.COMPILE_NOW_NUMEL, cpu)
     assert not _kernels._want_compiled(k, 1 << 30, torch.device("meta"))
+    # in between: eager until the kernel's eager calls have processed EAGER_BUDGET_NUMEL
+    # elements (small calls do not count), then compiled for good
+    mid = _kernels.MIN_COMPILED_NUMEL
+    calls = -(-_kernels.EAGER_BUDGET_NUMEL // mid)
+    k2 = _kernels.Kernel("probe2", lambda x: x)
+    got = [_kernels._want_compiled(k2, mid, cpu) for _ in range(calls)]
+    assert got == [False] * (calls - 1) + [True]
+    assert _kernels._want_compiled(k2, mid, cpu) and _kernels._want_compiled(k2, 1, cpu)
     with pytest.raises(ValueError, match=r"backend must be one of auto, compile, eager, got 'fast'"):
         _kernels.set_backend("fast")
 
@@ -167,3 +175,36 @@ def test_a_miscompiled_kernel_is_caught_on_first_use(backend, monkeypatch):
         warnings.simplefilter("error")
         _kernels.run(k2, 4, x, out2)
     assert k2.verified and not k2.failed and torch.equal(out2, x * 2)
+
+
+def _dcd_run() -> torch.Tensor:
+    import topologies
+    from gossip import algorithms, comm
+
+    c = comm.SimulatedCommunicator(topologies.build("ring", 4))
+    alg = algorithms.build("dcd", c, compressor="quant:bits=8")
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(4, 1 << 12, generator=g)
+    alg.setup(X)
+    for _ in range(6):
+        alg.step(X, torch.randn(X.shape, generator=g) * 1e-2)
+    return X
+
+
+def test_switching_from_eager_to_compiled_mid_run_keeps_the_bits(backend, monkeypatch):
+    """auto runs a kernel eager until its eager budget is spent, then compiled, so a run
+    (and a resumed run, which switches at another step) mixes the two forms: the
+    trajectory must be the all-eager one, bit for bit."""
+    backend("eager")
+    ref = _dcd_run()
+    backend("auto")
+    monkeypatch.setattr(_kernels, "MIN_COMPILED_NUMEL", 1)
+    monkeypatch.setattr(_kernels, "EAGER_BUDGET_NUMEL", 3 * 4 * (1 << 12))  # encode switches at step 3
+    kernels = [*_kernels._VARIANTS.values(), _kernels.CHECKSUM, *_kernels.AFFINE._variants.values()]
+    for k in kernels:  # fresh budgets for the kernels earlier tests used (their compiled code stays)
+        monkeypatch.setattr(k, "budget_spent", False)
+        monkeypatch.setattr(k, "eager_numel", 0)
+    got = _dcd_run()
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    k = _kernels._VARIANTS[("scale_and_round", (0, 255, torch.uint8))]
+    assert k.budget_spent and k.verified and not k.failed  # it did switch, and ran compiled

@@ -139,11 +139,17 @@ class _Scaled:
         self.inner = inner
         self.factor = factor
 
-    def encode(self, X: torch.Tensor, keys: torch.Tensor, tag: int = 0) -> torch.Tensor:
-        return self.inner.encode(X, keys, tag=tag)
+    def payload_nbytes(self, numel: int) -> int:
+        return self.inner.payload_nbytes(numel)
 
-    def decode(self, P: torch.Tensor, numel: int, tag: int | None = None) -> torch.Tensor:
-        return self.inner.decode(P, numel, tag=tag) * self.factor
+    def encode(self, X: torch.Tensor, keys: torch.Tensor, tag: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.inner.encode(X, keys, tag=tag, out=out)
+
+    def decode(self, P: torch.Tensor, numel: int, tag: int | None = None, out: torch.Tensor | None = None,
+               *, share: bool = False) -> torch.Tensor:
+        if out is None:
+            return self.inner.decode(P, numel, tag=tag) * self.factor
+        return self.inner.decode(P, numel, tag=tag, out=out).mul_(self.factor)  # scaled in place: never a view
 
 
 class Choco(_Gossip):
@@ -204,17 +210,18 @@ class Choco(_Gossip):
             X.add_(U)
             s.t = t + 1
             return
-        # Step 1
-        half = X + U
+        # Step 1 (the steps' temporaries live in buffers reused across steps)
+        half = torch.add(X, U, out=self._buf("half", X.shape, X.dtype, X.device))
         # Step 2
-        own, mixed, rec, _ = self._gossip(half - s.xhat, t, self._q, want_own=True)
+        Z = torch.sub(half, s.xhat, out=self._buf("z", X.shape, X.dtype, X.device))
+        own, mixed, rec, _ = self._gossip(Z, t, self._q, want_own=True)
         # Step 3
         s.xhat.add_(own)
-        s.mix.add_(self._self_w(X) * own + mixed)
+        s.mix.add_(torch.mul(own, self._self_w(X), out=Z).add_(mixed))
         if s.replicas.numel():
             s.replicas.add_(self._received_rows(rec, X.shape[1], step_tag(t), self._q, X.dtype))
         # Step 4
-        X.copy_(half.add_(s.mix - s.xhat, alpha=self.config.gamma))
+        X.copy_(half.add_(torch.sub(s.mix, s.xhat, out=Z), alpha=self.config.gamma))
         s.t = t + 1
 
     # --- checks available in tracked mode ------------------------------------------

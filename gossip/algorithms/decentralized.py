@@ -196,6 +196,10 @@ class _Gossip(Algorithm):
                 f"{comm.world_size}; use algo 'allreduce' for a single process"
             )
         self.compressor = _compress.build(config.compressor)
+        #: scratch tensors reused across steps (payloads, decodes, sums): not State, they
+        #: hold nothing a later step reads (see _buf)
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._self_w_cache: dict[tuple, torch.Tensor] = {}
         nodes = comm.nodes.cpu()
         self._nodes = nodes
         #: a time-varying topology: W(t) changes every step (the base class has refused
@@ -225,7 +229,19 @@ class _Gossip(Algorithm):
                 raise ValueError(f"{self.name}: a time-varying topology needs the step of W(t)")
             sw = self.comm.topology.at(t - 1).self_weights[self._nodes.numpy()]
             return torch.as_tensor(sw, dtype=like.dtype, device=like.device).unsqueeze(1)
-        return self._self_w64.to(dtype=like.dtype, device=like.device)
+        key = (like.dtype, like.device)
+        w = self._self_w_cache.get(key)
+        if w is None:
+            w = self._self_w_cache[key] = self._self_w64.to(dtype=like.dtype, device=like.device)
+        return w
+
+    def _buf(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A scratch tensor kept across steps (allocated again only when the shape,
+        dtype or device changes): the steady state allocates nothing of size d."""
+        b = self._bufs.get(name)
+        if b is None or tuple(b.shape) != tuple(shape) or b.dtype != dtype or b.device != device:
+            b = self._bufs[name] = torch.empty(shape, dtype=dtype, device=device)
+        return b
 
     def _exchange_kw(self, t: int) -> dict:
         """The communicator's ``step``: paper step t (1, 2, ...) uses W(t - 1)."""
@@ -235,13 +251,27 @@ class _Gossip(Algorithm):
     def _gossip(
         self, Z: torch.Tensor, t: int, compressor: Any, *, want_own: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor, Any, torch.Tensor]:
+        """Encode ``Z`` (m, d), exchange, decode. Returns (own decode or None, weighted
+        sum of the neighbours' decodes, the Received, the payloads).
+
+        Every result lives in a buffer reused by the next call (the payloads, the
+        decodes, the sum) or, with ``identity``, is a view into the payloads: use them
+        within the step. With ``identity`` the values are copied once, into the payload
+        (the bytes the transport sends); decoding reads them where they lie.
+        """
         ledger = self.comm.ledger
-        d = Z.shape[1]
+        m, d = Z.shape
+        dev = Z.device
         tag = step_tag(t)
+        f32 = torch.float32
         with ledger.phase("compress"):
             keys = node_keys(self.config.seed, self.comm.nodes, t)
-            P = compressor.encode(Z, keys, tag=tag)
-            own = compressor.decode(P, d, tag=tag).to(Z.dtype) if want_own else None
+            P = self._buf("payload", (m, compressor.payload_nbytes(d)), torch.uint8, dev)
+            compressor.encode(Z, keys, tag=tag, out=P)
+            own = None
+            if want_own:
+                own = compressor.decode(P, d, tag=tag, out=self._buf("own", (m, d), f32, dev), share=True)
+                own = own.to(Z.dtype)
         with ledger.phase("communicate"):
             rec = self.comm.neighbor_exchange(P, **self._exchange_kw(t))
         def decode(Q: torch.Tensor) -> torch.Tensor:
@@ -249,16 +279,20 @@ class _Gossip(Algorithm):
             # the decode of it instead of decoding the same bytes twice.
             if own is not None and _same_tensor(Q, P):
                 return own
-            return compressor.decode(Q, d, tag=tag).to(Z.dtype)
+            D = self._buf("received", (Q.shape[0], d), f32, dev)
+            with ledger.phase("compress"):
+                return compressor.decode(Q, d, tag=tag, out=D, share=True).to(Z.dtype)
 
-        with ledger.phase("compress"):
-            mixed = rec.weighted_sum(decode)
+        # "compress" is encoding and decoding only; the weighted sum is the mixing
+        # step's arithmetic, like the update of x that follows it
+        mixed = rec.weighted_sum(decode, out=self._buf("mixed", (m, d), Z.dtype, dev),
+                                 scratch=self._buf("scratch", (m, d), Z.dtype, dev))
         return own, mixed, rec, P
 
     def _exact_mix(self, X: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """sum_j W_ij x_j over full-precision models: the starting replicas."""
         own, mixed, rec, _ = self._gossip(X, 0, _compress.build("identity"), want_own=False)
-        return self._self_w(X) * X + mixed, rec
+        return self._self_w(X) * X + mixed, rec  # a new tensor: mixed is a reused buffer
 
     def _received_rows(self, rec: Any, d: int, tag: int, compressor: Any, dtype) -> torch.Tensor:
         """Decoded payloads of each hosted node's padded neighbours: (m, D, d)."""
@@ -334,8 +368,8 @@ class DPSGD(_Gossip):
             return
         # Step I
         _, mixed, _, _ = self._gossip(X, t, self.compressor, want_own=False)
-        # Step II
-        X.copy_(self._self_w(X, t) * X + mixed + U)
+        # Step II, in place: the same roundings as W_ii * x + mixed + u
+        X.mul_(self._self_w(X, t)).add_(mixed).add_(U)
         self.state.t = t + 1
 
 
@@ -353,7 +387,7 @@ class Naive(_Gossip):
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         t = self.state.t
         _, mixed, _, _ = self._gossip(X, t, self.compressor, want_own=False)
-        X.copy_(self._self_w(X, t) * X + mixed + U)
+        X.mul_(self._self_w(X, t)).add_(mixed).add_(U)
         self.state.t = t + 1
 
 
@@ -379,14 +413,12 @@ class DCD(_Gossip):
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         s = self.state
         t = s.t
-        # Step 1
-        half = s.mix + U
-        # Step 2
-        Z = half - X
+        # Step 1 and 2, in a reused buffer: z = (mix + u) - x
+        Z = torch.add(s.mix, U, out=self._buf("z", X.shape, X.dtype, X.device)).sub_(X)
         own, mixed, rec, _ = self._gossip(Z, t, self.compressor, want_own=True)
         X.add_(own)
-        # Step 3
-        s.mix.add_(self._self_w(X) * own + mixed)
+        # Step 3: mix += W_ii C(z_i) + mixed (Z is free again: it holds the sum)
+        s.mix.add_(torch.mul(own, self._self_w(X), out=Z).add_(mixed))
         if s.replicas.numel():
             s.replicas.add_(
                 self._received_rows(rec, X.shape[1], step_tag(t), self.compressor, X.dtype)
@@ -418,14 +450,15 @@ class ECD(_Gossip):
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         s = self.state
         t = s.t
-        # Step 1
-        nxt = s.mix + U
-        # Step 2
-        Z = (1.0 - t / 2.0) * X + (t / 2.0) * nxt
+        # Step 1 (into a reused buffer)
+        nxt = torch.add(s.mix, U, out=self._buf("next", X.shape, X.dtype, X.device))
+        # Step 2: z = (1 - t/2) x + (t/2) x^{t+1}, the same roundings in reused buffers
+        Z = torch.mul(X, 1.0 - t / 2.0, out=self._buf("z", X.shape, X.dtype, X.device))
+        Z.add_(torch.mul(nxt, t / 2.0, out=self._buf("z2", X.shape, X.dtype, X.device)))
         own, mixed, rec, _ = self._gossip(Z, t, self.compressor, want_own=True)
-        # Step 3
+        # Step 3 (Z is free again)
         a, b = 1.0 - 2.0 / t, 2.0 / t
-        s.mix.mul_(a).add_(b * (self._self_w(X) * own + mixed))
+        s.mix.mul_(a).add_(torch.mul(own, self._self_w(X), out=Z).add_(mixed).mul_(b))
         if s.replicas.numel():
             got = self._received_rows(rec, X.shape[1], step_tag(t), self.compressor, X.dtype)
             s.replicas.mul_(a).add_(b * got)

@@ -106,6 +106,14 @@ class SGP(Algorithm):
         self._nodes = comm.nodes.cpu()
         self._ident = _compress.build("identity")
         self._pending: tuple[Any, int, int] | None = None  # (handle, step t, d + 1)
+        #: scratch tensors kept across steps (payloads, the rows [x, w], sums): not State
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def _buf(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        b = self._bufs.get(name)
+        if b is None or tuple(b.shape) != tuple(shape) or b.dtype != dtype or b.device != device:
+            b = self._bufs[name] = torch.empty(shape, dtype=dtype, device=device)
+        return b
 
     @property
     def payload_compressor(self) -> Any:
@@ -136,7 +144,11 @@ class SGP(Algorithm):
         ledger = self.comm.ledger
         tag = step_tag(t)
         with ledger.phase("compress"):
-            P = self._ident.encode(Y, node_keys(self.config.seed, self.comm.nodes, t), tag=tag)
+            # two payload buffers, by the step's parity: with overlap the exchange of step
+            # t is still in flight (its payload must stay as it is) when step t + 1 posts
+            m, width = Y.shape
+            P = self._buf(f"payload{t % 2}", (m, self._ident.payload_nbytes(width)), torch.uint8, Y.device)
+            self._ident.encode(Y, node_keys(self.config.seed, self.comm.nodes, t), tag=tag, out=P)
         kw = {"step": t - 1} if self._tv else {}
         with ledger.phase("communicate"):
             return self.comm.neighbor_exchange_async(P, **kw)
@@ -147,8 +159,14 @@ class SGP(Algorithm):
         with ledger.phase("communicate"):
             rec = handle.wait()
         tag = step_tag(t)
-        with ledger.phase("compress"):
-            return rec.weighted_sum(lambda Q: self._ident.decode(Q, width, tag=tag).to(dtype))
+        def decode(Q: torch.Tensor) -> torch.Tensor:
+            with ledger.phase("compress"):  # identity: a view of the payloads, no copy
+                return self._ident.decode(Q, width, tag=tag, share=True).to(dtype)
+
+        m = rec.index.shape[0]
+        dev = rec.payloads.device
+        return rec.weighted_sum(decode, out=self._buf("mixed", (m, width), dtype, dev),
+                                scratch=self._buf("scratch", (m, width), dtype, dev))
 
     def _settle(self) -> None:
         """Complete the exchange in flight and keep the sum of its messages in the State."""
@@ -167,12 +185,13 @@ class SGP(Algorithm):
         x, w = s.numerator, s.weight
         # Step 1: the local update, taken at z, moves the numerator
         x.add_(U)
-        Y = torch.cat([x, w], dim=1)
+        Y = torch.cat([x, w], dim=1, out=self._buf("y", (x.shape[0], x.shape[1] + 1), x.dtype, x.device))
         keep = self._self_w(x, t)
         if self.config.overlap == 0:
-            # Steps 2-3: exchange, then mix numerators and weights alike
+            # Steps 2-3: exchange, then mix numerators and weights alike (in place: the
+            # same roundings as keep * Y + mixed; Y's bytes are in the payload already)
             mixed = self._mixed(self._post(Y, t), t, Y.shape[1], Y.dtype)
-            Y = keep * Y + mixed
+            Y.mul_(keep).add_(mixed)
             x.copy_(Y[:, :-1])
             w.copy_(Y[:, -1:])
         else:
@@ -190,7 +209,7 @@ class SGP(Algorithm):
                 s.has_inbox = False
             self._pending = (handle, t, Y.shape[1])
         # Step 5: the de-biased model the optimizer steps on next
-        X.copy_(x / w)
+        torch.div(x, w, out=X)
         s.t = t + 1
 
     # --- hooks ---------------------------------------------------------------------------

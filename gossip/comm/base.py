@@ -120,7 +120,9 @@ class Received:
             )
         return D
 
-    def weighted_sum(self, decode: Decode) -> torch.Tensor:
+    def weighted_sum(
+        self, decode: Decode, *, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Row ``r`` = sum over the neighbours ``j`` of ``nodes[r]`` of ``W_ij * decode(P_j)``.
 
         The neighbours are summed in ascending id order as ``acc = w_0 * D_0;
@@ -129,25 +131,44 @@ class Received:
         bit-identical results. Padding columns are skipped, not multiplied by zero:
         ``0.0 * D`` would turn an accumulated ``-0.0`` into ``+0.0`` and an infinite
         ``D`` into NaN.
+
+        ``out`` and ``scratch``: (m, d) tensors of the decoded dtype, reused across steps
+        by the caller; the sum goes into ``out`` (returned) and ``scratch`` holds each
+        neighbour's gathered, weighted rows, so a graph whose nodes all have the same
+        degree allocates nothing in proportion to d. Without them they are allocated.
         """
         D = self.decode(decode)
         m, width = self.index.shape
         w = self.weights.to(dtype=D.dtype, device=D.device)
         idx = self.index.to(D.device)
         deg = self.degrees.to(D.device)
+        shape = (m, D.shape[1])
+        if out is None or tuple(out.shape) != shape or out.dtype != D.dtype or out.device != D.device:
+            out = D.new_empty(shape)
         if width == 0:
-            return D.new_zeros((m, D.shape[1]))
-        acc = w[:, 0:1] * D[idx[:, 0]]
+            return out.zero_()
+        if scratch is None or tuple(scratch.shape) != shape or scratch.dtype != D.dtype \
+                or scratch.device != D.device:
+            scratch = D.new_empty(shape)
+
+        def rows(k: int) -> torch.Tensor:
+            # one hosted node (a rank): its neighbour's decoded row itself, no gather
+            if m == 1:
+                j = int(idx[0, k])
+                return D[j: j + 1]
+            return torch.index_select(D, 0, idx[:, k], out=scratch)
+
+        acc = torch.mul(rows(0), w[:, 0:1], out=out)
         if bool((deg < 1).any()):
             acc[deg < 1] = 0.0
         for k in range(1, width):
             full = deg > k
             if bool(full.all()):
-                acc += w[:, k : k + 1] * D[idx[:, k]]
+                acc += torch.mul(rows(k), w[:, k : k + 1], out=scratch)
             else:
-                rows = full.nonzero().squeeze(1)
-                if rows.numel():
-                    acc[rows] = acc[rows] + w[rows, k : k + 1] * D[idx[rows, k]]
+                rws = full.nonzero().squeeze(1)
+                if rws.numel():
+                    acc[rws] = acc[rws] + w[rws, k : k + 1] * D[idx[rws, k]]
         return acc
 
     def __repr__(self) -> str:

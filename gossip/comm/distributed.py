@@ -522,7 +522,7 @@ class _ExchangeHandle(Handle):
     def wait(self) -> Received:
         if not self._done:
             comm = self._comm
-            with comm.ledger.phase("communicate"):
+            with comm.ledger.phase("wait"):  # blocked until the neighbours' payloads are here
                 comm._wait(self._posted)
             if self._record:
                 comm.ledger.record(self._src, comm.rank, self._nbytes, op="exchange")
@@ -544,7 +544,7 @@ class _CollectiveHandle(Handle):
         if self._result is None:
             comm = self._comm
             others = [j for j in range(comm.world_size) if j != comm.rank]
-            with comm.ledger.phase("communicate"):
+            with comm.ledger.phase("wait"):
                 comm._wait(_Posted([self._work], [others], self._what))
             self._result = self._finish()
         return self._result

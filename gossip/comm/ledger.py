@@ -7,9 +7,12 @@ hosted ``src`` and as *received* for a hosted ``dst``. The rules the communicato
 follow for what a message is (payload bytes per neighbour, ring estimates for
 collectives) are in docs/comm.md.
 
-Time is split into phases (``compute``, ``compress``, ``communicate``). Phases nest;
-time is charged to the innermost open phase only, so the phases never double count
-and their sum is the wall time spent inside any phase.
+Time is split into phases (``compute``, ``compress``, ``communicate``, ``wait``). Phases
+nest; time is charged to the innermost open phase only, so the phases never double
+count and their sum is the wall time spent inside any phase. ``communicate`` is the
+time spent posting messages and in transfers the caller drives itself; ``wait`` is the
+time blocked until the peers' messages have arrived (a late peer, or a transfer still
+under way): a communicator's handles charge their ``wait()`` to it.
 
 Two one-off costs are kept apart from the per-step figures:
 
@@ -33,7 +36,7 @@ import numpy as np
 
 __all__ = ["Ledger", "PHASES", "OPS", "WARMUP"]
 
-PHASES: tuple[str, ...] = ("compute", "compress", "communicate")
+PHASES: tuple[str, ...] = ("compute", "compress", "communicate", "wait")
 """The default phases wall time is split into."""
 
 OPS: tuple[str, ...] = ("exchange", "all_reduce", "all_gather", "broadcast", "control")
@@ -470,14 +473,16 @@ class Ledger:
                 f"{list(state['nodes'])[:8]} of {state['world_size']}, this ledger hosts "
                 f"{self.nodes[:8]} of {self._n}"
             )
-        if list(state["phases"]) != list(self._phase_names):
+        # states written before ``wait`` was a phase of its own: it starts at 0
+        older = [p for p in self._phase_names if p != "wait"]
+        if list(state["phases"]) != list(self._phase_names) and list(state["phases"]) != older:
             raise ValueError(
                 f"Ledger.load_state_dict: state has phases {list(state['phases'])}, "
                 f"this ledger {list(self._phase_names)}"
             )
         self.reset()
         self._steps = int(state["steps"])
-        self._times = {p: float(state["times"][p]) for p in self._phase_names}
+        self._times = {p: float(state["times"].get(p, 0.0)) for p in self._phase_names}
         self._times[WARMUP] = float(state["times"].get(WARMUP, 0.0))  # older states: none kept apart
         setup = state.get("setup")  # absent in states written before setup traffic was kept apart
         self._setup_known = setup is not None

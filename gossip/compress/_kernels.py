@@ -8,10 +8,24 @@ the floating-point steps are single IEEE operations in the same order
 
 Backend choice, from the environment variable ``GOSSIP_COMPRESS_BACKEND``:
 
-- ``auto`` (default): compiled on CPU for calls of at least ``MIN_COMPILED_NUMEL``
-  elements, eager otherwise and on other devices;
-- ``compile``: compiled on CPU whatever the size;
+- ``auto`` (default), on CPU: eager below ``MIN_COMPILED_NUMEL`` elements per call;
+  compiled at once for calls of at least ``COMPILE_NOW_NUMEL`` elements; in
+  between, a kernel runs eager until its eager calls have processed
+  ``EAGER_BUDGET_NUMEL`` elements in this process, then compiled. Compiling a
+  kernel costs seconds (more on a loaded machine, each kernel is its own graph), and
+  the eager forms are a few times slower per element at most, so a short run of a
+  small model (the command line's MNIST-1D default) never pays a compilation, and a
+  long or large one pays it once it has spent about as much in the slower eager
+  form (the ski-rental rule). Eager on other devices;
+- ``compile``: compiled on CPU whatever the size, from the first call;
 - ``eager``: never compile.
+
+A run may so switch from the eager to the compiled form of a kernel part way
+through, and a resumed run switches at a different step: that keeps runs and
+resumes bit-identical because both forms give the same bits (the contract above,
+checked at the switch). Compiled kernels run under ``torch.no_grad()`` (grad mode
+is part of torch.compile's guards: calls from a training step and from outside one
+would compile the same graph twice).
 
 The first compiled call of each kernel in a process is checked against the eager
 form on the same input, bit for bit. If compiling or running a compiled kernel
@@ -35,6 +49,11 @@ R_ = R  # the _random module, under a name that the kernels' local `R` (a range)
 __all__: list[str] = []
 
 MIN_COMPILED_NUMEL = 1 << 16
+#: auto: calls this large compile at once (one eager call would cost tens of ms more)
+COMPILE_NOW_NUMEL = 1 << 22
+#: auto: elements a kernel processes in eager form before it is compiled (at 10-40 ns
+#: per element saved by compiling, 10-40 s: about a cold compilation's cost)
+EAGER_BUDGET_NUMEL = 1 << 30
 _BACKENDS = ("auto", "compile", "eager")
 _backend = os.environ.get("GOSSIP_COMPRESS_BACKEND", "auto").strip().lower() or "auto"
 if _backend not in _BACKENDS:
@@ -74,6 +93,9 @@ class Kernel:
         self._variants: dict = {}
         self.failed = False
         self.verified = False
+        #: elements processed in eager form by calls that the budget kept from compiling
+        self.eager_numel = 0
+        self.budget_spent = False
 
     def compiled(self):
         if self._compiled is None:
@@ -92,18 +114,29 @@ class Kernel:
 
 
 def _want_compiled(k: Kernel, numel: int, device: torch.device) -> bool:
+    """Whether this call of ``k`` takes the compiled form; in ``auto`` mode an eager
+    call between the two thresholds counts against the kernel's eager budget."""
     if _backend == "eager" or k.failed or device.type != "cpu":
         return False
-    return _backend == "compile" or numel >= MIN_COMPILED_NUMEL
+    if _backend == "compile" or k.budget_spent or numel >= COMPILE_NOW_NUMEL:
+        return True
+    if numel < MIN_COMPILED_NUMEL:
+        return False
+    k.eager_numel += numel
+    if k.eager_numel >= EAGER_BUDGET_NUMEL:
+        k.budget_spent = True
+        return True
+    return False
 
 
 def run(k: Kernel, numel: int, *args):
     dev = next(a.device for a in args if isinstance(a, torch.Tensor))
     if _want_compiled(k, numel, dev):
         try:
-            if k.verified:
-                return k.compiled()(*args)
-            return _run_verified(k, args)
+            with torch.no_grad():
+                if k.verified:
+                    return k.compiled()(*args)
+                return _run_verified(k, args)
         except Exception as e:  # compiler missing or broken: degrade, do not fail
             _disable(k, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     return k.eager(*args)
@@ -562,4 +595,30 @@ def _checksum(words, w):
     return (words * w).sum(dim=1, dtype=torch.int64) & 0xFFFFFFFF
 
 
-CHECKSUM = Kernel("checksum", _checksum)
+_CHECKSUM_CHUNK = 1 << 14  # words per eager chunk: the product stays in cache
+_checksum_scratch: dict = {}
+
+
+def _checksum_eager(words, w):
+    """The same sum, chunk by chunk through one kept scratch buffer: no temporary of
+    the payload's size (integer sums are exact, so the order does not matter)."""
+    m, n = words.shape
+    if n <= _CHECKSUM_CHUNK:
+        return _checksum(words, w)
+    key = (m, words.device)
+    buf = _checksum_scratch.get(key)
+    if buf is None:
+        if len(_checksum_scratch) > 8:
+            _checksum_scratch.clear()
+        buf = _checksum_scratch[key] = torch.empty(m, _CHECKSUM_CHUNK, dtype=torch.int32, device=words.device)
+    acc = torch.zeros(m, dtype=torch.int64, device=words.device)
+    for a in range(0, n, _CHECKSUM_CHUNK):
+        b = min(n, a + _CHECKSUM_CHUNK)
+        prod = torch.mul(words[:, a:b], w[a:b], out=buf[:, : b - a])  # int32 products wrap mod 2**32
+        # an int32 sum is the sum modulo 2**32 (what is kept), and unlike an int64 sum
+        # it makes no int64 copy of the chunk
+        acc += prod.sum(dim=1, dtype=torch.int32)
+    return acc & 0xFFFFFFFF
+
+
+CHECKSUM = Kernel("checksum", _checksum_eager, _checksum)

@@ -157,11 +157,15 @@ class Compressor:
         return P
 
     def decode(self, P: torch.Tensor, numel: int, tag: int | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, *, share: bool = False) -> torch.Tensor:
         """Decode payload rows (m, nbytes) uint8 into (m, numel) float32; raises PayloadError.
 
         ``out``: a contiguous float32 tensor (m, numel) to write the values into (a buffer
         reused across steps); it is returned. Without it the result is a new tensor.
+        ``share=True``: where the payload holds the values as they are (``identity``), the
+        result is a read-only-by-convention view into ``P`` instead (nothing is copied;
+        valid while ``P`` is unchanged) and ``out`` is left alone; other compressors
+        decode as without it.
         """
         if not isinstance(P, torch.Tensor) or P.dtype != torch.uint8 or P.dim() != 2:
             raise ValueError(
@@ -192,6 +196,10 @@ class Compressor:
             c = wire.checksum(P)
             ok &= c == ((h[:, 3] >> 32) & 0xFFFFFFFF)
             if bool(ok.all()):
+                if share:
+                    S = self._decode_shared(layout.views(P), numel)
+                    if S is not None:
+                        return S
                 if out is None:
                     return self._decode(layout.views(P), numel, h[:, 2])
                 self._decode_into(layout.views(P), numel, h[:, 2], out)
@@ -209,6 +217,11 @@ class Compressor:
             lambda r: f"stored 0x{int(f['checksum'][r]):08x}, computed 0x{int(c[r]):08x} (damaged payload)",
         )
         raise AssertionError("unreachable: a check failed but none reported")  # pragma: no cover
+
+    def _decode_shared(self, views: dict, numel: int) -> torch.Tensor | None:
+        """The decoded values as a view of the payload, where the body holds them as
+        they are (fp32); None (the default) where decoding has work to do."""
+        return None
 
     def _decode_into(self, views: dict, numel: int, keys: torch.Tensor, out: torch.Tensor) -> None:
         """Decode into ``out`` (m, numel) float32; compressors with a faster way override this."""

@@ -52,6 +52,9 @@ class Identity(Compressor):
     def _decode_into(self, v, numel, keys, out):
         out.copy_(v["values"])
 
+    def _decode_shared(self, v, numel):
+        return v["values"]
+
 
 @register
 class FP16(Compressor):

@@ -330,30 +330,31 @@ def _pct(x: float | None) -> str:
 
 
 def netns_table(results: dict, target: float, bw_labels: list[str]) -> str:
+    """One row per run: to target, measured and modelled; the first step; the end."""
     head = ["bandwidth", "method", "wire", f"epoch to {target:.0%}", "bytes/node to target",
-            "time to target, measured", "modelled", "model error", "measured first step (warm-up)",
-            "model error, first step left out", "measured compute + codec", "accuracy at the end (epoch)", "load start→end",
-            "date (UTC)"]
+            "time to target, measured", "modelled (error)", "first step, measured",
+            "model error, first step left out", "accuracy at the end (epoch)",
+            "last evaluation: measured / modelled", "load start→end", "date (UTC)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for bw in bw_labels:
         for name, r in results.items():
             run = r["runs"].get(bw)
             if run is None:
                 continue
-            t = run["to_target"]
-            if not run["points"]:
-                end = "failed" if not run["ok"] else "-"
+            t, pts = run["to_target"], run["points"]
+            if not pts:
+                end = last = "failed" if not run["ok"] else "-"
             else:
                 how = "stopped at target" if run["stopped_at_target"] else ("last epoch" if run["ok"] else "failed")
                 end = f"{run['last_test_acc']:.2%} ({run['last_epoch']:.0f}, {how})"
+                last = f"{pts[-1]['time_s']:.1f} s / {pts[-1]['model_s']:.1f} s ({_pct(pts[-1]['model_s'] / pts[-1]['time_s'] - 1)})"
+            reached = t["time_s"] is not None
             lines.append("| " + " | ".join([
-                bw, name, run["wire"]["label"], "not reached" if t["epoch"] is None else f"{t['epoch']:.0f}",
-                _fmt_bytes(t["bytes"]), "-" if t["time_s"] is None else f"{t['time_s']:.1f} s",
-                "-" if t["model_s"] is None else f"{t['model_s']:.1f} s", _pct(t["model_error"]),
-                "-" if t.get("warmup_s") is None else f"{t['warmup_s']:.1f} s",
-                _pct(t.get("model_error_after_first_step")),
-                "-" if t.get("compute_s") is None else f"{t['compute_s']:.1f} s", end,
-                f"{run['load_average'][0]:.1f}→{run['load_average'][1]:.1f}", run["date"][:16]]) + " |")
+                bw, name, run["wire"]["label"], f"{t['epoch']:.0f}" if reached else "not reached",
+                _fmt_bytes(t["bytes"]), f"{t['time_s']:.1f} s" if reached else "-",
+                f"{t['model_s']:.1f} s ({_pct(t['model_error'])})" if reached else "-",
+                f"{t['warmup_s']:.1f} s" if reached else "-", _pct(t.get("model_error_after_first_step")),
+                end, last, f"{run['load_average'][0]:.1f}→{run['load_average'][1]:.1f}", run["date"][:16]]) + " |")
     return "\n".join(lines)
 
 

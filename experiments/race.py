@@ -237,7 +237,8 @@ def measured_to_target(points: list[dict], target: float) -> dict:
                     "compute_s": p["compute_s"] + p["codec_s"], "comm_s": p["comm_s"], "warmup_s": p["warmup_s"],
                     "link_model_s": p["model_s"] - p["compute_s"] - p["codec_s"]}
     return {"step": None, "epoch": None, "bytes": None, "time_s": None, "model_s": None, "model_error": None,
-            "model_error_after_first_step": None, "compute_s": None, "comm_s": None, "warmup_s": None, "link_model_s": None}
+            "model_error_after_first_step": None, "compute_s": None, "comm_s": None, "warmup_s": None,
+            "link_model_s": None}
 
 
 def _load() -> float:
@@ -347,7 +348,8 @@ def netns_table(results: dict, target: float, bw_labels: list[str]) -> str:
             else:
                 how = "stopped at target" if run["stopped_at_target"] else ("last epoch" if run["ok"] else "failed")
                 end = f"{run['last_test_acc']:.2%} ({run['last_epoch']:.0f}, {how})"
-                last = f"{pts[-1]['time_s']:.1f} s / {pts[-1]['model_s']:.1f} s ({_pct(pts[-1]['model_s'] / pts[-1]['time_s'] - 1)})"
+                q = pts[-1]
+                last = f"{q['time_s']:.1f} s / {q['model_s']:.1f} s ({_pct(q['model_s'] / q['time_s'] - 1)})"
             reached = t["time_s"] is not None
             lines.append("| " + " | ".join([
                 bw, name, run["wire"]["label"], f"{t['epoch']:.0f}" if reached else "not reached",

@@ -88,7 +88,8 @@ def test_convergence_notebook_reads_a_race(kernel_env, tmp_path):
     a = argparse.Namespace(target=0.0, nodes=2, epochs=1, data="synthetic", to_end=False)
     rec = race.netns_record(runs / "race" / "allreduce", 1e7, 0.0, ok=True, stopped=True,
                             date="2026-01-01 00:00:00 UTC", load=[1.0, 2.0], wall=1.0)
-    race.write_netns(runs / "race-netns", {"allreduce": {"runs": {"10mbit": rec}}}, a, ["10mbit"], "race", ["allreduce"])
+    race.write_netns(runs / "race-netns", {"allreduce": {"runs": {"10mbit": rec}}}, a, ["10mbit"], "race",
+                     ["allreduce"])
     kernel_env.setenv("GOSSIP_RUNS", str(runs))
     nb = execute("convergence.ipynb")
     text = text_of(nb)

@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""The race: bytes and (modelled) time to a target test accuracy, per method.
+"""The race: bytes and time (modelled, or measured on shaped links) to a target test accuracy, per method.
 
     python experiments/race.py --out runs/race                       # MNIST-1D CNN, 4 nodes
     python experiments/race.py --nodes 16 --bandwidth 10mbit,100mbit --latency 5ms --out runs/race16
     python experiments/race.py --methods allreduce,localsgd --epochs 1 --data synthetic --out runs/race-smoke
+    sudo python experiments/race.py --mode netns --bandwidth 100mbit,10mbit --out runs/race-netns
 
-Simulated-time mode (the only one so far). Every method trains the same model on the
+Two modes: ``--mode simulated`` (the default) models the time, ``--mode netns``
+measures it on real shaped links (below).
+
+Simulated-time mode. Every method trains the same model on the
 same data with the same recipe, all ``--nodes`` nodes simulated in one process
 (``gossip.train --simulate N``), one run directory per method under ``--out``. From
 each run's per-node metrics it reads, at every evaluation (each epoch's end): the test
@@ -18,15 +22,32 @@ modelled as ``gossip.crossover`` does for one step, summed over the steps so far
 
 (a ring all-reduce is 2(n - 1) rounds, an all-gather n - 1, a neighbour exchange 1).
 Compute, compression and communication are not overlapped; each node has its own
-link of rate B. Nothing here runs over a real shaped network: the netns cluster
-(``experiments/vcluster.py``) is not wired in.
+link of rate B.
+
+Real mode (``--mode netns``, needs root). Each method runs as ``--nodes`` torchrun
+ranks, one per network namespace of ``experiments/vcluster.py``'s virtual cluster, each
+host's link shaped with tc (tbf/htb) to the bandwidth in both directions; one cluster
+per bandwidth, the methods one after the other. From rank 0's metrics it reads, at every
+evaluation, the wall-clock time since the training started (after start-up and data
+loading), the bytes the rank sent and the compute and codec time it spent; the time to
+target is the time of the first evaluation at or above ``--target``. By default a run is
+stopped there (time to target is the headline); ``--to-end`` runs every method to its
+last epoch. Next to each measured time it prints and records the simulated mode's model
+of the same run: the formula above fed with that run's own bytes and measured compute
+and codec time, and the model's error. No latency is shaped (this mode takes
+``--latency 0`` only). The load average is recorded at the start and end of every run.
 
 Output in ``--out``: ``race.json`` (every method's curve and figures, each evaluation's
 modelled time per bandwidth in ``time_s``, the load average at the start and end), ``race.md``
 (method, bytes to target, time to target at each bandwidth, final accuracy) and, with
 matplotlib, ``race.png`` (test accuracy against modelled time, one panel per
 bandwidth). The run directories are ordinary ones: ``gossip.analysis.load_runs(out)``
-reads them.
+reads them. In netns mode they are ``<method>@<bandwidth>`` (``:`` written ``-``), the
+torchrun agents' outputs go to ``cluster/`` under ``--out``, ``race.json`` holds each
+run's curve (measured and modelled time per evaluation) under
+``results[method]["runs"][bandwidth]`` and is rewritten after every run, ``race.md`` has
+one row per run, and ``race.png`` shows accuracy against measured time (solid) and
+against the modelled time of the same run (dashed).
 """
 
 from __future__ import annotations
@@ -37,6 +58,7 @@ import io
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,6 +198,269 @@ def plot(results: dict, bandwidths: list[float], bw_labels: list[str], latency: 
     plt.close(fig)
     return True
 
+# ---------------------------------------------------------------------------- netns mode
+class _Reached(Exception):
+    """Raised from the cluster's monitor to stop a run once rank 0 has reached the target."""
+
+
+def _run_name(name: str, bw_label: str) -> str:
+    return f"{name.replace(':', '-')}@{bw_label}"
+
+
+def measured_curve(run_dir: Path, bandwidth: float) -> dict:
+    """A real run's curve from rank 0's records: per evaluation the measured wall-clock
+    time since training began (``time_s``), the bytes rank 0 sent, its compute and codec
+    seconds, and the modelled time of the same point (``model_s``: the simulated mode's
+    formula at ``bandwidth``, latency 0, fed with this run's own bytes and times)."""
+    recs = rundir.read_metrics(rundir.metrics_path(run_dir, 0))
+    train = {r["step"]: r for r in recs if r["kind"] == "train"}
+    points = []
+    for r in recs:
+        if r["kind"] != "eval" or r["step"] not in train:
+            continue
+        t = train[r["step"]]
+        pt = {"step": r["step"], "epoch": r["epoch"], "test_acc": r["test_acc"], "time_s": r["time"],
+              "train_time_s": t["time"], "bytes": t["bytes_sent"], "compute_s": t["compute_s"],
+              "codec_s": t["compress_s"], "comm_s": t["comm_s"], "warmup_s": t.get("warmup_s", 0.0)}
+        pt["model_s"] = modelled_time(pt, {}, 1, bandwidth, 0.0)
+        points.append(pt)
+    return {"points": points}
+
+
+def measured_to_target(points: list[dict], target: float) -> dict:
+    for p in points:
+        if p["test_acc"] >= target:
+            return {"step": p["step"], "epoch": p["epoch"], "bytes": p["bytes"], "time_s": p["time_s"],
+                    "model_s": p["model_s"], "model_error": p["model_s"] / p["time_s"] - 1.0,
+                    # the model leaves the first step out (compilation, first calls, ranks' start-up skew)
+                    "model_error_after_first_step": p["model_s"] / max(1e-9, p["time_s"] - p["warmup_s"]) - 1.0,
+                    "compute_s": p["compute_s"] + p["codec_s"], "comm_s": p["comm_s"], "warmup_s": p["warmup_s"],
+                    "link_model_s": p["model_s"] - p["compute_s"] - p["codec_s"]}
+    return {"step": None, "epoch": None, "bytes": None, "time_s": None, "model_s": None, "model_error": None,
+            "model_error_after_first_step": None, "compute_s": None, "comm_s": None, "warmup_s": None,
+            "link_model_s": None}
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def run_netns_method(vc, name: str, bw_label: str, bandwidth: float, out: Path, common: list[str],
+                     target: float, to_end: bool, timeout: float) -> dict:
+    """One method as torchrun ranks on the (already shaped) cluster ``vc``; its record."""
+    run_dir = out / _run_name(name, bw_label)
+    cmd = ["-m", "gossip.train", *RECIPE, *common, *METHODS[name], *METHOD_RECIPE.get(name, []),
+           "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
+    metrics = rundir.metrics_path(run_dir, 0)
+    checked = [0.0]
+
+    def monitor() -> None:  # about every 50 ms: read rank 0's evaluations once a second
+        now = time.monotonic()
+        if to_end or now - checked[0] < 1.0:
+            return
+        checked[0] = now
+        if metrics.is_file() and any(r["kind"] == "eval" and r["test_acc"] >= target
+                                     for r in rundir.read_metrics(metrics)):
+            raise _Reached
+
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    load = [_load()]
+    t0 = time.perf_counter()
+    stopped = ok = False
+    try:
+        res = vc.run_torchrun(cmd, 1, env=env, timeout=timeout, outdir=out / "cluster" / run_dir.name,
+                              cwd=str(REPO), run_id=f"race-{run_dir.name.replace('@', '-').replace('.', '-')}",
+                              monitor=monitor)
+        ok = res.ok
+        if not ok:
+            bad = res.failed[0]
+            print(f"race: {name} @ {bw_label} failed (host {bad.rank}, exit {bad.returncode}"
+                  f"{', timed out' if bad.timed_out else ''}): {res.tail(bad.rank, 1)}", file=sys.stderr, flush=True)
+    except _Reached:  # the cluster stopped every rank on its way out
+        stopped = ok = True
+    wall = time.perf_counter() - t0
+    _wait_for_namespaces(vc)
+    load.append(_load())
+    return netns_record(run_dir, bandwidth, target, ok=ok, stopped=stopped, date=started, load=load, wall=wall)
+
+
+def _wait_for_namespaces(vc, grace: float = 20.0) -> None:
+    """After a stopped run: wait until the workers torchrun started (in their own
+    sessions) have left the hosts' namespaces, so the next run has the cores; kill the
+    ones still there after ``grace`` seconds."""
+    import signal
+    import subprocess
+
+    def pids() -> list[int]:
+        found = []
+        for h in vc.hosts:
+            p = subprocess.run(["ip", "netns", "pids", h.netns], capture_output=True, text=True)
+            found += [int(x) for x in p.stdout.split()]
+        return found
+
+    deadline = time.monotonic() + grace
+    while (left := pids()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in pids():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def netns_record(run_dir: Path, bandwidth: float, target: float, *, ok: bool, stopped: bool, date: str,
+                 load: list[float], wall: float) -> dict:
+    """What race.json keeps of one real run (its curve read from ``run_dir``)."""
+    metrics = rundir.metrics_path(run_dir, 0)
+    pts = measured_curve(run_dir, bandwidth)["points"] if metrics.is_file() else []
+    summary = rundir.read_json(rundir.summary_path(run_dir)) if rundir.summary_path(run_dir).is_file() else None
+    wire = rundir.wire_of(rundir.read_json(rundir.config_path(run_dir)), summary) \
+        if rundir.config_path(run_dir).is_file() else {"label": "?"}
+    return {
+        "run_dir": str(run_dir), "ok": ok, "stopped_at_target": stopped, "date": date, "load_average": load,
+        "launch_wall_s": wall, "points": pts, "to_target": measured_to_target(pts, target),
+        "last_test_acc": pts[-1]["test_acc"] if pts else None, "last_epoch": pts[-1]["epoch"] if pts else None,
+        "final_test_acc": summary["final_test_acc"] if summary else None, "wire": wire,
+    }
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.0%}"
+
+
+def netns_table(results: dict, target: float, bw_labels: list[str]) -> str:
+    """One row per run: to target, measured and modelled; the first step; the end."""
+    head = ["bandwidth", "method", "wire", f"epoch to {target:.0%}", "bytes/node to target",
+            "time to target, measured", "modelled (error)", "first step, measured",
+            "model error, first step left out", "accuracy at the end (epoch)",
+            "last evaluation: measured / modelled", "load start→end", "date (UTC)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for bw in bw_labels:
+        for name, r in results.items():
+            run = r["runs"].get(bw)
+            if run is None:
+                continue
+            t, pts = run["to_target"], run["points"]
+            if not pts:
+                end = last = "failed" if not run["ok"] else "-"
+            else:
+                how = "stopped at target" if run["stopped_at_target"] else ("last epoch" if run["ok"] else "failed")
+                end = f"{run['last_test_acc']:.2%} ({run['last_epoch']:.0f}, {how})"
+                q = pts[-1]
+                last = f"{q['time_s']:.1f} s / {q['model_s']:.1f} s ({_pct(q['model_s'] / q['time_s'] - 1)})"
+            reached = t["time_s"] is not None
+            lines.append("| " + " | ".join([
+                bw, name, run["wire"]["label"], f"{t['epoch']:.0f}" if reached else "not reached",
+                _fmt_bytes(t["bytes"]), f"{t['time_s']:.1f} s" if reached else "-",
+                f"{t['model_s']:.1f} s ({_pct(t['model_error'])})" if reached else "-",
+                f"{t['warmup_s']:.1f} s" if reached else "-", _pct(t.get("model_error_after_first_step")),
+                end, last, f"{run['load_average'][0]:.1f}→{run['load_average'][1]:.1f}", run["date"][:16]]) + " |")
+    return "\n".join(lines)
+
+
+def netns_plot(results: dict, bw_labels: list[str], path: Path, target: float | None = None) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(bw_labels), figsize=(6 * len(bw_labels), 4), squeeze=False)
+    for ax, bw in zip(axes[0], bw_labels):
+        for i, (name, r) in enumerate(results.items()):
+            pts = r["runs"].get(bw, {}).get("points") or []
+            if not pts:
+                continue
+            color = f"C{i % 10}"
+            acc = [p["test_acc"] for p in pts]
+            ax.plot([p["time_s"] for p in pts], acc, marker=".", color=color, label=name)
+            ax.plot([p["model_s"] for p in pts], acc, ls="--", lw=0.8, color=color)
+        if target is not None:
+            ax.axhline(target, color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log")
+        ax.set_xlabel("wall-clock time (s): measured (solid), modelled (dashed)")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(f"{bw} per link (tc), torchrun ranks in network namespaces")
+        ax.grid(alpha=0.3)
+    for ax in axes[0]:  # the legend on the first panel with runs
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+            break
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_netns(out: Path, results: dict, a: argparse.Namespace, bw_labels: list[str], cmd: str,
+                names: list[str]) -> tuple[str, bool]:
+    """race.json, race.md and race.png of the netns mode (rewritten after every run).
+    ``a``: the race's arguments (target, nodes, epochs, data, to_end)."""
+    md = netns_table(results, a.target, bw_labels)
+    loads = [x for r in results.values() for run in r["runs"].values() for x in run["load_average"]]
+    errs = [run["to_target"]["model_error"] for r in results.values() for run in r["runs"].values()
+            if run["to_target"]["model_error"] is not None]
+    note = (f"Made with `{cmd}` (measured: {a.nodes} torchrun ranks in network namespaces, tc-shaped links; "
+            f"load average {min(loads):.1f} to {max(loads):.1f} over the runs, on {os.cpu_count()} cores)."
+            if loads else f"Made with `{cmd}`.")
+    errs1 = [run["to_target"]["model_error_after_first_step"] for r in results.values()
+             for run in r["runs"].values() if run["to_target"]["model_error"] is not None]
+    if errs:
+        note += (f" Model error (modelled / measured - 1) at the target: median {sorted(errs)[len(errs) // 2]:+.0%}, "
+                 f"range {min(errs):+.0%} to {max(errs):+.0%}; with the first step left out of the measured time: "
+                 f"median {sorted(errs1)[len(errs1) // 2]:+.0%}, range {min(errs1):+.0%} to {max(errs1):+.0%}.")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "race.md").write_text(f"{md}\n\n{note}\n")
+    (out / "race.json").write_text(json.dumps({
+        "target": a.target, "nodes": a.nodes, "epochs": a.epochs, "data": a.data, "bandwidths": bw_labels,
+        "latency_s": 0.0, "recipe": RECIPE, "methods": {k: METHODS[k] + METHOD_RECIPE.get(k, []) for k in names},
+        "results": results, "mode": "netns", "stop_at_target": not a.to_end, "command": cmd,
+        "cpu_count": os.cpu_count(),
+    }, indent=1))
+    return md, netns_plot(results, bw_labels, out / "race.png", a.target)
+
+
+def main_netns(a: argparse.Namespace, names: list[str], bw_labels: list[str], bandwidths: list[float],
+               out: Path, cmd: str) -> int:
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        import vcluster
+    finally:
+        sys.path.remove(str(REPO / "experiments"))
+    try:
+        vcluster.check_rights()
+    except vcluster.VClusterError as e:
+        print(f"race: error: --mode netns {e}", file=sys.stderr)
+        return 2
+    common = ["--data", a.data, "--epochs", str(a.epochs), "--seed", str(a.seed)]
+    results: dict = {name: {"runs": {}} for name in names}
+    for bw, bps in zip(bw_labels, bandwidths):
+        try:
+            with vcluster.VirtualCluster(a.nodes, rate=vcluster.parse_rate(bw), prefix=a.prefix) as vc:
+                print(f"race: {vc.describe()}", flush=True)
+                for name in names:
+                    print(f"race: {name} @ {bw} ...", flush=True)
+                    run = run_netns_method(vc, name, bw, bps, out, common, a.target, a.to_end, a.timeout)
+                    results[name]["runs"][bw] = run
+                    t = run["to_target"]
+                    reached = ("target not reached" if t["time_s"] is None else
+                               f"{a.target:.0%} at epoch {t['epoch']:.0f} after {t['time_s']:.1f} s measured, "
+                               f"{t['model_s']:.1f} s modelled ({_pct(t['model_error'])}), "
+                               f"{_fmt_bytes(t['bytes'])}/node")
+                    print(f"race: {name} @ {bw}: {reached}; load {run['load_average'][0]:.1f} -> "
+                          f"{run['load_average'][1]:.1f}", flush=True)
+                    write_netns(out, results, a, bw_labels, cmd, names)
+        except vcluster.VClusterError as e:
+            print(f"race: error: {e}", file=sys.stderr)
+            return 2
+    md, drew = write_netns(out, results, a, bw_labels, cmd, names)
+    print(md)
+    print(f"race: wrote {out / 'race.md'}, {out / 'race.json'}" + (f", {out / 'race.png'}" if drew else ""))
+    return 0
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -188,6 +473,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency", default="0", help="one-way latency (default 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="directory for the run directories and the results")
+    p.add_argument("--mode", choices=("simulated", "netns"), default="simulated",
+                   help="simulated: modelled time (default); netns: torchrun ranks on tc-shaped links (needs root)")
+    p.add_argument("--to-end", action="store_true",
+                   help="netns: run every method to its last epoch (default: stop a run once it reaches --target)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="netns: seconds allowed per run (default 3600)")
+    p.add_argument("--prefix", default="race", help="netns: name prefix of the namespaces (default race)")
     a = p.parse_args(argv)
     names = [m.strip() for m in a.methods.split(",") if m.strip()]
     unknown = [m for m in names if m not in METHODS]
@@ -199,8 +490,13 @@ def main(argv: list[str] | None = None) -> int:
         latency = crossover.parse_time(a.latency)
     except crossover.CrossoverError as e:
         p.error(str(e))
+    if a.mode == "netns" and latency != 0:
+        p.error(f"--latency {a.latency}: the netns mode shapes the rate only (tbf/htb, no netem); give --latency 0")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    cmd = "python experiments/race.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if a.mode == "netns":
+        return main_netns(a, names, bw_labels, bandwidths, out, cmd)
     common = ["--data", a.data, "--epochs", str(a.epochs), "--seed", str(a.seed)]
     results = {}
     load = [os.getloadavg()[0]]  # the compute times are measured on this machine: say how busy it was
@@ -213,7 +509,6 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = c
     load.append(os.getloadavg()[0])
     md = table(results, a.target, bw_labels)
-    cmd = "python experiments/race.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (out / "race.md").write_text(
         f"{md}\n\nMade with `{cmd}` (simulated time, {a.nodes} nodes; load average {load[0]:.1f} at the start, "
         f"{load[1]:.1f} at the end, on {os.cpu_count()} cores).\n")

@@ -9,6 +9,7 @@ Python.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -83,6 +84,12 @@ def test_convergence_notebook_reads_a_race(kernel_env, tmp_path):
     runs = tmp_path / "runs"
     assert race.main(["--methods", "allreduce,localsgd", "--nodes", "2", "--epochs", "1", "--data", "synthetic",
                       "--target", "0", "--bandwidth", "10mbit,100mbit", "--out", str(runs / "race")]) == 0
+    # a netns race's race.json (its runs need root: the record is made from the run above)
+    a = argparse.Namespace(target=0.0, nodes=2, epochs=1, data="synthetic", to_end=False)
+    rec = race.netns_record(runs / "race" / "allreduce", 1e7, 0.0, ok=True, stopped=True,
+                            date="2026-01-01 00:00:00 UTC", load=[1.0, 2.0], wall=1.0)
+    race.write_netns(runs / "race-netns", {"allreduce": {"runs": {"10mbit": rec}}}, a, ["10mbit"], "race",
+                     ["allreduce"])
     kernel_env.setenv("GOSSIP_RUNS", str(runs))
     nb = execute("convergence.ipynb")
     text = text_of(nb)
@@ -90,8 +97,10 @@ def test_convergence_notebook_reads_a_race(kernel_env, tmp_path):
     assert f"2 run(s) under {runs}" in text
     assert f"race {runs / 'race' / 'race.json'}: simulated-time, 2 nodes, 2 method(s), target 0%" in text
     assert "time_to_target_s@10mbit" in text and "localsgd" in text
+    assert f"race {runs / 'race-netns' / 'race.json'}: netns, 2 nodes, 1 method(s), target 0%" in text
+    assert "modelled_s" in text and "model_error" in text
     assert "no race results" not in text
-    assert images(nb) >= 5
+    assert images(nb) >= 6
 
 
 def test_decentralized_notebook_reads_a_comparison(kernel_env, tmp_path):

@@ -40,3 +40,57 @@ def test_race_refuses_an_unknown_method(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         race.main(["--methods", "allreduce,sgp", "--out", str(tmp_path)])
     assert e.value.code == 2 and "unknown sgp" in capsys.readouterr().err
+
+
+def _vcluster():
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        import vcluster
+    finally:
+        sys.path.remove(str(REPO / "experiments"))
+    return vcluster
+
+
+def test_race_netns_refuses_without_root_and_a_latency(tmp_path, capsys, monkeypatch):
+    vcluster = _vcluster()
+    monkeypatch.setattr(vcluster, "_cap_eff", lambda: 0)  # as an unprivileged user
+    assert race.main(["--mode", "netns", "--methods", "allreduce", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("race: error: --mode netns needs root (") and "re-run with sudo" in err
+    assert len(err.splitlines()) == 1
+    with pytest.raises(SystemExit) as e:
+        race.main(["--mode", "netns", "--latency", "5ms", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "the netns mode shapes the rate only" in capsys.readouterr().err
+
+
+def _netns_reason() -> str | None:
+    vcluster = _vcluster()
+    try:
+        vcluster.check_rights()
+    except vcluster.VClusterError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.skipif(_netns_reason() is not None, reason=f"needs network namespaces: {_netns_reason()}")
+def test_race_netns_stops_at_the_target(tmp_path, capsys):
+    """2 torchrun ranks behind a shaped link: the run stops at the first evaluation that
+    reaches the target (0 here) instead of running its 100 epochs."""
+    import secrets
+
+    out = tmp_path / "race"
+    assert race.main(["--mode", "netns", "--methods", "allreduce", "--nodes", "2", "--epochs", "100", "--data",
+                      "synthetic", "--target", "0", "--bandwidth", "100mbit", "--prefix", "r" + secrets.token_hex(3),
+                      "--out", str(out)]) == 0
+    res = json.loads((out / "race.json").read_text())
+    run = res["results"]["allreduce"]["runs"]["100mbit"]
+    assert res["mode"] == "netns" and run["ok"] and run["stopped_at_target"]
+    assert run["to_target"]["epoch"] == 1 and run["last_epoch"] < 100 and run["final_test_acc"] is None
+    t = run["to_target"]
+    assert t["time_s"] > 0 and t["bytes"] > 0
+    assert t["model_s"] == pytest.approx(run["points"][0]["compute_s"] + run["points"][0]["codec_s"]
+                                         + 1.05 * 8 * t["bytes"] / 1e8)
+    assert len(run["load_average"]) == 2
+    assert "\n| 100mbit | allreduce | fp32 | 1 |" in (out / "race.md").read_text()
+    assert (out / "allreduce@100mbit" / "metrics-rank0.jsonl").is_file()
+    assert "race: allreduce @ 100mbit: 0% at epoch 1 after" in capsys.readouterr().out

@@ -16,6 +16,7 @@ with ``from tests.conftest import ...``.
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import re
@@ -80,6 +81,13 @@ def run_process(
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def default_sigint() -> None:
+    """``preexec_fn`` for a child that a test interrupts with SIGINT: a shell starts a
+    background job (``make test &``) with SIGINT ignored, and the child would inherit
+    that; this gives it the default disposition a terminal's process has."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def torchrun(nproc: int, *args: str, timeout: float, cwd: Path | str | None = None,
              env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node nproc *args`` via :func:`run_process`, each
@@ -88,6 +96,7 @@ def torchrun(nproc: int, *args: str, timeout: float, cwd: Path | str | None = No
     ``--tee`` prefixes each rank's lines in the streams with ``[default<k>]:``; that
     prefix is removed, so the streams read as a user's terminal shows them."""
     logs = Path(tempfile.mkdtemp(prefix="torchrun-logs-"))
+    atexit.register(shutil.rmtree, logs, True)  # their tails are in any failure's message
     r = run_process([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                      "--log-dir", str(logs), "--tee", "3", *args], timeout=timeout, cwd=cwd, env=env)
     r.stdout, r.stderr = (re.sub(r"(?m)^\[default\d+\]:", "", t) for t in (r.stdout, r.stderr))

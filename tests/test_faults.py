@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from gossip import checkpoint
-from tests.conftest import child_env
+from tests.conftest import child_env, default_sigint
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,6 +47,7 @@ def _start(out: Path, cwd: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
            "--monitor-interval", "5", *RUN, "--out", str(out)]
     return subprocess.Popen(cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=default_sigint,
                             text=True, start_new_session=True)
 
 
@@ -185,6 +186,7 @@ def test_ctrl_c_of_a_simulated_run_exits_130_in_one_line(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, *RUN, "--simulate", "4", "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=default_sigint,
                             text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 240

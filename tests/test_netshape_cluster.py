@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, default_sigint
 
 VCLUSTER = REPO / "experiments" / "vcluster.py"
 
@@ -231,7 +231,7 @@ def test_cli_tears_down_on_signal(tmp_path, prefix, sig, code):
     p = subprocess.Popen(
         [sys.executable, str(VCLUSTER), "--nodes", "2", "--prefix", prefix, "--out", str(tmp_path),
          "--", "sleep", "30"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
     )
     try:
         deadline = time.monotonic() + 15

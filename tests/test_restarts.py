@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from gossip import checkpoint
-from tests.conftest import child_env, run_process
+from tests.conftest import child_env, run_process, torchrun, why
 
 RUN = ["-m", "gossip.train", "--algo", "ecd", "--bits", "8", "--topology", "ring", "--data", "synthetic",
        "--model", "logreg", "--epochs", "50", "--max-steps", "60", "--checkpoint-every", "20", "--log-every", "1",
@@ -48,8 +48,8 @@ def _children(pid: int) -> list[int]:
 
 def test_elastic_restart_after_sigkill_ends_bit_identical(tmp_path):
     ref = tmp_path / "uninterrupted"
-    r = run_process(_torchrun(4) + RUN + ["--out", str(ref)], timeout=300, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = torchrun(4, *RUN, "--out", str(ref), timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, why(r)
     out = tmp_path / "restarted"
     # the emulated latency makes the steps slow enough to kill a worker mid-run
     cmd = _torchrun(4, "--max-restarts", "3") + RUN + ["--out", str(out), "--resume", "auto",
@@ -72,9 +72,8 @@ def test_elastic_restart_after_sigkill_ends_bit_identical(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stderr[-3000:]
     assert "exitcode: -9" in stderr  # the agent saw the killed worker and restarted
-    r = run_process(_torchrun(4) + RUN + ["--out", str(ref_lat), "--emulate-latency", "20"], timeout=300,
-                    cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = torchrun(4, *RUN, "--out", str(ref_lat), "--emulate-latency", "20", timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, why(r)
     for rank in range(4):
         assert torch.equal(_params(out, 60, rank), _params(ref_lat, 60, rank))
         assert torch.equal(_params(out, 60, rank), _params(ref, 60, rank))  # latency changes no number

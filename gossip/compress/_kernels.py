@@ -603,7 +603,7 @@ def _checksum_eager(words, w):
     """The same sum, chunk by chunk through one kept scratch buffer: no temporary of
     the payload's size (integer sums are exact, so the order does not matter)."""
     m, n = words.shape
-    if n <= _CHECKSUM_CHUNK:
+    if n <= 1024:  # a small payload: its temporaries are small too
         return _checksum(words, w)
     key = (m, words.device)
     buf = _checksum_scratch.get(key)

@@ -78,6 +78,8 @@ METHODS: dict[str, list[str]] = {
     "localsgd": ["--algo", "localsgd"],
     "diloco": ["--algo", "diloco"],
     "diloco:4": ["--algo", "diloco", "--bits", "4", "--algo-opt", "error_feedback=true"],
+    "choco-top1": ["--algo", "choco", "--compressor", "topk:p=0.01"],
+    "sgp": ["--algo", "sgp", "--topology", "onepeer-exp"],
 }
 #: the shared recipe (SGD methods; diloco's inner AdamW takes its own lr below): with 30
 #: epochs it brings allreduce on 4 nodes to 94.6 % (seed 0); the demo's constant 0.05 for

@@ -38,8 +38,8 @@ def test_race_smoke(tmp_path, capsys):
 
 def test_race_refuses_an_unknown_method(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        race.main(["--methods", "allreduce,sgp", "--out", str(tmp_path)])
-    assert e.value.code == 2 and "unknown sgp" in capsys.readouterr().err
+        race.main(["--methods", "allreduce,slowmo", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "unknown slowmo" in capsys.readouterr().err
 
 
 def _vcluster():

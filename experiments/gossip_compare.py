@@ -37,8 +37,6 @@ modelled time at the first bandwidth). ``notebooks/decentralized.ipynb`` reads t
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import sys
@@ -68,17 +66,7 @@ RECIPE = ["--lr", "0.1", "--lr-schedule", "step", "--weight-decay", "1e-3", "--b
           "--partition", "sorted"]
 
 
-def _train(args: list[str]) -> tuple[int, str]:
-    """gossip.train in this process; its exit code and stderr."""
-    from gossip import train
-
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        try:
-            rc = train.main(args)
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc, err.getvalue()
+_train = race._train  # gossip.train in this process: its exit code and stderr
 
 
 def run_method(name: str, out: Path, nodes: int, common: list[str]) -> Path:

@@ -63,6 +63,7 @@ LABELS = {
     "dcd": "DCD-PSGD ({bits} bits)",
     "ecd": "ECD-PSGD ({bits} bits)",
     "dpsgd-onepeer": "D-PSGD, one-peer exponential graph (32 bits)",
+    "dpsgd-matching": "D-PSGD, a random perfect matching per step (32 bits)",
     "sgp": "SGP, one-peer exponential graph (32 bits)",
     "sgp-overlap": "Overlapped SGP, one-peer exponential graph (32 bits)",
     "choco-top1": "CHOCO-SGD, top-1% (0.64 bits)",
@@ -73,6 +74,7 @@ COMPRESSED = ("naive", "dcd", "ecd")
 #: sweep's --topology, so theirs wins)
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "dpsgd-onepeer": ("dpsgd", ["--topology", "onepeer-exp"]),
+    "dpsgd-matching": ("dpsgd", ["--topology", "matching"]),
     "sgp": ("sgp", ["--topology", "onepeer-exp"]),
     "sgp-overlap": ("sgp", ["--topology", "onepeer-exp", "--algo-opt", "overlap=1"]),
     # on the sweep's own (static) graph, at the default consensus step gamma = 0.1

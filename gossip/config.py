@@ -444,6 +444,7 @@ class TrainConfig:
         unknown = set(sections) - set(SECTIONS)
         if unknown:
             raise ConfigError(f"unknown config section(s) {sorted(unknown)}; sections: {', '.join(SECTIONS)}")
+        sections = {**sections, "comm": self._default_topology(sections)}
         for name, cls in SECTIONS.items():
             value = sections.get(name, {})
             if isinstance(value, Mapping):
@@ -456,6 +457,21 @@ class TrainConfig:
                 raise ConfigError(f"section {name!r} must be a {cls.__name__} or a table, got {type(value).__name__}")
             object.__setattr__(self, name, value)
         self._check_across()
+
+    @staticmethod
+    def _default_topology(sections: Mapping[str, Any]) -> Any:
+        """The [comm] section with ``topology`` filled in from the algorithm's default
+        (``onepeer-exp`` for sgp, else ``ring``) where it is not given."""
+        comm = sections.get("comm", {})
+        if not isinstance(comm, Mapping) or "topology" in comm:
+            return comm
+        alg = sections.get("algorithm", {})
+        name = alg.get("name", AlgorithmSection.name) if isinstance(alg, Mapping) else getattr(alg, "name", None)
+        from gossip import algorithms as _alg
+
+        if not isinstance(name, str) or name not in _alg.available():
+            return comm  # the algorithm section names the error
+        return {**comm, "topology": _alg.default_topology(name)}
 
     @classmethod
     def from_flat(cls, values: Mapping[str, Any] | None = None, /, **flat: Any) -> TrainConfig:
@@ -586,7 +602,7 @@ _HELP = {
     "algo": "training algorithm",
     "bits": "shorthand for --compressor quant:bits=BITS (algorithms with a compressor; default: the algorithm's, 8 bits for naive/dcd/ecd)",
     "compressor": "compressor spec, e.g. quant:bits=4,block=256, qsgd:levels=16, randk:p=0.1 (choco also: topk:p=0.01, sign)",
-    "topology": "communication graph of the decentralized algorithms",
+    "topology": "communication graph of the decentralized algorithms (default: onepeer-exp for sgp, ring otherwise)",
     "degree": "degree of the expander topology",
     "rows": "rows of the torus (with --cols)",
     "cols": "columns of the torus (with --rows)",
@@ -664,7 +680,8 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, **kw: Any) -> None:
         dflt = _flat_default(name)
         kw.setdefault("help", _HELP[name])
-        kw["help"] += f" (default: {'unset' if dflt is None else dflt})"
+        if "(default:" not in kw["help"]:
+            kw["help"] += f" (default: {'unset' if dflt is None else dflt})"
         p.add_argument("--" + name.replace("_", "-"), dest=name, **kw)
 
     add("algo", choices=list(algos))

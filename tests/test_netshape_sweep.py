@@ -89,8 +89,8 @@ class FakeLauncher:
     """Writes what a run under a shaped network would: time per step = bytes / rate + rounds x latency."""
 
     runs: list[str] = []
-    BYTES = {"allreduce": 1500, "dpsgd": 2000, "dcd": 520, "ecd": 520, "choco": 80}
-    ROUNDS = {"allreduce": 6, "dpsgd": 1, "dcd": 1, "ecd": 1, "choco": 1}
+    BYTES = {"allreduce": 1500, "dpsgd": 2000, "dcd": 520, "ecd": 520, "choco": 80, "sgp": 1000}
+    ROUNDS = {"allreduce": 6, "dpsgd": 1, "dcd": 1, "ecd": 1, "choco": 1, "sgp": 1}
 
     shaping, tcp_cc = "both", "reno"
 
@@ -179,6 +179,26 @@ def test_choco_cells_run_choco_with_their_compressor_on_the_sweeps_graph(tmp_pat
     assert "| choco-top1 | 5 | 1 | emulated |" in table and "| choco-sign | 5 | 1 | emulated |" in table
     assert f"| {2 * 0.64 / 32 / 1.5:.3f} |" in table  # the ideal ratio of top-1% on a ring of 4
     assert (out / "fig3.png").stat().st_size > 10_000
+
+
+def test_time_varying_and_sgp_cells_carry_their_flags(tmp_path, fake):
+    out = tmp_path / "sweep"
+    names = ["dpsgd-onepeer", "dpsgd-matching", "sgp", "sgp-overlap"]
+    assert sw.main(["--nodes", "4", "--algos", ",".join(["allreduce", *names]), "--bandwidth", "5mbit",
+                    "--latency", "1ms", "--steps", "8", "--warmup", "2", "--out", str(out)]) == 0
+    rows = {r["algo"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert set(rows) == {"allreduce", *names} and all(r["ok"] for r in rows.values())
+    flags = {"dpsgd-onepeer": "--algo dpsgd --topology ring --topology onepeer-exp",
+             "dpsgd-matching": "--algo dpsgd --topology ring --topology matching",
+             "sgp": "--algo sgp --topology ring --topology onepeer-exp",
+             "sgp-overlap": "--algo sgp --topology ring --topology onepeer-exp --algo-opt overlap=1"}
+    for name, want in flags.items():
+        cmd = (out / "cells" / rows[name]["cell"] / "command.txt").read_text()
+        assert want in cmd, cmd  # the variant's own graph comes after the sweep's, so it wins
+    table = (out / "results.md").read_text()
+    for name in names:  # one model per step on a one-peer graph: 1/1.5 of a ring all-reduce of 4
+        assert f"| {name} | 5 | 1 | emulated |" in table
+    assert table.count(f"| {1 / 1.5:.3f} |") == 4
 
 
 def test_failed_cell_is_reported_and_retried(tmp_path, fake, monkeypatch):

@@ -146,8 +146,8 @@ def test_sgp_simulation_equals_torchrun_bit_for_bit(overlap):
 
 def test_cli_sgp_overlap_resumes_bit_identically(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    common = ["--simulate", "4", "--algo", "sgp", "--algo-opt", "overlap=1", "--topology", "onepeer-exp",
-              *QUICK, "--epochs", "1"]
+    # no --topology: sgp's default graph is the directed one-peer exponential one
+    common = ["--simulate", "4", "--algo", "sgp", "--algo-opt", "overlap=1", *QUICK, "--epochs", "1"]
     r = train(*common, "--out", str(full))
     assert r.returncode == 0, r.stderr
     assert train(*common, "--out", str(part), "--max-steps", "3", "--checkpoint-every", "3").returncode == 0
@@ -160,3 +160,13 @@ def test_cli_sgp_overlap_resumes_bit_identically(tmp_path):
 
     runs, _ = analysis.load_runs(full)
     assert runs["label"].tolist() == ["sgp/fp32/onepeer-exp"]
+
+
+def test_sgp_defaults_to_onepeer_exp_and_a_given_topology_wins():
+    from gossip.config import TrainConfig
+
+    assert TrainConfig.from_flat(algo="sgp", simulate=4).comm.topology == "onepeer-exp"
+    assert TrainConfig(algorithm={"name": "sgp"}, comm={"simulate": 4}).comm.topology == "onepeer-exp"  # TOML tables
+    assert TrainConfig.from_flat(algo="sgp", simulate=4, topology="ring").comm.topology == "ring"
+    assert TrainConfig.from_flat(algo="dpsgd", simulate=4).comm.topology == "ring"
+    assert TrainConfig.from_flat(simulate=4).comm.topology == "ring"  # the default algorithm (ecd)

@@ -192,13 +192,14 @@ def test_dpsgd_on_time_varying_graph_matches_dense_reference(name):
         torch.testing.assert_close(Y, ref[t], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("algo", ["dcd", "ecd"])
-def test_replica_algorithms_refuse_time_varying_graphs_in_one_line(algo):
-    c = comm.SimulatedCommunicator(topologies.build("onepeer-exp", 4))
+@pytest.mark.parametrize("topology", ["onepeer-exp", "matching"])
+@pytest.mark.parametrize("algo", ["dcd", "ecd", "choco"])
+def test_replica_algorithms_refuse_time_varying_graphs_in_one_line(algo, topology):
+    c = comm.SimulatedCommunicator(topologies.build(topology, 4))
     with pytest.raises(ValueError, match=f"^{algo} keeps replicas of fixed neighbours .*time-varying") as e:
         algorithms.build(algo, c)
     assert "\n" not in str(e.value)
-    assert algorithms.DCD.needs_static_graph and algorithms.ECD.needs_static_graph
+    assert algorithms.DCD.needs_static_graph and algorithms.ECD.needs_static_graph and algorithms.Choco.needs_static_graph
     assert not algorithms.DPSGD.needs_static_graph and not algorithms.Naive.needs_static_graph
     assert not algorithms.SGP.needs_static_graph
 

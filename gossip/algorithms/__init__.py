@@ -169,6 +169,11 @@ def local_optimizer_default(name: str) -> str:
     return _lookup(name)[0].local_optimizer_default
 
 
+def default_topology(name: str) -> str:
+    """The CLI's --topology when it is unset: "ring", or "onepeer-exp" for sgp."""
+    return _lookup(name)[0].default_topology
+
+
 #: the EF family's scheduling options: with ``merge`` set, ``build`` returns MergeComp
 #: (papers/004) scheduling that algorithm group by group
 MERGE_OPTIONS = ("merge", "merge_max_groups", "merge_alpha", "merge_profile_steps", "merge_trial_steps")

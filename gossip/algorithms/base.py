@@ -206,6 +206,9 @@ class Algorithm:
     #: True where the algorithm keeps replicas or estimates of fixed neighbours (DCD, ECD,
     #: CHOCO): it is refused a time-varying topology (``topologies.TimeVaryingTopology``)
     needs_static_graph: ClassVar[bool] = False
+    #: the CLI's ``--topology`` when it is unset (SGP: its paper's directed one-peer
+    #: exponential graph); the library takes whatever topology it is handed
+    default_topology: ClassVar[str] = "ring"
 
     def __init__(self, config: Any, comm: Any) -> None:
         topo = getattr(comm, "topology", None)

@@ -91,6 +91,7 @@ class SGP(Algorithm):
     name = "sgp"
     summary = "SGP: push-sum gossip with de-biased models; overlap=1 hides a step of communication"
     needs_static_graph: ClassVar[bool] = False
+    default_topology: ClassVar[str] = "onepeer-exp"
 
     def __init__(self, config: SGPConfig, comm: Any) -> None:
         super().__init__(config, comm)

@@ -373,12 +373,29 @@ def test_two_real_processes_equal_the_simulation_for_every_algorithm():
     assert results[0][1] == results[1][1] > 0
 
 
+#: the CLI flags of each torchrun test below (10 steps: rounds of 4 end at steps 4 and 8
+#: and the run stops mid-round)
+TORCHRUN_CASES = {
+    # streaming DiLoCo with 4-bit pseudo-gradients and error feedback, inner AdamW
+    "diloco": ["--algo", "diloco", "--bits", "4", "--algo-opt", "error_feedback=true", "--algo-opt", "fragments=2",
+               "--algo-opt", "local_steps=4"],
+    "localsgd": ["--algo", "localsgd", "--algo-opt", "local_steps=4"],
+    "slowmo": ["--algo", "slowmo", "--algo-opt", "local_steps=4", "--algo-opt", "slow_momentum=0.5"],
+    # the gossip variant: D-PSGD on the complete graph of 2 every 4th step
+    "dpsgd-local": ["--algo", "dpsgd", "--topology", "complete", "--algo-opt", "local_steps=4"],
+    "choco-local": ["--algo", "choco", "--topology", "complete", "--compressor", "topk:p=0.1",
+                    "--algo-opt", "local_steps=4"],
+    # overlapped SGP on its default graph (one-peer exponential): messages in flight at the end
+    "sgp-overlap": ["--algo", "sgp", "--algo-opt", "overlap=1"],
+}
+
+
 @pytest.mark.multiprocess
-def test_torchrun_diloco_equals_the_simulation(tmp_path):
-    """The CLI under torchrun, 2 ranks: streaming DiLoCo with 4-bit pseudo-gradients and
-    error feedback, inner AdamW, ends where the 2-node simulation ends, bit for bit."""
-    args = ["--algo", "diloco", "--bits", "4", "--algo-opt", "error_feedback=true", "--algo-opt", "fragments=2",
-            "--algo-opt", "local_steps=4", "--max-steps", "10", *QUICK]
+@pytest.mark.parametrize("case", list(TORCHRUN_CASES))
+def test_torchrun_equals_the_simulation(tmp_path, case):
+    """The CLI under torchrun, 2 ranks, ends where the 2-node simulation ends, bit for
+    bit, with the same bytes."""
+    args = [*TORCHRUN_CASES[case], "--max-steps", "10", *QUICK]
     r = torchrun(2, *args, "--out", str(tmp_path / "dist"))
     assert r.returncode == 0, why(r)
     r = train_process("--simulate", "2", *args, "--out", str(tmp_path / "sim"))

@@ -3,9 +3,9 @@
 Push-sum over a column-stochastic mixing matrix ``P(t)``, here the topology's
 ``W(t)`` (every topology of ``topologies`` is doubly stochastic, so column-stochastic;
 the default graph in the paper, and the one to pick, is the directed one-peer
-exponential graph ``--topology onepeer-exp``: keep half, send half). Node i keeps a
-numerator ``x_i`` and a push-sum weight ``w_i`` (1 at the start); the model its
-optimizer steps on is the de-biased ``z_i = x_i / w_i``.
+exponential graph ``--topology onepeer-exp``, the CLI's default for sgp: keep half,
+send half). Node i keeps a numerator ``x_i`` and a push-sum weight ``w_i`` (1 at the
+start); the model its optimizer steps on is the de-biased ``z_i = x_i / w_i``.
 
 Step t (t = 1, 2, ...; the graph of step t is ``P = W(t - 1)``), overlap 0:
 

@@ -1,0 +1,54 @@
+"""What a compressor's first call costs in a fresh process: compiling, on an empty or a
+warm inductor cache.
+
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python experiments/cold_start.py quant:bits=8 quant:bits=4 identity
+    python experiments/cold_start.py --numel 1048576 quant:bits=8      # below auto's compile-at-once size
+
+For each spec: the time of the first ``encode`` + ``decode`` of one row of ``--numel``
+values (default 2**23, above the 2**22 from which the ``auto`` backend compiles at
+once) and of the second one, in this process, one thread. Run it twice with the same
+``TORCHINDUCTOR_CACHE_DIR`` to see a warm cache's first call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+import gossip.compress as gc
+from gossip.compress import _kernels
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("specs", nargs="+", help="compressor specs, e.g. quant:bits=8")
+    p.add_argument("--numel", type=int, default=1 << 23)
+    args = p.parse_args(argv)
+    if args.numel < 1:
+        p.error(f"--numel must be positive, got {args.numel}")
+    torch.set_num_threads(1)
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "(torch's default)")
+    print(f"torch {torch.__version__}, 1 thread, {args.numel} values, backend {_kernels.get_backend()}, "
+          f"inductor cache {cache}, load average (1 min) {os.getloadavg()[0]:.2f}")
+    x = torch.randn(1, args.numel, generator=torch.Generator().manual_seed(0))
+    keys = torch.tensor([1])
+    for spec in args.specs:
+        try:
+            c = gc.build(spec)
+        except ValueError as e:
+            p.error(str(e))
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            c.decode(c.encode(x, keys), args.numel)
+            times.append(time.perf_counter() - t0)
+        print(f"{spec:24s} first encode+decode {times[0]:7.2f} s, second {times[1]:.3f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

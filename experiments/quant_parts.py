@@ -1,0 +1,123 @@
+"""Where the time of an 8-bit quant round trip goes, and the bound of its design.
+
+    python experiments/quant_parts.py [--numel 16777216] [--reps 9]
+
+One thread, one row of standard normal fp32 values, minimum of interleaved repeats;
+every figure is also given as a fraction of a memcpy of the same tensor timed in the
+same run. It times the whole ``quant:bits=8`` encode and decode (``out=`` buffers, the
+default ``auto`` backend, as ``bench_compress.py``) and, compiled the same way as the
+encoder's kernel, its parts:
+
+- ``min/max``: the block's range, one read of the input;
+- ``round``: scaling, the 24-bit counter hash of every element's index, the rounding
+  and the store of the codes, with the tie flag reduced (the encoder's second loop);
+- ``round, digit given``: the same with the hash replaced by a constant digit, so the
+  difference is the hash's cost;
+- ``round, no tie flag`` and ``round, digit given, no tie flag``: the same without the
+  reduction that tells whether any element needs a second digit;
+- ``checksum``: the payload's integrity sum, which the encoder writes and the decoder
+  checks (so a round trip pays it twice).
+
+The last line is the round trip's bound for this design, ``min/max + round + decode``
+at the measured speeds, as a fraction of memcpy (the speed target is 1/4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+import gossip.compress as gc
+from gossip.compress import _kernels as K
+from gossip.compress import _random as R
+from gossip.compress import wire
+
+
+def _best(fns: dict, reps: int) -> dict:
+    """Minimum time of each function over ``reps`` interleaved rounds."""
+    best = {k: float("inf") for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--numel", type=int, default=1 << 24)
+    p.add_argument("--reps", type=int, default=9)
+    args = p.parse_args(argv)
+    if args.numel < 1 or args.reps < 1:
+        p.error("--numel and --reps must be positive")
+    torch.set_num_threads(1)
+    load = os.getloadavg()[0]
+    print(f"torch {torch.__version__}, 1 thread, {args.numel} elements; load average (1 min) {load:.2f}"
+          + ("  WARNING: above 0.3, figures are not the machine's own" if load > 0.3 else ""))
+
+    n = args.numel
+    x = torch.randn(1, n, generator=torch.Generator().manual_seed(0))
+    x3 = x.view(1, 1, n)
+    dst = torch.empty_like(x)
+    c = gc.build("quant:bits=8")
+    keys = torch.tensor([12345])
+    P = c.encode(x, keys)
+    Y = torch.empty_like(x)
+    codes = torch.empty(1, 1, n, dtype=torch.uint8)
+    L = float(c.levels)
+    a, R_, s = K._scales(x3, L, 0)
+    s1, s2 = (v.view(1, 1, 1) for v in R.seeds32(torch.tensor([7])))
+    base = torch.tensor(0, dtype=torch.int32)
+    u0 = torch.full((1, 1, 1), 5_000_000, dtype=torch.int32)
+
+    def round_(x, a, s, s1, s2, base, out, hashed: bool, flag: bool):
+        u = R.hash24(K._index(x, base), s1, s2) if hashed else u0
+        lvl, tie = K._round_half(x, a, s, u, 255.0, 0)
+        out.copy_(lvl)
+        return tie.amax() if flag else None
+
+    compiled = {}
+    for hashed in (True, False):
+        for flag in (True, False):
+            f = torch.compile(lambda *t, h=hashed, g=flag: round_(*t, hashed=h, flag=g), dynamic=False)
+            compiled[(hashed, flag)] = f
+    minmax = torch.compile(lambda x: (x.amin(dim=-1), x.amax(dim=-1)), dynamic=False)
+
+    fns = {
+        "memcpy": lambda: dst.copy_(x),
+        "encode": lambda: c.encode(x, keys, out=P),
+        "decode": lambda: c.decode(P, n, out=Y),
+        "min/max": lambda: minmax(x3),
+        "round": lambda: compiled[(True, True)](x3, a, s, s1, s2, base, codes),
+        "round, digit given": lambda: compiled[(False, True)](x3, a, s, s1, s2, base, codes),
+        "round, no tie flag": lambda: compiled[(True, False)](x3, a, s, s1, s2, base, codes),
+        "round, digit given, no tie flag": lambda: compiled[(False, False)](x3, a, s, s1, s2, base, codes),
+        "checksum": lambda: wire.checksum(P),
+    }
+    for f in fns.values():  # compile and fault every buffer in
+        f()
+    t = _best(fns, args.reps)
+    mem = t["memcpy"]
+    print(f"{'part':34s} {'ms':>8s} {'/ memcpy':>9s}")
+    for k, v in t.items():
+        print(f"{k:34s} {v * 1e3:8.2f} {v / mem:9.2f}")
+    gbs = x.numel() * 4 / mem / 1e9
+    rt = t["encode"] + t["decode"]
+    bound = t["min/max"] + t["round"] + t["decode"]
+    print(f"memcpy {gbs:.2f} GB/s; round trip encode+decode {rt * 1e3:.2f} ms = {mem / rt:.3f} of memcpy speed; "
+          f"the hash costs {(t['round'] - t['round, digit given']) * 1e3:.2f} ms, the tie flag "
+          f"{(t['round'] - t['round, no tie flag']) * 1e3:.2f} ms, the two checksums "
+          f"{2 * t['checksum'] * 1e3:.2f} ms = {2 * t['checksum'] / rt:.1%} of the round trip")
+    print(f"bound of this design (min/max + round + decode): {bound * 1e3:.2f} ms = {mem / bound:.3f} of memcpy speed")
+    load = os.getloadavg()[0]
+    print(f"load average (1 min) at the end: {load:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

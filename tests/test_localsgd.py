@@ -381,8 +381,7 @@ TORCHRUN_CASES = {
                "--algo-opt", "local_steps=4"],
     "localsgd": ["--algo", "localsgd", "--algo-opt", "local_steps=4"],
     "slowmo": ["--algo", "slowmo", "--algo-opt", "local_steps=4", "--algo-opt", "slow_momentum=0.5"],
-    # the gossip variant: D-PSGD on the complete graph of 2 every 4th step
-    "dpsgd-local": ["--algo", "dpsgd", "--topology", "complete", "--algo-opt", "local_steps=4"],
+    # the gossip variant (dpsgd's is in test_two_real_processes_equal_the_simulation_for_every_algorithm)
     "choco-local": ["--algo", "choco", "--topology", "complete", "--compressor", "topk:p=0.1",
                     "--algo-opt", "local_steps=4"],
     # overlapped SGP on its default graph (one-peer exponential): messages in flight at the end

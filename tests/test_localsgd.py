@@ -395,9 +395,14 @@ def test_torchrun_equals_the_simulation(tmp_path, case):
     """The CLI under torchrun, 2 ranks, ends where the 2-node simulation ends, bit for
     bit, with the same bytes."""
     args = [*TORCHRUN_CASES[case], "--max-steps", "10", *QUICK]
-    r = torchrun(2, *args, "--out", str(tmp_path / "dist"))
+    r = torchrun(2, *args, "--out", str(tmp_path / "dist"))  # one thread per rank
     assert r.returncode == 0, why(r)
-    r = train_process("--simulate", "2", *args, "--out", str(tmp_path / "sim"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the twin in this process, with the ranks' thread count
+    try:
+        r = train("--simulate", "2", *args, "--out", str(tmp_path / "sim"))
+    finally:
+        torch.set_num_threads(threads)
     assert r.returncode == 0, r.stderr
     assert torch.equal(final_params(tmp_path / "dist"), final_params(tmp_path / "sim"))
     a = json.loads((tmp_path / "dist" / "summary.json").read_text())

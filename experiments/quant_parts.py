@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     Y = torch.empty_like(x)
     codes = torch.empty(1, 1, n, dtype=torch.uint8)
     L = float(c.levels)
-    a, R_, s = K._scales(x3, L, 0)
+    a, _, s = K._scales(x3, L, 0)
     s1, s2 = (v.view(1, 1, 1) for v in R.seeds32(torch.tensor([7])))
     base = torch.tensor(0, dtype=torch.int32)
     u0 = torch.full((1, 1, 1), 5_000_000, dtype=torch.int32)

@@ -593,6 +593,14 @@ _FLAT_ORDER = (
 assert set(_FLAT_ORDER) == set(FLAT_KEYS), "every flat key has its place in config.json"
 
 
+#: defaults that depend on other flags, as --help states them (TrainConfig fills them in)
+_DEFAULT_TEXT = {
+    "topology": "onepeer-exp for sgp, ring otherwise",
+    "weights": "uniform when regular",
+    "model": "cnn1d for mnist1d, resnet20 for cifar10, logreg for synthetic, mlp for your own data",
+}
+
+
 def _flat_default(key: str) -> Any:
     sec, fld = FLAT_KEYS[key]
     return SECTIONS[sec].__dataclass_fields__[fld].default
@@ -602,14 +610,13 @@ _HELP = {
     "algo": "training algorithm",
     "bits": "shorthand for --compressor quant:bits=BITS (algorithms with a compressor; default: the algorithm's, 8 bits for naive/dcd/ecd)",
     "compressor": "compressor spec, e.g. quant:bits=4,block=256, qsgd:levels=16, randk:p=0.1 (choco also: topk:p=0.01, sign)",
-    "topology": "communication graph of the decentralized algorithms (default: onepeer-exp for sgp, ring otherwise)",
+    "topology": "communication graph of the decentralized algorithms",
     "degree": "degree of the expander topology",
     "rows": "rows of the torus (with --cols)",
     "cols": "columns of the torus (with --rows)",
-    "weights": "mixing weights: uniform (regular graphs) or metropolis (default: uniform when regular)",
+    "weights": "mixing weights: uniform (regular graphs) or metropolis",
     "lazy": "use the lazy matrix (I+W)/2",
-    "model": "model (default: cnn1d for mnist1d, resnet20 for cifar10, logreg for synthetic, mlp for your "
-    "own data), or your own as module.path:function, called as function(input_shape, num_classes) and "
+    "model": "model, or your own as module.path:function, called as function(input_shape, num_classes) and "
     "returning a torch.nn.Module",
     "data": "data set, or your own as module.path:function, called as function(seed) and returning a "
     "gossip.data.Dataset or ((x_train, y_train), (x_test, y_test))",
@@ -678,10 +685,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="TOML file with the same keys as the flags; flags override it")
 
     def add(name: str, **kw: Any) -> None:
-        dflt = _flat_default(name)
+        dflt = _DEFAULT_TEXT.get(name, _flat_default(name))
         kw.setdefault("help", _HELP[name])
-        if "(default:" not in kw["help"]:
-            kw["help"] += f" (default: {'unset' if dflt is None else dflt})"
+        kw["help"] += f" (default: {'unset' if dflt is None else dflt})"
         p.add_argument("--" + name.replace("_", "-"), dest=name, **kw)
 
     add("algo", choices=list(algos))

@@ -174,11 +174,11 @@ def test_tensorboard_missing_says_how_to_install(tmp_path):
     assert len(lines) == 1 and "gossip[tensorboard]" in lines[0] and "Traceback" not in r.stderr
 
 
-def test_the_readme_example_runs_as_written(tmp_path):
+def test_the_cli_guide_example_runs_as_written(tmp_path):
     from tests.conftest import REPO
 
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("### Your own model and data"):text.index("### TensorBoard")]
+    text = (REPO / "docs" / "cli.md").read_text(encoding="utf-8")
+    section = text[text.index("## Your own model and data"):text.index("## TensorBoard")]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     command = section.split("```\npython -m gossip.train", 1)[1].split("```", 1)[0].split()
     (tmp_path / "my_code.py").write_text(code)

@@ -365,6 +365,7 @@ def _curve(run_dir: Path, metric: str) -> dict:
             p["test_acc"] = recs[p["step"]][metric]
     summary = rundir.read_json(rundir.summary_path(run_dir))
     c["final"] = summary.get(f"final_{metric}")
+    c["params"] = summary.get("params")
     return c
 
 
@@ -410,7 +411,7 @@ def analyse(spec: Spec, out: Path) -> dict:
                     if rec is None or rec["status"] != "ok" or rec.get("lr") != lr:
                         continue
                     c = _curve(rd, wl.metric)
-                    seeds[s] = {"final": c["final"], "wire": c["wire"]["label"],
+                    seeds[s] = {"final": c["final"], "wire": c["wire"]["label"], "params": c["params"],
                                 "curve": [{"step": p["step"], "metric": p["test_acc"], "bytes": p["bytes"],
                                            "compute_s": p["compute_s"], "codec_s": p["codec_s"]} for p in c["points"]],
                                 "links": {}}
@@ -434,7 +435,9 @@ def analyse(spec: Spec, out: Path) -> dict:
                                    "flags": list(m.flags), "source": m.source,
                                    "wire": next(iter(seeds.values()))["wire"] if seeds else None}
             per_n[str(n)] = {"methods": methods, "verdicts": _verdicts(methods, links)}
-        result["workloads"][wl.name] = {"nodes": per_n, "target": wl.target, "metric": wl.metric,
+        params = next((sd["params"] for nd in per_n.values() for r in nd["methods"].values()
+                       for sd in r.get("seeds", {}).values() if sd.get("params")), None)
+        result["workloads"][wl.name] = {"nodes": per_n, "target": wl.target, "metric": wl.metric, "params": params,
                                         "epochs": wl.epochs, "tune_epochs": wl.tune_epochs,
                                         "samples_per_node": wl.samples_per_node, "model": wl.model, "data": wl.data}
     result["protocol"] = {"lr_factors": list(spec.lr_factors), "tune_seed": spec.tune_seed, "seeds": list(spec.seeds),

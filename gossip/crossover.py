@@ -263,6 +263,10 @@ def _parser() -> argparse.ArgumentParser:
                    "cycles of the algorithms that communicate every H steps (default 3)")
     p.add_argument("--json", action="store_true", help="print the table as JSON instead")
     p.add_argument("--plot", metavar="FILE.png", help="draw step time against bandwidth, crossovers marked")
+    p.add_argument("--benchmark", metavar="FILE", help="a benchmark.json of experiments/benchmark.py: print, for each "
+                   "--bandwidth and --latency at --world-size, the methods that reached the target fastest there "
+                   "(nearest benchmarked point, with their 95 %% intervals) before measuring")
+    p.add_argument("--benchmark-only", action="store_true", help="with --benchmark: print its answer, measure nothing")
     return p
 
 
@@ -377,14 +381,49 @@ def plot(res: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _leaderboard_error() -> type[Exception]:
+    from gossip.leaderboard import LeaderboardError
+
+    return LeaderboardError
+
+
+def _benchmark_answer(args: argparse.Namespace, say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The benchmark's measured answer at each requested link (see gossip.leaderboard)."""
+    from gossip import leaderboard
+
+    res = leaderboard.load(args.benchmark)
+    params = args.params
+    if args.model is not None:
+        factory = model_factory(args.model, None)[0]
+        params = sum(p.numel() for p in factory().parameters())
+    out = []
+    for b in (parse_rate(x) for x in args.bandwidth.split(",")):
+        for t in (parse_time(x) for x in args.latency.split(",")):
+            ans = leaderboard.answer(res, b, t, args.world_size, params)
+            say(leaderboard.render(ans, b, t, args.world_size))
+            out.append({"bandwidth": b, "latency": t, "answer": ans})
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
     try:
         if args.plot:
             import matplotlib  # noqa: F401  (fail before the measurements, not after)
+        measured_answer = None
+        if args.benchmark:
+            measured_answer = _benchmark_answer(args, say)
+        elif args.benchmark_only:
+            raise CrossoverError("--benchmark-only needs --benchmark FILE")
+        if args.benchmark_only:
+            if args.json:
+                print(json.dumps({"benchmark": measured_answer}, indent=1))
+            return 0
         res = run(args, say)
-    except CrossoverError as e:
+        if measured_answer is not None:
+            res["benchmark"] = measured_answer
+    except (CrossoverError, _leaderboard_error()) as e:
         print(f"gossip.crossover: error: {e}", file=sys.stderr)
         return 2
     except ImportError as e:

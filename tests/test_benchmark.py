@@ -110,3 +110,25 @@ def test_a_bad_spec_is_one_line(tmp_path, capsys):
     (tmp_path / "s.toml").write_text(SPEC.replace('"10mbit", "1gbit"', '"fast"'))
     assert benchmark.main(["run", "--spec", str(tmp_path / "s.toml"), "--out", str(tmp_path / "o")]) == 2
     assert "bandwidth 'fast'" in capsys.readouterr().err
+
+
+def test_crossover_answers_from_the_benchmark(bench, capsys):
+    """``gossip.crossover --benchmark``: the fastest methods at the nearest benchmarked point,
+    in the benchmark's own order, and how far the user's model is from the benchmarked one."""
+    from gossip import crossover, leaderboard
+
+    _, out, _ = bench
+    res = leaderboard.load(out / "benchmark.json")
+    ans = leaderboard.answer(res, 12e6, 0.008, 3, params=10 * res["workloads"]["blobs"]["params"] + 1)
+    assert len(ans) == 1 and ans[0]["link"] == "10mbit@10ms" and ans[0]["nodes"] == 2
+    stats = res["workloads"]["blobs"]["nodes"]["2"]["methods"]
+    want = sorted((m for m in stats if stats[m]["links"]["10mbit@10ms"]["all_reached"]),
+                  key=lambda m: stats[m]["links"]["10mbit@10ms"]["time_s"]["mean"])
+    assert [m["method"] for m in ans[0]["methods"]] == want
+    assert ans[0]["size_ratio"] > 10
+    rc = crossover.main(["--benchmark", str(out / "benchmark.json"), "--benchmark-only", "--bandwidth", "1gbit",
+                         "--latency", "0", "--world-size", "2", "--params", "5000"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "nearest benchmarked point (1gbit@0, 2 nodes)" in text and "1. " in text
+    assert crossover.main(["--benchmark", str(out / "missing.json"), "--benchmark-only"]) == 2
+    assert capsys.readouterr().err.strip().endswith("cannot read it (No such file or directory)")

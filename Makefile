@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: setup demo topologies-demo test clean
+.PHONY: setup demo topologies-demo test docs docs-serve clean
 
 setup: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -e ".[dev]" "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[dev,docs]" "torch==$(TORCH_VERSION)"
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 
@@ -32,5 +32,13 @@ topologies-demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+# The documentation site (MkDocs Material, API reference by mkdocstrings) into site/,
+# strict: a broken link or reference fails the build. docs-serve rebuilds on every edit.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --strict --dev-addr 127.0.0.1:8000
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

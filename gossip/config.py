@@ -671,6 +671,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``gossip.train`` argument parser; the choices come from the registries."""
     algos, comps, topos, mdls, datas = _registries()
     p = _Parser(
         prog="gossip.train",
@@ -806,6 +807,8 @@ def _load_toml(path: str) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """A validated TrainConfig from command-line flags, merged over ``--config FILE``
+    (flags win; ``--algo-opt`` key by key). Raises ConfigError naming the bad value."""
     ns = vars(build_parser().parse_args(argv))
     values: dict[str, Any] = {}
     cfg_path = ns.pop("config", None)

@@ -89,6 +89,9 @@ def fmt_rate(bps: float) -> str:
 # ------------------------------------------------------------------------------ measuring
 @dataclass(frozen=True)
 class Candidate:
+    """An algorithm to measure, with its compressor spec (None: the algorithm's default);
+    written ``algo@compressor`` on the command line."""
+
     algo: str
     compressor: str | None = None
 
@@ -406,6 +409,7 @@ def _benchmark_answer(args: argparse.Namespace, say: Callable[[str], None]) -> l
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m gossip.crossover``: measure, model and print (or ``--json``/``--plot``); the exit code."""
     args = _parser().parse_args(argv)
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
     try:

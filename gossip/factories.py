@@ -42,6 +42,7 @@ class FactoryError(ValueError):
 
 
 def is_factory(name: Any) -> bool:
+    """Whether ``name`` names a user's callable (``module:function``) rather than a built-in."""
     return isinstance(name, str) and ":" in name
 
 

@@ -85,18 +85,22 @@ class RunDirError(ValueError):
 
 
 def config_path(run_dir: str | Path) -> Path:
+    """``config.json`` of the run directory."""
     return Path(run_dir) / CONFIG
 
 
 def summary_path(run_dir: str | Path) -> Path:
+    """``summary.json`` of the run directory."""
     return Path(run_dir) / SUMMARY
 
 
 def metrics_path(run_dir: str | Path, rank: int) -> Path:
+    """The metrics file (JSON lines) of ``rank``."""
     return Path(run_dir) / _METRICS.format(int(rank))
 
 
 def error_log_path(run_dir: str | Path, rank: int) -> Path:
+    """The file that holds the full detail (traceback) of ``rank``'s failure."""
     return Path(run_dir) / _ERROR_LOG.format(rank)
 
 
@@ -123,6 +127,7 @@ _TB_TAGS = {
 
 
 def tensorboard_dir(out: str | Path) -> Path:
+    """The TensorBoard event directory of the run (``--tensorboard``)."""
     return Path(out) / TENSORBOARD_DIR
 
 
@@ -163,6 +168,8 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_json(path: Path, what: str | None = None) -> dict:
+    """The JSON object in ``path``; RunDirError in one line (naming ``what``) if it is
+    unreadable, not JSON or not an object."""
     what = what or Path(path).name
     try:
         obj = json.loads(Path(path).read_text())

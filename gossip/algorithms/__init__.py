@@ -151,6 +151,7 @@ def _lookup(name: str) -> tuple[type[Algorithm], type]:
 
 
 def config_class(name: str) -> type:
+    """The Config dataclass of the registered algorithm ``name`` (its options and defaults)."""
     return _lookup(name)[1]
 
 

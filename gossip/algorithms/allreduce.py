@@ -20,6 +20,8 @@ __all__ = ["AllReduce", "AllReduceConfig", "AllReduceState"]
 
 @dataclass(frozen=True, kw_only=True)
 class AllReduceConfig:
+    """Options of ``allreduce``: only the seed (kept for a uniform interface)."""
+
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -28,10 +30,15 @@ class AllReduceConfig:
 
 @dataclass
 class AllReduceState:
+    """The step count ``t`` (1 before the first step)."""
+
     t: int
 
 
 class AllReduce(Algorithm):
+    """C-PSGD: all-reduce the mean of the full-precision gradients; every node then takes
+    the same local optimizer step, so the models stay identical (see the module)."""
+
     name = "allreduce"
     acts_on = "gradient"
     decentralized = False

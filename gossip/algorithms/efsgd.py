@@ -166,6 +166,9 @@ class EFState:
 
 @dataclass
 class SignState:
+    """State of ``signsgd``/``signum``: step count, step sizes (this and the previous step)
+    and the local momentum buffer, one row per hosted node."""
+
     t: int
     lr: float
     prev_lr: float
@@ -265,6 +268,9 @@ class DistEFSGD(_Centralized):
 
 
 class EFBlockSGD(DistEFSGD):
+    """dist-EF-blockSGD: dist-EF-SGD with the blockwise sign compressor, one block and one
+    L1 scale per tensor, error feedback on the workers and on the server."""
+
     name = "efblocksgd"
     summary = "dist-EF-blockSGD (papers/000 Alg. 3): blockwise sign per tensor, two-way error feedback"
 
@@ -273,6 +279,9 @@ class EFBlockSGD(DistEFSGD):
 
 
 class EFBlockSGDM(EFBlockSGD):
+    """dist-EF-blockSGDM: dist-EF-blockSGD with Nesterov momentum applied by the
+    algorithm (the local optimizer must have none)."""
+
     name = "efblocksgdm"
     summary = "dist-EF-blockSGDM (papers/000 Alg. 4): blockwise sign with Nesterov momentum and error feedback"
 
@@ -331,5 +340,8 @@ class SignSGD(_Centralized):
 
 
 class Signum(SignSGD):
+    """Signum with majority vote: the sign of each worker's local momentum is pushed
+    (1 bit per value) and the sign of the sum of the votes is the direction."""
+
     name = "signum"
     summary = "Signum with majority vote (baseline of papers/000): sign of local momentum, 1-bit pushes"

@@ -22,6 +22,8 @@ class _NoParams(Config):
 
 @register
 class Identity(Compressor):
+    """No compression: the fp32 values as they are (unbiased, linear, omega = 0)."""
+
     name = "identity"
     cid = 1
     description = "no compression: the fp32 values (unbiased, linear)"

@@ -23,6 +23,8 @@ __all__ = ["QSGD", "QSGDConfig"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QSGDConfig(Config):
+    """Options of ``qsgd``: ``levels`` s (1..32767) and the ``block`` size (None: the whole row)."""
+
     levels: int = 16  # s: quantization levels of |x_i| / ||x||
     block: int | None = None  # elements per block; None = the whole row
 
@@ -35,6 +37,9 @@ class QSGDConfig(Config):
 
 @register
 class QSGD(Compressor):
+    """QSGD: per block, |x_i| / ||x||_2 * s rounded stochastically to one of s + 1 levels,
+    with the sign bit and the block's fp32 norm (unbiased; see the module)."""
+
     name = "qsgd"
     cid = 4
     description = "QSGD: s levels of |x_i|/||x||_2 per block plus a sign bit, stochastic rounding, unbiased"

@@ -33,6 +33,8 @@ __all__ = ["Quant", "QuantConfig"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantConfig(Config):
+    """Options of ``quant``: ``bits`` per value (1..16) and the ``block`` size (None: the whole row)."""
+
     bits: int = 8
     block: int | None = None  # elements per block; None = the whole row
 
@@ -44,6 +46,9 @@ class QuantConfig(Config):
 
 @register
 class Quant(Compressor):
+    """Stochastic uniform quantization: 2**bits levels over each block's [min, max],
+    rounded up or down with the probabilities that make it unbiased (see the module)."""
+
     name = "quant"
     cid = 3
     description = "stochastic uniform quantizer, 2**bits levels over each block's [min, max], unbiased"

@@ -162,6 +162,9 @@ def _decode_chunks(signs: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockSignConfig(Config):
+    """Options of ``blocksign``: the blocks as start ``offsets`` (first 0, increasing) or a
+    fixed ``block`` size; neither: one block per row."""
+
     offsets: tuple[int, ...] | None = None  # block start offsets, first 0, strictly increasing
     block: int | None = None  # or: fixed block size
 
@@ -185,6 +188,9 @@ class BlockSignConfig(Config):
 
 @register
 class BlockSign(Compressor):
+    """Blockwise sign: each block sent as its signs (1 bit per value) and one scale, the
+    mean absolute value of the block (biased, a delta-contraction)."""
+
     name = "blocksign"
     cid = 8
     description = "blockwise sign with one L1 scale per block (papers/000 sec. 3.2), 1 bit per value, biased"
@@ -252,6 +258,8 @@ class BlockSign(Compressor):
 
 @register
 class Sign(BlockSign):
+    """Scaled sign, ||x||_1 / d * sign(x): ``blocksign`` with one block per row."""
+
     name = "sign"
     cid = 7
     description = "||v||_1/d * sign(v) (papers/000 eq. 1, papers/001 Sign+Norm), 1 bit per value, biased"

@@ -77,10 +77,14 @@ def _count_config(name: str, default_p: float):
                     self._fail("k", "must be an integer >= 1")
 
     _Cfg.__name__ = _Cfg.__qualname__ = name.capitalize() + "Config"
+    _Cfg.__doc__ = (f"Options of ``{name}``: the fraction ``p`` of coordinates kept, in (0, 1], or their "
+                    f"number ``k``; neither: p = {default_p}.")
     return _Cfg
 
 
 SparseConfig = _count_config("sparse", 0.01)
+"""Options of ``sparse``: the fraction ``p`` of coordinates kept, in (0, 1], or their number ``k``;
+neither: p = 0.01. Each sparsifier has its own, with its default ``p`` (``Compressor.Config``)."""
 
 
 def _uniform_draws(seeds: torch.Tensor, n: int, d: int) -> torch.Tensor:
@@ -191,6 +195,9 @@ class _Sparse(Compressor):
 
 @register
 class RandK(_Sparse):
+    """Random sparsification: k = round(p d) coordinates drawn from the key, scaled by d/k
+    so that the result is unbiased."""
+
     name = "randk"
     cid = 6
     description = "random sparsification: k = round(p*d) coordinates from the key, scaled by d/k, unbiased"
@@ -207,6 +214,9 @@ class RandK(_Sparse):
 
 @register
 class RandomK(_Sparse):
+    """Random K: k coordinates drawn from a seed shared by all nodes, not rescaled (biased,
+    linear, a delta-contraction with delta = k/d)."""
+
     name = "randomk"
     cid = 10
     description = "Random K (papers/001 G.2): k coordinates from a shared seed, unscaled, biased, linear"
@@ -220,6 +230,9 @@ class RandomK(_Sparse):
 
 @register
 class RandomBlock(_Sparse):
+    """Random Block: k consecutive coordinates at a random offset shared by all nodes,
+    not rescaled (biased, linear)."""
+
     name = "randomblock"
     cid = 11
     description = "Random Block (papers/001 G.1): k consecutive coordinates at a shared random offset, biased, linear"
@@ -239,6 +252,9 @@ class RandomBlock(_Sparse):
 
 @register
 class TopK(_Sparse):
+    """Top K: the k coordinates of largest magnitude with their int32 indices (biased, a
+    delta-contraction with delta = k/d)."""
+
     name = "topk"
     cid = 9
     description = "Top K (papers/001 G.4): the k largest |x_i| with their int32 indices, biased"

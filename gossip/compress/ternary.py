@@ -24,6 +24,8 @@ __all__ = ["Ternary", "TernaryConfig"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TernaryConfig(Config):
+    """Options of ``ternary``: the ``block`` size (None: the whole row)."""
+
     block: int | None = None  # elements per block; None = the whole row
 
     def __post_init__(self):
@@ -32,6 +34,9 @@ class TernaryConfig(Config):
 
 @register
 class Ternary(Compressor):
+    """TernGrad: each value becomes one of {-s, 0, +s}, s the block's max |x|, with the
+    probabilities that keep it unbiased (2 bits per value)."""
+
     name = "ternary"
     cid = 5
     description = "TernGrad: per-block max|x| times a stochastic sign in {-1, 0, 1}, unbiased, 2 bits per value"

@@ -155,8 +155,36 @@ def _replace_reference(nav: list[Any], section: list[Any]) -> bool:
     return False
 
 
+_FENCE = re.compile(r"^\s*(```+|~~~+)")
+_CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")
+
+
+def _outside_code(markdown: str, edit):
+    """``markdown`` with ``edit`` applied to the text outside fenced blocks and code spans
+    (a link written as an example in code stays as it is)."""
+    out, fence = [], None
+    for line in markdown.split("\n"):
+        mark = _FENCE.match(line)
+        if fence is not None:
+            if mark and line.strip() == fence:
+                fence = None
+            out.append(line)
+        elif mark:
+            fence = mark.group(1)
+            out.append(line)
+        else:
+            pieces, last = [], 0
+            for span in _CODE_SPAN.finditer(line):
+                pieces += [edit(line[last:span.start()]), span.group(0)]
+                last = span.end()
+            out.append("".join(pieces) + edit(line[last:]))
+    return "\n".join(out)
+
+
 def _outside_links(text: str) -> set[str]:
-    return {m.group(1) for m in _OUTSIDE.finditer(text)}
+    found: set[str] = set()
+    _outside_code(text, lambda s: found.update(m.group(1) for m in _OUTSIDE.finditer(s)) or s)
+    return found
 
 
 def on_config(config: Any, **kwargs: Any) -> Any:
@@ -221,4 +249,4 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files, **kwar
             return match.group(0)
         return f"]({'../' * depth}{uri}{match.group(2) or ''})"
 
-    return _OUTSIDE.sub(rewrite, markdown)
+    return _outside_code(markdown, lambda text: _OUTSIDE.sub(rewrite, text))

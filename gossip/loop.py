@@ -5,7 +5,7 @@ One code path serves both modes: under torchrun a process hosts its own rank
 the hosted nodes' parameters are the rows of one ``(m, d)`` buffer and every node
 trains on its own shard.
 
-Files written to the run directory (see README "Run directory"):
+Files written to the run directory (see docs/run-directory.md):
 ``config.json`` at the start, ``metrics-rank<k>.jsonl`` (one per node), checkpoints,
 and ``summary.json`` at the end.
 """

@@ -807,8 +807,10 @@ def _load_toml(path: str) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    """A validated TrainConfig from command-line flags, merged over ``--config FILE``
-    (flags win; ``--algo-opt`` key by key). Raises ConfigError naming the bad value."""
+    """A validated TrainConfig from the command-line flags and ``--config FILE``.
+
+    Flags override the file (``--algo-opt`` key by key); a bad value raises ConfigError
+    naming it."""
     ns = vars(build_parser().parse_args(argv))
     values: dict[str, Any] = {}
     cfg_path = ns.pop("config", None)

@@ -89,8 +89,9 @@ def fmt_rate(bps: float) -> str:
 # ------------------------------------------------------------------------------ measuring
 @dataclass(frozen=True)
 class Candidate:
-    """An algorithm to measure, with its compressor spec (None: the algorithm's default);
-    written ``algo@compressor`` on the command line."""
+    """An algorithm to measure, with its compressor spec (None: its default).
+
+    Written ``algo@compressor`` on the command line."""
 
     algo: str
     compressor: str | None = None

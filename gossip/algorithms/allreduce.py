@@ -36,8 +36,10 @@ class AllReduceState:
 
 
 class AllReduce(Algorithm):
-    """C-PSGD: all-reduce the mean of the full-precision gradients; every node then takes
-    the same local optimizer step, so the models stay identical (see the module)."""
+    """C-PSGD: all-reduce the mean of the full-precision gradients.
+
+    Every node then takes the same local optimizer step, so the models stay identical
+    (see the module)."""
 
     name = "allreduce"
     acts_on = "gradient"

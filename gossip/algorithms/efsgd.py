@@ -166,8 +166,10 @@ class EFState:
 
 @dataclass
 class SignState:
-    """State of ``signsgd``/``signum``: step count, step sizes (this and the previous step)
-    and the local momentum buffer, one row per hosted node."""
+    """State of ``signsgd`` and ``signum``.
+
+    The step count, the step sizes (this and the previous step) and the local momentum
+    buffer, one row per hosted node."""
 
     t: int
     lr: float
@@ -268,8 +270,9 @@ class DistEFSGD(_Centralized):
 
 
 class EFBlockSGD(DistEFSGD):
-    """dist-EF-blockSGD: dist-EF-SGD with the blockwise sign compressor, one block and one
-    L1 scale per tensor, error feedback on the workers and on the server."""
+    """dist-EF-blockSGD: dist-EF-SGD with blockwise signs, one block per tensor.
+
+    One L1 scale per tensor; error feedback on the workers and on the server."""
 
     name = "efblocksgd"
     summary = "dist-EF-blockSGD (papers/000 Alg. 3): blockwise sign per tensor, two-way error feedback"
@@ -279,8 +282,9 @@ class EFBlockSGD(DistEFSGD):
 
 
 class EFBlockSGDM(EFBlockSGD):
-    """dist-EF-blockSGDM: dist-EF-blockSGD with Nesterov momentum applied by the
-    algorithm (the local optimizer must have none)."""
+    """dist-EF-blockSGDM: dist-EF-blockSGD with Nesterov momentum.
+
+    The algorithm applies the momentum itself, so the local optimizer must have none."""
 
     name = "efblocksgdm"
     summary = "dist-EF-blockSGDM (papers/000 Alg. 4): blockwise sign with Nesterov momentum and error feedback"
@@ -340,8 +344,10 @@ class SignSGD(_Centralized):
 
 
 class Signum(SignSGD):
-    """Signum with majority vote: the sign of each worker's local momentum is pushed
-    (1 bit per value) and the sign of the sum of the votes is the direction."""
+    """Signum with majority vote.
+
+    The sign of each worker's local momentum is pushed (1 bit per value) and the sign
+    of the sum of the votes is the direction."""
 
     name = "signum"
     summary = "Signum with majority vote (baseline of papers/000): sign of local momentum, 1-bit pushes"

@@ -37,8 +37,10 @@ class QSGDConfig(Config):
 
 @register
 class QSGD(Compressor):
-    """QSGD: per block, |x_i| / ||x||_2 * s rounded stochastically to one of s + 1 levels,
-    with the sign bit and the block's fp32 norm (unbiased; see the module)."""
+    """QSGD: s levels of |x_i| / ||x||_2 per block, a sign bit, stochastic rounding.
+
+    Each |x_i| / ||x||_2 * s is rounded to one of the s + 1 levels so that the result is
+    unbiased; the block's fp32 norm is sent with the codes (see the module)."""
 
     name = "qsgd"
     cid = 4

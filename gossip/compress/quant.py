@@ -46,8 +46,10 @@ class QuantConfig(Config):
 
 @register
 class Quant(Compressor):
-    """Stochastic uniform quantization: 2**bits levels over each block's [min, max],
-    rounded up or down with the probabilities that make it unbiased (see the module)."""
+    """Stochastic uniform quantization with 2**bits levels over each block's [min, max].
+
+    Each value is rounded up or down with the probabilities that make it unbiased (see
+    the module)."""
 
     name = "quant"
     cid = 3

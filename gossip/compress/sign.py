@@ -162,8 +162,9 @@ def _decode_chunks(signs: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockSignConfig(Config):
-    """Options of ``blocksign``: the blocks as start ``offsets`` (first 0, increasing) or a
-    fixed ``block`` size; neither: one block per row."""
+    """Options of ``blocksign``: the blocks, by start ``offsets`` or a fixed ``block`` size.
+
+    ``offsets`` start at 0 and increase strictly; neither given: one block per row."""
 
     offsets: tuple[int, ...] | None = None  # block start offsets, first 0, strictly increasing
     block: int | None = None  # or: fixed block size
@@ -188,8 +189,9 @@ class BlockSignConfig(Config):
 
 @register
 class BlockSign(Compressor):
-    """Blockwise sign: each block sent as its signs (1 bit per value) and one scale, the
-    mean absolute value of the block (biased, a delta-contraction)."""
+    """Blockwise sign: 1 bit per value and one scale per block.
+
+    The scale is the block's mean absolute value (biased, a delta-contraction)."""
 
     name = "blocksign"
     cid = 8

@@ -195,8 +195,9 @@ class _Sparse(Compressor):
 
 @register
 class RandK(_Sparse):
-    """Random sparsification: k = round(p d) coordinates drawn from the key, scaled by d/k
-    so that the result is unbiased."""
+    """Random sparsification, unbiased: k = round(p d) coordinates scaled by d/k.
+
+    The coordinates are drawn from the key."""
 
     name = "randk"
     cid = 6
@@ -214,8 +215,9 @@ class RandK(_Sparse):
 
 @register
 class RandomK(_Sparse):
-    """Random K: k coordinates drawn from a seed shared by all nodes, not rescaled (biased,
-    linear, a delta-contraction with delta = k/d)."""
+    """Random K: k coordinates at positions shared by all nodes, not rescaled.
+
+    Biased and linear, a delta-contraction with delta = k/d."""
 
     name = "randomk"
     cid = 10
@@ -230,8 +232,9 @@ class RandomK(_Sparse):
 
 @register
 class RandomBlock(_Sparse):
-    """Random Block: k consecutive coordinates at a random offset shared by all nodes,
-    not rescaled (biased, linear)."""
+    """Random Block: k consecutive coordinates at an offset shared by all nodes.
+
+    Not rescaled: biased and linear."""
 
     name = "randomblock"
     cid = 11
@@ -252,8 +255,9 @@ class RandomBlock(_Sparse):
 
 @register
 class TopK(_Sparse):
-    """Top K: the k coordinates of largest magnitude with their int32 indices (biased, a
-    delta-contraction with delta = k/d)."""
+    """Top K: the k coordinates of largest magnitude, with their int32 indices.
+
+    Biased, a delta-contraction with delta = k/d."""
 
     name = "topk"
     cid = 9

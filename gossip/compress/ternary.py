@@ -34,8 +34,9 @@ class TernaryConfig(Config):
 
 @register
 class Ternary(Compressor):
-    """TernGrad: each value becomes one of {-s, 0, +s}, s the block's max |x|, with the
-    probabilities that keep it unbiased (2 bits per value)."""
+    """TernGrad: each value becomes one of {-s, 0, +s}, 2 bits per value.
+
+    s is the block's max |x|; the probabilities keep the result unbiased."""
 
     name = "ternary"
     cid = 5

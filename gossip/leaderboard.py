@@ -82,8 +82,10 @@ def answer(res: dict[str, Any], bandwidth: float, latency: float, nodes: int, pa
 
 
 def render(ans: list[dict[str, Any]], bandwidth: float, latency: float, nodes: int) -> str:
-    """The answers of :func:`answer` as the text ``gossip.crossover`` prints: per workload,
-    the nearest benchmarked point and its methods ranked by mean time, with 95 % intervals."""
+    """The answers of :func:`answer` as the text ``gossip.crossover`` prints.
+
+    Per workload: the nearest benchmarked point and its methods ranked by mean time,
+    with their 95 % intervals."""
     lines = [f"measured in the benchmark, for {fmt_rate(bandwidth)}, latency {1e3 * latency:g} ms, {nodes} nodes:"]
     for a in ans:
         size = "" if a["size_ratio"] is None else (

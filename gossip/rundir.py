@@ -168,8 +168,10 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_json(path: Path, what: str | None = None) -> dict:
-    """The JSON object in ``path``; RunDirError in one line (naming ``what``) if it is
-    unreadable, not JSON or not an object."""
+    """The JSON object in ``path``.
+
+    Raises RunDirError in one line, naming ``what``, if the file is unreadable, not JSON
+    or not an object."""
     what = what or Path(path).name
     try:
         obj = json.loads(Path(path).read_text())

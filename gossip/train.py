@@ -30,8 +30,10 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gossip.train``: parse, run, and return the exit code (2: bad input,
-    the run's own code when it fails, 130: interrupted, 143: stopped by SIGTERM)."""
+    """``python -m gossip.train``: parse the flags, run, and return the exit code.
+
+    2: bad input; the run's own code when it fails; 130: interrupted; 143: stopped by
+    SIGTERM."""
     from gossip.config import ConfigError, parse_args
     from gossip.loop import RunError, run
 

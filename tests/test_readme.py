@@ -100,7 +100,8 @@ def run_snippet(snippet: Snippet, tmp_path: Path) -> None:
         how = f"torchrun --nproc_per_node {snippet.nproc}"
     r = run_process(cmd, cwd=tmp_path, timeout=TIMEOUT)
     if r.returncode != 0:
-        hint = ""
+        hint = ("\nIf the block is an outline rather than a program, say so on the line before its "
+                "fence: <!-- not run: why -->.")
         if snippet.nproc is None and "launch with torchrun" in r.stderr:
             hint = ("\nThis snippet needs torchrun: put <!-- torchrun --nproc_per_node 2 --> "
                     "on the line before its fence.")

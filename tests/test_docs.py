@@ -9,6 +9,8 @@
    do (tests/test_readme.py), unless marked ``<!-- not run: why -->``; blocks that are
    the README's own are run there, not twice.
 
+The README's links are checked too (it is not part of the site).
+
 1 and 2 need the ``docs`` extra (``pip install -e ".[docs]"``, which ``make test``
 installs) and are skipped with that reason without it; 3 always runs.
 """
@@ -116,6 +118,16 @@ def test_every_public_name_is_in_the_reference_with_its_docstring(site):
         checked += 1
     assert not problems, "\n".join(problems)
     assert checked > 100
+
+
+def test_the_readme_links_point_at_files_that_exist():
+    """The README is not part of the site, so the strict build does not check its links."""
+    text = README.read_text(encoding="utf-8")
+    links = [m.group(1) for m in re.finditer(r"\]\(([^)\s]+)\)", text)]
+    local = [link.split("#")[0] for link in links if not re.match(r"^[a-z]+:", link) and not link.startswith("#")]
+    assert any(link.startswith("docs/") for link in local)
+    missing = [link for link in local if link and not (REPO / link).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
 
 
 def test_the_docs_have_runnable_snippets():

@@ -138,3 +138,44 @@ def test_the_docs_have_runnable_snippets():
 @pytest.mark.parametrize("snippet", DOC_SNIPPETS, ids=lambda s: f"{s.source}-line{s.line}")
 def test_docs_snippet_runs(snippet: Snippet, tmp_path):
     run_snippet(snippet, tmp_path)
+
+
+@needs_docs_extra
+def test_docstring_rst_is_rendered_as_markdown():
+    sys.path.insert(0, str(DOCS / "_hooks"))
+    try:
+        from griffe_rst import rst_to_markdown
+    finally:
+        sys.path.remove(str(DOCS / "_hooks"))
+    text = "\n".join([
+        "Uses :class:`FlatParams` and :meth:`~gossip.runtime.GossipOptimizer.step`:",
+        "",
+        ".. code-block:: python",
+        "",
+        "    opt.step()",
+        "    if x:",
+        "        y()",
+        "",
+        "An example::",
+        "",
+        "    a = 1",
+        "",
+        "Nothing indented follows this::",
+    ])
+    assert rst_to_markdown(text).splitlines() == [
+        "Uses `FlatParams` and `step`:",
+        "",
+        "```python",
+        "opt.step()",
+        "if x:",
+        "    y()",
+        "```",
+        "",
+        "An example:",
+        "",
+        "```python",
+        "a = 1",
+        "```",
+        "",
+        "Nothing indented follows this::",
+    ]

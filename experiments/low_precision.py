@@ -2,6 +2,9 @@
 
     python experiments/low_precision.py [--nodes 8] [--steps 300] [--json PATH]
 
+``--json`` writes the rows with a provenance record (experiments/_provenance.py);
+the README's table is rendered from experiments/results/low_precision.json.
+
 Logistic regression on 8 nodes of a ring, each node holding a slice of the
 label-sorted data (strongly non-identical local data), run in the in-process
 simulation with plain SGD (u = -lr * g). Prints the final loss of the averaged model
@@ -11,14 +14,21 @@ for D-PSGD and for naive/DCD/ECD with the stochastic quantizer at 8, 4, 2 and 1 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import topologies
 from gossip import algorithms, comm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _provenance  # noqa: E402
+
+#: the code these figures measure (for `python -m experiments.render --stale`)
+SOURCES = ["gossip/algorithms", "gossip/compress", "gossip/comm", "topologies", "experiments/low_precision.py"]
 
 
 def problem(n: int, d: int = 10, per_node: int = 64, seed: int = 0):
@@ -56,6 +66,7 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
+    prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/low_precision.py", *argv])
     topo = topologies.build("ring", a.nodes)
     A, y = problem(a.nodes)
     rows = [{"bits": 32, "algo": "dpsgd", "final_loss": final_loss("dpsgd", topo, A, y, a.steps, a.lr)}]
@@ -67,8 +78,7 @@ def main(argv=None) -> int:
             rows.append({"bits": bits, "algo": name, "final_loss": vals[name]})
         print(f"| {bits} | {vals['naive']:.4f} | {vals['dcd']:.4f} | {vals['ecd']:.4f} |", flush=True)
     if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(rows, fh, indent=2)
+        _provenance.write(a.json, rows, prov)
     return 0
 
 

@@ -1,0 +1,258 @@
+"""Provenance for every results file the experiments write.
+
+A figure is only as good as the record of how it was made. Every experiment that
+writes results calls this module, so that each results file carries, next to its
+figures:
+
+- ``command``: the command line that made it (the script path relative to the
+  repository, its arguments, and the environment variables that change results:
+  ``OMP_NUM_THREADS``, ``GOSSIP_*``);
+- ``commit`` and ``dirty``: the git commit checked out and whether tracked files
+  differed from it (a dirty tree's figures are not reproducible from the commit);
+- ``date``: UTC, ISO 8601, when the run started, and ``seconds``, how long it took;
+- ``machine``: CPU model, logical cores, and memcpy GB/s measured in this run (one
+  thread, 64 MiB, minimum of 5 copies), so a speed figure can be set against the
+  machine's memory speed;
+- ``load_before`` and ``load_after``: the 1, 5 and 15 minute load averages; speed
+  figures taken with the 1-minute load above :data:`QUIET_LOAD` are not the
+  machine's own;
+- ``torch`` and ``python``: versions;
+- ``sources``: the repository paths (files or folders) whose code the figures
+  measure. ``python -m experiments.render --stale`` lists the results whose sources
+  changed in a commit after the one that made them.
+
+Usage, in a script::
+
+    prov = _provenance.start(sources=["gossip/compress", "experiments/bench_compress.py"])
+    ...  # run, collect `results` (any JSON value)
+    _provenance.write(path, results, prov)  # {"provenance": {...}, "results": results}
+
+or, where the file has a layout of its own that other code reads (a dict), add the
+record under the key ``"provenance"`` with :func:`Provenance.finish`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = [
+    "QUIET_LOAD",
+    "REPO",
+    "Provenance",
+    "start",
+    "write",
+    "read",
+    "git_commit",
+    "changed_since",
+    "memcpy_gbps",
+]
+
+REPO = Path(__file__).resolve().parents[1]
+"""The repository root (sources are recorded relative to it)."""
+
+#: 1-minute load average below which a machine counts as quiet for speed figures
+QUIET_LOAD = 0.3
+#: provenance schema version, written into every record
+SCHEMA = 1
+#: environment variables that change what an experiment computes or how fast
+_ENV_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+_ENV_PREFIX = "GOSSIP_"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_commit() -> tuple[str | None, bool | None]:
+    """The checked-out commit and whether tracked files differ from it (``None`` for
+    both outside a git checkout)."""
+    commit = _git("rev-parse", "HEAD")
+    if commit is None:
+        return None, None
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return commit, (bool(status) if status is not None else None)
+
+
+def changed_since(commit: str, sources: Sequence[str]) -> list[str]:
+    """Commits after ``commit`` (to HEAD) that touched any of ``sources``, newest first,
+    each as 'abbrev date subject'. Raises ValueError if ``commit`` is not in this
+    repository's history."""
+    if _git("cat-file", "-e", f"{commit}^{{commit}}") is None:
+        raise ValueError(f"commit {commit[:12]} is not in this repository's history")
+    if not sources:
+        return []
+    out = _git("log", "--format=%h %ad %s", "--date=short", f"{commit}..HEAD", "--", *sources)
+    return [line for line in (out or "").splitlines() if line]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def memcpy_gbps(nbytes: int = 64 << 20, reps: int = 5) -> float:
+    """Memory copy speed of this machine now, one thread: input bytes / time of
+    ``dst.copy_(src)`` for a ``nbytes`` float32 tensor, minimum of ``reps`` copies."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(nbytes // 4)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # fault the pages in before timing
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
+    return nbytes / best / 1e9
+
+
+def _command(argv: Sequence[str] | None) -> str:
+    """The command line as a reader would type it: ``python -m mod args`` for a module
+    run, else ``python path args`` with the path relative to the repository."""
+    given = argv is not None
+    argv = list(sys.argv if argv is None else argv)
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head: list[str] = ["python"]
+    if given and argv and argv[0] == "python":
+        head = []  # given in full by the caller
+    elif not given and spec is not None and getattr(spec, "name", None):
+        head, argv = ["python", "-m", spec.name.removesuffix(".__main__")], argv[1:]
+    elif argv:
+        p = Path(argv[0])
+        try:
+            argv[0] = str(p.resolve().relative_to(REPO))
+        except (ValueError, OSError):
+            argv[0] = p.name
+    env = [f"{k}={os.environ[k]}" for k in sorted(os.environ)
+           if k in _ENV_KEYS or k.startswith(_ENV_PREFIX)]
+    return shlex.join([*env, *head, *argv])
+
+
+def _load() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+@dataclass
+class Provenance:
+    """How a results file was made; see the module docstring for each field."""
+
+    command: str
+    commit: str | None
+    dirty: bool | None
+    date: str
+    machine: dict[str, Any]
+    load_before: list[float]
+    torch: str
+    python: str
+    sources: list[str]
+    load_after: list[float] = field(default_factory=list)
+    seconds: float | None = None
+    schema: int = SCHEMA
+    _t0: float = field(default=0.0, repr=False)
+
+    def finish(self) -> dict[str, Any]:
+        """Record the load and duration at the end of the run; the record as a dict."""
+        if not self.load_after:
+            self.load_after = _load()
+            self.seconds = round(time.perf_counter() - self._t0, 1)
+        d = asdict(self)
+        d.pop("_t0")
+        return d
+
+    @property
+    def quiet(self) -> bool:
+        """Whether the 1-minute load stayed below :data:`QUIET_LOAD` before and after."""
+        loads = [x[0] for x in (self.load_before, self.load_after) if x]
+        return bool(loads) and max(loads) < QUIET_LOAD
+
+
+def start(sources: Sequence[str], *, argv: Sequence[str] | None = None, measure_memcpy: bool = True) -> Provenance:
+    """Begin a provenance record; call at the start of the run, before the work.
+
+    ``sources`` are repository paths (files or folders) whose code the results
+    measure; each must exist (a typo would make the freshness check blind).
+    """
+    sources = [str(s) for s in sources]
+    if not sources:
+        raise ValueError("sources must name at least one repository path the results measure")
+    missing = [s for s in sources if not (REPO / s).exists()]
+    if missing:
+        raise ValueError(f"sources must be paths in the repository, these do not exist: {', '.join(missing)}")
+    load_before = _load()  # before our own memcpy adds to it
+    import torch
+
+    commit, dirty = git_commit()
+    machine: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "memcpy_gbps": round(memcpy_gbps(), 2) if measure_memcpy else None,
+    }
+    if torch.cuda.is_available():
+        machine["gpu"] = torch.cuda.get_device_name(0)
+    return Provenance(
+        command=_command(argv),
+        commit=commit,
+        dirty=dirty,
+        date=datetime.now(timezone.utc).replace(microsecond=0).isoformat(),
+        machine=machine,
+        load_before=load_before,
+        torch=torch.__version__,
+        python=platform.python_version(),
+        sources=sources,
+        _t0=time.perf_counter(),
+    )
+
+
+def write(path: str | os.PathLike, results: Any, prov: Provenance) -> Path:
+    """Write ``{"provenance": ..., "results": results}`` to ``path`` as JSON, through a
+    temporary file renamed into place (an interrupted write leaves the old file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"provenance": prov.finish(), "results": results}, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
+    """``(results, provenance)`` of a results file written by :func:`write` (or a dict
+    with a ``"provenance"`` key: then results is the dict without it). Raises
+    ValueError naming the file if it carries no provenance."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("provenance"), dict):
+        raise ValueError(f"{path}: no provenance record (re-run the command that makes it)")
+    prov = data["provenance"]
+    if set(data) == {"provenance", "results"}:
+        return data["results"], prov
+    return {k: v for k, v in data.items() if k != "provenance"}, prov

@@ -53,7 +53,9 @@ __all__ = [
     "write",
     "read",
     "git_commit",
-    "changed_since",
+    "source_ids",
+    "stale",
+    "commits_since",
     "memcpy_gbps",
 ]
 
@@ -87,16 +89,35 @@ def git_commit() -> tuple[str | None, bool | None]:
     return commit, (bool(status) if status is not None else None)
 
 
-def changed_since(commit: str, sources: Sequence[str]) -> list[str]:
-    """Commits after ``commit`` (to HEAD) that touched any of ``sources``, newest first,
-    each as 'abbrev date subject'. Raises ValueError if ``commit`` is not in this
-    repository's history."""
-    if _git("cat-file", "-e", f"{commit}^{{commit}}") is None:
-        raise ValueError(f"commit {commit[:12]} is not in this repository's history")
-    if not sources:
-        return []
-    out = _git("log", "--format=%h %ad %s", "--date=short", f"{commit}..HEAD", "--", *sources)
-    return [line for line in (out or "").splitlines() if line]
+def source_ids(sources: Sequence[str], rev: str = "HEAD") -> dict[str, str | None]:
+    """The git object id (blob or tree) of each source path at ``rev``; ``None`` for a
+    path git does not track there."""
+    return {s: _git("rev-parse", f"{rev}:{s}") for s in sources}
+
+
+def stale(prov: dict[str, Any]) -> list[str]:
+    """Why the figures of a results file with provenance ``prov`` are stale ([] if
+    they are not): its sources differ at HEAD from when it was made, or it was made
+    from uncommitted changes to them, or it records no state of its sources."""
+    ids = prov.get("source_ids") or {}
+    sources = prov.get("sources") or []
+    if not sources or not ids:
+        return ["it records no state of its sources"]
+    why = []
+    if prov.get("dirty_sources"):
+        why.append(f"made with uncommitted changes to {', '.join(prov['dirty_sources'])}")
+    now = source_ids(sources)
+    changed = [s for s in sources if now.get(s) != ids.get(s)]
+    if changed:
+        why.append(f"changed since: {', '.join(changed)}")
+    return why
+
+
+def commits_since(date: str, sources: Sequence[str]) -> list[str]:
+    """Commits on HEAD's history dated after ``date`` that touched ``sources``, newest
+    first, each as 'abbrev date subject'."""
+    out = _git("log", "--format=%h %ad %s", "--date=short", f"--since={date}", "--", *sources)
+    return [line[:120] for line in (out or "").splitlines() if line]
 
 
 def _cpu_model() -> str:
@@ -172,6 +193,10 @@ class Provenance:
     torch: str
     python: str
     sources: list[str]
+    #: each source's git object id at the commit (what the freshness check compares)
+    source_ids: dict[str, str | None] = field(default_factory=dict)
+    #: sources with uncommitted changes when the run started (not reproducible from the commit)
+    dirty_sources: list[str] = field(default_factory=list)
     load_after: list[float] = field(default_factory=list)
     seconds: float | None = None
     schema: int = SCHEMA
@@ -209,6 +234,8 @@ def start(sources: Sequence[str], *, argv: Sequence[str] | None = None, measure_
     import torch
 
     commit, dirty = git_commit()
+    ids = source_ids(sources)
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", *sources)
     machine: dict[str, Any] = {
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
@@ -226,6 +253,8 @@ def start(sources: Sequence[str], *, argv: Sequence[str] | None = None, measure_
         torch=torch.__version__,
         python=platform.python_version(),
         sources=sources,
+        source_ids=ids,
+        dirty_sources=sorted(line[3:] for line in (changed or "").splitlines() if line),
         _t0=time.perf_counter(),
     )
 

@@ -1,0 +1,319 @@
+"""Render the README's and docs' results tables from the committed results files.
+
+    python -m experiments.render            # rewrite every table between its markers
+    python -m experiments.render --check    # exit 1 if a committed table differs
+    python -m experiments.render --stale    # list results whose sources changed since
+    make results-tables                     # the same as the first
+
+A table lives in a Markdown file between two markers::
+
+    <!-- results:NAME -->
+    ... generated: do not edit by hand ...
+    <!-- /results:NAME -->
+
+and NAME is one of :data:`TABLES`: a results file (JSON with a provenance record,
+experiments/_provenance.py) and a function that turns its figures into Markdown.
+Under every table a line says where the figures come from: the command, the commit,
+the date, the machine and its load. A table whose sources changed after it was
+made (their git object ids at HEAD differ from those recorded) is marked **stale**
+with its date and commit until its command is re-run; ``--stale`` lists each with
+the commits that changed its sources since.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):  # run as a script: python experiments/render.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from experiments import _provenance as P  # noqa: E402
+
+__all__ = ["TABLES", "Table", "render_file", "render_all", "stale_results", "main"]
+
+REPO = P.REPO
+RESULTS = "experiments/results"
+#: the Markdown files that may hold tables
+DOCS = ["README.md", "docs/*.md", "reports/*/REPORT.md"]
+_MARK = re.compile(r"(<!-- results:([\w.-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
+
+
+@dataclass(frozen=True)
+class Table:
+    """A rendered table: the results file it reads and how its figures become Markdown."""
+
+    results: str
+    render: Callable[[Any], str]
+
+
+def _f(v: Any, nd: int = 4) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v != v or v in (float("inf"), float("-inf")):
+            return "diverged" if v != v or v > 0 else str(v)
+        return f"{v:.{nd}g}" if abs(v) < 1e4 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _md(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- renderers
+def _low_precision(rows: list[dict]) -> str:
+    by = {(r["bits"], r["algo"]): r["final_loss"] for r in rows}
+
+    def cell(bits: int, algo: str) -> str:
+        v = by.get((bits, algo))
+        if v is None:
+            return ""
+        s = f"{v:.4f}" if v < 10 else f"{v:.1f}"
+        return s + (" (diverges)" if v > 100 or v == float("inf") else "")
+
+    body = [["32 (D-PSGD)", cell(32, "dpsgd"), "", ""]]
+    bits = sorted({b for b, _ in by if b != 32}, reverse=True)
+    body += [[str(b), cell(b, "naive"), cell(b, "dcd"), cell(b, "ecd")] for b in bits]
+    return _md(["bits", "naive", "DCD", "ECD"], body)
+
+
+def _bench_step(res: dict) -> str:
+    cols = ["algo", "compressor", "step s", "compute s", "compress s", "comm s", "wait s",
+            "bytes sent / node / step", "step / allreduce", "bytes / allreduce"]
+    keys = ["algo", "compressor", "step_s", "compute_s", "compress_s", "comm_s", "wait_s",
+            "bytes_sent_per_step", "step_ratio_to_allreduce", "bytes_ratio_to_allreduce"]
+    body = []
+    for r in res["steps"]:
+        cells = []
+        for k in keys:
+            v = r[k]
+            if k == "compressor" and str(v).startswith("none"):
+                v = "fp32"
+            if k == "bytes_sent_per_step":
+                v = int(round(v))
+            cells.append(f"{v:.3g}" if k.endswith("ratio_to_allreduce") else _f(v, 3 if k.endswith("_s") else 4))
+        body.append(cells)
+    return _md(cols, body)
+
+
+def _bench_step_sim(res: dict) -> str:
+    body = [[r["algo"], str(r["nodes"]), f"{r['steps_per_s']:.0f}"] for r in res["simulation"]]
+    return _md(["algo", "nodes", "steps/s"], body)
+
+
+def _target(spec: str) -> float | None:
+    name = spec.split(":")[0]
+    if name == "quant":
+        return 1 / 4
+    if name in ("sign", "randk"):
+        return 1 / 6
+    if name == "topk":
+        return 1 / 10
+    return None
+
+
+_FRAC = {1 / 4: "1/4", 1 / 6: "1/6", 1 / 10: "1/10"}
+
+
+def _bench_compress(rows: list[dict]) -> str:
+    """rt/mem against each compressor's target; 'not met' where the figure is below it."""
+    body = []
+    for r in rows:
+        t = _target(r["compressor"])
+        if t is None:
+            verdict = ""
+        else:
+            verdict = f"≥ {_FRAC[t]}" + ("" if r["roundtrip_ratio"] >= t else ": **not met**")
+        body.append([r["compressor"], f"{r['roundtrip_ratio']:.3f}", verdict])
+    return _md(["compressor", "rt/mem", "target"], body)
+
+
+_MODEL_NAMES = {"resnet20": "ResNet-20", "mlp11m": "11M MLP"}
+
+
+def _bench_centralized(rows: list[dict]) -> str:
+    """Step time and bytes ratio (all-reduce's bytes / the algorithm's) per model."""
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    keyed = {(r["algo"], r["compressor"], r["model"]): r for r in rows}
+    algos = list(dict.fromkeys((r["algo"], r["compressor"]) for r in rows))
+    header = ["algo", "compressor"]
+    for m in models:
+        header += [f"{_MODEL_NAMES.get(m, m)} step s", "bytes ratio"]
+    body = []
+    for a, c in algos:
+        cells = [a, c]
+        for m in models:
+            r = keyed.get((a, c, m))
+            cells += [_f(r["step_s"]), _f(r["compression_ratio"])] if r else ["", ""]
+        body.append(cells)
+    return _md(header, body)
+
+
+def _bench_mergecomp(rows: list[dict]) -> str:
+    cols = ["model", "tensors", "compressor", "mode", "groups", "iter ms", "compute ms", "compress ms",
+            "comm ms", "scaling factor", "predicted ms"]
+    body = []
+    for r in rows:
+        pred = r.get("predicted_s")
+        body.append([r["model"], str(r["tensors"]), r["compressor"], r["mode"], str(r["groups"]),
+                     f"{r['iter_s'] * 1e3:.0f}", f"{r['compute_s'] * 1e3:.0f}", f"{r['compress_s'] * 1e3:.0f}",
+                     f"{r['comm_s'] * 1e3:.1f}", f"{r['scaling_factor']:.3f}",
+                     f"{pred * 1e3:.0f}" if pred is not None else "-"])
+    return _md(cols, body)
+
+
+TABLES: dict[str, Table] = {
+    "low_precision": Table(f"{RESULTS}/low_precision.json", _low_precision),
+    "bench_step": Table(f"{RESULTS}/bench_step.json", _bench_step),
+    "bench_step_simulation": Table(f"{RESULTS}/bench_step.json", _bench_step_sim),
+    "bench_compress": Table(f"{RESULTS}/bench_compress.json", _bench_compress),
+    "bench_compress_12gbs": Table(f"{RESULTS}/bench_compress_12gbs.json", _bench_compress),
+    "bench_centralized": Table(f"{RESULTS}/bench_centralized.json", _bench_centralized),
+    "bench_mergecomp": Table(f"{RESULTS}/bench_mergecomp.json", _bench_mergecomp),
+}
+
+
+# ----------------------------------------------------------------------------- provenance line
+def _short(commit: str | None) -> str:
+    return commit[:10] if commit else "unknown commit"
+
+
+def provenance_line(path: str, prov: dict[str, Any]) -> str:
+    """The line under a table: where its figures come from, and whether they are stale."""
+    date = str(prov.get("date", "?"))[:10]
+    tree = " (dirty tree)" if prov.get("dirty") else ""
+    m = prov.get("machine") or {}
+    parts = [f"`{prov.get('command', '?')}`", f"commit {_short(prov.get('commit'))}{tree}", date]
+    if m:
+        mach = f"{m.get('cores', '?')} cores ({m.get('cpu', '?')})"
+        if m.get("memcpy_gbps"):
+            mach += f", memcpy {m['memcpy_gbps']:.1f} GB/s"
+        if m.get("gpu"):
+            mach += f", {m['gpu']}"
+        parts.append(mach)
+    lb, la = prov.get("load_before") or [], prov.get("load_after") or []
+    if lb and la:
+        parts.append(f"load {lb[0]:.2f} → {la[0]:.2f}")
+    if prov.get("legacy"):
+        parts.append(prov["legacy"])
+    line = f"<sub>Rendered from `{path}`: " + ", ".join(parts) + ".</sub>"
+    why = P.stale(prov)
+    if why:
+        line = (f"**Stale** (measured {date} at commit {_short(prov.get('commit'))}; {why[0]}): "
+                f"re-run the command below, then `make results-tables`.\n\n" + line)
+    return line
+
+
+def render_table(name: str) -> str:
+    t = TABLES[name]
+    results, prov = P.read(REPO / t.results)
+    return t.render(results) + "\n\n" + provenance_line(t.results, prov) + "\n"
+
+
+# ----------------------------------------------------------------------------- files
+def _files() -> list[Path]:
+    out: list[Path] = []
+    for pat in DOCS:
+        out += sorted(REPO.glob(pat))
+    return out
+
+
+def render_file(text: str, where: str = "") -> str:
+    """``text`` with every marked table re-rendered; ValueError for an unknown NAME or
+    an unclosed marker."""
+    opened = re.findall(r"<!-- results:([\w.-]+) -->", text)
+    closed = re.findall(r"<!-- /results:([\w.-]+) -->", text)
+    if sorted(opened) != sorted(closed):
+        raise ValueError(f"{where}: results markers do not pair up: opened {opened}, closed {closed}")
+    for name in opened:
+        if name not in TABLES:
+            raise ValueError(f"{where}: unknown results table {name!r}; known: {', '.join(TABLES)}")
+    return _MARK.sub(lambda m: m.group(1) + render_table(m.group(2)) + m.group(4), text)
+
+
+def render_all(write: bool) -> list[Path]:
+    """Re-render every file; returns those whose text changed (written if ``write``)."""
+    changed = []
+    for f in _files():
+        text = f.read_text()
+        if "<!-- results:" not in text:
+            continue
+        new = render_file(text, str(f.relative_to(REPO)))
+        if new != text:
+            changed.append(f)
+            if write:
+                f.write_text(new)
+    return changed
+
+
+def used_tables() -> dict[str, list[str]]:
+    """Table name -> the files that show it."""
+    used: dict[str, list[str]] = {}
+    for f in _files():
+        for name in re.findall(r"<!-- results:([\w.-]+) -->", f.read_text()):
+            used.setdefault(name, []).append(str(f.relative_to(REPO)))
+    return used
+
+
+def stale_results() -> list[tuple[str, dict, list[str]]]:
+    """``(results file, provenance, reasons)`` for every results file under
+    experiments/results/ and reports/ whose figures are stale or carry no provenance."""
+    paths = sorted({*REPO.glob(f"{RESULTS}/*.json"), *REPO.glob("reports/*/results.json")})
+    out = []
+    for p in paths:
+        rel = str(p.relative_to(REPO))
+        try:
+            _, prov = P.read(p)
+        except ValueError as e:
+            out.append((rel, {}, [str(e).split(": ", 1)[-1]]))
+            continue
+        why = P.stale(prov)
+        if why:
+            out.append((rel, prov, why))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.render", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table differs from its render")
+    g.add_argument("--stale", action="store_true", help="list results whose sources changed since they were made")
+    args = ap.parse_args(argv)
+    try:
+        if args.stale:
+            found = stale_results()
+            for rel, prov, why in found:
+                print(f"{rel}: stale ({'; '.join(why)})")
+                if prov:
+                    print(f"    made {str(prov.get('date'))[:10]} at commit {_short(prov.get('commit'))}: "
+                          f"{prov.get('command')}")
+                    for c in P.commits_since(str(prov.get("date")), prov.get("sources") or []):
+                        print(f"    {c}")
+            print(f"{len(found)} stale results file(s)" if found else "nothing stale")
+            return 0
+        changed = render_all(write=not args.check)
+    except (ValueError, OSError, KeyError) as e:
+        print(f"render: error: {e}", file=sys.stderr)
+        return 2
+    for f in changed:
+        rel = f.relative_to(REPO)
+        print(f"{rel}: {'differs from the results files' if args.check else 'tables re-rendered'}")
+    if args.check and changed:
+        print("render: run `make results-tables` and commit the result", file=sys.stderr)
+        return 1
+    if not changed:
+        print("tables up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """The torch.compile fast path gives the same bytes as the eager fallback, and degrades safely."""
 
-import os
+import sys
 import warnings
 
 import pytest
@@ -28,10 +28,41 @@ def _both(backend, c, X, keys):
     return Pe, Pc, De, Dc
 
 
-# Compiling costs seconds per kernel (C++ build); the default run compiles the four
-# kernels of quant:bits=8, the rest runs with GOSSIP_COMPILE_TESTS=1.
-ALL_COMPILED = pytest.mark.skipif(os.environ.get("GOSSIP_COMPILE_TESTS") != "1",
-                                  reason="compiles many kernels; set GOSSIP_COMPILE_TESTS=1")
+_COMPILE_PROBE: list[str | None] = []
+
+
+def _compile_unusable() -> str | None:
+    """Why torch.compile cannot build a kernel on this machine (no C++ compiler, an
+    unsupported platform), or None if it can; probed once with a trivial function."""
+    if not _COMPILE_PROBE:
+        try:
+            torch.compile(lambda x: x * 2 + 1, dynamic=True, fullgraph=True)(torch.arange(8.0))
+            _COMPILE_PROBE.append(None)
+        except Exception as e:  # the compiler's own error, whatever its type
+            _COMPILE_PROBE.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    return _COMPILE_PROBE[0]
+
+
+def require_compiled(kernels) -> None:
+    """After a compiled run: a kernel that gave up its compiled form must have done so
+    because this machine cannot compile at all (then skip, saying so). A miscompilation
+    (compiled results differ from eager) or a compile failure on a machine that can
+    compile fails the test, naming the kernel and the reason."""
+    failed = [k for k in kernels if k.failed]
+    miscompiled = [k.name for k in failed if k.failure == _kernels.MISCOMPILED]
+    if miscompiled:
+        pytest.fail(f"miscompiled: the compiled form of {', '.join(miscompiled)} differs from the eager form")
+    if failed:
+        why = _compile_unusable()
+        if why is None:
+            pytest.fail("torch.compile works here, yet these kernels fell back to eager: "
+                        + "; ".join(f"{k.name} ({k.failure})" for k in failed))
+        pytest.skip(f"torch.compile is not usable here ({why})")
+
+
+def _all_kernels():
+    return [*_kernels._VARIANTS.values(), *_kernels._PLANAR.values(), _kernels.PRIORITIES,
+            _kernels.MAGNITUDE_KEYS, _kernels.CHECKSUM, _kernels.AFFINE, *_kernels.AFFINE._variants.values()]
 
 
 def test_compiled_quant_matches_eager(backend):
@@ -42,24 +73,22 @@ def test_compiled_quant_matches_eager(backend):
     for spec in ("quant:bits=8",):
         c = gc.build(spec)
         Pe, Pc, De, Dc = _both(backend, c, X, keys)
-        if any(k.failed for k in _kernels._VARIANTS.values()):
-            pytest.skip("torch.compile is not usable here (no working C++ compiler)")
+        require_compiled(_all_kernels())
         assert torch.equal(Pe, Pc), spec
         assert torch.equal(De, Dc), spec
 
 
+# Compiling costs seconds per kernel (about 23 s for these and the tie-count test on a
+# quiet 2-core machine with a cold inductor cache): part of the default suite, since
+# the compiled form is what `auto` runs for large tensors.
 @pytest.mark.slow
-@ALL_COMPILED
 @pytest.mark.parametrize("spec", ["quant:bits=8,block=333", "quant:bits=4,block=100", "qsgd:levels=16",
                                   "ternary:block=64", "quant:bits=12", "randk:p=0.1", "topk:k=77"])
 def test_compiled_other_quantizers_match_eager(backend, spec):
     g = torch.Generator().manual_seed(1)
     X = torch.randn(2, 3001, generator=g)
     Pe, Pc, De, Dc = _both(backend, gc.build(spec), X, torch.tensor([5, 6]))
-    kernels = [*_kernels._VARIANTS.values(), *_kernels._PLANAR.values(), _kernels.PRIORITIES,
-               _kernels.MAGNITUDE_KEYS]
-    if any(k.failed for k in kernels):
-        pytest.skip("torch.compile is not usable here (no working C++ compiler)")
+    require_compiled(_all_kernels())
     assert torch.equal(Pe, Pc) and torch.equal(De, Dc)
 
 
@@ -125,7 +154,7 @@ def test_cuda_gives_the_cpu_bytes(spec):
         assert torch.equal(Yg.cpu(), Y)
 
 
-@ALL_COMPILED
+@pytest.mark.slow
 def test_compiled_quant_tie_count_path(backend, monkeypatch):
     """When the fused quant kernel reports ties, a second pass locates them: same bytes."""
     g = torch.Generator().manual_seed(3)
@@ -146,8 +175,7 @@ def test_compiled_quant_tie_count_path(backend, monkeypatch):
 
     monkeypatch.setattr(_kernels, "run", fake)
     Pc = c.encode(X, keys)
-    if any(k.failed for k in _kernels._VARIANTS.values()):
-        pytest.skip("torch.compile is not usable here")
+    require_compiled(_all_kernels())
     assert torch.equal(Pe, Pc)
 
 
@@ -175,6 +203,29 @@ def test_a_miscompiled_kernel_is_caught_on_first_use(backend, monkeypatch):
         warnings.simplefilter("error")
         _kernels.run(k2, 4, x, out2)
     assert k2.verified and not k2.failed and torch.equal(out2, x * 2)
+
+
+def test_a_miscompilation_fails_the_compiled_tests_instead_of_skipping(backend, monkeypatch):
+    """The compiled-vs-eager tests must fail, not skip, when a kernel was disabled for
+    a miscompilation; a machine without a working compiler skips with its reason."""
+    k = _kernels.Kernel("miscompiled_probe", lambda x: x + 1)
+    monkeypatch.setattr(k, "compiled", lambda: (lambda x: x + 2))
+    backend("compile")
+    with pytest.warns(RuntimeWarning, match="differ from the eager form"):
+        _kernels.run(k, 3, torch.zeros(3))
+    assert k.failed and k.failure == _kernels.MISCOMPILED
+    with pytest.raises(pytest.fail.Exception, match=r"miscompiled: the compiled form of miscompiled_probe differs"):
+        require_compiled([k])
+    # a compile error on a machine that can compile is a failure too, not a skip
+    broken = _kernels.Kernel("broken_probe", lambda x: x)
+    broken.failed, broken.failure = True, "RuntimeError: boom"
+    monkeypatch.setattr(sys.modules[__name__], "_COMPILE_PROBE", [None])
+    with pytest.raises(pytest.fail.Exception, match=r"torch.compile works here, yet .*broken_probe \(RuntimeError: boom\)"):
+        require_compiled([broken])
+    # only where torch.compile itself cannot build anything is it a skip, with that reason
+    monkeypatch.setattr(sys.modules[__name__], "_COMPILE_PROBE", ["InvalidCxxCompiler: no working C++ compiler"])
+    with pytest.raises(pytest.skip.Exception, match=r"torch.compile is not usable here \(InvalidCxxCompiler"):
+        require_compiled([broken])
 
 
 def _dcd_run() -> torch.Tensor:

@@ -55,6 +55,8 @@ COMPILE_NOW_NUMEL = 1 << 22
 #: per element saved by compiling, 10-40 s: about a cold compilation's cost)
 EAGER_BUDGET_NUMEL = 1 << 30
 _BACKENDS = ("auto", "compile", "eager")
+#: ``Kernel.failure`` of a kernel whose compiled results differed from the eager form's
+MISCOMPILED = "its results differ from the eager form"
 _backend = os.environ.get("GOSSIP_COMPRESS_BACKEND", "auto").strip().lower() or "auto"
 if _backend not in _BACKENDS:
     warnings.warn(
@@ -92,6 +94,9 @@ class Kernel:
         self._compiled = None
         self._variants: dict = {}
         self.failed = False
+        #: why the compiled form was given up (``failed``): the compiler's error, or
+        #: :data:`MISCOMPILED` when its results differed from the eager form's
+        self.failure: str | None = None
         self.verified = False
         #: elements processed in eager form by calls that the budget kept from compiling
         self.eager_numel = 0
@@ -144,6 +149,7 @@ def run(k: Kernel, numel: int, *args):
 
 def _disable(k: Kernel, why: str) -> None:
     k.failed = True
+    k.failure = why
     warnings.warn(f"gossip.compress: compiled kernel {k.name!r} unavailable ({why}); using the eager fallback",
                   RuntimeWarning, stacklevel=4)
 
@@ -173,7 +179,7 @@ def _run_verified(k: Kernel, args):
     for a, c in zip(args, copies):
         if isinstance(a, torch.Tensor) and not _same(a, c):
             a.copy_(c)
-    _disable(k, "its results differ from the eager form")
+    _disable(k, MISCOMPILED)
     return ref
 
 

@@ -168,7 +168,8 @@ def _command(argv: Sequence[str] | None) -> str:
             argv[0] = str(p.resolve().relative_to(REPO))
         except (ValueError, OSError):
             argv[0] = p.name
-    env = [f"{k}={os.environ[k]}" for k in sorted(os.environ)
+    # a path in the environment is this machine's own (a cache folder): named, not spelled out
+    env = [f"{k}={'PATH' if os.path.isabs(os.environ[k]) else os.environ[k]}" for k in sorted(os.environ)
            if k in _ENV_KEYS or k.startswith(_ENV_PREFIX)]
     return shlex.join([*env, *head, *argv])
 

@@ -186,7 +186,9 @@ def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> d
     except subprocess.TimeoutExpired as e:
         rc, out, err = "timeout", str(e.stdout or "")[-2000:], str(e.stderr or "")[-2000:]
     return {"command": " ".join(cmd[1:] if cmd[0] == sys.executable else cmd), "exit": rc,
-            "seconds": round(time.perf_counter() - t, 1), "stdout_tail": out[-1500:], "stderr_tail": err[-1500:]}
+            "seconds": round(time.perf_counter() - t, 1), "stdout_tail": out[-1500:],
+            # a torchrun rank's own error comes before the launcher's summary: keep both ends
+            "stderr_head": err[:2500], "stderr_tail": err[-1500:]}
 
 
 def _train_cmd(out: str, *extra: str) -> list[str]:

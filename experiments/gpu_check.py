@@ -51,6 +51,8 @@ BUDGET_S = 450
 CUDA_TEST_FILES = ["tests/test_compress_backend.py", "tests/test_compress_bitpack.py", "tests/test_comm_dist.py"]
 SOURCES = ["gossip", "experiments/gpu_check.py", "experiments/bench_compress.py", "examples/ddp_hook.py"]
 SPEED_NUMEL = 1 << 24
+#: a section gets at least this long (within the budget), whatever its share
+MIN_SECTION_S = 15.0
 
 
 def _py() -> list[str]:
@@ -188,7 +190,7 @@ def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> d
     return {"command": " ".join(cmd[1:] if cmd[0] == sys.executable else cmd), "exit": rc,
             "seconds": round(time.perf_counter() - t, 1), "stdout_tail": out[-1500:],
             # a torchrun rank's own error comes before the launcher's summary: keep both ends
-            "stderr_head": err[:2500], "stderr_tail": err[-1500:]}
+            "stderr_head": err[:6000], "stderr_tail": err[-1500:]}
 
 
 def _train_cmd(out: str, *extra: str) -> list[str]:
@@ -375,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.perf_counter() + args.budget
     for name, secs in steps:
         left = deadline - time.perf_counter()
-        limit = min(secs, left) if name != steps[-1][0] else left  # the last one takes what is left
+        # at least MIN_SECTION_S each (a Python start-up and imports); the last takes what is left
+        limit = min(max(secs, MIN_SECTION_S), left) if name != steps[-1][0] else left
         if limit < 5:
             sections[name] = {"status": "not run", "seconds": 0, "error": "the time budget was spent"}
             continue

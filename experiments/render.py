@@ -170,6 +170,59 @@ def _bench_mergecomp(rows: list[dict]) -> str:
     return _md(cols, body)
 
 
+def _gpu_speed(res: dict) -> str:
+    rows = res["sections"]["compress_speed"]["result"]["rows"]
+    body = [[r["compressor"], f"{r['roundtrip_ratio']:.4f}", f"{r['encode_gbps']:.1f}", f"{r['decode_gbps']:.1f}",
+             f"{r['memcpy_gbps']:.0f}"] if "error" not in r else [r["compressor"], r["error"], "", "", ""]
+            for r in rows]
+    return _md(["compressor (16M values, CUDA)", "rt/mem", "encode GB/s", "decode GB/s", "device memcpy GB/s"], body)
+
+
+def _gpu_bytes(res: dict) -> str:
+    rows = res["sections"]["bytes_cpu_vs_cuda"]["result"]["rows"]
+    body = []
+    for r in rows:
+        if "error" in r:
+            body.append([r["compressor"], r["error"], "", ""])
+            continue
+        same = "yes" if r["bytes_identical"] else f"**no** ({r['differing_bytes']} bytes differ)"
+        body.append([r["compressor"], same, "yes" if r["decoded_identical"] else "no",
+                     f"{r['decoded_max_abs_diff']:.3g}"])
+    return _md(["compressor", "CUDA payload = CPU payload", "decoded equal", "max abs difference"], body)
+
+
+def _gpu_summary(res: dict) -> str:
+    body = []
+    for name, sec in res["sections"].items():
+        r = sec.get("result") or {}
+        if sec["status"] != "ran":
+            what = f"{sec['status']}: {sec.get('error', '')}"
+        elif name == "env":
+            what = f"{r.get('device')}, torch {r.get('torch')}, CUDA {r.get('cuda')}, NCCL {r.get('nccl')}"
+        elif name == "cuda_tests":
+            bad = [t["test"].split("::")[-1] for t in r["tests"] if t["outcome"] == "failed"]
+            what = f"{r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped" + (
+                f" (failed: {', '.join(bad)})" if bad else "")
+        elif name == "compress_speed":
+            ok = [x["roundtrip_ratio"] for x in r["rows"] if "error" not in x]
+            what = f"rt/mem {min(ok):.4f} to {max(ok):.4f} of device memcpy" if ok else "no figures"
+        elif name == "bytes_cpu_vs_cuda":
+            bad = [x["compressor"] for x in r["rows"] if not x.get("bytes_identical")]
+            what = "identical for every compressor" if not bad else f"identical except {', '.join(bad)}"
+        elif name == "simulate_cuda":
+            what = "ran (exit 0)" if r.get("exit") == 0 else f"failed (exit {r.get('exit')})"
+        else:
+            parts = []
+            for k, v in r.items():
+                if isinstance(v, dict) and "exit" in v:
+                    err = [ln for ln in (v.get("stderr_head") or "").splitlines() if "Error" in ln][-1:]
+                    parts.append(f"{k} " + ("ok" if v["exit"] == 0 else
+                                            f"**failed** ({err[0].split(']: ')[-1][:80] if err else 'exit ' + str(v['exit'])})"))
+            what = "; ".join(parts)
+        body.append([name, what])
+    return _md(["section", "outcome"], body)
+
+
 TABLES: dict[str, Table] = {
     "low_precision": Table(f"{RESULTS}/low_precision.json", _low_precision),
     "bench_step": Table(f"{RESULTS}/bench_step.json", _bench_step),
@@ -178,6 +231,9 @@ TABLES: dict[str, Table] = {
     "bench_compress_12gbs": Table(f"{RESULTS}/bench_compress_12gbs.json", _bench_compress),
     "bench_centralized": Table(f"{RESULTS}/bench_centralized.json", _bench_centralized),
     "bench_mergecomp": Table(f"{RESULTS}/bench_mergecomp.json", _bench_mergecomp),
+    "gpu_summary": Table(f"{RESULTS}/gpu_check.json", _gpu_summary),
+    "gpu_compress_speed": Table(f"{RESULTS}/gpu_check.json", _gpu_speed),
+    "gpu_bytes": Table(f"{RESULTS}/gpu_check.json", _gpu_bytes),
 }
 
 

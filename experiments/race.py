@@ -65,7 +65,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from experiments import _provenance  # noqa: E402
 from gossip import checkpoint, crossover, rundir  # noqa: E402
+
+#: the code a race's figures measure (for `python -m experiments.render --stale`)
+SOURCES = ["gossip", "experiments/race.py"]
 
 #: name -> the gossip.train flags that make the method (on top of the recipe)
 METHODS: dict[str, list[str]] = {
@@ -100,6 +104,11 @@ def _train(args: list[str]) -> tuple[int, str]:
         except SystemExit as e:
             rc = e.code if isinstance(e.code, int) else 1
     return rc, err.getvalue()
+
+
+def _lr(a: argparse.Namespace) -> list[str]:
+    """The flags that override the recipe's learning rate (after RECIPE, before METHOD_RECIPE)."""
+    return [] if a.lr is None else ["--lr", repr(a.lr)]
 
 
 def run_method(name: str, out: Path, nodes: int, common: list[str]) -> Path:
@@ -429,7 +438,7 @@ def write_netns(out: Path, results: dict, a: argparse.Namespace, bw_labels: list
         "target": a.target, "nodes": a.nodes, "epochs": a.epochs, "data": a.data, "bandwidths": bw_labels,
         "latency_s": 0.0, "recipe": RECIPE, "methods": {k: METHODS[k] + METHOD_RECIPE.get(k, []) for k in names},
         "results": results, "mode": "netns", "stop_at_target": not a.to_end, "command": cmd,
-        "cpu_count": os.cpu_count(),
+        "cpu_count": os.cpu_count(), "provenance": a.provenance.finish(),
     }, indent=1))
     return md, netns_plot(results, bw_labels, out / "race.png", a.target)
 
@@ -446,7 +455,7 @@ def main_netns(a: argparse.Namespace, names: list[str], bw_labels: list[str], ba
     except vcluster.VClusterError as e:
         print(f"race: error: --mode netns {e}", file=sys.stderr)
         return 2
-    common = ["--data", a.data, "--epochs", str(a.epochs), "--seed", str(a.seed)]
+    common = ["--data", a.data, "--epochs", str(a.epochs), "--seed", str(a.seed), *_lr(a)]
     results: dict = {name: {"runs": {}} for name in names}
     for bw, bps in zip(bw_labels, bandwidths):
         try:
@@ -483,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bandwidth", default="10mbit,100mbit", help="link rates (default 10mbit,100mbit)")
     p.add_argument("--latency", default="0", help="one-way latency (default 0)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate for every method instead of the recipe's 0.1 (DiLoCo keeps its inner 0.003)")
     p.add_argument("--out", required=True, help="directory for the run directories and the results")
     p.add_argument("--mode", choices=("simulated", "netns"), default="simulated",
                    help="simulated: modelled time (default); netns: torchrun ranks on tc-shaped links (needs root)")
@@ -492,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default="race", help="netns: name prefix of the namespaces (default race)")
     a = p.parse_args(argv)
     names = [m.strip() for m in a.methods.split(",") if m.strip()]
+    if a.lr is not None and not a.lr > 0:
+        p.error(f"--lr must be > 0, got {a.lr:g}")
     unknown = [m for m in names if m not in METHODS]
     if unknown:
         p.error(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(METHODS)}")
@@ -506,9 +519,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = "python experiments/race.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    a.provenance = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/race.py", *argv])
     if a.mode == "netns":
         return main_netns(a, names, bw_labels, bandwidths, out, cmd)
-    common = ["--data", a.data, "--epochs", str(a.epochs), "--seed", str(a.seed)]
+    common = ["--data", a.data, "--epochs", str(a.epochs), "--seed", str(a.seed), *_lr(a)]
     results = {}
     load = [os.getloadavg()[0]]  # the compute times are measured on this machine: say how busy it was
     for name in names:
@@ -527,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": a.target, "nodes": a.nodes, "epochs": a.epochs, "data": a.data, "bandwidths": bw_labels,
         "latency_s": latency, "recipe": RECIPE, "methods": {k: METHODS[k] + METHOD_RECIPE.get(k, []) for k in names},
         "results": results, "mode": "simulated-time", "load_average": load, "cpu_count": os.cpu_count(),
+        "lr": a.lr, "provenance": a.provenance.finish(),
     }, indent=1))
     drew = plot(results, bandwidths, bw_labels, latency, out / "race.png", a.target)
     print(md)

@@ -1,4 +1,4 @@
-"""Benchmark MergeComp (papers/004): layer-wise, whole-model and searched partitions.
+"""Benchmark MergeComp (Wang et al. 2021, arXiv:2103.15195): layer-wise, whole-model and searched partitions.
 
     python experiments/bench_mergecomp.py [--json PATH] [--steps N] [--quick]
 
@@ -10,14 +10,14 @@ quant 8 bits), all inside dist-EF-SGD (``gossip.schedule.MergeComp``). For each,
 the same world and in turn:
 
 * ``auto``: the search of Alg. 2 (Y = 2) runs first, then the chosen partition is timed;
-* ``layer``: one group per tensor (the layer-wise baseline of papers/004);
+* ``layer``: one group per tensor (the layer-wise baseline of Wang et al. 2021 (arXiv:2103.15195));
 * ``whole``: one group for the whole model (no overlap).
 
 Reported per row: the median iteration time (forward, backward with the hooks'
 compression and posting, waiting, decoding, optimizer step), its split into compute /
 compress / communicate (the ledger's phases: compress is encoding and decoding,
 communicate the time the step waits for collectives not yet done), the scaling factor
-T_n / (n T_1) = iter(1 worker, plain SGD) / iter (papers/004 Sec. 3.1; T_1 measured in
+T_n / (n T_1) = iter(1 worker, plain SGD) / iter (Wang et al. 2021, arXiv:2103.15195, Sec. 3.1; T_1 measured in
 the same run on rank 0 while the others wait), and the iteration time the fitted cost
 model (auto's profile) predicts for that partition, with its relative error.
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Time training steps under tc-shaped bandwidth and latency (papers/002 Fig. 3).
+"""Time training steps under tc-shaped bandwidth and latency (Tang et al. 2018, arXiv:1803.06443, Fig. 3).
 
     python experiments/sweep_network.py --nodes 8 --algos allreduce,dpsgd,dcd:8,ecd:8 \\
         --bandwidth 1400mbit,200mbit,50mbit,20mbit,5mbit --latency 0.13ms,5ms,20ms \\
@@ -556,7 +556,7 @@ def results_table(rows: list[dict], meta: dict[str, Any]) -> str:
 
 
 def plot_fig3(rows: list[dict], path: Path) -> Path | None:
-    """Four panels in the style of papers/002 Fig. 3; one line per algorithm."""
+    """Four panels in the style of Tang et al. 2018 (arXiv:1803.06443) Fig. 3; one line per algorithm."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -606,7 +606,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sweep_network.py",
         description="Time gossip.train steps per algorithm under tc-shaped bandwidth and latency "
-                    "(papers/002 Fig. 3) on a virtual cluster of network namespaces or on real hosts.",
+                    "(Tang et al. 2018, arXiv:1803.06443, Fig. 3) on a virtual cluster of network namespaces or on real hosts.",
     )
     p.add_argument("--nodes", type=int, default=8, help="ranks per cell (default 8; the host count with --hosts)")
     p.add_argument("--algos", default="allreduce,dpsgd,dcd:8,ecd:8", help="comma list, name or name:bits")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tc_shape.sh: shape one network interface like papers/002 Sec. 5 did on each node
+# tc_shape.sh: shape one network interface like Tang et al. 2018 (arXiv:1803.06443) Sec. 5 did on each node
 # ("we use tc command to change bandwidth and latency").
 #
 #   tc_shape.sh apply --dev DEV [--rate R] [--delay D] [--jitter J] [--loss P] [--netns NS] [--dry-run]

@@ -12,7 +12,7 @@ callers of this module; everything they show can be had from Python:
     ga.plot_train_loss(metrics, x="epoch")       # one line per run
     ga.plot_convergence(metrics)                 # the six panels of convergence.ipynb
     sweep = ga.load_sweep("runs/netsweep")       # experiments/sweep_network.py results
-    ga.plot_sweep(sweep)                         # papers/002 Fig. 3 style
+    ga.plot_sweep(sweep)                         # Tang et al. 2018 (arXiv:1803.06443) Fig. 3 style
 
 A *run directory* is what ``python -m gossip.train --out DIR`` writes: ``config.json``,
 one ``metrics-rank<k>.jsonl`` per node, and ``summary.json`` once the run has finished
@@ -776,7 +776,7 @@ def _sweep_name(algo: str, bits: Any) -> str:
 
 
 def plot_sweep(sweep: pd.DataFrame, *, nodes: int | None = None, y: str = "epoch_s"):
-    """papers/002 Fig. 3: epoch time against 5/bandwidth at the lowest and highest
+    """Tang et al. 2018 (arXiv:1803.06443) Fig. 3: epoch time against 5/bandwidth at the lowest and highest
     latency, and against latency at the highest and lowest bandwidth. Returns the figure."""
     import matplotlib.pyplot as plt
 

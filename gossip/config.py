@@ -56,7 +56,7 @@ OPTIMIZERS = ("sgd", "adamw")
 DEFAULT_LR = {"sgd": 0.05, "adamw": 0.001}
 #: AdamW's (beta1, beta2) when ``--beta1``/``--beta2`` are unset (torch's defaults)
 DEFAULT_BETAS = (0.9, 0.999)
-#: the algorithms ``--merge`` can schedule (papers/004 over papers/000's error feedback)
+#: the algorithms ``--merge`` can schedule (Wang et al. 2021, arXiv:2103.15195, over Zheng et al.'s (2019, arXiv:1905.10936) error feedback)
 MERGE_ALGOS = ("efsgd", "efblocksgd", "efblocksgdm")
 
 
@@ -650,7 +650,7 @@ _HELP = {
     "files are deleted first (other files are left alone); without it a non-empty --out is refused",
     "tensorboard": "also write the metrics as TensorBoard scalars to <out>/tensorboard "
     "(needs the optional extra: pip install 'gossip[tensorboard]')",
-    "merge": "MergeComp (papers/004) for efsgd/efblocksgd/efblocksgdm: layer (one group per tensor), whole "
+    "merge": "MergeComp (Wang et al. 2021, arXiv:2103.15195) for efsgd/efblocksgd/efblocksgdm: layer (one group per tensor), whole "
     "(one group), N (N groups chosen by the cost model) or auto (Alg. 2); groups are compressed and sent "
     "while backward goes on",
     "merge_max_groups": "Y of Alg. 2 for --merge auto: the most groups tried",

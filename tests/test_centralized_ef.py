@@ -1,4 +1,4 @@
-"""dist-EF-SGD family and the sign baselines (papers/000) against plain dense references."""
+"""dist-EF-SGD family and the sign baselines (Zheng et al. 2019, arXiv:1905.10936) against plain dense references."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _sign_ref(p: torch.Tensor, offsets=(0,)) -> torch.Tensor:
 
 
 def _ef_reference(grads, lrs, mu, compress_worker, compress_server):
-    """papers/000 Alg. 2 / 4 written out node by node; returns Delta~_t per step."""
+    """Zheng et al. 2019 (arXiv:1905.10936) Alg. 2 / 4 written out node by node; returns Delta~_t per step."""
     T_, n, d = grads.shape
     e = torch.zeros(n, d)
     es = torch.zeros(d)

@@ -1,4 +1,4 @@
-"""efmomentum (papers/001 Alg. 2 around the compressors of Table 4 / App. G) against a
+"""efmomentum (Vogels et al. 2019, arXiv:1905.13727, Alg. 2 around the compressors of Table 4 / App. G) against a
 plain dense reference, in process and in gloo worlds; bytes, restore, config, CLI."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _mask(spec: str, numel: int, key: int) -> torch.Tensor:
 
 
 def _compress_ref(spec: str, x: torch.Tensor, t: int, offsets) -> torch.Tensor:
-    """C(x) block by block, written out (papers/001 G.1-G.4)."""
+    """C(x) block by block, written out (Vogels et al. 2019, arXiv:1905.13727, G.1-G.4)."""
     name, _, params = spec.partition(":")
     out = torch.zeros_like(x)
     keys = node_keys(SEED, torch.arange(len(_bounds(offsets))), t, _BLOCK_STREAM)
@@ -67,7 +67,7 @@ def _compress_ref(spec: str, x: torch.Tensor, t: int, offsets) -> torch.Tensor:
 
 
 def _reference(grads, spec, lam, nesterov, offsets=OFFSETS):
-    """papers/001 Alg. 2 written out worker by worker."""
+    """Vogels et al. 2019 (arXiv:1905.13727) Alg. 2 written out worker by worker."""
     T_, n, d = grads.shape
     e = torch.zeros(n, d)
     mom = torch.zeros(d)  # replicated on every worker
@@ -208,7 +208,7 @@ def test_state_save_restore_bit_identical(spec):
 def test_config_validation_messages():
     c = comm.SimulatedCommunicator(world_size=2)
     with pytest.raises(ValueError, match=r"^Arg `compressor` of efmomentum must be one of randomblock, "
-                       r"randomk, sign, topk \(papers/001 G.1-G.4\) or identity, got 'quant:bits=4'$"):
+                       r"randomk, sign, topk \(Vogels et al. 2019, arXiv:1905.13727, G.1-G.4\) or identity, got 'quant:bits=4'$"):
         algorithms.build("efmomentum", c, compressor="quant:bits=4")
     with pytest.raises(TypeError, match=r"Arg `compressor` of efmomentum must be a compressor spec string"):
         algorithms.build("efmomentum", c, compressor=None)

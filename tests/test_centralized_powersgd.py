@@ -1,4 +1,4 @@
-"""PowerSGD (papers/001): dense reference, linearity, bytes, restore, gloo worlds, and
+"""PowerSGD (Vogels et al. 2019, arXiv:1905.13727): dense reference, linearity, bytes, restore, gloo worlds, and
 a cross-check against PyTorch's own ``powerSGD_hook``; the unbiased rank-r approximator
 (Sec. 4.1) and best-approximation PowerSGD (App. G.7): dense references, unbiasedness,
 convergence to the truncated SVD, bytes, restore."""

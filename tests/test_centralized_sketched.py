@@ -1,4 +1,4 @@
-"""Sketched-SGD (papers/003) and the true/local top-k baselines: dense reference,
+"""Sketched-SGD (Ivkin et al. 2019, arXiv:1903.04488) and the true/local top-k baselines: dense reference,
 Count Sketch recovery, bytes, restore, config checks, gloo world."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _top(values, count):
 
 
 def _reference(grads, algo):
-    """papers/003 Alg. 3 per node, written plainly with python loops."""
+    """Ivkin et al. 2019 (arXiv:1903.04488) Alg. 3 per node, written plainly with python loops."""
     T_, n, d = grads.shape
     u = torch.zeros(n, d, dtype=torch.float64)
     v = torch.zeros(n, d, dtype=torch.float64)
@@ -143,7 +143,7 @@ def test_bytes_per_step_equal_the_formula(name):
     U = len(BIAS)
     ring = lambda b: (2 * (N - 1) * b + N // 2) // N  # noqa: E731
     if name == "sketched":
-        per_step = 4 * (ROWS * COLS + P * K + K + 2 * U)  # papers/003: |S| + P k + k
+        per_step = 4 * (ROWS * COLS + P * K + K + 2 * U)  # Ivkin et al. 2019 (arXiv:1903.04488): |S| + P k + k
         assert a.values_per_step == ROWS * COLS + P * K + K + 2 * U
     elif name == "truetopk":
         per_step = ring(4 * D)

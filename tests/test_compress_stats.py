@@ -169,7 +169,7 @@ def test_topk_contraction(k):
 
 
 def test_sign_error_is_exactly_the_l1_identity():
-    # ||x - ||x||_1/d sign(x)||^2 = ||x||^2 - ||x||_1^2 / d  (papers/000, delta = ||x||_1^2/(d||x||^2))
+    # ||x - ||x||_1/d sign(x)||^2 = ||x||^2 - ||x||_1^2 / d  (Zheng et al. 2019 (arXiv:1905.10936), delta = ||x||_1^2/(d||x||^2))
     g = torch.Generator().manual_seed(3)
     X = torch.randn(20, 100, generator=g)
     Y = gc.build("sign").decode(gc.build("sign").encode(X, torch.arange(20)), 100).double()

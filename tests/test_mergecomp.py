@@ -1,4 +1,4 @@
-"""MergeComp (papers/004): grouped error-feedback compression against plain references,
+"""MergeComp (Wang et al. 2021, arXiv:2103.15195): grouped error-feedback compression against plain references,
 overlap with backward in real gloo worlds, the search, checkpoints and the CLI."""
 
 from __future__ import annotations

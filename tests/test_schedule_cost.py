@@ -1,4 +1,4 @@
-"""Partitions, the linear cost model and the partition search of papers/004."""
+"""Partitions, the linear cost model and the partition search of Wang et al. 2021 (arXiv:2103.15195)."""
 
 from __future__ import annotations
 

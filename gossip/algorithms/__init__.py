@@ -176,7 +176,7 @@ def default_topology(name: str) -> str:
 
 
 #: the EF family's scheduling options: with ``merge`` set, ``build`` returns MergeComp
-#: (papers/004) scheduling that algorithm group by group
+#: (Wang et al. 2021, arXiv:2103.15195) scheduling that algorithm group by group
 MERGE_OPTIONS = ("merge", "merge_max_groups", "merge_alpha", "merge_profile_steps", "merge_trial_steps")
 _MERGEABLE = ("efsgd", "efblocksgd", "efblocksgdm")
 
@@ -215,7 +215,7 @@ def build(name: str, comm: Any, *, common: Mapping[str, Any] | None = None, **op
 
     For efsgd, efblocksgd and efblocksgdm, ``merge`` (``"layer"``, ``"whole"``, N or
     ``"auto"``) with ``merge_max_groups``, ``merge_alpha``, ``merge_profile_steps`` and
-    ``merge_trial_steps`` schedules the algorithm with MergeComp (papers/004).
+    ``merge_trial_steps`` schedules the algorithm with MergeComp (Wang et al. 2021, arXiv:2103.15195).
     """
     cls, cfg_cls = _lookup(name)
     if common:

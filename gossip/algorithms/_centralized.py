@@ -87,7 +87,7 @@ class _Centralized(Algorithm):
         self.state.lr = float(lr)
 
     def _lr_ratio(self) -> float:
-        """eta_{t-1} / eta_t, with eta_{-1} = 0 (papers/000 Alg. 2 line 1)."""
+        """eta_{t-1} / eta_t, with eta_{-1} = 0 (Zheng et al. 2019, arXiv:1905.10936, Alg. 2 line 1)."""
         return self.state.prev_lr / self.state.lr
 
 

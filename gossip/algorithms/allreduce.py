@@ -1,4 +1,4 @@
-"""C-PSGD: the centralized all-reduce baseline of papers/002.
+"""C-PSGD: the centralized all-reduce baseline of Tang et al. 2018 (arXiv:1803.06443).
 
 Step I:   all-reduce the mean of the nodes' gradients (full precision).
 Step II:  the local optimizer steps with the averaged gradient on every node, so the

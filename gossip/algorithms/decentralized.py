@@ -1,10 +1,10 @@
-"""Decentralized gossip algorithms of Tang et al. (2018), papers/002.
+"""Decentralized gossip algorithms of Tang et al. (2018), Tang et al. 2018 (arXiv:1803.06443).
 
 Node i, neighbours N(i), mixing weights W_ij, local update u_i (``-gamma * g_i`` for
 plain SGD, the local optimizer's step otherwise), compressor C:
 
 * D-PSGD:  x_i <- sum_j W_ij x_j + u_i
-* naive:   x_i <- W_ii x_i + sum_{j != i} W_ij C(x_j) + u_i       (papers/002 Fig. 1)
+* naive:   x_i <- W_ii x_i + sum_{j != i} W_ij C(x_j) + u_i       (Tang et al. 2018, arXiv:1803.06443, Fig. 1)
 * DCD-PSGD (Alg. 1) and ECD-PSGD (Alg. 2): see the classes.
 
 All four run on a batch of hosted nodes (one row each), so the same code serves one
@@ -65,7 +65,7 @@ def _check_spec(spec: str, *, need_unbiased: bool, algo: str) -> None:
     c = _compress.build(spec)  # raises a ValueError naming what is accepted
     if need_unbiased and not c.unbiased:
         raise ValueError(
-            f"Arg `compressor` of {algo} must be unbiased (papers/002 Assumption 1.6), "
+            f"Arg `compressor` of {algo} must be unbiased (Tang et al. 2018, arXiv:1803.06443, Assumption 1.6), "
             f"got {spec!r}; unbiased compressors: "
             + ", ".join(n for n in _unbiased_names())
             + "; for a biased (contractive) compressor use algo 'choco' (CHOCO-SGD)"
@@ -107,7 +107,7 @@ class DPSGDConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class NaiveConfig:
-    """D-PSGD that sends C(x_j) instead of x_j: the failing baseline of papers/002."""
+    """D-PSGD that sends C(x_j) instead of x_j: the failing baseline of Tang et al. 2018 (arXiv:1803.06443)."""
 
     compressor: str = "quant:bits=8"
     seed: int = 0
@@ -342,7 +342,7 @@ class _Gossip(Algorithm):
 
 
 class DPSGD(_Gossip):
-    """D-PSGD (Lian et al. 2017; papers/002 Sec. 3).
+    """D-PSGD (Lian et al. 2017; Tang et al. 2018 (arXiv:1803.06443) Sec. 3).
 
     Step I:   send x_i to every neighbour, receive x_j.
     Step II:  x_i <- W_ii x_i + sum_{j != i} W_ij x_j + u_i.
@@ -374,7 +374,7 @@ class DPSGD(_Gossip):
 
 
 class Naive(_Gossip):
-    """D-PSGD with naively compressed models (papers/002 Sec. 4, Fig. 1).
+    """D-PSGD with naively compressed models (Tang et al. 2018, arXiv:1803.06443, Sec. 4, Fig. 1).
 
     Step I:   send C(x_i) to every neighbour, receive C(x_j).
     Step II:  x_i <- W_ii x_i + sum_{j != i} W_ij C(x_j) + u_i.
@@ -382,7 +382,7 @@ class Naive(_Gossip):
     """
 
     name = "naive"
-    summary = "D-PSGD sending compressed models (papers/002 Fig. 1 baseline; does not converge)"
+    summary = "D-PSGD sending compressed models (Tang et al. 2018, arXiv:1803.06443, Fig. 1 baseline; does not converge)"
 
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         t = self.state.t
@@ -392,7 +392,7 @@ class Naive(_Gossip):
 
 
 class DCD(_Gossip):
-    """DCD-PSGD, papers/002 Algorithm 1 (difference compression).
+    """DCD-PSGD, Tang et al. 2018 (arXiv:1803.06443) Algorithm 1 (difference compression).
 
     Every neighbour of node j keeps a replica xhat_j, equal to x_1 at the start, and
     ``mix_i = W_ii x_i + sum_{j != i} W_ij xhat_j``.
@@ -406,7 +406,7 @@ class DCD(_Gossip):
     """
 
     name = "dcd"
-    summary = "DCD-PSGD (papers/002 Alg. 1): exchange compressed model differences"
+    summary = "DCD-PSGD (Tang et al. 2018, arXiv:1803.06443, Alg. 1): exchange compressed model differences"
     uses_mix = True
     needs_static_graph = True
 
@@ -427,7 +427,7 @@ class DCD(_Gossip):
 
 
 class ECD(_Gossip):
-    """ECD-PSGD, papers/002 Algorithm 2 (extrapolation compression), t = 1, 2, ...
+    """ECD-PSGD, Tang et al. 2018 (arXiv:1803.06443) Algorithm 2 (extrapolation compression), t = 1, 2, ...
 
     Every holder of node j (j itself included) keeps an estimate xtilde_j, equal to
     x_1 at the start, and ``mix_i = sum_j W_ij xtilde_j`` (self included, as in the
@@ -441,7 +441,7 @@ class ECD(_Gossip):
     """
 
     name = "ecd"
-    summary = "ECD-PSGD (papers/002 Alg. 2): exchange compressed extrapolations"
+    summary = "ECD-PSGD (Tang et al. 2018, arXiv:1803.06443, Alg. 2): exchange compressed extrapolations"
     uses_mix = True
     needs_static_graph = True
     has_self_estimate = True

@@ -1,5 +1,5 @@
-"""Error-feedback SGD with momentum (papers/001 Alg. 2) around the compressors that
-papers/001 compares with PowerSGD (Table 4, Appendix G): Random Block (G.1), Random K
+"""Error-feedback SGD with momentum (Vogels et al. 2019, arXiv:1905.13727, Alg. 2) around the compressors that
+Vogels et al. 2019 (arXiv:1905.13727) compares with PowerSGD (Table 4, Appendix G): Random Block (G.1), Random K
 (G.2), Sign+Norm (G.3) and Top K (G.4); ``identity`` is accepted as the uncompressed
 reference.
 
@@ -66,7 +66,7 @@ _BLOCK_STREAM = 5
 
 @dataclass(frozen=True, kw_only=True)
 class EFMomentumConfig:
-    """``compressor``: ``randomblock``, ``randomk``, ``sign``, ``topk`` (papers/001
+    """``compressor``: ``randomblock``, ``randomk``, ``sign``, ``topk`` (Vogels et al. 2019 (arXiv:1905.13727)
     G.1-G.4) or ``identity``, with its parameters (``topk:p=0.01``). Every parameter
     tensor of the layout given to ``setup`` is a block of its own."""
 
@@ -80,7 +80,7 @@ class EFMomentumConfig:
         if c.name not in _LINEAR + _GATHERED:
             raise ValueError(
                 "Arg `compressor` of efmomentum must be one of randomblock, randomk, sign, "
-                f"topk (papers/001 G.1-G.4) or identity, got {self.compressor!r}"
+                f"topk (Vogels et al. 2019, arXiv:1905.13727, G.1-G.4) or identity, got {self.compressor!r}"
             )
         check_fraction("momentum", self.momentum)
         if not isinstance(self.nesterov, bool):
@@ -116,7 +116,7 @@ class EFMomentum(_Centralized):
 
     name = "efmomentum"
     summary = (
-        "EF-SGD with momentum (papers/001 Alg. 2) around Random Block, Random K, "
+        "EF-SGD with momentum (Vogels et al. 2019, arXiv:1905.13727, Alg. 2) around Random Block, Random K, "
         "Sign+Norm or Top K (Table 4, App. G)"
     )
 
@@ -240,5 +240,5 @@ class EFMomentum(_Centralized):
         return blk.compressor.layout(blk.stop - blk.start).views(payload)["values"]
 
     def set_lr(self, lr: float) -> None:
-        """Recorded only: the memories are in gradient units (papers/001 Alg. 2)."""
+        """Recorded only: the memories are in gradient units (Vogels et al. 2019, arXiv:1905.13727, Alg. 2)."""
         super().set_lr(lr)

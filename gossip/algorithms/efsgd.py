@@ -1,4 +1,4 @@
-"""dist-EF-SGD, dist-EF-blockSGD, dist-EF-blockSGDM (papers/000) and the sign baselines.
+"""dist-EF-SGD, dist-EF-blockSGD, dist-EF-blockSGDM (Zheng et al. 2019, arXiv:1905.10936) and the sign baselines.
 
 Worker i, stochastic gradient g_{t,i}, step size eta_t (eta_{-1} = 0), compressor C,
 worker error e_{t,i}, server error e~_t, momentum mu (Alg. 4; mu = 0 gives Alg. 2/3):
@@ -14,12 +14,12 @@ worker error e_{t,i}, server error e~_t, momentum mu (Alg. 4; mu = 0 gives Alg. 
 5. pull: the gradient is replaced by Delta~_t, so the user's plain SGD step
    x_{t+1} = x_t - eta_t Delta~_t is Alg. 2 line 6.
 
-``efsgd`` takes any compressor (``sign`` by default, papers/000 eq. 1);
+``efsgd`` takes any compressor (``sign`` by default, Zheng et al. 2019 (arXiv:1905.10936) eq. 1);
 ``efblocksgd`` is ``efsgd`` with the blockwise sign compressor (Alg. 3) whose blocks
 are the parameter tensors (from the ``ParamLayout`` given to ``setup``);
 ``efblocksgdm`` adds Nesterov momentum inside the compressed update (Alg. 4).
 
-Baselines with majority vote and no error feedback (papers/000 Sec. 4):
+Baselines with majority vote and no error feedback (Zheng et al. 2019, arXiv:1905.10936, Sec. 4):
 
 1. signum only: m_{t,i} = beta m_{t-1,i} + (1 - beta) g_{t,i}; v = m (signSGD: v = g);
 2. push sign(v_{t,i}) (the ``sign`` compressor: 1 bit per value), all-gathered;
@@ -75,7 +75,7 @@ _SERVER_STREAM = 1
 # --------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class EFSGDConfig:
-    """dist-EF-SGD (papers/000 Alg. 2) with any compressor; ``momentum`` > 0 gives the
+    """dist-EF-SGD (Zheng et al. 2019, arXiv:1905.10936, Alg. 2) with any compressor; ``momentum`` > 0 gives the
     non-block variant of Alg. 4."""
 
     compressor: str = "sign"
@@ -93,7 +93,7 @@ class EFSGDConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class EFBlockSGDConfig:
-    """dist-EF-blockSGD (papers/000 Alg. 3): blockwise sign, one block per parameter
+    """dist-EF-blockSGD (Zheng et al. 2019, arXiv:1905.10936, Alg. 3): blockwise sign, one block per parameter
     tensor (the blocks come from the layout given to ``setup``)."""
 
     momentum: float = 0.0
@@ -115,7 +115,7 @@ class EFBlockSGDConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class EFBlockSGDMConfig(EFBlockSGDConfig):
-    """dist-EF-blockSGDM (papers/000 Alg. 4): Nesterov momentum ``0 < momentum < 1``."""
+    """dist-EF-blockSGDM (Zheng et al. 2019, arXiv:1905.10936, Alg. 4): Nesterov momentum ``0 < momentum < 1``."""
 
     momentum: float = 0.9
 
@@ -215,7 +215,7 @@ class DistEFSGD(_Centralized):
     """dist-EF-SGD / -blockSGD / -blockSGDM; see the module docstring for the steps."""
 
     name = "efsgd"
-    summary = "dist-EF-SGD (papers/000 Alg. 2): two-way compression with worker and server error feedback"
+    summary = "dist-EF-SGD (Zheng et al. 2019, arXiv:1905.10936, Alg. 2): two-way compression with worker and server error feedback"
 
     def __init__(self, config: Any, comm: Any) -> None:
         super().__init__(config, comm)
@@ -275,7 +275,7 @@ class EFBlockSGD(DistEFSGD):
     One L1 scale per tensor; error feedback on the workers and on the server."""
 
     name = "efblocksgd"
-    summary = "dist-EF-blockSGD (papers/000 Alg. 3): blockwise sign per tensor, two-way error feedback"
+    summary = "dist-EF-blockSGD (Zheng et al. 2019, arXiv:1905.10936, Alg. 3): blockwise sign per tensor, two-way error feedback"
 
     def wire_format(self) -> WireFormat:
         return WireFormat("blocksign", 1.0)  # one sign per value, one fp32 scale per tensor
@@ -287,7 +287,7 @@ class EFBlockSGDM(EFBlockSGD):
     The algorithm applies the momentum itself, so the local optimizer must have none."""
 
     name = "efblocksgdm"
-    summary = "dist-EF-blockSGDM (papers/000 Alg. 4): blockwise sign with Nesterov momentum and error feedback"
+    summary = "dist-EF-blockSGDM (Zheng et al. 2019, arXiv:1905.10936, Alg. 4): blockwise sign with Nesterov momentum and error feedback"
 
 
 class SignSGD(_Centralized):
@@ -295,7 +295,7 @@ class SignSGD(_Centralized):
     docstring for the steps."""
 
     name = "signsgd"
-    summary = "signSGD with majority vote (baseline of papers/000): 1-bit pushes, no error feedback"
+    summary = "signSGD with majority vote (baseline of Zheng et al. 2019 (arXiv:1905.10936)): 1-bit pushes, no error feedback"
 
     def __init__(self, config: Any, comm: Any) -> None:
         super().__init__(config, comm)
@@ -350,4 +350,4 @@ class Signum(SignSGD):
     of the sum of the votes is the direction."""
 
     name = "signum"
-    summary = "Signum with majority vote (baseline of papers/000): sign of local momentum, 1-bit pushes"
+    summary = "Signum with majority vote (baseline of Zheng et al. 2019 (arXiv:1905.10936)): sign of local momentum, 1-bit pushes"

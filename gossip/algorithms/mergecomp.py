@@ -1,7 +1,7 @@
-"""MergeComp (papers/004): compress and send gradients in groups, overlapped with backward.
+"""MergeComp (Wang et al. 2021, arXiv:2103.15195): compress and send gradients in groups, overlapped with backward.
 
-The algorithm scheduled is dist-EF-SGD (papers/000 Alg. 2, with momentum Alg. 4
-without blocks; ``gossip.algorithms.efsgd``), applied group by group (papers/004
+The algorithm scheduled is dist-EF-SGD (Zheng et al. 2019, arXiv:1905.10936, Alg. 2, with momentum Alg. 4
+without blocks; ``gossip.algorithms.efsgd``), applied group by group (Wang et al. 2021 (arXiv:2103.15195)
 Alg. 1): for group k of step t, with x_k its slice of the gradient buffer,
 
 1. momentum (mu > 0): m[x_k] = mu m[x_k] + g[x_k];  v = g[x_k] + mu m[x_k];
@@ -29,7 +29,7 @@ process (torchrun); in the in-process simulation all groups are processed at the
 step, with the same results.
 
 Partitions (``merge``): ``"layer"`` (one group per tensor), ``"whole"`` (one group),
-an int N (N groups, split chosen by the cost model), ``"auto"`` (papers/004 Alg. 2).
+an int N (N groups, split chosen by the cost model), ``"auto"`` (Wang et al. 2021, arXiv:2103.15195, Alg. 2).
 N and auto first learn the backward order (step 1), then time ``profile_steps``
 layer-wise steps in which each tensor is encoded, sent and decoded on its own (so
 each cost is measured alone), fit the linear costs of Assumption 5 (see
@@ -61,7 +61,7 @@ from gossip.schedule.partition import Partition, parse_merge
 
 __all__ = ["MergeComp", "MergeCompConfig", "MergeCompState", "DEFAULT_ALPHA"]
 
-#: papers/004 gives no value for alpha; 5% is the order of the gains of its Table 3.
+#: Wang et al. 2021 (arXiv:2103.15195) gives no value for alpha; 5% is the order of the gains of its Table 3.
 #: With the default Y = 2 it has no effect (Alg. 2 returns X_2 unless F(2) > F(1)).
 DEFAULT_ALPHA = 0.05
 
@@ -124,7 +124,7 @@ class MergeComp(_Centralized):
     """dist-EF-SGD scheduled in groups overlapped with backward; see the module docstring."""
 
     name = "mergecomp"
-    summary = "MergeComp (papers/004): efsgd compressed in merged groups, overlapped with backward"
+    summary = "MergeComp (Wang et al. 2021, arXiv:2103.15195): efsgd compressed in merged groups, overlapped with backward"
 
     def __init__(self, config: MergeCompConfig, comm: Any) -> None:
         super().__init__(config, comm)

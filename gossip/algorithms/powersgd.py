@@ -1,4 +1,4 @@
-"""PowerSGD (papers/001): rank-r power-iteration compression inside error-feedback SGD
+"""PowerSGD (Vogels et al. 2019, arXiv:1905.13727): rank-r power-iteration compression inside error-feedback SGD
 with momentum, and the two rank-r approximators the paper compares it with.
 
 The flat parameter vector is cut into the model's tensors (the ``ParamLayout`` given
@@ -70,7 +70,7 @@ __all__ = ["PowerSGD", "PowerSGDConfig", "PowerSGDState", "orthogonalize"]
 
 _Q_STREAM = 2
 _APPROXIMATORS = ("power", "unbiased", "best")
-_BEST_ITERATIONS = 4  # papers/001 G.7
+_BEST_ITERATIONS = 4  # Vogels et al. 2019 (arXiv:1905.13727) G.7
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,7 +187,7 @@ class PowerSGD(_Centralized):
     """Rank-r PowerSGD with error feedback and momentum; steps in the module docstring."""
 
     name = "powersgd"
-    summary = "PowerSGD (papers/001): rank-r power iteration, warm start, error feedback, momentum"
+    summary = "PowerSGD (Vogels et al. 2019, arXiv:1905.13727): rank-r power iteration, warm start, error feedback, momentum"
 
     def __init__(self, config: PowerSGDConfig, comm: Any) -> None:
         super().__init__(config, comm)
@@ -409,5 +409,5 @@ class PowerSGD(_Centralized):
         st.t += 1
 
     def set_lr(self, lr: float) -> None:
-        """Recorded only: PowerSGD's memories are in gradient units (papers/001 Alg. 2)."""
+        """Recorded only: PowerSGD's memories are in gradient units (Vogels et al. 2019, arXiv:1905.13727, Alg. 2)."""
         super().set_lr(lr)

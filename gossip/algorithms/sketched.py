@@ -1,7 +1,7 @@
-"""Sketched-SGD (papers/003) and its two top-k baselines.
+"""Sketched-SGD (Ivkin et al. 2019, arXiv:1903.04488) and its two top-k baselines.
 
 Worker i, gradient g_i, momentum factor mu, k coordinates per step, P k candidates
-(papers/003 Alg. 3, "empirical training"):
+(Ivkin et al. 2019, arXiv:1903.04488, Alg. 3, "empirical training"):
 
 1. momentum correction: u_i <- mu u_i + g_i; error accumulation: v_i <- v_i + u_i;
 2. ``sketched``: Count Sketch S_i = S(v_i) with ``rows`` x ``cols`` counters; the bucket
@@ -12,7 +12,7 @@ Worker i, gradient g_i, momentum factor mu, k coordinates per step, P k candidat
    estimate ghat_c = median_j s_j(c) S[j, h_j(c)], the l2 estimate
    l2hat^2 = median_j sum_b S[j, b]^2; the heavy set H = {c : ghat_c^2 >= l2hat^2/(P k)}
    is kept whole and the candidates are completed with the next largest |ghat_c|
-   (papers/003 Sec. 5.2 queries every coordinate and keeps the largest; Alg. 1 fills
+   (Ivkin et al. 2019, arXiv:1903.04488, Sec. 5.2 queries every coordinate and keeps the largest; Alg. 1 fills
    at random) -- i.e. the P k largest |ghat_c|, which contain H whenever |H| <= P k;
 5. round 2: all-reduce (mean) of the exact v_i at the P k candidates;
 6. the k largest |mean| of them make the update gtilde (k-sparse);
@@ -30,7 +30,7 @@ Baselines with the same momentum correction, masking and uncompressed biases:
   indices); the update is the mean over workers of these sparse vectors (their union);
   a worker masks the coordinates it sent.
 
-Bytes (ledger), as papers/003 counts: ``sketched`` records 4 (|S| + P k + k + 2 U) bytes
+Bytes (ledger), as Ivkin et al. 2019 (arXiv:1903.04488) counts: ``sketched`` records 4 (|S| + P k + k + 2 U) bytes
 per worker per step (sketch and candidate values up, k updated values and the U
 uncompressed values back; indices not counted, see docs/centralized.md); ``truetopk``
 and ``localtopk`` record what their collectives send.
@@ -281,10 +281,10 @@ class _TopKFamily(_Centralized):
 
 
 class Sketched(_TopKFamily):
-    """Sketched-SGD (papers/003 Alg. 3); steps in the module docstring."""
+    """Sketched-SGD (Ivkin et al. 2019, arXiv:1903.04488, Alg. 3); steps in the module docstring."""
 
     name = "sketched"
-    summary = "Sketched-SGD (papers/003): Count Sketch all-reduce, HEAVYMIX top-Pk, exact second round"
+    summary = "Sketched-SGD (Ivkin et al. 2019, arXiv:1903.04488): Count Sketch all-reduce, HEAVYMIX top-Pk, exact second round"
 
     def _setup_extra(self, n: int) -> None:
         cfg = self.config
@@ -293,7 +293,7 @@ class Sketched(_TopKFamily):
 
     @property
     def values_per_step(self) -> int:
-        """|S| + P k + k + 2 U: the values papers/003 counts per worker per step."""
+        """|S| + P k + k + 2 U: the values Ivkin et al. 2019 (arXiv:1903.04488) counts per worker per step."""
         return self.cs.size + self.num_candidates + self.k + 2 * int(self.unc_index.numel())
 
     def _wire_values(self) -> int:
@@ -329,7 +329,7 @@ class TrueTopK(_TopKFamily):
     """Top k of the mean of v over all workers (one full all-reduce)."""
 
     name = "truetopk"
-    summary = "true top-k of the summed momentum-corrected gradient (papers/003 baseline; full all-reduce)"
+    summary = "true top-k of the summed momentum-corrected gradient (Ivkin et al. 2019, arXiv:1903.04488, baseline; full all-reduce)"
 
     def _select(self, V, Uu):
         ledger = self.comm.ledger
@@ -347,7 +347,7 @@ class LocalTopK(_TopKFamily):
     """Each worker's own top k, all-gathered; the update is their mean (union)."""
 
     name = "localtopk"
-    summary = "local top-k of each worker, all-gathered, union averaged (papers/003 baseline)"
+    summary = "local top-k of each worker, all-gathered, union averaged (Ivkin et al. 2019, arXiv:1903.04488, baseline)"
 
     def _select(self, V, Uu):
         ledger = self.comm.ledger

@@ -246,7 +246,7 @@ class Compressor:
             _first_bad(h["numel"] != expected_numel, "numel",
                        lambda r: f"expected {expected_numel}, got {int(h['numel'][r])}")
 
-    # ---- single-tensor convenience (DESIGN.md section 3) ---------------------------------
+    # ---- single-tensor convenience (the compressor contract, docs/internals.md) -----------
     def compress(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """Compress a flat tensor, drawing its key from ``generator``; returns the payload (nbytes,)."""
         if not isinstance(generator, torch.Generator):

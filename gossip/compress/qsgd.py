@@ -1,4 +1,4 @@
-"""``qsgd``: QSGD (Alistarh et al. 2017), the quantizer of papers/002's 8-bit runs.
+"""``qsgd``: QSGD (Alistarh et al. 2017), the quantizer of Tang et al.'s (2018, arXiv:1803.06443) 8-bit runs.
 
 Per block, ``t_i = |x_i| / ||x||_2 * s`` is rounded stochastically to an integer
 level in ``0..s`` (unbiased), and sent with the sign bit. Body: the fp32 norm per

@@ -1,4 +1,4 @@
-"""``quant``: stochastic uniform quantization with b bits per value (papers/002, footnote 1).
+"""``quant``: stochastic uniform quantization with b bits per value (Tang et al. 2018 (arXiv:1803.06443), footnote 1).
 
 Per block, 2**b levels evenly spread over the block's [min, max]; a value rounds to
 one of its two neighbouring levels with the probabilities that make it unbiased.

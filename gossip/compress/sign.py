@@ -1,7 +1,7 @@
 """Sign compressors with an L1 scale, for error feedback (biased).
 
-- ``sign``: ``||v||_1 / d * sign(v)`` (papers/000 eq. 1; papers/001 G.3 "Sign+Norm").
-- ``blocksign``: papers/000 section 3.2, one scale ``||v_Gb||_1 / d_b`` per block ``G_b``.
+- ``sign``: ``||v||_1 / d * sign(v)`` (Zheng et al. 2019, arXiv:1905.10936, eq. 1; Vogels et al. 2019 (arXiv:1905.13727) G.3 "Sign+Norm").
+- ``blocksign``: Zheng et al. 2019 (arXiv:1905.10936) section 3.2, one scale ``||v_Gb||_1 / d_b`` per block ``G_b``.
   Blocks are given by their start offsets (``offsets=0/100/300``: blocks [0, 100),
   [100, 300), [300, d)), or by a fixed size (``block=256``); with neither, the whole
   vector is one block, which is ``sign``.
@@ -195,7 +195,7 @@ class BlockSign(Compressor):
 
     name = "blocksign"
     cid = 8
-    description = "blockwise sign with one L1 scale per block (papers/000 sec. 3.2), 1 bit per value, biased"
+    description = "blockwise sign with one L1 scale per block (Zheng et al. 2019, arXiv:1905.10936, sec. 3.2), 1 bit per value, biased"
     unbiased = False
     linear = False
     contractive = True
@@ -264,7 +264,7 @@ class Sign(BlockSign):
 
     name = "sign"
     cid = 7
-    description = "||v||_1/d * sign(v) (papers/000 eq. 1, papers/001 Sign+Norm), 1 bit per value, biased"
+    description = "||v||_1/d * sign(v) (Zheng et al. 2019, arXiv:1905.10936, eq. 1, Vogels et al. 2019 (arXiv:1905.13727) Sign+Norm), 1 bit per value, biased"
     Config = dataclasses.make_dataclass("SignConfig", [], bases=(Config,), frozen=True, kw_only=True)
 
     def _bounds(self, numel: int) -> list[tuple[int, int]]:

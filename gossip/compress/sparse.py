@@ -3,18 +3,18 @@
 Payload sizes are fixed by (parameters, numel), so the random ones keep exactly
 ``k`` coordinates, with ``k = k`` or ``k = max(1, round(p * d))``:
 
-- ``randk`` (papers/002 footnote 2, with a fixed count): k coordinates chosen
+- ``randk`` (Tang et al. 2018, arXiv:1803.06443, footnote 2, with a fixed count): k coordinates chosen
   uniformly without replacement from the row key; each coordinate is kept with
   probability k/d and scaled by d/k, so E[C(x)] = x exactly and
   E||C(x) - x||^2 = (d/k - 1) ||x||^2. The key is in the header: the receiver
   regenerates the same coordinates and only the k fp32 values travel.
-- ``randomk`` (papers/001 G.2): the same coordinates, values not scaled; a
+- ``randomk`` (Vogels et al. 2019, arXiv:1905.13727, G.2): the same coordinates, values not scaled; a
   contraction, E||C(x) - x||^2 = (1 - k/d) ||x||^2 (delta = k/d).
-- ``randomblock`` (papers/001 G.1): k consecutive coordinates starting at an
+- ``randomblock`` (Vogels et al. 2019, arXiv:1905.13727, G.1): k consecutive coordinates starting at an
   offset drawn uniformly from 0..d-k (the block always fits, unlike a slice that
   runs past the end), values not scaled; the end coordinates are kept only when
   the block starts or ends there, so delta = 1/(d-k+1) (1 when k = d).
-- ``topk`` (papers/001 G.4): the k largest |x_i| (ties broken by lower index),
+- ``topk`` (Vogels et al. 2019, arXiv:1905.13727, G.4): the k largest |x_i| (ties broken by lower index),
   fp32 values and int32 indices; ||C(x) - x||^2 <= (1 - k/d) ||x||^2 (delta = k/d).
 
 Drawing the coordinates (randk, randomk) for ``k <= d / 2``: draw ``j`` of a row is
@@ -37,7 +37,7 @@ done again with one top-k over every coordinate. Rows below 2**15 values, or k
 above d / 8, take that path directly.
 
 With the same key on every node (a shared seed), ``randomk`` and ``randomblock``
-payload bodies can be summed: they are linear, as papers/001 all-reduces them.
+payload bodies can be summed: they are linear, as Vogels et al. 2019 (arXiv:1905.13727) all-reduces them.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ class RandomK(_Sparse):
 
     name = "randomk"
     cid = 10
-    description = "Random K (papers/001 G.2): k coordinates from a shared seed, unscaled, biased, linear"
+    description = "Random K (Vogels et al. 2019, arXiv:1905.13727, G.2): k coordinates from a shared seed, unscaled, biased, linear"
     linear = True
     contractive = True
     Config = _count_config("randomk", 0.01)
@@ -238,7 +238,7 @@ class RandomBlock(_Sparse):
 
     name = "randomblock"
     cid = 11
-    description = "Random Block (papers/001 G.1): k consecutive coordinates at a shared random offset, biased, linear"
+    description = "Random Block (Vogels et al. 2019, arXiv:1905.13727, G.1): k consecutive coordinates at a shared random offset, biased, linear"
     linear = True
     contractive = True
     Config = _count_config("randomblock", 0.01)
@@ -261,7 +261,7 @@ class TopK(_Sparse):
 
     name = "topk"
     cid = 9
-    description = "Top K (papers/001 G.4): the k largest |x_i| with their int32 indices, biased"
+    description = "Top K (Vogels et al. 2019, arXiv:1905.13727, G.4): the k largest |x_i| with their int32 indices, biased"
     contractive = True
     Config = _count_config("topk", 0.01)
 

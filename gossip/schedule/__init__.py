@@ -1,4 +1,4 @@
-"""Scheduling compressed communication (papers/004): the pieces MergeComp plans with.
+"""Scheduling compressed communication (Wang et al. 2021, arXiv:2103.15195): the pieces MergeComp plans with.
 
 * :class:`Partition` -- tensors in backward order cut into contiguous groups;
 * :class:`CostModel`, :func:`fit_linear`, :func:`best_partition`, :func:`alg2` -- the

@@ -1,4 +1,4 @@
-"""The cost model of papers/004 Sec. 4.3 and the partition search.
+"""The cost model of Wang et al. 2021 (arXiv:2103.15195) Sec. 4.3 and the partition search.
 
 Assumption 5 (linear overhead): compressing a group of x values costs
 h(x) = B_h + gamma_h x and communicating it g(x) = B_g + gamma_g x. Here the
@@ -29,7 +29,7 @@ it, so keeping the smallest e_{k-1} per prefix is optimal. O(y N^2) instead of t
 decoding tail is added afterwards; it is the same for every split except for how
 much of it overlaps the last communications.
 
-:func:`alg2` is papers/004 Algorithm 2 over any F_min(y).
+:func:`alg2` is Wang et al. 2021 (arXiv:2103.15195) Algorithm 2 over any F_min(y).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def best_partition(model: CostModel, groups: int) -> Partition:
 def alg2(
     f_min: Callable[[int], float], max_groups: int, alpha: float
 ) -> tuple[int, dict[int, float]]:
-    """papers/004 Algorithm 2 over ``f_min(y)`` (the best iteration time with y groups).
+    """Wang et al. 2021 (arXiv:2103.15195) Algorithm 2 over ``f_min(y)`` (the best iteration time with y groups).
 
     Returns the chosen y and every F_min(y) evaluated. For y = 2..Y: stop at y - 1 when
     y is worse; stop at y when it gains less than ``alpha * F_min(y-1)``.

@@ -1,4 +1,4 @@
-"""Partitions of a model's gradient tensors into contiguous groups (papers/004 Sec. 4).
+"""Partitions of a model's gradient tensors into contiguous groups (Wang et al. 2021, arXiv:2103.15195, Sec. 4).
 
 A model's N gradient tensors are taken in the order back-propagation produces them
 (``order``: parameter indices, first produced first). A partition cuts that sequence

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import _provenance
 from _benchlib import markdown_table, run_spawned_world
 from gossip import algorithms, comm
 from gossip.models import build_model
@@ -132,6 +133,11 @@ COLS = ["algo", "compressor", "model", "params", "step_s", "compute_s", "compres
         "bytes_per_step", "compression_ratio"]
 
 
+#: the code these figures measure (for `python -m experiments.render --stale`)
+SOURCES = ["gossip/algorithms", "gossip/comm", "gossip/compress", "gossip/models.py", "gossip/runtime.py",
+           "experiments/bench_centralized.py"]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", metavar="PATH", help="also write the results as a JSON list")
@@ -141,12 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.steps, a.warmup = 3, 1
+    prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/bench_centralized.py", *argv])
     print(f"torch {torch.__version__}, {WORLD} ranks on loopback gloo, 1 thread each, batch {BATCH}", flush=True)
     rows = bench(a.steps, a.warmup)
     print(markdown_table(rows, COLS))
     if a.json:
-        with open(a.json, "w") as fh:
-            json.dump([{k: r[k] for k in COLS} for r in rows], fh, indent=2)
+        _provenance.write(a.json, [{k: r[k] for k in COLS} for r in rows], prov)
     return 0
 
 

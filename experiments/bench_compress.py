@@ -19,7 +19,6 @@ time instead of wall time, which other processes disturb less.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,14 @@ import torch
 
 import gossip.compress as gc
 from gossip.compress import _kernels
+
+if __package__:  # imported as experiments.bench_compress
+    from . import _provenance
+else:  # run as a script, or imported with experiments/ on the path (bench_step)
+    import _provenance
+
+#: the code these figures measure (for `python -m experiments.render --stale`)
+SOURCES = ["gossip/compress", "experiments/bench_compress.py"]
 
 SPECS = [
     "quant:bits=8", "quant:bits=4", "quant:bits=8,block=4096", "qsgd:levels=16,block=512", "ternary",
@@ -134,6 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="statistic of the repetitions (default median; min shows the unloaded speed)")
     args = ap.parse_args(argv)
+    prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/bench_compress.py", *argv])
     torch.set_num_threads(1)
     _kernels.set_backend(args.backend)
     specs = [s.strip() for s in args.only.split(";")] if args.only else SPECS
@@ -162,8 +170,7 @@ def main(argv=None) -> int:
         mem = statistics.median(r["memcpy_gbps"] for r in rows if r["numel"] == n)
         print(f"memcpy at {n} elements: {mem:.2f} GB/s (median over the compressors' runs)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        _provenance.write(args.json, rows, prov)
     return 0
 
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import _provenance
 from _benchlib import markdown_table, run_spawned_world
 from gossip import comm
 from gossip.models import build_model
@@ -208,6 +209,11 @@ def verdicts(rows: list[dict]) -> list[str]:
     return out
 
 
+#: the code these figures measure (for `python -m experiments.render --stale`)
+SOURCES = ["gossip/algorithms", "gossip/schedule", "gossip/comm", "gossip/compress", "gossip/runtime.py",
+           "experiments/bench_mergecomp.py"]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", metavar="PATH", help="also write the results as a JSON list")
@@ -218,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     comps = list(COMPRESSORS)
     if a.quick:
         a.steps, models, comps = 3, ["resnet20"], ["fp16", "topk:p=0.01"]
+    prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/bench_mergecomp.py", *argv])
     print(f"torch {torch.__version__}, {WORLD} ranks on loopback gloo, 1 thread each, batch {BATCH}", flush=True)
     rows = run_spawned_world(_worker, WORLD, a.steps, models, comps)
     print(markdown_table(rows, COLS))
@@ -232,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in verdicts(rows):
         print(line)
     if a.json:
-        with open(a.json, "w") as fh:
-            json.dump([{k: r[k] for k in JSON_KEYS} for r in rows], fh, indent=2)
+        _provenance.write(a.json, [{k: r[k] for k in JSON_KEYS} for r in rows], prov)
     return 0
 
 

@@ -30,7 +30,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import _provenance  # noqa: E402
 from gossip import algorithms, comm  # noqa: E402
+
+#: the code these figures measure (for `python -m experiments.render --stale`)
+SOURCES = ["gossip/algorithms", "gossip/comm", "gossip/ddp.py", "experiments/bench_powersgd.py"]
 
 WORLD = 2
 
@@ -160,6 +164,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.rank < 1:
         ap.error("--steps and --rank must be >= 1, --warmup >= 0")
+    prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/bench_powersgd.py", *argv])
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         mp.spawn(_worker, args=(os.path.join(tmp, "store"), args.steps, args.warmup, args.rank, out), nprocs=WORLD)
@@ -170,8 +175,7 @@ def main(argv=None) -> int:
     print(f"{'ours (s)':>10} {'hook (s)':>10} {'ratio':>7} {'max rel diff':>13}")
     print(f"{res['ours_step_s']:10.4f} {res['torch_hook_step_s']:10.4f} {res['ratio']:7.2f} {res['max_rel_diff']:13.2e}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+        _provenance.write(args.json, res, prov)
     return 0
 
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import topologies
+import _provenance
 from _benchlib import markdown_table, run_spawned_world
 from bench_compress import bench as bench_codec
 from gossip import algorithms, comm
@@ -174,6 +175,10 @@ def bench_simulation(sizes: list[int], steps: int, dim: int = 100) -> list[dict]
     return rows
 
 
+#: the code these figures measure (for `python -m experiments.render --stale`)
+SOURCES = ["gossip/algorithms", "gossip/comm", "gossip/compress", "gossip/runtime.py", "experiments/bench_step.py"]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -184,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.steps, a.warmup, a.sim_steps = 5, 1, 20
+    prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/bench_step.py", *argv])
     print(f"torch {torch.__version__}, {WORLD} ranks on loopback gloo, 1 thread each", flush=True)
     steps = bench_distributed(a.steps, a.warmup)
     print(markdown_table(steps, ["algo", "compressor", "step_s", "compute_s", "compress_s", "comm_s", "wait_s",
@@ -196,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(markdown_table(sim, ["algo", "nodes", "dim", "steps_per_s"]))
     if a.json:
-        with open(a.json, "w") as fh:
-            json.dump({"steps": steps, "codec": codec, "simulation": sim}, fh, indent=2)
+        _provenance.write(a.json, {"steps": steps, "codec": codec, "simulation": sim}, prov)
     return 0
 
 

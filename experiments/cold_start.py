@@ -27,9 +27,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("specs", nargs="+", help="compressor specs, e.g. quant:bits=8")
     p.add_argument("--numel", type=int, default=1 << 23)
+    p.add_argument("--json", metavar="PATH", help="also write the times, with their provenance, as JSON")
     args = p.parse_args(argv)
     if args.numel < 1:
         p.error(f"--numel must be positive, got {args.numel}")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _provenance
+
+    prov = _provenance.start(["gossip/compress", "experiments/cold_start.py"],
+                             argv=None if argv is None else ["experiments/cold_start.py", *argv])
+    rows = []
     torch.set_num_threads(1)
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "(torch's default)")
     print(f"torch {torch.__version__}, 1 thread, {args.numel} values, backend {_kernels.get_backend()}, "
@@ -47,6 +54,11 @@ def main(argv=None) -> int:
             c.decode(c.encode(x, keys), args.numel)
             times.append(time.perf_counter() - t0)
         print(f"{spec:24s} first encode+decode {times[0]:7.2f} s, second {times[1]:.3f} s")
+        rows.append({"compressor": spec, "numel": args.numel, "backend": _kernels.get_backend(),
+                     "first_s": times[0], "second_s": times[1],
+                     "inductor_cache": "given" if "TORCHINDUCTOR_CACHE_DIR" in os.environ else "default"})
+    if args.json:
+        _provenance.write(args.json, rows, prov)
     return 0
 
 

@@ -47,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--force", action="store_true", help="re-measure cells already measured")
     args = p.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _provenance
+
+    prov = _provenance.start(["gossip/crossover.py", "gossip", "experiments/crossover_check.py",
+                              "experiments/sweep_network.py"],
+                             argv=None if argv is None else ["experiments/crossover_check.py", *argv])
     args.out.mkdir(parents=True, exist_ok=True)
     sweep = [sys.executable, str(HERE / "sweep_network.py"), "--nodes", str(args.nodes), "--algos", args.algos,
              "--bandwidth", args.bandwidth, "--latency", args.latency, "--steps", str(args.steps),
@@ -94,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     (args.out / "check.md").write_text(text + "\n")
-    (args.out / "check.json").write_text(json.dumps({"prediction": res, "rows": table}, indent=1))
+    (args.out / "check.json").write_text(json.dumps({"prediction": res, "rows": table,
+                                                         "provenance": prov.finish()}, indent=1))
     return 0
 
 

@@ -48,6 +48,7 @@ for p in (str(REPO), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import _provenance  # noqa: E402
 import race  # noqa: E402  (experiments/ is not a package: the curve reader and the time model)
 from gossip import crossover, rundir  # noqa: E402
 
@@ -148,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--methods: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(METHODS)}")
     if a.nodes < 2 or a.epochs < 1:
         p.error(f"need --nodes >= 2 and --epochs >= 1, got --nodes {a.nodes} --epochs {a.epochs}")
+    prov = _provenance.start(["gossip", "experiments/gossip_compare.py", "experiments/race.py"],
+                             argv=None if argv is None else ["experiments/gossip_compare.py", *argv])
     try:
         bw_labels = [b.strip() for b in a.bandwidth.split(",") if b.strip()]
         bandwidths = [crossover.parse_rate(b) for b in bw_labels]
@@ -185,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "nodes": a.nodes, "epochs": a.epochs, "data": a.data, "partition": "sorted", "bandwidths": bw_labels,
         "latency_s": latency, "recipe": RECIPE, "methods": {k: METHODS[k] for k in names},
         "results": results, "mode": "simulated-time", "load_average": load, "cpu_count": os.cpu_count(),
+        "provenance": prov.finish(),
     }, indent=1))
     drew = plot(results, bw_labels[0], out / "compare.png")
     print(md)

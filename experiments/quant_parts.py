@@ -52,9 +52,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--numel", type=int, default=1 << 24)
     p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--json", metavar="PATH", help="also write the figures, with their provenance, as JSON")
     args = p.parse_args(argv)
     if args.numel < 1 or args.reps < 1:
         p.error("--numel and --reps must be positive")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _provenance
+
+    prov = _provenance.start(["gossip/compress", "experiments/quant_parts.py"],
+                             argv=None if argv is None else ["experiments/quant_parts.py", *argv])
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
     print(f"torch {torch.__version__}, 1 thread, {args.numel} elements; load average (1 min) {load:.2f}"
@@ -116,6 +122,10 @@ def main(argv=None) -> int:
     print(f"bound of this design (min/max + round + decode): {bound * 1e3:.2f} ms = {mem / bound:.3f} of memcpy speed")
     load = os.getloadavg()[0]
     print(f"load average (1 min) at the end: {load:.2f}")
+    if args.json:
+        _provenance.write(args.json, {"numel": n, "reps": args.reps, "stat": "min", "seconds": t,
+                                      "memcpy_gbps": gbs, "roundtrip_ratio": mem / rt,
+                                      "design_bound_ratio": mem / bound}, prov)
     return 0
 
 

@@ -30,6 +30,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import _provenance  # noqa: E402
+
 
 def make(seed: int):
     """``--data`` factory: 4 x 40 x 512 training inputs shaped (1, 40) like mnist1d's,
@@ -54,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default="sgpov")
     p.add_argument("--out", default="runs/sgp_overlap")
     args = p.parse_args(argv)
+    prov = _provenance.start(["gossip", "experiments/sgp_overlap.py"],
+                             argv=None if argv is None else ["experiments/sgp_overlap.py", *argv])
 
     import sweep_network as sw
     from vcluster import VirtualCluster
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                              "bytes_per_step": m["bytes_per_step"]})
                 print(json.dumps(rows[-1]), flush=True)
     meta = {"nodes": args.nodes, "rate": args.rate, "steps": args.steps, "warmup": args.warmup,
-            "batch_size": args.batch_size, "load": os.getloadavg()}
+            "batch_size": args.batch_size, "load": os.getloadavg(), "provenance": prov.finish()}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     # the reference: overlap 0's own compute and communication times
     ref = [r for r in rows if r["overlap"] == 0]

@@ -45,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+import _provenance  # noqa: E402
 import vcluster  # noqa: E402  (experiments/ is not a package)
 from vcluster import VClusterError, format_rate, parse_rate, parse_time  # noqa: E402
 
@@ -747,11 +748,18 @@ def _run_cell(args, launcher, cell: Cell, out: Path, epochs: int, spe: int, mode
     return row
 
 
+#: the code a sweep's figures measure (for `python -m experiments.render --stale`)
+SOURCES = ["gossip", "experiments/sweep_network.py", "experiments/vcluster.py"]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = Path(args.out)
     log = lambda msg: print(f"sweep: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     cmdline = shlex.join(["python", "experiments/sweep_network.py", *(argv if argv is not None else sys.argv[1:])])
+    # the record of this invocation (a --plot-only redraw records its own); the cells' own
+    # times and loads are in each cell's cell.json
+    prov = _provenance.start(SOURCES, argv=shlex.split(cmdline), measure_memcpy=not args.dry_run)
     try:
         out.mkdir(parents=True, exist_ok=True)
         if args.plot_only:
@@ -763,7 +771,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             return 0
         meta = {"command": cmdline, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "cpus": os.cpu_count(), "warmup": args.warmup, "steps": args.steps}
+                "cpus": os.cpu_count(), "warmup": args.warmup, "steps": args.steps,
+                "provenance": prov.finish()}
         write_results(rows, out, meta)
         fig = plot_fig3(rows, out / "fig3.png")
         log(f"{sum(r['ok'] for r in rows)}/{len(rows)} cells measured; results in {out}/results.csv, "

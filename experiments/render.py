@@ -356,8 +356,11 @@ def main(argv: list[str] | None = None) -> int:
                 if prov:
                     print(f"    made {str(prov.get('date'))[:10]} at commit {_short(prov.get('commit'))}: "
                           f"{prov.get('command')}")
-                    for c in P.commits_since(str(prov.get("date")), prov.get("sources") or []):
+                    since = P.commits_since(str(prov.get("date")), prov.get("sources") or [])
+                    for c in since[:8]:
                         print(f"    {c}")
+                    if len(since) > 8:
+                        print(f"    ... and {len(since) - 8} earlier commits")
             print(f"{len(found)} stale results file(s)" if found else "nothing stale")
             return 0
         changed = render_all(write=not args.check)

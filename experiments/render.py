@@ -286,17 +286,33 @@ def _files() -> list[Path]:
     return out
 
 
+_FENCE = re.compile(r"^```.*?^```[^\n]*$", re.S | re.M)
+
+
+def _markers(text: str, closing: bool = False) -> list[str]:
+    """The table names of the markers outside fenced code blocks (a page may show a
+    marker as an example)."""
+    return re.findall(rf"<!-- {'/' if closing else ''}results:([\w.-]+) -->", _FENCE.sub("", text))
+
+
 def render_file(text: str, where: str = "") -> str:
     """``text`` with every marked table re-rendered; ValueError for an unknown NAME or
-    an unclosed marker."""
-    opened = re.findall(r"<!-- results:([\w.-]+) -->", text)
-    closed = re.findall(r"<!-- /results:([\w.-]+) -->", text)
+    an unclosed marker. Markers inside fenced code blocks are left alone."""
+    opened, closed = _markers(text), _markers(text, closing=True)
     if sorted(opened) != sorted(closed):
         raise ValueError(f"{where}: results markers do not pair up: opened {opened}, closed {closed}")
     for name in opened:
         if name not in TABLES:
             raise ValueError(f"{where}: unknown results table {name!r}; known: {', '.join(TABLES)}")
-    return _MARK.sub(lambda m: m.group(1) + render_table(m.group(2)) + m.group(4), text)
+    parts, last = [], 0
+    for m in _FENCE.finditer(text):  # render between the fences only
+        parts += [_MARK.sub(_sub, text[last:m.start()]), m.group(0)]
+        last = m.end()
+    return "".join(parts) + _MARK.sub(_sub, text[last:])
+
+
+def _sub(m: re.Match) -> str:
+    return m.group(1) + render_table(m.group(2)) + m.group(4)
 
 
 def render_all(write: bool) -> list[Path]:
@@ -318,7 +334,7 @@ def used_tables() -> dict[str, list[str]]:
     """Table name -> the files that show it."""
     used: dict[str, list[str]] = {}
     for f in _files():
-        for name in re.findall(r"<!-- results:([\w.-]+) -->", f.read_text()):
+        for name in _markers(f.read_text()):
             used.setdefault(name, []).append(str(f.relative_to(REPO)))
     return used
 

@@ -106,6 +106,12 @@ def _train(args: list[str]) -> tuple[int, str]:
     return rc, err.getvalue()
 
 
+def _finish(a: argparse.Namespace) -> dict | None:
+    """The run's provenance record (None where a caller built ``a`` without one)."""
+    prov = getattr(a, "provenance", None)
+    return prov.finish() if prov is not None else None
+
+
 def _lr(a: argparse.Namespace) -> list[str]:
     """The flags that override the recipe's learning rate (after RECIPE, before METHOD_RECIPE)."""
     return [] if a.lr is None else ["--lr", repr(a.lr)]
@@ -438,7 +444,7 @@ def write_netns(out: Path, results: dict, a: argparse.Namespace, bw_labels: list
         "target": a.target, "nodes": a.nodes, "epochs": a.epochs, "data": a.data, "bandwidths": bw_labels,
         "latency_s": 0.0, "recipe": RECIPE, "methods": {k: METHODS[k] + METHOD_RECIPE.get(k, []) for k in names},
         "results": results, "mode": "netns", "stop_at_target": not a.to_end, "command": cmd,
-        "cpu_count": os.cpu_count(), "provenance": a.provenance.finish(),
+        "cpu_count": os.cpu_count(), "provenance": _finish(a),
     }, indent=1))
     return md, netns_plot(results, bw_labels, out / "race.png", a.target)
 
@@ -541,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": a.target, "nodes": a.nodes, "epochs": a.epochs, "data": a.data, "bandwidths": bw_labels,
         "latency_s": latency, "recipe": RECIPE, "methods": {k: METHODS[k] + METHOD_RECIPE.get(k, []) for k in names},
         "results": results, "mode": "simulated-time", "load_average": load, "cpu_count": os.cpu_count(),
-        "lr": a.lr, "provenance": a.provenance.finish(),
+        "lr": a.lr, "provenance": _finish(a),
     }, indent=1))
     drew = plot(results, bandwidths, bw_labels, latency, out / "race.png", a.target)
     print(md)

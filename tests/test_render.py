@@ -64,3 +64,8 @@ def test_stale_command_lists_results_with_their_reasons(capsys):
     out = capsys.readouterr().out
     for rel, _, why in render.stale_results():
         assert f"{rel}: stale ({'; '.join(why)})" in out
+
+
+def test_markers_inside_code_fences_are_examples_not_tables():
+    text = "```\n<!-- results:NAME -->\n<!-- /results:NAME -->\n```\n"
+    assert render.render_file(text) == text

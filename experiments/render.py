@@ -219,9 +219,12 @@ def _gpu_summary(res: dict) -> str:
             parts = []
             for k, v in r.items():
                 if isinstance(v, dict) and "exit" in v:
-                    err = [ln for ln in (v.get("stderr_head") or "").splitlines() if "Error" in ln][-1:]
+                    # a rank's own error ("[rank0]: ...Error: ...") before the launcher's summary
+                    lines = (v.get("stderr_head") or "").splitlines()
+                    err = ([ln for ln in lines if ln.startswith("[rank") and "Error" in ln]
+                           or [ln for ln in lines if "Error" in ln])[-1:]
                     parts.append(f"{k} " + ("ok" if v["exit"] == 0 else
-                                            f"**failed** ({err[0].split(']: ')[-1][:80] if err else 'exit ' + str(v['exit'])})"))
+                                            f"**failed** ({err[0].split(']: ')[-1][:90] if err else 'exit ' + str(v['exit'])})"))
             what = "; ".join(parts)
         body.append([name, what])
     return _md(["section", "outcome"], body)

@@ -18,8 +18,13 @@ sys.path.remove(str(REPO / "experiments"))
 def test_race_smoke(tmp_path, capsys):
     out = tmp_path / "race"
     assert race.main(["--methods", "allreduce,localsgd", "--nodes", "2", "--epochs", "1", "--data", "synthetic",
-                      "--target", "0", "--bandwidth", "10mbit,100mbit", "--latency", "1ms", "--out", str(out)]) == 0
+                      "--target", "0", "--bandwidth", "10mbit,100mbit", "--latency", "1ms", "--lr", "0.07",
+                      "--out", str(out)]) == 0
     res = json.loads((out / "race.json").read_text())
+    # --lr replaces the recipe's for every method; the file says how it was made
+    assert res["lr"] == 0.07 and json.loads((out / "allreduce" / "config.json").read_text())["lr"] == 0.07
+    assert res["provenance"]["command"].endswith("--lr 0.07 --out " + str(out))
+    assert "experiments/race.py" in res["provenance"]["sources"]
     a, l = res["results"]["allreduce"], res["results"]["localsgd"]
     # target 0: reached at the first evaluation (epoch 1), where both have run the same steps
     assert a["to_target"]["step"] == l["to_target"]["step"] == a["steps"]
@@ -40,6 +45,9 @@ def test_race_refuses_an_unknown_method(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         race.main(["--methods", "allreduce,slowmo", "--out", str(tmp_path)])
     assert e.value.code == 2 and "unknown slowmo" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        race.main(["--methods", "allreduce", "--lr", "0", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "race.py: error: --lr must be > 0, got 0" in capsys.readouterr().err
 
 
 def _vcluster():

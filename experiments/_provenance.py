@@ -171,7 +171,22 @@ def _command(argv: Sequence[str] | None) -> str:
     # a path in the environment is this machine's own (a cache folder): named, not spelled out
     env = [f"{k}={'PATH' if os.path.isabs(os.environ[k]) else os.environ[k]}" for k in sorted(os.environ)
            if k in _ENV_KEYS or k.startswith(_ENV_PREFIX)]
-    return shlex.join([*env, *head, *argv])
+    return shlex.join([*env, *head, *map(_portable, argv)])
+
+
+def _portable(arg: str) -> str:
+    """An absolute path in an argument as a reader can use it: relative to the repository
+    when inside it, else ``OUT/<last part>`` (a folder of this machine's own, such as a
+    scratch output directory)."""
+    key, eq, val = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    if not os.path.isabs(val):
+        return arg
+    p = Path(val)
+    try:
+        rel = str(p.resolve().relative_to(REPO))
+    except (ValueError, OSError):
+        rel = f"OUT/{p.name}"
+    return f"{key}{eq}{rel}"
 
 
 def _load() -> list[float]:
@@ -236,7 +251,7 @@ def start(sources: Sequence[str], *, argv: Sequence[str] | None = None, measure_
 
     commit, dirty = git_commit()
     ids = source_ids(sources)
-    changed = _git("status", "--porcelain", "--untracked-files=no", "--", *sources)
+    changed = _git("diff", "--name-only", "HEAD", "--", *sources)
     machine: dict[str, Any] = {
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
@@ -255,7 +270,7 @@ def start(sources: Sequence[str], *, argv: Sequence[str] | None = None, measure_
         python=platform.python_version(),
         sources=sources,
         source_ids=ids,
-        dirty_sources=sorted(line[3:] for line in (changed or "").splitlines() if line),
+        dirty_sources=sorted(line for line in (changed or "").splitlines() if line),
         _t0=time.perf_counter(),
     )
 

@@ -230,6 +230,19 @@ def _gpu_summary(res: dict) -> str:
     return _md(["section", "outcome"], body)
 
 
+def _race_accuracy(res: dict) -> str:
+    """Each method's final and best test accuracy in a race.json (simulated or netns)."""
+    body = []
+    for name, r in res["results"].items():
+        pts = r.get("points") or []
+        best = max(pts, key=lambda p: p["test_acc"]) if pts else None
+        lr = res.get("lr")
+        body.append([name, "recipe's" if lr is None else f"{lr:g}", str(res["epochs"]),
+                     f"{r['final_test_acc']:.1%}".replace("%", " %"),
+                     f"{best['test_acc']:.1%} (epoch {best['epoch']:g})".replace("%", " %") if best else "-"])
+    return _md(["method", "lr", "epochs", "final test accuracy", "best"], body)
+
+
 TABLES: dict[str, Table] = {
     "low_precision": Table(f"{RESULTS}/low_precision.json", _low_precision),
     "bench_step": Table(f"{RESULTS}/bench_step.json", _bench_step),
@@ -238,6 +251,8 @@ TABLES: dict[str, Table] = {
     "bench_compress_12gbs": Table(f"{RESULTS}/bench_compress_12gbs.json", _bench_compress),
     "bench_centralized": Table(f"{RESULTS}/bench_centralized.json", _bench_centralized),
     "bench_mergecomp": Table(f"{RESULTS}/bench_mergecomp.json", _bench_mergecomp),
+    "race_allreduce": Table(f"{RESULTS}/race_allreduce.json", _race_accuracy),
+    "race_powersgd_lr005": Table(f"{RESULTS}/race_powersgd_lr0.05.json", _race_accuracy),
     "gpu_summary": Table(f"{RESULTS}/gpu_check.json", _gpu_summary),
     "gpu_compress_speed": Table(f"{RESULTS}/gpu_check.json", _gpu_speed),
     "gpu_bytes": Table(f"{RESULTS}/gpu_check.json", _gpu_bytes),

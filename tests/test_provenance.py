@@ -33,6 +33,13 @@ def test_a_record_says_what_made_the_results_where_and_from_which_code(tmp_path)
     assert not (tmp_path / "r.json.tmp").exists()
 
 
+def test_paths_in_the_command_are_portable(tmp_path):
+    cmd = P.start(["gossip"], argv=["experiments/x.py", "--out", str(tmp_path / "run"),
+                                    f"--json={REPO / 'experiments' / 'results' / 'x.json'}", "plain"],
+                  measure_memcpy=False).command
+    assert cmd.endswith("python experiments/x.py --out OUT/run --json=experiments/results/x.json plain")
+
+
 def test_bad_sources_and_files_without_provenance_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"sources must be paths in the repository, these do not exist: gossip/nope"):
         P.start(["gossip/nope"], measure_memcpy=False)
@@ -44,7 +51,8 @@ def test_bad_sources_and_files_without_provenance_are_refused(tmp_path):
 
 
 def test_stale_when_the_sources_changed_since_the_run():
-    prov = P.start(["experiments/_provenance.py"], argv=["python", "x"], measure_memcpy=False).finish()
+    src = ["experiments/_provenance.py"]
+    prov = {"sources": src, "source_ids": P.source_ids(src), "dirty_sources": []}  # made at HEAD
     assert P.stale(prov) == []
     changed = {**prov, "source_ids": {"experiments/_provenance.py": "0" * 40}}
     assert P.stale(changed) == ["changed since: experiments/_provenance.py"]
@@ -71,5 +79,6 @@ def test_an_experiment_script_writes_its_provenance(tmp_path):
     assert low_precision.main(["--nodes", "4", "--steps", "3", "--json", str(out)]) == 0
     rows, rec = P.read(out)
     assert {r["algo"] for r in rows} == {"dpsgd", "naive", "dcd", "ecd"}
-    assert rec["command"].endswith(f"python experiments/low_precision.py --nodes 4 --steps 3 --json {out}")
+    # a path outside the repository is written OUT/<name>: the record names no folder of this machine
+    assert rec["command"].endswith("python experiments/low_precision.py --nodes 4 --steps 3 --json OUT/lp.json")
     assert "experiments/low_precision.py" in rec["sources"]

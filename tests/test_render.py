@@ -42,7 +42,8 @@ def test_bad_markers_are_refused():
 
 
 def test_stale_figures_are_marked_with_their_date_and_commit():
-    prov = P.start(["experiments/render.py"], argv=["python", "cmd"], measure_memcpy=False).finish()
+    prov = {**P.start(["experiments/render.py"], argv=["python", "cmd"], measure_memcpy=False).finish(),
+            "dirty_sources": []}  # as if made at HEAD from a clean tree
     assert "**Stale**" not in render.provenance_line("r.json", prov)
     old = {**prov, "date": "2026-01-02T03:04:05+00:00", "commit": "abcdef1234567",
            "source_ids": {"experiments/render.py": "0" * 40}}

@@ -243,6 +243,17 @@ def _race_accuracy(res: dict) -> str:
     return _md(["method", "lr", "epochs", "final test accuracy", "best"], body)
 
 
+def _tang2018(res: dict) -> str:
+    """The reproduction's runs at a glance: status, final test accuracy and training loss."""
+    body = []
+    for data, runs in res["runs"].items():
+        for name, r in runs.items():
+            acc, loss = r.get("final_test_acc"), r.get("final_train_loss")
+            body.append([data, name, str(r.get("status")), "-" if acc is None else f"{acc:.1%}".replace("%", " %"),
+                         "-" if loss is None else f"{loss:.4g}"])
+    return _md(["data", "run", "status", "final test accuracy", "final training loss"], body)
+
+
 TABLES: dict[str, Table] = {
     "low_precision": Table(f"{RESULTS}/low_precision.json", _low_precision),
     "bench_step": Table(f"{RESULTS}/bench_step.json", _bench_step),
@@ -253,6 +264,7 @@ TABLES: dict[str, Table] = {
     "bench_mergecomp": Table(f"{RESULTS}/bench_mergecomp.json", _bench_mergecomp),
     "race_allreduce": Table(f"{RESULTS}/race_allreduce.json", _race_accuracy),
     "race_powersgd_lr005": Table(f"{RESULTS}/race_powersgd_lr0.05.json", _race_accuracy),
+    "tang2018": Table("reports/tang2018/results.json", _tang2018),
     "gpu_summary": Table(f"{RESULTS}/gpu_check.json", _gpu_summary),
     "gpu_compress_speed": Table(f"{RESULTS}/gpu_check.json", _gpu_speed),
     "gpu_bytes": Table(f"{RESULTS}/gpu_check.json", _gpu_bytes),
@@ -271,7 +283,7 @@ def provenance_line(path: str, prov: dict[str, Any]) -> str:
     m = prov.get("machine") or {}
     parts = [f"`{prov.get('command', '?')}`", f"commit {_short(prov.get('commit'))}{tree}", date]
     if m:
-        mach = f"{m.get('cores', '?')} cores ({m.get('cpu', '?')})"
+        mach = f"{m.get('cores', '?')} cores" + (f" ({m['cpu']})" if m.get("cpu") else "")
         if m.get("memcpy_gbps"):
             mach += f", memcpy {m['memcpy_gbps']:.1f} GB/s"
         if m.get("gpu"):
@@ -285,7 +297,7 @@ def provenance_line(path: str, prov: dict[str, Any]) -> str:
     line = f"<sub>Rendered from `{path}`: " + ", ".join(parts) + ".</sub>"
     why = P.stale(prov)
     if why:
-        line = (f"**Stale** (measured {date} at commit {_short(prov.get('commit'))}; {why[0]}): "
+        line = (f"**Stale** (measured {date} at commit {_short(prov.get('commit'))}; {'; '.join(why)}): "
                 f"re-run the command below, then `make results-tables`.\n\n" + line)
     return line
 

@@ -47,7 +47,7 @@ def test_race_refuses_an_unknown_method(tmp_path, capsys):
     assert e.value.code == 2 and "unknown slowmo" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         race.main(["--methods", "allreduce", "--lr", "0", "--out", str(tmp_path)])
-    assert e.value.code == 2 and "race.py: error: --lr must be > 0, got 0" in capsys.readouterr().err
+    assert e.value.code == 2 and "error: --lr must be > 0, got 0" in capsys.readouterr().err
 
 
 def _vcluster():

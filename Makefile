@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: setup demo topologies-demo test docs docs-serve clean
+.PHONY: setup demo topologies-demo test docs docs-serve results-tables clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,12 @@ docs: setup
 
 docs-serve: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --strict --dev-addr 127.0.0.1:8000
+
+# Re-render the README's and docs' results tables from experiments/results/*.json
+# (between <!-- results:NAME --> markers); `python -m experiments.render --stale`
+# lists the results whose code changed since they were made.
+results-tables: setup
+	$(PY) -m experiments.render
 
 clean:
 	rm -rf $(VENV) build site *.egg-info

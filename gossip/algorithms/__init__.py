@@ -33,6 +33,8 @@ from gossip.algorithms.localsgd import (
     SlowMo,
     SlowMoConfig,
 )
+from gossip.algorithms.demo import DeMo, DeMoConfig
+from gossip.algorithms.sparseloco import SparseLoCo, SparseLoCoConfig
 from gossip.algorithms.efmomentum import EFMomentum, EFMomentumConfig
 from gossip.algorithms.powersgd import PowerSGD, PowerSGDConfig
 from gossip.algorithms.sketched import (
@@ -106,6 +108,10 @@ __all__ = [
     "SlowMoConfig",
     "DiLoCo",
     "DiLoCoConfig",
+    "DeMo",
+    "DeMoConfig",
+    "SparseLoCo",
+    "SparseLoCoConfig",
     "available",
     "build",
     "config_class",
@@ -137,6 +143,8 @@ for _cls, _cfg in (
     (LocalSGD, LocalSGDConfig),
     (SlowMo, SlowMoConfig),
     (DiLoCo, DiLoCoConfig),
+    (DeMo, DeMoConfig),
+    (SparseLoCo, SparseLoCoConfig),
 ):
     _REGISTRY.register(_cls.name, (_cls, _cfg), _cls.summary)
 

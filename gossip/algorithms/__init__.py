@@ -35,6 +35,7 @@ from gossip.algorithms.localsgd import (
 )
 from gossip.algorithms.demo import DeMo, DeMoConfig
 from gossip.algorithms.sparseloco import SparseLoCo, SparseLoCoConfig
+from gossip.algorithms.noloco import NoLoCo, NoLoCoConfig
 from gossip.algorithms.efmomentum import EFMomentum, EFMomentumConfig
 from gossip.algorithms.powersgd import PowerSGD, PowerSGDConfig
 from gossip.algorithms.sketched import (
@@ -112,6 +113,8 @@ __all__ = [
     "DeMoConfig",
     "SparseLoCo",
     "SparseLoCoConfig",
+    "NoLoCo",
+    "NoLoCoConfig",
     "available",
     "build",
     "config_class",
@@ -145,6 +148,7 @@ for _cls, _cfg in (
     (DiLoCo, DiLoCoConfig),
     (DeMo, DeMoConfig),
     (SparseLoCo, SparseLoCoConfig),
+    (NoLoCo, NoLoCoConfig),
 ):
     _REGISTRY.register(_cls.name, (_cls, _cfg), _cls.summary)
 

@@ -1,0 +1,125 @@
+"""NoLoCo (Kolehmainen, Blagoev, Donaghy, Ersoy, Nies 2025, "NoLoCo: No-all-reduce Low
+Communication Training Method for Large Models", arXiv:2506.10911).
+
+DiLoCo without the all-reduce: after the inner steps each worker averages with the
+workers of a small random group (one random peer: the ``matching`` time-varying graph,
+its default topology) and takes a modified Nesterov outer step whose extra term pulls
+its slow weights towards the group's.
+
+Node i, slow weights phi_i (the round's start), outer momentum delta_i, H =
+``local_steps`` inner steps of the user's optimizer, momentum alpha
+(``outer_momentum``), step size beta (``outer_lr``), pull gamma (``gamma``), round r
+(1, 2, ...) on the graph W(r - 1) (the group: i and its neighbours, weights W_ij; on
+``matching`` the pair {i, p(i)} with weights 1/2):
+
+1. inner: H steps of the local optimizer, x_i <- InnerOpt_H(phi_i);
+2. Delta_i = phi_i - x_i (the pseudo-gradient);
+3. send (phi_i, Delta_i) to the group, receive theirs: one fp32 message of 2 d values
+   per neighbour (point to point, no collective);
+4. delta_i <- alpha delta_i - beta sum_j W_ij Delta_j - gamma (phi_i - sum_j W_ij phi_j);
+5. phi_i <- phi_i + delta_i; x_i <- phi_i.
+
+With an exact average (a complete graph, W = J/n) the slow weights stay equal on every
+node, the gamma term vanishes and step 4 is heavy-ball momentum on the averaged
+pseudo-gradient: with alpha = 0 it is DiLoCo with ``outer_momentum=0`` and
+``outer_lr`` beta.
+
+Bytes per node per round: deg(i) messages of ``identity.payload_nbytes(2 d)`` (32-byte
+header + 8 d bytes): one on ``matching``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gossip import compress as _compress
+from gossip._checks import check_float
+from gossip.algorithms._centralized import check_fraction
+from gossip.algorithms._common import check_int
+from gossip.algorithms.base import ParamLayout, WireFormat
+from gossip.algorithms.decentralized import _Gossip
+
+__all__ = ["NoLoCo", "NoLoCoConfig", "NoLoCoState"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoLoCoConfig:
+    """``local_steps`` H 50, ``outer_lr`` beta 0.7, ``outer_momentum`` alpha 0.5,
+    ``gamma`` 0.5 (the pull of the slow weights towards the group's mean)."""
+
+    local_steps: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.5
+    gamma: float = 0.5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("local_steps", self.local_steps, minimum=1)
+        check_float("Arg `outer_lr`", self.outer_lr, lo=0.0, lo_open=True)
+        check_fraction("outer_momentum", self.outer_momentum)
+        check_float("Arg `gamma`", self.gamma, lo=0.0)
+        check_int("seed", self.seed, minimum=0)
+
+    @property
+    def compressor(self) -> str:
+        return "identity"
+
+
+@dataclass
+class NoLoCoState:
+    """``t`` local steps taken (round r = t // H); ``start`` (m, d) phi, each node's slow
+    weights; ``momentum`` (m, d) delta."""
+
+    t: int
+    start: torch.Tensor
+    momentum: torch.Tensor
+
+
+class NoLoCo(_Gossip):
+    """NoLoCo; the steps are numbered in the module docstring."""
+
+    name = "noloco"
+    summary = "NoLoCo: H inner (AdamW) steps, then average with one random peer and a modified Nesterov outer step"
+    local_optimizer_default = "adamw"
+    default_topology = "matching"
+
+    def __init__(self, config: NoLoCoConfig, comm: Any) -> None:
+        super().__init__(config, comm)
+        self.identity = _compress.build("identity")
+
+    @property
+    def period(self) -> int:
+        return self.config.local_steps
+
+    def wire_format(self) -> WireFormat:
+        return WireFormat("fp32 (slow weights + pseudo-gradient)", 64.0)
+
+    def set_lr(self, lr: float) -> None:
+        check_float("Arg `lr`", lr, lo=0.0, lo_open=True)
+
+    def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
+        self._take_layout(X, layout)
+        self.state = NoLoCoState(t=0, start=X.detach().clone(), momentum=torch.zeros_like(X))
+
+    @torch.no_grad()
+    def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
+        st, cfg, ledger = self.state, self.config, self.comm.ledger
+        X.add_(U)  # 1
+        st.t += 1
+        if st.t % cfg.local_steps:
+            return
+        r = st.t // cfg.local_steps
+        d = X.shape[1]
+        with ledger.phase("compute"):
+            Z = torch.cat([st.start, st.start - X], 1)  # 2: (phi_i, Delta_i)
+        _, mixed, _, _ = self._gossip(Z, r, self.identity, want_own=False)  # 3
+        with ledger.phase("compute"):
+            avg = self._self_w(Z, r) * Z + mixed  # sum_j W_ij (phi_j, Delta_j)
+            phi_bar, delta_bar = avg[:, :d], avg[:, d:]
+            mom = st.momentum  # 4
+            mom.mul_(cfg.outer_momentum).sub_(cfg.outer_lr * delta_bar).sub_(cfg.gamma * (st.start - phi_bar))
+            st.start.add_(mom)  # 5
+            X.copy_(st.start)

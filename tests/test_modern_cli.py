@@ -1,0 +1,126 @@
+"""demo, sparseloco and noloco through the CLI: torchrun equals the simulation, a resume
+in the middle of a round is bit-identical, bad input is one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import topologies
+from gossip import algorithms, checkpoint, comm
+from tests.test_train import QUICK, _one_error_line, final_params, torchrun, train, why
+
+CASES = {
+    "demo": ["--algo", "demo", "--lr", "0.01", "--weight-decay", "0.01", "--algo-opt", "compression_topk=4"],
+    "sparseloco": ["--algo", "sparseloco", "--algo-opt", "local_steps=4", "--algo-opt", "topk_fraction=0.05"],
+    "noloco": ["--algo", "noloco", "--algo-opt", "local_steps=4"],
+}
+
+
+@pytest.mark.multiprocess
+def test_torchrun_equals_the_simulation(tmp_path):
+    """The CLI under torchrun (DeMo: its payloads all-gathered between real processes);
+    the other two are compared on real processes in test_real_processes_equal_the_simulation."""
+    args = [*CASES["demo"], "--max-steps", "10", *QUICK]
+    r = torchrun(2, *args, "--out", str(tmp_path / "dist"))
+    assert r.returncode == 0, why(r)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the twin with the ranks' thread count
+    try:
+        r = train("--simulate", "2", *args, "--out", str(tmp_path / "sim"))
+    finally:
+        torch.set_num_threads(threads)
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(final_params(tmp_path / "dist"), final_params(tmp_path / "sim"))
+    a = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    b = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    assert a["bytes_sent_per_node_total"] == b["bytes_sent_per_node_total"] > 0
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resume_mid_round_is_bit_identical(tmp_path, case):
+    common = ["--simulate", "4", *CASES[case], *QUICK]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert train(*common, "--out", str(full), "--max-steps", "14").returncode == 0
+    r = train(*common, "--out", str(part), "--max-steps", "7", "--checkpoint-every", "7")
+    assert r.returncode == 0, r.stderr
+    assert checkpoint.load_checkpoint(part / "ckpt-step7-rank0.pt")["optimizer"]["algorithm"]["t"] in (7, 8)
+    r = train(*common, "--resume", str(part), "--max-steps", "14")
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(final_params(full), final_params(part))
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--algo", "demo", "--algo-opt", "chunk=8"], ["--algo-opt chunk", "not an option of --algo demo"]),
+    (["--algo", "sparseloco", "--algo-opt", "topk_fraction=0"], ["topk_fraction", "(0, 1]"]),
+    (["--algo", "demo", "--momentum", "0.9"], ["demo", "momentum"]),
+])
+def test_bad_input_is_one_line(args, needles):
+    _one_error_line(train("--simulate", "2", "--data", "synthetic", "--no-progress", *args), *needles)
+
+
+WORLD = [("demo", None, {"compression_chunk": 4, "compression_topk": 2}),
+         ("sparseloco", None, {"local_steps": 3, "chunk": 4, "topk_fraction": 0.25}),
+         ("noloco", "matching", {"local_steps": 3})]
+STEPS, D = 7, 41
+
+
+def _problem(n: int):
+    g = torch.Generator().manual_seed(11)
+    return torch.randn(n, D, generator=g), torch.randn(D, generator=g)
+
+
+def _trajectory(make_comm, X, A):
+    out = {}
+    layout = algorithms.ParamLayout.from_shapes([(4, 5), (21,)])
+    for name, topo, opts in WORLD:
+        c = make_comm(topo)
+        alg = algorithms.build(name, c, **opts)
+        Y = X.clone()
+        alg.setup(Y, layout)
+        rows = []
+        for _ in range(STEPS):
+            alg.set_lr(0.1)
+            if alg.acts_on == "gradient":
+                G = Y - A
+                alg.reduce_gradients(G)
+                Y -= 0.1 * G
+            else:
+                alg.step(Y, -0.1 * (Y - A))
+            rows.append(Y.clone())
+        out[name] = (torch.stack(rows, dim=1), c.ledger.bytes_sent)
+    return out
+
+
+def _rank():
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    A, x1 = _problem(n)
+    traj = _trajectory(lambda t: comm.DistCommunicator(topologies.build(t or "complete", n), timeout=30),
+                       x1.unsqueeze(0), A[rank:rank + 1])
+    return {k: (v[0][0], v[1]) for k, v in traj.items()}
+
+
+@pytest.mark.multiprocess
+def test_real_processes_equal_the_simulation():
+    """Each method on 2 real processes (gloo) is its 2-node simulation bit for bit, bytes
+    per node too."""
+    from tests._dist import run_world
+
+    results = run_world(2, _rank, timeout=120)
+    A, x1 = _problem(2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks
+    try:
+        sim = _trajectory(lambda t: comm.SimulatedCommunicator(topologies.build(t or "complete", 2)),
+                          x1.repeat(2, 1), A)
+    finally:
+        torch.set_num_threads(threads)
+    for rank, res in enumerate(results):
+        for name, _, _ in WORLD:
+            traj, sent = res[name]
+            assert torch.equal(traj, sim[name][0][rank]), (name, rank)
+            assert sent * 2 == sim[name][1] > 0, name

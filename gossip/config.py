@@ -51,9 +51,9 @@ __all__ = [
 
 LR_SCHEDULES = ("constant", "cosine", "step")
 #: the local optimizers of ``--optimizer``
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adamw", "muon")
 #: the learning rate of each local optimizer when ``--lr`` is unset
-DEFAULT_LR = {"sgd": 0.05, "adamw": 0.001}
+DEFAULT_LR = {"sgd": 0.05, "adamw": 0.001, "muon": 0.001}
 #: AdamW's (beta1, beta2) when ``--beta1``/``--beta2`` are unset (torch's defaults)
 DEFAULT_BETAS = (0.9, 0.999)
 #: the algorithms ``--merge`` can schedule (Wang et al. 2021, arXiv:2103.15195, over Zheng et al.'s (2019, arXiv:1905.10936) error feedback)
@@ -630,7 +630,8 @@ _HELP = {
     "momentum": "momentum of the local SGD optimizer (unset: 0.9 for allreduce and the decentralized algorithms, "
     "0 for signsgd), or of the algorithm where it has its own (efsgd family, signum, powersgd; unset: its default)",
     "weight_decay": "weight decay of the local optimizer (AdamW's is decoupled)",
-    "optimizer": "the local optimizer (unset: adamw for diloco, sgd for every other algorithm); an "
+    "optimizer": "the local optimizer (unset: adamw for diloco, sparseloco and noloco, muon for muloco, sgd for "
+    "every other algorithm; muon: torch.optim.Muon on the 2-D weights, AdamW on the rest); an "
     "algorithm that applies its own momentum refuses adamw with --beta1 > 0",
     "beta1": "AdamW's first-moment decay, its momentum (unset: 0.9); adamw only",
     "beta2": "AdamW's second-moment decay (unset: 0.999); adamw only",

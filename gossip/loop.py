@@ -205,6 +205,13 @@ def _device(cfg: TrainConfig, env: _Env) -> torch.device:
 def _local_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     """--optimizer: SGD with the local momentum, or AdamW with --beta1/--beta2 (decoupled
     weight decay); --lr and --weight-decay for both."""
+    if cfg.local_optimizer == "muon":
+        from gossip.algorithms.muloco import muon_optimizer
+
+        try:
+            return muon_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.optim.weight_decay)
+        except ValueError as e:
+            raise RunError(f"--optimizer {e}") from None
     if cfg.local_optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=cfg.betas,
                                  weight_decay=cfg.optim.weight_decay)

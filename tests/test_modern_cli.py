@@ -16,6 +16,7 @@ CASES = {
     "demo": ["--algo", "demo", "--lr", "0.01", "--weight-decay", "0.01", "--algo-opt", "compression_topk=4"],
     "sparseloco": ["--algo", "sparseloco", "--algo-opt", "local_steps=4", "--algo-opt", "topk_fraction=0.05"],
     "noloco": ["--algo", "noloco", "--algo-opt", "local_steps=4"],
+    "muloco": ["--algo", "muloco", "--algo-opt", "local_steps=4"],
 }
 
 

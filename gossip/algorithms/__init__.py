@@ -36,6 +36,7 @@ from gossip.algorithms.localsgd import (
 from gossip.algorithms.demo import DeMo, DeMoConfig
 from gossip.algorithms.sparseloco import SparseLoCo, SparseLoCoConfig
 from gossip.algorithms.noloco import NoLoCo, NoLoCoConfig
+from gossip.algorithms.muloco import MuLoCo, MuLoCoConfig
 from gossip.algorithms.efmomentum import EFMomentum, EFMomentumConfig
 from gossip.algorithms.powersgd import PowerSGD, PowerSGDConfig
 from gossip.algorithms.sketched import (
@@ -115,6 +116,8 @@ __all__ = [
     "SparseLoCoConfig",
     "NoLoCo",
     "NoLoCoConfig",
+    "MuLoCo",
+    "MuLoCoConfig",
     "available",
     "build",
     "config_class",
@@ -149,6 +152,7 @@ for _cls, _cfg in (
     (DeMo, DeMoConfig),
     (SparseLoCo, SparseLoCoConfig),
     (NoLoCo, NoLoCoConfig),
+    (MuLoCo, MuLoCoConfig),
 ):
     _REGISTRY.register(_cls.name, (_cls, _cfg), _cls.summary)
 
@@ -178,7 +182,8 @@ def local_momentum_default(name: str) -> float:
 
 
 def local_optimizer_default(name: str) -> str:
-    """The CLI's local optimizer when --optimizer is unset: "sgd", or "adamw" for diloco."""
+    """The CLI's local optimizer when --optimizer is unset: "sgd", "adamw" (diloco, ...)
+    or "muon" (muloco)."""
     return _lookup(name)[0].local_optimizer_default
 
 

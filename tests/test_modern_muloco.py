@@ -1,0 +1,102 @@
+"""MuLoCo (Thérien et al. 2025, arXiv:2505.23725): DiLoCo over inner Muon steps with
+error-fed compressed pseudo-gradients; against a transcription, its bytes, its refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gossip import algorithms, comm, compress
+from gossip.algorithms.muloco import MuonAdamW, muon_optimizer
+from gossip.runtime import GossipOptimizer
+from tests.test_localsgd import CLASSES, FEATURES, Net
+
+N, H, STEPS, LR = 3, 4, 9, 0.01
+
+
+def _models():
+    out = []
+    for _ in range(N):
+        torch.manual_seed(0)
+        out.append(Net())
+    return out
+
+
+def _batches(gen, models):
+    for m in models:
+        x = torch.randn(16, FEATURES, generator=gen)
+        y = torch.randint(0, CLASSES, (16,), generator=gen)
+        F.cross_entropy(m(x), y).backward()
+
+
+def _run(**opts):
+    c = comm.SimulatedCommunicator(None, world_size=N)
+    models = _models()
+    opt = GossipOptimizer(models, [muon_optimizer(m, lr=LR) for m in models], algorithms.build("muloco", c, **opts))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        _batches(gen, models)
+        opt.step()
+    return opt.flat.data.clone(), c.ledger.as_dict(), opt
+
+
+def test_update_equals_diloco_over_muon_transcribed():
+    """Inner: torch.optim.Muon on the weights (lr matched to AdamW's RMS), AdamW on the
+    biases; outer, every H steps: Delta = theta - mean_i x_i, b = mu b + Delta,
+    theta = theta - lr_out (Delta + mu b), every node restarts from theta."""
+    X, _, _ = _run(compressor="identity", error_feedback=False, local_steps=H, outer_lr=0.7, outer_momentum=0.9)
+    models = _models()
+    opts = []
+    for m in models:
+        mats = [p for p in m.parameters() if p.dim() == 2]
+        rest = [p for p in m.parameters() if p.dim() != 2]
+        opts.append((torch.optim.Muon(mats, lr=LR, weight_decay=0.0, adjust_lr_fn="match_rms_adamw"),
+                     torch.optim.AdamW(rest, lr=LR, weight_decay=0.0)))
+    flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
+    theta, b = flat(models[0]).clone(), torch.zeros_like(flat(models[0]))
+    gen = torch.Generator().manual_seed(1)
+    for t in range(1, STEPS + 1):
+        for m in models:
+            m.zero_grad()
+        _batches(gen, models)
+        for mu, aw in opts:
+            mu.step()
+            aw.step()
+        if t % H == 0:
+            delta = torch.stack([theta - flat(m) for m in models]).mean(0)
+            b = 0.9 * b + delta
+            theta = theta - 0.7 * (delta + 0.9 * b)
+            with torch.no_grad():
+                for m in models:
+                    torch.nn.utils.vector_to_parameters(theta.clone(), m.parameters())
+    R = torch.stack([flat(m) for m in models])
+    assert torch.allclose(X, R, rtol=0, atol=1e-6), (X - R).abs().max()
+
+
+def test_defaults_are_4_bit_error_fed_and_bytes_match_a_hand_count():
+    X, ledger, opt = _run(local_steps=H)
+    alg = opt.algorithm
+    assert alg.config.compressor == "quant:bits=4" and alg.config.error_feedback
+    assert algorithms.local_optimizer_default("muloco") == "muon"
+    d = opt.flat.dim
+    rounds = STEPS // H
+    assert ledger["bytes"]["sent"] == rounds * N * (N - 1) * compress.build("quant:bits=4").payload_nbytes(d)
+    assert alg.wire_format().label == "quant:bits=4"
+
+
+def test_muon_on_a_model_without_matrices_is_one_line():
+    with pytest.raises(ValueError, match=r"muon: the model has no 2-D parameter \(shapes \[\(3,\)\]\).*adamw"):
+        MuonAdamW([torch.nn.Parameter(torch.zeros(3))])
+
+
+def test_muon_state_round_trips():
+    _, _, opt = _run(local_steps=H)
+    o = opt.optimizers[0]
+    sd = o.state_dict()
+    fresh = muon_optimizer(Net(), lr=LR)
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh.state_dict()["muon"]["state"][0]["momentum_buffer"], sd["muon"]["state"][0]["momentum_buffer"])
+    with pytest.raises(ValueError, match="keys 'muon' and 'adamw'"):
+        fresh.load_state_dict({"state": {}})

@@ -218,7 +218,7 @@ def test_optimizer_defaults_and_refusals():
     assert cfg.betas == (0.8, 0.999) and cfg.local_momentum == 0.0 and cfg.to_dict()["lr"] == 0.003
     d = TrainConfig.from_flat(algo="ecd", simulate=2).to_dict()
     assert d["lr"] == 0.05 and d["local_optimizer"] == "sgd" and d["betas"] is None
-    with pytest.raises(ConfigError, match=r"--optimizer must be one of sgd, adamw, got 'adam'"):
+    with pytest.raises(ConfigError, match=r"--optimizer must be one of sgd, adamw, muon, got 'adam'"):
         TrainConfig.from_flat(optimizer="adam")
     with pytest.raises(ConfigError, match=r"--beta1 must be in \[0, 1\), got 1.0"):
         TrainConfig.from_flat(optimizer="adamw", beta1=1.0)

@@ -16,6 +16,13 @@ n nodes written xbar:
   (Streaming DiLoCo, 2025) the model is cut into F fragments that are synchronised
   at staggered steps: fragment f after every step t with t = o_f (mod H),
   o_f = ((f + 1) H // F) mod H; every fragment still synchronises once per H steps.
+  Streaming DiLoCo's overlap (Douillard et al. 2025, arXiv:2501.18512; torchft's
+  ``fragment_sync_delay``/``fragment_update_alpha``): with tau > 0 a fragment's
+  pseudo-gradient is taken and its exchange posted tau steps before o_f; the inner
+  steps go on meanwhile, and at o_f the outer step gives theta' from theta and the
+  exchanged mean, and the fragment becomes (1 - alpha) theta' + alpha x_i (x_i: the
+  local values, tau steps further on), theta <- theta'. Fragments are cut by size, or
+  at the modules named in ``fragment_modules``.
 
 They act on the model (``acts_on = "model"``): the local optimizer steps first, its
 state (momentum buffers, AdamW's moments) stays each node's own and is neither
@@ -108,6 +115,13 @@ class DiLoCoConfig:
     compresses each node's pseudo-gradient (``identity``: exact); ``error_feedback``
     keeps what compression dropped for the next round; ``fragments`` F > 1 is the
     streaming variant (F <= local_steps, so every fragment has its own step).
+
+    Streaming DiLoCo's overlap, with torchft's names: ``fragment_sync_delay`` tau (0: no
+    overlap) inner steps run while a fragment's exchange is in flight, tau below the
+    fragment period local_steps // F; ``fragment_update_alpha`` alpha in [0, 1] mixes
+    the local values into the synchronised ones (0: take the outer step's result).
+    ``fragment_modules`` (e.g. ``"layers.2,head"``): the fragments start at these
+    modules' first parameters instead of being cut by size; F = their count + 1.
     """
 
     local_steps: int = 50
@@ -116,7 +130,16 @@ class DiLoCoConfig:
     compressor: str = "identity"
     error_feedback: bool = False
     fragments: int = 1
+    fragment_sync_delay: int = 0
+    fragment_update_alpha: float = 0.0
+    fragment_modules: str = ""
     seed: int = 0
+
+    @property
+    def fragment_count(self) -> int:
+        """F: ``fragments``, or the number of ``fragment_modules`` + 1."""
+        mods = _module_list(self.fragment_modules)
+        return len(mods) + 1 if mods else self.fragments
 
     def __post_init__(self) -> None:
         check_int("local_steps", self.local_steps, minimum=1)
@@ -131,7 +154,29 @@ class DiLoCoConfig:
                 f"Arg `fragments` must be <= local_steps ({self.local_steps}) so that every fragment "
                 f"synchronises at a step of its own, got {self.fragments}"
             )
+        if not isinstance(self.fragment_modules, str):
+            raise TypeError(f"Arg `fragment_modules` must be a comma-separated string of module names, "
+                            f"got {self.fragment_modules!r}")
+        F = self.fragment_count
+        if self.fragment_modules and self.fragments not in (1, F):
+            raise ValueError(f"Arg `fragments` ({self.fragments}) disagrees with the {F} fragments that "
+                             f"`fragment_modules` {self.fragment_modules!r} makes; give one of them")
+        if F > self.local_steps:
+            raise ValueError(f"Arg `fragment_modules` makes {F} fragments, more than local_steps "
+                             f"({self.local_steps}): every fragment needs a step of its own")
+        check_int("fragment_sync_delay", self.fragment_sync_delay, minimum=0)
+        period = self.local_steps // F
+        if self.fragment_sync_delay >= period:
+            raise ValueError(
+                f"Arg `fragment_sync_delay` (tau) must be below the fragment period local_steps // fragments "
+                f"= {self.local_steps} // {F} = {period}, got {self.fragment_sync_delay}"
+            )
+        check_float("Arg `fragment_update_alpha`", self.fragment_update_alpha, lo=0.0, hi=1.0)
         check_int("seed", self.seed, minimum=0)
+
+
+def _module_list(spec: str) -> list[str]:
+    return [m.strip() for m in spec.split(",") if m.strip()] if isinstance(spec, str) else []
 
 
 # --------------------------------------------------------------------------------------
@@ -159,12 +204,17 @@ class DiLoCoState:
     """``start`` (m, d): each coordinate's value at its fragment's last synchronisation
     (theta of the round); ``momentum`` (m, d): the outer Nesterov buffer b; ``error``
     (m, d): the error-feedback memory (empty without ``error_feedback``). Random keys
-    are a pure function of (seed, node, t), so no generator state is kept."""
+    are a pure function of (seed, node, t), so no generator state is kept.
+    ``in_flight``: the fragments whose exchange is posted and not yet applied
+    (``fragment_sync_delay`` > 0); ``pending`` (m, d): their exchanged means, filled
+    when a checkpoint settles them (empty without overlap)."""
 
     t: int
     start: torch.Tensor
     momentum: torch.Tensor
     error: torch.Tensor
+    in_flight: tuple = ()
+    pending: torch.Tensor | None = None
 
 
 # --------------------------------------------------------------------------------------
@@ -294,35 +344,53 @@ class DiLoCo(_Periodic):
 
     def offsets(self) -> list[int]:
         """o_f: fragment f synchronises after every step t with t % local_steps == o_f."""
-        H, F = self.config.local_steps, len(self.fragments) or self.config.fragments
+        H, F = self.config.local_steps, len(self.fragments) or self.config.fragment_count
         return [((f + 1) * H // F) % H for f in range(F)]
 
     def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         layout = self._take_layout(X, layout)
-        self.fragments = _fragments(layout, self.config.fragments)
+        cfg = self.config
+        mods = _module_list(cfg.fragment_modules)
+        self.fragments = _module_fragments(layout, mods) if mods else _fragments(layout, cfg.fragments)
         c = self.compressor
         for a, b in self.fragments:
             c.payload_nbytes(b - a)  # a bad size fails here, not mid-run
         segs = c.layout(self.fragments[0][1] - self.fragments[0][0]).segments
         self.linear = c.linear and len(segs) == 1 and segs[0][:2] == ("values", torch.float32)
-        err = torch.zeros_like(X) if self.config.error_feedback else X.new_zeros(0)
-        self.state = DiLoCoState(t=0, start=X.detach().clone(), momentum=torch.zeros_like(X), error=err)
+        err = torch.zeros_like(X) if cfg.error_feedback else X.new_zeros(0)
+        pending = torch.zeros_like(X) if cfg.fragment_sync_delay else X.new_zeros(0)
+        self._posted: dict[int, tuple] = {}
+        self.state = DiLoCoState(t=0, start=X.detach().clone(), momentum=torch.zeros_like(X), error=err,
+                                 in_flight=(), pending=pending)
 
     @torch.no_grad()
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
+        st, H, tau = self.state, self.config.local_steps, self.config.fragment_sync_delay
         self._local(X, U)
-        phase = self.state.t % self.config.local_steps
+        phase = st.t % H
         for f, o in enumerate(self.offsets()):
-            if o == phase:
-                self._sync(X, *self.fragments[f])
+            if o != phase:
+                continue
+            if tau == 0:
+                self._post(X, f)
+                self._apply(X, f, self._collect(f))
+            elif f in st.in_flight:  # posted tau steps ago
+                self._apply(X, f, self._result(f))
+                st.in_flight = tuple(g for g in st.in_flight if g != f)
+        if tau:
+            for f, o in enumerate(self.offsets()):
+                if (o - tau) % H == phase:  # Steps I-II now, Step III tau steps later
+                    self._post(X, f)
+                    st.in_flight = (*st.in_flight, f)
 
-    def _sync(self, X: torch.Tensor, a: int, b: int) -> None:
+    def _post(self, X: torch.Tensor, f: int) -> None:
+        """Steps I-II of fragment ``f``: encode its pseudo-gradient and post the exchange."""
         st, cfg, ledger = self.state, self.config, self.comm.ledger
-        m, n = X.shape[0], b - a
-        theta = st.start[:, a:b]
+        a, b = self.fragments[f]
+        m = X.shape[0]
         tag = step_tag(st.t)
         with ledger.phase("compute"):
-            delta = theta - X[:, a:b]  # Step I
+            delta = st.start[:, a:b] - X[:, a:b]  # Step I
         c = self.compressor
         with ledger.phase("compress"):  # Step II
             if self.linear:  # positions (if any) from a key every node shares
@@ -333,35 +401,102 @@ class DiLoCo(_Periodic):
                 _, payload, _ = ErrorFeedback(c)(delta, st.error[:, a:b], rescale=1.0, keys=keys, tag=tag)
             else:
                 payload = c.encode(delta, keys, tag=tag)
-        if self.linear:
-            values = c.layout(n).views(payload)["values"]
-            with ledger.phase("communicate"):
-                mean = self.comm.all_reduce(values.contiguous(), op="mean")
-            with ledger.phase("compress"):
+        with ledger.phase("communicate"):
+            if self.linear:
+                values = c.layout(b - a).views(payload)["values"]
+                handle = self.comm.all_reduce_async(values.contiguous(), op="mean")
+            else:
+                handle = self.comm.all_gather_async(payload)
+        self._posted[f] = (handle, payload, keys, tag)
+
+    def _collect(self, f: int) -> torch.Tensor:
+        """Wait for fragment ``f``'s exchange; the mean of the decoded messages (1, n)."""
+        handle, payload, keys, tag = self._posted.pop(f)
+        a, b = self.fragments[f]
+        n, c, ledger = b - a, self.compressor, self.comm.ledger
+        with ledger.phase("communicate"):
+            got = handle.wait()
+        with ledger.phase("compress"):
+            if self.linear:
                 # the mean values in our own payload's frame (same compressor and key), decoded
                 agg = payload[:1].clone()
-                c.layout(n).views(agg)["values"].copy_(mean[:1])
+                c.layout(n).views(agg)["values"].copy_(got[:1])
                 _wire.write_header(agg, c.cid, _wire.params_hash(c.spec), n, keys[:1], tag)
-                outer = c.decode(agg, n, tag=tag).to(X.dtype)
-        else:
-            with ledger.phase("communicate"):
-                gathered = self.comm.all_gather(payload)
-            with ledger.phase("compress"):
-                outer = c.decode(gathered, n, tag=tag).to(X.dtype).mean(0, keepdim=True)
-        with ledger.phase("compute"):  # Step III
+                return c.decode(agg, n, tag=tag).to(self.state.start.dtype)
+            return c.decode(got, n, tag=tag).to(self.state.start.dtype).mean(0, keepdim=True)
+
+    def _result(self, f: int) -> torch.Tensor:
+        """Fragment ``f``'s exchanged mean: from the wire, or settled in the State."""
+        if f in self._posted:
+            return self._collect(f)
+        a, b = self.fragments[f]
+        return self.state.pending[:1, a:b].clone()
+
+    def _apply(self, X: torch.Tensor, f: int, outer: torch.Tensor) -> None:
+        """Step III on fragment ``f``: outer Nesterov step from theta, then the mix with
+        the local values (``fragment_update_alpha``), theta <- the outer step's result."""
+        st, cfg = self.state, self.config
+        a, b = self.fragments[f]
+        theta = st.start[:, a:b]
+        with self.comm.ledger.phase("compute"):
             mom = st.momentum[:, a:b]
             mu = cfg.outer_momentum
             mom.mul_(mu).add_(outer)
             direction = outer + mu * mom if mu > 0 else outer
-            X[:, a:b] = theta - cfg.outer_lr * direction
-            theta.copy_(X[:, a:b])
+            new = theta - cfg.outer_lr * direction
+            alpha = cfg.fragment_update_alpha
+            X[:, a:b] = new.lerp(X[:, a:b], alpha) if alpha > 0 else new
+            theta.copy_(new)
+
+    def _settle(self) -> None:
+        """Complete the exchanges in flight into ``pending`` (before a checkpoint)."""
+        for f in list(self._posted):
+            a, b = self.fragments[f]
+            self.state.pending[:, a:b] = self._collect(f)
+
+    def state_dict(self) -> dict:
+        """Without overlap the State is DiLoCo's of before the overlap existed (no
+        ``in_flight``/``pending``), so such checkpoints and these load alike."""
+        if self.state is None or not self.config.fragment_sync_delay:
+            sd = super().state_dict()
+            sd.pop("in_flight", None)
+            sd.pop("pending", None)
+            return sd
+        self._settle()
+        return super().state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self.state is not None and "in_flight" not in sd and not self.config.fragment_sync_delay:
+            sd = {**sd, "in_flight": (), "pending": self.state.pending}
+        super().load_state_dict(sd)
+        self._posted = {}
 
     def report(self) -> dict | None:
-        if len(self.fragments) <= 1:
+        if len(self.fragments) <= 1 and not self.config.fragment_sync_delay:
             return None
         return {"fragments": [{"start": a, "stop": b, "sync_step_mod_h": o}
                               for (a, b), o in zip(self.fragments, self.offsets())],
-                "local_steps": self.config.local_steps}
+                "local_steps": self.config.local_steps,
+                "fragment_sync_delay": self.config.fragment_sync_delay,
+                "fragment_update_alpha": self.config.fragment_update_alpha}
+
+
+def _module_fragments(layout: ParamLayout, modules: list[str]) -> list[tuple[int, int]]:
+    """Fragments starting at the first parameter of each named module (``parameters()``
+    order): ``["b"]`` cuts the model before ``b.weight``."""
+    starts = []
+    for mod in modules:
+        hit = [i for i, nm in enumerate(layout.names) if nm == mod or nm.startswith(mod + ".")]
+        if not hit:
+            raise ValueError(f"diloco: `fragment_modules` names {mod!r}, which is no module of the model "
+                             f"(parameters: {', '.join(layout.names)})")
+        starts.append(hit[0])
+    if starts != sorted(set(starts)) or starts[0] == 0:
+        raise ValueError(f"diloco: `fragment_modules` {','.join(modules)} must name modules in parameters() "
+                         f"order, after the first, each starting a new fragment")
+    offs = [layout.offsets[i] for i in starts]
+    bounds = [0, *offs, layout.dim]
+    return [(bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1)]
 
 
 def _fragments(layout: ParamLayout, F: int) -> list[tuple[int, int]]:

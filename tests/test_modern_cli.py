@@ -64,7 +64,9 @@ def test_bad_input_is_one_line(args, needles):
 
 WORLD = [("demo", None, {"compression_chunk": 4, "compression_topk": 2}),
          ("sparseloco", None, {"local_steps": 3, "chunk": 4, "topk_fraction": 0.25}),
-         ("noloco", "matching", {"local_steps": 3})]
+         ("noloco", "matching", {"local_steps": 3}),
+         ("diloco", None, {"local_steps": 4, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5,
+                           "compressor": "quant:bits=4", "error_feedback": True})]
 STEPS, D = 7, 41
 
 
@@ -107,8 +109,8 @@ def _rank():
 
 @pytest.mark.multiprocess
 def test_real_processes_equal_the_simulation():
-    """Each method on 2 real processes (gloo) is its 2-node simulation bit for bit, bytes
-    per node too."""
+    """Each method (and Streaming DiLoCo's overlap, its exchange in flight over an inner
+    step) on 2 real processes (gloo) is its 2-node simulation bit for bit, bytes too."""
     from tests._dist import run_world
 
     results = run_world(2, _rank, timeout=120)

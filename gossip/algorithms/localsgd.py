@@ -171,7 +171,11 @@ class DiLoCoConfig:
                 f"Arg `fragment_sync_delay` (tau) must be below the fragment period local_steps // fragments "
                 f"= {self.local_steps} // {F} = {period}, got {self.fragment_sync_delay}"
             )
-        check_float("Arg `fragment_update_alpha`", self.fragment_update_alpha, lo=0.0, hi=1.0)
+        try:
+            check_float("Arg `fragment_update_alpha`", self.fragment_update_alpha, lo=0.0, hi=1.0)
+        except ValueError:
+            raise ValueError(f"Arg `fragment_update_alpha` (alpha) must be in [0, 1], got "
+                             f"{self.fragment_update_alpha}") from None
         check_int("seed", self.seed, minimum=0)
 
 

@@ -36,7 +36,7 @@ gradients by the algorithm's compressed reduction. What the hook does with one
    (``state.ledger``) counts every byte.
 
 Momentum: an algorithm that applies momentum itself (powersgd, efblocksgdm, signum,
-efmomentum, sketched, truetopk, localtopk by default) must have a local optimizer with
+efmomentum, sketched, truetopk, localtopk by default, demo) must have a local optimizer with
 none. Pass ``optimizer=`` to :func:`hook_state`: it is refused in one line
 (:class:`gossip.runtime.MomentumConflict`) when both have momentum, and its
 ``param_groups[0]["lr"]`` is handed to ``set_lr`` before every iteration (the EF-SGD
@@ -73,7 +73,7 @@ __all__ = ["HOOK_ALGORITHMS", "HookState", "hook", "hook_state"]
 #: the algorithms that work as DDP hooks: the centralized ones, which rewrite gradients
 HOOK_ALGORITHMS: tuple[str, ...] = (
     "allreduce", "efsgd", "efblocksgd", "efblocksgdm", "signsgd", "signum", "powersgd",
-    "efmomentum", "sketched", "truetopk", "localtopk",
+    "efmomentum", "sketched", "truetopk", "localtopk", "demo",
 )
 _FORMAT = "gossip.ddp/1"
 

@@ -41,6 +41,7 @@ CASES = [
     ("sketched", {"p": 0.1}),
     ("truetopk", {"p": 0.1}),
     ("localtopk", {"p": 0.1}),
+    ("demo", {"compression_chunk": 4, "compression_topk": 2}),
 ]
 
 

@@ -53,7 +53,7 @@ RECIPE = ["--batch-size", "32", "--weight-decay", "1e-3"]
 def run_method(name: str, out: Path, nodes: int, common: list[str]) -> Path:
     run_dir = out / name
     args = ["--simulate", str(nodes), *RECIPE, *common, *METHODS[name],
-            "--no-progress", "--overwrite", "--out", str(run_dir)]
+            "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
     rc, err = race._train(args)
     if rc != 0:
         last = err.strip().splitlines()[-1] if err.strip() else ""

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Streaming DiLoCo's overlap on shaped links: step time with ``fragment_sync_delay`` tau
+against tau = 0 (no overlap), on a virtual cluster of network namespaces.
+
+    sudo python experiments/streaming_overlap.py --out runs/streaming-overlap        # 4 hosts, 10 Mbit/s
+    sudo python experiments/streaming_overlap.py --repeats 1 --steps 12 --out runs/so-smoke
+
+Each host of ``experiments/vcluster.py`` (4 by default, links shaped to ``--rate`` with
+tbf on both ends) runs one torchrun rank of ``gossip.train --algo diloco`` with
+``fragments`` F = 2 and H = ``--local-steps`` on MNIST-1D; the fp32 pseudo-gradient of
+each fragment is all-reduced over the shaped links. Without overlap (tau = 0) the
+ranks wait for each exchange at the fragment's step; with tau > 0 the exchange is
+posted tau inner steps earlier and the compute of those steps hides part of it.
+
+What is timed: rank 0's training clock (the ``time`` of its per-step records) from
+the end of step H (the first round, with start-up and first calls, left out) to the
+last step, divided by the steps between; no evaluation falls inside (``--steps`` is
+below one epoch). The configurations are run in turn, ``--repeats`` times
+interleaved, and the minimum of each is kept; the ratio overlapped / not overlapped
+is printed with the load average before and after. Figures from a loaded machine
+are not results: the output says the load.
+
+Out: ``overlap.json`` (every run's step time, the minima and the ratio, the command,
+commit, date, machine and load) and ``overlap.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+for p in (str(REPO), str(HERE)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from benchmark import provenance  # noqa: E402
+from gossip import rundir  # noqa: E402
+
+
+def step_time(run_dir: Path, first: int) -> float:
+    """Seconds per step on rank 0's clock between the end of step ``first`` and the last."""
+    recs = [r for r in rundir.read_metrics(rundir.metrics_path(run_dir, 0)) if r["kind"] == "train"]
+    at = {r["step"]: r["time"] for r in recs}
+    last = max(at)
+    if first not in at or last <= first:
+        raise SystemExit(f"streaming_overlap: {run_dir} has no records of steps {first}..{last}")
+    return (at[last] - at[first]) / (last - first)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--rate", default="10mbit")
+    p.add_argument("--local-steps", type=int, default=8, help="H (default 8; fragments F = 2)")
+    p.add_argument("--taus", default="0,1", help="fragment_sync_delay values, the first the baseline (default 0,1)")
+    p.add_argument("--steps", type=int, default=24, help="steps per run, below one epoch (default 24)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefix", default="sovl")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    taus = [int(t) for t in a.taus.split(",") if t.strip()]
+    if len(taus) < 2 or taus[0] != 0:
+        p.error(f"--taus: give 0 (the baseline) and at least one tau > 0, got {a.taus!r}")
+    if a.steps <= a.local_steps:
+        p.error(f"--steps must exceed --local-steps (the first round is left out), got {a.steps} <= {a.local_steps}")
+    import vcluster
+
+    try:
+        vcluster.check_rights()
+    except vcluster.VClusterError as e:
+        print(f"streaming_overlap: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    argv = list(argv if argv is not None else sys.argv[1:])
+    prov = provenance(argv)
+    prov["command"] = " ".join(["python", "experiments/streaming_overlap.py", *argv])
+    prov["sources"] = ["experiments/streaming_overlap.py", "experiments/vcluster.py", "gossip/"]
+    env = {"OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(q for q in (str(REPO), os.environ.get("PYTHONPATH", "")) if q)}
+    runs: dict[int, list[float]] = {t: [] for t in taus}
+    with vcluster.VirtualCluster(a.nodes, rate=vcluster.parse_rate(a.rate), prefix=a.prefix) as vc:
+        print(f"streaming_overlap: {vc.describe()}", flush=True)
+        for rep in range(a.repeats):
+            for tau in taus:
+                run_dir = out / f"tau{tau}-r{rep}"
+                cmd = ["-m", "gossip.train", "--algo", "diloco", "--data", "mnist1d", "--batch-size", str(a.batch_size),
+                       "--algo-opt", f"local_steps={a.local_steps}", "--algo-opt", "fragments=2",
+                       "--algo-opt", f"fragment_sync_delay={tau}", "--max-steps", str(a.steps),
+                       "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
+                load = round(os.getloadavg()[0], 2)
+                res = vc.run_torchrun(cmd, 1, env=env, timeout=600, outdir=out / "cluster" / run_dir.name,
+                                      cwd=str(REPO), run_id=f"sovl-{tau}-{rep}")
+                if not res.ok:
+                    bad = res.failed[0]
+                    raise SystemExit(f"streaming_overlap: tau={tau} failed on host {bad.rank}: {res.tail(bad.rank, 1)}")
+                st = step_time(run_dir, a.local_steps)
+                runs[tau].append(st)
+                print(f"streaming_overlap: tau={tau} repeat {rep}: {1000 * st:.1f} ms/step (load {load})", flush=True)
+    best = {t: min(v) for t, v in runs.items()}
+    ratios = {t: best[t] / best[0] for t in taus[1:]}
+    load_end = [round(x, 2) for x in os.getloadavg()]
+    lines = ["| tau | min step time | runs (ms/step) | vs tau = 0 |", "|---|---|---|---|"]
+    for t in taus:
+        lines.append(f"| {t} | {1000 * best[t]:.1f} ms | {', '.join(f'{1000 * v:.1f}' for v in runs[t])} | "
+                     f"{'1' if t == 0 else f'{ratios[t]:.3f}'} |")
+    md = "\n".join(lines)
+    note = (f"Made with `{prov['command']}` at commit {prov['commit'][:10]}{' (dirty tree)' if prov['dirty'] else ''} "
+            f"on {prov['date']}: {a.nodes} hosts, {a.rate} tbf, diloco H = {a.local_steps}, F = 2, batch "
+            f"{a.batch_size}, steps {a.local_steps}..{a.steps} timed; load average {prov['load'][0]} at the "
+            f"start, {load_end[0]} at the end on {prov['cores']} cores"
+            f"{' (a loaded machine: not a result)' if max(prov['load'][0], load_end[0]) >= 0.3 else ''}.")
+    (out / "overlap.md").write_text(f"{md}\n\n{note}\n")
+    (out / "overlap.json").write_text(json.dumps({
+        "nodes": a.nodes, "rate": a.rate, "local_steps": a.local_steps, "fragments": 2, "taus": taus,
+        "steps": a.steps, "batch_size": a.batch_size, "runs_s_per_step": {str(t): v for t, v in runs.items()},
+        "min_s_per_step": {str(t): v for t, v in best.items()}, "ratio_to_tau0": {str(t): r for t, r in ratios.items()},
+        "provenance": prov, "load_end": load_end, "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }, indent=1))
+    print(md)
+    print(note)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--data", default="mnist1d")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=None, help="stop every run after this many steps (a smoke run)")
     p.add_argument("--out", required=True, help="directory for the run directories and the results")
     a = p.parse_args(argv)
     names = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -97,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     prov["command"] = " ".join(["python", "experiments/modern_compare.py", *argv])
     prov["sources"] = ["experiments/modern_compare.py", "gossip/"]
     common = ["--data", a.data, "--epochs", str(a.epochs), "--seed", str(a.seed)]
+    if a.max_steps is not None:
+        common += ["--max-steps", str(a.max_steps)]
     if a.nodes % 2 and "noloco" in names:
         p.error(f"noloco pairs nodes (its matching graph): give an even --nodes, got {a.nodes}")
     results = {}

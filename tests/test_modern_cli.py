@@ -127,3 +127,26 @@ def test_real_processes_equal_the_simulation():
             traj, sent = res[name]
             assert torch.equal(traj, sim[name][0][rank]), (name, rank)
             assert sent * 2 == sim[name][1] > 0, name
+
+
+def test_modern_compare_smoke(tmp_path):
+    """experiments/modern_compare.py end to end on a tiny run: the table and the JSON
+    with its provenance, each method's bytes against allreduce."""
+    import sys
+
+    from tests.conftest import REPO
+
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        import modern_compare
+    finally:
+        sys.path.remove(str(REPO / "experiments"))
+    rc = modern_compare.main(["--epochs", "1", "--data", "synthetic", "--nodes", "2",
+                              "--methods", "allreduce,sparseloco", "--max-steps", "16",
+                              "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "modern.json").read_text())
+    assert res["provenance"]["command"].startswith("python experiments/modern_compare.py --epochs 1")
+    sl = res["results"]["sparseloco"]
+    assert sl["bytes_vs_allreduce"] == sl["bytes_per_step"] / res["results"]["allreduce"]["bytes_per_step"] < 1
+    assert "| sparseloco |" in (tmp_path / "modern.md").read_text()

@@ -53,6 +53,16 @@ def step_time(run_dir: Path, first: int) -> float:
     return (at[last] - at[first]) / (last - first)
 
 
+def table(runs: dict[str, list[float]]) -> str:
+    """The markdown table of ``overlap.json``'s ``runs_s_per_step`` (tau "0" first)."""
+    base = min(runs["0"])
+    lines = ["| tau | min step time | runs (ms/step) | vs tau = 0 |", "|---|---|---|---|"]
+    for t, v in runs.items():
+        lines.append(f"| {t} | {1000 * min(v):.1f} ms | {', '.join(f'{1000 * x:.1f}' for x in v)} | "
+                     f"{min(v) / base:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=4)
@@ -107,11 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     best = {t: min(v) for t, v in runs.items()}
     ratios = {t: best[t] / best[0] for t in taus[1:]}
     load_end = [round(x, 2) for x in os.getloadavg()]
-    lines = ["| tau | min step time | runs (ms/step) | vs tau = 0 |", "|---|---|---|---|"]
-    for t in taus:
-        lines.append(f"| {t} | {1000 * best[t]:.1f} ms | {', '.join(f'{1000 * v:.1f}' for v in runs[t])} | "
-                     f"{'1' if t == 0 else f'{ratios[t]:.3f}'} |")
-    md = "\n".join(lines)
+    md = table({str(t): v for t, v in runs.items()})
     note = (f"Made with `{prov['command']}` at commit {prov['commit'][:10]}{' (dirty tree)' if prov['dirty'] else ''} "
             f"on {prov['date']}: {a.nodes} hosts, {a.rate} tbf, diloco H = {a.local_steps}, F = 2, batch "
             f"{a.batch_size}, steps {a.local_steps}..{a.steps} timed; load average {prov['load'][0]} at the "

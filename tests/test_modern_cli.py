@@ -150,3 +150,25 @@ def test_modern_compare_smoke(tmp_path):
     sl = res["results"]["sparseloco"]
     assert sl["bytes_vs_allreduce"] == sl["bytes_per_step"] / res["results"]["allreduce"]["bytes_per_step"] < 1
     assert "| sparseloco |" in (tmp_path / "modern.md").read_text()
+
+
+def test_docs_tables_come_from_the_results_files():
+    """docs/modern.md's two tables are the ones the experiments render from their
+    results files in experiments/results/."""
+    import sys
+
+    from tests.conftest import REPO
+
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        import modern_compare
+        import streaming_overlap
+    finally:
+        sys.path.remove(str(REPO / "experiments"))
+    doc = (REPO / "docs" / "modern.md").read_text(encoding="utf-8")
+    res = json.loads((REPO / "experiments" / "results" / "modern_compare.json").read_text())
+    assert modern_compare.table(res["results"]) in doc
+    assert res["provenance"]["command"] in doc
+    ov = json.loads((REPO / "experiments" / "results" / "streaming_overlap.json").read_text())
+    assert streaming_overlap.table(ov["runs_s_per_step"]) in doc
+    assert ov["provenance"]["command"] in doc

@@ -390,6 +390,10 @@ class RunSection:
             raise ConfigError(f"--max_steps must be a positive integer, got {self.max_steps!r}")
         if self.seed >= 2**63:
             raise ConfigError(f"--seed must be below 2**63 (torch's generators take 64-bit seeds), got {self.seed}")
+        for name in ("out", "resume"):  # an unset shell variable must not mean "here"
+            v = getattr(self, name)
+            if isinstance(v, str) and not v.strip():
+                raise ConfigError(f"--{name} must name a directory, got {v!r} (an unset variable?)")
         if self.resume == "auto" and self.out is None:
             raise ConfigError("--resume auto continues the run in --out: give --out DIR")
         if self.resume is not None and self.overwrite:

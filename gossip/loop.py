@@ -17,7 +17,6 @@ import json
 import datetime as _dt
 import math
 import os
-import shutil
 import socket
 import time
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from gossip.errors import NonFiniteError
 from gossip.config import TrainConfig
 from gossip.runtime import GossipOptimizer
 
-__all__ = ["CheckpointRecord", "Diverged", "FINGERPRINT_KEYS", "Progress", "Run", "RunError", "fingerprint_keys", "run"]
+__all__ = ["CheckpointRecord", "Diverged", "Finished", "FINGERPRINT_KEYS", "Progress", "Run", "RunError", "fingerprint_keys", "run"]
 
 
 class RunError(RuntimeError):
@@ -47,6 +46,15 @@ class Diverged(RunError):
     """Training produced a non-finite loss or model: an outcome, recorded in summary.json."""
 
     exit_code = 1
+
+
+class Finished(RunError):
+    """--resume of a run that already ended: nothing to do, nothing changed. Exit 0
+    under ``--resume auto`` (a restart of a finished job), 2 for an explicit ``--resume``."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 #: config keys whose change makes a checkpoint unusable for an exact continuation
@@ -252,8 +260,9 @@ def _prepare_out(cfg: TrainConfig, out: Path, is_main: bool) -> str | None:
 
     A run directory that already holds files is refused unless the run continues it
     (``--resume``) or replaces it (``--overwrite``: rank 0 deletes the previous run's
-    own files first and leaves any other file alone). Nothing is written before every
-    rank has agreed.
+    own files first, as :func:`gossip.rundir.run_files` lists them, and leaves any
+    other file alone; a ``config.json`` or ``summary.json`` that is not a run's is
+    refused). Nothing is written before every rank has agreed.
     """
     if out.exists() and not out.is_dir():
         return f"--out {str(out)!r} is a file, not a directory"
@@ -262,17 +271,11 @@ def _prepare_out(cfg: TrainConfig, out: Path, is_main: bool) -> str | None:
             kept = ", ".join(sorted(p.name for p in out.iterdir())[:4])
             return (f"--out {str(out)!r} already holds a run ({kept}, ...); give --resume {str(out)!r} to "
                     f"continue it, --overwrite to replace it, or another --out")
+        foreign = rundir.run_files(out)[1]
+        if foreign:
+            return (f"--overwrite: {str(foreign[0])!r} is not a gossip run's file and is left alone; "
+                    f"move it or give another --out")
     return None
-
-
-def _clear_run_files(out: Path) -> None:
-    """--overwrite: the previous run's own files (rank 0), nothing else."""
-    for p in list(out.iterdir()):
-        if p.name in (rundir.CONFIG, rundir.SUMMARY) or p.name.startswith(("metrics-rank", "error-rank")) or (
-                p.name.startswith("ckpt-step") and p.suffix == ".pt"):
-            p.unlink()
-        elif p.name == rundir.TENSORBOARD_DIR and p.is_dir():
-            shutil.rmtree(p)
 
 
 # --------------------------------------------------------------------------------------
@@ -507,7 +510,10 @@ class Run:
         if err is not None:
             raise RunError(err)
         if self.cfg.run.overwrite and self.is_main and self.out.is_dir():
-            _clear_run_files(self.out)
+            try:
+                rundir.remove_run_files(self.out)
+            except (rundir.RunDirError, OSError) as e:
+                raise RunError(f"--overwrite {str(self.out)!r}: {getattr(e, 'strerror', None) or e}") from None
         try:
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -521,6 +527,9 @@ class Run:
         self.algo.set_event_sink(self._say if self.is_main else None)  # MergeComp's decisions
         resumed = False
         if cfg.run.resume is not None:
+            done = self._finished()
+            if done is not None:
+                return done
             resumed = self.resume(auto=cfg.run.resume == AUTO)
         if self.is_main and self.progress.step == 0:
             rundir.write_json(rundir.config_path(self.out), self._config_record())
@@ -557,6 +566,41 @@ class Run:
                 self.tb.close()
         self.checkpoint()
         return self.finish()
+
+    def _finished(self) -> dict | None:
+        """--resume of a run that already ended: change nothing.
+
+        The steps its summary.json records (the largest any rank sees: rank 0 wrote it)
+        are compared with where this run would stop. A finished run is refused in one
+        line (:class:`Finished`: exit 0 under ``--resume auto``, so that ``torchrun
+        --max-restarts`` ends cleanly); a summary of fewer steps is a shorter run that
+        this one continues (a larger ``--max-steps``), unless it has no checkpoint to
+        continue from, which ``--resume auto`` must not start afresh over."""
+        path = rundir.summary_path(self.out)
+        steps, diverged = -1.0, 0.0
+        if path.exists():
+            try:
+                summary = rundir.read_json(path, "the run's summary")
+                steps = float(summary["steps"]) if isinstance(summary.get("steps"), int) else 0.0
+                diverged = float(bool(summary.get("diverged")))
+            except rundir.RunDirError:
+                steps = 0.0  # present but unreadable: still a summary nobody may replace
+        ckpts = float(len(checkpoint.list_checkpoints(self.out)))
+        if self.env.distributed:  # every rank decides alike
+            seen = self.comm.all_gather(torch.tensor([[steps, diverged, ckpts]], dtype=torch.float64), record=False)
+            steps, diverged, ckpts = (float(v) for v in seen.max(dim=0).values)
+        if steps < 0 or diverged:
+            return None
+        if steps >= self.stop:
+            msg = (f"the run in {str(self.out)!r} is finished (step {int(steps)} of {self.stop}); nothing was "
+                   f"changed. Its summary is {str(path)!r}; to train longer, resume it with a larger --max-steps "
+                   f"(its schedule spans {self.total} steps) or start a new run with more --epochs")
+            raise Finished(msg, exit_code=0 if self.cfg.run.resume == AUTO else 2)
+        if not ckpts:
+            raise RunError(f"--resume: {str(path)!r} holds the summary of a run that ended at step {int(steps)} "
+                           f"and there is no checkpoint to continue it from; nothing was changed: give another "
+                           f"--out, or --overwrite to replace that run")
+        return None
 
     def _say(self, line: str) -> None:
         (self.bar.write(line) if self.bar is not None else print(line, flush=True))

@@ -30,6 +30,12 @@
     Written by a rank whose run stopped on an error or an interrupt: the time, the
     rank, the step and the full detail (traceback and the backend's own text), which
     the one line the rank prints leaves out. Appended to across attempts.
+``tensorboard/events.out.tfevents.*``
+    With ``--tensorboard``: the metrics as TensorBoard scalars.
+
+:func:`run_files` lists these files, and only these, in a directory: ``--overwrite``
+deletes what it lists and nothing else (a ``config.json`` or ``summary.json`` that
+is not a run's, other files, other folders stay).
 
 Versions. Schema 1 (no ``schema`` key) is what the first releases wrote: no
 ``wire``/``layout`` in config.json, and ``compressor``/``bits`` in summary.json came
@@ -63,6 +69,8 @@ __all__ = [
     "error_log_path",
     "read_json",
     "read_metrics",
+    "remove_run_files",
+    "run_files",
     "summary_path",
     "setup_traffic_of",
     "tensorboard_dir",
@@ -78,6 +86,16 @@ SUMMARY = "summary.json"
 _METRICS = "metrics-rank{}.jsonl"
 _ERROR_LOG = "error-rank{}.log"
 _METRICS_RE = re.compile(r"^metrics-rank(\d+)\.jsonl$")
+#: every file name a run writes at the top of its directory (the checkpoints' pattern is
+#: gossip.checkpoint's, repeated here so that this list is whole; temporary files of an
+#: interrupted atomic write start with a dot)
+_RUN_FILE_RES = (
+    re.compile(r"^metrics-rank\d+\.jsonl$"),
+    re.compile(r"^error-rank\d+\.log$"),
+    re.compile(r"^ckpt-step\d+-rank\d+\.pt$"),
+    re.compile(r"^\.(config\.json|summary\.json|metrics-rank\d+\.jsonl|ckpt-step\d+-rank\d+\.pt)\..+\.tmp$"),
+)
+_TB_EVENTS_RE = re.compile(r"^events\.out\.tfevents\.")
 
 
 class RunDirError(ValueError):
@@ -153,6 +171,57 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self._w.close()
+
+
+def _is_run_json(path: Path, keys: tuple[str, ...]) -> bool:
+    """Whether ``path`` is a JSON object holding ``keys`` (a run's config or summary)."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and all(k in obj for k in keys)
+
+
+#: the keys by which a config.json / summary.json is recognised as a run's own
+_RUN_JSON_KEYS = {CONFIG: ("algo", "world_size", "params"), SUMMARY: ("algo", "world_size", "steps")}
+
+
+def run_files(run_dir: str | Path) -> tuple[list[Path], list[Path]]:
+    """``(ours, foreign)``: the files of ``run_dir`` that a run wrote (the one list of
+    them: see the module's docstring), and the files that bear a run file's name
+    (``config.json``, ``summary.json``) but are not a run's. TensorBoard's event files
+    are listed one by one; the ``tensorboard`` folder itself never is."""
+    d = Path(run_dir)
+    ours: list[Path] = []
+    foreign: list[Path] = []
+    if not d.is_dir():
+        return ours, foreign
+    for p in sorted(d.iterdir()):
+        if p.name in _RUN_JSON_KEYS:
+            (ours if p.is_file() and _is_run_json(p, _RUN_JSON_KEYS[p.name]) else foreign).append(p)
+        elif p.is_file() and not p.is_symlink() and any(r.match(p.name) for r in _RUN_FILE_RES):
+            ours.append(p)
+    tb = tensorboard_dir(d)
+    if tb.is_dir() and not tb.is_symlink():
+        ours += [p for p in sorted(tb.iterdir()) if p.is_file() and _TB_EVENTS_RE.match(p.name)]
+    return ours, foreign
+
+
+def remove_run_files(run_dir: str | Path) -> list[Path]:
+    """Delete the files :func:`run_files` lists as a run's (``--overwrite``), then the
+    ``tensorboard`` folder if that left it empty; nothing else. Returns what it removed.
+    A file with a run file's name that is not a run's raises :class:`RunDirError` before
+    anything is deleted."""
+    ours, foreign = run_files(run_dir)
+    if foreign:
+        raise RunDirError(f"{foreign[0]} is not a gossip run's file; --overwrite replaces only a run's own files "
+                          f"and leaves it alone: move it or give another --out")
+    for p in ours:
+        p.unlink()
+    tb = tensorboard_dir(run_dir)
+    if any(p.parent == tb for p in ours) and tb.is_dir() and not any(tb.iterdir()):
+        tb.rmdir()
+    return ours
 
 
 def is_run_dir(path: str | Path) -> bool:

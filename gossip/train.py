@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{who}gossip.train: error: {e}", file=sys.stderr, flush=True)
         return 2
     except RunError as e:
+        if e.exit_code == 0:  # nothing went wrong (a finished run resumed): rank 0 says so
+            if rank == 0:
+                print(f"{who}gossip.train: {e}", file=sys.stderr, flush=True)
+            return 0
         print(f"{who}gossip.train: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt:

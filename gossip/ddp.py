@@ -127,8 +127,10 @@ class HookState:
                  warmup_steps: int = 1, timeout: float = 300.0, **options: Any) -> None:
         if not isinstance(algorithm, str) or algorithm not in HOOK_ALGORITHMS:
             known = _algorithms.available()
-            why = ("acts on the models, not on the gradients" if isinstance(algorithm, str) and algorithm in known
-                   and _algorithms.is_decentralized(algorithm) else "is not an algorithm")
+            # every registered algorithm without a hook acts on the models (gossip mixing, or
+            # local SGD's periodic averaging), which a gradient hook cannot do
+            why = ("acts on the models, not on the gradients (use gossip.GossipOptimizer)"
+                   if isinstance(algorithm, str) and algorithm in known else "is not an algorithm")
             raise ValueError(f"gossip.ddp: {algorithm!r} {why}; DDP hooks exist for {', '.join(HOOK_ALGORITHMS)}")
         if "merge" in options or any(k.startswith("merge_") for k in options):
             raise ValueError("gossip.ddp: `merge` (MergeComp) schedules tensors during backward itself and is "
@@ -142,9 +144,10 @@ class HookState:
             raise TypeError(f"gossip.ddp: `optimizer` must be a torch.optim.Optimizer or None, got "
                             f"{type(optimizer).__name__}")
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-        named = list(module.named_parameters())
+        # DDP reduces only the parameters that require gradients: the same here
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
-            raise ValueError("gossip.ddp: the model has no parameters")
+            raise ValueError("gossip.ddp: the model has no parameters that require gradients")
         # the Config's checks run now, not in the middle of a backward pass (an algorithm
         # touches its communicator only in setup and reduce_gradients)
         probe = _algorithms.build(algorithm, None, **options)

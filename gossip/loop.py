@@ -586,12 +586,14 @@ class Run:
             except rundir.RunDirError:
                 steps = 0.0  # present but unreadable: still a summary nobody may replace
         ckpts = float(len(checkpoint.list_checkpoints(self.out)))
+        other = float(steps >= 0 and self._other_config())
         if self.env.distributed:  # every rank decides alike
-            seen = self.comm.all_gather(torch.tensor([[steps, diverged, ckpts]], dtype=torch.float64), record=False)
-            steps, diverged, ckpts = (float(v) for v in seen.max(dim=0).values)
+            seen = self.comm.all_gather(torch.tensor([[steps, diverged, ckpts, other]], dtype=torch.float64),
+                                        record=False)
+            steps, diverged, ckpts, other = (float(v) for v in seen.max(dim=0).values)
         if steps < 0 or diverged:
             return None
-        if steps >= self.stop:
+        if steps >= self.stop and not other:  # another config: the resume says how it differs
             msg = (f"the run in {str(self.out)!r} is finished (step {int(steps)} of {self.stop}); nothing was "
                    f"changed. Its summary is {str(path)!r}; to train longer, resume it with a larger --max-steps "
                    f"(its schedule spans {self.total} steps) or start a new run with more --epochs")
@@ -601,6 +603,21 @@ class Run:
                            f"and there is no checkpoint to continue it from; nothing was changed: give another "
                            f"--out, or --overwrite to replace that run")
         return None
+
+    def _other_config(self) -> bool:
+        """Whether the run directory's config.json was written with another world size or
+        other fingerprinted values than this run's (an unreadable one counts as the same)."""
+        try:
+            stored = rundir.read_json(rundir.config_path(self.out))
+        except rundir.RunDirError:
+            return False
+
+        def canon(v: Any) -> str:
+            return json.dumps(json.loads(json.dumps(v, default=str)), sort_keys=True)
+
+        if stored.get("world_size", self.env.world_size) != self.env.world_size:
+            return True
+        return any(canon(stored.get(k)) != canon(self.cfg_dict.get(k)) for k in self.fp_keys if k in stored)
 
     def _say(self, line: str) -> None:
         (self.bar.write(line) if self.bar is not None else print(line, flush=True))

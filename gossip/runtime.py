@@ -32,33 +32,54 @@ from torch import nn
 
 from gossip.algorithms.base import ParamLayout
 
-__all__ = ["FlatParams", "GossipOptimizer", "MomentumConflict"]
+__all__ = ["FlatParams", "GossipOptimizer", "ModelMoved", "MomentumConflict", "trainable_parameters"]
 
 
 class MomentumConflict(ValueError):
     """The algorithm owns momentum and the local optimizer has momentum too."""
 
 
-class FlatParams:
-    """One contiguous ``(m, d)`` buffer holding the parameters of ``m`` identical models.
+class ModelMoved(ValueError):
+    """A parameter was moved, converted or replaced after the optimizer was built."""
 
-    After construction each model parameter is a view into its row, so in-place
-    updates by any optimizer land in the buffer and writes to the buffer are seen by
-    the models. ``blocks`` gives (offset, numel) of each tensor, in ``parameters()``
-    order (used by blockwise compressors).
+
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of the parameters that take part: those that require
+    gradients, as DDP reduces only those. Frozen ones are never gossiped or counted."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _where(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')} on {t.device}"
+
+
+class FlatParams:
+    """One contiguous ``(m, d)`` buffer holding the trainable parameters of ``m``
+    identical models.
+
+    After construction each trainable parameter (``requires_grad=True``) is a view into
+    its row, so in-place updates by any optimizer land in the buffer and writes to the
+    buffer are seen by the models. Frozen parameters stay where they are: no algorithm
+    sees, sends or counts them, so they stay bit-identical on every node. ``blocks``
+    gives (offset, numel) of each trainable tensor, in ``parameters()`` order (used by
+    blockwise compressors). :meth:`check` refuses models that were moved, converted or
+    (un)frozen since.
     """
 
     def __init__(self, models: Sequence[nn.Module]) -> None:
         if not models:
             raise ValueError("FlatParams needs at least one model")
-        plists = [[p for p in mdl.parameters()] for mdl in models]
+        named = [trainable_parameters(mdl) for mdl in models]
+        plists = [[p for _, p in nl] for nl in named]
         ref = [tuple(p.shape) for p in plists[0]]
         if not ref:
-            raise ValueError("the model has no parameters")
-        for r, pl in enumerate(plists[1:], start=1):
-            shapes = [tuple(p.shape) for p in pl]
-            if shapes != ref:
-                raise ValueError(f"model {r} has parameter shapes {shapes}, model 0 has {ref}")
+            frozen = any(True for _ in models[0].parameters())
+            raise ValueError("the model has no parameters that require gradients" if frozen
+                             else "the model has no parameters")
+        for r, nl in enumerate(named[1:], start=1):
+            if [(n, tuple(p.shape)) for n, p in nl] != [(n, sh) for (n, _), sh in zip(named[0], ref)]:
+                raise ValueError(f"model {r} has trainable parameters {[(n, tuple(p.shape)) for n, p in nl]}, "
+                                 f"model 0 has {[(n, sh) for (n, _), sh in zip(named[0], ref)]}")
         dtypes = {p.dtype for pl in plists for p in pl}
         devices = {p.device for pl in plists for p in pl}
         if len(dtypes) != 1 or len(devices) != 1:
@@ -67,7 +88,7 @@ class FlatParams:
                 f"on {sorted(map(str, devices))}"
             )
         self.shapes = ref
-        self.layout = ParamLayout(tuple(ref), tuple(n for n, _ in models[0].named_parameters()))
+        self.layout = ParamLayout(tuple(ref), tuple(n for n, _ in named[0]))
         numels = [p.numel() for p in plists[0]]
         self.blocks: list[tuple[int, int]] = []
         off = 0
@@ -77,12 +98,41 @@ class FlatParams:
         self.dim = off
         (dtype,), (device,) = dtypes, devices
         self.data = torch.empty(len(models), self.dim, dtype=dtype, device=device)
+        self._models = list(models)
         self._params = plists
         with torch.no_grad():
             for r, pl in enumerate(plists):
                 for p, (o, n) in zip(pl, self.blocks):
                     self.data[r, o : o + n].copy_(p.detach().reshape(-1))
                     p.data = self.data[r, o : o + n].view(p.shape)
+        # what check() compares: each model's trainable parameters, by identity
+        self._ids = [[id(p) for p in pl] for pl in plists]
+
+    def check(self) -> None:
+        """Raise :class:`ModelMoved` (one line) if a model changed since construction: a
+        parameter of another dtype, device or storage (``model.double()``, ``.to(...)``,
+        ``p.data = ...``) is no longer in the flat buffer, and a parameter frozen or
+        unfrozen since would be half in, half out of the exchange."""
+        fix = ("build the GossipOptimizer (and the local optimizer) after moving, converting or "
+               "freezing the model")
+        ptr, size = self.data.data_ptr(), self.data.element_size()
+        for r, (mdl, pl) in enumerate(zip(self._models, self._params)):
+            names = self.layout.names
+            for k, (p, (o, _)) in enumerate(zip(pl, self.blocks)):
+                if p.dtype != self.data.dtype or p.device != self.data.device:
+                    raise ModelMoved(f"parameter {names[k]!r} of model {r} is now {_where(p)}, it was "
+                                     f"{_where(self.data)} when the optimizer was built: {fix}")
+                if p.data_ptr() != ptr + (r * self.dim + o) * size:
+                    raise ModelMoved(f"parameter {names[k]!r} of model {r} was replaced (its storage changed) "
+                                     f"after the optimizer was built, so the exchange no longer reaches it: {fix}")
+                if not p.requires_grad:
+                    raise ModelMoved(f"parameter {names[k]!r} of model {r} was frozen after the optimizer was "
+                                     f"built: {fix}")
+            now = [id(p) for _, p in trainable_parameters(mdl)]
+            if now != self._ids[r]:
+                extra = [n for n, p in mdl.named_parameters() if p.requires_grad and n not in names]
+                what = (f"parameter {extra[0]!r} was unfrozen" if extra else "its parameters were replaced")
+                raise ModelMoved(f"model {r}: {what} after the optimizer was built: {fix}")
 
     @property
     def rows(self) -> int:
@@ -135,7 +185,11 @@ class GossipOptimizer:
     algorithm's ``setup(x_1, layout)`` and ``attach(models)``. It raises
     :class:`MomentumConflict` (one line) when the algorithm owns momentum
     (``owns_momentum``) and a local optimizer has some too: give the local optimizer
-    ``momentum=0`` and set the algorithm's own ``momentum`` instead. Every :meth:`step`
+    ``momentum=0`` and set the algorithm's own ``momentum`` instead. Only the parameters
+    that require gradients take part (as in DDP); frozen ones are never exchanged.
+    :meth:`step`, :meth:`average`, :meth:`consensus_distance` and :meth:`state_dict`
+    raise :class:`ModelMoved` when a model was moved, converted or (un)frozen after
+    construction: build the optimizer after. Every :meth:`step`
     calls ``set_lr`` with the local optimizer's first param group's ``lr`` (so a
     scheduler reaches algorithms that rescale their memories), the local and the
     algorithm's step, then ``on_step_end(steps)``.
@@ -180,6 +234,7 @@ class GossipOptimizer:
 
     def step(self) -> None:
         algo = self.algorithm
+        self.flat.check()  # a model moved or converted since would be silently left out
         # the step size the local optimizer is about to use (a user's scheduler included)
         algo.set_lr(float(self.optimizers[0].param_groups[0]["lr"]))
         if algo.acts_on == "gradient":
@@ -208,17 +263,20 @@ class GossipOptimizer:
     @torch.no_grad()
     def average(self) -> torch.Tensor:
         """xbar, the average of all n nodes' parameters (shape (d,)); a collective."""
+        self.flat.check()
         return self.comm.all_reduce(self.flat.data, op="mean", record=False)[0]
 
     @torch.no_grad()
     def consensus_distance(self) -> float:
         """mean_i ||x_i - xbar||^2 over all n nodes; a collective."""
+        self.flat.check()
         X = self.flat.data
         xbar = self.comm.all_reduce(X, op="mean", record=False)
         dist = ((X - xbar) ** 2).sum(dim=1, keepdim=True).to(torch.float64)
         return float(self.comm.all_reduce(dist, op="mean", record=False)[0, 0])
 
     def state_dict(self) -> dict:
+        self.flat.check()  # else it would save the weights the model left behind
         return {
             "params": self.flat.data.detach().clone(),
             "algorithm": self.algorithm.state_dict(),

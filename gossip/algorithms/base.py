@@ -84,11 +84,12 @@ class ParamLayout:
 
     @classmethod
     def from_models(cls, models: Any) -> ParamLayout:
-        """The layout of a model's ``named_parameters()``; a list of models must agree."""
+        """The layout of a model's trainable ``named_parameters()``; a list of models must agree."""
         models = list(models) if isinstance(models, (list, tuple)) else [models]
         if not models:
             raise ValueError("ParamLayout.from_models needs at least one model")
-        named = [[(n, tuple(p.shape)) for n, p in m.named_parameters()] for m in models]
+        # the parameters that take part: those that require gradients (frozen ones never do)
+        named = [[(n, tuple(p.shape)) for n, p in m.named_parameters() if p.requires_grad] for m in models]
         if not named[0]:
             raise ValueError("ParamLayout.from_models: the model has no parameters")
         for r, other in enumerate(named[1:], start=1):

@@ -196,7 +196,8 @@ class MergeComp(_Centralized):
         self._models = list(models)
         if len(models) != 1:
             return
-        for j, p in enumerate(models[0].parameters()):
+        trainable = [p for p in models[0].parameters() if p.requires_grad]  # the layout's tensors
+        for j, p in enumerate(trainable):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(j)))
 
     def detach(self) -> None:

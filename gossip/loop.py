@@ -288,7 +288,12 @@ def run(cfg: TrainConfig) -> dict | None:
     device = _device(cfg, env)
     if cfg.run.resume not in (None, AUTO) and not Path(cfg.run.resume).is_dir():
         raise RunError(f"--resume {cfg.run.resume!r}: no such run directory")
-    dataset = _build_dataset(cfg)
+    try:
+        dataset, data_error = _build_dataset(cfg), None
+    except RunError as e:
+        if not env.distributed:
+            raise
+        dataset, data_error = None, str(e)  # said on every rank once they have met, not a hang
 
     from gossip import comm as gcomm
 
@@ -296,7 +301,7 @@ def run(cfg: TrainConfig) -> dict | None:
     try:
         if env.distributed:
             _init_group(cfg, env, device)
-            _agree_config(cfg, env)  # before anything is exchanged or written
+            _agree_config(cfg, env, dataset, data_error)  # before anything is exchanged or written
             comm = gcomm.DistCommunicator(topo, device=device, timeout=cfg.comm.timeout)
         else:
             comm = gcomm.SimulatedCommunicator(topo, world_size=env.world_size, device=device)
@@ -327,25 +332,74 @@ AGREE_KEYS = FINGERPRINT_KEYS + (
 ) + OPTIMIZER_FINGERPRINT_KEYS
 
 
-def _agree_config(cfg: TrainConfig, env: _Env) -> None:
-    """Every rank compares the run-defining config with every other; on a mismatch all
-    ranks stop with one line naming the differing keys and a rank holding each value."""
+#: bytes of one array hashed in full; a larger one is hashed in evenly spaced rows of
+#: about this many bytes in all (and its shape, which every row count changes)
+_DIGEST_BYTES = 64 * 2**20
+#: the data set's arrays the ranks compare, and what the message calls them
+_DATA_PARTS = {"x_train": "training inputs", "y_train": "training labels",
+               "x_test": "test inputs", "y_test": "test labels"}
+
+
+def _array_digest(t: torch.Tensor) -> str:
+    """``shape dtype sha256[:16]`` of an array; above :data:`_DIGEST_BYTES`, of evenly
+    spaced rows (marked ``sampled``): cheap for large sets, and a file of other images
+    changes the digest unless it differs from the others only in rows never sampled."""
+    import hashlib
+
+    t = t.detach().cpu().contiguous()
+    rows = max(1, t.shape[0]) if t.dim() else 1
+    stride = max(1, math.ceil(t.numel() * t.element_size() / _DIGEST_BYTES))
+    part = t[::stride].contiguous() if stride > 1 and t.dim() else t
+    h = hashlib.sha256(part.view(torch.uint8).numpy().tobytes() if part.numel() else b"")
+    return (f"shape {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} sha256 {h.hexdigest()[:16]}"
+            + (f" (every {stride}th of {rows} rows)" if stride > 1 else ""))
+
+
+def data_identity(dataset) -> dict[str, str]:
+    """What every rank must hold alike: a digest of each of the data set's arrays."""
+    return {k: _array_digest(getattr(dataset, k)) for k in _DATA_PARTS
+            if isinstance(getattr(dataset, k, None), torch.Tensor)}
+
+
+def _agree_config(cfg: TrainConfig, env: _Env, dataset=None, data_error: str | None = None) -> None:
+    """Every rank compares the run-defining config, and a digest of its data set, with
+    every other; on a mismatch all ranks stop with one line naming the differing keys
+    (or arrays) and a rank holding each value."""
     import torch.distributed as dist
 
     flat = cfg.to_dict()
     mine = {k: flat.get(k) for k in AGREE_KEYS}
     mine["resume_auto"] = cfg.run.resume == AUTO
+    data_keys = data_identity(dataset) if dataset is not None else {}
+    mine.update({f"data:{k}": v for k, v in data_keys.items()})
     everyone: list[dict] = [None] * env.world_size  # type: ignore[list-item]
+    mine["data_error"] = data_error
     dist.all_gather_object(everyone, mine)
-    diffs = []
+    failed = [(r, theirs["data_error"]) for r, theirs in enumerate(everyone) if theirs.get("data_error")]
+    if failed:  # a rank that could not load its data stops every rank, named
+        raise RunError(f"rank {failed[0][0]} cannot load its data: {failed[0][1]}")
+    del mine["data_error"]
+    diffs, data_diffs = [], []
     for key in mine:
         holders: dict[str, int] = {}
         for r, theirs in enumerate(everyone):
             holders.setdefault(json.dumps(theirs.get(key), sort_keys=True, default=str), r)
         if len(holders) > 1:
-            diffs.append(f"{key}: " + ", ".join(f"{v} on rank {r}" for v, r in holders.items()))
+            if key.startswith("data:"):
+                data_diffs.append(f"{_DATA_PARTS[key[5:]]}: " + ", ".join(
+                    f"{json.loads(v)} on rank {r}" for v, r in holders.items()))
+            else:
+                diffs.append(f"{key}: " + ", ".join(f"{v} on rank {r}" for v, r in holders.items()))
     if diffs:
         raise RunError(f"the ranks were started with different configs; {'; '.join(diffs)}")
+    if data_diffs:
+        odd = sorted({r for key in data_keys for r, theirs in enumerate(everyone)
+                      if theirs.get(f"data:{key}") != everyone[0].get(f"data:{key}")})
+        raise RunError(
+            f"rank(s) {odd} hold other data than rank 0 (--data {cfg.data.name}"
+            f"{' --data-dir ' + repr(cfg.data.data_dir) if cfg.data.data_dir else ''}): {'; '.join(data_diffs)}; "
+            f"give every rank the same data"
+        )
 
 
 def _init_group(cfg: TrainConfig, env: _Env, device: torch.device) -> None:

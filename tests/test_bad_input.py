@@ -174,6 +174,10 @@ def test_a_damaged_checkpoint_is_named_and_nothing_else_changes(finished, tmp_pa
 @pytest.mark.parametrize("args, needle", [
     (["complete", "100000000"], "at most about n="),
     (["complete", "50000"], "GiB are available"),
+    # sparse graphs too, before any allocation (10^10 nodes need terabytes)
+    (["ring", "10000000000"], "ring: n=10,000,000,000 has 10,000,000,000 edges"),
+    (["expander", "10000000000"], "at most about n="),
+    (["onepeer-exp", "10000000000"], "at most about n="),
     (["torus", "7"], "torus"),
     (["nope", "8"], "nope"),
     (["ring", "-3"], "-3"),

@@ -18,6 +18,7 @@ def ring(n: int, *, weights: str | None = None, lazy: bool = False) -> Topology:
     Then ``lambda_2 = (1 + 2 cos(2 pi/n))/3`` and, for even ``n``, ``lambda_n = -1/3``.
     """
     n = check_int("ring", "n", n, 3)
+    check_fits("ring", n, n)
     i = np.arange(n)
     return finish("ring", adjacency(n, i, (i + 1) % n), {}, weights, lazy)
 
@@ -42,5 +43,6 @@ def star(n: int, *, weights: str | None = None, lazy: bool = False) -> Topology:
     (``1 - lambda_2 = 1/n``): a useful worst case, not a useful training topology.
     """
     n = check_int("star", "n", n, 2)
+    check_fits("star", n, n - 1)
     leaves = np.arange(1, n)
     return finish("star", adjacency(n, np.zeros_like(leaves), leaves), {}, weights, lazy)

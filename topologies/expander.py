@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from ._checks import check_int, check_seed
+from ._checks import check_fits, check_int, check_seed
 from ._graph import adjacency, finish
 from .errors import TopologyError
 from .topology import Topology
@@ -51,6 +51,8 @@ def expander(
             f"expander: n * degree must be even (each edge has two ends), "
             f"got n={n}, degree={degree}"
         )
+    # networkx builds the random graph first: a Python object per node and edge
+    check_fits("expander", n, n * degree // 2, bytes_per_edge=512)
     import networkx as nx  # here, not at the top: the CLI starts faster without it
 
     used_seed = DEFAULT_SEED if seed is None else seed

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import check_int
+from ._checks import check_fits, check_int
 from ._graph import adjacency, finish
 from .topology import Topology
 
@@ -20,6 +20,7 @@ def exponential(n: int, *, weights: str | None = None, lazy: bool = False) -> To
     default. ``n >= 2``.
     """
     n = check_int("exponential", "n", n, 2)
+    check_fits("exponential", n, n * (n - 1).bit_length())
     i = np.arange(n)
     hops = [1 << k for k in range((n - 1).bit_length())]
     src = np.tile(i, len(hops))

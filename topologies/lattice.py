@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from ._checks import check_int
+from ._checks import check_fits, check_int
 from ._graph import adjacency, finish
 from .errors import TopologyError
 from .topology import Topology
@@ -56,6 +56,7 @@ def torus(
     ``lambda_2 = (3 + 2 cos(2 pi/m))/5``.
     """
     n = check_int("torus", "n", n, 9)
+    check_fits("torus", n, 2 * n)
     if rows is None and cols is None:
         rows, cols = torus_shape(n)
     else:
@@ -96,6 +97,7 @@ def hypercube(n: int, *, weights: str | None = None, lazy: bool = False) -> Topo
     ``log2(n)``-regular; with uniform weights ``lambda_2 = 1 - 2/(log2(n) + 1)``.
     """
     n = check_int("hypercube", "n", n, 2)
+    check_fits("hypercube", n, n * max(1, n.bit_length() - 1) // 2)
     if n & (n - 1):
         lo = 1 << (n.bit_length() - 1)
         raise TopologyError(

@@ -50,7 +50,7 @@ import numpy as np
 import scipy.sparse as sp
 import scipy.sparse.csgraph as csgraph
 
-from ._checks import check_bool, check_int, check_seed
+from ._checks import check_bool, check_fits, check_int, check_seed
 from .errors import TopologyError
 from .spectral import DENSE_MAX_N
 from .topology import Topology
@@ -267,6 +267,7 @@ def onepeer_exp(n: int, *, weights: str | None = None, lazy: bool = False) -> Ti
     and sends 1/4.
     """
     n = check_int("onepeer-exp", "n", n, 2)
+    check_fits("onepeer-exp", n, n)
     _fixed_weights("onepeer-exp", weights)
     return _OnePeerExp(n, check_bool("onepeer-exp", "lazy", lazy))
 
@@ -274,6 +275,7 @@ def onepeer_exp(n: int, *, weights: str | None = None, lazy: bool = False) -> Ti
 def matching(n: int, *, weights: str | None = None, lazy: bool = False, seed: int | None = None) -> TimeVaryingTopology:
     """A random perfect matching per step on an even ``n >= 2``; seed 0 by default."""
     n = check_int("matching", "n", n, 2)
+    check_fits("matching", n, n)
     if n % 2:
         raise TopologyError(f"matching: n must be even (a perfect matching pairs every node), got n={n}")
     _fixed_weights("matching", weights)

@@ -629,7 +629,8 @@ class Run:
         line (:class:`Finished`: exit 0 under ``--resume auto``, so that ``torchrun
         --max-restarts`` ends cleanly); a summary of fewer steps is a shorter run that
         this one continues (a larger ``--max-steps``), unless it has no checkpoint to
-        continue from, which ``--resume auto`` must not start afresh over."""
+        continue from, which ``--resume auto`` must not start afresh over. A run whose
+        final checkpoint was deleted replays its last steps from the newest one left."""
         path = rundir.summary_path(self.out)
         steps, diverged = -1.0, 0.0
         if path.exists():
@@ -639,15 +640,18 @@ class Run:
                 diverged = float(bool(summary.get("diverged")))
             except rundir.RunDirError:
                 steps = 0.0  # present but unreadable: still a summary nobody may replace
-        ckpts = float(len(checkpoint.list_checkpoints(self.out)))
+        found = checkpoint.list_checkpoints(self.out)
+        ckpts, newest = float(len(found)), float(max(found, default=-1))
         other = float(steps >= 0 and self._other_config())
         if self.env.distributed:  # every rank decides alike
-            seen = self.comm.all_gather(torch.tensor([[steps, diverged, ckpts, other]], dtype=torch.float64),
+            seen = self.comm.all_gather(torch.tensor([[steps, diverged, ckpts, other, newest]], dtype=torch.float64),
                                         record=False)
-            steps, diverged, ckpts, other = (float(v) for v in seen.max(dim=0).values)
+            steps, diverged, ckpts, other, newest = (float(v) for v in seen.max(dim=0).values)
         if steps < 0 or diverged:
             return None
-        if steps >= self.stop and not other:  # another config: the resume says how it differs
+        # another config: the resume says how it differs; a newest checkpoint older than the
+        # summary (its final checkpoint deleted) asks to replay the run's last steps from it
+        if steps >= self.stop and not other and (not ckpts or newest >= steps):
             msg = (f"the run in {str(self.out)!r} is finished (step {int(steps)} of {self.stop}); nothing was "
                    f"changed. Its summary is {str(path)!r}; to train longer, resume it with a larger --max-steps "
                    f"(its schedule spans {self.total} steps) or start a new run with more --epochs")

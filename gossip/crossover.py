@@ -41,6 +41,7 @@ import re
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 __all__ = ["Candidate", "Measured", "measure", "step_time", "crossover", "parse_rate", "parse_time", "main"]
@@ -248,11 +249,31 @@ def fmt_crossover(c: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------ the CLI
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (``--params 1e6x``), not a usage block and a line."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"gossip.crossover: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _count(text: str) -> int:
+    """An integer count, in any notation that names one: ``1000000``, ``1e6``, ``1_000_000``."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(value)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gossip.crossover", description=__doc__.splitlines()[0])
+    p = _Parser(prog="python -m gossip.crossover", description=__doc__.splitlines()[0])
     what = p.add_mutually_exclusive_group()
     what.add_argument("--model", choices=list(MODEL_INPUTS), help="a built-in model (default: --params)")
-    what.add_argument("--params", type=int, help="an MLP with about this many parameters (default 1000000)")
+    what.add_argument("--params", type=_count, help="an MLP with about this many parameters (default 1000000; "
+                      "1e6 reads as 1000000)")
     p.add_argument("--world-size", type=int, default=8, help="nodes (default 8)")
     p.add_argument("--topology", default="ring", help="graph of the gossip algorithms (default ring)")
     p.add_argument("--degree", type=int, help="degree, for expander and the like")
@@ -409,13 +430,52 @@ def _benchmark_answer(args: argparse.Namespace, say: Callable[[str], None]) -> l
     return out
 
 
+def _check_plot(path: str) -> None:
+    """--plot's file: a format matplotlib writes, in a directory that exists, checked
+    before the measurements (not after minutes of them)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    p = Path(path)
+    formats = Figure().canvas.get_supported_filetypes()
+    ext = p.suffix.lower().lstrip(".")
+    if ext not in formats:
+        raise CrossoverError(f"--plot {path!r}: {'.' + ext if ext else 'no'} extension; matplotlib writes "
+                             f"{', '.join('.' + f for f in sorted(formats))}")
+    if not p.parent.is_dir():
+        raise CrossoverError(f"--plot {path!r}: no such directory {str(p.parent)!r}")
+    if p.is_dir():
+        raise CrossoverError(f"--plot {path!r} is a directory; give a file name such as crossover.png")
+
+
+class _StdoutFailed(Exception):
+    """Standard output could not be written (a closed pipe, a full disk): not a file's error."""
+
+
+def _print(text: str) -> None:
+    """``text`` to stdout, flushed now so that a closed pipe or a full disk is met here."""
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except OSError as e:
+        raise _StdoutFailed(e.strerror or str(e)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m gossip.crossover``: measure, model and print (or ``--json``/``--plot``); the exit code."""
     args = _parser().parse_args(argv)
-    say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else _print
     try:
         if args.plot:
-            import matplotlib  # noqa: F401  (fail before the measurements, not after)
+            try:
+                import matplotlib  # noqa: F401  (fail before the measurements, not after)
+            except ImportError as e:
+                print(f"gossip.crossover: error: --plot needs matplotlib ({e}); pip install matplotlib",
+                      file=sys.stderr)
+                return 2
+            _check_plot(args.plot)
         measured_answer = None
         if args.benchmark:
             measured_answer = _benchmark_answer(args, say)
@@ -423,25 +483,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise CrossoverError("--benchmark-only needs --benchmark FILE")
         if args.benchmark_only:
             if args.json:
-                print(json.dumps({"benchmark": measured_answer}, indent=1))
+                _print(json.dumps({"benchmark": measured_answer}, indent=1))
             return 0
         res = run(args, say)
         if measured_answer is not None:
             res["benchmark"] = measured_answer
+        _print(json.dumps(res, indent=1) if args.json else render(res))
+        if args.plot:
+            try:
+                plot(res, args.plot)
+            except OSError as e:
+                raise CrossoverError(f"--plot {args.plot!r}: cannot write it ({e.strerror or e})") from None
+            say(f"plot: {args.plot}")
     except (CrossoverError, _leaderboard_error()) as e:
         print(f"gossip.crossover: error: {e}", file=sys.stderr)
         return 2
-    except ImportError as e:
-        print(f"gossip.crossover: error: --plot needs matplotlib ({e}); pip install matplotlib", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(res, indent=1))
-    else:
-        print(render(res))
-    if args.plot:
-        plot(res, args.plot)
-        say(f"plot: {args.plot}")
+    except _StdoutFailed as e:  # stdout closed (a pipe into `head`) or full (/dev/full, a full disk)
+        _quiet_stdout()
+        print(f"gossip.crossover: error: cannot write the results to standard output ({e})", file=sys.stderr)
+        return 1
     return 0
+
+
+def _quiet_stdout() -> None:
+    """After stdout failed: point it at /dev/null, so that the interpreter's own flush at
+    exit does not print a second error (Python's advice for SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":

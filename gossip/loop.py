@@ -13,6 +13,7 @@ and ``summary.json`` at the end.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import datetime as _dt
 import math
@@ -264,6 +265,13 @@ def _prepare_out(cfg: TrainConfig, out: Path, is_main: bool) -> str | None:
     other file alone; a ``config.json`` or ``summary.json`` that is not a run's is
     refused). Nothing is written before every rank has agreed.
     """
+    try:
+        return _check_out(cfg, out)
+    except OSError as e:  # a name too long for the file system, a directory we may not list
+        return f"--out {str(out)!r}: {e.strerror or e}" + (": give a shorter --out" if e.errno == errno.ENAMETOOLONG else "")
+
+
+def _check_out(cfg: TrainConfig, out: Path) -> str | None:
     if out.exists() and not out.is_dir():
         return f"--out {str(out)!r} is a file, not a directory"
     if cfg.run.resume is None and out.is_dir() and any(out.iterdir()):
@@ -286,8 +294,13 @@ def run(cfg: TrainConfig) -> dict | None:
     env = _detect_env(cfg)
     topo = _build_topology(cfg, env.world_size)  # pure: fails the same way on every rank
     device = _device(cfg, env)
-    if cfg.run.resume not in (None, AUTO) and not Path(cfg.run.resume).is_dir():
-        raise RunError(f"--resume {cfg.run.resume!r}: no such run directory")
+    if cfg.run.resume not in (None, AUTO):
+        try:
+            is_dir = Path(cfg.run.resume).is_dir()
+        except OSError as e:  # a name too long for the file system, a loop of links
+            raise RunError(f"--resume {cfg.run.resume!r}: {e.strerror or e}") from None
+        if not is_dir:
+            raise RunError(f"--resume {cfg.run.resume!r}: no such run directory")
     try:
         dataset, data_error = _build_dataset(cfg), None
     except RunError as e:
@@ -316,6 +329,15 @@ def run(cfg: TrainConfig) -> dict | None:
         raise RunError(str(e) + (f"; details in {log}" if log is not None else "")) from None
     except RunError:  # the user's to act on, whole in its one line; a refused resume writes nothing
         raise
+    except rundir.RunDirError as e:  # a file of the run directory that cannot be read
+        raise RunError(str(e)) from None
+    except OSError as e:
+        if e.filename is None:  # not a file's: the detail to the rank's log, as for any failure
+            if runner is not None:
+                runner.log_failure(e)
+            raise
+        log = runner.log_failure(e) if runner is not None else None
+        raise RunError(_os_error_line(e, runner) + (f"; details in {log}" if log is not None else "")) from None
     except BaseException as e:  # an interrupt, SIGTERM, a bug: the detail to the rank's log
         if runner is not None:
             runner.log_failure(e)
@@ -323,6 +345,29 @@ def run(cfg: TrainConfig) -> dict | None:
     finally:
         if env.distributed:
             gcomm.shutdown()  # gloo's threads joined before the interpreter exits
+
+
+#: what to do about a file system's refusal, by errno
+_OS_HINTS = {"ENOSPC": "free some space", "EDQUOT": "free some space (disk quota)",
+             "EACCES": "make the run directory writable", "EPERM": "make the run directory writable",
+             "EROFS": "the file system is read-only: give another --out",
+             "ENAMETOOLONG": "give a shorter --out"}
+
+
+def _os_error_line(e: OSError, runner: Run | None) -> str:
+    """One line for a refusal of the file system: the file, the cause, what was kept."""
+    name = errno.errorcode.get(e.errno or 0, "")
+    line = f"{e.filename}: {e.strerror or e}" + (f" ({name})" if name else "")
+    if runner is not None:
+        kept = sorted(checkpoint.list_checkpoints(runner.out)) if runner.out.is_dir() else []
+        line += (f"; the run stopped at step {runner.progress.step}; "
+                 + (f"its checkpoints (newest: step {kept[-1]}) are intact" if kept else "no checkpoint was written"))
+        hint = _OS_HINTS.get(name)
+        if hint:
+            line += f": {hint}" + (f", then --resume {str(runner.out)!r}" if kept else "")
+    elif _OS_HINTS.get(name):
+        line += f": {_OS_HINTS[name]}"
+    return line
 
 
 #: config keys every rank must share: the fingerprinted ones and the run's length and cadence

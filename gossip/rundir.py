@@ -256,7 +256,13 @@ def read_json(path: Path, what: str | None = None) -> dict:
 def read_metrics(path: Path) -> list[dict]:
     """The records of one metrics file; a torn last line (a run being written) is skipped."""
     records, bad = [], 0
-    lines = Path(path).read_text().splitlines()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise RunDirError(f"{path}: the metrics file is not UTF-8 text (byte {e.start}: {e.reason}); move it "
+                          f"away to resume without its records") from None
+    except OSError as e:
+        raise RunDirError(f"{path}: cannot read the metrics file ({e.strerror or e})") from None
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -290,13 +296,20 @@ class MetricsWriter:
             write_atomically(path, lambda f: f.write("".join(k + "\n" for k in kept).encode()))
         elif keep_until is None and path.exists():
             path.unlink()
+        self.path = path
         self._fh = open(path, "a", buffering=1)
 
     def write(self, rec: dict) -> None:
-        self._fh.write(json.dumps(rec) + "\n")
+        try:
+            self._fh.write(json.dumps(rec) + "\n")
+        except OSError as e:  # a full disk, a directory made read-only: say which file
+            raise type(e)(e.errno, e.strerror, str(self.path)) from e
 
     def close(self) -> None:
-        self._fh.close()
+        try:
+            self._fh.close()
+        except OSError:  # the line that failed to go out already raised from write()
+            pass
 
 
 def setup_traffic_of(config: dict, summary: dict | None = None) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from typing import NoReturn, Sequence
@@ -148,7 +149,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             _fail(str(e))
     for w in caught:
         print(f"{PROG}: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
-    print(out)
+    try:  # flushed here, so that a closed pipe or a full disk is one line, not a traceback
+        sys.stdout.write(out + "\n")
+        sys.stdout.flush()
+    except OSError as e:
+        try:  # the interpreter's own flush at exit must not print a second error
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+        print(f"{PROG}: error: cannot write to standard output ({e.strerror or e})", file=sys.stderr)
+        return 1
     return 0
 
 

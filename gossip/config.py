@@ -252,10 +252,26 @@ class AlgorithmSection:
             try:
                 compress.build(self.compressor)
             except (ValueError, TypeError) as e:
-                raise ConfigError(f"--compressor {self.compressor!r}: {e}") from None
+                # the compressor's message names the spec itself: say it once
+                raise ConfigError(f"--compressor: {e}" if repr(self.compressor) in str(e)
+                                  else f"--compressor {self.compressor!r}: {e}") from None
         if self.merge is not None:
             self._check_merge()
+        self._check_merge_search()
         self._check_options()
+
+    def _check_merge_search(self) -> None:
+        """--merge-max-groups and --merge-alpha tune --merge auto's search and nothing else:
+        given without it they are refused, not silently recorded (the resume fingerprint
+        holds them, so a value with no effect would still refuse a resume)."""
+        if self.merge == "auto":
+            return
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in ("merge_max_groups", "merge_alpha"):
+            if getattr(self, name) != defaults[name]:
+                now = f"--merge {self.merge}" if self.merge is not None else "no --merge"
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r} tunes --merge auto's search "
+                                  f"and has no effect with {now}: drop it, or give --merge auto")
 
     def _check_options(self) -> None:
         """Keys must be fields of the algorithm's Config the runtime leaves to the user;
@@ -779,6 +795,9 @@ def _load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"--config {path!r} is not a text file; expected a TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path!r} is not valid TOML: {e}") from None
+    except RecursionError:  # tomllib recurses once per level of nesting
+        raise ConfigError(f"--config {path!r}: arrays or tables nested too deeply to read; expected keys "
+                          f"and [sections] of plain values") from None
     except OSError as e:
         raise ConfigError(f"--config {path!r}: cannot read it ({e.strerror})") from None
     out: dict[str, Any] = {}

@@ -17,9 +17,28 @@ still work.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
+#: a word of a message longer than this is cut (a 50 MB TOML value, a pasted file)
+_LONGEST_WORD = 120
+_LONG_WORD = re.compile(r"\S{%d,}" % (_LONGEST_WORD + 1))
+
+
+def one_line(message: object) -> str:
+    """``message`` as one line a terminal can show: whitespace runs (newlines included)
+    become one space, and each word longer than 120 characters keeps its first 60, then
+    ``...`` and its length; a long value that a message repeats is cut each time."""
+    text = " ".join(str(message).split())
+
+    def cut(m: re.Match) -> str:
+        w = m.group(0)
+        return f"{w[:60]}...[{len(w):,} characters]"
+
+    return _LONG_WORD.sub(cut, text)
+
 __all__ = [
+    "one_line",
     "NonFiniteError",
     "PayloadError",
     "PeerError",

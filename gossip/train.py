@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     2: bad input; the run's own code when it fails; 130: interrupted; 143: stopped by
     SIGTERM."""
     from gossip.config import ConfigError, parse_args
+    from gossip.errors import one_line
     from gossip.loop import RunError, run
 
     rank = int(os.environ.get("RANK", "0"))
@@ -45,14 +46,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
         run(cfg)
     except ConfigError as e:
-        print(f"{who}gossip.train: error: {e}", file=sys.stderr, flush=True)
+        print(f"{who}gossip.train: error: {one_line(e)}", file=sys.stderr, flush=True)
         return 2
     except RunError as e:
         if e.exit_code == 0:  # nothing went wrong (a finished run resumed): rank 0 says so
             if rank == 0:
-                print(f"{who}gossip.train: {e}", file=sys.stderr, flush=True)
+                print(f"{who}gossip.train: {one_line(e)}", file=sys.stderr, flush=True)
             return 0
-        print(f"{who}gossip.train: error: {e}", file=sys.stderr, flush=True)
+        print(f"{who}gossip.train: error: {one_line(e)}", file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt:
         if rank == 0:

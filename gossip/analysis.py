@@ -175,7 +175,10 @@ def _read_json(path: Path, what: str) -> dict:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    return rundir.read_metrics(path)
+    try:
+        return rundir.read_metrics(path)
+    except rundir.RunDirError as e:
+        raise AnalysisError(str(e)) from None
 
 
 def run_label(config: dict, summary: dict | None = None) -> str:
@@ -220,6 +223,7 @@ def load_run(path: str | os.PathLike, *, name: str | None = None) -> Run:
     config = _read_json(rundir.config_path(p), rundir.CONFIG)
     spath = rundir.summary_path(p)
     summary = _read_json(spath, rundir.SUMMARY) if spath.is_file() else None
+    rundir.warn_future_schema(p, config, summary)
     name = name if name is not None else p.name
     label = run_label(config, summary)
     frames, eval_seen = [], False

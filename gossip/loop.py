@@ -707,6 +707,22 @@ class Run:
                            f"--out, or --overwrite to replace that run")
         return None
 
+    def _written_in_other_mode(self) -> str | None:
+        """A run written with ``--simulate`` (one checkpoint file of every node) cannot be
+        resumed under torchrun (a file per rank), nor the other way round: the line that
+        says so and how to resume it, or None."""
+        try:
+            stored = rundir.read_json(rundir.config_path(self.out))
+        except rundir.RunDirError:
+            return None
+        mode, n = stored.get("mode"), stored.get("world_size")
+        if mode not in ("simulate", "torchrun") or mode == self.env.mode:
+            return None
+        how = (f"--simulate {n} in one process" if mode == "simulate"
+               else f"under torchrun with {n} ranks in all, without --simulate")
+        return (f"--resume {str(self.out)!r}: that run was written in the other mode ({mode}, {n} nodes), whose "
+                f"checkpoints this {self.env.mode} run cannot read; resume it with {how}")
+
     def _other_config(self) -> bool:
         """Whether the run directory's config.json was written with another world size or
         other fingerprinted values than this run's (an unreadable one counts as the same)."""
@@ -845,6 +861,14 @@ class Run:
         (older steps are tried when a newer one is damaged); all ranks agree or all fail.
         ``auto``: a directory without any checkpoint starts fresh. Returns whether it resumed."""
         env = self.env
+        other = self._written_in_other_mode()
+        if env.distributed:  # every rank refuses alike (rank 0 may be the only one to see config.json)
+            seen = self.comm.all_gather(torch.tensor([[float(other is not None)]], dtype=torch.float64), record=False)
+            if other is None and bool((seen[:, 0] > 0).any()):
+                other = f"--resume {str(self.out)!r}: rank(s) {torch.nonzero(seen[:, 0] > 0).flatten().tolist()} " \
+                        f"see a run written in the other mode (simulation or torchrun)"
+        if other is not None:
+            raise RunError(other)
         steps = checkpoint.list_checkpoints(self.out)
         complete = sorted((s for s, r in steps.items()
                            if all(k in r for k in range(env.world_size if env.distributed else 1))), reverse=True)

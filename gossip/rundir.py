@@ -75,6 +75,7 @@ __all__ = [
     "setup_traffic_of",
     "tensorboard_dir",
     "TensorBoardWriter",
+    "warn_future_schema",
     "wire_of",
     "write_json",
 ]
@@ -310,6 +311,22 @@ class MetricsWriter:
             self._fh.close()
         except OSError:  # the line that failed to go out already raised from write()
             pass
+
+
+def warn_future_schema(where: str | Path, config: dict, summary: dict | None = None) -> int | None:
+    """Warn (once per run) where a run was written with a newer schema than
+    :data:`SCHEMA_VERSION`: its keys may mean what this version does not know. Returns
+    the newer schema, or None."""
+    newest = None
+    for src in (config, summary or {}):
+        s = src.get("schema")
+        if isinstance(s, int) and not isinstance(s, bool) and s > SCHEMA_VERSION and (newest is None or s > newest):
+            newest = s
+    if newest is not None:
+        warnings.warn(f"{where}: written with run-directory schema {newest}, this version of gossip reads schemas "
+                      f"1 to {SCHEMA_VERSION}: keys it does not know are left out and figures may be misread; "
+                      f"upgrade gossip to read it", stacklevel=3)
+    return newest
 
 
 def setup_traffic_of(config: dict, summary: dict | None = None) -> str:

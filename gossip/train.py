@@ -19,6 +19,12 @@ import sys
 __all__ = ["main"]
 
 
+#: what a rank says on SIGTERM: torchrun sends it when another rank failed (that rank's
+#: own line says why) and when torchrun itself or the job was stopped; which, a rank cannot tell
+STOPPED = ("stopped by SIGTERM (from torchrun when another rank failed, whose own line then says why, "
+           "or when torchrun or the job was stopped); the checkpoints written are intact")
+
+
 class Terminated(BaseException):
     """SIGTERM arrived: torchrun's agent sends it to every worker when one fails (and a
     scheduler when it preempts a job). Raised in the main thread, so the run unwinds
@@ -60,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{who}gossip.train: interrupted", file=sys.stderr, flush=True)
         return 130
     except Terminated:
-        print(f"{who}gossip.train: stopped by SIGTERM (torchrun stops every worker when one fails: "
-              "the failing rank's own line says why)", file=sys.stderr, flush=True)
+        print(f"{who}gossip.train: {STOPPED}", file=sys.stderr, flush=True)
         return 128 + signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 #: a word of a message longer than this is cut (a 50 MB TOML value, a pasted file)
 _LONGEST_WORD = 120
-_LONG_WORD = re.compile(r"\S{%d,}" % (_LONGEST_WORD + 1))
+_LONG_WORD = re.compile(r"[^\s'\";,]{%d,}" % (_LONGEST_WORD + 1))  # quotes and separators kept
 
 
 def one_line(message: object) -> str:

@@ -59,6 +59,9 @@ def _files(tmp: Path) -> dict[str, Path]:
                        ("twice", "lr = 0.1\n[optim]\nlr = 0.2\n"), ("opts", "algo_options = 3\n"),
                        ("merge", "merge = true\n"), ("seed", 'seed = "zero"\n')]:
         (tmp / f"{name}.toml").write_text(text)
+    (tmp / "deep.toml").write_text("a = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    (tmp / "proj").mkdir()
+    (tmp / "proj" / "config.json").write_text('{"the user\'s": "own"}')
     return {"tmp": tmp}
 
 
@@ -122,7 +125,17 @@ CASES = [
     (["--resume", "/nonexistent/run"], ["--resume", "/nonexistent/run", "no such run directory"]),
     (["--resume", "{finished}", "--lr", "0.5", "--algo", "ecd"], ["different config", "lr"]),
     (["--resume", "{finished}", "--algo", "ecd", "--simulate", "8"], ["world size"]),
+    (["--out", ""], ["--out must name a directory", "''"]),
+    (["--out", "  "], ["--out must name a directory"]),
+    (["--out", "{tmp}/" + "x" * 300], ["File name too long", "give a shorter --out"]),
+    (["--resume", "{tmp}/" + "y" * 300], ["--resume", "File name too long"]),
+    (["--resume", "{finished}", "--algo", "ecd", "--max-steps", "4"], ["is finished (step 4 of 4)", "summary.json"]),
+    (["--out", "{tmp}/proj", "--overwrite"], ["proj/config.json", "not a gossip run's file", "left alone"]),
+    # --- options that would have no effect
+    (["--merge-max-groups", "3"], ["--merge-max-groups 3", "no effect with no --merge"]),
+    (["--algo", "efsgd", "--merge", "layer", "--merge-alpha", "0.1"], ["--merge-alpha 0.1", "no effect with --merge layer"]),
     # --- TOML files
+    (["--config", "{tmp}/deep.toml"], ["deep.toml", "nested too deeply"]),
     (["--config", "{tmp}/lazy.toml"], ["lazy", "'false'", "true or false"]),
     (["--config", "{tmp}/out.toml"], ["out = 5", "text"]),
     (["--config", "{tmp}/epochs.toml"], ["epochs = 2.5", "an integer"]),

@@ -98,15 +98,14 @@ class FlatParams:
         self.dim = off
         (dtype,), (device,) = dtypes, devices
         self.data = torch.empty(len(models), self.dim, dtype=dtype, device=device)
-        self._models = list(models)
         self._params = plists
         with torch.no_grad():
             for r, pl in enumerate(plists):
                 for p, (o, n) in zip(pl, self.blocks):
                     self.data[r, o : o + n].copy_(p.detach().reshape(-1))
                     p.data = self.data[r, o : o + n].view(p.shape)
-        # what check() compares: each model's trainable parameters, by identity
-        self._ids = [[id(p) for p in pl] for pl in plists]
+        # what check() watches besides the trainable ones: the frozen, which must stay frozen
+        self._frozen = [[(n, p) for n, p in mdl.named_parameters() if not p.requires_grad] for mdl in models]
 
     def check(self) -> None:
         """Raise :class:`ModelMoved` (one line) if a model changed since construction: a
@@ -116,8 +115,8 @@ class FlatParams:
         fix = ("build the GossipOptimizer (and the local optimizer) after moving, converting or "
                "freezing the model")
         ptr, size = self.data.data_ptr(), self.data.element_size()
-        for r, (mdl, pl) in enumerate(zip(self._models, self._params)):
-            names = self.layout.names
+        names = self.layout.names
+        for r, pl in enumerate(self._params):
             for k, (p, (o, _)) in enumerate(zip(pl, self.blocks)):
                 if p.dtype != self.data.dtype or p.device != self.data.device:
                     raise ModelMoved(f"parameter {names[k]!r} of model {r} is now {_where(p)}, it was "
@@ -128,11 +127,9 @@ class FlatParams:
                 if not p.requires_grad:
                     raise ModelMoved(f"parameter {names[k]!r} of model {r} was frozen after the optimizer was "
                                      f"built: {fix}")
-            now = [id(p) for _, p in trainable_parameters(mdl)]
-            if now != self._ids[r]:
-                extra = [n for n, p in mdl.named_parameters() if p.requires_grad and n not in names]
-                what = (f"parameter {extra[0]!r} was unfrozen" if extra else "its parameters were replaced")
-                raise ModelMoved(f"model {r}: {what} after the optimizer was built: {fix}")
+            for n, p in self._frozen[r]:
+                if p.requires_grad:
+                    raise ModelMoved(f"model {r}: parameter {n!r} was unfrozen after the optimizer was built: {fix}")
 
     @property
     def rows(self) -> int:

@@ -99,11 +99,12 @@ def test_a_model_changed_after_construction_is_refused_at_step(change, needle):
         assert "\n" not in str(e.value) and "build the GossipOptimizer" in str(e.value)
 
 
-def test_the_cli_leaves_a_frozen_layer_out(tmp_path):
+@pytest.mark.parametrize("algo", ["ecd", "dcd", "naive"])  # the three that moved frozen weights
+def test_the_cli_leaves_a_frozen_layer_out(tmp_path, algo):
     out = tmp_path / "run"
     err = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        rc = gossip_train.main(["--simulate", "4", "--algo", "ecd", "--bits", "2", "--data", "synthetic",
+        rc = gossip_train.main(["--simulate", "4", "--algo", algo, "--bits", "2", "--data", "synthetic",
                                 "--model", "tests.test_nothing_lost_params:frozen_net", "--max-steps", "3",
                                 "--no-progress", "--out", str(out)])
     assert rc == 0, err.getvalue()

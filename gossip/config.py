@@ -667,8 +667,8 @@ _HELP = {
     "for networks where tc netem is unavailable (outputs say 'latency: emulated')",
     "log_every": "write a metrics record every N steps",
     "progress": "show a progress bar on rank 0",
-    "overwrite": "replace the run already in --out: its config, summary, metrics, checkpoints and TensorBoard "
-    "files are deleted first (other files are left alone); without it a non-empty --out is refused",
+    "overwrite": "replace the run already in --out: the files a run writes (config, summary, metrics, error logs, "
+    "checkpoints, TensorBoard events) are deleted first, nothing else; without it a non-empty --out is refused",
     "tensorboard": "also write the metrics as TensorBoard scalars to <out>/tensorboard "
     "(needs the optional extra: pip install 'gossip[tensorboard]')",
     "merge": "MergeComp (Wang et al. 2021, arXiv:2103.15195) for efsgd/efblocksgd/efblocksgdm: layer (one group per tensor), whole "

@@ -562,7 +562,8 @@ class Run:
             torch.manual_seed(cfg.run.seed)
             self.models.append(_build_model(cfg, dataset, device))
             if k == 0:  # before m copies exist: will they fit?
-                _check_memory(cfg, len(self.nodes), sum(p.numel() for p in self.models[0].parameters()), device)
+                _check_memory(cfg, len(self.nodes), sum(p.numel() for p in self.models[0].parameters()
+                                                        if p.requires_grad), device)
         self.opts = [_local_optimizer(cfg, m) for m in self.models]
         try:  # the algorithm's setup meets the model here (its layout, the local momentum)
             self.gopt = GossipOptimizer(self.models, self.opts, self.algo)

@@ -56,8 +56,6 @@ OPTIMIZERS = ("sgd", "adamw", "muon")
 DEFAULT_LR = {"sgd": 0.05, "adamw": 0.001, "muon": 0.001}
 #: AdamW's (beta1, beta2) when ``--beta1``/``--beta2`` are unset (torch's defaults)
 DEFAULT_BETAS = (0.9, 0.999)
-#: the algorithms ``--merge`` can schedule (Wang et al. 2021, arXiv:2103.15195, over Zheng et al.'s (2019, arXiv:1905.10936) error feedback)
-MERGE_ALGOS = ("efsgd", "efblocksgd", "efblocksgdm")
 
 
 def _is_decentralized(name: str) -> bool:
@@ -81,8 +79,6 @@ LOOP_SET_OPTIONS = {
     "seed": "give --seed instead",
     "compressor": "give --compressor (or --bits) instead",
     "momentum": "give --momentum instead",
-    "shapes": "it comes from the model",
-    "offsets": "it comes from the model",
 }
 _WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
 
@@ -308,6 +304,7 @@ class AlgorithmSection:
         object.__setattr__(self, "options", tuple(sorted(opts.items())))
 
     def _check_merge(self) -> None:
+        from gossip import algorithms as _alg
         from gossip.schedule import parse_merge
 
         try:
@@ -315,9 +312,9 @@ class AlgorithmSection:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         object.__setattr__(self, "merge", str(mode))
-        if self.name not in MERGE_ALGOS:
+        if not _alg.algorithm_class(self.name).mergeable:
             raise ConfigError(
-                f"--merge schedules the error-feedback algorithms {', '.join(MERGE_ALGOS)}; got --algo {self.name}"
+                f"--merge schedules the error-feedback algorithms {', '.join(_alg.mergeable())}; got --algo {self.name}"
             )
         if _bad_int("merge_max_groups", self.merge_max_groups, 1):
             raise ConfigError(f"--merge-max-groups must be an integer >= 1, got {self.merge_max_groups!r}")

@@ -67,13 +67,14 @@ from torch import nn
 from gossip import algorithms as _algorithms
 from gossip.algorithms.base import ParamLayout
 from gossip.comm import DistCommunicator, Ledger
+from gossip.runtime import check_momentum
 
 __all__ = ["HOOK_ALGORITHMS", "HookState", "hook", "hook_state"]
 
-#: the algorithms that work as DDP hooks: the centralized ones, which rewrite gradients
-HOOK_ALGORITHMS: tuple[str, ...] = (
-    "allreduce", "efsgd", "efblocksgd", "efblocksgdm", "signsgd", "signum", "powersgd",
-    "efmomentum", "sketched", "truetopk", "localtopk", "demo",
+#: the algorithms that work as DDP hooks: those that rewrite gradients (``acts_on``),
+#: derived from the registry so a new gradient algorithm is a hook without an edit here
+HOOK_ALGORITHMS: tuple[str, ...] = tuple(
+    n for n in _algorithms.available() if _algorithms.algorithm_class(n).acts_on == "gradient"
 )
 _FORMAT = "gossip.ddp/1"
 
@@ -148,20 +149,19 @@ class HookState:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("gossip.ddp: the model has no parameters that require gradients")
-        # the Config's checks run now, not in the middle of a backward pass (an algorithm
-        # touches its communicator only in setup and reduce_gradients)
-        probe = _algorithms.build(algorithm, None, **options)
+        # the Config's checks run now, not in the middle of a backward pass; the
+        # algorithms themselves are built per group, with the communicator, in _build
+        config = _algorithms.make_config(algorithm, **options)
+        momentum = _algorithms.algorithm_class(algorithm).momentum_of(config)
         if optimizer is not None:
-            from gossip.runtime import _check_momentum  # the one-line MomentumConflict
-
-            _check_momentum(probe, [optimizer])
-        elif probe.owns_momentum:
+            check_momentum(algorithm, momentum, [optimizer])  # the one-line MomentumConflict
+        elif momentum > 0:
             warnings.warn(
                 f"gossip.ddp: {algorithm} applies its own momentum; the local optimizer must have none "
                 "(pass optimizer= to hook_state to have it checked)", stacklevel=3)
         self.name = algorithm
         self.options = dict(options)
-        self.seed = int(probe.config.seed)
+        self.seed = int(config.seed)
         self.warmup_steps = warmup_steps
         self.optimizer = optimizer
         self.comm = DistCommunicator(group=process_group, timeout=timeout)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import topologies
-from topologies._checks import available_memory  # one reading of MemAvailable for both checks
+from topologies import available_memory  # one reading of MemAvailable for both checks
 from gossip import algorithms, checkpoint, compress, data, factories, models, rundir
 from gossip.errors import NonFiniteError
 from gossip.config import TrainConfig
@@ -178,17 +178,11 @@ def _build_model(cfg: TrainConfig, dataset, device: torch.device) -> torch.nn.Mo
         raise RunError(f"--model {name} does not fit --data {cfg.data.name}: {e}") from None
 
 
-#: full copies of the flat parameters a node keeps, roughly: the model, its gradient,
-#: the local optimizer's momentum, the flat buffers, and the algorithm's own state
-_STATE_COPIES = {"dcd": 8, "ecd": 9, "choco": 9, "naive": 5, "dpsgd": 5, "allreduce": 5, "powersgd": 7, "efmomentum": 7,
-                 "localsgd": 5, "slowmo": 7, "diloco": 9}
-
-
 def _check_memory(cfg: TrainConfig, m: int, d: int, device: torch.device) -> None:
     """Refuse, in one line, a simulation that cannot fit in this machine's memory."""
     if device.type != "cpu" or m < 2:
         return
-    copies = _STATE_COPIES.get(cfg.algorithm.name, 7)
+    copies = algorithms.algorithm_class(cfg.algorithm.name).state_copies
     need, have = 4 * d * copies * m, available_memory()
     if have is not None and need > have:
         fit = max(1, have // (4 * d * copies))
@@ -969,7 +963,7 @@ class Run:
             "latency_mode": "emulated" if self.cfg.comm.emulate_latency else None,
             "report": self.algo.report(),
         }
-        summary["merge"] = summary["report"] if self.cfg.algorithm.merge is not None else None
+        summary.update(self.algo.summary_fields())
         if self.is_main:
             rundir.write_json(rundir.summary_path(self.out), summary)
             print(f"run directory: {self.out}", flush=True)

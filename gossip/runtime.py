@@ -32,7 +32,7 @@ from torch import nn
 
 from gossip.algorithms.base import ParamLayout
 
-__all__ = ["FlatParams", "GossipOptimizer", "ModelMoved", "MomentumConflict", "trainable_parameters"]
+__all__ = ["FlatParams", "GossipOptimizer", "ModelMoved", "MomentumConflict", "check_momentum", "trainable_parameters"]
 
 
 class MomentumConflict(ValueError):
@@ -154,22 +154,25 @@ class FlatParams:
                     p.grad.copy_(g)
 
 
-def _check_momentum(algorithm: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    if not algorithm.owns_momentum:
+def check_momentum(name: str, momentum: float, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Raise :class:`MomentumConflict` (one line) where the algorithm ``name`` applies
+    ``momentum`` itself (> 0: ``Algorithm.momentum_of(config)``) and a local optimizer
+    has momentum too (SGD's ``momentum``, Adam's ``beta1``): the two would compound."""
+    if not momentum > 0:
         return
     for opt in optimizers:
         for group in opt.param_groups:
             mom = group.get("momentum", 0.0) or group.get("betas", (0.0,))[0]
             if mom and "betas" in group:  # Adam's first-moment decay is its momentum
                 raise MomentumConflict(
-                    f"{algorithm.name} applies its own momentum ({algorithm.config.momentum:g}) and the local "
+                    f"{name} applies its own momentum ({momentum:g}) and the local "
                     f"{type(opt).__name__} has momentum {mom:g} (beta1): they would compound; give the local "
                     f"optimizer betas=(0, beta2) (--beta1 0), use SGD with momentum=0, or set the algorithm's "
                     f"momentum to 0"
                 )
             if mom:
                 raise MomentumConflict(
-                    f"{algorithm.name} applies its own momentum ({algorithm.config.momentum:g}) and the local "
+                    f"{name} applies its own momentum ({momentum:g}) and the local "
                     f"{type(opt).__name__} has momentum {mom:g}: they would compound; give the local optimizer "
                     f"momentum=0, or set the algorithm's momentum instead"
                 )
@@ -208,7 +211,7 @@ class GossipOptimizer:
                 f"the communicator hosts {m} node(s): pass {m} model(s) and optimizer(s), "
                 f"got {len(models)} and {len(optimizers)}"
             )
-        _check_momentum(algorithm, optimizers)
+        check_momentum(algorithm.name, algorithm.own_momentum, optimizers)
         self.models = models
         self.optimizers = optimizers
         self.algorithm = algorithm

@@ -105,7 +105,7 @@ CASES = [
     (["--algo", "ecd", "--merge", "layer"], ["merge", "efsgd"]),
     (["--algo", "powersgd", "--algo-opt", "rank=0"], ["rank", "0"]),
     (["--algo", "powersgd", "--algo-opt", "ranks=4"], ["ranks", "accepted: rank"]),
-    (["--algo", "powersgd", "--algo-opt", "shapes=4"], ["shapes", "from the model"]),
+    (["--algo", "powersgd", "--algo-opt", "shapes=4"], ["shapes", "not an option of --algo powersgd; accepted: rank"]),
     (["--algo", "powersgd", "--algo-opt", "rank"], ["rank", "KEY=VALUE"]),
     (["--algo", "sketched", "--algo-opt", "p=nan"], ["p=nan", "finite"]),
     (["--algo", "efsgd", "--compressor", "topk:k=99999999999"], ["k=99999999999", "numel=330"]),

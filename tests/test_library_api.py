@@ -107,7 +107,7 @@ def test_the_problem_tells_compounded_momentum_apart(reference, monkeypatch):
     the silent failure the refusal prevents (and that this problem can see)."""
     import gossip.runtime
 
-    monkeypatch.setattr(gossip.runtime, "_check_momentum", lambda algorithm, optimizers: None)
+    monkeypatch.setattr(gossip.runtime, "check_momentum", lambda name, momentum, optimizers: None)
     for name in ("powersgd", "efblocksgdm", "efmomentum"):
         acc = train(name, 0.9)
         assert acc < reference - 0.02, f"{name} with compounded momentum: {acc:.3f}, allreduce {reference:.3f}"
@@ -119,6 +119,10 @@ def test_the_algorithms_that_own_momentum_say_so():
     assert {"powersgd", "efblocksgdm", "signum", "efmomentum"} <= owners
     assert not owners & {"allreduce", "dpsgd", "naive", "dcd", "ecd", "signsgd", "efblocksgd", "efsgd"}
     assert algorithms.build("efsgd", c, momentum=0.5).owns_momentum
+    # the same fact from the Config alone, before anything is built (gossip.ddp's check)
+    for n in algorithms.available():
+        cls = algorithms.algorithm_class(n)
+        assert (cls.momentum_of(algorithms.make_config(n)) > 0) == (n in owners), n
 
 
 def test_no_config_takes_shapes_or_offsets():

@@ -13,9 +13,12 @@ Builders (each returns a fresh, validated ``Topology``): ``ring``, ``torus``,
 ``onepeer_exp`` and ``matching`` (``TimeVaryingTopology``: ``at(t)`` is ``W(t)``); ``Topology(W)`` takes a mixing
 matrix as it is. ``build(name, n, **params)`` resolves a registered name;
 ``available()`` lists them. Weight rules live in ``topologies.weights``, the spectral
-computation in ``topologies.spectral``. See docs/topologies.md.
+computation in ``topologies.spectral``. ``available_memory()`` is the memory a new
+allocation may take (the builders refuse a graph that cannot fit; a caller sizing a
+simulation asks the same). See docs/topologies.md.
 """
 
+from ._checks import available_memory
 from .classic import complete, ring, star
 from .custom import from_adjacency, from_graph
 from .errors import TopologyError
@@ -36,6 +39,7 @@ __all__ = [
     "available",
     "describe",
     "register",
+    "available_memory",
     "ring",
     "torus",
     "expander",

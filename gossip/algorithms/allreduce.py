@@ -42,6 +42,8 @@ class AllReduce(Algorithm):
     (see the module)."""
 
     name = "allreduce"
+    Config = AllReduceConfig
+    state_copies = 5
     acts_on = "gradient"
     decentralized = False
     summary = "C-PSGD: all-reduce the full-precision gradients (centralized baseline)"

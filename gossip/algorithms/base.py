@@ -36,7 +36,7 @@ import torch
 
 from gossip.comm.base import is_time_varying
 
-__all__ = ["Algorithm", "ParamLayout", "WireFormat", "COMMON_OPTIONS", "code_bits"]
+__all__ = ["Algorithm", "ParamLayout", "WireFormat", "COMMON_OPTIONS"]
 
 #: options every algorithm's Config may take, which a caller (the training loop) fills
 #: in from its own flags where the Config has them: nothing else is guessed
@@ -165,22 +165,6 @@ class WireFormat:
         return {"label": self.label, "bits_per_coord": self.bits_per_coord}
 
 
-def code_bits(compressor: Any, d: int) -> float:
-    """Nominal code bits per coordinate of ``compressor`` on ``d`` values: the quantizer's
-    bit width, 1 for signs, 32 for fp32, else its ideal size (codes and indices) per value."""
-    name = getattr(compressor, "name", "")
-    if name == "identity":
-        return 32.0
-    if name == "fp16":
-        return 16.0
-    if name in ("sign", "blocksign"):
-        return 1.0
-    bits = getattr(getattr(compressor, "config", None), "bits", None)
-    if isinstance(bits, int):
-        return float(bits)
-    return round(8.0 * compressor.ideal_nbytes(max(1, d)) / max(1, d), 4)
-
-
 class Algorithm:
     """Base class: holds the config, the communicator and the State.
 
@@ -196,9 +180,6 @@ class Algorithm:
     #: momentum of the CLI's local SGD optimizer when ``--momentum`` is unset and the
     #: algorithm has no momentum of its own
     local_momentum_default: ClassVar[float] = 0.9
-    #: True where the algorithm applies momentum itself: the local optimizer must then
-    #: have none (GossipOptimizer refuses one that has), or momentum would compound
-    owns_momentum: ClassVar[bool] = False
     #: True where the algorithm exchanges with graph neighbours (it needs a topology and
     #: at least 2 nodes); False for the all-reduce algorithms, whatever they act on
     decentralized: ClassVar[bool] = True
@@ -210,9 +191,16 @@ class Algorithm:
     #: the CLI's ``--topology`` when it is unset (SGP: its paper's directed one-peer
     #: exponential graph); the library takes whatever topology it is handed
     default_topology: ClassVar[str] = "ring"
+    #: full copies of the flat parameters a node keeps, roughly: the model, its gradient,
+    #: the local optimizer's momentum, the flat buffers and the algorithm's own State (the
+    #: training loop's memory check before a simulation of many nodes in one process)
+    state_copies: ClassVar[int] = 7
+    #: True where MergeComp (``merge=``) can schedule the algorithm group by group: the
+    #: error-feedback family whose Config MergeComp's own mirrors
+    mergeable: ClassVar[bool] = False
 
     def __init__(self, config: Any, comm: Any) -> None:
-        topo = getattr(comm, "topology", None)
+        topo = comm.topology
         if self.needs_static_graph and is_time_varying(topo):
             raise ValueError(
                 f"{self.name} keeps replicas of fixed neighbours and cannot run on the time-varying "
@@ -224,6 +212,28 @@ class Algorithm:
         self.state: Any = None
         self.layout: ParamLayout | None = None
         self._sink: Callable[[str], None] | None = None
+
+    # --- momentum ------------------------------------------------------------------
+    @classmethod
+    def momentum_of(cls, config: Any) -> float:
+        """The momentum the algorithm applies itself under ``config`` (0.0: none).
+
+        Read from the Config alone, so a caller checks it against the local optimizer
+        before building anything (:func:`gossip.runtime.check_momentum`); algorithms
+        whose Config has a ``momentum`` they apply override this.
+        """
+        return 0.0
+
+    @property
+    def own_momentum(self) -> float:
+        """:meth:`momentum_of` this algorithm's Config."""
+        return self.momentum_of(self.config)
+
+    @property
+    def owns_momentum(self) -> bool:
+        """True where the algorithm applies momentum itself: the local optimizer must then
+        have none (GossipOptimizer refuses one that has), or momentum would compound."""
+        return self.own_momentum > 0
 
     # --- lifecycle -----------------------------------------------------------------
     def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
@@ -277,13 +287,18 @@ class Algorithm:
         """The algorithm's own account of the run (for summary.json), or None."""
         return None
 
+    def summary_fields(self) -> dict[str, Any]:
+        """Keys of summary.json the algorithm fills beside ``report``: ``merge`` is
+        MergeComp's schedule (its report), None for every other algorithm."""
+        return {"merge": None}
+
     def wire_format(self) -> WireFormat:
         """What goes on the wire each step; by default the payload compressor's spec."""
         c = self.payload_compressor
         d = self.layout.dim if self.layout is not None else 1
         if c is None or c.spec == "identity":
             return WireFormat("fp32", 32.0)
-        return WireFormat(c.spec, code_bits(c, d))
+        return WireFormat(c.spec, c.code_bits(d))
 
     @property
     def payload_compressor(self) -> Any:

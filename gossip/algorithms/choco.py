@@ -164,6 +164,8 @@ class Choco(_Gossip):
     """
 
     name = "choco"
+    Config = ChocoConfig
+    state_copies = 9
     summary = "CHOCO-SGD (Koloskova et al. 2019): compressed gossip that takes biased compressors (top-k, sign)"
     needs_static_graph = True
 

@@ -187,7 +187,7 @@ class _Gossip(Algorithm):
 
     def __init__(self, config: Any, comm: Any) -> None:
         super().__init__(config, comm)
-        topo = getattr(comm, "topology", None)
+        topo = comm.topology
         if topo is None:
             raise ValueError(f"{self.name} needs a communicator with a topology")
         if comm.world_size < 2:
@@ -351,6 +351,8 @@ class DPSGD(_Gossip):
     """
 
     name = "dpsgd"
+    Config = DPSGDConfig
+    state_copies = 5
     summary = "D-PSGD: exchange full-precision models with neighbours"
 
     def __init__(self, config: DPSGDConfig, comm: Any) -> None:
@@ -382,6 +384,8 @@ class Naive(_Gossip):
     """
 
     name = "naive"
+    Config = NaiveConfig
+    state_copies = 5
     summary = "D-PSGD sending compressed models (Tang et al. 2018, arXiv:1803.06443, Fig. 1 baseline; does not converge)"
 
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
@@ -406,6 +410,8 @@ class DCD(_Gossip):
     """
 
     name = "dcd"
+    Config = DCDConfig
+    state_copies = 8
     summary = "DCD-PSGD (Tang et al. 2018, arXiv:1803.06443, Alg. 1): exchange compressed model differences"
     uses_mix = True
     needs_static_graph = True
@@ -441,11 +447,12 @@ class ECD(_Gossip):
     """
 
     name = "ecd"
+    Config = ECDConfig
+    state_copies = 9
     summary = "ECD-PSGD (Tang et al. 2018, arXiv:1803.06443, Alg. 2): exchange compressed extrapolations"
     uses_mix = True
     needs_static_graph = True
     has_self_estimate = True
-    needs_static_graph = True
 
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         s = self.state

@@ -320,11 +320,15 @@ class DeMo(Algorithm):
     """DeMo; the steps are numbered in the module docstring."""
 
     name = "demo"
+    Config = DeMoConfig
     summary = "DeMo: local momentum, all-gather of its top DCT coefficients per chunk, sign step"
     acts_on = "gradient"
     decentralized = False
-    owns_momentum = True
     local_momentum_default = 0.0
+
+    @classmethod
+    def momentum_of(cls, config: Any) -> float:
+        return config.momentum  # the decay beta of the momentum it keeps (step 1)
 
     def __init__(self, config: DeMoConfig, comm: Any) -> None:
         super().__init__(config, comm)

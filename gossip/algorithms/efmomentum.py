@@ -115,6 +115,7 @@ class EFMomentum(_Centralized):
     module docstring."""
 
     name = "efmomentum"
+    Config = EFMomentumConfig
     summary = (
         "EF-SGD with momentum (Vogels et al. 2019, arXiv:1905.13727, Alg. 2) around Random Block, Random K, "
         "Sign+Norm or Top K (Table 4, App. G)"
@@ -147,9 +148,9 @@ class EFMomentum(_Centralized):
             return _build_compressor(self.compressor.spec, k=numel)
         return self.compressor
 
-    @property
-    def owns_momentum(self) -> bool:  # type: ignore[override]
-        return self.config.momentum > 0
+    @classmethod
+    def momentum_of(cls, config: Any) -> float:
+        return config.momentum
 
     def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         m, d = X.shape

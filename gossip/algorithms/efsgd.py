@@ -215,6 +215,8 @@ class DistEFSGD(_Centralized):
     """dist-EF-SGD / -blockSGD / -blockSGDM; see the module docstring for the steps."""
 
     name = "efsgd"
+    Config = EFSGDConfig
+    mergeable = True
     summary = "dist-EF-SGD (Zheng et al. 2019, arXiv:1905.10936, Alg. 2): two-way compression with worker and server error feedback"
 
     def __init__(self, config: Any, comm: Any) -> None:
@@ -222,9 +224,9 @@ class DistEFSGD(_Centralized):
         self.compressor = config.build_compressor()
         self.feedback = ErrorFeedback(self.compressor)
 
-    @property
-    def owns_momentum(self) -> bool:  # type: ignore[override]
-        return self.config.momentum > 0
+    @classmethod
+    def momentum_of(cls, config: Any) -> float:
+        return config.momentum
 
     @property
     def payload_compressor(self) -> Any:
@@ -275,6 +277,7 @@ class EFBlockSGD(DistEFSGD):
     One L1 scale per tensor; error feedback on the workers and on the server."""
 
     name = "efblocksgd"
+    Config = EFBlockSGDConfig
     summary = "dist-EF-blockSGD (Zheng et al. 2019, arXiv:1905.10936, Alg. 3): blockwise sign per tensor, two-way error feedback"
 
     def wire_format(self) -> WireFormat:
@@ -287,6 +290,7 @@ class EFBlockSGDM(EFBlockSGD):
     The algorithm applies the momentum itself, so the local optimizer must have none."""
 
     name = "efblocksgdm"
+    Config = EFBlockSGDMConfig
     summary = "dist-EF-blockSGDM (Zheng et al. 2019, arXiv:1905.10936, Alg. 4): blockwise sign with Nesterov momentum and error feedback"
 
 
@@ -295,6 +299,7 @@ class SignSGD(_Centralized):
     docstring for the steps."""
 
     name = "signsgd"
+    Config = SignSGDConfig
     summary = "signSGD with majority vote (baseline of Zheng et al. 2019 (arXiv:1905.10936)): 1-bit pushes, no error feedback"
 
     def __init__(self, config: Any, comm: Any) -> None:
@@ -305,21 +310,17 @@ class SignSGD(_Centralized):
     def payload_compressor(self) -> Any:
         return self.compressor
 
-    @property
-    def owns_momentum(self) -> bool:  # type: ignore[override]
-        return getattr(self.config, "momentum", 0.0) > 0
-
     def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         m, d = X.shape
         self._take_layout(X, layout)
-        beta = getattr(self.config, "momentum", 0.0)
+        beta = self.own_momentum
         mom = X.new_zeros(m, d) if beta > 0 else X.new_zeros(0)
         self.state = SignState(t=1, lr=1.0, prev_lr=0.0, momentum=mom)
 
     @torch.no_grad()
     def reduce_gradients(self, G: torch.Tensor) -> None:
         st, ledger = self.state, self.comm.ledger
-        beta = getattr(self.config, "momentum", 0.0)
+        beta = self.own_momentum
         m, d = G.shape
         tag = step_tag(st.t)
         with ledger.phase("compute"):
@@ -350,4 +351,9 @@ class Signum(SignSGD):
     of the sum of the votes is the direction."""
 
     name = "signum"
+    Config = SignumConfig
     summary = "Signum with majority vote (baseline of Zheng et al. 2019 (arXiv:1905.10936)): sign of local momentum, 1-bit pushes"
+
+    @classmethod
+    def momentum_of(cls, config: Any) -> float:
+        return config.momentum

@@ -51,7 +51,7 @@ from gossip import compress as _compress
 from gossip._checks import check_float
 from gossip.algorithms._centralized import ErrorFeedback, check_fraction, check_spec
 from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
-from gossip.algorithms.base import Algorithm, ParamLayout, WireFormat, code_bits
+from gossip.algorithms.base import Algorithm, ParamLayout, WireFormat
 from gossip.compress import wire as _wire
 
 __all__ = [
@@ -263,6 +263,8 @@ class LocalSGD(_Periodic):
     """
 
     name = "localsgd"
+    Config = LocalSGDConfig
+    state_copies = 5
     summary = "local SGD: H local steps, then an exact average of the models (all-reduce)"
 
     def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
@@ -285,6 +287,8 @@ class SlowMo(_Periodic):
     """
 
     name = "slowmo"
+    Config = SlowMoConfig
+    state_copies = 7
     summary = "SlowMo: local steps, exact average, then a slow-momentum step on the round's change"
 
     def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
@@ -320,6 +324,8 @@ class DiLoCo(_Periodic):
     """
 
     name = "diloco"
+    Config = DiLoCoConfig
+    state_copies = 9
     summary = "DiLoCo: H inner (AdamW) steps, then an outer Nesterov step on the averaged pseudo-gradient"
     local_optimizer_default = "adamw"
 
@@ -338,7 +344,7 @@ class DiLoCo(_Periodic):
         if c.spec == "identity":
             return WireFormat("fp32", 32.0)
         d = self.layout.dim if self.layout is not None else 1
-        return WireFormat(c.spec, code_bits(c, d))
+        return WireFormat(c.spec, c.code_bits(d))
 
     @property
     def collective(self) -> str:

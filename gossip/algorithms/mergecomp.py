@@ -54,7 +54,7 @@ import torch
 from gossip import compress as _compress
 from gossip.algorithms._centralized import ErrorFeedback, _Centralized, check_fraction, check_spec
 from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
-from gossip.algorithms.base import ParamLayout, WireFormat, code_bits
+from gossip.algorithms.base import ParamLayout, WireFormat
 from gossip.algorithms.efsgd import ef_momentum, ef_pull, ef_push
 from gossip.schedule.cost import CostModel, alg2, best_partition, fit_linear
 from gossip.schedule.partition import Partition, parse_merge
@@ -81,10 +81,7 @@ class MergeCompConfig:
 
     def __post_init__(self) -> None:
         comp = check_spec(self.compressor, "mergecomp")
-        bcfg = getattr(comp, "config", None)
-        if comp.spec.startswith("blocksign") and (
-            getattr(bcfg, "offsets", None) is not None or getattr(bcfg, "block", None) is not None
-        ):
+        if comp.name == "blocksign" and (comp.config.offsets is not None or comp.config.block is not None):
             raise ValueError(
                 "mergecomp: blocksign's blocks are the parameter tensors under --merge; give plain 'blocksign'"
             )
@@ -124,6 +121,7 @@ class MergeComp(_Centralized):
     """dist-EF-SGD scheduled in groups overlapped with backward; see the module docstring."""
 
     name = "mergecomp"
+    Config = MergeCompConfig
     summary = "MergeComp (Wang et al. 2021, arXiv:2103.15195): efsgd compressed in merged groups, overlapped with backward"
 
     def __init__(self, config: MergeCompConfig, comm: Any) -> None:
@@ -144,19 +142,24 @@ class MergeComp(_Centralized):
         self._last_end: float | None = None
         #: the fitted :class:`CostModel` of this process (``--merge N`` and ``auto``)
         self.cost_model: CostModel | None = None
+        #: the groups of the current partition, set by _layout: each group's span of the
+        #: flat vector, its tensors' bounds, and how many tensors it holds
+        self._slices: list[tuple[int, int]] = []
+        self._tensor_bounds: list[tuple[int, ...]] = []
+        self._group_tensors: list[int] = []
         self._reset_step()
 
     # ---------------------------------------------------------------- set-up
-    @property
-    def owns_momentum(self) -> bool:  # type: ignore[override]
-        return self.config.momentum > 0
+    @classmethod
+    def momentum_of(cls, config: Any) -> float:
+        return config.momentum
 
     def wire_format(self) -> WireFormat:
         """The scheduled compressor's payloads (``blocksign``: one block per tensor)."""
         comp = _compress.build(self.config.compressor)
         if comp.name == "identity":
             return WireFormat("fp32", 32.0)
-        return WireFormat(comp.spec, code_bits(comp, sum(self.numels) or 1))
+        return WireFormat(comp.spec, comp.code_bits(sum(self.numels) or 1))
 
     def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         m, d = X.shape
@@ -283,10 +286,10 @@ class MergeComp(_Centralized):
 
     # ---------------------------------------------------------------- per step
     def _reset_step(self) -> None:
-        groups = len(getattr(self, "_slices", ()))
+        groups = len(self._slices)
         self._buf: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
-        self._missing = list(getattr(self, "_group_tensors", ()))
+        self._missing = list(self._group_tensors)
         self._seen: set[int] = set()
         self._fired: list[int] = []
         self._launched = [False] * groups
@@ -294,7 +297,7 @@ class MergeComp(_Centralized):
         self._handles: list[Any] = [None] * groups
         self._next = 0
         self._times: dict[str, Any] = {"hook_in": {}, "hook_out": {}, "enc": {}, "comm": {}, "dec": {}}
-        if getattr(self, "timeline", None):
+        if self.timeline:
             self.last_timeline = self.timeline
         self.timeline = []
 
@@ -595,6 +598,10 @@ class MergeComp(_Centralized):
         self._layout()
         if st.phase == "done" and self.config.merge not in ("layer", "whole"):
             self._say(f"mergecomp: partition {self.partition} restored from the checkpoint")
+
+    def summary_fields(self) -> dict[str, Any]:
+        """summary.json's ``merge``: the schedule (the same dict as ``report``)."""
+        return {"merge": self.report()}
 
     def report(self) -> dict:
         """What the schedule measured and decided (for logs and summaries)."""

@@ -101,5 +101,6 @@ class MuLoCo(DiLoCo):
     """MuLoCo: DiLoCo's outer step over H inner Muon steps, compressed error-fed pseudo-gradients."""
 
     name = "muloco"
+    Config = MuLoCoConfig
     summary = "MuLoCo: H inner Muon steps, 4-bit error-fed pseudo-gradients, DiLoCo's outer Nesterov step"
     local_optimizer_default = "muon"

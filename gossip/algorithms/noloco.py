@@ -82,6 +82,7 @@ class NoLoCo(_Gossip):
     """NoLoCo; the steps are numbered in the module docstring."""
 
     name = "noloco"
+    Config = NoLoCoConfig
     summary = "NoLoCo: H inner (AdamW) steps, then average with one random peer and a modified Nesterov outer step"
     local_optimizer_default = "adamw"
     default_topology = "matching"

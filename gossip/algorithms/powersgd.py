@@ -187,14 +187,15 @@ class PowerSGD(_Centralized):
     """Rank-r PowerSGD with error feedback and momentum; steps in the module docstring."""
 
     name = "powersgd"
+    Config = PowerSGDConfig
     summary = "PowerSGD (Vogels et al. 2019, arXiv:1905.13727): rank-r power iteration, warm start, error feedback, momentum"
 
     def __init__(self, config: PowerSGDConfig, comm: Any) -> None:
         super().__init__(config, comm)
 
-    @property
-    def owns_momentum(self) -> bool:  # type: ignore[override]
-        return self.config.momentum > 0
+    @classmethod
+    def momentum_of(cls, config: Any) -> float:
+        return config.momentum
 
     def _plan(self, layout: Any) -> None:
         """Which tensors are compressed matrices, and where their P and Q lie."""

@@ -89,13 +89,14 @@ class SGP(Algorithm):
     """Stochastic Gradient Push, overlapped or not; see the module docstring."""
 
     name = "sgp"
+    Config = SGPConfig
     summary = "SGP: push-sum gossip with de-biased models; overlap=1 hides a step of communication"
     needs_static_graph: ClassVar[bool] = False
     default_topology: ClassVar[str] = "onepeer-exp"
 
     def __init__(self, config: SGPConfig, comm: Any) -> None:
         super().__init__(config, comm)
-        topo = getattr(comm, "topology", None)
+        topo = comm.topology
         if topo is None:
             raise ValueError("sgp needs a communicator with a topology")
         if comm.world_size < 2:

@@ -196,9 +196,9 @@ class _TopKFamily(_Centralized):
         self.cmp_index: torch.Tensor | None = None
         self.k = 0
 
-    @property
-    def owns_momentum(self) -> bool:  # type: ignore[override]
-        return self.config.momentum > 0
+    @classmethod
+    def momentum_of(cls, config: Any) -> float:
+        return config.momentum
 
     def wire_format(self) -> WireFormat:
         """``<name>:k=K``, and the fp32 values each worker sends per step per coordinate."""
@@ -284,6 +284,7 @@ class Sketched(_TopKFamily):
     """Sketched-SGD (Ivkin et al. 2019, arXiv:1903.04488, Alg. 3); steps in the module docstring."""
 
     name = "sketched"
+    Config = SketchedConfig
     summary = "Sketched-SGD (Ivkin et al. 2019, arXiv:1903.04488): Count Sketch all-reduce, HEAVYMIX top-Pk, exact second round"
 
     def _setup_extra(self, n: int) -> None:
@@ -329,6 +330,7 @@ class TrueTopK(_TopKFamily):
     """Top k of the mean of v over all workers (one full all-reduce)."""
 
     name = "truetopk"
+    Config = TrueTopKConfig
     summary = "true top-k of the summed momentum-corrected gradient (Ivkin et al. 2019, arXiv:1903.04488, baseline; full all-reduce)"
 
     def _select(self, V, Uu):
@@ -347,6 +349,7 @@ class LocalTopK(_TopKFamily):
     """Each worker's own top k, all-gathered; the update is their mean (union)."""
 
     name = "localtopk"
+    Config = LocalTopKConfig
     summary = "local top-k of each worker, all-gathered, union averaged (Ivkin et al. 2019, arXiv:1903.04488, baseline)"
 
     def _select(self, V, Uu):

@@ -187,6 +187,7 @@ class SparseLoCo(_Periodic):
     """SparseLoCo; the steps are numbered in the module docstring."""
 
     name = "sparseloco"
+    Config = SparseLoCoConfig
     summary = "SparseLoCo: H inner (AdamW) steps, error-fed chunk top-k + 2-bit pseudo-gradients, no outer momentum"
     local_optimizer_default = "adamw"
 

@@ -116,6 +116,14 @@ class Compressor:
         """Code bits plus scales for ``numel`` elements, in bytes; no header, no padding."""
         raise NotImplementedError
 
+    def code_bits(self, numel: int) -> float:
+        """Nominal code bits per value on ``numel`` values, side information (scales,
+        headers) left out: what an algorithm's ``wire_format`` reports. By default the
+        ideal size (codes and indices) per value; a compressor with a fixed code width
+        (fp32, fp16, signs, a b-bit quantizer) says so by overriding this."""
+        d = max(1, int(numel))
+        return round(8.0 * self.ideal_nbytes(d) / d, 4)
+
     # ---- error guarantees (what CHOCO-SGD and the unbiased-only algorithms check) -------
     def omega(self, numel: int) -> float | None:
         """Variance factor of an unbiased compressor: ``E||C(x) - x||^2 <= omega ||x||^2``

@@ -44,6 +44,9 @@ class Identity(Compressor):
     def ideal_nbytes(self, numel: int) -> float:
         return 4.0 * self._check_numel(numel)
 
+    def code_bits(self, numel: int) -> float:
+        return 32.0  # the values as they are
+
     def _encode(self, X, keys, v):
         self._check_finite(X)
         v["values"].copy_(X)
@@ -78,6 +81,9 @@ class FP16(Compressor):
 
     def ideal_nbytes(self, numel: int) -> float:
         return 2.0 * self._check_numel(numel)
+
+    def code_bits(self, numel: int) -> float:
+        return 16.0  # half precision
 
     def _encode(self, X, keys, v):
         self._check_finite(X)

@@ -83,6 +83,9 @@ class Quant(Compressor):
         numel = self._check_numel(numel)
         return (numel * self.config.bits + 64 * _blocks.nblocks(self.config.block, numel)) / 8
 
+    def code_bits(self, numel: int) -> float:
+        return float(self.config.bits)  # the code width (the scales are side information)
+
     def omega(self, numel: int) -> float:
         B = _blocks.block_size(self.config.block, self._check_numel(numel))
         return B / (2.0 * self.levels**2)

@@ -224,6 +224,9 @@ class BlockSign(Compressor):
     def ideal_nbytes(self, numel: int) -> float:
         return (self._check_numel(numel) + 32 * len(self._bounds(numel))) / 8
 
+    def code_bits(self, numel: int) -> float:
+        return 1.0  # one sign bit a value (the scales are side information)
+
     def _groups(self, X):
         """Yield (x3 (m, nb, B), first block) over runs of equal-size blocks."""
         m, d = X.shape

@@ -47,7 +47,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--algo", default="ecd", choices=list(algorithms.available()))
     p.add_argument("--bits", type=int, default=8, help="quantizer bits for naive, dcd and ecd")
-    p.add_argument("--topology", default="ring", choices=topologies.available())
+    p.add_argument("--topology", default="ring", choices=list(topologies.available()))
     p.add_argument("--simulate", type=int, default=None, metavar="N", help="N nodes in this process")
     p.add_argument("--steps", type=int, default=200)
     args = p.parse_args()

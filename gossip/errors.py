@@ -45,6 +45,7 @@ __all__ = [
     "PeerTimeoutError",
     "PeerPayloadError",
     "PeerConnectionError",
+    "format_peers",
 ]
 
 
@@ -95,7 +96,7 @@ class PeerConnectionError(PeerError, ConnectionError):
     """The backend reported a broken connection to a peer (it crashed or exited)."""
 
 
-def _format_peers(peers: Iterable[int]) -> str:
+def format_peers(peers: Iterable[int]) -> str:
     """'rank 3' or 'ranks [1, 3]'."""
     ps = sorted(int(p) for p in peers)
     if not ps:

@@ -34,6 +34,7 @@ __all__ = [
     "MLP",
     "ResNet20",
     "available_models",
+    "register_model",
     "build_model",
     "count_parameters",
 ]
@@ -241,16 +242,25 @@ def _build_resnet20(input_shape: Sequence[int], num_classes: int, *, norm: str =
 
 # --------------------------------------------------------------------------- registry
 
-_MODELS: Registry[tuple[Callable[..., nn.Module], tuple[str, ...]]] = Registry("model")
-_MODELS.register("cnn1d", (_build_cnn1d, ("channels", "hidden")))
-_MODELS.register("mlp", (_build_mlp, ("hidden",)))
-_MODELS.register("logreg", (_build_logreg, ()))
-_MODELS.register("resnet20", (_build_resnet20, ("norm", "groups")))
+_MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
 
 
-def available_models() -> tuple[str, ...]:
-    """Names accepted by :func:`build_model`, the default (``cnn1d``) first."""
-    return tuple(_MODELS.names())
+def register_model(name: str, builder: Callable[..., nn.Module], summary: str) -> None:
+    """Make ``builder(input_shape, num_classes, **options)`` buildable as ``name``; its
+    keyword-only parameters are the options :func:`build_model` accepts."""
+    _MODELS.register(name, builder, summary)
+
+
+register_model("cnn1d", _build_cnn1d, "1-D CNN: three conv + ReLU layers, two linear layers (inputs (channels, length))")
+register_model("mlp", _build_mlp, "multilayer perceptron on the flattened input, ReLU between hidden widths")
+register_model("logreg", _build_logreg, "multinomial logistic regression: one linear layer on the flattened input")
+register_model("resnet20", _build_resnet20, "ResNet-20 for 32x32 images (He et al. 2016): 3 stages x 3 basic blocks")
+
+
+def available_models() -> dict[str, str]:
+    """Names accepted by :func:`build_model`, the default (``cnn1d``) first, with their
+    one-line descriptions."""
+    return _MODELS.available()
 
 
 def build_model(
@@ -270,13 +280,7 @@ def build_model(
     ``mlp``: ``hidden`` ((256, 256)); ``resnet20``: ``norm`` ("batch" or "group"),
     ``groups`` (2).
     """
-    builder, accepted = _MODELS.get(name)
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise ValueError(
-            f"model {name!r} does not take option(s) {', '.join(unknown)}; "
-            f"accepted: {', '.join(accepted) if accepted else 'none'}"
-        )
+    builder = _MODELS.builder(name, options)
     num_classes = _check_classes(num_classes)
     if seed is None:
         return builder(input_shape, num_classes, **options)

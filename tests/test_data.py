@@ -18,7 +18,7 @@ from gossip.data import DataError, RandomCropFlip, ShardLoader, build_dataset, p
 
 
 def test_available_datasets_lists_the_three_with_default_first():
-    assert data.available_datasets() == ("mnist1d", "cifar10", "synthetic")
+    assert tuple(data.available_datasets()) == ("mnist1d", "cifar10", "synthetic")
 
 
 def test_unknown_dataset_lists_known_ones():

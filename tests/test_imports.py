@@ -128,6 +128,73 @@ def test_one_registry_mechanism_for_every_family():
             call()
 
 
+def test_topologies_imports_nothing_from_gossip():
+    """topologies is the package below gossip: its registry mechanism is gossip's, not
+    the other way round. Checked on the import graph (deferred imports included) and in
+    a fresh interpreter that builds a topology."""
+    for path in (REPO / "topologies").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            assert not [n for n in names if n.split(".")[0] == "gossip"], f"{path.name}:{node.lineno}"
+    code = ("import sys, topologies, topologies.registry, topologies.__main__; topologies.build('expander', 8); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'gossip'))")
+    r = run_process([sys.executable, "-c", code], timeout=120, cwd=REPO, env=child_env())
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
+    import topologies.registry
+
+    assert Registry is topologies.registry.Registry  # one mechanism, topologies' side
+
+
+def test_no_private_name_crosses_a_package():
+    """``from m import _name`` (a private function, class or constant; private modules
+    such as ``gossip._checks`` are a package's shared internals) stays inside the
+    subpackage that owns it (``gossip.algorithms``, ``gossip.comm``, ...); the top-level
+    modules of gossip and topologies are components that talk through public names."""
+    mods = {_module_name(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
+    leaks = []
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        home = mod if is_pkg else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.module == "__future__":
+                continue
+            base = _resolve(mod, is_pkg, node)
+            if base.split(".")[0] not in PACKAGES:
+                continue
+            parts = base.split(".")
+            first = next((k for k, c in enumerate(parts) if c.startswith("_")), None)
+            if first is not None:  # a private module: its parent package's alone
+                parent = ".".join(parts[:first])
+                if home != parent and not home.startswith(parent + "."):
+                    leaks.append(f"{mod}: from {base} import ...")
+            owner = base if base in mods and mods[base].name == "__init__.py" else base.rpartition(".")[0]
+            for a in node.names:
+                private = a.name.startswith("_") and f"{base}.{a.name}" not in mods
+                if private and (owner != home or owner in PACKAGES):
+                    leaks.append(f"{mod}: from {base} import {a.name}")
+    assert leaks == [], leaks
+
+
+def test_every_family_lists_names_with_summaries_the_same_way():
+    import topologies
+
+    for listing in (algorithms.available(), compress.available(), topologies.available(),
+                    models.available_models(), data.available_datasets()):
+        assert isinstance(listing, dict) and listing
+        assert all(isinstance(k, str) and isinstance(v, str) and v for k, v in listing.items()), listing
+    assert list(models.available_models())[0] == "cnn1d" and list(data.available_datasets())[0] == "mnist1d"
+
+
+def test_registered_builders_refuse_options_they_do_not_take():
+    r: Registry = Registry("widget")
+    r.register("w", lambda n, *, size=1, seed=0: (n, size, seed), "a widget")
+    assert r.parameters("w") == ["size", "seed"]
+    assert r.builder("w", {"size": 2}, fixed=("seed",))(3, size=2) == (3, 2, 0)
+    with pytest.raises(ValueError, match=r"^widget 'w' does not take option\(s\) seed; accepted: size$"):
+        r.builder("w", {"seed": 1}, fixed=("seed",))
+
+
 def test_registry_basics():
     r: Registry[int] = Registry("widget", known="widgets")
     r.register("b", 2, "the second")

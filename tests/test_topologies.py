@@ -58,7 +58,7 @@ def test_public_surface():
     for name in topologies.__all__:
         assert hasattr(topologies, name)
     assert issubclass(TopologyError, ValueError)
-    assert topologies.available() == [
+    assert list(topologies.available()) == [
         "complete", "expander", "exponential", "hypercube", "matching", "onepeer-exp", "ring", "star", "torus"
     ]
 

@@ -179,7 +179,7 @@ def test_list_names_every_topology_with_a_description(runs):
     r = runs["list"]
     assert r.returncode == 0 and r.stderr == ""
     lines = r.stdout.strip().splitlines()
-    assert [line.split()[0] for line in lines] == topologies.available()
+    assert [line.split()[0] for line in lines] == list(topologies.available())
     for line in lines:
         name, description = line.split(maxsplit=1)
         assert description == topologies.describe(name)

@@ -72,7 +72,7 @@ def _parser() -> _Parser:
 def _list() -> str:
     names = registry.available()
     width = max(map(len, names))
-    return "\n".join(f"{name:<{width}}  {registry.describe(name)}" for name in names)
+    return "\n".join(f"{name:<{width}}  {summary}" for name, summary in names.items())
 
 
 def _steps_text(topo: Topology) -> str:

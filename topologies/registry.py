@@ -1,15 +1,16 @@
 """Names to builders: the only place where a topology name becomes an object.
 
 The CLI (``python -m topologies``) and ``gossip.train --topology`` resolve names here
-and nowhere else.
+and nowhere else. :class:`Registry`, the mechanism, is generic: every family of named
+parts of the gossip runtime (algorithms, compressors, models, data sets) is one too. It
+lives here because topologies is the package below them all and imports nothing of
+theirs.
 """
 
 from __future__ import annotations
 
-from gossip._registry import Registry  # torch-free: gossip's package init is lazy
-
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Generic, Iterator, Mapping, TypeVar
 
 from .classic import complete, ring, star
 from .errors import TopologyError
@@ -19,7 +20,88 @@ from .lattice import hypercube, torus
 from .timevarying import TimeVaryingTopology, matching, onepeer_exp
 from .topology import Topology
 
-__all__ = ["build", "available", "describe", "register"]
+__all__ = ["Registry", "build", "available", "describe", "parameters", "register"]
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Names in registration order, each with its entry (a class or a builder) and a
+    one-line summary; an unknown name is one line naming it and the known ones.
+
+    ``kind``: what the names name ("algorithm", "compressor", ...); ``error``: the
+    exception class of an unknown name; ``known``: the word before the list of names in
+    that message; ``sort``: list the names sorted (else in registration order).
+    :meth:`register` is the one way in, :meth:`available` (name -> summary) the one list.
+    """
+
+    def __init__(self, kind: str, *, error: Callable[[str], Exception] = ValueError, known: str = "known",
+                 sort: bool = False) -> None:
+        self.kind = kind
+        self._error = error
+        self._known = known
+        self._sort = sort
+        self._entries: dict[str, T] = {}
+        self._summaries: dict[str, str] = {}
+
+    def register(self, name: str, entry: T, summary: str = "") -> T:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"register: a {self.kind} name must be a non-empty string, got {name!r}")
+        if name in self._entries:
+            raise self._error(f"register: {self.kind} named {name!r} is already registered")
+        self._entries[name] = entry
+        self._summaries[name] = summary
+        return entry
+
+    def unregister(self, name: str) -> None:
+        """Forget ``name`` (no error if it is unknown): for tests that register a part."""
+        self._entries.pop(name, None)
+        self._summaries.pop(name, None)
+
+    def names(self) -> list[str]:
+        return sorted(self._entries) if self._sort else list(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, name: Any) -> T:
+        """The entry of ``name``, or the one-line error naming the known ones."""
+        if name not in self:
+            raise self._error(f"unknown {self.kind} {name!r}; {self._known}: {', '.join(self.names())}")
+        return self._entries[name]
+
+    def summary(self, name: Any) -> str:
+        self.get(name)
+        return self._summaries[name]
+
+    def available(self) -> dict[str, str]:
+        """Names and their one-line summaries."""
+        return {n: self._summaries[n] for n in self.names()}
+
+    def parameters(self, name: Any) -> list[str]:
+        """The keyword-only parameters of the builder ``name``: the options it takes."""
+        sig = inspect.signature(self.get(name))
+        return [p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY]
+
+    def builder(self, name: Any, options: Mapping[str, Any], *, fixed: Collection[str] = ()) -> T:
+        """The builder ``name``, after refusing in one line any of ``options`` it does not
+        take; ``fixed``: its keyword parameters the caller passes itself."""
+        accepted = [p for p in self.parameters(name) if p not in fixed]
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise self._error(f"{self.kind} {name!r} does not take option(s) {', '.join(unknown)}; "
+                              f"accepted: {', '.join(accepted) if accepted else 'none'}")
+        return self.get(name)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}: {', '.join(self.names())})"
+
 
 _REGISTRY: Registry[Callable[..., Topology]] = Registry(
     "topology", error=TopologyError, known="known topologies", sort=True
@@ -36,9 +118,9 @@ def register(name: str, builder: Callable[..., Topology | TimeVaryingTopology], 
     _REGISTRY.register(name, builder, description)
 
 
-def available() -> list[str]:
-    """The registered topology names, sorted."""
-    return _REGISTRY.names()
+def available() -> dict[str, str]:
+    """The registered topology names, sorted, with their one-line descriptions."""
+    return _REGISTRY.available()
 
 
 def describe(name: str) -> str:
@@ -53,14 +135,9 @@ def _lookup(name: object) -> str:
     return key  # type: ignore[return-value]
 
 
-def _parameters(builder: Callable[..., Topology]) -> list[str]:
-    sig = inspect.signature(builder)
-    return [p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY]
-
-
 def parameters(name: str) -> list[str]:
     """The keyword parameters the ``name`` builder accepts (``weights`` and ``lazy`` included)."""
-    return _parameters(_REGISTRY.get(_lookup(name)))
+    return _REGISTRY.parameters(_lookup(name))
 
 
 def build(
@@ -83,7 +160,7 @@ def build(
     """
     key = _lookup(name)
     builder = _REGISTRY.get(key)
-    accepted = _parameters(builder)
+    accepted = _REGISTRY.parameters(key)
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         takes = [p for p in accepted if p != "seed"] + (["seed"] if "seed" in accepted else [])

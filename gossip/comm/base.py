@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gossip.errors import PeerPayloadError, _format_peers
+from gossip.errors import PeerPayloadError, format_peers
 from .ledger import Ledger
 
 __all__ = ["Communicator", "Received", "Handle"]
@@ -107,8 +107,8 @@ class Received:
             if not bad:  # the batch fails but no row alone does: blame them all
                 bad = [int(s) for s in self.senders]
             raise PeerPayloadError(
-                f"bad payload from {_format_peers(bad)} (received by "
-                f"{_format_peers(self.nodes.tolist())}): {exc}",
+                f"bad payload from {format_peers(bad)} (received by "
+                f"{format_peers(self.nodes.tolist())}): {exc}",
                 bad,
                 "neighbor_exchange",
             ) from exc

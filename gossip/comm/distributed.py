@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Communicator, Handle, Received, _Done, _ring_allreduce_bytes, _tensor_nbytes, is_time_varying
-from gossip.errors import PeerConnectionError, PeerPayloadError, PeerTimeoutError, _format_peers
+from gossip.errors import PeerConnectionError, PeerPayloadError, PeerTimeoutError, format_peers
 from .ledger import Ledger
 
 __all__ = ["DistCommunicator", "init_from_env", "shutdown"]
@@ -451,9 +451,9 @@ class DistCommunicator(Communicator):
         if lost:
             # gloo closes all of a rank's connections when one of its own waits fails, so
             # a closed connection is no proof that this peer is the one at fault
-            also = f"; no answer from {_format_peers(late - lost)} either" if late - lost else ""
+            also = f"; no answer from {format_peers(late - lost)} either" if late - lost else ""
             msg = (
-                f"{what}: rank {self.rank} lost the connection to {_format_peers(lost)}, which closed it "
+                f"{what}: rank {self.rank} lost the connection to {format_peers(lost)}, which closed it "
                 f"(crashed or killed, or stopped after a failure of its own or of a rank it waits on){also}"
             )
             self._broken = msg
@@ -461,8 +461,8 @@ class DistCommunicator(Communicator):
         if late:
             waited = sorted({p for ps in posted.peers for p in ps})
             msg = (
-                f"{what}: rank {self.rank} got no answer from {_format_peers(late)} within "
-                f"{self.timeout:g} s (waited for {_format_peers(waited)})"
+                f"{what}: rank {self.rank} got no answer from {format_peers(late)} within "
+                f"{self.timeout:g} s (waited for {format_peers(waited)})"
             )
             self._broken = msg
             raise PeerTimeoutError(msg, late, what, detail) from first

@@ -1,5 +1,5 @@
 """Peer errors; they live in :mod:`gossip.errors` (kept importable from here)."""
 
-from gossip.errors import PeerConnectionError, PeerError, PeerPayloadError, PeerTimeoutError, _format_peers
+from gossip.errors import PeerConnectionError, PeerError, PeerPayloadError, PeerTimeoutError, format_peers
 
-__all__ = ["PeerError", "PeerTimeoutError", "PeerPayloadError", "PeerConnectionError", "_format_peers"]
+__all__ = ["PeerError", "PeerTimeoutError", "PeerPayloadError", "PeerConnectionError", "format_peers"]

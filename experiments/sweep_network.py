@@ -557,46 +557,21 @@ def results_table(rows: list[dict], meta: dict[str, Any]) -> str:
 
 
 def plot_fig3(rows: list[dict], path: Path) -> Path | None:
-    """Four panels in the style of Tang et al. 2018 (arXiv:1803.06443) Fig. 3; one line per algorithm."""
+    """The four panels of Tang et al.'s Fig. 3 (arXiv:1803.06443), drawn by
+    ``gossip.analysis.plot_sweep`` as for a sweep read back later; None when no cell
+    was measured."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from gossip import analysis
 
     ok = [r for r in rows if r["ok"]]
     if not ok:
         return None
-    bws = sorted({r["bandwidth_mbit"] for r in ok})
-    lats = sorted({r["latency_ms"] for r in ok})
-    modes = sorted({r["latency_mode"] for r in ok})
-    algos = sorted({(r["algo"], r["bits"]) for r in ok}, key=lambda a: (list(LABELS).index(a[0]), a[1] or 0))
-    n = ok[0]["nodes"]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    panels = [
-        (axes[0, 0], "latency_ms", lats[0], "bandwidth_mbit", f"(a) bandwidth, latency = {lats[0]:g} ms"),
-        (axes[0, 1], "latency_ms", lats[-1], "bandwidth_mbit", f"(b) bandwidth, latency = {lats[-1]:g} ms"),
-        (axes[1, 0], "bandwidth_mbit", bws[-1], "latency_ms", f"(c) latency, bandwidth = {bws[-1]:g} Mbit/s"),
-        (axes[1, 1], "bandwidth_mbit", bws[0], "latency_ms", f"(d) latency, bandwidth = {bws[0]:g} Mbit/s"),
-    ]
-    styles = [("o", "-"), ("s", "-"), ("^", "--"), ("v", ":"), ("D", "-.")]
-    for ax, fixed, value, xkey, title in panels:
-        for i, (algo, bits) in enumerate(algos):
-            marker, ls = styles[i % len(styles)]
-            pts = sorted(
-                (5.0 / r[xkey] if xkey == "bandwidth_mbit" else r[xkey], r["epoch_s"])
-                for r in ok if r["algo"] == algo and r["bits"] == bits and r[fixed] == value
-            )
-            if pts:
-                label = LABELS[algo].format(bits=bits)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, linestyle=ls, label=label)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("5 / bandwidth (5 / Mbit/s)" if xkey == "bandwidth_mbit" else "latency (ms)")
-        ax.set_ylabel("epoch time (s)")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=8)
-    fig.suptitle(f"Epoch time under tc-shaped networks, {n} nodes, ring; latency: {'/'.join(modes)}", fontsize=11)
-    fig.tight_layout()
+    fig = analysis.plot_sweep(pd.DataFrame.from_records(ok))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -118,33 +118,36 @@ class NaiveConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class DCDConfig:
-    """DCD-PSGD: compressed differences of successive models."""
+class _ReplicaConfig:
+    """The options DCD and ECD share: an unbiased compressor, the seed of its random
+    keys, and whether to keep each neighbour's replica (``track_replicas``)."""
+
+    #: the algorithm the messages name
+    algo: ClassVar[str] = ""
 
     compressor: str = "quant:bits=8"
     seed: int = 0
     track_replicas: bool = False
 
     def __post_init__(self) -> None:
-        _check_spec(self.compressor, need_unbiased=True, algo="dcd")
+        _check_spec(self.compressor, need_unbiased=True, algo=self.algo)
         check_int("seed", self.seed, minimum=0)
         if not isinstance(self.track_replicas, bool):
             raise TypeError(f"Arg `track_replicas` must be a bool, got {self.track_replicas!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
-class ECDConfig:
+class DCDConfig(_ReplicaConfig):
+    """DCD-PSGD: compressed differences of successive models."""
+
+    algo: ClassVar[str] = "dcd"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ECDConfig(_ReplicaConfig):
     """ECD-PSGD: compressed extrapolations, estimates of neighbours' models."""
 
-    compressor: str = "quant:bits=8"
-    seed: int = 0
-    track_replicas: bool = False
-
-    def __post_init__(self) -> None:
-        _check_spec(self.compressor, need_unbiased=True, algo="ecd")
-        check_int("seed", self.seed, minimum=0)
-        if not isinstance(self.track_replicas, bool):
-            raise TypeError(f"Arg `track_replicas` must be a bool, got {self.track_replicas!r}")
+    algo: ClassVar[str] = "ecd"
 
 
 # --------------------------------------------------------------------------------------

@@ -231,6 +231,15 @@ class Compressor:
         they are (fp32); None (the default) where decoding has work to do."""
         return None
 
+    def _decode(self, views: dict, numel: int, keys: torch.Tensor) -> torch.Tensor:
+        """Decode into a new (m, numel) float32 tensor. A compressor overrides this or
+        :meth:`_decode_into` (each default calls the other): the one that writes into a
+        given tensor where it can."""
+        v0 = next(iter(views.values()))
+        out = torch.empty(v0.shape[0], numel, dtype=torch.float32, device=v0.device)
+        self._decode_into(views, numel, keys, out)
+        return out
+
     def _decode_into(self, views: dict, numel: int, keys: torch.Tensor, out: torch.Tensor) -> None:
         """Decode into ``out`` (m, numel) float32; compressors with a faster way override this."""
         out.copy_(self._decode(views, numel, keys))

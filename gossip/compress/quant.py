@@ -136,11 +136,6 @@ class Quant(Compressor):
             else:
                 pack_planes(row, bits, v["codes"])
 
-    def _decode(self, v, numel, keys):
-        out = torch.empty(v["lo"].shape[0], numel, dtype=torch.float32, device=v["lo"].device)
-        self._decode_into(v, numel, keys, out)
-        return out
-
     def _decode_into(self, v, numel, keys, out):
         m = v["lo"].shape[0]
         bits = self.config.bits

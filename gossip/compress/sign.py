@@ -248,11 +248,6 @@ class BlockSign(Compressor):
             v["scale"][:, b0: b0 + nb] = scale
         _encode_chunks(X, v["signs"], None)
 
-    def _decode(self, v, numel, keys):
-        out = torch.empty(v["scale"].shape[0], numel, dtype=torch.float32, device=v["scale"].device)
-        self._decode_into(v, numel, keys, out)
-        return out
-
     def _decode_into(self, v, numel, keys, out):
         m = v["scale"].shape[0]
         _decode_chunks(v["signs"], torch.ones(m, dtype=torch.float32, device=out.device), out)

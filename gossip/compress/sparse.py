@@ -176,11 +176,6 @@ class _Sparse(Compressor):
         idx = self._positions(keys, X.shape[1])
         torch.gather(X, 1, idx, out=v["values"]) if v["values"].is_contiguous() else v["values"].copy_(X.gather(1, idx))
 
-    def _decode(self, v, numel, keys):
-        out = torch.empty(v["values"].shape[0], numel, dtype=torch.float32, device=v["values"].device)
-        self._decode_into(v, numel, keys, out)
-        return out
-
     def _decode_into(self, v, numel, keys, out):
         idx = self._positions(keys.to(v["values"].device), numel)
         vals = v["values"]
@@ -312,11 +307,6 @@ class TopK(_Sparse):
         # row of mostly zeros): one top-k over every coordinate
         mag = _kernels.run(_kernels.MAGNITUDE_KEYS, X.numel(), X)
         return torch.topk(mag, k, dim=1, sorted=False).indices.sort(dim=1).values
-
-    def _decode(self, v, numel, keys):
-        out = torch.empty(v["index"].shape[0], numel, dtype=torch.float32, device=v["index"].device)
-        self._decode_into(v, numel, keys, out)
-        return out
 
     def _decode_into(self, v, numel, keys, out):
         idx = v["index"].to(torch.int64)

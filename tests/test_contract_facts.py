@@ -64,6 +64,12 @@ def test_a_new_algorithm_registers_with_its_facts(monkeypatch):
     with pytest.raises(TypeError, match="must be an Algorithm subclass"):
         algorithms.register(int)
 
+    class NoConfig(algorithms.Algorithm):
+        name = "noconfig-test"
+
+    with pytest.raises(TypeError, match=r"NoConfig.Config must be a dataclass, got None"):
+        algorithms.register(NoConfig)
+
 
 def test_ddp_checks_options_on_the_config_alone(monkeypatch):
     """hook_state builds no algorithm before its groups (no communicator-less probe)."""

@@ -174,6 +174,8 @@ class Algorithm:
     """
 
     name: ClassVar[str] = ""
+    #: the frozen dataclass of the algorithm's options (``algorithms.make_config``)
+    Config: ClassVar[type | None] = None
     acts_on: ClassVar[str] = "model"
     #: one-line description shown by ``gossip.algorithms.available()``
     summary: ClassVar[str] = ""

@@ -1,7 +1,7 @@
 """Training that keeps going when a node dies: live membership on torchft.
 
 ``--fault-tolerance HOST:PORT`` runs each worker as one torchft *replica group* of one
-rank. torchft's Lighthouse (at ``HOST:PORT``) keeps the quorum; its :class:`Manager`
+rank. torchft's Lighthouse (at ``HOST:PORT``) keeps the quorum; its ``Manager``
 re-forms a reconfigurable gloo process group over the live replicas at every step,
 averages the step's all-reduce over that step's participants, and heals a replica that
 (re)joins behind the group by sending it a live peer's state over its HTTP checkpoint
@@ -17,7 +17,7 @@ One step of replica ``k`` (``Manager`` calls in brackets):
    metrics. Fewer than ``--min-replicas`` participants: wait (said once), and fail in
    one line when ``--timeout`` passes without enough of them.
 3. Forward and backward on ``k``'s next batch; the algorithm reduces the flat gradient
-   through :class:`FTCommunicator`, whose all-reduce is ``Manager.allreduce``: the
+   through ``FTCommunicator``, whose all-reduce is ``Manager.allreduce``: the
    mean over this step's participants.
 4. Commit [``should_commit``]: every participant agrees that nobody failed during
    the step; only then does the local optimizer step and the metrics record it. A
@@ -32,6 +32,7 @@ restarted worker is started again with the same ``REPLICA_GROUP_ID``.
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import json
 import os
@@ -52,8 +53,8 @@ from gossip.comm.ledger import Ledger
 __all__ = ["FTCommunicator", "SUPPORTED_ALGORITHMS", "lighthouse_address", "run_fault_tolerant"]
 
 #: the algorithms whose every exchange is one all-reduce of a dense vector, which torchft's
-#: managed all-reduce carries over a changing quorum
-SUPPORTED_ALGORITHMS = ("allreduce",)
+#: managed all-reduce carries over a changing quorum (diloco with a linear compressor only)
+SUPPORTED_ALGORITHMS = ("allreduce", "localsgd", "slowmo", "diloco")
 #: the environment torchft's examples give each replica group
 REPLICA_ENV, REPLICAS_ENV = "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"
 #: the address this worker advertises to its peers (default: its host name)
@@ -156,23 +157,46 @@ class FTCommunicator(Communicator):
         return self._refuse("broadcast")
 
 
-def _membership_group(timeout: _dt.timedelta) -> Any:
-    """torchft's reconfigurable gloo group, remembering the replica ids of each quorum."""
-    from torchft.process_group import ProcessGroupGloo
+class _QuorumWatch:
+    """torchft's ``ManagerClient``, remembering the replica ids of the latest quorum.
 
-    class _Group(ProcessGroupGloo):
-        members: list[int] = []
+    torchft 0.2's Manager keeps a quorum's members to itself; its client's ``_quorum``
+    result carries them (``gossip_<k>:<uuid>``: the uuid tells a restarted worker from
+    the one that died), so the client is wrapped and every other call passes through.
+    """
 
-        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
-                      quorum_id: int | None = None, group_rank: int | None = None,
-                      group_world_size: int | None = None, global_ranks: list[int] | None = None) -> None:
-            # global_ranks: torchft's ids of the quorum's replicas (the trailing digits of
-            # their replica ids, which are gossip_<k>), one per replica as groups have one rank
-            self.members = sorted(int(g) for g in (global_ranks or []))
-            super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank,
-                              group_world_size, global_ranks)
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.replica_ids: list[str] = []
 
-    return _Group(timeout=timeout)
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        self.replica_ids = list(quorum.replica_ids)
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def _checkpoint_transport(host: str, timeout: _dt.timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, advertising ``host`` (torchft 0.2 advertises
+    the machine's host name, which need not reach it from another host or namespace)."""
+    from torchft.checkpointing import HTTPTransport
+
+    class _Transport(HTTPTransport):
+        def address(self) -> str:
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return _Transport(timeout=timeout, num_chunks=0)
+
+
+def _incarnations(replica_ids: list[str]) -> list[tuple[int, str]]:
+    """``[(k, uuid)]`` of ``gossip_<k>:<uuid>`` ids, by k."""
+    out = []
+    for rid in replica_ids:
+        name, _, uid = rid.partition(":")
+        out.append((int(name.rpartition("_")[2]), uid))
+    return sorted(out)
 
 
 # --------------------------------------------------------------------------------------
@@ -243,7 +267,7 @@ class _FTRun:
                                 f"{REPLICAS_ENV}; accepted: 1 .. {self.replicas}")
         self.out = Path(cfg.run.out)
         self.device = torch.device("cpu") if cfg.comm.device != "cuda" else torch.device("cuda")
-        self.members: list[int] = []
+        self.members: list[tuple[int, str]] = []
         self.healed_from_step: int | None = None
         self.heal_bytes, self.heal_source = 0, -1
 
@@ -289,19 +313,31 @@ class _FTRun:
         td = _dt.timedelta(seconds=self.timeout)
         # the replica group's own store (a group of one rank): torchft's Manager expects it started
         store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False, timeout=td)
-        self.pg = _membership_group(td)
+        from torchft.process_group import ProcessGroupGloo
+
+        self.pg = ProcessGroupGloo(timeout=td)  # re-configured by the Manager at every quorum change
         self.manager = Manager(
             pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=self.min_replicas,
             use_async_quorum=False,  # heal before the forward pass: a restarted replica takes part at once
             timeout=td, quorum_timeout=td, connect_timeout=td, rank=0, world_size=1,
             store_addr=host, store_port=store.port, lighthouse_addr=self.addr, replica_id=f"gossip_{self.replica}",
             hostname=host, init_sync=False,  # x_1 is identical by the seed
+            checkpoint_transport=_checkpoint_transport(host, td),
         )
-        self.comm = FTCommunicator(self.manager, self.replica, self.replicas, lambda: self.pg.members)
+        self.watch = self.manager._client = _QuorumWatch(self.manager._client)
+        self.comm = FTCommunicator(self.manager, self.replica, self.replicas,
+                                   lambda: [k for k, _ in _incarnations(self.watch.replica_ids)])
         self.algo = loop._build_algorithm(cfg, self.comm)
         from gossip.runtime import GossipOptimizer
 
-        self.gopt = GossipOptimizer([self.model], [self.opt], self.algo)
+        try:
+            self.gopt = GossipOptimizer([self.model], [self.opt], self.algo)
+        except (ValueError, TypeError) as e:
+            raise self.RunError(f"--algo {cfg.algorithm.name}: {e}") from None
+        if getattr(self.algo, "collective", "all_reduce") != "all_reduce":
+            raise self.RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} with --compressor "
+                                f"{cfg.algorithm.compressor_spec} all-gathers its payloads, which torchft's Manager does "
+                                "not carry; use a linear compressor (identity, randomk, randomblock)")
         try:
             return self._train()
         finally:
@@ -335,26 +371,36 @@ class _FTRun:
                     self._position_loader(step)
                     loader_step = step
                 # 2. who is here
-                members = list(self.pg.members)
-                if members != self.members:
-                    left = sorted(set(self.members) - set(members))
-                    joined = sorted(set(members) - set(self.members)) if self.members else []
-                    self._say(f"quorum at step {step}: {len(members)} replicas {members}"
+                members = _incarnations(self.watch.replica_ids)
+                if members != self.members:  # a restarted worker is a new incarnation: left and joined
+                    left = sorted(k for k, u in self.members if (k, u) not in members)
+                    joined = sorted(k for k, u in members if (k, u) not in self.members) if self.members else []
+                    ids = [k for k, _ in members]
+                    self._say(f"quorum at step {step}: {len(ids)} replicas {ids}"
                               f" (left: {left or 'none'}; joined: {joined or 'none'})")
-                    metrics.write({"event": "quorum", "step": step, "replicas": members, "left": left,
+                    metrics.write({"event": "quorum", "step": step, "replicas": ids, "left": left,
                                    "joined": joined})
                     self.members = members
                 n = self.manager.num_participants()
+                # the first step waits for every configured worker (as a torchrun rendezvous
+                # would); later steps go on with --min-replicas of them
                 if n < self.min_replicas:
+                    need, what = self.min_replicas, f"--min-replicas {self.min_replicas}"
+                else:
+                    need, what = (self.replicas if step == 0 else n), f"{REPLICAS_ENV}={self.replicas} at the start"
+                if n < need:
                     waiting_since = waiting_since or time.monotonic()
                     if not said_wait:
-                        self._say(f"waiting: the quorum has {n} of --min-replicas {self.min_replicas} replicas")
+                        self._say(f"waiting: the quorum has {n} of {what} replicas")
                         said_wait = True
                     if time.monotonic() - waiting_since > self.timeout:
                         raise self.RunError(
-                            f"--min-replicas {self.min_replicas}: only {n} replica(s) in the quorum for --timeout "
-                            f"{self.timeout:g} s at step {step}; start more workers or lower --min-replicas")
-                    self.manager.should_commit()  # False: keeps the Manager's step bookkeeping in order
+                            f"{what}: only {n} replica(s) in the quorum for --timeout {self.timeout:g} s at step "
+                            f"{step}; start more workers" + (" or lower --min-replicas" if need == self.min_replicas
+                                                             else ""))
+                    # no step: the commit vote says no (it would otherwise count a step not taken)
+                    self.manager.report_error(RuntimeError("waiting for replicas"))
+                    self.manager.should_commit()
                     time.sleep(0.2)
                     continue
                 waiting_since, said_wait = None, False
@@ -369,20 +415,29 @@ class _FTRun:
                 loss = F.cross_entropy(self.model(x), y)
                 loss.backward()
                 self.algo.set_lr(lr)
-                G = self.gopt.flat.gather_grads()
-                self.algo.reduce_gradients(G)
+                if self.algo.acts_on == "gradient":
+                    G = self.gopt.flat.gather_grads()
+                    self.algo.reduce_gradients(G)
+                    snapshot = None
+                else:  # the algorithm changes the model in its step: keep what to go back to
+                    snapshot = copy.deepcopy(self.gopt.state_dict())
+                    self.gopt.step()
                 # 4. commit only if every participant got through the step
                 if self.manager.should_commit():
-                    self.gopt.flat.scatter_grads(G)
-                    self.opt.step()
-                    self.gopt.steps += 1
+                    if snapshot is None:
+                        self.gopt.flat.scatter_grads(G)
+                        self.opt.step()
+                        self.gopt.steps += 1
+                        self.algo.on_step_end(self.gopt.steps)
                     loader_step = step + 1
                     done = self.manager.current_step()
                     if done % cfg.run.log_every == 0 or done == stop:
-                        metrics.write({"step": done, "loss": float(loss), "lr": lr, "participants": n,
+                        metrics.write({"step": done, "loss": loss.item(), "lr": lr, "participants": n,
                                        "time": time.perf_counter() - t0,
                                        "bytes_sent": int(self.comm.ledger.bytes_sent)})
                 else:
+                    if snapshot is not None:
+                        self.gopt.load_state_dict(snapshot)
                     self.loader.load_state_dict(saved)  # the batch is retried in the next quorum
                     self._say(f"step {step + 1} discarded (a participant failed); retrying with a new quorum")
             test_loss, test_acc = loop._accuracy(self.model, self.dataset.x_test.to(self.device),

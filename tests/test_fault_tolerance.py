@@ -57,7 +57,7 @@ class _Lighthouse:
         self.log = open(tmp / "lighthouse.log", "w")
         self.proc = subprocess.Popen(
             [_lighthouse_binary(), "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
-             "--join_timeout_ms", "300", "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "50"],
+             "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "50"],
             stdout=self.log, stderr=subprocess.STDOUT)
         self.addr = f"localhost:{port}"
         deadline = time.monotonic() + 20
@@ -80,7 +80,7 @@ class _Lighthouse:
 #: a warm spare, so that the restart does not wait for Python and torch to load
 _SPARE = """
 import os, sys, time
-import gossip.train, gossip.fault_tolerance, torchft  # noqa: the slow imports, before the go signal
+import gossip.train, gossip.loop, gossip.fault_tolerance, torchft  # noqa: the slow imports, before go
 go = sys.argv[1]
 while not os.path.exists(go):
     time.sleep(0.02)
@@ -120,13 +120,8 @@ def _wait(cond, what: str, procs: list[subprocess.Popen], timeout: float = 300.0
     pytest.fail(f"timed out waiting for {what}")
 
 
-def _run_undisturbed(lh_addr: str, out: Path, steps: int, tmp: Path) -> list[subprocess.Popen]:
-    argv = [*ARGS, "--fault-tolerance", lh_addr, "--min-replicas", "3", "--max-steps", str(steps), "--out", str(out)]
-    return [_start(k, argv, tmp, f"ref{k}") for k in range(4)]
-
-
 def test_kill_one_worker_the_others_keep_stepping_and_it_heals_from_a_peer(tmp_path: Path) -> None:
-    steps, kill_at = 300, 40
+    steps, kill_at = 600, 40
     lh = _Lighthouse(min_replicas=3, tmp=tmp_path)
     procs: list[subprocess.Popen] = []
     try:
@@ -144,7 +139,7 @@ def test_kill_one_worker_the_others_keep_stepping_and_it_heals_from_a_peer(tmp_p
         victim.wait()
         killed_at = _last_step(m[3])
         # the survivors keep stepping without any restart
-        _wait(lambda: min(_last_step(m[k]) for k in range(3)) >= killed_at + 15,
+        _wait(lambda: min(_last_step(m[k]) for k in range(3)) >= killed_at + 10,
               "the survivors to step on without replica 3", procs[:3])
         assert all(p.poll() is None for p in procs[:3]), "a survivor stopped"
         go.touch()  # restart replica 3
@@ -155,8 +150,8 @@ def test_kill_one_worker_the_others_keep_stepping_and_it_heals_from_a_peer(tmp_p
             done = [r["step"] for r in _records(m[k]) if "event" not in r]
             assert done == list(range(1, steps + 1)), f"replica {k}: steps {done[:5]}...{done[-5:]}"
             quorum = [r for r in _records(m[k]) if r.get("event") == "quorum"]
-            assert any(r["left"] == [3] for r in quorum), quorum
-            assert any(r["joined"] == [3] for r in quorum), quorum
+            assert [r["left"] for r in quorum if r["left"]] == [[3]], quorum  # nobody else left
+            assert [r["joined"] for r in quorum if r["joined"]] == [[3]], quorum
             assert ends[k][-1]["step"] == steps
         # the restarted replica healed from a live peer (not from disk) and continued from the group's step
         heals = [r for r in _records(m[3]) if r.get("event") == "heal"]
@@ -170,18 +165,20 @@ def test_kill_one_worker_the_others_keep_stepping_and_it_heals_from_a_peer(tmp_p
         params = [torch.load(out / f"model-replica{k}.pt")["params"] for k in range(4)]
         for k in range(1, 4):
             assert torch.equal(params[0], params[k])
-        # against an undisturbed run of the same length: the same accuracy within 5 points
-        # (the churned run averaged 3 gradients instead of 4 on some steps, and replica 3's
-        # shard was skipped there; on MNIST-1D at this length runs of different seeds differ
-        # by about 2 points)
-        ref_out = tmp_path / "ref"
-        ref = _run_undisturbed(lh.addr, ref_out, steps, tmp_path)
-        for p in ref:
-            assert p.wait(timeout=300) == 0, (tmp_path / "ref0.log").read_text()[-3000:]
-        ref_end = [r for r in _records(ref_out / "metrics-rank0.jsonl") if r.get("event") == "end"][-1]
-        assert [r["step"] for r in _records(ref_out / "metrics-rank0.jsonl") if "event" not in r] == \
-            list(range(1, steps + 1))
-        assert abs(ends[0][-1]["test_acc"] - ref_end["test_acc"]) <= 0.05, (ends[0][-1], ref_end)
+        # the survivors kept stepping while replica 3 was away: steps averaged over 3 participants
+        between = [r for r in _records(m[0]) if "event" not in r and killed_at < r["step"] <= heals[0]["step"]]
+        assert between and all(r["participants"] == 3 for r in between), between[:3]
+        assert all(p.poll() == 0 for p in procs[:3])
+        # against an undisturbed run of the same length (the same 4 nodes, shards and seed in one
+        # process): the same test accuracy within 5 points. The churned run averaged 3 gradients
+        # instead of 4 while replica 3 was away; MNIST-1D runs that differ only in their seed
+        # differ by about 2 points at this length.
+        ref = subprocess.run([sys.executable, "-m", "gossip.train", *ARGS, "--simulate", "4", "--max-steps",
+                              str(steps), "--no-progress", "--out", str(tmp_path / "ref")],
+                             env=_env(), capture_output=True, text=True, timeout=300)
+        assert ref.returncode == 0, ref.stderr[-2000:]
+        ref_acc = json.loads((tmp_path / "ref" / "summary.json").read_text())["final_test_acc"]
+        assert abs(ends[0][-1]["test_acc"] - ref_acc) <= 0.05, (ends[0][-1], ref_acc)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -239,7 +236,8 @@ def test_unsupported_algorithm_and_missing_replica_env_are_one_line(tmp_path: Pa
     from gossip.loop import RunError, run
 
     cfg = parse_args(["--algo", "dcd", "--fault-tolerance", "localhost:1", "--out", str(tmp_path)])
-    with pytest.raises(RunError, match=r"--fault-tolerance supports --algo allreduce so far, got --algo dcd "
+    with pytest.raises(RunError, match=r"--fault-tolerance supports --algo allreduce, localsgd, slowmo, diloco so far, "
+                                       r"got --algo dcd "
                                        r"\(decentralized"):
         run(cfg)
     cfg = parse_args(["--algo", "allreduce", "--fault-tolerance", "localhost:1", "--out", str(tmp_path)])

@@ -143,10 +143,11 @@ def _run(vc: VirtualCluster, args: argparse.Namespace, out: Path, churn: bool) -
     codes = {k: p.returncode for k, p in procs.items()}
     killed = {r["worker"] for r in restarts}
     survivors = [k for k in range(args.workers) if k not in killed]
-    lost = {}
+    lost, healed = {}, {}
     for k in survivors:
         s = _steps(out / f"metrics-rank{k}.jsonl")
         lost[k] = len(set(range(1, args.steps + 1)) - set(s)) + (len(s) - len(set(s)))
+        healed[k] = sum(1 for r in _records(out / f"metrics-rank{k}.jsonl") if "healed_from" in r)
     ends = [r for r in _records(m0) if r.get("event") == "end"]
     discarded = sum((logs / f).read_text().count("discarded") for f in os.listdir(logs) if f.startswith("w0-"))
     for r in restarts:
@@ -158,7 +159,8 @@ def _run(vc: VirtualCluster, args: argparse.Namespace, out: Path, churn: bool) -
         r.setdefault("time_to_heal_s", None)
     return {"exit_codes": codes, "test_acc": ends[-1]["test_acc"] if ends else None,
             "test_loss": ends[-1]["test_loss"] if ends else None, "wall_s": round(time.monotonic() - t0, 1),
-            "survivors": survivors, "survivor_steps_lost": lost, "steps_discarded_on_worker0": discarded,
+            "survivors": survivors, "survivor_steps_lost": lost,
+            "survivor_steps_taken_by_healing": healed, "steps_discarded_on_worker0": discarded,
             "restarts": restarts}
 
 
@@ -174,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--rate", default=None, help="link rate per host, e.g. 100mbit (default unshaped)")
     p.add_argument("--delay-ms", type=float, default=None, help="one-way link latency in ms")
-    p.add_argument("--timeout", type=float, default=120.0, help="gossip.train --timeout")
+    p.add_argument("--timeout", type=float, default=15.0,
+                   help="gossip.train --timeout: also how long a survivor may wait on a dead peer in a collective")
     p.add_argument("--run-timeout", type=float, default=1800.0)
     p.add_argument("--out", default=None, help="results JSON (default experiments/results/churn-W<w>-H<h>.json)")
     p.add_argument("--work", default="/tmp/gossip-churn", help="run directories")
@@ -211,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{a.workers} workers on {a.hosts} hosts, {a.steps} steps, a kill every {a.kill_every} steps, "
           f"restart after {a.delay:g} s ({network}); load {prov['load']} -> {prov['load_after']}")
     print(f"test accuracy: undisturbed {ref['test_acc']}, churned {churned['test_acc']}")
-    print(f"steps lost by the survivors: {churned['survivor_steps_lost']}; steps discarded "
+    print(f"steps lost by the survivors: {churned['survivor_steps_lost']} (taken by healing from a peer: "
+          f"{churned['survivor_steps_taken_by_healing']}); steps discarded "
           f"(a worker died in them): {churned['steps_discarded_on_worker0']}")
     print("| worker | killed at step | healed at step | steps missed | time to heal (s) | heal bytes |")
     print("|---|---|---|---|---|---|")

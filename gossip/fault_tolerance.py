@@ -268,12 +268,14 @@ class _FTRun:
         self.out = Path(cfg.run.out)
         self.device = torch.device("cpu") if cfg.comm.device != "cuda" else torch.device("cuda")
         self.members: list[tuple[int, str]] = []
-        self.healed_from_step: int | None = None
         self.heal_bytes, self.heal_source = 0, -1
 
     # --- state a healing peer receives: model, local optimizer, algorithm -------------
     def _state(self) -> dict:
-        return {"gossip": self.gopt.state_dict(), "replica": self.replica}
+        # a copy: the transport serves it while this replica trains on (torchft orders the
+        # healing peer's fetch before this step's all-reduce completes, but the copy makes
+        # that ordering irrelevant); called only when a peer needs healing
+        return copy.deepcopy({"gossip": self.gopt.state_dict(), "replica": self.replica})
 
     def _load(self, sd: dict) -> None:
         self.gopt.load_state_dict(sd["gossip"])
@@ -351,6 +353,7 @@ class _FTRun:
         metrics = rundir.MetricsWriter(rundir.metrics_path(self.out, self.replica), keep_until=2**62)  # append
         self._position_loader(0)
         loader_step, t0, waiting_since, said_wait = 0, time.perf_counter(), None, False
+        stepped = False  # has this process committed a step (a restarted one has not, before it heals)
         try:
             while (step := self.manager.current_step()) < stop:
                 # 1. the quorum of this step; healing happens inside when the group is ahead
@@ -366,6 +369,12 @@ class _FTRun:
                               f"(was at step {step}; {self.heal_bytes:,} bytes of state received)")
                     metrics.write({"event": "heal", "step": self.manager.current_step(), "from_step": step,
                                    "source": self.heal_source, "bytes": self.heal_bytes})
+                    if stepped:  # a live worker that fell behind (its vote said no where others' said yes):
+                        # the steps it took by healing are recorded once, as healed, with no loss of its own
+                        for s_ in range(step + 1, self.manager.current_step() + 1):
+                            if s_ % cfg.run.log_every == 0 or s_ == stop:
+                                metrics.write({"step": s_, "loss": None, "healed_from": self.heal_source,
+                                               "participants": None, "time": time.perf_counter() - t0})
                     step = self.manager.current_step()
                 if loader_step != step:
                     self._position_loader(step)
@@ -387,11 +396,11 @@ class _FTRun:
                 if n < self.min_replicas:
                     need, what = self.min_replicas, f"--min-replicas {self.min_replicas}"
                 else:
-                    need, what = (self.replicas if step == 0 else n), f"{REPLICAS_ENV}={self.replicas} at the start"
+                    need, what = (self.replicas if step == 0 else n), f"all {REPLICAS_ENV}={self.replicas} to start"
                 if n < need:
                     waiting_since = waiting_since or time.monotonic()
                     if not said_wait:
-                        self._say(f"waiting: the quorum has {n} of {what} replicas")
+                        self._say(f"waiting: the quorum has {n} of {need} replicas ({what})")
                         said_wait = True
                     if time.monotonic() - waiting_since > self.timeout:
                         raise self.RunError(
@@ -429,7 +438,7 @@ class _FTRun:
                         self.opt.step()
                         self.gopt.steps += 1
                         self.algo.on_step_end(self.gopt.steps)
-                    loader_step = step + 1
+                    loader_step, stepped = step + 1, True
                     done = self.manager.current_step()
                     if done % cfg.run.log_every == 0 or done == stop:
                         metrics.write({"step": done, "loss": loss.item(), "lr": lr, "participants": n,

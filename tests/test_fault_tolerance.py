@@ -60,7 +60,7 @@ class _Lighthouse:
              "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "50"],
             stdout=self.log, stderr=subprocess.STDOUT)
         self.addr = f"localhost:{port}"
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
                 socket.create_connection(("localhost", port), timeout=1).close()
@@ -68,7 +68,7 @@ class _Lighthouse:
             except OSError:
                 time.sleep(0.05)
         self.close()
-        pytest.fail("torchft_lighthouse did not start listening within 20 s")
+        pytest.fail("torchft_lighthouse did not start listening within 60 s")
 
     def close(self) -> None:
         self.proc.kill()
@@ -121,7 +121,7 @@ def _wait(cond, what: str, procs: list[subprocess.Popen], timeout: float = 300.0
 
 
 def test_kill_one_worker_the_others_keep_stepping_and_it_heals_from_a_peer(tmp_path: Path) -> None:
-    steps, kill_at = 600, 40
+    steps, kill_at = 800, 40
     lh = _Lighthouse(min_replicas=3, tmp=tmp_path)
     procs: list[subprocess.Popen] = []
     try:
@@ -150,8 +150,8 @@ def test_kill_one_worker_the_others_keep_stepping_and_it_heals_from_a_peer(tmp_p
             done = [r["step"] for r in _records(m[k]) if "event" not in r]
             assert done == list(range(1, steps + 1)), f"replica {k}: steps {done[:5]}...{done[-5:]}"
             quorum = [r for r in _records(m[k]) if r.get("event") == "quorum"]
-            assert [r["left"] for r in quorum if r["left"]] == [[3]], quorum  # nobody else left
-            assert [r["joined"] for r in quorum if r["joined"]] == [[3]], quorum
+            assert [r["left"] for r in quorum if r["left"] and r["step"] > 0] == [[3]], quorum  # nobody else left
+            assert [r["joined"] for r in quorum if r["joined"] and r["step"] > 0] == [[3]], quorum
             assert ends[k][-1]["step"] == steps
         # the restarted replica healed from a live peer (not from disk) and continued from the group's step
         heals = [r for r in _records(m[3]) if r.get("event") == "heal"]
@@ -166,7 +166,8 @@ def test_kill_one_worker_the_others_keep_stepping_and_it_heals_from_a_peer(tmp_p
         for k in range(1, 4):
             assert torch.equal(params[0], params[k])
         # the survivors kept stepping while replica 3 was away: steps averaged over 3 participants
-        between = [r for r in _records(m[0]) if "event" not in r and killed_at < r["step"] <= heals[0]["step"]]
+        between = [r for r in _records(m[0]) if "event" not in r and killed_at < r["step"] <= heals[0]["step"]
+                   and r["loss"] is not None]
         assert between and all(r["participants"] == 3 for r in between), between[:3]
         assert all(p.poll() == 0 for p in procs[:3])
         # against an undisturbed run of the same length (the same 4 nodes, shards and seed in one
@@ -212,7 +213,7 @@ def test_a_quorum_below_min_replicas_waits_says_so_once_then_fails_at_the_timeou
         lh.close()
     assert r.returncode == 2, r.stderr[-2000:]
     ours = [ln for ln in r.stderr.splitlines() if "replica 0]" in ln or "gossip.train" in ln]
-    assert sum("waiting: the quorum has 1 of --min-replicas 2 replicas" in ln for ln in ours) == 1, ours
+    assert sum("waiting: the quorum has 1 of 2 replicas (--min-replicas 2)" in ln for ln in ours) == 1, ours
     assert re.search(r"gossip\.train: error: --min-replicas 2: only 1 replica\(s\) in the quorum for --timeout 3 s",
                      ours[-1]), ours
 

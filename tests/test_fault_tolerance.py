@@ -248,3 +248,13 @@ def test_unsupported_algorithm_and_missing_replica_env_are_one_line(tmp_path: Pa
             run(cfg)
     finally:
         os.environ.update(env)
+
+
+def test_lighthouse_address_is_normalised_and_incarnations_are_told_apart() -> None:
+    from gossip.fault_tolerance import _incarnations, lighthouse_address
+
+    assert lighthouse_address("lh:29510") == "http://lh:29510"
+    assert lighthouse_address("http://10.0.0.1:29510/") == "http://10.0.0.1:29510"
+    # a restarted worker keeps its number and gets a new uuid from torchft
+    assert _incarnations(["gossip_3:b", "gossip_0:a", "gossip_12:c"]) == [(0, "a"), (3, "b"), (12, "c")]
+    assert _incarnations(["gossip_3:b"]) != _incarnations(["gossip_3:d"])

@@ -80,7 +80,7 @@ def _run(vc: VirtualCluster, args: argparse.Namespace, out: Path, churn: bool) -
                       "--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1000"],
                   stdout=lh_log, stderr=subprocess.STDOUT, torchrun_env=False)
     argv = [sys.executable, "-m", "gossip.train", "--algo", "allreduce", "--data", "mnist1d", "--model", args.model,
-            "--batch-size", "32", "--lr", str(args.lr), "--max-steps", str(args.steps), "--log-every", "1",
+            "--batch-size", "32", "--lr", str(args.lr), "--epochs", "1000", "--max-steps", str(args.steps), "--log-every", "1",
             "--timeout", str(args.timeout), "--device", "cpu", "--fault-tolerance", f"{h0}:{LIGHTHOUSE_PORT}",
             "--min-replicas", str(args.min_replicas), "--out", str(out)]
 
@@ -146,7 +146,8 @@ def _run(vc: VirtualCluster, args: argparse.Namespace, out: Path, churn: bool) -
     lost, healed = {}, {}
     for k in survivors:
         s = _steps(out / f"metrics-rank{k}.jsonl")
-        lost[k] = len(set(range(1, args.steps + 1)) - set(s)) + (len(s) - len(set(s)))
+        end = max([r["step"] for r in _records(out / f"metrics-rank{k}.jsonl") if r.get("event") == "end"], default=0)
+        lost[k] = len(set(range(1, max(end, args.steps) + 1)) - set(s)) + (len(s) - len(set(s)))
         healed[k] = sum(1 for r in _records(out / f"metrics-rank{k}.jsonl") if "healed_from" in r)
     ends = [r for r in _records(m0) if r.get("event") == "end"]
     discarded = sum((logs / f).read_text().count("discarded") for f in os.listdir(logs) if f.startswith("w0-"))

@@ -168,10 +168,11 @@ class _QuorumWatch:
     def __init__(self, client: Any) -> None:
         self._client = client
         self.replica_ids: list[str] = []
+        self.max_step = 0  # the group's step: the highest step among the quorum's replicas
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         quorum = self._client._quorum(*args, **kwargs)
-        self.replica_ids = list(quorum.replica_ids)
+        self.replica_ids, self.max_step = list(quorum.replica_ids), int(quorum.max_step)
         return quorum
 
     def __getattr__(self, name: str) -> Any:
@@ -396,7 +397,10 @@ class _FTRun:
                 if n < self.min_replicas:
                     need, what = self.min_replicas, f"--min-replicas {self.min_replicas}"
                 else:
-                    need, what = (self.replicas if step == 0 else n), f"all {REPLICAS_ENV}={self.replicas} to start"
+                    # (the group's step, not this worker's: a restarted worker whose healing failed
+                    # is at 0 while the group is not, and retries below)
+                    start = step == 0 and self.watch.max_step == 0
+                    need, what = (self.replicas if start else n), f"all {REPLICAS_ENV}={self.replicas} to start"
                 if n < need:
                     waiting_since = waiting_since or time.monotonic()
                     if not said_wait:
@@ -413,6 +417,10 @@ class _FTRun:
                     time.sleep(0.2)
                     continue
                 waiting_since, said_wait = None, False
+                if self.manager.errored() is not None:  # e.g. re-forming the group or healing failed
+                    self.manager.should_commit()  # says no: the next quorum retries
+                    self._say(f"step {step + 1} skipped ({str(self.manager.errored())[:120]}); retrying")
+                    continue
                 # 3. the local gradient, reduced over the step's participants
                 saved = self.loader.state_dict()
                 x, y = self.loader.next_batch()

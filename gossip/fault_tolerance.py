@@ -322,7 +322,9 @@ class _FTRun:
         self.manager = Manager(
             pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=self.min_replicas,
             use_async_quorum=False,  # heal before the forward pass: a restarted replica takes part at once
-            timeout=td, quorum_timeout=td, connect_timeout=td, rank=0, world_size=1,
+            # a survivor may spend up to --timeout stuck in a collective on a dead peer before it
+            # asks for the next quorum: the others' quorum wait must outlast that
+            timeout=td, quorum_timeout=3 * td, connect_timeout=td, rank=0, world_size=1,
             store_addr=host, store_port=store.port, lighthouse_addr=self.addr, replica_id=f"gossip_{self.replica}",
             hostname=host, init_sync=False,  # x_1 is identical by the seed
             checkpoint_transport=_checkpoint_transport(host, td),
@@ -364,7 +366,7 @@ class _FTRun:
                     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                     raise self.RunError(
                         f"--fault-tolerance {self.addr}: no quorum of --min-replicas {self.min_replicas} formed "
-                        f"within --timeout {self.timeout:g} s at step {step} ({first[:200]})") from None
+                        f"within 3 x --timeout ({3 * self.timeout:g} s) at step {step} ({first[:200]})") from None
                 if self.manager.current_step() != step:  # healed from a live peer
                     self._say(f"healed from replica {self.heal_source} at step {self.manager.current_step()} "
                               f"(was at step {step}; {self.heal_bytes:,} bytes of state received)")

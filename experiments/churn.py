@@ -80,7 +80,8 @@ def _run(vc: VirtualCluster, args: argparse.Namespace, out: Path, churn: bool) -
                       "--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1000"],
                   stdout=lh_log, stderr=subprocess.STDOUT, torchrun_env=False)
     argv = [sys.executable, "-m", "gossip.train", "--algo", "allreduce", "--data", "mnist1d", "--model", args.model,
-            "--batch-size", "32", "--lr", str(args.lr), "--epochs", "1000", "--max-steps", str(args.steps), "--log-every", "1",
+            "--batch-size", "32", "--lr", str(args.lr), "--epochs", "1000", "--max-steps", str(args.steps),
+            "--log-every", "1",
             "--timeout", str(args.timeout), "--device", "cpu", "--fault-tolerance", f"{h0}:{LIGHTHOUSE_PORT}",
             "--min-replicas", str(args.min_replicas), "--out", str(out)]
 
@@ -224,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['worker']} | {r['killed_at_step']} | {r['healed_at_step']} | {r['steps_missed']} | "
               f"{r['time_to_heal_s']} | {r['heal_bytes']} |")
     print(f"results: {out}")
-    ok = all(c == 0 for c in churned["exit_codes"].values()) and all(v == 0 for v in churned["survivor_steps_lost"].values())
+    ok = all(c == 0 for c in churned["exit_codes"].values()) and \
+        all(v == 0 for v in churned["survivor_steps_lost"].values())
     return 0 if ok else 1
 
 

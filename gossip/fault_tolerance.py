@@ -311,7 +311,8 @@ class _FTRun:
             raise self.RunError(f"--partition {cfg.data.partition} over {self.replicas} replicas: {e}") from None
         self.out.mkdir(parents=True, exist_ok=True)
         if self.replica == 0 and not rundir.config_path(self.out).exists():
-            rundir.write_json(rundir.config_path(self.out), {**cfg.to_dict(), "fault_tolerance_replicas": self.replicas})
+            record = {**cfg.to_dict(), "fault_tolerance_replicas": self.replicas}
+            rundir.write_json(rundir.config_path(self.out), record)
         host = os.environ.get(HOST_ENV) or socket.gethostname()
         td = _dt.timedelta(seconds=self.timeout)
         # the replica group's own store (a group of one rank): torchft's Manager expects it started
@@ -341,8 +342,8 @@ class _FTRun:
             raise self.RunError(f"--algo {cfg.algorithm.name}: {e}") from None
         if getattr(self.algo, "collective", "all_reduce") != "all_reduce":
             raise self.RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} with --compressor "
-                                f"{cfg.algorithm.compressor_spec} all-gathers its payloads, which torchft's Manager does "
-                                "not carry; use a linear compressor (identity, randomk, randomblock)")
+                                f"{cfg.algorithm.compressor_spec} all-gathers its payloads, which torchft's Manager "
+                                "does not carry; use a linear compressor (identity, randomk, randomblock)")
         try:
             return self._train()
         finally:

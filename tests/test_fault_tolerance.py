@@ -28,7 +28,7 @@ pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--algo", "allreduce", "--data", "mnist1d", "--model", "mlp", "--batch-size", "32", "--lr", "0.05",
-        "--log-every", "1", "--timeout", "60", "--device", "cpu"]
+        "--epochs", "50", "--log-every", "1", "--timeout", "60", "--device", "cpu"]
 
 
 def _lighthouse_binary() -> str:

@@ -356,6 +356,8 @@ class CommSection:
     timeout: float = 300.0
     emulate_latency: float | None = None
     simulate: int | None = None
+    fault_tolerance: str | None = None
+    min_replicas: int = 1
 
     def __post_init__(self) -> None:
         topos = _registries()[2]
@@ -377,6 +379,15 @@ class CommSection:
             raise ConfigError(f"--emulate-latency must be a finite number of milliseconds >= 0, got {e!r}")
         if e is not None and e > 60_000:
             raise ConfigError(f"--emulate-latency must be at most 60000 ms (one minute per message round), got {e!r}")
+        if self.fault_tolerance is not None:
+            from gossip.fault_tolerance import lighthouse_address
+
+            try:
+                lighthouse_address(self.fault_tolerance)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+        if _bad_int("min_replicas", self.min_replicas, 1):
+            raise ConfigError(f"--min-replicas must be a positive integer, got {self.min_replicas!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -605,7 +616,7 @@ _FLAT_ORDER = (
     "data_dir", "partition", "epochs", "max_steps", "batch_size", "lr", "lr_schedule", "momentum",
     "weight_decay", "seed", "device", "out", "checkpoint_every", "resume", "timeout", "emulate_latency",
     "simulate", "log_every", "progress", "merge", "merge_max_groups", "merge_alpha", "algo_options",
-    "tensorboard", "overwrite", "optimizer", "beta1", "beta2",
+    "tensorboard", "overwrite", "optimizer", "beta1", "beta2", "fault_tolerance", "min_replicas",
 )
 assert set(_FLAT_ORDER) == set(FLAT_KEYS), "every flat key has its place in config.json"
 
@@ -660,6 +671,9 @@ _HELP = {
     "from its newest valid checkpoint if it has one and starts it otherwise (for torchrun --max-restarts)",
     "timeout": "seconds to wait for a peer before failing with its rank",
     "simulate": "run N nodes in this one process instead of under torchrun",
+    "fault_tolerance": "keep training when workers die and rejoin: the torchft Lighthouse's HOST:PORT; each "
+    "worker is started alone with REPLICA_GROUP_ID and NUM_REPLICA_GROUPS (see docs/fault-tolerance.md)",
+    "min_replicas": "with --fault-tolerance: the fewest live workers a step may average over",
     "emulate_latency": "add this one-way latency (ms) to every message round inside the communicator, "
     "for networks where tc netem is unavailable (outputs say 'latency: emulated')",
     "log_every": "write a metrics record every N steps",
@@ -740,6 +754,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("timeout", type=float, metavar="SECONDS")
     add("simulate", type=int, metavar="N")
     add("emulate_latency", type=float, metavar="MS")
+    add("fault_tolerance", metavar="HOST:PORT")
+    add("min_replicas", type=int, metavar="K")
     add("log_every", type=int, metavar="N")
     add("merge", metavar="MODE")
     add("merge_max_groups", type=int, metavar="Y")

@@ -285,6 +285,10 @@ def _check_out(cfg: TrainConfig, out: Path) -> str | None:
 # --------------------------------------------------------------------------------------
 def run(cfg: TrainConfig) -> dict | None:
     """Train as configured; returns the summary on rank 0 (None elsewhere)."""
+    if cfg.comm.fault_tolerance is not None:  # one torchft replica per process: its own loop
+        from gossip.fault_tolerance import run_fault_tolerant
+
+        return run_fault_tolerant(cfg)
     env = _detect_env(cfg)
     topo = _build_topology(cfg, env.world_size)  # pure: fails the same way on every rank
     device = _device(cfg, env)

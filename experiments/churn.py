@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""Churn: train with workers SIGKILLed and restarted, against an undisturbed run.
+
+In the virtual cluster of experiments/vcluster.py (network namespaces, one Linux
+machine, root needed): W workers on H hosts (worker k on host k mod H), torchft's
+Lighthouse on host 0, ``python -m gossip.train --fault-tolerance`` on every worker (see
+docs/fault-tolerance.md). Two runs of the same length on the same cluster:
+
+1. undisturbed: every worker runs to the end;
+2. churned: every K steps (counted on worker 0, which is never killed) one worker,
+   taken in turn from 1 .. W-1, is SIGKILLed, and started again after ``--delay``
+   seconds; it rejoins and heals from a live peer.
+
+Reported (a table on stdout and JSON with provenance under experiments/results/):
+the final test accuracy of both runs; the steps the survivors lost (steps missing
+from or repeated in the metrics of workers never killed: 0 expected); the steps
+discarded (a step a worker died in is retried by all); for each restart the time
+from its start to its heal record and the bytes of state it received; and the steps
+each killed worker missed while it was away.
+
+    sudo python experiments/churn.py --workers 8 --hosts 4 --steps 400 --kill-every 80 --delay 3
+    sudo python experiments/churn.py --quick       # 4 workers on 2 hosts, 150 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "experiments"))
+sys.path.insert(0, str(REPO))
+
+from vcluster import VirtualCluster, VClusterError  # noqa: E402
+
+LIGHTHOUSE_PORT = 29510
+
+
+def _lighthouse() -> str:
+    near = Path(sys.executable).parent / "torchft_lighthouse"
+    found = str(near) if near.exists() else shutil.which("torchft_lighthouse")
+    if found is None:
+        raise SystemExit("churn: torchft_lighthouse not found; pip install 'gossip[ft]'")
+    return found
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            pass
+    return out
+
+
+def _steps(path: Path) -> list[int]:
+    return [r["step"] for r in _records(path) if "event" not in r]
+
+
+def _run(vc: VirtualCluster, args: argparse.Namespace, out: Path, churn: bool) -> dict:
+    """One run on the cluster; its figures."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    logs = out / "logs"
+    logs.mkdir()
+    h0 = vc.hosts[0].addr
+    lh_log = open(logs / "lighthouse.log", "w")
+    lh = vc.popen(0, [_lighthouse(), "--min_replicas", str(args.min_replicas), "--bind", f"0.0.0.0:{LIGHTHOUSE_PORT}",
+                      "--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1000"],
+                  stdout=lh_log, stderr=subprocess.STDOUT, torchrun_env=False)
+    argv = [sys.executable, "-m", "gossip.train", "--algo", "allreduce", "--data", "mnist1d", "--model", args.model,
+            "--batch-size", "32", "--lr", str(args.lr), "--epochs", "1000", "--max-steps", str(args.steps),
+            "--log-every", "1",
+            "--timeout", str(args.timeout), "--device", "cpu", "--fault-tolerance", f"{h0}:{LIGHTHOUSE_PORT}",
+            "--min-replicas", str(args.min_replicas), "--out", str(out)]
+
+    def start(k: int, tag: str) -> subprocess.Popen:
+        host = vc.hosts[k % vc.n]
+        env = {"REPLICA_GROUP_ID": str(k), "NUM_REPLICA_GROUPS": str(args.workers), "GOSSIP_FT_HOST": host.addr,
+               "GLOO_SOCKET_IFNAME": host.ifname, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+               "RUST_LOG": "warn"}
+        return vc.popen(k % vc.n, argv, env=env, stdout=open(logs / f"w{k}-{tag}.log", "w"),
+                        stderr=subprocess.STDOUT, torchrun_env=False)
+
+    t0 = time.monotonic()
+    procs = {k: start(k, "0") for k in range(args.workers)}
+    restarts: list[dict] = []
+    pending: list[tuple[float, int, int]] = []  # (restart time, worker, step killed at)
+    victims = list(range(1, args.workers))
+    next_kill, nkill = args.kill_every, 0
+    m0 = out / "metrics-rank0.jsonl"
+    try:
+        while True:
+            done = procs[0].poll() is not None
+            step0 = max(_steps(m0), default=0)
+            if churn and not done and step0 >= next_kill and step0 < args.steps - args.kill_every // 2:
+                k = victims[nkill % len(victims)]
+                nkill += 1
+                next_kill += args.kill_every
+                if procs[k].poll() is None:
+                    at = max(_steps(out / f"metrics-rank{k}.jsonl"), default=0)
+                    os.killpg(procs[k].pid, signal.SIGKILL)
+                    procs[k].wait()
+                    pending.append((time.monotonic() + args.delay, k, at))
+                    print(f"churn: SIGKILL worker {k} at its step {at} (worker 0 at {step0})", flush=True)
+            for item in list(pending):
+                when, k, at = item
+                if time.monotonic() >= when:
+                    pending.remove(item)
+                    procs[k] = start(k, f"r{len(restarts) + 1}")
+                    restarts.append({"worker": k, "killed_at_step": at, "started": time.monotonic(), "heal": None})
+            for r in restarts:
+                if r["heal"] is None:
+                    heals = [h for h in _records(out / f"metrics-rank{r['worker']}.jsonl")
+                             if h.get("event") == "heal" and h["from_step"] == 0]
+                    if len(heals) >= sum(1 for q in restarts if q["worker"] == r["worker"] and q is not r
+                                         and q["heal"] is not None) + 1:
+                        r["heal"] = heals[-1]
+                        r["time_to_heal_s"] = round(time.monotonic() - r["started"], 2)
+            if all(p.poll() is not None for p in procs.values()) and not pending:
+                break
+            if time.monotonic() - t0 > args.run_timeout:
+                raise SystemExit(f"churn: the run did not end within {args.run_timeout} s; logs in {logs}")
+            time.sleep(0.05)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        os.killpg(lh.pid, signal.SIGKILL)
+        lh.wait()
+        lh_log.close()
+    codes = {k: p.returncode for k, p in procs.items()}
+    killed = {r["worker"] for r in restarts}
+    survivors = [k for k in range(args.workers) if k not in killed]
+    lost, healed = {}, {}
+    for k in survivors:
+        s = _steps(out / f"metrics-rank{k}.jsonl")
+        end = max([r["step"] for r in _records(out / f"metrics-rank{k}.jsonl") if r.get("event") == "end"], default=0)
+        lost[k] = len(set(range(1, max(end, args.steps) + 1)) - set(s)) + (len(s) - len(set(s)))
+        healed[k] = sum(1 for r in _records(out / f"metrics-rank{k}.jsonl") if "healed_from" in r)
+    ends = [r for r in _records(m0) if r.get("event") == "end"]
+    discarded = sum((logs / f).read_text().count("discarded") for f in os.listdir(logs) if f.startswith("w0-"))
+    for r in restarts:
+        r.pop("started")
+        h = r.pop("heal")
+        r["healed_at_step"] = h["step"] if h else None
+        r["heal_bytes"] = h["bytes"] if h else None
+        r["steps_missed"] = (h["step"] - r["killed_at_step"]) if h else None
+        r.setdefault("time_to_heal_s", None)
+    return {"exit_codes": codes, "test_acc": ends[-1]["test_acc"] if ends else None,
+            "test_loss": ends[-1]["test_loss"] if ends else None, "wall_s": round(time.monotonic() - t0, 1),
+            "survivors": survivors, "survivor_steps_lost": lost,
+            "survivor_steps_taken_by_healing": healed, "steps_discarded_on_worker0": discarded,
+            "restarts": restarts}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--kill-every", type=int, default=80, metavar="K")
+    p.add_argument("--delay", type=float, default=3.0, help="seconds before a killed worker is started again")
+    p.add_argument("--min-replicas", type=int, default=None, help="default: workers - 1")
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--rate", default=None, help="link rate per host, e.g. 100mbit (default unshaped)")
+    p.add_argument("--delay-ms", type=float, default=None, help="one-way link latency in ms")
+    p.add_argument("--timeout", type=float, default=15.0,
+                   help="gossip.train --timeout: also how long a survivor may wait on a dead peer in a collective")
+    p.add_argument("--run-timeout", type=float, default=1800.0)
+    p.add_argument("--out", default=None, help="results JSON (default experiments/results/churn-W<w>-H<h>.json)")
+    p.add_argument("--work", default="/tmp/gossip-churn", help="run directories")
+    p.add_argument("--quick", action="store_true", help="4 workers on 2 hosts, 150 steps, a kill every 50")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.workers, a.hosts, a.steps, a.kill_every = 4, 2, 150, 50
+    if a.min_replicas is None:
+        a.min_replicas = max(1, a.workers - 1)
+    if not 2 <= a.workers or not 1 <= a.hosts <= a.workers or a.kill_every < 1 or a.steps <= a.kill_every:
+        p.error("need --workers >= 2, 1 <= --hosts <= --workers and --steps > --kill-every >= 1")
+    from benchmark import provenance
+
+    prov = provenance([])
+    prov["command"] = " ".join(["python", "experiments/churn.py", *(argv if argv is not None else sys.argv[1:])])
+    prov["sources"] = ["experiments/churn.py", "gossip/fault_tolerance.py"]
+    work = Path(a.work)
+    try:
+        with VirtualCluster(a.hosts, rate=a.rate, delay=(a.delay_ms / 1000 if a.delay_ms else None),
+                            prefix="churn") as vc:
+            ref = _run(vc, a, work / "undisturbed", churn=False)
+            churned = _run(vc, a, work / "churned", churn=True)
+            network = vc.describe()
+    except VClusterError as e:
+        print(f"churn: {e}", file=sys.stderr)
+        return 2
+    prov["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    res = {"provenance": prov, "network": network, "workers": a.workers, "hosts": a.hosts, "steps": a.steps,
+           "kill_every": a.kill_every, "restart_delay_s": a.delay, "min_replicas": a.min_replicas,
+           "undisturbed": ref, "churned": churned}
+    out = Path(a.out) if a.out else REPO / "experiments" / "results" / f"churn-W{a.workers}-H{a.hosts}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"{a.workers} workers on {a.hosts} hosts, {a.steps} steps, a kill every {a.kill_every} steps, "
+          f"restart after {a.delay:g} s ({network}); load {prov['load']} -> {prov['load_after']}")
+    print(f"test accuracy: undisturbed {ref['test_acc']}, churned {churned['test_acc']}")
+    print(f"steps lost by the survivors: {churned['survivor_steps_lost']} (taken by healing from a peer: "
+          f"{churned['survivor_steps_taken_by_healing']}); steps discarded "
+          f"(a worker died in them): {churned['steps_discarded_on_worker0']}")
+    print("| worker | killed at step | healed at step | steps missed | time to heal (s) | heal bytes |")
+    print("|---|---|---|---|---|---|")
+    for r in churned["restarts"]:
+        print(f"| {r['worker']} | {r['killed_at_step']} | {r['healed_at_step']} | {r['steps_missed']} | "
+              f"{r['time_to_heal_s']} | {r['heal_bytes']} |")
+    print(f"results: {out}")
+    ok = all(c == 0 for c in churned["exit_codes"].values()) and \
+        all(v == 0 for v in churned["survivor_steps_lost"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -241,9 +241,9 @@ class ModelSection:
         if self.name is not None and (not isinstance(self.name, str) or (self.name not in mdls and not _is_factory(self.name))):
             raise ConfigError(f"unknown --model {self.name!r}; accepted: {', '.join(mdls)}, "
                               f"or module.path:function (your own model, see gossip.factories)")
-        if self.options:  # checked against the model's options by TrainConfig (the default model depends on --data)
-            object.__setattr__(self, "options", _check_named_options("--model-opt", "the model", self.options,
-                                                                     _ANY_OPTION))
+        # keys are checked against the model's by TrainConfig (the default model depends on --data)
+        object.__setattr__(self, "options", _check_named_options("--model-opt", "the model", self.options,
+                                                                 _ANY_OPTION))
 
 
 @dataclass(frozen=True, kw_only=True)

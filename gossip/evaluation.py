@@ -42,6 +42,7 @@ _EVAL_BATCH = {CLASSIFICATION: 1000, LANGUAGE_MODEL: 64}
 
 
 def classification_loss(logits: Tensor, y: Tensor, reduction: str = "mean") -> Tensor:
+    """Cross-entropy of the logits ``(B, classes)`` against the labels ``(B,)``."""
     return F.cross_entropy(logits, y, reduction=reduction)
 
 

@@ -392,7 +392,7 @@ def _os_error_line(e: OSError, runner: Run | None) -> str:
 #: (paths such as --out and --data-dir may differ between hosts)
 AGREE_KEYS = FINGERPRINT_KEYS + (
     "max_steps", "checkpoint_every", "log_every", "emulate_latency", "device", "simulate", "tensorboard",
-) + OPTIMIZER_FINGERPRINT_KEYS
+) + OPTIMIZER_FINGERPRINT_KEYS + ("model_options", "data_options")
 
 
 #: bytes of one array hashed in full; a larger one is hashed in evenly spaced rows of

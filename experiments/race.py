@@ -57,6 +57,7 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -501,6 +502,7 @@ def main_netns(a: argparse.Namespace, names: list[str], bw_labels: list[str], ba
     common = ["--data", a.data, "--epochs", str(a.epochs), "--seed", str(a.seed), *_lr(a)]
     if a.model is not None:
         common += ["--model", a.model]
+    common += shlex.split(a.train_flags)
     results: dict = {name: {"runs": {}} for name in names}
     for bw, bps in zip(bw_labels, bandwidths):
         try:
@@ -534,6 +536,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--data", default="mnist1d")
     p.add_argument("--model", default=None, help="gossip.train's --model (default: the data set's own)")
+    p.add_argument("--train-flags", default="", metavar="FLAGS",
+                   help="more gossip.train flags for every method, e.g. '--data-dir my.txt --model-opt layers=2' "
+                        "(after the recipe's, so they win)")
     p.add_argument("--target", type=float, default=0.94,
                    help="test accuracy to reach (default 0.94); for a language model (--data text), the held-out "
                         "bits per byte to get down to, e.g. 3.0")
@@ -573,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--data", a.data, "--epochs", str(a.epochs), "--seed", str(a.seed), *_lr(a)]
     if a.model is not None:
         common += ["--model", a.model]
+    common += shlex.split(a.train_flags)
     results = {}
     load = [os.getloadavg()[0]]  # the compute times are measured on this machine: say how busy it was
     for name in names:

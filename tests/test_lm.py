@@ -227,3 +227,30 @@ def test_library_api_trains_a_gpt_with_the_users_sgd(text_file):
     torch.nn.utils.vector_to_parameters(opt.average(), avg.parameters())
     after = evaluation.test_metrics(avg, ds)["test_bpb"]
     assert 7.0 < before < 9.0 and after < before - 2.0, (before, after)
+
+
+def test_the_race_runs_language_models_to_a_bits_per_byte_target(text_file, tmp_path):
+    import sys
+
+    from tests.conftest import REPO
+
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        import race
+    finally:
+        sys.path.remove(str(REPO / "experiments"))
+    out = tmp_path / "race"
+    flags = f"--data-dir {text_file} --model-opt layers=1 --model-opt width=16 --model-opt heads=2 --data-opt " \
+            f"context=16 --batch-size 8 --lr 0.5"
+    assert race.main(["--methods", "allreduce,powersgd:2", "--nodes", "2", "--epochs", "2", "--data", "text",
+                      "--model", "gpt", "--train-flags", flags, "--target", "7.5", "--out", str(out)]) == 0
+    res = json.loads((out / "race.json").read_text())["results"]
+    for name in ("allreduce", "powersgd:2"):
+        r = res[name]
+        assert r["metric"] == "test_bpb" and r["final_score"] < 7.5 and r["final_test_acc"] is None
+        assert all("test_acc" not in p for p in r["points"])
+        # bits per byte are reached going down: the first evaluation at or below the target
+        first = next(p for p in r["points"] if p["score"] <= 7.5)
+        assert r["to_target"]["step"] == first["step"]
+    md = (out / "race.md").read_text()
+    assert "epoch to 7.5 bpb" in md and " bpb |" in md

@@ -242,7 +242,7 @@ def test_the_race_runs_language_models_to_a_bits_per_byte_target(text_file, tmp_
     out = tmp_path / "race"
     flags = f"--data-dir {text_file} --model-opt layers=1 --model-opt width=16 --model-opt heads=2 --data-opt " \
             f"context=16 --batch-size 8 --lr 0.5"
-    assert race.main(["--methods", "allreduce,powersgd:2", "--nodes", "2", "--epochs", "2", "--data", "text",
+    assert race.main(["--methods", "allreduce,powersgd:2", "--nodes", "2", "--epochs", "1", "--data", "text",
                       "--model", "gpt", "--train-flags", flags, "--target", "7.5", "--out", str(out)]) == 0
     res = json.loads((out / "race.json").read_text())["results"]
     for name in ("allreduce", "powersgd:2"):

@@ -3,14 +3,14 @@
 Shared by experiments/lm_recipes.py and experiments/powersgd_lstm.py: each command runs
 in a process of its own (its wall clock is what a user waits, start-up and data loading
 included), and its record holds the command, the summary's figures, the wall clock and
-the load average before and after, next to the commit and the machine.
+the load average before and after; the scripts add the results file's provenance
+(commit, machine, load) with experiments/_provenance.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -18,23 +18,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
-
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def provenance() -> dict:
-    return {
-        "commit": _git("rev-parse", "--short=12", "HEAD") or None,
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-        "python": platform.python_version(),
-    }
+from experiments import _provenance  # noqa: E402,F401  (the scripts' provenance, through this module)
 
 
 def run_train(args: list[str], out: Path) -> dict:
@@ -58,6 +45,3 @@ def run_train(args: list[str], out: Path) -> dict:
     return rec
 
 
-def write(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**payload, "provenance": provenance()}, indent=1) + "\n")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _lmruns import REPO, run_train, write  # noqa: E402
+from _lmruns import REPO, _provenance, run_train  # noqa: E402
 
 #: name -> gossip.train flags; --max-steps is given separately (the recipe's, or --steps)
 RECIPES = {
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/lm-recipes", help="directory of the run directories")
     p.add_argument("--json", default=str(REPO / "experiments" / "results" / "lm_recipes.json"))
     a = p.parse_args(argv)
+    prov = _provenance.start(["gossip", "experiments/lm_recipes.py", "experiments/_lmruns.py"], argv=None if argv is None else ["experiments/lm_recipes.py", *argv])
     names = [n.strip() for n in a.recipes.split(",") if n.strip()]
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
@@ -61,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{rec['final_test_bpb']:.3f} bits per byte (perplexity per byte {rec['final_test_ppl']:.2f}) in "
               f"{rec['wall_s']:.0f} s wall clock, load average {rec['load_average'][0]:.1f} -> "
               f"{rec['load_average'][1]:.1f}", flush=True)
-    write(Path(a.json), {"command": "python experiments/lm_recipes.py " + " ".join(sys.argv[1:] if argv is None
-                                                                                  else argv), "results": results})
+    _provenance.write(a.json, results, prov)  # the command, commit, machine and load are in the provenance
     print(f"lm_recipes: wrote {a.json}")
     return 0 if all(r["exit"] == 0 for r in results.values()) else 1
 

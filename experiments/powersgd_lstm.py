@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _lmruns import REPO, run_train, write  # noqa: E402
+from _lmruns import REPO, _provenance, run_train  # noqa: E402
 
 COMMON = ["--simulate", "4", "--model", "lstm", "--model-opt", "layers=3", "--model-opt", "width=192",
           "--data-opt", "context=64", "--batch-size", "8", "--optimizer", "sgd", "--momentum", "0.9",
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/powersgd-lstm")
     p.add_argument("--json", default=str(REPO / "experiments" / "results" / "powersgd_lstm.json"))
     a = p.parse_args(argv)
+    prov = _provenance.start(["gossip", "experiments/powersgd_lstm.py", "experiments/_lmruns.py"], argv=None if argv is None else ["experiments/powersgd_lstm.py", *argv])
     data = ["--data", a.data] + (["--data-dir", a.data_dir] if a.data_dir else [])
     rows = {}
     for name, flags in METHODS.items():
@@ -91,11 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"powersgd_lstm: rank 1 - SGD {checks['rank1_minus_sgd_bpb']:+.3f} bpb "
               f"(clearly worse: {checks['rank1_clearly_worse']}), rank 4 - SGD {checks['rank4_minus_sgd_bpb']:+.3f} "
               f"bpb (within {a.tolerance}: {checks['rank4_within_tolerance']})")
-    write(Path(a.json), {"command": "python experiments/powersgd_lstm.py " + " ".join(sys.argv[1:] if argv is None
-                                                                                    else argv),
-                         "paper": {"perplexity": {"sgd": 91, "rank1": 102, "rank2": 93, "rank4": 91},
-                                   "mb_per_epoch": {"sgd": 7730, "rank1": 25, "rank2": 38, "rank4": 64}},
-                         "results": rows, "checks": checks})
+    _provenance.write(a.json, {"paper": {"perplexity": {"sgd": 91, "rank1": 102, "rank2": 93, "rank4": 91},
+                                         "mb_per_epoch": {"sgd": 7730, "rank1": 25, "rank2": 38, "rank4": 64}},
+                               "runs": rows, "checks": checks}, prov)
     print(f"powersgd_lstm: wrote {a.json}")
     return 0 if ok else 1
 

@@ -57,6 +57,7 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,31 @@ if str(REPO) not in sys.path:
 
 from experiments import _provenance  # noqa: E402
 from gossip import checkpoint, crossover, rundir  # noqa: E402
+from gossip.evaluation import PRIMARY  # noqa: E402
+
+#: the figure the race is run to, per task: test accuracy (up to the target) for a
+#: classifier, held-out bits per byte (down to the target) for a language model
+_WORDS = {"test_acc": "test accuracy", "test_bpb": "test bits per byte"}
+
+
+def _metric(rec: dict) -> str:
+    """The task's figure in an eval record (the data set declared the task; its records say which)."""
+    return PRIMARY["lm"][0] if PRIMARY["lm"][0] in rec else PRIMARY["classification"][0]
+
+
+def _reached(p: dict, target: float) -> bool:
+    higher = p["metric"] == PRIMARY["classification"][0]
+    return p["score"] >= target if higher else p["score"] <= target
+
+
+def _fmt_score(metric: str, v: float | None) -> str:
+    return "-" if v is None else (f"{v:.2%}" if metric == "test_acc" else f"{v:.3f} bpb")
+
+
+def _point(r: dict) -> dict:
+    """An evaluation's figure: its name, value, and the accuracy under its old key."""
+    m = _metric(r)
+    return {"metric": m, "score": r[m], m: r[m]}
 
 #: the code a race's figures measure (for `python -m experiments.render --stale`)
 SOURCES = ["gossip", "experiments/race.py"]
@@ -137,14 +163,16 @@ def curve(run_dir: Path) -> dict:
         if r["kind"] != "eval":
             continue
         t = train[r["step"]]
-        points.append({"step": r["step"], "epoch": r["epoch"], "test_acc": r["test_acc"],
+        points.append({"step": r["step"], "epoch": r["epoch"], **_point(r),
                        "bytes": t["bytes_sent"], "compute_s": t["compute_s"], "codec_s": t["compress_s"]})
     summary = rundir.read_json(rundir.summary_path(run_dir))
     last = checkpoint.latest_checkpoint(run_dir, num_ranks=1)
     ledger = checkpoint.load_checkpoint(last)["ledger"]
     steps = max(1, summary["steps"])
     calls = {op: v[0] / steps for op, v in ledger["ops"].items() if op != "control" and v[0]}
+    metric = points[-1]["metric"] if points else "test_acc"
     return {"points": points, "calls_per_step": calls, "final_test_acc": summary["final_test_acc"],
+            "metric": metric, "final_score": summary.get("final_" + metric),
             "steps": summary["steps"], "wire": summary["wire"], "world_size": summary["world_size"]}
 
 
@@ -158,7 +186,7 @@ def to_target(c: dict, target: float, bandwidths: list[float], latency: float) -
     """Bytes and modelled time at the first evaluation reaching ``target`` (None: never)."""
     n = c["world_size"]
     for p in c["points"]:
-        if p["test_acc"] >= target:
+        if _reached(p, target):
             return {"step": p["step"], "epoch": p["epoch"], "bytes": p["bytes"],
                     "time_s": [modelled_time(p, c["calls_per_step"], n, b, latency) for b in bandwidths]}
     return {"step": None, "epoch": None, "bytes": None, "time_s": [None for _ in bandwidths]}
@@ -174,16 +202,23 @@ def _fmt_bytes(b: float | None) -> str:
     return f"{b:.1f} GB"
 
 
+def _target_text(results: dict, target: float) -> str:
+    metric = next((r.get("metric") for r in results.values() if r.get("metric")), "test_acc")
+    return f"{target:.0%}" if metric == "test_acc" else f"{target:g} bpb"
+
+
 def table(results: dict, target: float, bw_labels: list[str]) -> str:
-    head = ["method", "wire", f"epoch to {target:.0%}", "bytes/node to target"] + \
-        [f"time to target @ {b}" for b in bw_labels] + ["final acc"]
+    head = ["method", "wire", f"epoch to {_target_text(results, target)}", "bytes/node to target"] + \
+        [f"time to target @ {b}" for b in bw_labels] + ["final"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in results.items():
         t = r["to_target"]
         times = ["-" if s is None else f"{s:.3g} s" for s in t["time_s"]]
         epoch = "not reached" if t["epoch"] is None else f"{t['epoch']:.0f}"
+        metric = r.get("metric", "test_acc")
+        final = r["final_test_acc"] if metric == "test_acc" else r.get("final_score")
         lines.append("| " + " | ".join([name, r["wire"]["label"], epoch, _fmt_bytes(t["bytes"]), *times,
-                                         f"{r['final_test_acc']:.2%}"]) + " |")
+                                         _fmt_score(metric, final)]) + " |")
     return "\n".join(lines)
 
 
@@ -210,12 +245,12 @@ def plot(results: dict, bandwidths: list[float], bw_labels: list[str], latency: 
         for i, (name, r) in enumerate(results.items()):
             n = r["world_size"]
             xs = [modelled_time(p, r["calls_per_step"], n, b, latency) for p in r["points"]]
-            ax.plot(xs, [p["test_acc"] for p in r["points"]], label=name, **_style(i))
+            ax.plot(xs, [p["score"] for p in r["points"]], label=name, **_style(i))
         if target is not None:
             ax.axhline(target, color="grey", lw=0.8, ls="--")
         ax.set_xscale("log")
         ax.set_xlabel("modelled wall-clock time (s)")
-        ax.set_ylabel("test accuracy")
+        ax.set_ylabel(_WORDS[next((r["metric"] for r in results.values()), "test_acc")])
         ax.set_title(f"{label}, latency {latency * 1e3:g} ms")
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)
@@ -245,7 +280,7 @@ def measured_curve(run_dir: Path, bandwidth: float) -> dict:
         if r["kind"] != "eval" or r["step"] not in train:
             continue
         t = train[r["step"]]
-        pt = {"step": r["step"], "epoch": r["epoch"], "test_acc": r["test_acc"], "time_s": r["time"],
+        pt = {"step": r["step"], "epoch": r["epoch"], **_point(r), "time_s": r["time"],
               "train_time_s": t["time"], "bytes": t["bytes_sent"], "compute_s": t["compute_s"],
               "codec_s": t["compress_s"], "comm_s": t["comm_s"], "warmup_s": t.get("warmup_s", 0.0)}
         pt["model_s"] = modelled_time(pt, {}, 1, bandwidth, 0.0)
@@ -255,7 +290,7 @@ def measured_curve(run_dir: Path, bandwidth: float) -> dict:
 
 def measured_to_target(points: list[dict], target: float) -> dict:
     for p in points:
-        if p["test_acc"] >= target:
+        if _reached(p, target):
             return {"step": p["step"], "epoch": p["epoch"], "bytes": p["bytes"], "time_s": p["time_s"],
                     "model_s": p["model_s"], "model_error": p["model_s"] / p["time_s"] - 1.0,
                     # the model leaves the first step out (compilation, first calls, ranks' start-up skew)
@@ -285,7 +320,7 @@ def run_netns_method(vc, name: str, bw_label: str, bandwidth: float, out: Path, 
         if to_end or now - checked[0] < 1.0:
             return
         checked[0] = now
-        if metrics.is_file() and any(r["kind"] == "eval" and r["test_acc"] >= target
+        if metrics.is_file() and any(r["kind"] == "eval" and _reached(_point(r), target)
                                      for r in rundir.read_metrics(metrics)):
             raise _Reached
 
@@ -347,8 +382,9 @@ def netns_record(run_dir: Path, bandwidth: float, target: float, *, ok: bool, st
     return {
         "run_dir": str(run_dir), "ok": ok, "stopped_at_target": stopped, "date": date, "load_average": load,
         "launch_wall_s": wall, "points": pts, "to_target": measured_to_target(pts, target),
-        "last_test_acc": pts[-1]["test_acc"] if pts else None, "last_epoch": pts[-1]["epoch"] if pts else None,
+        "last_test_acc": pts[-1].get("test_acc") if pts else None, "last_epoch": pts[-1]["epoch"] if pts else None,
         "final_test_acc": summary["final_test_acc"] if summary else None, "wire": wire,
+        "metric": pts[-1]["metric"] if pts else None, "last_score": pts[-1]["score"] if pts else None,
     }
 
 
@@ -358,9 +394,11 @@ def _pct(x: float | None) -> str:
 
 def netns_table(results: dict, target: float, bw_labels: list[str]) -> str:
     """One row per run: to target, measured and modelled; the first step; the end."""
-    head = ["bandwidth", "method", "wire", f"epoch to {target:.0%}", "bytes/node to target",
-            "time to target, measured", "modelled (error)", "first step, measured",
-            "model error, first step left out", "accuracy at the end (epoch)",
+    runs = [run for r in results.values() for run in r["runs"].values()]
+    metric = next((run.get("metric") for run in runs if run.get("metric")), "test_acc")
+    head = ["bandwidth", "method", "wire", f"epoch to {_target_text({'_': {'metric': metric}}, target)}",
+            "bytes/node to target", "time to target, measured", "modelled (error)", "first step, measured",
+            "model error, first step left out", f"{_WORDS[metric]} at the end (epoch)",
             "last evaluation: measured / modelled", "load start→end", "date (UTC)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for bw in bw_labels:
@@ -373,7 +411,7 @@ def netns_table(results: dict, target: float, bw_labels: list[str]) -> str:
                 end = last = "failed" if not run["ok"] else "-"
             else:
                 how = "stopped at target" if run["stopped_at_target"] else ("last epoch" if run["ok"] else "failed")
-                end = f"{run['last_test_acc']:.2%} ({run['last_epoch']:.0f}, {how})"
+                end = f"{_fmt_score(metric, run.get('last_score', run['last_test_acc']))} ({run['last_epoch']:.0f}, {how})"
                 q = pts[-1]
                 last = f"{q['time_s']:.1f} s / {q['model_s']:.1f} s ({_pct(q['model_s'] / q['time_s'] - 1)})"
             reached = t["time_s"] is not None
@@ -401,14 +439,14 @@ def netns_plot(results: dict, bw_labels: list[str], path: Path, target: float | 
             if not pts:
                 continue
             style = _style(i)
-            acc = [p["test_acc"] for p in pts]
+            acc = [p["score"] for p in pts]
             ax.plot([p["time_s"] for p in pts], acc, label=name, **style)
             ax.plot([p["model_s"] for p in pts], acc, ls="--", lw=0.8, color=style["color"])
+            ax.set_ylabel(_WORDS[pts[-1]["metric"]])
         if target is not None:
             ax.axhline(target, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log")
         ax.set_xlabel("wall-clock time (s): measured (solid), modelled (dashed)")
-        ax.set_ylabel("test accuracy")
         ax.set_title(f"{bw} per link (tc), torchrun ranks in network namespaces")
         ax.grid(alpha=0.3)
     for ax in axes[0]:  # the legend on the first panel with runs
@@ -462,6 +500,9 @@ def main_netns(a: argparse.Namespace, names: list[str], bw_labels: list[str], ba
         print(f"race: error: --mode netns {e}", file=sys.stderr)
         return 2
     common = ["--data", a.data, "--epochs", str(a.epochs), "--seed", str(a.seed), *_lr(a)]
+    if a.model is not None:
+        common += ["--model", a.model]
+    common += shlex.split(a.train_flags)
     results: dict = {name: {"runs": {}} for name in names}
     for bw, bps in zip(bw_labels, bandwidths):
         try:
@@ -494,7 +535,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--data", default="mnist1d")
-    p.add_argument("--target", type=float, default=0.94, help="test accuracy to reach (default 0.94)")
+    p.add_argument("--model", default=None, help="gossip.train's --model (default: the data set's own)")
+    p.add_argument("--train-flags", default="", metavar="FLAGS",
+                   help="more gossip.train flags for every method, e.g. '--data-dir my.txt --model-opt layers=2' "
+                        "(after the recipe's, so they win)")
+    p.add_argument("--target", type=float, default=0.94,
+                   help="test accuracy to reach (default 0.94); for a language model (--data text), the held-out "
+                        "bits per byte to get down to, e.g. 3.0")
     p.add_argument("--bandwidth", default="10mbit,100mbit", help="link rates (default 10mbit,100mbit)")
     p.add_argument("--latency", default="0", help="one-way latency (default 0)")
     p.add_argument("--seed", type=int, default=0)
@@ -529,6 +576,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.mode == "netns":
         return main_netns(a, names, bw_labels, bandwidths, out, cmd)
     common = ["--data", a.data, "--epochs", str(a.epochs), "--seed", str(a.seed), *_lr(a)]
+    if a.model is not None:
+        common += ["--model", a.model]
+    common += shlex.split(a.train_flags)
     results = {}
     load = [os.getloadavg()[0]]  # the compute times are measured on this machine: say how busy it was
     for name in names:

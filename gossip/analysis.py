@@ -79,6 +79,8 @@ __all__ = [
     "plot_spectral_gaps",
     "plot_sweep",
     "plot_test_accuracy",
+    "plot_test_bpb",
+    "plot_test_metric",
     "plot_train_loss",
     "run_label",
     "spectral_gaps",
@@ -94,8 +96,8 @@ _RUN_CONFIG_KEYS = (
 )
 #: summary keys copied into the runs table
 _RUN_SUMMARY_KEYS = (
-    "steps", "final_train_loss", "final_test_loss", "final_test_acc", "consensus_distance",
-    "bytes_sent_per_node_per_step", "bytes_ratio_to_dpsgd", "setup_bytes_per_node", "bits_per_coord_measured",
+    "steps", "final_train_loss", "final_test_loss", "final_test_acc", "final_test_bpb", "final_test_ppl",
+    "consensus_distance", "bytes_sent_per_node_per_step", "bytes_ratio_to_dpsgd", "setup_bytes_per_node", "bits_per_coord_measured",
     "wall_time_s", "warmup_s",
 )
 #: config keys that may tell two runs with the same label apart, with their short names
@@ -268,6 +270,8 @@ def _run_row(run: Run) -> dict[str, Any]:
     row: dict[str, Any] = {"run": run.name, "label": run.label, "path": str(run.path), "complete": run.complete}
     for k in _RUN_CONFIG_KEYS:
         row[k] = cfg.get(k)
+    # the task the run's data set declared; runs written before it was recorded classified
+    row["task"] = cfg.get("task") or summ.get("task") or "classification"
     wire = rundir.wire_of(cfg, run.summary)
     row["compressor"] = wire["label"]
     row["bits"] = wire["bits_per_coord"]
@@ -283,7 +287,8 @@ def _run_row(run: Run) -> dict[str, Any]:
         if not ev.empty:
             last = ev.sort_values("step").iloc[-1]
             for src, dst in (("train_loss", "final_train_loss"), ("test_loss", "final_test_loss"),
-                             ("test_acc", "final_test_acc"), ("consensus_distance", "consensus_distance")):
+                             ("test_acc", "final_test_acc"), ("test_bpb", "final_test_bpb"),
+                             ("test_ppl", "final_test_ppl"), ("consensus_distance", "consensus_distance")):
                 if src in last:
                     row[dst] = last[src]
         if not tr.empty:
@@ -414,12 +419,22 @@ def eval_curves(metrics: pd.DataFrame | Runs | Run) -> pd.DataFrame:
     return ev.sort_values(["run", "step"], kind="stable", ignore_index=True)
 
 
+def _task_columns(df: pd.DataFrame) -> list[str]:
+    """The figures that judge the runs' tasks: accuracy for classifiers, bits per byte and
+    perplexity for language models (both where the runs mix them)."""
+    tasks = set(df["task"]) if "task" in df.columns else {"classification"}
+    cols = ["final_test_acc"] if "classification" in tasks or not tasks else []
+    return cols + (["final_test_bpb", "final_test_ppl"] if "lm" in tasks else [])
+
+
 def final_table(runs: pd.DataFrame | Runs, columns: Sequence[str] | None = None) -> pd.DataFrame:
-    """The runs' final figures, one row per run, indexed by label."""
+    """The runs' final figures, one row per run, indexed by label. The test figures are
+    those of the runs' tasks: accuracy for classification, bits per byte and perplexity
+    for language modelling (final_test_loss is per example, or per token)."""
     df = runs.runs if isinstance(runs, Runs) else runs
     cols = list(columns) if columns is not None else [
         "label", "world_size", "partition", "epochs_done", "steps", "final_train_loss", "final_test_loss",
-        "final_test_acc", "consensus_distance", "bytes_sent_per_node_per_step", "bytes_ratio_to_dpsgd",
+        *_task_columns(df), "consensus_distance", "bytes_sent_per_node_per_step", "bytes_ratio_to_dpsgd",
         "wall_time_s", "complete",
     ]
     missing = [c for c in cols if c not in df.columns]
@@ -551,6 +566,26 @@ def plot_test_accuracy(metrics, x: str = "epoch", *, ax=None, **kw):
                        title=kw.pop("title", "test accuracy"), **kw)
 
 
+def plot_test_bpb(metrics, x: str = "epoch", *, ax=None, **kw):
+    """Held-out bits per byte of the averaged model against ``x`` (language models)."""
+    col, xl = _x_axis(x)
+    kw.setdefault("styles", _run_styles(metrics))
+    return plot_curves(eval_curves(metrics), col, "test_bpb", ax=ax, logx=(x == "bytes"), xlabel=xl,
+                       ylabel="test bits per byte (averaged model)", marker="o",
+                       title=kw.pop("title", "test bits per byte"), **kw)
+
+
+def plot_test_metric(metrics, x: str = "epoch", *, ax=None, **kw):
+    """The test figure of the runs' task: accuracy (classification) or bits per byte
+    (language models, or where no run reports accuracy)."""
+    ev = eval_curves(metrics)
+    if "test_acc" in ev.columns and ev["test_acc"].notna().any():
+        return plot_test_accuracy(metrics, x, ax=ax, **kw)
+    if "test_bpb" in ev.columns:
+        return plot_test_bpb(metrics, x, ax=ax, **kw)
+    return plot_test_accuracy(metrics, x, ax=ax, **kw)
+
+
 def plot_consensus(metrics, x: str = "step", *, ax=None, **kw):
     """Consensus distance (spread of the nodes' models around their mean) against ``x``.
 
@@ -573,15 +608,15 @@ def plot_consensus(metrics, x: str = "step", *, ax=None, **kw):
 
 
 def plot_convergence(metrics, *, title: str | None = None):
-    """Six panels: loss against epochs, wall time and bytes; test accuracy; consensus
-    distance against steps; test loss. Returns the figure."""
+    """Six panels: loss against epochs, wall time and bytes; test accuracy (bits per byte
+    for language models); consensus distance against steps; test loss. Returns the figure."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     plot_train_loss(metrics, "epoch", ax=axes[0, 0], legend=False)
     plot_train_loss(metrics, "time", ax=axes[0, 1], legend=False)
     plot_loss_vs_bytes(metrics, ax=axes[0, 2], legend=False)
-    plot_test_accuracy(metrics, ax=axes[1, 0], legend=False)
+    plot_test_metric(metrics, ax=axes[1, 0], legend=False)
     plot_consensus(metrics, ax=axes[1, 1], legend=False)
     plot_curves(eval_curves(metrics), "epoch", "test_loss", ax=axes[1, 2], logy=True, marker="o",
                 ylabel="test loss (averaged model)", title="test loss", legend=False, styles=_run_styles(metrics))

@@ -148,6 +148,55 @@ def _is_factory(name: object) -> bool:
     return isinstance(name, str) and ":" in name
 
 
+class _AnyOption(tuple):
+    """Accepts every key: a model's options are checked once the model is known."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __bool__(self) -> bool:
+        return True
+
+
+_ANY_OPTION = _AnyOption()
+
+
+def _text_value(text: str) -> Any:
+    """A --model-opt/--data-opt value: true/false, an integer, a number, else the text."""
+    if text.strip().lower() in ("true", "false"):
+        return text.strip().lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _check_named_options(flag: str, what: str, raw: Any, accepted: tuple[str, ...] | None) -> tuple:
+    """``options`` of a model or data set as sorted ``(key, value)`` pairs; keys checked
+    against ``accepted`` (None: the user's own, which takes none), text read as a value."""
+    if not isinstance(raw, Mapping):
+        try:
+            raw = dict(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{flag}: expected a table of KEY = VALUE, got {raw!r}") from None
+    opts = {}
+    for k, v in raw.items():
+        key = str(k).replace("-", "_")
+        if not accepted or key not in accepted:
+            took = f"; accepted: {', '.join(accepted)}" if accepted else ", which takes none"
+            raise ConfigError(f"{flag} {key}: not an option of {what}{took}")
+        if isinstance(v, str):
+            v = _text_value(v)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{flag} {key}={v!r}: must be a finite number")
+        if not isinstance(v, (bool, int, float, str)):
+            raise ConfigError(f"{flag} {key}: a value must be a number, true/false or text, got {v!r}")
+        opts[key] = v
+    return tuple(sorted(opts.items()))
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataSection:
     """What each node trains on: ``[data]`` in a TOML file."""
@@ -156,12 +205,19 @@ class DataSection:
     data_dir: str | None = None
     partition: str = "iid"
     batch_size: int = 32
+    #: the data set's own options (``--data-opt context=256``), sorted ``(key, value)`` pairs
+    options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         datas = _registries()[4]
         if not isinstance(self.name, str) or (self.name not in datas and not _is_factory(self.name)):
             raise ConfigError(f"unknown --data {self.name!r}; accepted: {', '.join(datas)}, "
                               f"or module.path:function (your own data, see gossip.factories)")
+        from gossip import data as _data
+
+        accepted = None if _is_factory(self.name) else _data.dataset_options(self.name)
+        object.__setattr__(self, "options", _check_named_options("--data-opt", f"--data {self.name}",
+                                                                 self.options, accepted))
         if self.partition not in ("iid", "sorted"):
             raise ConfigError(f"--partition must be 'iid' or 'sorted', got {self.partition!r}")
         if _bad_int("batch_size", self.batch_size, 1):
@@ -173,12 +229,17 @@ class ModelSection:
     """``[model]``: the model's name; unset picks the data set's own."""
 
     name: str | None = None
+    #: the model's own options (``--model-opt layers=4``), sorted ``(key, value)`` pairs
+    options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         mdls = _registries()[3]
         if self.name is not None and (not isinstance(self.name, str) or (self.name not in mdls and not _is_factory(self.name))):
             raise ConfigError(f"unknown --model {self.name!r}; accepted: {', '.join(mdls)}, "
                               f"or module.path:function (your own model, see gossip.factories)")
+        # keys are checked against the model's by TrainConfig (the default model depends on --data)
+        object.__setattr__(self, "options", _check_named_options("--model-opt", "the model", self.options,
+                                                                 _ANY_OPTION))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -443,6 +504,8 @@ _RENAMED = {
     "model": ("model", "name"),
     "algo": ("algorithm", "name"),
     "algo_options": ("algorithm", "options"),
+    "model_options": ("model", "options"),
+    "data_options": ("data", "options"),
 }
 #: every flat key -> (section, field)
 FLAT_KEYS: dict[str, tuple[str, str]] = {
@@ -532,6 +595,12 @@ class TrainConfig:
 
     def _check_across(self) -> None:
         alg, comm, opt = self.algorithm, self.comm, self.optim
+        if self.model.options:  # the model is known here (its default depends on --data)
+            from gossip import models as _models
+
+            name = self.model_name
+            accepted = None if _is_factory(name) else _models.model_options(name)
+            _check_named_options("--model-opt", f"--model {name}", self.model.options, accepted)
         which = "--optimizer adamw" if opt.optimizer else f"--algo {alg.name}'s default optimizer adamw"
         if self.local_optimizer == "adamw" and opt.momentum is not None and "momentum" not in _algo_fields(alg.name):
             raise ConfigError(f"--momentum is the SGD optimizer's; {which} has --beta1 (its momentum) and --beta2 instead")
@@ -586,14 +655,16 @@ class TrainConfig:
             return self.model.name
         if _is_factory(self.data.name):
             return "mlp"  # the user's own data: a multi-layer perceptron unless --model says otherwise
-        return {"cifar10": "resnet20", "synthetic": "logreg"}.get(self.data.name, "cnn1d")
+        return {"cifar10": "resnet20", "synthetic": "logreg", "text": "gpt", "wikitext2": "gpt"}.get(self.data.name,
+                                                                                                     "cnn1d")
 
     def flat(self) -> dict[str, Any]:
         """The flat keys and their values (no derived ones)."""
         out = {}
         for key, (sec, fld) in FLAT_KEYS.items():
             out[key] = getattr(getattr(self, sec), fld)
-        out["algo_options"] = dict(out["algo_options"])
+        for key in _OPTION_TABLES:
+            out[key] = dict(out[key])
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -617,7 +688,10 @@ _FLAT_ORDER = (
     "weight_decay", "seed", "device", "out", "checkpoint_every", "resume", "timeout", "emulate_latency",
     "simulate", "log_every", "progress", "merge", "merge_max_groups", "merge_alpha", "algo_options",
     "tensorboard", "overwrite", "optimizer", "beta1", "beta2", "fault_tolerance", "min_replicas",
+    "model_options", "data_options",
 )
+#: the flat keys that are tables of KEY = VALUE (flags --algo-opt, --model-opt, --data-opt)
+_OPTION_TABLES = ("algo_options", "model_options", "data_options")
 assert set(_FLAT_ORDER) == set(FLAT_KEYS), "every flat key has its place in config.json"
 
 
@@ -625,7 +699,8 @@ assert set(_FLAT_ORDER) == set(FLAT_KEYS), "every flat key has its place in conf
 _DEFAULT_TEXT = {
     "topology": "onepeer-exp for sgp, ring otherwise",
     "weights": "uniform when regular",
-    "model": "cnn1d for mnist1d, resnet20 for cifar10, logreg for synthetic, mlp for your own data",
+    "model": "cnn1d for mnist1d, resnet20 for cifar10, logreg for synthetic, gpt for text and wikitext2, "
+    "mlp for your own data",
 }
 
 
@@ -648,8 +723,17 @@ _HELP = {
     "returning a torch.nn.Module",
     "data": "data set, or your own as module.path:function, called as function(seed) and returning a "
     "gossip.data.Dataset or ((x_train, y_train), (x_test, y_test))",
-    "data_dir": "directory of a local data set (cifar10: the python batches)",
-    "partition": "iid: random equal shards; sorted: contiguous slices of the label-sorted data",
+    "data_dir": "directory of a local data set (cifar10: the python batches; wikitext2: wiki.train.raw, "
+    "wiki.valid.raw, wiki.test.raw) or, for text, a UTF-8 file or folder (default: the Python standard "
+    "library's sources)",
+    "model_options": "an option of the model, repeatable, e.g. --model gpt --model-opt layers=4 --model-opt "
+    "width=128 --model-opt heads=4; an unknown key lists the accepted ones (default: none; a TOML file "
+    "gives them as a [model_options] table)",
+    "data_options": "an option of the data set, repeatable, e.g. --data text --data-opt context=128 "
+    "--data-opt test_fraction=0.1 --data-opt max_test_bytes=65536 (default: none; a TOML file gives them "
+    "as a [data_options] table)",
+    "partition": "iid: random equal shards; sorted: contiguous slices of the label-sorted data (text: of "
+    "the text)",
     "epochs": "passes over each node's shard",
     "max_steps": "stop after this many steps (the schedule still spans --epochs; resume to go on)",
     "batch_size": "mini-batch size per node",
@@ -763,6 +847,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--algo-opt", dest="algo_options", action="append", metavar="KEY=VALUE", help=_HELP["algo_options"]
     )
+    p.add_argument(
+        "--model-opt", dest="model_options", action="append", metavar="KEY=VALUE", help=_HELP["model_options"]
+    )
+    p.add_argument(
+        "--data-opt", dest="data_options", action="append", metavar="KEY=VALUE", help=_HELP["data_options"]
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     p.add_argument("--tensorboard", action="store_true", help=_HELP["tensorboard"])
     p.add_argument("--overwrite", action="store_true", help=_HELP["overwrite"])
@@ -775,9 +865,9 @@ _FIELD_TO_FLAT = {(sec, fld): key for key, (sec, fld) in FLAT_KEYS.items()}
 
 def _check_toml_type(path: str, key: str, value: Any) -> None:
     """A TOML value against its field's type: ``lazy = "false"`` is text, not a bool."""
-    if key == "algo_options":
+    if key in _OPTION_TABLES:
         if not isinstance(value, dict):
-            raise ConfigError(f"--config {path!r}: algo_options = {value!r} must be a table, e.g. [algo_options]")
+            raise ConfigError(f"--config {path!r}: {key} = {value!r} must be a table, e.g. [{key}]")
         return
     sec, fld = FLAT_KEYS[key]
     kinds = _kinds(typing.get_type_hints(SECTIONS[sec])[fld])
@@ -853,18 +943,21 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     cfg_path = ns.pop("config", None)
     if cfg_path is not None:
         values.update(_load_toml(cfg_path))
-    flags = ns.pop("algo_options", [])
-    if flags:
-        merged = values.get("algo_options", {})
+    for table, flag, example in (("algo_options", "--algo-opt", "rank=4"), ("model_options", "--model-opt", "layers=4"),
+                                 ("data_options", "--data-opt", "context=128")):
+        flags = ns.pop(table, None) or []
+        if not flags:
+            continue
+        merged = values.get(table, {})
         if not isinstance(merged, Mapping):
-            raise ConfigError(f"--config {cfg_path!r}: algo_options must be a table, got {merged!r}")
+            raise ConfigError(f"--config {cfg_path!r}: {table} must be a table, got {merged!r}")
         merged = {str(k).replace("-", "_"): v for k, v in merged.items()}
         for item in flags:
             key, eq, text = item.partition("=")
             if not eq or not key.strip():
-                raise ConfigError(f"--algo-opt {item!r}: expected KEY=VALUE, e.g. --algo-opt rank=4")
+                raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE, e.g. {flag} {example}")
             merged[key.strip().replace("-", "_")] = text
-        values["algo_options"] = merged
+        values[table] = merged
     values.update(ns)
     try:
         return TrainConfig.from_flat(values)

@@ -59,9 +59,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gossip import textdata
 from gossip._atomic import write_atomically
 
 __all__ = [
+    "CLASSIFICATION",
+    "LANGUAGE_MODEL",
+    "TASKS",
     "CIFAR10_MEAN",
     "CIFAR10_STD",
     "PARTITION_SCHEMES",
@@ -73,8 +77,10 @@ __all__ = [
     "register_dataset",
     "build_dataset",
     "build_loaders",
+    "dataset_options",
     "default_cache_dir",
     "partition",
+    "partition_dataset",
     "stack_next",
 ]
 
@@ -84,6 +90,11 @@ CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 PARTITION_SCHEMES = ("iid", "sorted")
+
+#: the tasks a data set declares: one label per example, or next-token language modelling
+CLASSIFICATION = "classification"
+LANGUAGE_MODEL = "lm"
+TASKS = (CLASSIFICATION, LANGUAGE_MODEL)
 
 # Stream numbers for derived generators: one per use, so streams never overlap.
 _STREAM_PARTITION = 1
@@ -133,12 +144,17 @@ def _one_line(exc: BaseException) -> str:
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Dataset:
-    """A classification data set held in memory.
+    """A data set held in memory, with the task it declares.
 
-    ``x_train``/``x_test`` are float32 tensors shaped ``(N, *input_shape)``;
-    ``y_train``/``y_test`` are int64 tensors shaped ``(N,)`` with values in
-    ``[0, num_classes)``. ``augment``, when set, is a per-batch training transform
-    ``augment(x, generator) -> x`` (see :class:`RandomCropFlip`); applying it is the
+    ``task="classification"``: ``x_train``/``x_test`` are float32 tensors shaped
+    ``(N, *input_shape)``; ``y_train``/``y_test`` are int64 tensors shaped ``(N,)``
+    with values in ``[0, num_classes)``.
+    ``task="lm"`` (next-token language modelling): ``x`` and ``y`` are integer token
+    ids shaped ``(N, context)`` (``input_shape == (context,)``), ``y`` the tokens that
+    follow those of ``x`` (``num_classes`` is the vocabulary); uint8 views of one byte
+    stream for byte-level text (see :mod:`gossip.textdata`).
+
+    ``augment``, when set, is a per-batch training transform ``augment(x, generator) -> x`` (see :class:`RandomCropFlip`); applying it is the
     caller's choice (pass it to :class:`ShardLoader` as ``transform``).
     """
 
@@ -151,10 +167,31 @@ class Dataset:
     input_shape: tuple[int, ...]
     class_names: tuple[str, ...] | None = None
     augment: Callable[[Tensor, torch.Generator], Tensor] | None = None
+    #: what is learnt: ``classification`` (one label per example) or ``lm`` (next-token
+    #: language modelling, a label per position); the loop and evaluation read it here
+    task: str = "classification"
+    #: ``lm`` only: bytes of text per token, for bits per byte (1 for byte-level text)
+    bytes_per_token: float = 1.0
+    #: where the examples came from and their hash (text corpora), recorded in config.json
+    corpus: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_shape", tuple(int(s) for s in self.input_shape))
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         _check_int("num_classes", self.num_classes, minimum=2)
+        if self.task == LANGUAGE_MODEL:
+            self._check_tokens()
+        else:
+            self._check_classification()
+        if self.class_names is not None and len(self.class_names) != self.num_classes:
+            raise ValueError(
+                f"class_names must have num_classes = {self.num_classes} entries, got {len(self.class_names)}"
+            )
+        if not (isinstance(self.bytes_per_token, (int, float)) and self.bytes_per_token > 0):
+            raise ValueError(f"bytes_per_token must be a positive number, got {self.bytes_per_token!r}")
+
+    def _check_classification(self) -> None:
         for split in ("train", "test"):
             x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
             if not isinstance(x, Tensor) or x.dtype != torch.float32:
@@ -171,10 +208,21 @@ class Dataset:
                     f"y_{split} must lie in [0, {self.num_classes}), got values in "
                     f"[{int(y.min())}, {int(y.max())}]"
                 )
-        if self.class_names is not None and len(self.class_names) != self.num_classes:
-            raise ValueError(
-                f"class_names must have num_classes = {self.num_classes} entries, got {len(self.class_names)}"
-            )
+
+    def _check_tokens(self) -> None:
+        for split in ("train", "test"):
+            x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
+            for name, t in ((f"x_{split}", x), (f"y_{split}", y)):
+                if not isinstance(t, Tensor) or t.dtype not in (torch.uint8, torch.int32, torch.int64) or t.dim() != 2:
+                    raise ValueError(f"{name} of a language-model data set must be a 2-D uint8/int32/int64 tensor "
+                                     f"of token ids (N, context), got {getattr(t, 'dtype', type(t))} "
+                                     f"{tuple(getattr(t, 'shape', ()))}")
+            if tuple(x.shape) != tuple(y.shape) or tuple(x.shape[1:]) != self.input_shape:
+                raise ValueError(f"x_{split} and y_{split} must both be shaped (N, *input_shape) = "
+                                 f"(N, {', '.join(map(str, self.input_shape))}), got {tuple(x.shape)} and "
+                                 f"{tuple(y.shape)}")
+            if x.shape[0] == 0:
+                raise ValueError(f"x_{split} holds no window")
 
     @property
     def num_train(self) -> int:
@@ -185,9 +233,10 @@ class Dataset:
         return int(self.y_test.shape[0])
 
     def __repr__(self) -> str:
+        task = f", task={self.task!r}" if self.task != CLASSIFICATION else ""
         return (
             f"Dataset(name={self.name!r}, train={self.num_train}, test={self.num_test}, "
-            f"input_shape={self.input_shape}, num_classes={self.num_classes})"
+            f"input_shape={self.input_shape}, num_classes={self.num_classes}{task})"
         )
 
 
@@ -500,11 +549,91 @@ def _build_synthetic(
     )
 
 
+# --------------------------------------------------------------------------- text
+
+
+def _text_options(context: Any, test_fraction: Any, max_test_bytes: Any) -> tuple[int, float, int]:
+    context = _check_int("context", context, minimum=1)
+    if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)) or not 0 < test_fraction < 1:
+        raise ValueError(f"test_fraction must be a number in (0, 1), got {test_fraction!r}")
+    max_test_bytes = _check_int("max_test_bytes", max_test_bytes, minimum=context + 1)
+    return context, float(test_fraction), max_test_bytes
+
+
+def _lm_dataset(name: str, train: bytes, test: bytes, context: int, identity: Mapping[str, Any]) -> Dataset:
+    x_train, y_train = textdata.windows(train, context)
+    x_test, y_test = textdata.windows(test, context)
+    return Dataset(name=name, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test,
+                   num_classes=textdata.VOCAB_SIZE, input_shape=(context,), task=LANGUAGE_MODEL,
+                   bytes_per_token=1.0, corpus=dict(identity))
+
+
+def _build_text(
+    *,
+    data_dir: Path | None,
+    cache_dir: Path,
+    seed: int,
+    context: int = textdata.DEFAULT_CONTEXT,
+    test_fraction: float = textdata.DEFAULT_TEST_FRACTION,
+    max_test_bytes: int = textdata.DEFAULT_MAX_TEST_BYTES,
+) -> Dataset:
+    """UTF-8 text as bytes: the user's file or folder, else the default corpus (the
+    standard library's sources); the held-out test set is the corpus's tail."""
+    context, test_fraction, max_test_bytes = _text_options(context, test_fraction, max_test_bytes)
+    if data_dir is None:
+        text, extra = textdata.stdlib_corpus()
+        where, name = "the default text corpus", "python-stdlib"
+    else:
+        text = textdata.read_text(data_dir, min_bytes=2 * (context + 1))
+        kind = "file" if data_dir.is_file() else "folder"
+        where, name, extra = f"text {kind} '{data_dir}'", data_dir.name, {}
+    train, test = textdata.split_tail(text, test_fraction=test_fraction, max_test_bytes=max_test_bytes,
+                                      context=context, where=where)
+    identity = textdata.corpus_identity(name, train, test, **extra)
+    return _lm_dataset("text", train, test, context, identity)
+
+
+def _build_wikitext2(
+    *,
+    data_dir: Path | None,
+    cache_dir: Path,
+    seed: int,
+    context: int = textdata.DEFAULT_CONTEXT,
+    max_test_bytes: int | None = None,
+) -> Dataset:
+    """WikiText-2 raw as bytes: trained on wiki.train.raw, tested on wiki.test.raw (its
+    first ``max_test_bytes`` bytes when given)."""
+    expected = f"a directory holding the WikiText-2 raw files {', '.join(textdata.WIKITEXT2_FILES)}"
+    if data_dir is None:
+        raise DataError(f"dataset 'wikitext2' needs data_dir (--data-dir): {expected}")
+    if not data_dir.is_dir():
+        raise DataError(f"wikitext2 data_dir '{data_dir}' is not a directory; expected {expected}")
+    nested = data_dir / "wikitext-2-raw"  # the parent of the archive's own folder
+    if not (data_dir / textdata.WIKITEXT2_FILES[0]).is_file() and nested.is_dir():
+        data_dir = nested
+    missing = [f for f in textdata.WIKITEXT2_FILES if not (data_dir / f).is_file()]
+    if missing:
+        raise DataError(f"wikitext2 data_dir '{data_dir}' lacks {', '.join(missing)}; expected {expected}")
+    context = _check_int("context", context, minimum=1)
+    train = textdata.read_text(data_dir / "wiki.train.raw", min_bytes=context + 1)
+    test = textdata.read_text(data_dir / "wiki.test.raw", min_bytes=context + 1)
+    textdata.read_text(data_dir / "wiki.valid.raw", min_bytes=1)  # complete and UTF-8, as released
+    if max_test_bytes is not None:
+        test = test[:_check_int("max_test_bytes", max_test_bytes, minimum=context + 1)]
+    identity = textdata.corpus_identity("wikitext2", train, test)
+    return _lm_dataset("wikitext2", train, test, context, identity)
+
+
 # --------------------------------------------------------------------------- registry
 
 _DATASETS: Registry[Callable[..., Dataset]] = Registry("dataset")
 #: the keyword parameters build_dataset passes every builder itself
 _BUILDER_ARGS = ("data_dir", "cache_dir", "seed")
+
+
+def dataset_options(name: str) -> tuple[str, ...]:
+    """The options :func:`build_dataset` accepts for ``name``."""
+    return tuple(p for p in _DATASETS.parameters(name) if p not in _BUILDER_ARGS)
 
 
 def register_dataset(name: str, builder: Callable[..., Dataset], summary: str) -> None:
@@ -516,6 +645,10 @@ def register_dataset(name: str, builder: Callable[..., Dataset], summary: str) -
 register_dataset("mnist1d", _build_mnist1d, "MNIST-1D (Greydanus 2020), generated locally: 40-value sequences, 10 classes")
 register_dataset("cifar10", _build_cifar10, "CIFAR-10 from a local copy (data_dir): 32x32 RGB images, 10 classes")
 register_dataset("synthetic", _build_synthetic, "Gaussian features with logistic-regression labels (sizes and classes are options)")
+register_dataset("text", _build_text, "UTF-8 text as bytes for next-byte language modelling: your file or folder "
+                 "(data_dir), else the standard library's sources")
+register_dataset("wikitext2", _build_wikitext2, "WikiText-2 raw (wiki.train/valid/test.raw in data_dir) as bytes, "
+                 "for language modelling")
 
 
 def available_datasets() -> dict[str, str]:
@@ -538,7 +671,10 @@ def build_dataset(
     generated data is cached (``mnist1d``; default :func:`default_cache_dir`);
     ``seed`` drives generated data (``synthetic``; ``mnist1d`` has its own fixed seed).
     ``options`` are data-set specific: ``synthetic`` accepts ``num_features`` (32),
-    ``num_classes`` (10), ``num_train`` (4096) and ``num_test`` (1024).
+    ``num_classes`` (10), ``num_train`` (4096) and ``num_test`` (1024); ``text``
+    (``data_dir``: a UTF-8 file or folder, else the default corpus) accepts ``context``
+    (128), ``test_fraction`` (0.1) and ``max_test_bytes`` (65536); ``wikitext2``
+    accepts ``context`` and ``max_test_bytes`` (see :mod:`gossip.textdata`).
     """
     builder = _DATASETS.builder(name, options, fixed=_BUILDER_ARGS)
     seed = _check_seed(seed)
@@ -579,6 +715,21 @@ def partition(y: Tensor | Sequence[int], world_size: int, scheme: str = "iid", s
         order = torch.sort(labels, stable=True).indices
     shard = n // world_size
     return [order[k * shard:(k + 1) * shard].clone() for k in range(world_size)]
+
+
+def partition_dataset(dataset: Dataset, world_size: int, scheme: str = "iid", seed: int = 0) -> list[Tensor]:
+    """The training examples' indices split over ``world_size`` nodes, by the data set's task.
+
+    Classification: :func:`partition` of the labels. Language modelling: the windows
+    of the training text, ``iid`` a random equal share per node, ``sorted`` a
+    contiguous segment of the text per node (node 0 the beginning), the natural
+    non-iid split of text. Either way every shard has ``num_train // world_size``
+    examples.
+    """
+    if dataset.task == CLASSIFICATION:
+        return partition(dataset.y_train, world_size, scheme, seed)
+    # windows in text order play the part of the label order
+    return partition(torch.zeros(dataset.num_train, dtype=torch.int64), world_size, scheme, seed)
 
 
 # --------------------------------------------------------------------------- loader

@@ -15,7 +15,9 @@ Data factory
     built-in data sets (``--partition``); the test set evaluates the averaged model.
 Model factory
     ``fn(input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module`` returning
-    logits ``(B, num_classes)`` for inputs ``(B, *input_shape)``. Every node calls it
+    logits ``(B, num_classes)`` for inputs ``(B, *input_shape)``; on a language-model
+    data set (``--data text``), logits ``(B, T, num_classes)`` for integer token ids
+    ``(B, T)`` with ``input_shape == (T,)`` and ``num_classes`` the vocabulary. Every node calls it
     with the global generator seeded alike, so the nodes start from one x_1.
 
 Whatever goes wrong (the module is missing, the name is not in it, the call fails or
@@ -141,24 +143,30 @@ def model_from(spec: str, input_shape: tuple[int, ...], num_classes: int):
     return model
 
 
-def check_model_output(model, spec: str, input_shape, num_classes: int, device) -> None:
-    """One forward pass on zeros: logits of shape (B, num_classes) or one line saying so."""
+def check_model_output(model, spec: str, input_shape, num_classes: int, device, *, task: str = "classification") -> None:
+    """One forward pass on zeros: logits of shape (B, num_classes), or (B, T, vocab) for a
+    language-model data set (``task="lm"``, token ids in), or one line saying so."""
     import torch
 
+    lm = task == "lm"
     training = model.training
     model.eval()  # no batch-norm statistics change: the check leaves x_1 as it was
     with torch.no_grad():
         try:
-            out = model(torch.zeros(2, *input_shape, device=device))
+            zeros = torch.zeros(2, *input_shape, device=device, dtype=torch.int64 if lm else torch.float32)
+            out = model(zeros)
         except Exception as e:
             first = str(e).splitlines()[0] if str(e) else ""
-            raise FactoryError(f"--model {spec!r} fails on inputs shaped (B, {', '.join(map(str, input_shape))}): "
+            what = "token ids" if lm else "inputs"
+            raise FactoryError(f"--model {spec!r} fails on {what} shaped (B, {', '.join(map(str, input_shape))}): "
                                f"{type(e).__name__}: {first}") from None
         finally:
             model.train(training)
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
+    want = (2, *input_shape, num_classes) if lm else (2, num_classes)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise FactoryError(f"--model {spec!r} returned outputs {got} for 2 inputs; expected logits (2, {num_classes})")
+        raise FactoryError(f"--model {spec!r} returned outputs {got} for 2 inputs; expected logits "
+                           f"({', '.join(map(str, want))})")
 
 
 def _describe(obj: Any) -> str:

@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import topologies
 from topologies import available_memory  # one reading of MemAvailable for both checks
-from gossip import algorithms, checkpoint, compress, data, factories, models, rundir
+from gossip import algorithms, checkpoint, compress, data, evaluation, factories, models, rundir
 from gossip.errors import NonFiniteError
 from gossip.config import TrainConfig
 from gossip.runtime import GossipOptimizer
@@ -71,11 +70,17 @@ FINGERPRINT_KEYS = (
 OPTIMIZER_FINGERPRINT_KEYS = ("local_optimizer", "betas")
 
 
+#: fingerprinted too where set: the model's and data set's options, and the identity of
+#: a text corpus (checkpoints written before they existed keep their fingerprint)
+OPTIONAL_FINGERPRINT_KEYS = ("model_options", "data_options", "corpus_sha256")
+
+
 def fingerprint_keys(config: dict) -> tuple[str, ...]:
     """The config keys a checkpoint of this run is fingerprinted with."""
-    if config.get("local_optimizer", "sgd") == "sgd":
-        return FINGERPRINT_KEYS
-    return FINGERPRINT_KEYS + OPTIMIZER_FINGERPRINT_KEYS
+    keys = FINGERPRINT_KEYS
+    if config.get("local_optimizer", "sgd") != "sgd":
+        keys += OPTIMIZER_FINGERPRINT_KEYS
+    return keys + tuple(k for k in OPTIONAL_FINGERPRINT_KEYS if config.get(k))
 
 
 # --------------------------------------------------------------------------------------
@@ -158,9 +163,15 @@ def _build_dataset(cfg: TrainConfig):
     try:
         if factories.is_factory(cfg.data.name):
             return factories.dataset_from(cfg.data.name, seed=cfg.run.seed)
-        return data.build_dataset(cfg.data.name, data_dir=cfg.data.data_dir, seed=cfg.run.seed)
+        return data.build_dataset(cfg.data.name, data_dir=cfg.data.data_dir, seed=cfg.run.seed,
+                                  **dict(cfg.data.options))
     except (data.DataError, factories.FactoryError) as e:
         raise RunError(str(e)) from None
+    except (ValueError, TypeError) as e:  # an option the data set refuses
+        raise RunError(f"--data {cfg.data.name}: {e}") from None
+
+
+_TASK_WORDS = {data.CLASSIFICATION: "classification", data.LANGUAGE_MODEL: "language"}
 
 
 def _build_model(cfg: TrainConfig, dataset, device: torch.device) -> torch.nn.Module:
@@ -169,9 +180,16 @@ def _build_model(cfg: TrainConfig, dataset, device: torch.device) -> torch.nn.Mo
     try:
         if factories.is_factory(name):
             model = factories.model_from(name, dataset.input_shape, dataset.num_classes).to(device)
-            factories.check_model_output(model, name, dataset.input_shape, dataset.num_classes, device)
+            factories.check_model_output(model, name, dataset.input_shape, dataset.num_classes, device,
+                                         task=dataset.task)
             return model
-        return models.build_model(name, input_shape=dataset.input_shape, num_classes=dataset.num_classes).to(device)
+        if models.model_task(name) != dataset.task:
+            fits = [m for m in models.available_models() if models.model_task(m) == dataset.task]
+            raise RunError(f"--model {name} is a {_TASK_WORDS[models.model_task(name)]} model and --data "
+                           f"{cfg.data.name} is a {_TASK_WORDS[dataset.task]} data set; models for it: "
+                           f"{', '.join(fits)} (or your own as module.path:function)")
+        return models.build_model(name, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
+                                  **dict(cfg.model.options)).to(device)
     except factories.FactoryError as e:
         raise RunError(str(e)) from None
     except (ValueError, TypeError) as e:
@@ -372,7 +390,7 @@ def _os_error_line(e: OSError, runner: Run | None) -> str:
 #: (paths such as --out and --data-dir may differ between hosts)
 AGREE_KEYS = FINGERPRINT_KEYS + (
     "max_steps", "checkpoint_every", "log_every", "emulate_latency", "device", "simulate", "tensorboard",
-) + OPTIMIZER_FINGERPRINT_KEYS
+) + OPTIMIZER_FINGERPRINT_KEYS + ("model_options", "data_options")
 
 
 #: bytes of one array hashed in full; a larger one is hashed in evenly spaced rows of
@@ -551,6 +569,8 @@ class Run:
         self.is_main = env.rank == 0
         self.out = _agree_out_dir(cfg, env)
         self.cfg_dict = cfg.to_dict()
+        if dataset.corpus is not None and dataset.corpus.get("sha256"):
+            self.cfg_dict["corpus_sha256"] = dataset.corpus["sha256"]
         self.fp_keys = fingerprint_keys(self.cfg_dict)
         self.fingerprint = checkpoint.config_fingerprint(self.cfg_dict, self.fp_keys)
         # Step 1: the algorithm, then identical x_1 on every node with its local optimizer
@@ -570,7 +590,7 @@ class Run:
         self.dim = self.gopt.flat.dim
         # Step 2: each node's shard of the training data
         try:
-            shards = data.partition(dataset.y_train, env.world_size, scheme=cfg.data.partition, seed=cfg.run.seed)
+            shards = data.partition_dataset(dataset, env.world_size, scheme=cfg.data.partition, seed=cfg.run.seed)
         except ValueError as e:
             raise RunError(f"--partition {cfg.data.partition} over {env.world_size} nodes: {e}; "
                            "use fewer nodes or more data") from None
@@ -583,6 +603,8 @@ class Run:
         except ValueError as e:
             raise RunError(f"--batch-size {cfg.data.batch_size}: {e}") from None
         self._claim_out()  # nothing is written before every check above has passed
+        self.task = dataset.task
+        self.loss = evaluation.loss_fn(dataset.task)
         self.steps_per_epoch = self.loaders[0].steps_per_epoch
         self.total = cfg.run.epochs * self.steps_per_epoch  # the schedule spans the whole run
         self.stop = self.total if cfg.run.max_steps is None else min(self.total, cfg.run.max_steps)
@@ -789,7 +811,7 @@ class Run:
         with ledger.phase("compute"):
             for r, (m_, ld) in enumerate(zip(self.models, self.loaders)):
                 xb, yb = ld.next_batch()
-                loss = F.cross_entropy(m_(xb), yb)
+                loss = self.loss(m_(xb), yb)
                 loss.backward()
                 losses.append(float(loss.detach()))
         bad = [i for i, v in zip(self.nodes, losses) if not math.isfinite(v)]
@@ -827,7 +849,7 @@ class Run:
     def end_epoch(self) -> None:
         """Evaluate the averaged model, log it, print the epoch line."""
         p, spe = self.progress, self.steps_per_epoch
-        ev = _evaluate(self.gopt, self.models, self.dataset, self.device, self.comm)
+        ev = evaluation.evaluate(self.gopt, self.models, self.dataset, self.device, self.comm)
         # mean training loss of the nodes over the epoch's steps
         ev["train_loss"] = _mean_over_nodes(self.comm, [sum(v) / max(1, len(v)) for v in p.epoch_losses])
         p.epoch_losses = [[] for _ in self.nodes]
@@ -837,7 +859,8 @@ class Run:
             self.tb.write({"kind": "eval", "step": p.step, **ev})
         self.last_eval = ev
         if self.is_main:
-            self._say(_epoch_line(p.step / spe, self.cfg.run.epochs, ev, self.ledger, self.dpsgd_bytes, p.step))
+            self._say(_epoch_line(p.step / spe, self.cfg.run.epochs, ev, self.ledger, self.dpsgd_bytes, p.step,
+                                  self.task))
         self.algo.on_epoch_end(p.step // spe)
 
     # --- checkpoints ---------------------------------------------------------------------
@@ -901,6 +924,7 @@ class Run:
         later candidate overwrites whatever a failed one restored."""
         try:
             self._check_optimizer(path)
+            self._check_corpus(path)
             payload = checkpoint.load_checkpoint(
                 path, expect_config={k: self.cfg_dict[k] for k in self.fp_keys},
                 expect_fingerprint=self.fingerprint, expect_world_size=self.env.world_size,
@@ -920,6 +944,18 @@ class Run:
             return str(e)
         self.progress = record.progress
         return None
+
+    def _check_corpus(self, path: Path) -> None:
+        """A checkpoint of a run on another text corpus (another --data-dir, an edited file,
+        another Python's standard library) is refused by name, not by a fingerprint."""
+        stored = (checkpoint.checkpoint_info(path).get("config") or {}).get("corpus_sha256")
+        mine = self.cfg_dict.get("corpus_sha256")
+        if stored != mine and (stored or mine):
+            corpus = (self.dataset.corpus or {}).get("corpus", self.cfg.data.name)
+            raise checkpoint.CheckpointError(
+                f"checkpoint '{path}' was trained on another corpus (sha256 {str(stored)[:12]}...), this run "
+                f"reads {corpus} (sha256 {str(mine)[:12]}...); resume with the same --data and --data-dir"
+            )
 
     def _check_optimizer(self, path: Path) -> None:
         """A checkpoint without ``local_optimizer`` in its config was written by an SGD run
@@ -951,6 +987,7 @@ class Run:
             "final_train_loss": self.last_eval.get("train_loss"),
             "final_test_loss": self.last_eval.get("test_loss"),
             "final_test_acc": self.last_eval.get("test_acc"),
+            **self._task_summary(),
             "consensus_distance": self.last_eval.get("consensus_distance"),
             "bytes_sent_per_node_per_step": per_step,
             "bytes_ratio_to_dpsgd": (per_step / self.dpsgd_bytes) if self.dpsgd_bytes else None,
@@ -974,6 +1011,14 @@ class Run:
             return summary
         return None
 
+    def _task_summary(self) -> dict:
+        """The task, and for a language model its held-out bits per byte and perplexity
+        (its final_test_loss is in nats per token; it has no accuracy)."""
+        if self.task == data.CLASSIFICATION:
+            return {"task": self.task}
+        return {"task": self.task, "final_test_bpb": self.last_eval.get("test_bpb"),
+                "final_test_ppl": self.last_eval.get("test_ppl")}
+
     def _identity(self) -> dict:
         """The keys that say what ran, first in config.json's extras and every summary."""
         wire = self.algo.wire_format()
@@ -995,13 +1040,15 @@ class Run:
             "params": self.dim, "mode": self.env.mode, "hostname": socket.gethostname(),
             "torch": torch.__version__, "wire": wire.to_dict(),
             "compressor_payload_bytes": _payload_bytes(self.algo, self.dim),
-            "layout": self.gopt.layout.to_dict(),
+            "layout": self.gopt.layout.to_dict(), "task": self.task,
+            **({"corpus": dict(self.dataset.corpus)} if self.dataset.corpus is not None else {}),
         }
 
     def _diverged_record(self, e: Exception) -> dict:
         return {
             **self._identity(), "epochs": self.cfg.run.epochs, "steps": self.progress.step, "diverged": True,
             "reason": str(e), "final_train_loss": None, "final_test_loss": None, "final_test_acc": None,
+            **{k: None for k in self._task_summary() if k != "task"}, "task": self.task,
             "consensus_distance": None, "wall_time_s": self._elapsed(),
         }
 
@@ -1009,41 +1056,6 @@ class Run:
 # --------------------------------------------------------------------------------------
 # evaluation
 # --------------------------------------------------------------------------------------
-@torch.no_grad()
-def _accuracy(model, x, y, batch: int = 1000) -> tuple[float, float]:
-    model.eval()
-    loss_sum, correct = 0.0, 0
-    for s in range(0, len(y), batch):
-        logits = model(x[s : s + batch])
-        loss_sum += float(F.cross_entropy(logits, y[s : s + batch], reduction="sum"))
-        correct += int((logits.argmax(1) == y[s : s + batch]).sum())
-    model.train()
-    return loss_sum / len(y), correct / len(y)
-
-
-@torch.no_grad()
-def _evaluate(gopt: GossipOptimizer, mdl, dataset, device, comm) -> dict:
-    """Test loss/accuracy of the averaged model xbar, and the spread of the nodes' own."""
-    x_test = dataset.x_test.to(device)
-    y_test = dataset.y_test.to(device)
-    X = gopt.flat.data
-    xbar = gopt.average()
-    own = X[0].clone()
-    X[0].copy_(xbar)  # evaluate xbar in hosted model 0 (its buffers, e.g. BatchNorm statistics)
-    test_loss, test_acc = _accuracy(mdl[0], x_test, y_test)
-    X[0].copy_(own)
-    local = torch.tensor([[_accuracy(m_, x_test, y_test)[1]] for m_ in mdl], dtype=torch.float64)
-    every = comm.all_gather(local, record=False).reshape(-1)
-    return {
-        "test_loss": test_loss,
-        "test_acc": test_acc,
-        "node_acc_min": float(every.min()),
-        "node_acc_max": float(every.max()),
-        "node_acc_mean": float(every.mean()),
-        "consensus_distance": gopt.consensus_distance(),
-    }
-
-
 def _mean_over_nodes(comm, values: list[float]) -> float:
     t = torch.tensor([[v] for v in values], dtype=torch.float64)
     return float(comm.all_reduce(t, op="mean", record=False)[0, 0])
@@ -1144,7 +1156,7 @@ def _header(cfg: TrainConfig, env: _Env, dim: int, algo) -> str:
     )
 
 
-def _epoch_line(epoch: float, epochs, ev, ledger, dpsgd_bytes, step) -> str:
+def _epoch_line(epoch: float, epochs, ev, ledger, dpsgd_bytes, step, task: str = data.CLASSIFICATION) -> str:
     snap = ledger.as_dict()
     hosted = len(ledger.nodes)
     per_step = (snap["bytes"]["sent"] - snap["setup"]["sent"]) / hosted / max(1, step)
@@ -1152,8 +1164,10 @@ def _epoch_line(epoch: float, epochs, ev, ledger, dpsgd_bytes, step) -> str:
     t = snap["time"]
     return (
         f"epoch {(f'{epoch:.0f}' if epoch == int(epoch) else f'{epoch:.2f}'):>3}/{epochs}  train {ev['train_loss']:.4f}  test {ev['test_loss']:.4f}  "
-        f"acc {ev['test_acc']:.2%} [nodes {ev['node_acc_min']:.2%}-{ev['node_acc_max']:.2%}]  "
-        f"consensus {ev['consensus_distance']:.3g}  sent/node/step {_fmt_bytes(per_step)}{ratio}  "
+        + (f"acc {ev['test_acc']:.2%} [nodes {ev['node_acc_min']:.2%}-{ev['node_acc_max']:.2%}]  "
+           if task == data.CLASSIFICATION else
+           f"bpb {ev['test_bpb']:.3f} ppl {ev['test_ppl']:.3g} [nodes {ev['node_bpb_min']:.3f}-{ev['node_bpb_max']:.3f}]  ")
+        + f"consensus {ev['consensus_distance']:.3g}  sent/node/step {_fmt_bytes(per_step)}{ratio}  "
         f"time compute {t.get('compute', 0):.1f}s compress {t.get('compress', 0):.1f}s "
         f"comm {t.get('communicate', 0):.1f}s wait {t.get('wait', 0):.1f}s"
         + (f" warm-up {t['warmup']:.1f}s" if t.get("warmup") else "")

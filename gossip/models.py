@@ -6,7 +6,15 @@ lists the names:
 - ``cnn1d`` (default): a small 1-D CNN for MNIST-1D (inputs ``(C, L)``);
 - ``mlp``: a multilayer perceptron on the flattened input;
 - ``logreg``: multinomial logistic regression (one linear layer on the flattened input);
-- ``resnet20``: the CIFAR-10 ResNet of He et al. (2016), for inputs ``(3, H, W)``.
+- ``resnet20``: the CIFAR-10 ResNet of He et al. (2016), for inputs ``(3, H, W)``;
+- ``gpt``: a decoder-only transformer language model (:class:`GPT`), for token ids
+  ``(context,)``, returning next-token logits ``(B, context, vocab)``;
+- ``lstm``: a stacked-LSTM language model with a tied decoder (:class:`LSTMLM`), the
+  shape of the PowerSGD paper's WikiText-2 model, scaled down.
+
+Each model declares its task (:func:`model_task`): the first four classify
+(``num_classes`` outputs per example), the last two model language (``num_classes``
+is the vocabulary). The training loop refuses a model whose task is not the data set's.
 
 Initialisation draws from PyTorch's global generator, so all nodes start from the
 same point when the runtime seeds it before building (``torch.manual_seed(s)`` then
@@ -30,6 +38,8 @@ from torch import Tensor, nn
 
 __all__ = [
     "CNN1d",
+    "GPT",
+    "LSTMLM",
     "LogReg",
     "MLP",
     "ResNet20",
@@ -37,6 +47,8 @@ __all__ = [
     "register_model",
     "build_model",
     "count_parameters",
+    "model_options",
+    "model_task",
 ]
 
 
@@ -240,21 +252,160 @@ def _build_resnet20(input_shape: Sequence[int], num_classes: int, *, norm: str =
     return ResNet20(c, num_classes, norm=norm, groups=groups)
 
 
+# --------------------------------------------------------------------------- language models
+
+
+def _check_positive(**values: Any) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+class _Block(nn.Module):
+    """One pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        # (B, T, C) -> (B, heads, T, C / heads)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer (Radford et al. 2019, "Language Models are Unsupervised
+    Multitask Learners"): token and learned position embeddings, ``layers`` pre-LayerNorm
+    blocks of causal multi-head self-attention (``scaled_dot_product_attention``) and a
+    4x-wide GELU MLP, a final LayerNorm, and a decoder tied to the token embedding.
+
+    ``(B, T)`` integer token ids (any integer dtype, T <= ``context``) ->
+    ``(B, T, vocab)`` logits; position ``t``'s logits predict token ``t + 1``. Weights
+    are drawn N(0, 0.02) (the residual projections scaled by 1/sqrt(2 layers)), biases
+    zero. No dropout: it would draw from the global generator during training, and the
+    simulation (one process, nodes in turn) and torchrun (one process per node) would
+    then draw differently.
+    """
+
+    def __init__(self, vocab: int, context: int, *, layers: int = 4, width: int = 128, heads: int = 4):
+        super().__init__()
+        _check_positive(vocab=vocab, context=context, layers=layers, width=width, heads=heads)
+        if width % heads:
+            raise ValueError(f"width must be a multiple of heads, got width {width} and heads {heads}")
+        self.context = context
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(_Block(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        for name, p in self.named_parameters():
+            if name.endswith(".bias"):
+                nn.init.zeros_(p)
+            elif p.dim() >= 2:  # LayerNorm weights keep their ones
+                residual = name.endswith(("proj.weight", "mlp.2.weight"))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers) if residual else 0.02)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        t = idx.shape[1]
+        if t > self.context:
+            raise ValueError(f"GPT got sequences of {t} tokens; its context is {self.context}")
+        x = self.tok(idx.long()) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.tok.weight.t()  # the decoder is the embedding, tied
+
+
+class LSTMLM(nn.Module):
+    """A stacked-LSTM language model with tied input and output embeddings, the shape of
+    the model of Vogels et al., "PowerSGD" (arXiv:1905.13727), Sec. 5 / Table 3 (3 layers
+    of 650 units on WikiText-2), scaled down: an embedding of ``width``, ``layers``
+    LSTM layers of ``width`` units, a decoder whose weight is the embedding's.
+
+    ``(B, T)`` integer token ids -> ``(B, T, vocab)`` logits. Each window starts from a
+    zero state (no state carried between batches, so batches stay independent draws
+    and a resume needs nothing but the parameters). No dropout (see :class:`GPT`).
+    """
+
+    def __init__(self, vocab: int, *, layers: int = 3, width: int = 192):
+        super().__init__()
+        _check_positive(vocab=vocab, layers=layers, width=width)
+        self.embed = nn.Embedding(vocab, width)
+        self.lstm = nn.LSTM(width, width, num_layers=layers, batch_first=True)
+        self.decoder_bias = nn.Parameter(torch.zeros(vocab))
+        nn.init.uniform_(self.embed.weight, -0.1, 0.1)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        out, _ = self.lstm(self.embed(idx.long()))
+        return out @ self.embed.weight.t() + self.decoder_bias
+
+
+def _lm_shape(input_shape: Sequence[int], model: str) -> int:
+    (context,) = _check_shape(input_shape, ndim=1, model=model, what="(context,) of token ids")
+    return context
+
+
+def _build_gpt(input_shape: Sequence[int], num_classes: int, *, layers: int = 4, width: int = 128, heads: int = 4,
+               context: int | None = None) -> nn.Module:
+    window = _lm_shape(input_shape, "gpt")
+    if context is None:
+        context = window
+    _check_positive(context=context)
+    if context < window:
+        raise ValueError(f"context {context} is shorter than the data's windows of {window} tokens")
+    return GPT(num_classes, context, layers=layers, width=width, heads=heads)
+
+
+def _build_lstm(input_shape: Sequence[int], num_classes: int, *, layers: int = 3, width: int = 192) -> nn.Module:
+    _lm_shape(input_shape, "lstm")
+    return LSTMLM(num_classes, layers=layers, width=width)
+
+
 # --------------------------------------------------------------------------- registry
 
 _MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
+#: the models registered for next-token language modelling (``task="lm"``)
+_LM_MODELS: set[str] = set()
 
 
-def register_model(name: str, builder: Callable[..., nn.Module], summary: str) -> None:
+def model_task(name: str) -> str:
+    """``"lm"`` for the language models, ``"classification"`` for the others."""
+    _MODELS.get(name)  # unknown names: one line listing the known ones
+    return "lm" if name in _LM_MODELS else "classification"
+
+
+def model_options(name: str) -> tuple[str, ...]:
+    """The options :func:`build_model` accepts for ``name``."""
+    return tuple(_MODELS.parameters(name))
+
+
+def register_model(name: str, builder: Callable[..., nn.Module], summary: str, *, task: str = "classification") -> None:
     """Make ``builder(input_shape, num_classes, **options)`` buildable as ``name``; its
-    keyword-only parameters are the options :func:`build_model` accepts."""
+    keyword-only parameters are the options :func:`build_model` accepts. ``task``:
+    ``"classification"`` (logits ``(B, classes)``) or ``"lm"`` (``(B, T, vocab)``)."""
+    if task not in ("classification", "lm"):
+        raise ValueError(f"task must be 'classification' or 'lm', got {task!r}")
     _MODELS.register(name, builder, summary)
+    if task == "lm":
+        _LM_MODELS.add(name)
 
 
 register_model("cnn1d", _build_cnn1d, "1-D CNN: three conv + ReLU layers, two linear layers (inputs (channels, length))")
 register_model("mlp", _build_mlp, "multilayer perceptron on the flattened input, ReLU between hidden widths")
 register_model("logreg", _build_logreg, "multinomial logistic regression: one linear layer on the flattened input")
 register_model("resnet20", _build_resnet20, "ResNet-20 for 32x32 images (He et al. 2016): 3 stages x 3 basic blocks")
+register_model("gpt", _build_gpt, "decoder-only transformer: pre-LayerNorm, causal attention, learned positions, "
+               "tied embeddings", task="lm")
+register_model("lstm", _build_lstm, "stacked-LSTM language model with a tied decoder (PowerSGD's LSTM, scaled down)",
+               task="lm")
 
 
 def available_models() -> dict[str, str]:
@@ -278,7 +429,10 @@ def build_model(
     generator seeded with it, which leaves the caller's generator as it was.
     ``options`` are model specific: ``cnn1d``: ``channels`` (64), ``hidden`` (128);
     ``mlp``: ``hidden`` ((256, 256)); ``resnet20``: ``norm`` ("batch" or "group"),
-    ``groups`` (2).
+    ``groups`` (2); ``gpt``: ``layers`` (4), ``width`` (128), ``heads`` (4), ``context``
+    (the data's window, ``input_shape[0]``); ``lstm``: ``layers`` (3), ``width`` (192).
+    For ``gpt`` and ``lstm``, ``input_shape`` is ``(context,)`` and ``num_classes`` the
+    vocabulary.
     """
     builder = _MODELS.builder(name, options)
     num_classes = _check_classes(num_classes)

@@ -13,7 +13,8 @@
     steps: ``step``, ``epoch``, ``time``, ``loss``, ``lr``, cumulative ``bytes_sent``/
     ``bytes_recv`` of the steps, ``setup_bytes_sent``/``setup_bytes_recv``, the time
     split and ``warmup_s``) or ``"eval"`` (every epoch: the averaged model's
-    ``test_loss``/``test_acc``, the nodes' accuracy range, ``consensus_distance``,
+    ``test_loss``/``test_acc``, the nodes' accuracy range, ``consensus_distance``; for a
+    language model ``test_bpb``/``test_ppl`` and the nodes' ``node_bpb_*`` instead of accuracy,
     ``train_loss``).
 ``summary.json``
     Written at the end (or when the run diverges, with ``diverged: true``): final
@@ -141,7 +142,10 @@ _TB_TAGS = {
               "compress_s": "time/compress_s", "comm_s": "time/comm_s", "warmup_s": "time/warmup_s"},
     "eval": {"test_loss": "eval/test_loss", "test_acc": "eval/test_acc", "train_loss": "eval/train_loss",
              "consensus_distance": "eval/consensus_distance", "node_acc_min": "eval/node_acc_min",
-             "node_acc_max": "eval/node_acc_max"},
+             "node_acc_max": "eval/node_acc_max",
+             # language models (gossip.evaluation): bits per byte and perplexity, no accuracy
+             "test_bpb": "eval/test_bpb", "test_ppl": "eval/test_ppl", "node_bpb_min": "eval/node_bpb_min",
+             "node_bpb_max": "eval/node_bpb_max"},
 }
 
 

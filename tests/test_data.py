@@ -17,12 +17,12 @@ from gossip.data import DataError, RandomCropFlip, ShardLoader, build_dataset, p
 # --------------------------------------------------------------------------- registry
 
 
-def test_available_datasets_lists_the_three_with_default_first():
-    assert tuple(data.available_datasets()) == ("mnist1d", "cifar10", "synthetic")
+def test_available_datasets_with_default_first():
+    assert tuple(data.available_datasets()) == ("mnist1d", "cifar10", "synthetic", "text", "wikitext2")
 
 
 def test_unknown_dataset_lists_known_ones():
-    with pytest.raises(ValueError, match=r"unknown dataset 'imagenet'; known: mnist1d, cifar10, synthetic"):
+    with pytest.raises(ValueError, match=r"unknown dataset 'imagenet'; known: mnist1d, cifar10, synthetic, text, wikitext2"):
         build_dataset("imagenet")
 
 

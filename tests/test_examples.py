@@ -93,11 +93,43 @@ def _check_ddp_hook(out: str, flags: list[str]) -> dict:
     return {"acc": acc, "loss": loss, "bytes": sent}
 
 
+# --------------------------------------------------------------------------- ddp_gpt_powersgd.py
+_GPT_LINE = re.compile(
+    r"^gpt \((?P<params>[\d,]+) params\) with powersgd rank (?P<rank>\d+) under DDP on (?P<n>\d+) processes, "
+    r"(?P<steps>\d+) steps: held-out bits per byte (?P<before>\S+) -> (?P<after>\S+), last training loss "
+    r"(?P<loss>\S+) bits per byte, bytes sent per process (?P<bytes>[\d,]+) \(full-precision all-reduce "
+    r"(?P<full>[\d,]+)\)$",
+    re.MULTILINE,
+)
+
+
+def _check_ddp_gpt_powersgd(out: str, flags: list[str]) -> dict:
+    found = _GPT_LINE.findall(out)
+    assert len(found) == 1, f"expected the summary line once (rank 0 only), got:\n{out}"
+    m = _GPT_LINE.search(out)
+    assert int(m["n"]) == 2 and int(m["steps"]) == int(_flag(flags, "--steps", "200"))
+    assert int(m["rank"]) == int(_flag(flags, "--rank", "2"))
+    before, after, loss = float(m["before"]), float(m["after"]), float(m["loss"])
+    # an untrained GPT is near uniform over 256 bytes (8 bits); a few steps learn the
+    # byte frequencies of source code
+    assert 7.0 < before < 9.0 and after < before - 1.0, out
+    assert math.isfinite(loss) and 0 < loss < 8.0, out
+    sent, full = int(m["bytes"].replace(",", "")), int(m["full"].replace(",", ""))
+    # rank-2 factors after one full-precision warm-up step: a small fraction of fp32
+    assert 0 < sent < full / 3, out
+    return {"before": before, "after": after, "bytes": sent}
+
+
 CASES: dict[str, Case] = {
     "ddp_hook.py": Case(
         simulate=None,
         torchrun=["--algo", "efsgd", "--opt", "compressor=quant:bits=8", "--steps", "20"],
         check=_check_ddp_hook,
+    ),
+    "ddp_gpt_powersgd.py": Case(
+        simulate=None,
+        torchrun=["--steps", "20", "--context", "32", "--layers", "1", "--width", "32", "--batch-size", "8"],
+        check=_check_ddp_gpt_powersgd,
     ),
     "own_training_loop.py": Case(
         simulate=["--simulate", "4", "--algo", "ecd", "--bits", "8", "--steps", "20"],

@@ -14,7 +14,7 @@ CIFAR = dict(input_shape=(3, 32, 32), num_classes=10)
 
 
 def test_available_models_with_default_first():
-    assert tuple(models.available_models()) == ("cnn1d", "mlp", "logreg", "resnet20")
+    assert tuple(models.available_models()) == ("cnn1d", "mlp", "logreg", "resnet20", "gpt", "lstm")
 
 
 def test_unknown_model_lists_known_ones():

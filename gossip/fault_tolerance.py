@@ -54,7 +54,7 @@ __all__ = ["FTCommunicator", "SUPPORTED_ALGORITHMS", "lighthouse_address", "run_
 
 #: the algorithms whose every exchange is one all-reduce of a dense vector, which torchft's
 #: managed all-reduce carries over a changing quorum (diloco with a linear compressor only)
-SUPPORTED_ALGORITHMS = ("allreduce", "localsgd", "slowmo", "diloco")
+SUPPORTED_ALGORITHMS = tuple(n for n in algorithms.available() if algorithms.algorithm_class(n).fault_tolerant)
 #: the environment torchft's examples give each replica group
 REPLICA_ENV, REPLICAS_ENV = "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"
 #: the address this worker advertises to its peers (default: its host name)

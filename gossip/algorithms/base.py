@@ -200,6 +200,9 @@ class Algorithm:
     #: True where MergeComp (``merge=``) can schedule the algorithm group by group: the
     #: error-feedback family whose Config MergeComp's own mirrors
     mergeable: ClassVar[bool] = False
+    #: True where every exchange is one all-reduce of a dense vector, which torchft's managed
+    #: all-reduce carries over a changing quorum (``--fault-tolerance``; gossip.fault_tolerance)
+    fault_tolerant: ClassVar[bool] = False
 
     def __init__(self, config: Any, comm: Any) -> None:
         topo = comm.topology

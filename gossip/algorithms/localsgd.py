@@ -262,6 +262,8 @@ class LocalSGD(_Periodic):
     Step II:  after every H-th step, x_i <- mean_j x_j (one all-reduce).
     """
 
+    fault_tolerant = True
+
     name = "localsgd"
     Config = LocalSGDConfig
     state_copies = 5
@@ -285,6 +287,8 @@ class SlowMo(_Periodic):
     Step III: v <- beta v + (x_s - xbar) / eta, x_i <- x_s - alpha eta v, x_s <- x_i.
     eta is the step size of the round's last step. alpha = 1, beta = 0 is local SGD.
     """
+
+    fault_tolerant = True
 
     name = "slowmo"
     Config = SlowMoConfig
@@ -322,6 +326,8 @@ class DiLoCo(_Periodic):
               b <- mu b + Delta, x_i <- theta - lr_out (Delta + mu b), theta <- x_i.
     Every other step is the inner optimizer's alone.
     """
+
+    fault_tolerant = True
 
     name = "diloco"
     Config = DiLoCoConfig

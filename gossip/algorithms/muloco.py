@@ -100,6 +100,8 @@ def muon_optimizer(model: torch.nn.Module, *, lr: float = 1e-3, weight_decay: fl
 class MuLoCo(DiLoCo):
     """MuLoCo: DiLoCo's outer step over H inner Muon steps, compressed error-fed pseudo-gradients."""
 
+    fault_tolerant = False  # its default exchange is compressed with error feedback
+
     name = "muloco"
     Config = MuLoCoConfig
     summary = "MuLoCo: H inner Muon steps, 4-bit error-fed pseudo-gradients, DiLoCo's outer Nesterov step"

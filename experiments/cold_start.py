@@ -5,8 +5,9 @@ warm inductor cache.
     python experiments/cold_start.py --numel 1048576 quant:bits=8      # below auto's compile-at-once size
 
 For each spec: the time of the first ``encode`` + ``decode`` of one row of ``--numel``
-values (default 2**23, above the 2**22 from which the ``auto`` backend compiles at
-once) and of the second one, in this process, one thread. Run it twice with the same
+values (default 2**23: a model of 8M parameters) and of the second one, in this
+process, one thread. With the ``auto`` backend no call compiles on its first call,
+however large; ``GOSSIP_COMPRESS_BACKEND=compile`` shows what compiling at once costs. Run it twice with the same
 ``TORCHINDUCTOR_CACHE_DIR`` to see a warm cache's first call.
 """
 

@@ -44,6 +44,7 @@ __all__ = [
     "OptimSection",
     "RunSection",
     "SECTIONS",
+    "SIMULATE_MODES",
     "TrainConfig",
     "build_parser",
     "parse_args",
@@ -52,6 +53,8 @@ __all__ = [
 LR_SCHEDULES = ("constant", "cosine", "step")
 #: the local optimizers of ``--optimizer``
 OPTIMIZERS = ("sgd", "adamw", "muon")
+#: --simulate-mode: how the in-process simulation runs the nodes (docs/simulation.md)
+SIMULATE_MODES = ("auto", "vectorized", "loop")
 #: the learning rate of each local optimizer when ``--lr`` is unset
 DEFAULT_LR = {"sgd": 0.05, "adamw": 0.001, "muon": 0.001}
 #: AdamW's (beta1, beta2) when ``--beta1``/``--beta2`` are unset (torch's defaults)
@@ -419,9 +422,12 @@ class CommSection:
     simulate: int | None = None
     fault_tolerance: str | None = None
     min_replicas: int = 1
+    simulate_mode: str = "auto"
 
     def __post_init__(self) -> None:
         topos = _registries()[2]
+        if self.simulate_mode not in SIMULATE_MODES:
+            raise ConfigError(f"--simulate-mode must be one of {', '.join(SIMULATE_MODES)}, got {self.simulate_mode!r}")
         if self.topology not in topos:
             raise ConfigError(f"unknown --topology {self.topology!r}; accepted: {', '.join(topos)}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -688,7 +694,7 @@ _FLAT_ORDER = (
     "weight_decay", "seed", "device", "out", "checkpoint_every", "resume", "timeout", "emulate_latency",
     "simulate", "log_every", "progress", "merge", "merge_max_groups", "merge_alpha", "algo_options",
     "tensorboard", "overwrite", "optimizer", "beta1", "beta2", "fault_tolerance", "min_replicas",
-    "model_options", "data_options",
+    "model_options", "data_options", "simulate_mode",
 )
 #: the flat keys that are tables of KEY = VALUE (flags --algo-opt, --model-opt, --data-opt)
 _OPTION_TABLES = ("algo_options", "model_options", "data_options")
@@ -758,6 +764,9 @@ _HELP = {
     "fault_tolerance": "keep training when workers die and rejoin: the torchft Lighthouse's HOST:PORT; each "
     "worker is started alone with REPLICA_GROUP_ID and NUM_REPLICA_GROUPS (see docs/fault-tolerance.md)",
     "min_replicas": "with --fault-tolerance: the fewest live workers a step may average over",
+    "simulate_mode": "how --simulate N runs the nodes: auto (all nodes as one batched call where the model "
+    "allows it, else one after another, saying why), vectorized (refuse a model that cannot be batched) or "
+    "loop (one after another, bit-identical with torchrun)",
     "emulate_latency": "add this one-way latency (ms) to every message round inside the communicator, "
     "for networks where tc netem is unavailable (outputs say 'latency: emulated')",
     "log_every": "write a metrics record every N steps",
@@ -837,6 +846,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("resume", metavar="DIR|auto")
     add("timeout", type=float, metavar="SECONDS")
     add("simulate", type=int, metavar="N")
+    add("simulate_mode", choices=list(SIMULATE_MODES))
     add("emulate_latency", type=float, metavar="MS")
     add("fault_tolerance", metavar="HOST:PORT")
     add("min_replicas", type=int, metavar="K")

@@ -842,6 +842,26 @@ class ShardLoader:
             x = self.transform(x, self._transform_gen)
         return x, y
 
+    def epoch_rows(self) -> Tensor:
+        """The data-set rows of the current epoch in serving order (a new epoch begins
+        first when this one is done): batch ``k`` is ``rows[k * B:(k + 1) * B]``. With
+        :meth:`skip`, a reader that gathers the batches of many loaders at once
+        (``gossip.vectorized``) serves each node exactly what ``next_batch`` would."""
+        if self._position >= self.steps_per_epoch:
+            self._epoch += 1
+            self._start_epoch()
+        return self.indices[self._perm]
+
+    def skip(self, batches: int) -> None:
+        """Count ``batches`` more batches of the current epoch as served (read through
+        :meth:`epoch_rows`); the state then continues exactly as after as many ``next_batch``."""
+        batches = _check_int("batches", batches, minimum=0)
+        if self._position + batches > self.steps_per_epoch:
+            raise ValueError(
+                f"skip({batches}) at position {self._position} runs past the epoch's {self.steps_per_epoch} batches"
+            )
+        self._position += batches
+
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         """The remaining batches of the current epoch (all of the next one if it is done)."""
         if self._position >= self.steps_per_epoch:

@@ -28,7 +28,7 @@ import torch
 
 import topologies
 from topologies import available_memory  # one reading of MemAvailable for both checks
-from gossip import algorithms, checkpoint, compress, data, evaluation, factories, models, rundir
+from gossip import algorithms, checkpoint, compress, data, evaluation, factories, models, rundir, vectorized
 from gossip.errors import NonFiniteError
 from gossip.config import TrainConfig
 from gossip.runtime import GossipOptimizer
@@ -196,12 +196,51 @@ def _build_model(cfg: TrainConfig, dataset, device: torch.device) -> torch.nn.Mo
         raise RunError(f"--model {name} does not fit --data {cfg.data.name}: {e}") from None
 
 
+def _expected_state_bytes(cfg: TrainConfig, m: int, d: int) -> int:
+    """The hosted nodes' parameter state, roughly: m x d x the algorithm's ``state_copies`` floats."""
+    return 4 * d * _state_copies(cfg) * m
+
+
+def _state_copies(cfg: TrainConfig) -> int:
+    return algorithms.algorithm_class(cfg.algorithm.name).state_copies
+
+
+def _peak_memory(device: torch.device) -> int | None:
+    """The peak memory this process has used so far: CUDA's allocator peak on a GPU, the
+    maximum resident set (ru_maxrss, which counts the interpreter, torch and the data
+    set too) on the CPU; None where the platform does not say."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+        import sys as _sys
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if _sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
+    except (ImportError, OSError):
+        return None
+
+
+def _memory_line(cfg: TrainConfig, m: int, d: int, before: int | None, device: torch.device) -> str:
+    """The simulation's memory check, stated: the peak it expected (what the process held
+    before the nodes were built, the data set included, plus the nodes' state), the peak
+    measured."""
+    state = _expected_state_bytes(cfg, m, d)
+    peak = _peak_memory(device)
+    what = "CUDA allocator peak" if device.type == "cuda" else "maximum resident set of this process"
+    measured = f"{peak / 2**30:.2f} GiB ({what})" if peak is not None else "unknown on this platform"
+    base = before or 0
+    return (f"memory: expected peak about {(base + state) / 2**30:.2f} GiB (before the nodes {base / 2**30:.2f} GiB, "
+            f"plus {m} nodes x {d:,} parameters x {_state_copies(cfg)} copies "
+            f"{state / 2**30:.2f} GiB); measured peak {measured}")
+
+
 def _check_memory(cfg: TrainConfig, m: int, d: int, device: torch.device) -> None:
     """Refuse, in one line, a simulation that cannot fit in this machine's memory."""
     if device.type != "cpu" or m < 2:
         return
-    copies = algorithms.algorithm_class(cfg.algorithm.name).state_copies
-    need, have = 4 * d * copies * m, available_memory()
+    copies = _state_copies(cfg)
+    need, have = _expected_state_bytes(cfg, m, d), available_memory()
     if have is not None and need > have:
         fit = max(1, have // (4 * d * copies))
         raise RunError(
@@ -209,6 +248,44 @@ def _check_memory(cfg: TrainConfig, m: int, d: int, device: torch.device) -> Non
             f"{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB are available; about {fit} nodes would fit "
             f"(or run under torchrun on several machines)"
         )
+
+
+def _simulation_path(cfg: TrainConfig, env: _Env, model: torch.nn.Module, dataset,
+                     device: torch.device) -> tuple[str | None, str]:
+    """Which path ``--simulate N`` takes, and why: ``("vectorized", "")``, ``("loop",
+    reason)``, or ``(None, "")`` under torchrun. ``--simulate-mode vectorized`` refuses
+    a model that cannot be batched instead of falling back."""
+    mode = cfg.comm.simulate_mode
+    if env.distributed or cfg.comm.simulate is None:
+        return None, ""
+    if mode == "loop":
+        return "loop", "--simulate-mode loop"
+    if env.world_size < 2:
+        why = "one node: nothing to batch"
+    else:
+        x = dataset.x_train[:2].to(device)
+        y = dataset.y_train[:2].to(device)
+        why = vectorized.why_not_vectorized(model, x, y) or ""
+        if not why and getattr(dataset, "task", "classification") != "classification":
+            why = f"the data set's task is {dataset.task!r}; the batched path serves classification"
+        if not why and dataset.y_train.dim() != 1:
+            why = "the data has a label per position (a sequence task); the batched path takes one label per example"
+        if not why and not all(p.requires_grad for p in model.parameters()):
+            why = "the model has frozen parameters, which the batched model does not leave out of X yet"
+        if not why and cfg.local_optimizer == "muon":
+            why = "--optimizer muon orthogonalises each node's matrices on their own, which is not batched yet"
+    if not why:
+        return "vectorized", ""
+    if mode == "vectorized":
+        raise RunError(f"--simulate-mode vectorized: --model {cfg.model_name} cannot run batched: {why}; "
+                       f"use --simulate-mode auto or loop")
+    return "loop", why
+
+
+def _path_line(n: int, path: str, why: str) -> str:
+    if path == "vectorized":
+        return f"gossip.train: simulation path: vectorized ({n} nodes as one batched model)"
+    return f"gossip.train: simulation path: loop ({n} nodes one after another: {why})"
 
 
 def _device(cfg: TrainConfig, env: _Env) -> torch.device:
@@ -223,9 +300,12 @@ def _device(cfg: TrainConfig, env: _Env) -> torch.device:
     return torch.device("cpu")
 
 
-def _local_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+def _local_optimizer(cfg: TrainConfig, model: torch.nn.Module | None, params=None) -> torch.optim.Optimizer:
     """--optimizer: SGD with the local momentum, or AdamW with --beta1/--beta2 (decoupled
-    weight decay); --lr and --weight-decay for both."""
+    weight decay); --lr and --weight-decay for both. ``params``, where given instead of
+    ``model``: the vectorized path's stacked leaves (SGD and AdamW are element-wise;
+    Muon, which needs the model, takes the loop path)."""
+    params = model.parameters() if params is None else params
     if cfg.local_optimizer == "muon":
         from gossip.algorithms.muloco import muon_optimizer
 
@@ -234,9 +314,9 @@ def _local_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Op
         except ValueError as e:
             raise RunError(f"--optimizer {e}") from None
     if cfg.local_optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=cfg.betas,
+        return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=cfg.betas,
                                  weight_decay=cfg.optim.weight_decay)
-    return torch.optim.SGD(model.parameters(), lr=cfg.learning_rate, momentum=cfg.local_momentum,
+    return torch.optim.SGD(params, lr=cfg.learning_rate, momentum=cfg.local_momentum,
                            weight_decay=cfg.optim.weight_decay)
 
 
@@ -565,6 +645,7 @@ class Run:
 
     def __init__(self, cfg: TrainConfig, env: _Env, topo, device, dataset, comm) -> None:
         self.cfg, self.env, self.topo, self.device, self.dataset, self.comm = cfg, env, topo, device, dataset, comm
+        self._mem0 = _peak_memory(device)  # for the memory line at the end: what the nodes add to it
         self.nodes = [int(i) for i in comm.nodes]
         self.is_main = env.rank == 0
         self.out = _agree_out_dir(cfg, env)
@@ -575,16 +656,23 @@ class Run:
         self.fingerprint = checkpoint.config_fingerprint(self.cfg_dict, self.fp_keys)
         # Step 1: the algorithm, then identical x_1 on every node with its local optimizer
         self.algo = _build_algorithm(cfg, comm)
-        self.models = []
-        for k, _ in enumerate(self.nodes):
-            torch.manual_seed(cfg.run.seed)
-            self.models.append(_build_model(cfg, dataset, device))
-            if k == 0:  # before m copies exist: will they fit?
-                _check_memory(cfg, len(self.nodes), sum(p.numel() for p in self.models[0].parameters()
-                                                        if p.requires_grad), device)
-        self.opts = [_local_optimizer(cfg, m) for m in self.models]
+        torch.manual_seed(cfg.run.seed)
+        first = _build_model(cfg, dataset, device)
+        # before m copies exist: will they fit?
+        _check_memory(cfg, len(self.nodes), sum(p.numel() for p in first.parameters() if p.requires_grad), device)
+        #: the simulation's path: "vectorized" (all nodes one batched model) or "loop"; None under torchrun
+        self.sim_path, self.sim_why = _simulation_path(cfg, env, first, dataset, device)
         try:  # the algorithm's setup meets the model here (its layout, the local momentum)
-            self.gopt = GossipOptimizer(self.models, self.opts, self.algo)
+            if self.sim_path == "vectorized":
+                self.gopt = vectorized.VectorizedOptimizer(first, lambda ps: _local_optimizer(cfg, None, ps), self.algo)
+                self.models, self.opts = self.gopt.models, self.gopt.optimizers
+            else:
+                self.models = [first]
+                for _ in self.nodes[1:]:
+                    torch.manual_seed(cfg.run.seed)
+                    self.models.append(_build_model(cfg, dataset, device))
+                self.opts = [_local_optimizer(cfg, m) for m in self.models]
+                self.gopt = GossipOptimizer(self.models, self.opts, self.algo)
         except (ValueError, TypeError) as e:
             raise RunError(str(e) if str(e).startswith("--") else f"--algo {cfg.algorithm.name}: {e}") from None
         self.dim = self.gopt.flat.dim
@@ -602,6 +690,8 @@ class Run:
             ]
         except ValueError as e:
             raise RunError(f"--batch-size {cfg.data.batch_size}: {e}") from None
+        # the vectorized path gathers every node's batch in one call, from the same loaders
+        self.batches = vectorized.BatchedLoader(self.loaders, device) if self.sim_path == "vectorized" else None
         self._claim_out()  # nothing is written before every check above has passed
         self.task = dataset.task
         self.loss = evaluation.loss_fn(dataset.task)
@@ -662,6 +752,8 @@ class Run:
                 raise RunError(str(e)) from None
         if self.is_main:
             print(_header(cfg, self.env, self.dim, self.algo), flush=True)
+            if self.sim_path is not None:
+                print(_path_line(self.env.world_size, self.sim_path, self.sim_why), flush=True)
         self.bar = _progress(cfg, self.is_main, self.stop, self.progress.step)
         self._t0 = time.perf_counter() - self.progress.elapsed_s  # wall time across resumes
         self._first_step = self.progress.step  # this process's first step is its warm-up
@@ -809,11 +901,15 @@ class Run:
         self.gopt.zero_grad()
         losses = []
         with ledger.phase("compute"):
-            for r, (m_, ld) in enumerate(zip(self.models, self.loaders)):
-                xb, yb = ld.next_batch()
-                loss = self.loss(m_(xb), yb)
-                loss.backward()
-                losses.append(float(loss.detach()))
+            if self.batches is not None:  # vectorized: every node's forward and backward in one call
+                xb, yb = self.batches.next_batch()
+                losses = self.gopt.forward_backward(xb, yb).tolist()
+            else:
+                for m_, ld in zip(self.models, self.loaders):
+                    xb, yb = ld.next_batch()
+                    loss = self.loss(m_(xb), yb)
+                    loss.backward()
+                    losses.append(float(loss.detach()))
         bad = [i for i, v in zip(self.nodes, losses) if not math.isfinite(v)]
         if bad:
             raise Diverged(f"training diverged at step {p.step + 1}: non-finite loss on node(s) {bad}")
@@ -849,7 +945,10 @@ class Run:
     def end_epoch(self) -> None:
         """Evaluate the averaged model, log it, print the epoch line."""
         p, spe = self.progress, self.steps_per_epoch
-        ev = evaluation.evaluate(self.gopt, self.models, self.dataset, self.device, self.comm)
+        if self.sim_path == "vectorized":  # batched over the nodes (classification only takes this path)
+            ev = _evaluate_vectorized(self.gopt, self.dataset, self.device)
+        else:
+            ev = evaluation.evaluate(self.gopt, self.models, self.dataset, self.device, self.comm)
         # mean training loss of the nodes over the epoch's steps
         ev["train_loss"] = _mean_over_nodes(self.comm, [sum(v) / max(1, len(v)) for v in p.epoch_losses])
         p.epoch_losses = [[] for _ in self.nodes]
@@ -867,6 +966,8 @@ class Run:
     def checkpoint(self) -> None:
         """This rank's checkpoint of the current step (atomic: temporary file, rename)."""
         self.progress.elapsed_s = self._elapsed()
+        if self.batches is not None:  # the loaders hold the data positions a checkpoint saves
+            self.batches.sync()
         record = CheckpointRecord(
             progress=self.progress, optimizer=self.gopt.state_dict(),
             loaders=[ld.state_dict() for ld in self.loaders], ledger=self.ledger.state_dict(),
@@ -935,10 +1036,16 @@ class Run:
                     f"checkpoint '{path}' holds {len(record.loaders)} data-loader state(s) for nodes "
                     f"{list(record.nodes)[:8]}, this rank hosts {list(self.nodes)[:8]}: it is damaged or forged"
                 )
-            self.gopt.load_state_dict(record.optimizer)
+            optimizer = record.optimizer
+            if not isinstance(self.gopt, vectorized.VectorizedOptimizer):  # a vectorized run's stacked state
+                optimizer = {**optimizer, "optimizers": vectorized.per_node_optimizer_states(
+                    optimizer["optimizers"], self.gopt.flat.shapes)}
+            self.gopt.load_state_dict(optimizer)
             self.gopt.steps = record.progress.step  # older checkpoints do not hold it
             for ld, s in zip(self.loaders, record.loaders):
                 ld.load_state_dict(s)
+            if self.batches is not None:
+                self.batches.reload()
             self.ledger.load_state_dict(record.ledger)
         except (checkpoint.CheckpointError, ValueError, KeyError) as e:
             return str(e)
@@ -1007,6 +1114,8 @@ class Run:
         summary.update(self.algo.summary_fields())
         if self.is_main:
             rundir.write_json(rundir.summary_path(self.out), summary)
+            if self.sim_path is not None and n > 1:
+                print(_memory_line(self.cfg, n, self.dim, self._mem0, self.device), flush=True)
             print(f"run directory: {self.out}", flush=True)
             return summary
         return None
@@ -1056,6 +1165,28 @@ class Run:
 # --------------------------------------------------------------------------------------
 # evaluation
 # --------------------------------------------------------------------------------------
+@torch.no_grad()
+def _evaluate_vectorized(gopt, dataset, device) -> dict:
+    """The vectorized path's evaluation (classification): xbar's test loss and accuracy,
+    and the nodes' own accuracies over ``vectorized.eval_nodes(n)`` (every node up to
+    ``vectorized.EVAL_NODES``, else that many evenly spaced; docs/simulation.md), in
+    batched calls. The keys of ``evaluation.METRICS`` for classification."""
+    x_test = dataset.x_test.to(device)
+    y_test = dataset.y_test.to(device)
+    X = gopt.flat.data
+    xbar = gopt.average()
+    loss, acc = vectorized.node_accuracies(gopt, x_test, y_test, xbar.unsqueeze(0))
+    every = vectorized.node_accuracies(gopt, x_test, y_test, X[vectorized.eval_nodes(X.shape[0]).to(X.device)])[1]
+    return {
+        "test_loss": float(loss[0]),
+        "test_acc": float(acc[0]),
+        "node_acc_min": float(every.min()),
+        "node_acc_max": float(every.max()),
+        "node_acc_mean": float(every.mean()),
+        "consensus_distance": gopt.consensus_distance(),
+    }
+
+
 def _mean_over_nodes(comm, values: list[float]) -> float:
     t = torch.tensor([[v] for v in values], dtype=torch.float64)
     return float(comm.all_reduce(t, op="mean", record=False)[0, 0])

@@ -118,7 +118,9 @@ def test_backend_selection(backend):
     assert _kernels._want_compiled(k, 1, cpu)
     backend("auto")
     assert not _kernels._want_compiled(k, _kernels.MIN_COMPILED_NUMEL - 1, cpu)
-    assert _kernels._want_compiled(k, _kernels.COMPILE_NOW_NUMEL, cpu)
+    big = _kernels.Kernel("probe-big", lambda x: x)  # a large call is eager at first too: a fast first step
+    assert not _kernels._want_compiled(big, 1 << 23, cpu)
+    assert not hasattr(_kernels, "COMPILE_NOW_NUMEL")
     assert not _kernels._want_compiled(k, 1 << 30, torch.device("meta"))
     # in between: eager until the kernel's eager calls have processed EAGER_BUDGET_NUMEL
     # elements (small calls do not count), then compiled for good

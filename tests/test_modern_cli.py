@@ -30,7 +30,7 @@ def test_torchrun_equals_the_simulation(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the twin with the ranks' thread count
     try:
-        r = train("--simulate", "2", *args, "--out", str(tmp_path / "sim"))
+        r = train("--simulate", "2", "--simulate-mode", "loop", *args, "--out", str(tmp_path / "sim"))
     finally:
         torch.set_num_threads(threads)
     assert r.returncode == 0, r.stderr

@@ -120,7 +120,7 @@ def test_torchrun_world2_equals_simulation_and_resumes(tmp_path):
     assert r.returncode == 0, why(r)
     # the simulation in a process of its own, with the ranks' thread count (ENV pins 1):
     # bit-identity holds whatever OMP_NUM_THREADS the caller has
-    r = train_process("--simulate", "2", *args, "--out", str(tmp_path / "sim"))
+    r = train_process("--simulate", "2", "--simulate-mode", "loop", *args, "--out", str(tmp_path / "sim"))
     assert r.returncode == 0, r.stderr
     # simulation equals reality: the same parameters, bit for bit
     assert torch.equal(final_params(tmp_path / "dist"), final_params(tmp_path / "sim"))

@@ -9,9 +9,12 @@ the floating-point steps are single IEEE operations in the same order
 Backend choice, from the environment variable ``GOSSIP_COMPRESS_BACKEND``:
 
 - ``auto`` (default), on CPU: eager below ``MIN_COMPILED_NUMEL`` elements per call;
-  compiled at once for calls of at least ``COMPILE_NOW_NUMEL`` elements; in
-  between, a kernel runs eager until its eager calls have processed
-  ``EAGER_BUDGET_NUMEL`` elements in this process, then compiled. Compiling a
+  above, a kernel runs eager until its eager calls have processed
+  ``EAGER_BUDGET_NUMEL`` elements in this process, then compiled. No call compiles
+  at once, however large: the first step of a run never waits for the compiler
+  (a large model's eager first step takes a fraction of a second per call where
+  compiling took 14 s on a fresh machine), and compiling happens in the step
+  during which the budget runs out, in the calling thread. Compiling a
   kernel costs seconds (more on a loaded machine, each kernel is its own graph), and
   the eager forms are a few times slower per element at most, so a short run of a
   small model (the command line's MNIST-1D default) never pays a compilation, and a
@@ -49,8 +52,6 @@ R_ = R  # the _random module, under a name that the kernels' local `R` (a range)
 __all__: list[str] = []
 
 MIN_COMPILED_NUMEL = 1 << 16
-#: auto: calls this large compile at once (one eager call would cost tens of ms more)
-COMPILE_NOW_NUMEL = 1 << 22
 #: auto: elements a kernel processes in eager form before it is compiled (at 10-40 ns
 #: per element saved by compiling, 10-40 s: about a cold compilation's cost)
 EAGER_BUDGET_NUMEL = 1 << 30
@@ -120,10 +121,11 @@ class Kernel:
 
 def _want_compiled(k: Kernel, numel: int, device: torch.device) -> bool:
     """Whether this call of ``k`` takes the compiled form; in ``auto`` mode an eager
-    call between the two thresholds counts against the kernel's eager budget."""
+    call of at least ``MIN_COMPILED_NUMEL`` elements counts against the kernel's
+    eager budget (never compiled on its first call: the first step stays fast)."""
     if _backend == "eager" or k.failed or device.type != "cpu":
         return False
-    if _backend == "compile" or k.budget_spent or numel >= COMPILE_NOW_NUMEL:
+    if _backend == "compile" or k.budget_spent:
         return True
     if numel < MIN_COMPILED_NUMEL:
         return False

@@ -1,0 +1,373 @@
+"""The vectorized simulation path against the loop path it replaces.
+
+Both paths run the same nodes on the same batches: the loop path one model and one
+optimizer per node, the vectorized path one batched model (``gossip.vectorized``).
+They agree up to floating-point reassociation (the batched products sum in another
+order): the tolerance below is the one docs/simulation.md states.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import topologies
+from gossip import algorithms, comm, data, vectorized
+from gossip.runtime import GossipOptimizer
+
+STEPS = 100
+N = 4
+FEATURES, CLASSES, BATCH = 8, 3, 5
+#: max |X_loop - X_vectorized| after 100 steps, relative to max |X|, in float64: the
+#: paths differ by reassociation only, and float64 keeps that far from flipping a
+#: compressor's discrete decision (a rounding draw, a sign, a top-k rank), which would
+#: then amplify it (in float32 a stochastic 8-bit rounding does flip within 100 steps)
+RTOL = 1e-10
+#: the same in float32, for the algorithms without discrete decisions
+RTOL32 = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread, whatever OMP_NUM_THREADS says (two threads
+    only spin on tensors this small, five times the CPU time on a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _model(dtype=torch.float64) -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(FEATURES, 6), nn.ReLU(), nn.Linear(6, CLASSES)).to(dtype)
+
+
+def _data(dtype=torch.float64):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(240, FEATURES, generator=g, dtype=dtype)
+    y = (x[:, :CLASSES].argmax(1) + (torch.rand(240, generator=g) < 0.2)) % CLASSES
+    return x, y
+
+
+def _loaders(x, y, n=N, batch=BATCH, sizes=None):
+    shards = data.partition(y, n, scheme="iid", seed=1)
+    if sizes is not None:  # shards of different sizes: the nodes' epochs end at different steps
+        shards = [s[:k] for s, k in zip(shards, sizes)]
+    return [data.ShardLoader(x, y, shards[i], batch, seed=1, node=i) for i in range(n)]
+
+
+def _optimizer(algo, name: str):
+    mom = 0.0 if algo.owns_momentum else 0.9
+    if name == "adamw":
+        beta1 = 0.0 if algo.owns_momentum else 0.9
+        return lambda ps: torch.optim.AdamW(ps, lr=0.01, betas=(beta1, 0.99), weight_decay=0.01)
+    return lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=mom, weight_decay=1e-3)
+
+
+def _run_loop(name: str, opt_name: str, steps: int, dtype=torch.float64, snap=0, model=None):
+    x, y = _data(dtype)
+    snapped = []
+    c = comm.SimulatedCommunicator(topologies.build("ring", N))
+    algo = algorithms.build(name, c, seed=5)
+    models = [(model or _model)(dtype) for _ in range(N)]
+    make = _optimizer(algo, opt_name)
+    gopt = GossipOptimizer(models, [make(list(m.parameters())) for m in models], algo)
+    loaders = _loaders(x, y)
+    losses = []
+    for _ in range(steps):
+        gopt.zero_grad()
+        step = []
+        for m, ld in zip(models, loaders):
+            xb, yb = ld.next_batch()
+            loss = F.cross_entropy(m(xb), yb)
+            loss.backward()
+            step.append(float(loss.detach()))
+        gopt.step()
+        losses.append(step)
+        if len(losses) == snap:
+            snapped.append(gopt.flat.data.clone())
+    return gopt, c, torch.tensor(losses), loaders, snapped
+
+
+def _run_vectorized(name: str, opt_name: str, steps: int, dtype=torch.float64, snap=0):
+    x, y = _data(dtype)
+    snapped = []
+    c = comm.SimulatedCommunicator(topologies.build("ring", N))
+    algo = algorithms.build(name, c, seed=5)
+    gopt = vectorized.VectorizedOptimizer(_model(dtype), _optimizer(algo, opt_name), algo)
+    loaders = _loaders(x, y)
+    batches = vectorized.BatchedLoader(loaders)
+    losses = []
+    for _ in range(steps):
+        gopt.zero_grad()
+        xb, yb = batches.next_batch()
+        losses.append(gopt.forward_backward(xb, yb).tolist())
+        gopt.step()
+        if len(losses) == snap:
+            snapped.append(gopt.flat.data.clone())
+    batches.sync()
+    return gopt, c, torch.tensor(losses), loaders, snapped
+
+
+def _bytes(c) -> list[tuple[int, int]]:
+    return [(c.ledger.sent_by(i), c.ledger.received_by(i)) for i in range(N)]
+
+
+#: algorithms whose own trajectory on this problem amplifies a perturbation of 1e-15 to
+#: far above RTOL within 100 steps: the paths are compared up to this step (PowerSGD's
+#: rank-1 normalisation of a small M Q moves the loop path itself by about 2e-2 at step
+#: 100 when x_1 is perturbed by 1e-15; the test checks that this is still so)
+CHAOTIC = {"powersgd": 40}
+
+
+def _perturbed(dtype=torch.float64) -> nn.Module:
+    m = _model(dtype)
+    with torch.no_grad():
+        m[0].weight[0, 0] += 1e-15
+    return m
+
+
+@pytest.mark.parametrize("name", list(algorithms.available()))
+def test_every_algorithm_agrees_across_paths_with_identical_ledgers(name):
+    opt_name = "adamw" if name == "diloco" else "sgd"
+    upto = CHAOTIC.get(name, STEPS)
+    a, ca, la, _, sa = _run_loop(name, opt_name, STEPS, snap=upto)
+    b, cb, lb, _, sb = _run_vectorized(name, opt_name, STEPS, snap=upto)
+    Xa, Xb = sa[0], sb[0]
+    assert float((Xa - Xb).abs().max()) <= RTOL * float(Xa.abs().max()), name
+    assert torch.allclose(la[:upto], lb[:upto], rtol=RTOL, atol=RTOL), name
+    assert _bytes(ca) == _bytes(cb)
+    assert ca.ledger.as_dict()["bytes"] == cb.ledger.as_dict()["bytes"]
+    if name in CHAOTIC:  # the exception is the algorithm's, not the path's
+        p, *_ = _run_loop(name, opt_name, STEPS, model=_perturbed)
+        assert float((p.flat.data - a.flat.data).abs().max()) > 1e3 * RTOL * float(a.flat.data.abs().max())
+
+
+@pytest.mark.parametrize("name,opt_name", [("dpsgd", "sgd"), ("dpsgd", "adamw"), ("allreduce", "sgd")])
+def test_float32_paths_agree_where_nothing_is_discrete(name, opt_name):
+    a, _, la, *_ = _run_loop(name, opt_name, STEPS, torch.float32)
+    b, _, lb, *_ = _run_vectorized(name, opt_name, STEPS, torch.float32)
+    assert float((a.flat.data - b.flat.data).abs().max()) <= RTOL32 * float(a.flat.data.abs().max())
+    assert torch.allclose(la, lb, rtol=RTOL32, atol=RTOL32)
+
+
+def test_checkpoints_move_between_paths():
+    """A state dict of either path loads into the other and both continue alike."""
+    a, _, _, la_loaders, _ = _run_loop("dcd", "sgd", 10)
+    b, _, _, lb_loaders, _ = _run_vectorized("dcd", "sgd", 10)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sb["optimizers"]["nodes"] == N  # stacked: a few tensors whatever n is
+    per_node = vectorized.per_node_optimizer_states(sb["optimizers"], b.flat.shapes)
+    assert len(per_node) == N
+    for oa, ob in zip(sa["optimizers"], per_node):  # the loop path's format, node by node
+        for k in oa["state"]:
+            assert torch.allclose(oa["state"][k]["momentum_buffer"], ob["state"][k]["momentum_buffer"], atol=1e-6)
+    for la, lb in zip(la_loaders, lb_loaders):
+        assert la.state_dict()["position"] == lb.state_dict()["position"]
+        assert la.state_dict()["epoch"] == lb.state_dict()["epoch"]
+    # cross-load: the loop state into a vectorized optimizer, the vectorized one into a loop optimizer
+    b2, _, _, *_ = _run_vectorized("dcd", "sgd", 0)
+    b2.load_state_dict(sa)
+    a2, _, _, *_ = _run_loop("dcd", "sgd", 0)
+    a2.load_state_dict({**sb, "optimizers": per_node})
+    assert torch.equal(b2.flat.data, a.flat.data) and torch.equal(a2.flat.data, b.flat.data)
+    mom = b2.optimizers[0].state_dict()["state"][0]["momentum_buffer"]
+    assert torch.equal(mom, torch.stack([o["state"][0]["momentum_buffer"] for o in sa["optimizers"]]))
+    with pytest.raises(ValueError, match="optimizer states"):
+        b2.load_state_dict({**sa, "optimizers": sa["optimizers"][:2]})
+
+
+def test_batched_loader_serves_each_node_its_loop_batches_across_epochs():
+    x, y = _data()
+    sizes = [60, 47, 55, 33]  # 12, 9, 11 and 6 batches per epoch
+    own, shared = _loaders(x, y, sizes=sizes), _loaders(x, y, sizes=sizes)
+    batches = vectorized.BatchedLoader(shared)
+    for step in range(30):
+        xb, yb = batches.next_batch()
+        for i, ld in enumerate(own):
+            xi, yi = ld.next_batch()
+            assert torch.equal(xb[i], xi) and torch.equal(yb[i], yi), (step, i)
+        if step == 13:  # the loaders' saved state is the loop path's, mid-run too
+            batches.sync()
+            for a, b in zip(own, shared):
+                sa, sb = a.state_dict(), b.state_dict()
+                assert (sa["epoch"], sa["position"]) == (sb["epoch"], sb["position"])
+                assert torch.equal(sa["shuffle_generator"], sb["shuffle_generator"])
+            restored = _loaders(x, y, sizes=sizes)
+            for r, b in zip(restored, shared):
+                r.load_state_dict(b.state_dict())
+            batches = vectorized.BatchedLoader(restored)
+            shared = restored
+
+
+def test_stacked_leaves_are_views_of_X():
+    c = comm.SimulatedCommunicator(topologies.build("ring", N))
+    gopt = vectorized.VectorizedOptimizer(_model(), lambda ps: torch.optim.SGD(ps, lr=0.1), algorithms.build("dpsgd", c))
+    X = gopt.flat.data
+    leaf = gopt.flat.params["2.weight"]
+    assert leaf.shape == (N, CLASSES, 6) and leaf.data_ptr() == X[:, 8 * 6 + 6:].data_ptr()
+    with torch.no_grad():
+        X[2].fill_(1.5)
+    assert bool((leaf[2] == 1.5).all()) and bool((leaf[1] != 1.5).any())
+
+
+def test_per_node_clipping_matches_clipping_each_node_alone():
+    g = torch.Generator().manual_seed(2)
+    leaves = [torch.zeros(3, 4, 2, requires_grad=True), torch.zeros(3, 5, requires_grad=True)]
+    for p in leaves:
+        p.grad = torch.randn(p.shape, generator=g) * torch.tensor([0.1, 1.0, 10.0]).view(3, *[1] * (p.dim() - 1))
+    alone = [[p.grad[i].clone() for p in leaves] for i in range(3)]
+    for grads in alone:
+        params = [torch.zeros_like(t, requires_grad=True) for t in grads]
+        for p, t in zip(params, grads):
+            p.grad = t
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+    norms = vectorized.clip_grad_norm_per_node(leaves, 1.0)
+    assert norms.shape == (3,)
+    for i in range(3):
+        for p, t in zip(leaves, alone[i]):
+            assert torch.allclose(p.grad[i], t, rtol=1e-5, atol=1e-7)
+
+
+def test_batched_node_accuracies_equal_each_models_own():
+    x, y = _data()
+    c = comm.SimulatedCommunicator(topologies.build("ring", N))
+    gopt = vectorized.VectorizedOptimizer(_model(), lambda ps: torch.optim.SGD(ps, lr=0.1), algorithms.build("dpsgd", c))
+    with torch.no_grad():
+        gopt.flat.data.add_(torch.randn(gopt.flat.data.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+    loss, acc = vectorized.node_accuracies(gopt, x, y, gopt.flat.data, batch=70, node_chunk=3)
+    for i in range(N):
+        m = _model()
+        torch.nn.utils.vector_to_parameters(gopt.flat.data[i], m.parameters())
+        with torch.no_grad():
+            out = m(x)
+        assert abs(float(loss[i]) - float(F.cross_entropy(out, y))) < 1e-5
+        assert float(acc[i]) == float((out.argmax(1) == y).double().mean())
+
+
+def test_evaluated_nodes_are_all_or_an_even_sample():
+    assert vectorized.eval_nodes(5).tolist() == [0, 1, 2, 3, 4]
+    s = vectorized.eval_nodes(1024)
+    assert len(s) == vectorized.EVAL_NODES and int(s[0]) == 0 and int(s[-1]) == 1023
+
+
+def test_a_model_with_running_statistics_is_refused_in_one_line():
+    model = nn.Sequential(nn.Linear(FEATURES, 4), nn.BatchNorm1d(4), nn.Linear(4, CLASSES))
+    x, y = _data()
+    why = vectorized.why_not_vectorized(model, x[:2], y[:2])
+    assert why is not None and "BatchNorm" in why and "\n" not in why
+    dropout = nn.Sequential(nn.Linear(FEATURES, 4), nn.Dropout(0.5), nn.Linear(4, CLASSES))
+    why = vectorized.why_not_vectorized(dropout, x[:2], y[:2])
+    assert why is not None and "vmap" in why and "\n" not in why
+    assert vectorized.why_not_vectorized(_model(), x[:2], y[:2]) is None
+
+
+def test_a_momentum_conflict_is_refused_as_in_the_loop_path():
+    c = comm.SimulatedCommunicator(topologies.build("ring", N))
+    with pytest.raises(ValueError, match="momentum"):
+        vectorized.VectorizedOptimizer(_model(), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                       algorithms.build("powersgd", c))
+
+
+# --------------------------------------------------------------------------------------
+# the CLI: the path it takes, resumes across paths, fallback
+# --------------------------------------------------------------------------------------
+def bn_model(input_shape, num_classes):
+    """A --model factory with BatchNorm running statistics (cannot be batched)."""
+    d = int(torch.tensor(input_shape).prod())
+    return nn.Sequential(nn.Flatten(), nn.Linear(d, 8), nn.BatchNorm1d(8), nn.Linear(8, num_classes))
+
+
+CLI = ["--simulate", "3", "--algo", "dpsgd", "--model", "mlp", "--data", "synthetic", "--epochs", "1",
+       "--batch-size", "64", "--no-progress"]
+
+
+def test_cli_resumes_across_paths(tmp_path):
+    from tests.test_train import final_params, train
+
+    r = train(*CLI, "--simulate-mode", "loop", "--max-steps", "8", "--out", str(tmp_path / "full"))
+    assert r.returncode == 0, r.stderr
+    assert "simulation path: loop (3 nodes one after another: --simulate-mode loop)" in r.stdout
+    full = final_params(tmp_path / "full")
+    for first, then in (("auto", "loop"), ("loop", "vectorized")):
+        out = tmp_path / f"{first}-{then}"
+        r = train(*CLI, "--simulate-mode", first, "--max-steps", "4", "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        r = train(*CLI, "--simulate-mode", then, "--max-steps", "8", "--resume", str(out))
+        assert r.returncode == 0, r.stderr
+        assert f"simulation path: {'vectorized' if then != 'loop' else 'loop'}" in r.stdout
+        got = final_params(out)
+        assert float((got - full).abs().max()) <= 1e-5 * float(full.abs().max())
+
+
+def test_cli_falls_back_or_refuses_a_model_with_running_statistics(tmp_path):
+    from tests.test_train import train
+
+    spec = f"{__name__}:bn_model"
+    r = train(*CLI, "--model", spec, "--simulate-mode", "vectorized", "--out", str(tmp_path / "a"))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--simulate-mode vectorized" in lines[0] and "BatchNorm" in lines[0], r.stderr
+    assert not (tmp_path / "a").exists()  # refused before anything was written
+    r = train(*CLI, "--model", spec, "--max-steps", "2", "--out", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr
+    assert "simulation path: loop (3 nodes one after another: the model keeps running statistics" in r.stdout
+
+
+def test_cli_takes_the_loop_path_for_muon(tmp_path):
+    from tests.test_train import train
+
+    r = train(*CLI, "--optimizer", "muon", "--max-steps", "2", "--out", str(tmp_path / "m"))
+    assert r.returncode == 0, r.stderr
+    assert "simulation path: loop (3 nodes one after another: --optimizer muon" in r.stdout
+
+
+def test_cli_refuses_an_unknown_simulate_mode():
+    from tests.test_train import train
+
+    r = train(*CLI, "--simulate-mode", "batched")
+    assert r.returncode == 2 and "--simulate-mode" in r.stderr and "vectorized" in r.stderr
+
+
+# --------------------------------------------------------------------------------------
+# the benchmark: a smoke run, and docs/simulation.md's tables from its results files
+# --------------------------------------------------------------------------------------
+def _bench_sim():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "experiments" / "bench_sim.py"
+    spec = importlib.util.spec_from_file_location("bench_sim", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_sim_runs_both_paths_and_writes_its_results(tmp_path):
+    import json
+
+    bench = _bench_sim()
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--nodes", "4", "--models", "logreg", "--steps", "2", "--epoch-nodes", "4",
+                           "--json", str(tmp_path / "r.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    r = json.loads((tmp_path / "r.json").read_text())
+    (row,) = r["rows"]
+    assert row["nodes"] == 4 and row["loop_steps_timed"] == 2 and row["vectorized_steps_timed"] == 2
+    assert row["ratio"] == pytest.approx(row["loop_step_s"] / row["vectorized_step_s"])
+    assert r["epoch"][0]["steps"] > 0 and 0 <= r["epoch"][0]["outside_share"] <= 1
+    assert {"command", "commit", "dirty", "cpu", "memcpy_gbps", "load_avg_before", "load_avg_after"} <= set(r)
+
+
+def test_docs_tables_are_rendered_from_the_results_files():
+    import json
+
+    bench = _bench_sim()
+    docs = bench.DOCS.read_text()
+    for name in ("bench_sim_cuda.json", "bench_sim.json"):
+        block = docs.split(f"<!-- {name} -->", 1)[1].split(f"<!-- /{name} -->", 1)[0]
+        assert block.strip() == bench.render(json.loads((bench.RESULTS / name).read_text())).strip(), name

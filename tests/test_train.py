@@ -348,7 +348,7 @@ def test_algo_options_of_sketched_and_efmomentum(tmp_path):
     (["ranks=4"], ["ranks", "--algo powersgd", "accepted: rank,", "approximator", "iterations"]),
     (["seed=3"], ["seed", "--seed"]),
     (["momentum=0.5"], ["momentum", "--momentum"]),
-    (["shapes=4"], ["shapes", "from the model"]),
+    (["shapes=4"], ["--algo-opt shapes: not an option of --algo powersgd", "accepted: rank"]),
     (["rank=two"], ["rank=two", "an integer"]),
     (["nesterov=maybe"], ["nesterov", "true or false"]),
     (["iterations=many"], ["iterations", "an integer or none"]),

@@ -64,6 +64,7 @@ def _ef_reference(grads, lrs, mu, compress_worker, compress_server):
 def _run_sim(name, opts, grads, lrs, n=N):
     c = comm.SimulatedCommunicator(world_size=n)
     opts = dict(opts)
+    opts.setdefault("exchange", "allgather")  # the replicated server of the references here
     layout = opts.pop("layout", None)
     alg = algorithms.build(name, c, **opts)
     alg.setup(torch.zeros(n, grads.shape[2]), layout)
@@ -187,7 +188,7 @@ def test_bytes_per_step_equal_the_formula(name, opts, spec):
     ("signum", {}),
 ])
 def test_state_save_restore_bit_identical(name, opts):
-    opts = dict(opts)
+    opts = {"exchange": "allgather", **opts}
     layout = opts.pop("layout", None)
     assert_restore_bit_identical(lambda c: algorithms.build(name, c, **opts), _grads(), 3, LRS, layout)
 
@@ -198,7 +199,7 @@ def test_config_validation_messages():
         algorithms.build("efsgd", c, momentum=1.0)
     with pytest.raises(ValueError, match=r"Arg `momentum` must satisfy 0 < momentum < 1, got 0"):
         algorithms.build("efblocksgdm", c, momentum=0)
-    with pytest.raises(ValueError, match=r"unexpected keyword argument 'offsets'; accepted options: momentum, seed"):
+    with pytest.raises(ValueError, match=r"unexpected keyword argument 'offsets'; accepted options: momentum, seed, exchange"):
         algorithms.build("efblocksgd", c, offsets=(0, 5, 5))  # the blocks come from the layout
     with pytest.raises(TypeError, match=r"Arg `compressor` of efsgd must be a compressor spec string"):
         algorithms.build("efsgd", c, compressor=3)
@@ -235,7 +236,7 @@ def _dist_worker(n):
     c = comm.DistCommunicator(timeout=30)
     out = []
     for name, opts in _DIST_CASES:
-        opts = dict(opts)
+        opts = {"exchange": "allgather", **opts}  # the sharded exchange: tests/test_sharded_exchange.py
         layout = opts.pop("layout", None)
         alg = algorithms.build(name, c, **opts)
         alg.setup(torch.zeros(1, D), layout)

@@ -127,10 +127,17 @@ def test_bytes_per_round_are_one_allreduce_of_the_model(n):
 def test_diloco_4bit_pseudo_gradients_send_an_eighth_plus_headers():
     d = sum(p.numel() for p in Net().parameters())
     _, full, _ = run("diloco", 8, nodes=2, local_steps=4)
-    _, q4, opt = run("diloco", 8, nodes=2, local_steps=4, compressor="quant:bits=4", error_feedback=True)
+    _, q4, opt = run("diloco", 8, nodes=2, local_steps=4, compressor="quant:bits=4", error_feedback=True,
+                     exchange="allgather")
     payload = compress.build("quant:bits=4").payload_nbytes(d)
     assert q4["bytes"]["sent"] / 2 == 2 * payload  # one all-gathered payload per round, 2 rounds
     assert full["bytes"]["sent"] / 2 == 2 * 4 * d
+    # the default sharded exchange: per round each node pushes the other's shard and pulls its own
+    # back to the other, one shard message (16-byte header) each way, plus the 16-byte check of the
+    # shard sizes the first time
+    _, q4s, opts = run("diloco", 8, nodes=2, local_steps=4, compressor="quant:bits=4", error_feedback=True)
+    plan = opts.algorithm.plans[0]
+    assert opts.algorithm.collective == "sharded" and q4s["bytes"]["sent"] / 2 == 2 * plan.total_nbytes + 16
     # an eighth of the fp32 all-reduce (4-bit codes, d / 2 bytes), plus the 32-byte header and the
     # two fp32 scalars of the quantizer (lo, step), padded to 8 bytes
     assert payload == 8 * math.ceil((32 + 8 + math.ceil(4 * d / 8)) / 8)

@@ -86,6 +86,17 @@ class _Centralized(Algorithm):
             raise RuntimeError(f"{self.name}: call setup() before set_lr()")
         self.state.lr = float(lr)
 
+    def reduce_gradients_future(self, G: torch.Tensor) -> torch.futures.Future:
+        """:meth:`reduce_gradients` for callers that overlap the exchange with other work
+        (DDP communication hooks): a ``torch.futures.Future`` that completes, holding
+        ``G``, once ``G`` holds the direction. Algorithms whose exchange can complete
+        asynchronously override it; by default ``G`` is reduced here and the future is
+        already complete."""
+        self.reduce_gradients(G)
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(G)
+        return fut
+
     def _lr_ratio(self) -> float:
         """eta_{t-1} / eta_t, with eta_{-1} = 0 (Zheng et al. 2019, arXiv:1905.10936, Alg. 2 line 1)."""
         return self.state.prev_lr / self.state.lr

@@ -48,6 +48,7 @@ from gossip.algorithms._centralized import (
     check_fraction,
     check_spec,
 )
+from gossip.algorithms._sharded import ExchangeMixin, check_exchange
 from gossip.algorithms.base import ParamLayout, WireFormat
 from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
 
@@ -81,11 +82,13 @@ class EFSGDConfig:
     compressor: str = "sign"
     momentum: float = 0.0
     seed: int = 0
+    exchange: str | None = None
 
     def __post_init__(self) -> None:
         check_spec(self.compressor, "efsgd")
         check_fraction("momentum", self.momentum)
         check_int("seed", self.seed, minimum=0)
+        check_exchange(self.exchange, "efsgd")
 
     def build_compressor(self, layout: ParamLayout | None = None) -> Any:
         return _compress.build(self.compressor)
@@ -98,10 +101,12 @@ class EFBlockSGDConfig:
 
     momentum: float = 0.0
     seed: int = 0
+    exchange: str | None = None
 
     def __post_init__(self) -> None:
         check_fraction("momentum", self.momentum)
         check_int("seed", self.seed, minimum=0)
+        check_exchange(self.exchange, "efblocksgd")
 
     @property
     def compressor(self) -> str:
@@ -129,9 +134,11 @@ class SignSGDConfig:
     """signSGD with majority vote: no momentum, no error feedback."""
 
     seed: int = 0
+    exchange: str | None = None
 
     def __post_init__(self) -> None:
         check_int("seed", self.seed, minimum=0)
+        check_exchange(self.exchange, "signsgd")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,10 +147,12 @@ class SignumConfig:
 
     momentum: float = 0.9
     seed: int = 0
+    exchange: str | None = None
 
     def __post_init__(self) -> None:
         check_fraction("momentum", self.momentum, lo_open=True)
         check_int("seed", self.seed, minimum=0)
+        check_exchange(self.exchange, "signum")
 
 
 # --------------------------------------------------------------------------------------
@@ -162,6 +171,8 @@ class EFState:
     error: torch.Tensor
     server_error: torch.Tensor
     momentum: torch.Tensor
+    exchange: str = "allgather"
+    shards: int = 1
 
 
 @dataclass
@@ -175,6 +186,8 @@ class SignState:
     lr: float
     prev_lr: float
     momentum: torch.Tensor
+    exchange: str = "allgather"
+    shards: int = 1
 
 
 # --------------------------------------------------------------------------------------
@@ -211,7 +224,74 @@ def ef_pull(feedback: ErrorFeedback, pushed: torch.Tensor, server_error: torch.T
 # --------------------------------------------------------------------------------------
 # Algorithms
 # --------------------------------------------------------------------------------------
-class DistEFSGD(_Centralized):
+class _TwoWay(ExchangeMixin, _Centralized):
+    """The push/serve/pull skeleton of the two-way compressed algorithms, sharded or
+    all-gathered (see the module docstring); subclasses supply the three pieces:
+    ``_push(G)`` (worker side: the payload rows), ``_serve(j, Q, ctx)`` (the owner of
+    shard ``j``) and ``_replicated(pushed, ctx)`` (the all-gather form's server)."""
+
+    def _post(self, G: torch.Tensor) -> tuple[Any, Any]:
+        """Compress and post the exchange; returns (handle, finish). ``finish(result)``
+        writes the pulled direction into ``G``."""
+        st, ledger = self.state, self.comm.ledger
+        m, d = G.shape
+        ctx = self._context(G)
+        payload = self._push(G, ctx)
+        with ledger.phase("communicate"):
+            if self.plan is None:
+                handle = self.comm.all_gather_async(payload)
+            else:
+                plan = self.plan
+                handle = self.comm.sharded_exchange_async(
+                    payload, plan.nbytes, plan.nbytes, lambda j, Q: self._serve(j, Q, ctx))
+
+        def finish(result: torch.Tensor) -> torch.Tensor:
+            if self.plan is None:
+                pulled = self._replicated(result, ctx)
+            else:
+                # 5. everyone decodes every owner's reply: the same direction everywhere
+                pulled = self.plan.decode(result.view(1, -1), tag=ctx["tag"]).to(G.dtype)
+                pulled = self._pulled(pulled)
+            G.copy_(pulled.expand(m, d))
+            return G
+
+        st.prev_lr = st.lr
+        st.t += 1
+        return handle, finish
+
+    def _pulled(self, pulled: torch.Tensor) -> torch.Tensor:
+        return pulled
+
+    @torch.no_grad()
+    def reduce_gradients(self, G: torch.Tensor) -> None:
+        handle, finish = self._post(G)
+        with self.comm.ledger.phase("communicate"):
+            result = handle.wait()
+        with self.comm.ledger.phase("compress"):
+            finish(result)
+
+    @torch.no_grad()
+    def reduce_gradients_future(self, G: torch.Tensor) -> torch.futures.Future:
+        """The exchange completes on its own (torch.distributed futures): the returned
+        future holds ``G`` once the pulled direction is in it; nothing blocks here."""
+        handle, finish = self._post(G)
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            with torch.no_grad():
+                return finish(f.value())
+
+        return handle.future().then(done)
+
+    def _switch_exchange(self, exchange: str) -> None:
+        self.exchange, self.plan = exchange, None
+        self._build_feedback()
+        self.state.exchange = exchange
+
+    def _build_feedback(self) -> None:
+        pass
+
+
+class DistEFSGD(_TwoWay):
     """dist-EF-SGD / -blockSGD / -blockSGDM; see the module docstring for the steps."""
 
     name = "efsgd"
@@ -236,39 +316,50 @@ class DistEFSGD(_Centralized):
         m, d = X.shape
         layout = self._take_layout(X, layout)
         self.compressor = self.config.build_compressor(layout)  # blockwise: one block per tensor
-        self.feedback = ErrorFeedback(self.compressor)
         self.compressor.payload_nbytes(d)  # a bad block layout fails here, not mid-run
+        self._choose_exchange(self.compressor, d)  # a layout that cannot be sharded fails here
+        self._build_feedback()
         mom = X.new_zeros(m, d) if self.config.momentum > 0 else X.new_zeros(0)
         self.state = EFState(
             t=1, lr=1.0, prev_lr=0.0, error=X.new_zeros(m, d),
-            server_error=X.new_zeros(1, d), momentum=mom,
+            server_error=X.new_zeros(1, d), momentum=mom, **self._exchange_state(),
         )
 
-    @torch.no_grad()
-    def reduce_gradients(self, G: torch.Tensor) -> None:
-        st, mu, ledger = self.state, self.config.momentum, self.comm.ledger
-        m, d = G.shape
-        tag = step_tag(st.t)
-        ratio = self._lr_ratio()
+    def _build_feedback(self) -> None:
+        # the worker's error feedback wraps the plan (shard by shard) or the compressor
+        self.feedback = ErrorFeedback(self.plan if self.plan is not None else self.compressor)
+
+    def _context(self, G: torch.Tensor) -> dict:
+        st = self.state
+        return {"tag": step_tag(st.t), "ratio": self._lr_ratio(), "t": st.t, "dtype": G.dtype}
+
+    def _push(self, G: torch.Tensor, ctx: dict) -> torch.Tensor:
+        st, ledger = self.state, self.comm.ledger
         with ledger.phase("compute"):
             # 1. Nesterov momentum inside the compressed update (Alg. 4 lines 4-5)
-            V = ef_momentum(G, st.momentum, mu)
+            V = ef_momentum(G, st.momentum, self.config.momentum)
         with ledger.phase("compress"):
             # 2. worker error feedback, e rescaled by eta_{t-1}/eta_t
             keys = node_keys(self.config.seed, self.comm.nodes, st.t, _WORKER_STREAM)
-            payload = ef_push(self.feedback, V, st.error, ratio=ratio, keys=keys, tag=tag)
-        with ledger.phase("communicate"):
-            # 3. push: every worker receives every worker's payload
-            pushed = self.comm.all_gather(payload)
-        with ledger.phase("compress"):
-            # 4. the server's step, computed identically on every worker: same payloads,
-            #    same decode, same reduction order, a key shared by all
-            pulled = ef_pull(self.feedback, pushed, st.server_error, numel=d, ratio=ratio,
-                             key=shared_key(self.config.seed, st.t, _SERVER_STREAM), tag=tag, dtype=G.dtype)
-        # 5. the pulled direction replaces the gradient: x <- x - eta_t Delta~_t
-        G.copy_(pulled.expand(m, d))
-        st.prev_lr = st.lr
-        st.t += 1
+            return ef_push(self.feedback, V, st.error, ratio=ctx["ratio"], keys=keys, tag=ctx["tag"])
+
+    def _serve(self, j: int, Q: torch.Tensor, ctx: dict) -> torch.Tensor:
+        # 4. (sharded) the owner of shard j: decode and average its n messages in sender
+        #    order, error feedback with its own e~ of the shard, re-compress
+        plan = self.plan
+        sl = plan.shard_slice(j)
+        mean = plan.decode_shard(j, Q, ctx["tag"]).to(ctx["dtype"]).mean(0, keepdim=True)
+        skey = node_keys(self.config.seed, torch.tensor([j]), ctx["t"], _SERVER_STREAM)
+        _, reply, _ = ErrorFeedback(plan.shard_codec(j))(
+            mean, self.state.server_error[:, sl], rescale=ctx["ratio"], keys=skey, tag=ctx["tag"])
+        return reply[0]
+
+    def _replicated(self, pushed: torch.Tensor, ctx: dict) -> torch.Tensor:
+        # 4. (allgather) the server's step, computed identically on every worker: same
+        #    payloads, same decode, same reduction order, a key shared by all
+        return ef_pull(self.feedback, pushed, self.state.server_error, numel=self.layout.dim, ratio=ctx["ratio"],
+                       key=shared_key(self.config.seed, ctx["t"], _SERVER_STREAM), tag=ctx["tag"],
+                       dtype=ctx["dtype"])
 
 
 class EFBlockSGD(DistEFSGD):
@@ -294,7 +385,7 @@ class EFBlockSGDM(EFBlockSGD):
     summary = "dist-EF-blockSGDM (Zheng et al. 2019, arXiv:1905.10936, Alg. 4): blockwise sign with Nesterov momentum and error feedback"
 
 
-class SignSGD(_Centralized):
+class SignSGD(_TwoWay):
     """signSGD (``momentum`` absent) and Signum with majority vote; see the module
     docstring for the steps."""
 
@@ -313,16 +404,17 @@ class SignSGD(_Centralized):
     def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         m, d = X.shape
         self._take_layout(X, layout)
+        self._choose_exchange(self.compressor, d)
         beta = self.own_momentum
         mom = X.new_zeros(m, d) if beta > 0 else X.new_zeros(0)
-        self.state = SignState(t=1, lr=1.0, prev_lr=0.0, momentum=mom)
+        self.state = SignState(t=1, lr=1.0, prev_lr=0.0, momentum=mom, **self._exchange_state())
 
-    @torch.no_grad()
-    def reduce_gradients(self, G: torch.Tensor) -> None:
+    def _context(self, G: torch.Tensor) -> dict:
+        return {"tag": step_tag(self.state.t), "t": self.state.t, "dtype": G.dtype}
+
+    def _push(self, G: torch.Tensor, ctx: dict) -> torch.Tensor:
         st, ledger = self.state, self.comm.ledger
         beta = self.own_momentum
-        m, d = G.shape
-        tag = step_tag(st.t)
         with ledger.phase("compute"):
             # 1. Signum's momentum (an exponential average of the gradients)
             if beta > 0:
@@ -333,15 +425,33 @@ class SignSGD(_Centralized):
         with ledger.phase("compress"):
             # 2. one bit per value; sign compression is deterministic, the key is unused
             keys = node_keys(self.config.seed, self.comm.nodes, st.t)
-            payload = self.compressor.encode(V, keys, tag=tag)
-        with ledger.phase("communicate"):
-            pushed = self.comm.all_gather(payload)
-        with ledger.phase("compress"):
-            # 3. majority vote: the decoded values are scale * (+-1); only the signs count
-            votes = torch.sign(self.compressor.decode(pushed, d, tag=tag)).sum(0, keepdim=True)
-            G.copy_(torch.sign(votes).to(G.dtype).expand(m, d))
-        st.prev_lr = st.lr
-        st.t += 1
+            codec = self.plan if self.plan is not None else self.compressor
+            return codec.encode(V, keys, tag=ctx["tag"])
+
+    def _serve(self, j: int, Q: torch.Tensor, ctx: dict) -> torch.Tensor:
+        # 3. (sharded) the owner counts its shard's votes and sends back one bit each:
+        #    a tie (even n) goes to the sign of the scale-weighted sum, then to +1
+        plan = self.plan
+        decoded = plan.decode_shard(j, Q, ctx["tag"])
+        votes = torch.sign(decoded).sum(0, keepdim=True)
+        weighted = decoded.sum(0, keepdim=True)
+        tie = torch.where(weighted < 0, -1.0, 1.0)
+        vote = torch.where(votes != 0, torch.sign(votes), tie)
+        key = node_keys(self.config.seed, torch.tensor([j]), ctx["t"], 1)
+        return plan.encode_shard(j, vote, key, ctx["tag"])
+
+    def _pulled(self, pulled: torch.Tensor) -> torch.Tensor:
+        return torch.sign(pulled)  # scale 1 exactly: the votes are +-1
+
+    def _replicated(self, pushed: torch.Tensor, ctx: dict) -> torch.Tensor:
+        # 3. (allgather) majority vote on every worker: only the signs count, 0 on a tie
+        d = self.layout.dim
+        votes = torch.sign(self.compressor.decode(pushed, d, tag=ctx["tag"])).sum(0, keepdim=True)
+        return torch.sign(votes).to(ctx["dtype"])
+
+    def _switch_exchange(self, exchange: str) -> None:
+        self.exchange, self.plan = exchange, None
+        self.state.exchange = exchange
 
 
 class Signum(SignSGD):

@@ -30,19 +30,24 @@ averaged nor reset at a synchronisation. Nothing is sent on the other steps.
 
 Bytes per node per H steps (ledger): one ring all-reduce of the fp32 model,
 2 (n - 1) / n x 4 d. DiLoCo with a linear compressor (identity, randomk,
-randomblock) all-reduces its kept fp32 values; with any other compressor it
-all-gathers the packed payloads, (n - 1) x payload_nbytes(d): for ``quant:bits=4``
-on 2 nodes an eighth of the fp32 all-reduce plus the headers and scales.
+randomblock) all-reduces its kept fp32 values; with any other compressor it uses
+the sharded two-way exchange by default (``exchange="sharded"``: node j averages the
+4-bit messages of its shard, compresses the mean again with error feedback of its
+own, as SparseLoCo and torchft's quantized all-reduce do, and all-gathers it), about
+2 (n - 1) / n x payload_nbytes(d) whatever n: for ``quant:bits=4`` an eighth of the
+fp32 all-reduce plus headers and scales. ``exchange="allgather"`` all-gathers the
+payloads, (n - 1) x payload_nbytes(d), as every run before the option did (a State
+without an ``exchange`` entry resumes that way).
 
-Simulation and torchrun: the all-gathered path decodes and averages the same payloads
-in the same order everywhere, so it is bit-identical between the two; an all-reduce
+Simulation and torchrun: the sharded and the all-gathered paths decode and average the
+same payloads in the same order everywhere, so they are bit-identical between the two; an all-reduce
 is, like ``allreduce``'s, equal only to rounding beyond 2 nodes (the backend's ring
 adds in another order, see docs/comm.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -51,6 +56,7 @@ from gossip import compress as _compress
 from gossip._checks import check_float
 from gossip.algorithms._centralized import ErrorFeedback, check_fraction, check_spec
 from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
+from gossip.algorithms._sharded import ExchangeMixin, ShardPlan, check_exchange
 from gossip.algorithms.base import Algorithm, ParamLayout, WireFormat
 from gossip.compress import wire as _wire
 
@@ -67,6 +73,7 @@ __all__ = [
 ]
 
 _PSEUDO_STREAM = 7
+_SERVER_STREAM = 1 << 32  # + fragment start: the shard owners' second compression
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -134,6 +141,7 @@ class DiLoCoConfig:
     fragment_update_alpha: float = 0.0
     fragment_modules: str = ""
     seed: int = 0
+    exchange: str | None = None
 
     @property
     def fragment_count(self) -> int:
@@ -142,6 +150,7 @@ class DiLoCoConfig:
         return len(mods) + 1 if mods else self.fragments
 
     def __post_init__(self) -> None:
+        check_exchange(self.exchange, "diloco")
         check_int("local_steps", self.local_steps, minimum=1)
         _check_positive("outer_lr", self.outer_lr)
         check_fraction("outer_momentum", self.outer_momentum)
@@ -219,6 +228,11 @@ class DiLoCoState:
     error: torch.Tensor
     in_flight: tuple = ()
     pending: torch.Tensor | None = None
+    #: (1, d) the shard owners' error feedback of the second compression (sharded
+    #: exchange; each node's own shard of it), empty otherwise
+    server_error: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    exchange: str = "allgather"
+    shards: int = 1
 
 
 # --------------------------------------------------------------------------------------
@@ -311,7 +325,7 @@ class SlowMo(_Periodic):
             st.start.copy_(X)
 
 
-class DiLoCo(_Periodic):
+class DiLoCo(ExchangeMixin, _Periodic):
     """DiLoCo (Douillard et al. 2023, Alg. 1); Streaming DiLoCo with ``fragments`` > 1.
 
     For each fragment f (the whole model when F = 1), after every step t with
@@ -319,9 +333,13 @@ class DiLoCo(_Periodic):
 
     Step I:   Delta_i = theta - x_i on the fragment (theta: ``start``);
     Step II:  send C(Delta_i + e_i) (e_i <- what C dropped, with ``error_feedback``):
-              an all-reduce of the kept fp32 values for a linear compressor, an
-              all-gather of the packed payloads otherwise; Delta = the mean of the
-              decoded messages, the same on every node;
+              an all-reduce of the kept fp32 values for a linear compressor; otherwise
+              the sharded exchange (default): node j averages the decoded messages
+              of its shard, compresses the mean again with error feedback of its
+              own (e~_j <- what the second compression dropped) and all-gathers it,
+              so Delta = the decoded replies; or, with ``exchange=allgather``, an
+              all-gather of the packed payloads and Delta = the mean of the decoded
+              messages. Either way Delta is the same on every node;
     Step III: outer Nesterov SGD, as torch.optim.SGD(nesterov=True):
               b <- mu b + Delta, x_i <- theta - lr_out (Delta + mu b), theta <- x_i.
     Every other step is the inner optimizer's alone.
@@ -335,11 +353,14 @@ class DiLoCo(_Periodic):
     summary = "DiLoCo: H inner (AdamW) steps, then an outer Nesterov step on the averaged pseudo-gradient"
     local_optimizer_default = "adamw"
 
+    _new_state_fields = ("server_error",)
+
     def __init__(self, config: DiLoCoConfig, comm: Any) -> None:
         super().__init__(config, comm)
         self.compressor = _compress.build(config.compressor)
         self.fragments: list[tuple[int, int]] = []
         self.linear = False
+        self.plans: dict[int, ShardPlan] = {}  # fragment start -> its shard plan (sharded exchange)
 
     @property
     def payload_compressor(self) -> Any:
@@ -355,8 +376,11 @@ class DiLoCo(_Periodic):
     @property
     def collective(self) -> str:
         """``"all_reduce"`` of the kept fp32 values (linear compressors with a plain value
-        body: identity, randomk, randomblock) or ``"all_gather"`` of the payloads."""
-        return "all_reduce" if self.linear else "all_gather"
+        body: identity, randomk, randomblock), ``"sharded"`` (two-way compression) or
+        ``"all_gather"`` of the payloads."""
+        if self.linear:
+            return "all_reduce"
+        return "sharded" if self.exchange == "sharded" else "all_gather"
 
     def offsets(self) -> list[int]:
         """o_f: fragment f synchronises after every step t with t % local_steps == o_f."""
@@ -373,11 +397,25 @@ class DiLoCo(_Periodic):
             c.payload_nbytes(b - a)  # a bad size fails here, not mid-run
         segs = c.layout(self.fragments[0][1] - self.fragments[0][0]).segments
         self.linear = c.linear and len(segs) == 1 and segs[0][:2] == ("values", torch.float32)
+        self.exchange, self.plans = "allgather", {}
+        if not self.linear:  # a linear compressor's values are all-reduced, whatever `exchange`
+            for a, b in self.fragments:  # each fragment is sharded on its own
+                self._choose_exchange(c, b - a)
+                if self.plan is None:
+                    self.plans = {}
+                    break
+                self.plans[a] = self.plan
         err = torch.zeros_like(X) if cfg.error_feedback else X.new_zeros(0)
         pending = torch.zeros_like(X) if cfg.fragment_sync_delay else X.new_zeros(0)
+        server = X.new_zeros(1, X.shape[1]) if self.plans else X.new_zeros(0)
         self._posted: dict[int, tuple] = {}
         self.state = DiLoCoState(t=0, start=X.detach().clone(), momentum=torch.zeros_like(X), error=err,
-                                 in_flight=(), pending=pending)
+                                 in_flight=(), pending=pending, server_error=server, **self._exchange_state())
+
+    def _switch_exchange(self, exchange: str) -> None:
+        self.exchange, self.plan, self.plans = exchange, None, {}
+        self.state.exchange = exchange
+        self.state.server_error = self.state.server_error.new_zeros(0)
 
     @torch.no_grad()
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
@@ -413,12 +451,17 @@ class DiLoCo(_Periodic):
                 keys = torch.full((m,), shared_key(cfg.seed, st.t, _PSEUDO_STREAM + a), dtype=torch.int64)
             else:
                 keys = node_keys(cfg.seed, self.comm.nodes, st.t, _PSEUDO_STREAM)
+            plan = self.plans.get(a)
+            codec = plan if plan is not None else c  # sharded: one message per shard owner
             if cfg.error_feedback:
-                _, payload, _ = ErrorFeedback(c)(delta, st.error[:, a:b], rescale=1.0, keys=keys, tag=tag)
+                _, payload, _ = ErrorFeedback(codec)(delta, st.error[:, a:b], rescale=1.0, keys=keys, tag=tag)
             else:
-                payload = c.encode(delta, keys, tag=tag)
+                payload = codec.encode(delta, keys, tag=tag)
         with ledger.phase("communicate"):
-            if self.linear:
+            if plan is not None:
+                handle = self.comm.sharded_exchange_async(
+                    payload, plan.nbytes, plan.nbytes, self._server(plan, a, b, st.t, tag, X.dtype))
+            elif self.linear:
                 values = c.layout(b - a).views(payload)["values"]
                 handle = self.comm.all_reduce_async(values.contiguous(), op="mean")
             else:
@@ -433,6 +476,9 @@ class DiLoCo(_Periodic):
         with ledger.phase("communicate"):
             got = handle.wait()
         with ledger.phase("compress"):
+            plan = self.plans.get(a)
+            if plan is not None:  # every owner's reply: the mean of its shard, compressed again
+                return plan.decode(got.view(1, -1), tag=tag).to(self.state.start.dtype)
             if self.linear:
                 # the mean values in our own payload's frame (same compressor and key), decoded
                 agg = payload[:1].clone()
@@ -440,6 +486,21 @@ class DiLoCo(_Periodic):
                 _wire.write_header(agg, c.cid, _wire.params_hash(c.spec), n, keys[:1], tag)
                 return c.decode(agg, n, tag=tag).to(self.state.start.dtype)
             return c.decode(got, n, tag=tag).to(self.state.start.dtype).mean(0, keepdim=True)
+
+    def _server(self, plan: ShardPlan, a: int, b: int, t: int, tag: int, dtype: torch.dtype) -> Any:
+        """The owner's step for fragment [a, b) posted at step ``t`` (it may run steps
+        later, with ``fragment_sync_delay``): the mean of its shard's messages,
+        compressed again with its own error feedback (the second compression)."""
+        cfg = self.config
+
+        def serve(j: int, Q: torch.Tensor) -> torch.Tensor:
+            mean = plan.decode_shard(j, Q, tag).to(dtype).mean(0, keepdim=True)
+            skey = node_keys(cfg.seed, torch.tensor([j]), t, _SERVER_STREAM + a)
+            memory = self.state.server_error[:, a:b][:, plan.shard_slice(j)]
+            _, reply, _ = ErrorFeedback(plan.shard_codec(j))(mean, memory, rescale=1.0, keys=skey, tag=tag)
+            return reply[0]
+
+        return serve
 
     def _result(self, f: int) -> torch.Tensor:
         """Fragment ``f``'s exchanged mean: from the wire, or settled in the State."""

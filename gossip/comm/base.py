@@ -7,7 +7,7 @@ every per-node value is a tensor whose first dimension is the hosted node.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,9 +16,16 @@ import torch
 from gossip.errors import PeerPayloadError, format_peers
 from .ledger import Ledger
 
-__all__ = ["Communicator", "Received", "Handle"]
+__all__ = ["Communicator", "Received", "Handle", "ShardServer"]
 
 Decode = Callable[[torch.Tensor], torch.Tensor]
+
+#: the shard owner's step of a sharded exchange: ``server(j, Q)`` gets shard ``j``'s
+#: ``n`` incoming messages ``Q`` (``Tensor[n, in_nbytes[j]]`` uint8, one row per sender,
+#: ascending ids) and returns the reply every node receives (``Tensor[out_nbytes[j]]``
+#: uint8). It is where the algorithm decodes, averages, applies the shard's own
+#: server state (error feedback, majority vote) and re-compresses.
+ShardServer = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 _PAYLOAD_ERRORS: tuple[type[BaseException], ...] | None = None
@@ -190,6 +197,15 @@ class Handle:
     def is_completed(self) -> bool:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def future(self) -> torch.futures.Future:
+        """A ``torch.futures.Future`` of :meth:`wait`'s result, for callers that chain
+        work on the arrival instead of blocking (DDP communication hooks). Handles
+        whose backend can complete without a wait (torch.distributed works) override
+        it; by default the future is completed here, by waiting."""
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self.wait())
+        return fut
+
 
 class _Done(Handle):
     """A handle whose result is already there (simulation, world of one)."""
@@ -244,6 +260,34 @@ class Communicator(abc.ABC):
         """Each row := node ``src``'s row."""
         return self.broadcast_async(X, src, record=record).wait()
 
+    def sharded_exchange(
+        self,
+        P: torch.Tensor,
+        in_nbytes: Sequence[int],
+        out_nbytes: Sequence[int],
+        server: ShardServer,
+        *,
+        record: bool = True,
+    ) -> torch.Tensor:
+        """The two-way compressed all-reduce of Zheng et al. (arXiv:1905.10936, Sec. 1):
+        node ``j`` owns shard ``j``.
+
+        1. push: row ``r`` of ``P`` (``Tensor[m, sum(in_nbytes)]`` uint8) is hosted node
+           ``r``'s messages for shards ``0..n-1``, concatenated in shard order; the
+           message for shard ``j`` (``in_nbytes[j]`` bytes) goes to node ``j`` (an
+           all-to-all of payloads, ledger kind ``shard_push``);
+        2. serve: node ``j`` calls ``server(j, Q)`` on the ``n`` messages of its shard,
+           one row per sender in ascending id order (its own included);
+        3. pull: node ``j``'s reply (``out_nbytes[j]`` bytes) goes to every node (an
+           all-gather, ledger kind ``shard_pull``).
+
+        Returns ``Tensor[sum(out_nbytes)]`` uint8: the replies of shards ``0..n-1``
+        concatenated, the same on every node. Each node sends
+        ``sum_{j != i} in_nbytes[j] + (n - 1) out_nbytes[i]`` bytes, about
+        ``2 (n - 1) / n`` of one whole payload when the shards are even, whatever ``n``.
+        """
+        return self.sharded_exchange_async(P, in_nbytes, out_nbytes, server, record=record).wait()
+
     # ---------------------------------------------------------------- asynchronous
     @abc.abstractmethod
     def neighbor_exchange_async(self, P: torch.Tensor, *, record: bool = True, step: int | None = None) -> Handle:
@@ -261,6 +305,20 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def broadcast_async(self, X: torch.Tensor, src: int, *, record: bool = True) -> Handle:
         """Post the broadcast; ``.wait()`` returns ``Tensor[m, ...]``."""
+
+    @abc.abstractmethod
+    def sharded_exchange_async(
+        self,
+        P: torch.Tensor,
+        in_nbytes: Sequence[int],
+        out_nbytes: Sequence[int],
+        server: ShardServer,
+        *,
+        record: bool = True,
+    ) -> Handle:
+        """Post :meth:`sharded_exchange`; ``.wait()`` returns its result. The bytes of
+        both legs are recorded when it is posted (``server`` may run later, on the
+        thread that completes the push)."""
 
     # ---------------------------------------------------------------- shared checks
     def _graph(self, step: int | None, what: str) -> Any:
@@ -304,6 +362,51 @@ class Communicator(abc.ABC):
                 f"{type(self).__name__}.all_reduce: op='mean' needs a floating-point `X`, "
                 f"got dtype {X.dtype}"
             )
+
+    def _check_sharded(
+        self, P: torch.Tensor, in_nbytes: Sequence[int], out_nbytes: Sequence[int], server: Any
+    ) -> tuple[list[int], list[int]]:
+        """The split sizes as lists of ints, each checked; ``P`` one row per hosted node."""
+        what = f"{type(self).__name__}.sharded_exchange"
+        n = self.world_size
+        sizes = []
+        for name, v in (("in_nbytes", in_nbytes), ("out_nbytes", out_nbytes)):
+            try:
+                vs = [int(x) for x in v]
+                ok = len(vs) == n and all(int(x) == x and x >= 0 for x in v)
+            except (TypeError, ValueError):
+                ok, vs = False, []
+            if not ok:
+                raise ValueError(f"{what}: `{name}` must list {n} non-negative byte counts (one per shard), "
+                                 f"got {v!r}")
+            sizes.append(vs)
+        if not callable(server):
+            raise TypeError(f"{what}: `server` must be callable as server(shard, payloads), got {server!r}")
+        self._check_rows(P, "sharded_exchange", "P")
+        if P.dtype != torch.uint8 or P.dim() != 2 or P.shape[1] != sum(sizes[0]):
+            raise ValueError(
+                f"{what}: `P` must be a 2-D uint8 tensor (m, sum(in_nbytes) = {sum(sizes[0])}), "
+                f"got {P.dtype} of shape {tuple(P.shape)}")
+        return sizes[0], sizes[1]
+
+    def _sharded_records(self, in_nbytes: list[int], out_nbytes: list[int]) -> None:
+        """Record both legs of a sharded exchange: every (sender, owner) message of the
+        push and every (owner, receiver) message of the pull, one call each."""
+        n = self.world_size
+        if n > 1:
+            src, dst = np.nonzero(~np.eye(n, dtype=bool))  # every ordered pair i != j
+            self.ledger.record(src, dst, np.asarray(in_nbytes, dtype=np.int64)[dst], op="shard_push")
+            self.ledger.record(src, dst, np.asarray(out_nbytes, dtype=np.int64)[src], op="shard_pull")
+        self.ledger.count("shard_push")
+        self.ledger.count("shard_pull")
+
+    def _serve(self, server: ShardServer, j: int, Q: torch.Tensor, nbytes: int) -> torch.Tensor:
+        R = server(j, Q)
+        if not isinstance(R, torch.Tensor) or R.dtype != torch.uint8 or tuple(R.shape) != (nbytes,):
+            got = f"{R.dtype} of shape {tuple(R.shape)}" if isinstance(R, torch.Tensor) else type(R).__name__
+            raise ValueError(f"{type(self).__name__}.sharded_exchange: `server` must return shard {j}'s reply "
+                             f"as a uint8 tensor of shape ({nbytes},), got {got}")
+        return R
 
     def _check_src(self, src: int) -> int:
         if isinstance(src, bool) or not isinstance(src, (int, np.integer)) or not (

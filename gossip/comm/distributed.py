@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 from datetime import timedelta
 from time import perf_counter
 from typing import Any
@@ -234,6 +235,7 @@ class DistCommunicator(Communicator):
             raise ValueError(f"DistCommunicator: `ledger` must host exactly node {self.rank} of {n}")
         self._global = [dist.get_global_rank(group, j) if group is not None else j for j in range(n)]
         self._agreed: set[int] = set()
+        self._agreed_splits: set[tuple] = set()
         self._broken: str | None = None
         self._peers = np.zeros(0, dtype=np.int64)
         self._w = np.zeros(0, dtype=np.float64)
@@ -387,6 +389,62 @@ class DistCommunicator(Communicator):
                     self.ledger.record(src, self.rank, b, op="broadcast")
                 self.ledger.count("broadcast")
         return _CollectiveHandle(self, work, "broadcast", lambda: Y)
+
+    def sharded_exchange_async(self, P, in_nbytes, out_nbytes, server, *, record: bool = True) -> Handle:
+        """Post the push (``all_to_all_single`` with this rank's message of every shard);
+        the handle serves this rank's shard when the push has arrived, then posts and
+        waits the pull (a second ``all_to_all_single`` carrying the reply to every rank)."""
+        self._check_usable()
+        ins, outs = self._check_sharded(P, in_nbytes, out_nbytes, server)
+        n, r = self.world_size, self.rank
+        with self.ledger.phase("communicate"):
+            src = P[0].contiguous()
+            if self.check_sizes and n > 1:
+                self._agree_splits(ins, outs, src.device)
+            pushed = torch.empty((n, ins[r]), dtype=torch.uint8, device=src.device)
+            work = None
+            if n > 1:
+                work = self._post_collective("sharded_exchange (push)", lambda: dist.all_to_all_single(
+                    pushed.view(-1), src, output_split_sizes=[ins[r]] * n, input_split_sizes=ins,
+                    group=self.group, async_op=True))
+            else:
+                pushed.copy_(src.view(1, -1))
+            if record:
+                self._sharded_records(ins, outs)
+        return _ShardedHandle(self, work, pushed, server, outs)
+
+    def _sharded_records(self, in_nbytes: list[int], out_nbytes: list[int]) -> None:
+        # only the messages this rank sends or receives (the others are foreign anyway)
+        n, r = self.world_size, self.rank
+        if n > 1:
+            others = np.delete(np.arange(n), r)
+            ins, outs = np.asarray(in_nbytes, dtype=np.int64), np.asarray(out_nbytes, dtype=np.int64)
+            self.ledger.record(r, others, ins[others], op="shard_push")
+            self.ledger.record(others, r, ins[r], op="shard_push")
+            self.ledger.record(r, others, outs[r], op="shard_pull")
+            self.ledger.record(others, r, outs[others], op="shard_pull")
+        self.ledger.count("shard_push")
+        self.ledger.count("shard_pull")
+
+    def _agree_splits(self, ins: list[int], outs: list[int], device: torch.device) -> None:
+        """The first time a split signature is used, every rank checks that all ranks use
+        it: gloo aborts the process on a message longer than its buffer, so a rank with
+        another compressor or model is named before any payload moves (16 bytes each)."""
+        sig = (tuple(ins), tuple(outs))
+        if sig in self._agreed_splits:
+            return
+        digest = zlib.crc32(np.asarray(ins + outs, dtype=np.int64).tobytes())
+        mine = torch.tensor([[_MAGIC, digest]], dtype=torch.int64, device=device)
+        everyone = self.all_gather(mine, record=False)
+        self._record_ring((self.world_size - 1) * _SIZE_MSG_BYTES, "control")
+        bad = [j for j, (mg, dg) in enumerate(everyone.cpu().tolist()) if mg != _MAGIC or dg != digest]
+        if bad:
+            raise PeerPayloadError(
+                f"sharded exchange at rank {self.rank}: {format_peers(bad)} cut the payloads into other "
+                f"shard sizes than this rank ({sum(ins)} bytes pushed in {len(ins)} shards; different "
+                "compressor, parameters or model size?)",
+                bad, "sharded_exchange")
+        self._agreed_splits.add(sig)
 
     def _record_ring(self, nbytes: int, op: str) -> None:
         n, r = self.world_size, self.rank
@@ -551,3 +609,96 @@ class _CollectiveHandle(Handle):
 
     def is_completed(self) -> bool:
         return self._result is not None or self._work.is_completed()
+
+    def future(self) -> torch.futures.Future:
+        """Completes with the result when the collective arrives, without blocking."""
+        if self._result is not None:
+            return super().future()
+        finish = self._finish
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            f.wait()
+            return finish()
+
+        return self._work.get_future().then(done)
+
+
+class _ShardedHandle(Handle):
+    """A sharded exchange in flight: push posted; serve and pull when waited (or, through
+    :meth:`future`, when the push completes, on the thread that completes it)."""
+
+    __slots__ = ("_comm", "_work", "_pushed", "_server", "_outs", "_result")
+
+    def __init__(self, comm: DistCommunicator, work: Any, pushed: torch.Tensor, server: Any,
+                 outs: list[int]) -> None:
+        self._comm, self._work, self._pushed, self._server, self._outs = comm, work, pushed, server, outs
+        self._result: torch.Tensor | None = None
+
+    def _others(self) -> list[int]:
+        c = self._comm
+        return [j for j in range(c.world_size) if j != c.rank]
+
+    def _pull(self) -> tuple[Any, torch.Tensor]:
+        """Serve this rank's shard and post the pull; (work or None, output buffer)."""
+        c, outs = self._comm, self._outs
+        n, r = c.world_size, c.rank
+        reply = c._serve(self._server, r, self._pushed, outs[r])
+        out = torch.empty(sum(outs), dtype=torch.uint8, device=reply.device)
+        if n == 1:
+            out.copy_(reply)
+            return None, out
+        sent = reply.repeat(n)  # the same reply to every rank, one slot each
+        work = c._post_collective("sharded_exchange (pull)", lambda: dist.all_to_all_single(
+            out, sent, output_split_sizes=outs, input_split_sizes=[outs[r]] * n, group=c.group, async_op=True))
+        return work, out
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            c = self._comm
+            if self._work is not None:
+                with c.ledger.phase("wait"):
+                    c._wait(_Posted([self._work], [self._others()], "sharded_exchange (push)"))
+            with c.ledger.phase("compress"):
+                work, out = self._pull()
+            if work is not None:
+                with c.ledger.phase("wait"):
+                    c._wait(_Posted([work], [self._others()], "sharded_exchange (pull)"))
+            self._result = out
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._result is not None
+
+    def future(self) -> torch.futures.Future:
+        """Completes when the pull has arrived, without blocking the caller: the push's
+        future serves the shard and posts the pull, whose future completes this one.
+        Nothing here touches the ledger's clocks (they belong to the calling thread)."""
+        res: torch.futures.Future = torch.futures.Future()
+        if self._result is not None or self._work is None:
+            res.set_result(self.wait())
+            return res
+
+        def pulled(out: torch.Tensor):
+            def done(f: torch.futures.Future) -> None:
+                try:
+                    f.wait()
+                    self._result = out
+                    res.set_result(out)
+                except BaseException as exc:  # the pull failed: the waiter sees it
+                    res.set_exception(exc)
+            return done
+
+        def pushed(f: torch.futures.Future) -> None:
+            try:
+                f.wait()
+                work, out = self._pull()
+                if work is None:
+                    self._result = out
+                    res.set_result(out)
+                else:
+                    work.get_future().then(pulled(out))
+            except BaseException as exc:
+                res.set_exception(exc)
+
+        self._work.get_future().then(pushed)
+        return res

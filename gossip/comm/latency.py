@@ -14,6 +14,7 @@ all_reduce          2 (n - 1)            ring all-reduce: n - 1 reduce-scatter s
                                          the previous one's message
 all_gather          n - 1                ring all-gather
 broadcast           ceil(log2 n)         binomial tree: the holders double each round
+sharded_exchange    2 (n - 1)            push then pull, each counted as an all-gather
 ==================  ===================  ==============================================
 
 with ``n`` the world size; a world of one sends nothing and waits nothing. The
@@ -61,9 +62,11 @@ def latency_rounds(op: str, n: int) -> int:
         return n - 1
     if op == "broadcast":
         return math.ceil(math.log2(n))
+    if op == "sharded_exchange":  # the push and the pull, each as an all-gather's rounds
+        return 2 * (n - 1)
     raise ValueError(
         "latency_rounds: `op` must be one of 'neighbor_exchange', 'all_reduce', "
-        f"'all_gather', 'broadcast', got {op!r}"
+        f"'all_gather', 'broadcast', 'sharded_exchange', got {op!r}"
     )
 
 
@@ -183,6 +186,10 @@ class LatencyCommunicator(Communicator):
 
     def broadcast_async(self, X: torch.Tensor, src: int, *, record: bool = True) -> Handle:
         return self._wrap(self.inner.broadcast_async(X, src, record=record), "broadcast")
+
+    def sharded_exchange_async(self, P, in_nbytes, out_nbytes, server, *, record: bool = True) -> Handle:
+        return self._wrap(self.inner.sharded_exchange_async(P, in_nbytes, out_nbytes, server, record=record),
+                          "sharded_exchange")
 
     def __repr__(self) -> str:
         return f"LatencyCommunicator({self.inner!r}, latency_s={self.latency_s:g})"

@@ -39,8 +39,12 @@ __all__ = ["Ledger", "PHASES", "OPS", "WARMUP"]
 PHASES: tuple[str, ...] = ("compute", "compress", "communicate", "wait")
 """The default phases wall time is split into."""
 
-OPS: tuple[str, ...] = ("exchange", "all_reduce", "all_gather", "broadcast", "control")
-"""Operations traffic is recorded under; ``control`` is protocol traffic (size checks)."""
+OPS: tuple[str, ...] = (
+    "exchange", "all_reduce", "all_gather", "broadcast", "control", "shard_push", "shard_pull",
+)
+"""Operations traffic is recorded under; ``control`` is protocol traffic (size checks);
+``shard_push`` and ``shard_pull`` are the two legs of a sharded exchange (each node's
+compressed slices to their owners, the owners' re-compressed shards to everyone)."""
 
 _FORMAT = "gossip.comm.Ledger/1"
 WARMUP = "warmup"

@@ -70,6 +70,7 @@ class SimulatedCommunicator(Communicator):
         self._ring_next = (np.arange(n) + 1) % n
         self.check_sizes = bool(check_sizes)
         self._agreed: set[int] = set()
+        self._agreed_splits: set[int] = set()
         self._tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         #: time-varying topologies: (step key -> tables of W(t)), recent steps only
         self._step_tables: dict[tuple[int, torch.device], tuple[Any, ...]] = {}
@@ -182,6 +183,24 @@ class SimulatedCommunicator(Communicator):
             self.ledger.record(src, others, _tensor_nbytes(X), op="broadcast")
             self.ledger.count("broadcast")
         return _Done(X[src : src + 1].expand_as(X).clone())
+
+    def sharded_exchange_async(self, P, in_nbytes, out_nbytes, server, *, record: bool = True) -> Handle:
+        ins, outs = self._check_sharded(P, in_nbytes, out_nbytes, server)
+        if self.check_sizes and self.world_size > 1:
+            key = hash((tuple(ins), tuple(outs)))
+            if key not in self._agreed_splits:
+                # what the distributed split check sends: one 16-byte all-gather
+                self._record_ring((self.world_size - 1) * _SIZE_MSG_BYTES, "control")
+                self._agreed_splits.add(key)
+        if record:
+            self._sharded_records(ins, outs)
+        # every node's server step, shard by shard; the senders are the rows of P,
+        # ascending, as a distributed owner receives them
+        replies, a = [], 0
+        for j, (b_in, b_out) in enumerate(zip(ins, outs)):
+            replies.append(self._serve(server, j, P[:, a:a + b_in], b_out))
+            a += b_in
+        return _Done(torch.cat(replies) if replies else P.new_zeros(0))
 
     def _record_ring(self, nbytes: int, op: str) -> None:
         n = self.world_size

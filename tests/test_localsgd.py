@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import topologies
+from gossip.algorithms._sharded import ShardPlan
 from gossip import algorithms, checkpoint, comm, compress
 from gossip.config import ConfigError, TrainConfig
 from gossip.runtime import GossipOptimizer, MomentumConflict
@@ -197,7 +198,8 @@ def test_state_round_trip_mid_round_is_bit_identical():
     full, _, _ = run("diloco", 10, adamw=True, lr=0.01, **opts)
     _, _, opt = run("diloco", 6, adamw=True, lr=0.01, **opts)
     sd = opt.state_dict()
-    assert set(sd["algorithm"]) == {"t", "start", "momentum", "error"} and sd["algorithm"]["t"] == 6
+    assert set(sd["algorithm"]) == {"t", "start", "momentum", "error", "server_error", "exchange", "shards"}
+    assert sd["algorithm"]["t"] == 6 and sd["algorithm"]["exchange"] == "sharded"
     assert "exp_avg" in sd["optimizers"][0]["state"][0]
     # a fresh optimizer restored from it, then the last 4 steps with the same batches
     _, _, fresh = run("diloco", 0, adamw=True, lr=0.01, **opts)
@@ -313,7 +315,10 @@ def test_simulation_with_8_nodes(tmp_path):
             assert per_round == _ring(4 * d, 8)
             assert s["consensus_distance"] == pytest.approx(0.0, abs=1e-12)  # step 8 ends a round
         elif name == "diloco":
-            assert per_round == 7 * compress.build("quant:bits=4").payload_nbytes(d)
+            # sharded: 2 (n - 1) / n of the shard messages, plus the one 16-byte check of
+            # the shard sizes (to 7 peers, over the run's 2 rounds)
+            plan = ShardPlan(compress.build("quant:bits=4"), d, 8, algo="diloco")
+            assert per_round == 2 * 7 * plan.total_nbytes / 8 + 7 * 16 / 2
         else:  # ring: one fp32 payload to each of two neighbours at steps 4 and 8, one size check each
             assert s["bytes_sent_per_node_total"] == 2 * 2 * compress.build("identity").payload_nbytes(d) + 2 * 16
 

@@ -117,7 +117,8 @@ def _reference(grads, lrs, mu, spec, orders, partitions, shapes=SHAPES, seed=0):
 def test_whole_model_is_exactly_efsgd(spec, mu):
     grads = _grads()
     alg, _ = _build(spec, "whole", mu=mu)
-    ref_alg = algorithms.build("efsgd", comm.SimulatedCommunicator(world_size=N), compressor=spec, momentum=mu)
+    ref_alg = algorithms.build("efsgd", comm.SimulatedCommunicator(world_size=N), compressor=spec, momentum=mu,
+                               exchange="allgather")  # MergeComp keeps the replicated server
     ref_alg.setup(torch.zeros(N, D))
     ref = _run(ref_alg, grads)
     assert torch.equal(_run(alg, grads), ref)
@@ -126,7 +127,8 @@ def test_whole_model_is_exactly_efsgd(spec, mu):
 def test_blocksign_whole_model_is_exactly_efblocksgd():
     grads = _grads()
     alg, _ = _build("blocksign", "whole", mu=0.9)
-    ref_alg = algorithms.build("efblocksgdm", comm.SimulatedCommunicator(world_size=N), momentum=0.9)
+    ref_alg = algorithms.build("efblocksgdm", comm.SimulatedCommunicator(world_size=N), momentum=0.9,
+                               exchange="allgather")
     ref_alg.setup(torch.zeros(N, D), ParamLayout(SHAPES))  # one block per tensor
     assert torch.equal(_run(alg, grads), _run(ref_alg, grads))
 

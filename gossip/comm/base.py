@@ -306,7 +306,6 @@ class Communicator(abc.ABC):
     def broadcast_async(self, X: torch.Tensor, src: int, *, record: bool = True) -> Handle:
         """Post the broadcast; ``.wait()`` returns ``Tensor[m, ...]``."""
 
-    @abc.abstractmethod
     def sharded_exchange_async(
         self,
         P: torch.Tensor,
@@ -318,7 +317,11 @@ class Communicator(abc.ABC):
     ) -> Handle:
         """Post :meth:`sharded_exchange`; ``.wait()`` returns its result. The bytes of
         both legs are recorded when it is posted (``server`` may run later, on the
-        thread that completes the push)."""
+        thread that completes the push). Both communicators implement it; a
+        communicator of one's own that does not raises here."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement sharded_exchange_async; use exchange=allgather"
+        )
 
     # ---------------------------------------------------------------- shared checks
     def _graph(self, step: int | None, what: str) -> Any:

@@ -29,11 +29,29 @@ gradients by the algorithm's compressed reduction. What the hook does with one
    holds several whole groups (the first iteration of a new DDP model after
    :meth:`HookState.load_state_dict`: one bucket of everything) runs each group in
    turn, so a resumed run computes exactly what the uninterrupted one did;
-4. the hook returns a completed ``torch.futures.Future`` holding the bucket's buffer:
-   the reduced direction, which DDP copies into the parameters' ``.grad``. The
-   algorithms all-reduce or all-gather synchronously over DDP's process group, through
-   a :class:`gossip.comm.DistCommunicator` whose :class:`~gossip.comm.Ledger`
+4. the hook posts the group's exchange and returns at once, with a
+   ``torch.futures.Future`` of the bucket's buffer that completes when the reduced
+   direction is in it (DDP copies it into the parameters' ``.grad`` after the
+   backward pass). Meanwhile backward goes on computing the next buckets'
+   gradients. The collectives run over DDP's process group through a
+   :class:`gossip.comm.DistCommunicator` whose :class:`~gossip.comm.Ledger`
    (``state.ledger``) counts every byte.
+
+Overlap, as torch's own hooks overlap their all-reduce: the all-gathered exchange
+(``exchange=allgather``) and the warm-up all-reduce are one collective each, posted
+by the hook; a chained future decodes the result when it arrives. The sharded
+exchange has two stages (push to the shard owners, then the owners' pull), and
+the second can only be posted when the first has arrived. Gloo and NCCL pair
+collectives by the order each rank posts them, so every stage is posted from the
+hook itself, never from a callback: the hook of bucket ``k`` posts bucket ``k``'s
+push and then bucket ``k - 1``'s pull (waiting for ``k - 1``'s push if it is still
+on the wire), and the last bucket's hook posts its own pull. A bucket's push thus
+overlaps the backward of the next bucket and its pull the one after. No thread is
+started: only work handles and futures. ``experiments/bench_ddp_overlap.py``
+measures the step time against the hook waiting inline and against torch's
+default all-reduce. Algorithms other than the EF family and the sign baselines
+(powersgd, efmomentum, the top-k family, allreduce) still reduce inside the hook
+and return a completed future.
 
 Momentum: an algorithm that applies momentum itself (powersgd, efblocksgdm, signum,
 efmomentum, sketched, truetopk, localtopk by default, demo) must have a local optimizer with
@@ -43,10 +61,6 @@ none. Pass ``optimizer=`` to :func:`hook_state`: it is refused in one line
 family rescales its memories by ``eta_{t-1} / eta_t``). Without it the step size is
 taken as constant, and for an algorithm that owns momentum a warning says that the
 optimizer's could not be checked.
-
-Overlap: the algorithms wait for their collectives inside the hook, so a bucket's
-communication does not overlap the rest of the backward pass as DDP's own
-asynchronous all-reduce does; the returned future is already complete.
 
 The decentralized algorithms (dpsgd, dcd, ecd, naive) act on the models, not on the
 gradients, and are no hooks; MergeComp (``merge``) schedules tensors during backward
@@ -65,6 +79,7 @@ import torch.distributed.nn.functional  # noqa: F401
 from torch import nn
 
 from gossip import algorithms as _algorithms
+from gossip.algorithms._centralized import Pending, _Centralized
 from gossip.algorithms.base import ParamLayout
 from gossip.comm import DistCommunicator, Ledger
 from gossip.runtime import check_momentum
@@ -87,6 +102,7 @@ def hook_state(
     process_group: Any = None,
     warmup_steps: int = 1,
     timeout: float = 300.0,
+    overlap: bool = True,
     **options: Any,
 ) -> "HookState":
     """The state for ``model.register_comm_hook(state, ddp.hook)``.
@@ -98,10 +114,12 @@ def hook_state(
     the step size (see the module docstring). ``process_group``: DDP's
     (``None``: the default group). ``warmup_steps`` (>= 1): iterations all-reduced in
     full precision before the algorithm starts. ``timeout``: seconds a collective may
-    take before the peer is named in an error.
+    take before the peer is named in an error. ``overlap`` (default True): the hook
+    returns before its exchange has arrived (see "Overlap" in the module docstring);
+    False waits for it inside the hook, the way to measure what overlapping saves.
     """
     return HookState(model, algorithm, optimizer=optimizer, process_group=process_group,
-                     warmup_steps=warmup_steps, timeout=timeout, **options)
+                     warmup_steps=warmup_steps, timeout=timeout, overlap=overlap, **options)
 
 
 class _Group:
@@ -125,7 +143,7 @@ class HookState:
     """
 
     def __init__(self, model: nn.Module, algorithm: str, *, optimizer: Any = None, process_group: Any = None,
-                 warmup_steps: int = 1, timeout: float = 300.0, **options: Any) -> None:
+                 warmup_steps: int = 1, timeout: float = 300.0, overlap: bool = True, **options: Any) -> None:
         if not isinstance(algorithm, str) or algorithm not in HOOK_ALGORITHMS:
             known = _algorithms.available()
             # every registered algorithm without a hook acts on the models (gossip mixing, or
@@ -139,6 +157,8 @@ class HookState:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"gossip.ddp: `warmup_steps` must be an int >= 1 (DDP rebuilds its buckets after "
                              f"the first iteration), got {warmup_steps!r}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"gossip.ddp: `overlap` must be True or False, got {overlap!r}")
         if not isinstance(model, nn.Module):
             raise TypeError(f"gossip.ddp: `model` must be the nn.Module (DDP or not), got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -163,6 +183,7 @@ class HookState:
         self.options = dict(options)
         self.seed = int(config.seed)
         self.warmup_steps = warmup_steps
+        self.overlap = overlap
         self.optimizer = optimizer
         self.comm = DistCommunicator(group=process_group, timeout=timeout)
         self.iteration = 0
@@ -172,6 +193,8 @@ class HookState:
         self._groups: list[_Group] = []
         self._group_of: dict[int, int] = {}  # parameter position -> group index
         self._plans: dict[tuple[int, ...], list[tuple[_Group, torch.Tensor | None]]] = {}
+        #: the previous bucket of this iteration, whose second stage waits for this one's first
+        self._in_flight: tuple[Any, ...] | None = None
 
     # ------------------------------------------------------------------ views
     @property
@@ -248,25 +271,78 @@ class HookState:
 
     # ------------------------------------------------------------------ the hook's body
     @torch.no_grad()
-    def reduce(self, bucket: Any) -> torch.Tensor:
+    def _start(self, bucket: Any) -> list[tuple[Pending, torch.Tensor | None]]:
+        """Compress the bucket's groups and post their exchanges; nothing is waited."""
         buf = bucket.buffer()
         if self.iteration < self.warmup_steps:
             # 1. full precision while DDP settles its buckets
-            buf.copy_(self.comm.all_reduce(buf.view(1, -1), op="mean")[0])
-        else:
-            lr = None if self.optimizer is None else float(self.optimizer.param_groups[0]["lr"])
-            for group, idx in self._plan(bucket):
-                # 2-3. the group's gradients as one row, through the algorithm
-                G = buf.view(1, -1) if idx is None else buf.index_select(0, idx).view(1, -1)
-                if lr is not None:
-                    group.algorithm.set_lr(lr)
-                group.algorithm.reduce_gradients(G)
-                if idx is not None:
-                    buf.index_copy_(0, idx, G[0])
+            handle = self.comm.all_reduce_async(buf.view(1, -1), op="mean")
+            return [(Pending(handle, lambda r: r[0]), None)]
+        lr = None if self.optimizer is None else float(self.optimizer.param_groups[0]["lr"])
+        started = []
+        for group, idx in self._plan(bucket):
+            # 2-3. the group's gradients as one row, through the algorithm
+            G = buf.view(1, -1) if idx is None else buf.index_select(0, idx).view(1, -1)
+            if lr is not None:
+                group.algorithm.set_lr(lr)
+            algo = group.algorithm
+            if isinstance(algo, _Centralized):
+                started.append((algo.reduce_gradients_start(G), idx))
+            else:  # allreduce: its one collective, inline
+                algo.reduce_gradients(G)
+                started.append((Pending(None, lambda _, G=G: G), idx))
+        return started
+
+    @staticmethod
+    def _chain(buf: torch.Tensor, started: list[tuple[Pending, torch.Tensor | None]],
+               result: torch.futures.Future) -> None:
+        """Advance the bucket's exchanges (posting their pulls) and complete ``result``
+        with the bucket's buffer once every group's direction is in it."""
+        futs = []
+        for pending, idx in started:
+            def put(f: torch.futures.Future, idx: torch.Tensor | None = idx) -> None:
+                G = f.value()
+                if idx is None:
+                    if G.data_ptr() != buf.data_ptr():
+                        buf.copy_(G.reshape(-1))
+                else:
+                    buf.index_copy_(0, idx, G.reshape(-1))
+            futs.append(pending.future().then(put))
+
+        def done(f: torch.futures.Future) -> None:
+            try:
+                for g in f.value():
+                    g.wait()  # raises what the group's exchange raised
+            except BaseException as exc:
+                result.set_exception(exc)
+            else:
+                result.set_result(buf)
+
+        torch.futures.collect_all(futs).then(done)
+
+    def hook_future(self, bucket: Any) -> torch.futures.Future:
+        """The hook's work on one bucket (see the module docstring, step 4)."""
+        result: torch.futures.Future = torch.futures.Future()
+        started = self._start(bucket)
+        if not self.overlap:  # every stage posted and waited here: a completed future
+            self._chain(bucket.buffer(), started, result)
+            result.wait()
+            if bucket.is_last():
+                self.iteration += 1
+                self.ledger.step()
+            return result
+        # the previous bucket's pulls go out now, after this bucket's pushes: every rank
+        # posts in this order, from this thread, so gloo pairs the collectives right
+        if self._in_flight is not None:
+            self._chain(*self._in_flight)
+            self._in_flight = None
         if bucket.is_last():
+            self._chain(bucket.buffer(), started, result)  # nothing follows to wait behind
             self.iteration += 1
             self.ledger.step()
-        return buf
+        else:
+            self._in_flight = (bucket.buffer(), started, result)
+        return result
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -293,7 +369,7 @@ class HookState:
         missing = [n for g in sd["groups"] for n in g["names"] if n not in index]
         if missing:
             raise ValueError(f"gossip.ddp: the state names parameters this model does not have: {missing[:5]}")
-        self._groups, self._group_of, self._plans = [], {}, {}
+        self._groups, self._group_of, self._plans, self._in_flight = [], {}, {}, None
         for g in sd["groups"]:
             self._new_group([index[n] for n in g["names"]]).algorithm.load_state_dict(g["state"])
         self.iteration = int(sd["iteration"])
@@ -309,9 +385,8 @@ class HookState:
 def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The communication hook: ``model.register_comm_hook(state, ddp.hook)``.
 
-    Reduces the bucket with ``state``'s algorithm (see the module docstring) and returns
-    a completed future of the bucket's buffer.
+    Posts the bucket's exchange with ``state``'s algorithm (see the module docstring) and
+    returns a future of the bucket's buffer that completes when the reduced direction
+    is in it; DDP waits for it at the end of the backward pass.
     """
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(state.reduce(bucket))
-    return fut
+    return state.hook_future(bucket)

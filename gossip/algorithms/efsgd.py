@@ -44,6 +44,7 @@ import torch
 from gossip import compress as _compress
 from gossip.algorithms._centralized import (
     ErrorFeedback,
+    Pending,
     _Centralized,
     check_fraction,
     check_spec,
@@ -271,16 +272,10 @@ class _TwoWay(ExchangeMixin, _Centralized):
             finish(result)
 
     @torch.no_grad()
-    def reduce_gradients_future(self, G: torch.Tensor) -> torch.futures.Future:
-        """The exchange completes on its own (torch.distributed futures): the returned
-        future holds ``G`` once the pulled direction is in it; nothing blocks here."""
-        handle, finish = self._post(G)
-
-        def done(f: torch.futures.Future) -> torch.Tensor:
-            with torch.no_grad():
-                return finish(f.value())
-
-        return handle.future().then(done)
+    def reduce_gradients_start(self, G: torch.Tensor) -> Pending:
+        """Posted, not waited: the exchange completes on its own (torch.distributed
+        works), ``future()`` of the result holds ``G`` once the direction is in it."""
+        return Pending(*self._post(G))
 
     def _switch_exchange(self, exchange: str) -> None:
         self.exchange, self.plan = exchange, None

@@ -197,6 +197,11 @@ class Handle:
     def is_completed(self) -> bool:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def advance(self) -> None:
+        """Post whatever later stage of the operation can be posted now (a sharded
+        exchange's pull, once its push has arrived); a no-op for single-stage ones.
+        Overlapping callers advance their handles in the same order on every rank."""
+
     def future(self) -> torch.futures.Future:
         """A ``torch.futures.Future`` of :meth:`wait`'s result, for callers that chain
         work on the arrival instead of blocking (DDP communication hooks). Handles

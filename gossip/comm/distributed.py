@@ -624,81 +624,73 @@ class _CollectiveHandle(Handle):
 
 
 class _ShardedHandle(Handle):
-    """A sharded exchange in flight: push posted; serve and pull when waited (or, through
-    :meth:`future`, when the push completes, on the thread that completes it)."""
+    """A sharded exchange in flight: the push is posted. :meth:`advance` waits for it,
+    serves this rank's shard and posts the pull; :meth:`wait` completes everything.
 
-    __slots__ = ("_comm", "_work", "_pushed", "_server", "_outs", "_result")
+    Every collective is posted by the thread that calls these methods, never from a
+    future's callback: gloo pairs collectives by the order they are posted on each rank,
+    so a pull posted whenever a push happened to complete could meet another bucket's
+    push on a peer. Callers that overlap (DDP hooks) advance their exchanges in the same
+    order on every rank."""
+
+    __slots__ = ("_comm", "_work", "_pushed", "_server", "_outs", "_pull", "_out", "_result")
 
     def __init__(self, comm: DistCommunicator, work: Any, pushed: torch.Tensor, server: Any,
                  outs: list[int]) -> None:
         self._comm, self._work, self._pushed, self._server, self._outs = comm, work, pushed, server, outs
+        self._pull: Any = None
+        self._out: torch.Tensor | None = None
         self._result: torch.Tensor | None = None
 
     def _others(self) -> list[int]:
         c = self._comm
         return [j for j in range(c.world_size) if j != c.rank]
 
-    def _pull(self) -> tuple[Any, torch.Tensor]:
-        """Serve this rank's shard and post the pull; (work or None, output buffer)."""
+    def advance(self) -> None:
+        """Wait for the push, serve this rank's shard and post the pull (once)."""
+        if self._out is not None:
+            return
         c, outs = self._comm, self._outs
         n, r = c.world_size, c.rank
-        reply = c._serve(self._server, r, self._pushed, outs[r])
+        if self._work is not None:
+            with c.ledger.phase("wait"):
+                c._wait(_Posted([self._work], [self._others()], "sharded_exchange (push)"))
+        with c.ledger.phase("compress"):
+            reply = c._serve(self._server, r, self._pushed, outs[r])
         out = torch.empty(sum(outs), dtype=torch.uint8, device=reply.device)
         if n == 1:
             out.copy_(reply)
-            return None, out
-        sent = reply.repeat(n)  # the same reply to every rank, one slot each
-        work = c._post_collective("sharded_exchange (pull)", lambda: dist.all_to_all_single(
-            out, sent, output_split_sizes=outs, input_split_sizes=[outs[r]] * n, group=c.group, async_op=True))
-        return work, out
+        else:
+            with c.ledger.phase("communicate"):
+                sent = reply.repeat(n)  # the same reply to every rank, one slot each
+                self._pull = c._post_collective("sharded_exchange (pull)", lambda: dist.all_to_all_single(
+                    out, sent, output_split_sizes=outs, input_split_sizes=[outs[r]] * n, group=c.group,
+                    async_op=True))
+        self._out = out
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
+            self.advance()
             c = self._comm
-            if self._work is not None:
+            if self._pull is not None:
                 with c.ledger.phase("wait"):
-                    c._wait(_Posted([self._work], [self._others()], "sharded_exchange (push)"))
-            with c.ledger.phase("compress"):
-                work, out = self._pull()
-            if work is not None:
-                with c.ledger.phase("wait"):
-                    c._wait(_Posted([work], [self._others()], "sharded_exchange (pull)"))
-            self._result = out
+                    c._wait(_Posted([self._pull], [self._others()], "sharded_exchange (pull)"))
+            self._result = self._out
         return self._result
 
     def is_completed(self) -> bool:
         return self._result is not None
 
     def future(self) -> torch.futures.Future:
-        """Completes when the pull has arrived, without blocking the caller: the push's
-        future serves the shard and posts the pull, whose future completes this one.
-        Nothing here touches the ledger's clocks (they belong to the calling thread)."""
-        res: torch.futures.Future = torch.futures.Future()
-        if self._result is not None or self._work is None:
-            res.set_result(self.wait())
-            return res
+        """Advances (if not yet done: that waits for the push) and returns a future that
+        completes when the pull has arrived, without waiting for it."""
+        self.advance()
+        if self._pull is None or self._result is not None:
+            return super().future()
+        out = self._out
 
-        def pulled(out: torch.Tensor):
-            def done(f: torch.futures.Future) -> None:
-                try:
-                    f.wait()
-                    self._result = out
-                    res.set_result(out)
-                except BaseException as exc:  # the pull failed: the waiter sees it
-                    res.set_exception(exc)
-            return done
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            f.wait()
+            return out
 
-        def pushed(f: torch.futures.Future) -> None:
-            try:
-                f.wait()
-                work, out = self._pull()
-                if work is None:
-                    self._result = out
-                    res.set_result(out)
-                else:
-                    work.get_future().then(pulled(out))
-            except BaseException as exc:
-                res.set_exception(exc)
-
-        self._work.get_future().then(pushed)
-        return res
+        return self._pull.get_future().then(done)

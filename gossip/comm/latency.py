@@ -93,6 +93,9 @@ class _LatencyHandle(Handle):
             self._result, self._done = result, True
         return self._result
 
+    def advance(self) -> None:
+        self._inner.advance()
+
     def is_completed(self) -> bool:
         return self._done or (
             self._inner.is_completed() and time.perf_counter() >= self._ready_at

@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""DDP step time with gossip's efsgd hook, overlapped and inline, against torch's all-reduce.
+
+    sudo python experiments/bench_ddp_overlap.py --rate 100mbit --steps 20 --repeats 3
+
+Two ranks, each in its own network namespace of ``experiments/vcluster.py`` (links
+shaped with tc to ``--rate`` both ways), train the same DistributedDataParallel MLP
+(``--width`` wide, ``--depth`` hidden layers, random data: only time is measured;
+``--bucket-mb`` cuts it into several DDP buckets, so a bucket's exchange can overlap
+the backward of the next ones) in four settings, interleaved ``--repeats`` times:
+
+``efsgd_overlap``
+    ``gossip.ddp`` hook, ``efsgd`` with ``quant:bits=8`` (the default sharded
+    exchange): the hook posts the bucket's exchange and returns a future;
+``efsgd_inline``
+    the same hook with ``overlap=False``: it waits for its exchange inside the hook;
+``torch_equal_bytes``
+    torch's own asynchronous all-reduce (a hook returning
+    ``dist.all_reduce(...).get_future()``, as ``allreduce_hook`` does) of a quarter of
+    each bucket: the bytes an 8-bit code puts on the wire, so the network cost is
+    the efsgd hook's, and the difference is what the two-stage exchange costs;
+``torch_fp32``
+    DDP's default all-reduce of the fp32 gradients (4x the bytes).
+
+Each run times ``--steps`` iterations (forward, backward, optimizer step) after
+``--warmup`` ones; rank 0 reports the median and minimum step time and the bytes
+its interface sent. Prints a table (minimum over repeats of the per-run medians,
+and the ratios to ``efsgd_inline``) and writes ``results.json`` in ``--out`` with the
+command, commit, machine and the load average before and after. Needs root
+(network namespaces); run it on a quiet machine: speed is measured, not asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MODES = ("efsgd_overlap", "efsgd_inline", "torch_equal_bytes", "torch_fp32")
+
+
+# ------------------------------------------------------------------------ one rank
+def _worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from gossip import comm as gcomm
+    from gossip import ddp
+
+    torch.set_num_threads(1)
+    gcomm.init_from_env(backend="gloo", timeout=600)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(args.inputs, args.width), nn.ReLU()]
+    for _ in range(args.depth):
+        layers += [nn.Linear(args.width, args.width), nn.ReLU()]
+    layers.append(nn.Linear(args.width, 10))
+    net = nn.Sequential(*layers)
+    model = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=args.bucket_mb)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mode = args.worker
+    state = None
+    if mode.startswith("efsgd"):
+        state = ddp.hook_state(model, "efsgd", compressor="quant:bits=8", optimizer=opt,
+                               overlap=(mode == "efsgd_overlap"))
+        model.register_comm_hook(state, ddp.hook)
+    elif mode == "torch_equal_bytes":
+        world = dist.get_world_size()
+
+        def quarter_allreduce(_, bucket):  # no annotations: DDP checks them against its classes
+            buf = bucket.buffer()
+            part = buf[: max(1, buf.numel() // 4)].div_(world)
+            fut = dist.all_reduce(part, async_op=True).get_future()
+            return fut.then(lambda _f: buf)
+
+        model.register_comm_hook(None, quarter_allreduce)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, args.inputs, generator=g)
+    y = torch.randint(0, 10, (args.batch,), generator=g)
+    times = []
+    for it in range(args.warmup + args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    ledger = state.ledger.bytes_sent if state is not None else None
+    dist.barrier()
+    gcomm.shutdown()
+    if rank == 0:
+        steps = times[args.warmup:]
+        print(json.dumps({"mode": mode, "step_s": statistics.median(steps), "step_s_min": min(steps),
+                          "ledger_bytes_sent": ledger,
+                          "params": sum(p.numel() for p in net.parameters())}), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------ the driver
+def _commit() -> tuple[str, bool]:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                                    text=True).stdout.strip())
+        return sha, dirty
+    except OSError:
+        return "unknown", True
+
+
+def _memcpy_gbps() -> float:
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.empty(1 << 24), torch.empty(1 << 24)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / best / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rate", default="100mbit")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--depth", type=int, default=3)
+    p.add_argument("--inputs", type=int, default=256)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--bucket-mb", type=float, default=4.0)
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    p.add_argument("--kernels", default="eager", choices=("eager", "auto", "compile"),
+                   help="gossip.compress kernel backend of the ranks (eager: no compile time in the warm-up)")
+    p.add_argument("--prefix", default="ddpov")
+    p.add_argument("--out", default="runs/bench_ddp_overlap")
+    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)  # one rank, inside the cluster
+    args = p.parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        print(f"bench_ddp_overlap: --modes: unknown {', '.join(bad)}; known: {', '.join(MODES)}", file=sys.stderr)
+        return 2
+
+    sys.path.insert(0, str(HERE))
+    from vcluster import VirtualCluster
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GOSSIP_COMPRESS_BACKEND": args.kernels,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    passthrough = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
+                   "--depth", str(args.depth), "--inputs", str(args.inputs), "--batch", str(args.batch),
+                   "--bucket-mb", str(args.bucket_mb)]
+    load_before = os.getloadavg()
+    rows = []
+    with VirtualCluster(2, rate=args.rate, prefix=args.prefix) as vc:
+        for rep in range(args.repeats):
+            for mode in modes:
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, *passthrough]
+                res = vc.run(cmd, env=env, timeout=900, outdir=out / f"{mode}-{rep}")
+                if not res.ok:
+                    print(f"{mode} repeat {rep} failed: {res.tail(res.failed[0].rank)}", file=sys.stderr)
+                    return 1
+                line = [ln for ln in res.ranks[0].stdout.read_text().splitlines() if ln.startswith("{")][-1]
+                row = {**json.loads(line), "repeat": rep, "rank0_tx_bytes": res.ranks[0].tx_bytes,
+                       "load": os.getloadavg()[0]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    load_after = os.getloadavg()
+    sha, dirty = _commit()
+    best = {m: min(r["step_s"] for r in rows if r["mode"] == m) for m in modes}
+    ref = best.get("efsgd_inline")
+    table = ["| setting | step (s), min of medians | vs efsgd_inline | rank 0 sent per run (MB) |",
+             "|---|---:|---:|---:|"]
+    for m in modes:
+        tx = statistics.median(r["rank0_tx_bytes"] for r in rows if r["mode"] == m) / 1e6
+        ratio = f"{best[m] / ref:.3f}" if ref else "-"
+        table.append(f"| {m} | {best[m]:.3f} | {ratio} | {tx:.1f} |")
+    meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": sha, "dirty": dirty,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": platform.processor() or
+            platform.machine(), "cores": os.cpu_count(), "memcpy_gbps": round(_memcpy_gbps(), 2),
+            "load_before": load_before, "load_after": load_after, "rate": args.rate, "steps": args.steps,
+            "warmup": args.warmup, "repeats": args.repeats, "width": args.width, "depth": args.depth,
+            "batch": args.batch, "bucket_mb": args.bucket_mb, "kernels": args.kernels}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "best_step_s": best}, indent=2) + "\n")
+    print(f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f} (figures count below 0.3)")
+    print("\n".join(table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

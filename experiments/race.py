@@ -20,7 +20,8 @@ modelled as ``gossip.crossover`` does for one step, summed over the steps so far
 
     T = compute + codec + overhead * 8 * bytes / B + L * (message rounds)
 
-(a ring all-reduce is 2(n - 1) rounds, an all-gather n - 1, a neighbour exchange 1).
+(a ring all-reduce is 2(n - 1) rounds, an all-gather n - 1, each leg of a sharded
+exchange n - 1, a neighbour exchange 1).
 Compute, compression and communication are not overlapped; each node has its own
 link of rate B.
 

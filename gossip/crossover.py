@@ -20,7 +20,12 @@ The link model: a node's step takes ``compute + codec + overhead * bytes * 8 /
 bandwidth + latency * R``, where ``overhead`` (``--link-overhead``, default 1.05) is
 the framing the transport adds to the payload (TCP/IPv4 over Ethernet: 1448 payload
 bytes per 1514-byte frame, plus acknowledgements), and with R the sequential message rounds of the step's calls (a neighbour
-exchange 1, a ring all-reduce 2(n-1), an all-gather n-1, a broadcast ceil(log2 n)).
+exchange 1, a ring all-reduce 2(n-1), an all-gather n-1, each leg of a sharded
+exchange n-1, a broadcast ceil(log2 n)). The bytes are the algorithms' own: the
+two-way compressed ones (efsgd family, signsgd, signum, diloco with a non-linear
+compressor) use the sharded exchange by default, about 2(n-1)/n x payload per node
+whatever n; ``ALGO@COMPRESSOR`` candidates cannot ask for ``exchange=allgather``, so
+the all-gathered figures are those of ``gossip.train --algo-opt exchange=allgather``.
 Compute, compression and communication are not overlapped, and the bandwidth is that
 of each node's link (a switch, not a shared bus). The **crossover bandwidth** against
 a baseline (fp32 all-reduce, fp32 D-PSGD) is where the two step times are equal:
@@ -129,6 +134,8 @@ class Measured:
 def rounds_of(op: str, n: int) -> int:
     """Sequential message rounds of one call of ``op`` among ``n`` nodes."""
     return {"exchange": 1, "all_reduce": 2 * (n - 1), "all_gather": n - 1,
+            # the two legs of a sharded exchange, each counted as an all-gather's rounds
+            "shard_push": n - 1, "shard_pull": n - 1,
             "broadcast": max(1, math.ceil(math.log2(max(2, n))))}.get(op, 0)
 
 

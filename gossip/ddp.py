@@ -29,29 +29,30 @@ gradients by the algorithm's compressed reduction. What the hook does with one
    holds several whole groups (the first iteration of a new DDP model after
    :meth:`HookState.load_state_dict`: one bucket of everything) runs each group in
    turn, so a resumed run computes exactly what the uninterrupted one did;
-4. the hook posts the group's exchange and returns at once, with a
-   ``torch.futures.Future`` of the bucket's buffer that completes when the reduced
-   direction is in it (DDP copies it into the parameters' ``.grad`` after the
-   backward pass). Meanwhile backward goes on computing the next buckets'
-   gradients. The collectives run over DDP's process group through a
-   :class:`gossip.comm.DistCommunicator` whose :class:`~gossip.comm.Ledger`
-   (``state.ledger``) counts every byte.
+4. the hook posts the group's exchange and returns a ``torch.futures.Future`` of the
+   bucket's buffer, completed with the reduced direction by the time backward ends
+   (DDP copies it into the parameters' ``.grad``). The collectives run over DDP's
+   process group through a :class:`gossip.comm.DistCommunicator` whose
+   :class:`~gossip.comm.Ledger` (``state.ledger``) counts every byte.
 
-Overlap, as torch's own hooks overlap their all-reduce: the all-gathered exchange
-(``exchange=allgather``) and the warm-up all-reduce are one collective each, posted
-by the hook; a chained future decodes the result when it arrives. The sharded
-exchange has two stages (push to the shard owners, then the owners' pull), and
-the second can only be posted when the first has arrived. Gloo and NCCL pair
-collectives by the order each rank posts them, so every stage is posted from the
-hook itself, never from a callback: the hook of bucket ``k`` posts bucket ``k``'s
-push and then bucket ``k - 1``'s pull (waiting for ``k - 1``'s push if it is still
-on the wire), and the last bucket's hook posts its own pull. A bucket's push thus
-overlaps the backward of the next bucket and its pull the one after. No thread is
-started: only work handles and futures. ``experiments/bench_ddp_overlap.py``
-measures the step time against the hook waiting inline and against torch's
-default all-reduce. Algorithms other than the EF family and the sign baselines
-(powersgd, efmomentum, the top-k family, allreduce) still reduce inside the hook
-and return a completed future.
+Overlap, as torch's own hooks overlap their all-reduce: the hook posts the bucket's
+exchange and returns while it is on the wire, and backward goes on computing the
+next buckets' gradients. The all-gathered exchange (``exchange=allgather``) and the
+warm-up all-reduce are one collective each. The sharded exchange has two stages
+(push to the shard owners, then the owners' pull), and the pull can only be posted
+once the push has arrived. Gloo and NCCL pair collectives by the order each rank
+posts them, so every stage is posted by the hooks themselves, in bucket order, never
+from a callback: the hook of bucket ``k`` posts bucket ``k``'s push, then bucket
+``k - 1``'s pull (waiting for ``k - 1``'s push if it is still on the wire). When the
+last bucket arrives backward is over: its hook posts its own pull, waits for every
+bucket's exchange in turn, decodes the directions into the buffers and completes the
+futures, on the hook's thread (the compressors and the ledger are not shared with
+communication threads). A bucket's push thus overlaps the backward of the next
+bucket and its pull the one after. No thread is started: work handles and futures
+only. ``overlap=False`` waits inside every hook instead (what the overlap saves is
+measured by ``experiments/bench_ddp_overlap.py`` against it and against torch's own
+all-reduce). powersgd, efmomentum, the top-k family and allreduce still reduce inside
+the hook.
 
 Momentum: an algorithm that applies momentum itself (powersgd, efblocksgdm, signum,
 efmomentum, sketched, truetopk, localtopk by default, demo) must have a local optimizer with
@@ -193,8 +194,8 @@ class HookState:
         self._groups: list[_Group] = []
         self._group_of: dict[int, int] = {}  # parameter position -> group index
         self._plans: dict[tuple[int, ...], list[tuple[_Group, torch.Tensor | None]]] = {}
-        #: the previous bucket of this iteration, whose second stage waits for this one's first
-        self._in_flight: tuple[Any, ...] | None = None
+        #: this iteration's buckets whose exchanges are in flight, in the order posted
+        self._in_flight: list[tuple[Any, ...]] = []
 
     # ------------------------------------------------------------------ views
     @property
@@ -294,54 +295,42 @@ class HookState:
         return started
 
     @staticmethod
-    def _chain(buf: torch.Tensor, started: list[tuple[Pending, torch.Tensor | None]],
-               result: torch.futures.Future) -> None:
-        """Advance the bucket's exchanges (posting their pulls) and complete ``result``
-        with the bucket's buffer once every group's direction is in it."""
-        futs = []
+    def _finish(entry: tuple[Any, ...]) -> None:
+        """Wait for a bucket's exchanges, decode each group's direction into the bucket's
+        buffer and complete the bucket's future; on this (the hook's) thread."""
+        buf, started, result = entry
         for pending, idx in started:
-            def put(f: torch.futures.Future, idx: torch.Tensor | None = idx) -> None:
-                G = f.value()
-                if idx is None:
-                    if G.data_ptr() != buf.data_ptr():
-                        buf.copy_(G.reshape(-1))
-                else:
-                    buf.index_copy_(0, idx, G.reshape(-1))
-            futs.append(pending.future().then(put))
-
-        def done(f: torch.futures.Future) -> None:
-            try:
-                for g in f.value():
-                    g.wait()  # raises what the group's exchange raised
-            except BaseException as exc:
-                result.set_exception(exc)
-            else:
-                result.set_result(buf)
-
-        torch.futures.collect_all(futs).then(done)
+            G = pending.wait()
+            if idx is not None:
+                buf.index_copy_(0, idx, G.reshape(-1))
+            elif G.data_ptr() != buf.data_ptr():
+                buf.copy_(G.reshape(-1))
+        result.set_result(buf)
 
     def hook_future(self, bucket: Any) -> torch.futures.Future:
         """The hook's work on one bucket (see the module docstring, step 4)."""
         result: torch.futures.Future = torch.futures.Future()
-        started = self._start(bucket)
+        entry = (bucket.buffer(), self._start(bucket), result)
         if not self.overlap:  # every stage posted and waited here: a completed future
-            self._chain(bucket.buffer(), started, result)
-            result.wait()
-            if bucket.is_last():
-                self.iteration += 1
-                self.ledger.step()
-            return result
-        # the previous bucket's pulls go out now, after this bucket's pushes: every rank
-        # posts in this order, from this thread, so gloo pairs the collectives right
-        if self._in_flight is not None:
-            self._chain(*self._in_flight)
-            self._in_flight = None
+            for pending, _ in entry[1]:
+                pending.advance()
+            self._finish(entry)
+        else:
+            # the previous bucket's pulls go out now, after this bucket's pushes: every
+            # rank posts in this order, from this thread, so the collectives pair up
+            if self._in_flight:
+                for pending, _ in self._in_flight[-1][1]:
+                    pending.advance()
+            self._in_flight.append(entry)
+            if bucket.is_last():  # backward is done: finish every bucket, in order
+                for pending, _ in entry[1]:
+                    pending.advance()
+                in_flight, self._in_flight = self._in_flight, []
+                for e in in_flight:
+                    self._finish(e)
         if bucket.is_last():
-            self._chain(bucket.buffer(), started, result)  # nothing follows to wait behind
             self.iteration += 1
             self.ledger.step()
-        else:
-            self._in_flight = (bucket.buffer(), started, result)
         return result
 
     # ------------------------------------------------------------------ state
@@ -369,7 +358,7 @@ class HookState:
         missing = [n for g in sd["groups"] for n in g["names"] if n not in index]
         if missing:
             raise ValueError(f"gossip.ddp: the state names parameters this model does not have: {missing[:5]}")
-        self._groups, self._group_of, self._plans, self._in_flight = [], {}, {}, None
+        self._groups, self._group_of, self._plans, self._in_flight = [], {}, {}, []
         for g in sd["groups"]:
             self._new_group([index[n] for n in g["names"]]).algorithm.load_state_dict(g["state"])
         self.iteration = int(sd["iteration"])
@@ -386,7 +375,7 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     """The communication hook: ``model.register_comm_hook(state, ddp.hook)``.
 
     Posts the bucket's exchange with ``state``'s algorithm (see the module docstring) and
-    returns a future of the bucket's buffer that completes when the reduced direction
-    is in it; DDP waits for it at the end of the backward pass.
+    returns a future of the bucket's buffer, completed with the reduced direction when
+    the last bucket's hook has run; DDP waits for it at the end of the backward pass.
     """
     return state.hook_future(bucket)

@@ -186,8 +186,10 @@ def _dist_worker(n):
         for t in range(T):
             alg.set_lr(LRS[t])
             G = grads[t, rank: rank + 1].clone()
-            if k == 0 and t % 2:  # the future path (DDP hooks) computes the same
-                alg.reduce_gradients_future(G).wait()
+            if k == 0 and t % 2:  # the overlapped path (DDP hooks) computes the same
+                pending = alg.reduce_gradients_start(G)
+                pending.advance()
+                pending.wait()
             else:
                 alg.reduce_gradients(G)
             traj.append(G[0].clone())

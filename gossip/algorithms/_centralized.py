@@ -67,33 +67,27 @@ class Pending:
     """A reduction in flight: a communicator handle and what to do with its result.
 
     ``advance()`` posts the exchange's later stage when it has one (a sharded
-    exchange's pull; it waits for the push), ``future()`` advances if needed and returns
-    a ``torch.futures.Future`` that completes with ``finish(result)`` (the rewritten
-    gradient) when the result arrives. The finishing step runs on the thread that
-    completes the communication and posts nothing.
+    exchange's pull; it waits for the push); ``wait()`` completes the exchange and
+    runs ``finish(result)`` (decoding into the gradient) on the calling thread, which
+    returns the rewritten gradient. Nothing runs on a communication thread: the
+    compressors' kernels and the ledger's clocks belong to the caller's.
     """
 
-    __slots__ = ("handle", "finish")
+    __slots__ = ("handle", "finish", "_value")
 
     def __init__(self, handle: Any, finish: Any) -> None:
         self.handle, self.finish = handle, finish
+        self._value: Any = None
 
     def advance(self) -> None:
         if self.handle is not None:
             self.handle.advance()
 
-    def future(self) -> torch.futures.Future:
-        finish = self.finish
-        if self.handle is None:
-            fut: torch.futures.Future = torch.futures.Future()
-            fut.set_result(finish(None))
-            return fut
-
-        def done(f: torch.futures.Future) -> Any:
-            with torch.no_grad():
-                return finish(f.value())
-
-        return self.handle.future().then(done)
+    @torch.no_grad()
+    def wait(self) -> Any:
+        if self._value is None:
+            self._value = self.finish(self.handle.wait() if self.handle is not None else None)
+        return self._value
 
 
 class _Centralized(Algorithm):
@@ -121,16 +115,12 @@ class _Centralized(Algorithm):
 
     def reduce_gradients_start(self, G: torch.Tensor) -> Pending:
         """:meth:`reduce_gradients` for callers that overlap the exchange with other work
-        (DDP communication hooks): compress and post the exchange, return a
-        :class:`Pending` whose ``future()`` completes, holding ``G``, once ``G`` holds
-        the direction. Algorithms whose exchange completes asynchronously override it;
-        by default ``G`` is reduced here and the pending is already done."""
+        (DDP communication hooks): compress and post the exchange and return a
+        :class:`Pending`; its ``wait()`` leaves the direction in ``G``. Algorithms whose
+        exchange completes asynchronously override it; by default ``G`` is reduced
+        here and the pending is already done."""
         self.reduce_gradients(G)
         return Pending(None, lambda _: G)
-
-    def reduce_gradients_future(self, G: torch.Tensor) -> torch.futures.Future:
-        """``reduce_gradients_start(G).future()``: posts every stage now."""
-        return self.reduce_gradients_start(G).future()
 
     def _lr_ratio(self) -> float:
         """eta_{t-1} / eta_t, with eta_{-1} = 0 (Zheng et al. 2019, arXiv:1905.10936, Alg. 2 line 1)."""

@@ -7,10 +7,17 @@ worker error e_{t,i}, server error e~_t, momentum mu (Alg. 4; mu = 0 gives Alg. 
    (v = g when mu = 0);
 2. worker error feedback: p_{t,i} = v_{t,i} + (eta_{t-1}/eta_t) e_{t,i};
    Delta_{t,i} = C(p_{t,i}); e_{t+1,i} = p_{t,i} - Delta_{t,i};
-3. push: the payloads C(p_{t,i}) are all-gathered (every worker receives every push);
-4. server, replicated deterministically on every worker:
-   p~_t = (1/M) sum_i Delta_{t,i} + (eta_{t-1}/eta_t) e~_t; Delta~_t = C(p~_t);
-   e~_{t+1} = p~_t - Delta~_t (server compression uses a key shared by all workers);
+3. push: with the sharded exchange (``exchange="sharded"``, the default) node j owns
+   shard j of the coordinates (``gossip.algorithms._sharded.ShardPlan``: even cuts,
+   at block boundaries where the compressor has fixed blocks) and receives every
+   worker's compressed slice of it; with ``exchange="allgather"`` every worker
+   receives every push;
+4. server: p~_t = (1/M) sum_i Delta_{t,i} + (eta_{t-1}/eta_t) e~_t; Delta~_t = C(p~_t);
+   e~_{t+1} = p~_t - Delta~_t. Sharded, the owner of shard j computes it on its shard
+   with its own e~ of the shard and a key of (seed, j, t), and all-gathers Delta~ of
+   the shard (Zheng et al., Sec. 1: the server's compression between the
+   reduce-scatter and the all-gather of a ring all-reduce); all-gathered, it is
+   replicated deterministically on every worker with one shared key;
 5. pull: the gradient is replaced by Delta~_t, so the user's plain SGD step
    x_{t+1} = x_t - eta_t Delta~_t is Alg. 2 line 6.
 
@@ -22,16 +29,25 @@ are the parameter tensors (from the ``ParamLayout`` given to ``setup``);
 Baselines with majority vote and no error feedback (Zheng et al. 2019, arXiv:1905.10936, Sec. 4):
 
 1. signum only: m_{t,i} = beta m_{t-1,i} + (1 - beta) g_{t,i}; v = m (signSGD: v = g);
-2. push sign(v_{t,i}) (the ``sign`` compressor: 1 bit per value), all-gathered;
-3. vote, replicated on every worker: Delta~_t = sign(sum_i sign(v_{t,i})) (0 on a tie);
+2. push sign(v_{t,i}) (the ``sign`` compressor: 1 bit per value and a scale);
+3. vote: Delta~_t = sign(sum_i sign(v_{t,i})). Sharded (default), the owner of each
+   shard counts its votes and sends back one bit per value: a tie (possible for an
+   even number of workers) goes to the sign of the scale-weighted sum, then to +1.
+   All-gathered, every worker counts all votes and a tie gives 0;
 4. G <- Delta~_t.
 
 The full-precision momentum SGD baseline is ``allreduce`` with the user optimizer's
 momentum.
 
-What is counted: the all-gather of the pushes ((M - 1) payloads sent per worker per
-step, docs/comm.md). The server's reply costs nothing here because every worker
-computes it itself; docs/centralized.md compares this with a parameter server.
+Which exchange, and why: ``sharded`` by default, because it keeps the bytes per node at
+about 2 (M - 1) / M x payload whatever M (an all-gather sends (M - 1) x payload, more
+than an fp32 ring all-reduce past about 8 nodes for 8-bit codes); a compressor that
+cannot be sharded (a ``k=`` count of the whole vector, fewer fixed blocks than nodes)
+falls back to ``allgather`` with a warning, and asking for ``sharded`` by name refuses
+it in one line. ``exchange="allgather"`` keeps the replicated server of the runs made
+before, bit for bit: a State written before the option existed (no ``exchange`` entry)
+resumes all-gathered. The ledger records the push and the pull under ``shard_push``
+and ``shard_pull`` (sharded) or the all-gather (docs/comm.md).
 """
 
 from __future__ import annotations
@@ -274,7 +290,7 @@ class _TwoWay(ExchangeMixin, _Centralized):
     @torch.no_grad()
     def reduce_gradients_start(self, G: torch.Tensor) -> Pending:
         """Posted, not waited: the exchange completes on its own (torch.distributed
-        works), ``future()`` of the result holds ``G`` once the direction is in it."""
+        works); ``wait()`` of the result decodes the direction into ``G``."""
         return Pending(*self._post(G))
 
     def _switch_exchange(self, exchange: str) -> None:

@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--max-steps", type=int, default=None, help="stop early (smoke tests)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="gossip.train's --data (default: its own, MNIST-1D)")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
     p.add_argument("--out", default="runs/sharded-accuracy")
     args = p.parse_args(argv)
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                      "--no-progress", "--overwrite", "--out", str(run_dir)]
             if args.max_steps is not None:
                 flags += ["--max-steps", str(args.max_steps)]
+            if args.data is not None:
+                flags += ["--data", args.data]
             rc, err = _train(flags)
             if rc != 0:
                 last = err.strip().splitlines()[-1] if err.strip() else ""

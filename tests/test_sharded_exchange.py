@@ -303,3 +303,23 @@ def test_what_cannot_be_sharded_is_refused_in_one_line():
         d = algorithms.build("efsgd", c, compressor="topk:k=5")
         d.setup(torch.zeros(N, D))
     assert d.exchange == "allgather" and any("all-gathers its payloads" in str(x.message) for x in w)
+
+
+# ---------------------------------------------------------------- the accuracy study, tiny
+def test_sharded_accuracy_smoke(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    try:
+        import sharded_accuracy
+    finally:
+        sys.path.pop(0)
+    assert sharded_accuracy.main(["--nodes", "2", "--epochs", "1", "--max-steps", "1", "--data", "synthetic",
+                                  "--methods", "signum", "--out", str(tmp_path)]) == 0
+    rows = __import__("json").loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["method"], r["exchange"]) for r in rows] == [("signum", "sharded"), ("signum", "allgather")]
+    assert all(r["steps"] == 1 and r["bytes_per_node_per_step"] > 0 for r in rows)
+    assert "| signum |" in (tmp_path / "results.md").read_text()
+    assert sharded_accuracy.main(["--methods", "nosuch", "--out", str(tmp_path)]) == 2
+    assert "unknown nosuch; known: efsgd:8" in capsys.readouterr().err

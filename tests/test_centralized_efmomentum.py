@@ -85,6 +85,7 @@ def _reference(grads, spec, lam, nesterov, offsets=OFFSETS):
 
 def _run_sim(spec, grads, n=N, offsets=OFFSETS, **opts):
     c = comm.SimulatedCommunicator(world_size=n)
+    opts.setdefault("exchange", "allgather")  # papers/001 Alg. 2: no server compression
     a = algorithms.build("efmomentum", c, compressor=spec, seed=SEED, **opts)
     a.setup(torch.zeros(n, grads.shape[2]), layout_of(offsets, grads.shape[2]))
     outs, errors = [], []
@@ -248,7 +249,7 @@ def _dist_worker(n):
     c = comm.DistCommunicator(timeout=30)
     out = []
     for spec in SPECS:
-        a = algorithms.build("efmomentum", c, compressor=spec, seed=SEED)
+        a = algorithms.build("efmomentum", c, compressor=spec, seed=SEED, exchange="allgather")
         a.setup(torch.zeros(1, D), layout_of(OFFSETS, D))
         traj = []
         for t in range(T):

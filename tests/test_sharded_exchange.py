@@ -169,7 +169,9 @@ def test_bytes_per_node_per_step_stay_at_two_ring_legs(n, eager_kernels):
 _DIST = [("efsgd", {"compressor": "quant:bits=8", "seed": 5}, None),
          ("efblocksgdm", {}, LAYOUT),
          ("signum", {}, None),
-         ("efsgd", {"compressor": "randk:p=0.3"}, None)]
+         ("efsgd", {"compressor": "randk:p=0.3"}, None),
+         ("efmomentum", {"compressor": "sign"}, LAYOUT),
+         ("efmomentum", {"compressor": "topk:p=0.3"}, None)]
 
 
 def _dist_worker(n):
@@ -239,7 +241,7 @@ def test_four_processes_equal_the_simulation_bit_for_bit():
 
 # ---------------------------------------------------------------- resume
 @pytest.mark.parametrize("name,opts", [("efsgd", {"compressor": "quant:bits=8"}), ("signum", {}),
-                                       ("efblocksgdm", {})])
+                                       ("efblocksgdm", {}), ("efmomentum", {"compressor": "topk:p=0.3"})])
 def test_resume_is_bit_identical(name, opts):
     assert_restore_bit_identical(lambda c: algorithms.build(name, c, **opts), _grads(), 2, LRS, LAYOUT)
 
@@ -286,8 +288,9 @@ def test_a_state_from_before_the_sharded_exchange_resumes_all_gathered():
 def test_what_cannot_be_sharded_is_refused_in_one_line():
     c = comm.SimulatedCommunicator(world_size=N)
     a = algorithms.build("efsgd", c, compressor="topk:k=5", exchange="sharded")
-    with pytest.raises(ValueError, match=r"^efsgd: exchange=sharded: topk:k=5 keeps k=5 values of the whole "
-                                         r"vector.*give the fraction p= instead, or use exchange=allgather$"):
+    with pytest.raises(ValueError, match=r"^efsgd: exchange=sharded: topk:k=5 keeps a count of k=5 values, "
+                                         r"which does not carry over to shards; give the fraction p= instead, "
+                                         r"or use exchange=allgather$"):
         a.setup(torch.zeros(N, D))
     b = algorithms.build("diloco", c, compressor="quant:bits=8,block=16", exchange="sharded")
     with pytest.raises(ValueError, match=r"^diloco: exchange=sharded: quant:bits=8,block=16 has 3 block\(s\) of "

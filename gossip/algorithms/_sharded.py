@@ -132,8 +132,8 @@ class ShardPlan:
         cfg = getattr(compressor, "config", None)
         name = compressor.name
         if getattr(cfg, "k", None) is not None:
-            raise ValueError(f"{what}: {compressor.spec} keeps k={cfg.k} values of the whole vector, which no "
-                             f"shard can keep on its own; give the fraction p= instead, or use exchange=allgather")
+            raise ValueError(f"{what}: {compressor.spec} keeps a count of k={cfg.k} values, which does not carry "
+                             f"over to shards; give the fraction p= instead, or use exchange=allgather")
         block = getattr(cfg, "block", None)
         if block is not None:
             nblocks = -(-self.d // block)

@@ -21,8 +21,17 @@ One step on worker w with gradient g_w (Alg. 2, steps numbered as in the code):
    * linear compressors (``randomblock``, ``randomk``, ``identity``): one all-reduce of
      the mean of the kept fp32 values only (G.1/G.2 line 9); their positions follow
      from the shared key, so no index or header travels;
-   * ``sign``, ``topk``: one all-gather of the packed payloads (sign bits + one fp32
-     L1 scale per block; fp32 values + int32 indices), as G.3/G.4 do with NCCL;
+   * ``sign``, ``topk``: by default the sharded two-way exchange
+     (``exchange="sharded"``, docs/centralized.md): node j owns shard j, averages its
+     shard's messages, compresses the mean again with error feedback of its own
+     (a second compression the paper does not have: what keeps the bytes per worker
+     at about 2 (W - 1) / W of a payload whatever W) and all-gathers it; the worker
+     compresses shard by shard (``sign``: one scale per tensor block within each
+     shard; ``topk``: the fraction ``p`` of each shard; a count ``k`` cannot be
+     sharded and falls back to the all-gather). With ``exchange="allgather"``, one
+     all-gather of the packed payloads per tensor (sign bits + one fp32 L1 scale per
+     block; fp32 values + int32 indices), as G.3/G.4 do with NCCL; a State written
+     before the option resumes that way;
 
 5. decompress (line 11): Delta' = the mean over workers of the decompressed
    messages (for the linear ones: the mean values placed at the shared positions);
@@ -40,7 +49,7 @@ is padded to 8 bytes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,6 +60,7 @@ from gossip.algorithms._centralized import (
     check_fraction,
     check_spec,
 )
+from gossip.algorithms._sharded import ExchangeMixin, check_exchange
 from gossip.algorithms.base import ParamLayout
 from gossip.algorithms._common import check_int, node_keys, step_tag
 from gossip.compress import build as _build_compressor
@@ -62,6 +72,7 @@ __all__ = ["EFMomentum", "EFMomentumConfig", "EFMomentumState"]
 _LINEAR = ("randomblock", "randomk", "identity")
 _GATHERED = ("sign", "topk")
 _BLOCK_STREAM = 5
+_SERVER_STREAM = 6
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,8 +85,10 @@ class EFMomentumConfig:
     momentum: float = 0.9
     nesterov: bool = True
     seed: int = 0
+    exchange: str | None = None
 
     def __post_init__(self) -> None:
+        check_exchange(self.exchange, "efmomentum")
         c = check_spec(self.compressor, "efmomentum")
         if c.name not in _LINEAR + _GATHERED:
             raise ValueError(
@@ -98,6 +111,11 @@ class EFMomentumState:
     lr: float
     error: torch.Tensor
     momentum: torch.Tensor
+    #: (1, d) the shard owners' error feedback of the second compression (sharded
+    #: exchange, sign and topk; this node's shard of it), empty otherwise
+    server_error: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    exchange: str = "allgather"
+    shards: int = 1
 
 
 @dataclass(frozen=True)
@@ -110,7 +128,7 @@ class _Block:
     kept: int  # fp32 values all-reduced (linear compressors)
 
 
-class EFMomentum(_Centralized):
+class EFMomentum(ExchangeMixin, _Centralized):
     """Error-feedback SGD with momentum around a compared compressor; steps in the
     module docstring."""
 
@@ -121,6 +139,8 @@ class EFMomentum(_Centralized):
         "Sign+Norm or Top K (Table 4, App. G)"
     )
 
+    _new_state_fields = ("server_error",)
+
     def __init__(self, config: EFMomentumConfig, comm: Any) -> None:
         super().__init__(config, comm)
         self.compressor = _build_compressor(config.compressor)
@@ -129,8 +149,10 @@ class EFMomentum(_Centralized):
 
     @property
     def collective(self) -> str:
-        """``"all_reduce"`` (linear compressors) or ``"all_gather"``."""
-        return "all_reduce" if self.linear else "all_gather"
+        """``"all_reduce"`` (linear compressors), ``"sharded"`` or ``"all_gather"``."""
+        if self.linear:
+            return "all_reduce"
+        return "sharded" if self.plan is not None else "all_gather"
 
     @property
     def message_nbytes(self) -> int:
@@ -166,8 +188,43 @@ class EFMomentum(_Centralized):
                     raise RuntimeError(f"efmomentum: {c.spec} has no plain fp32 value body")
                 kept = segs[0][2]
             self.blocks.append(_Block(a, b, c, ErrorFeedback(c), c.payload_nbytes(b - a), kept))
+        self.exchange, self.plan = "allgather", None
+        if not self.linear:
+            # sharded: sign keeps its tensor blocks inside each shard (blocksign), topk
+            # keeps the fraction p of each shard
+            whole = (_build_compressor("blocksign", offsets=starts) if len(starts) > 1
+                     else _build_compressor("sign")) if self.compressor.name == "sign" else self.compressor
+            self._choose_exchange(whole, d)
         mom = X.new_zeros(m, d) if self.config.momentum > 0 else X.new_zeros(0)
-        self.state = EFMomentumState(t=1, lr=1.0, error=X.new_zeros(m, d), momentum=mom)
+        server = X.new_zeros(1, d) if self.plan is not None else X.new_zeros(0)
+        self.state = EFMomentumState(t=1, lr=1.0, error=X.new_zeros(m, d), momentum=mom,
+                                     server_error=server, **self._exchange_state())
+
+    def _switch_exchange(self, exchange: str) -> None:
+        self.exchange, self.plan = exchange, None
+        self.state.exchange = exchange
+        self.state.server_error = self.state.server_error.new_zeros(0)
+
+    def _sharded(self, G: torch.Tensor, tag: int) -> torch.Tensor:
+        """Steps 1-5 through the sharded exchange: worker error feedback over the shards,
+        each owner averages its shard, compresses it again with error feedback of its
+        own (the second compression) and all-gathers it; returns the mean (1, d)."""
+        st, plan, ledger = self.state, self.plan, self.comm.ledger
+        with ledger.phase("compress"):
+            keys = node_keys(self.config.seed, self.comm.nodes, st.t, _BLOCK_STREAM)
+            _, payload, _ = ErrorFeedback(plan)(G, st.error, rescale=1.0, keys=keys, tag=tag)
+
+        def serve(j: int, Q: torch.Tensor) -> torch.Tensor:
+            mean = plan.decode_shard(j, Q, tag).to(G.dtype).mean(0, keepdim=True)
+            skey = node_keys(self.config.seed, torch.tensor([j]), st.t, _SERVER_STREAM)
+            _, reply, _ = ErrorFeedback(plan.shard_codec(j))(
+                mean, st.server_error[:, plan.shard_slice(j)], rescale=1.0, keys=skey, tag=tag)
+            return reply[0]
+
+        with ledger.phase("communicate"):
+            replies = self.comm.sharded_exchange(payload, plan.nbytes, plan.nbytes, serve)
+        with ledger.phase("compress"):
+            return plan.decode(replies.view(1, -1), tag=tag).to(G.dtype)
 
     def _keys(self, m: int) -> torch.Tensor:
         """(blocks, m): the key of every block, the same on every worker and row."""
@@ -179,6 +236,10 @@ class EFMomentum(_Centralized):
         st, cfg, ledger = self.state, self.config, self.comm.ledger
         m, d = G.shape
         tag = step_tag(st.t)
+        if self.plan is not None:
+            out = self._sharded(G, tag)
+            self._step_momentum(G, out)
+            return
         with ledger.phase("compress"):
             keys = self._keys(m)
             payloads = []
@@ -223,7 +284,11 @@ class EFMomentum(_Centralized):
                     dec = blk.compressor.decode(gathered[:, s : s + blk.nbytes], blk.stop - blk.start, tag=tag)
                     out[:, blk.start : blk.stop] = dec.mean(0, keepdim=True)
                     s += blk.nbytes
-        with ledger.phase("compute"):
+        self._step_momentum(G, out)
+
+    def _step_momentum(self, G: torch.Tensor, out: torch.Tensor) -> None:
+        st, cfg = self.state, self.config
+        with self.comm.ledger.phase("compute"):
             # 6. momentum after decompression
             lam = cfg.momentum
             if lam > 0:

@@ -316,6 +316,10 @@ class ExchangeMixin:
             sd.update(self._exchange_state())
             for k in self._new_state_fields:  # entries added with the sharded exchange
                 sd.setdefault(k, getattr(self.state, k))
+        elif sd["exchange"] != self.exchange and self.config.exchange is None and sd["exchange"] == "allgather":
+            # a run continued from a state of before the option (or one that asked for
+            # allgather) keeps all-gathering when its config leaves the choice open
+            self._switch_exchange("allgather")
         elif sd["exchange"] != self.exchange:
             raise ValueError(f"{self.name}: the state was written with exchange={sd['exchange']}, this run "
                              f"uses exchange={self.exchange}; resume with exchange={sd['exchange']}")

@@ -85,7 +85,7 @@ def _reference(grads, spec, lam, nesterov, offsets=OFFSETS):
 
 def _run_sim(spec, grads, n=N, offsets=OFFSETS, **opts):
     c = comm.SimulatedCommunicator(world_size=n)
-    opts.setdefault("exchange", "allgather")  # papers/001 Alg. 2: no server compression
+    opts.setdefault("exchange", "allgather")  # Vogels et al. 2019 (arXiv:1905.13727) Alg. 2: no server compression
     a = algorithms.build("efmomentum", c, compressor=spec, seed=SEED, **opts)
     a.setup(torch.zeros(n, grads.shape[2]), layout_of(offsets, grads.shape[2]))
     outs, errors = [], []

@@ -80,8 +80,7 @@ import torch.distributed.nn.functional  # noqa: F401
 from torch import nn
 
 from gossip import algorithms as _algorithms
-from gossip.algorithms._centralized import Pending, _Centralized
-from gossip.algorithms.base import ParamLayout
+from gossip.algorithms.base import ParamLayout, Pending
 from gossip.comm import DistCommunicator, Ledger
 from gossip.runtime import check_momentum
 
@@ -287,11 +286,9 @@ class HookState:
             if lr is not None:
                 group.algorithm.set_lr(lr)
             algo = group.algorithm
-            if isinstance(algo, _Centralized):
-                started.append((algo.reduce_gradients_start(G), idx))
-            else:  # allreduce: its one collective, inline
-                algo.reduce_gradients(G)
-                started.append((Pending(None, lambda _, G=G: G), idx))
+            # an algorithm whose exchange completes asynchronously returns it in flight;
+            # the others (allreduce's one collective) reduce inline, already complete
+            started.append((algo.reduce_gradients_start(G), idx))
         return started
 
     @staticmethod

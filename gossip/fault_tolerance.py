@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from gossip import algorithms, data, rundir
-from gossip.comm.base import Communicator, Handle, _ring_allreduce_bytes, _tensor_nbytes
+from gossip.comm.base import Communicator, Handle, ring_allreduce_bytes, tensor_nbytes
 from gossip.comm.ledger import Ledger
 
 __all__ = ["FTCommunicator", "SUPPORTED_ALGORITHMS", "lighthouse_address", "run_fault_tolerant"]
@@ -136,7 +136,7 @@ class FTCommunicator(Communicator):
             if record and len(members) > 1 and self.replica in members:
                 # ring model over the step's participants: to the successor, from the predecessor
                 i, n = members.index(self.replica), len(members)
-                nbytes = _ring_allreduce_bytes(_tensor_nbytes(X), n)
+                nbytes = ring_allreduce_bytes(tensor_nbytes(X), n)
                 self.ledger.record(self.replica, members[(i + 1) % n], nbytes, op="all_reduce")
                 self.ledger.record(members[(i - 1) % n], self.replica, nbytes, op="all_reduce")
             self.ledger.count("all_reduce")

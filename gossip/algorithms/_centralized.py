@@ -18,7 +18,7 @@ import torch
 
 from gossip import compress as _compress
 from gossip._checks import check_float
-from gossip.algorithms.base import Algorithm
+from gossip.algorithms.base import Pending, Algorithm
 
 __all__: list[str] = []
 
@@ -63,33 +63,6 @@ class ErrorFeedback:
         return f"ErrorFeedback({self.compressor.spec})"
 
 
-class Pending:
-    """A reduction in flight: a communicator handle and what to do with its result.
-
-    ``advance()`` posts the exchange's later stage when it has one (a sharded
-    exchange's pull; it waits for the push); ``wait()`` completes the exchange and
-    runs ``finish(result)`` (decoding into the gradient) on the calling thread, which
-    returns the rewritten gradient. Nothing runs on a communication thread: the
-    compressors' kernels and the ledger's clocks belong to the caller's.
-    """
-
-    __slots__ = ("handle", "finish", "_value")
-
-    def __init__(self, handle: Any, finish: Any) -> None:
-        self.handle, self.finish = handle, finish
-        self._value: Any = None
-
-    def advance(self) -> None:
-        if self.handle is not None:
-            self.handle.advance()
-
-    @torch.no_grad()
-    def wait(self) -> Any:
-        if self._value is None:
-            self._value = self.finish(self.handle.wait() if self.handle is not None else None)
-        return self._value
-
-
 class _Centralized(Algorithm):
     """Gradient algorithms that own their step-size rescaling and momentum.
 
@@ -112,15 +85,6 @@ class _Centralized(Algorithm):
         if self.state is None:
             raise RuntimeError(f"{self.name}: call setup() before set_lr()")
         self.state.lr = float(lr)
-
-    def reduce_gradients_start(self, G: torch.Tensor) -> Pending:
-        """:meth:`reduce_gradients` for callers that overlap the exchange with other work
-        (DDP communication hooks): compress and post the exchange and return a
-        :class:`Pending`; its ``wait()`` leaves the direction in ``G``. Algorithms whose
-        exchange completes asynchronously override it; by default ``G`` is reduced
-        here and the pending is already done."""
-        self.reduce_gradients(G)
-        return Pending(None, lambda _: G)
 
     def _lr_ratio(self) -> float:
         """eta_{t-1} / eta_t, with eta_{-1} = 0 (Zheng et al. 2019, arXiv:1905.10936, Alg. 2 line 1)."""

@@ -36,7 +36,7 @@ import torch
 
 from gossip.comm.base import is_time_varying
 
-__all__ = ["Algorithm", "ParamLayout", "WireFormat", "COMMON_OPTIONS"]
+__all__ = ["Algorithm", "ParamLayout", "Pending", "WireFormat", "COMMON_OPTIONS"]
 
 #: options every algorithm's Config may take, which a caller (the training loop) fills
 #: in from its own flags where the Config has them: nothing else is guessed
@@ -165,6 +165,33 @@ class WireFormat:
         return {"label": self.label, "bits_per_coord": self.bits_per_coord}
 
 
+class Pending:
+    """A reduction in flight: a communicator handle and what to do with its result.
+
+    ``advance()`` posts the exchange's later stage when it has one (a sharded
+    exchange's pull; it waits for the push); ``wait()`` completes the exchange and
+    runs ``finish(result)`` (decoding into the gradient) on the calling thread, which
+    returns the rewritten gradient. Nothing runs on a communication thread: the
+    compressors' kernels and the ledger's clocks belong to the caller's.
+    """
+
+    __slots__ = ("handle", "finish", "_value")
+
+    def __init__(self, handle: Any, finish: Any) -> None:
+        self.handle, self.finish = handle, finish
+        self._value: Any = None
+
+    def advance(self) -> None:
+        if self.handle is not None:
+            self.handle.advance()
+
+    @torch.no_grad()
+    def wait(self) -> Any:
+        if self._value is None:
+            self._value = self.finish(self.handle.wait() if self.handle is not None else None)
+        return self._value
+
+
 class Algorithm:
     """Base class: holds the config, the communicator and the State.
 
@@ -264,6 +291,15 @@ class Algorithm:
     def reduce_gradients(self, G: torch.Tensor) -> None:
         """Gradient algorithms: rewrite ``G`` in place before the local optimizer."""
         raise NotImplementedError(f"{self.name} acts on models, not on gradients")
+
+    def reduce_gradients_start(self, G: torch.Tensor) -> Pending:
+        """:meth:`reduce_gradients` for callers that overlap the exchange with other work
+        (DDP communication hooks): compress and post the exchange and return a
+        :class:`Pending`; its ``wait()`` leaves the direction in ``G``. Algorithms whose
+        exchange completes asynchronously override it; by default ``G`` is reduced
+        here and the pending is already done."""
+        self.reduce_gradients(G)
+        return Pending(None, lambda _: G)
 
     # --- hooks a caller may call; each a no-op unless the algorithm needs it ----------
     def set_lr(self, lr: float) -> None:

@@ -16,7 +16,7 @@ import torch
 from gossip.errors import PeerPayloadError, format_peers
 from .ledger import Ledger
 
-__all__ = ["Communicator", "Received", "Handle", "ShardServer"]
+__all__ = ["Communicator", "Received", "Handle", "ShardServer", "ring_allreduce_bytes", "tensor_nbytes"]
 
 Decode = Callable[[torch.Tensor], torch.Tensor]
 
@@ -433,12 +433,12 @@ def is_time_varying(topology: Any) -> bool:
     return bool(getattr(topology, "time_varying", False))
 
 
-def _ring_allreduce_bytes(nbytes: int, n: int) -> int:
+def ring_allreduce_bytes(nbytes: int, n: int) -> int:
     """Bytes one node sends (and receives) in a ring all-reduce of ``nbytes``:
     2(n-1)/n x nbytes, rounded half up in exact integer arithmetic."""
     return 0 if n <= 1 else (2 * (n - 1) * nbytes + n // 2) // n
 
 
-def _tensor_nbytes(X: torch.Tensor) -> int:
+def tensor_nbytes(X: torch.Tensor) -> int:
     """Bytes of one row of ``X``."""
     return int(X[0].numel() * X.element_size()) if X.shape[0] else 0

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import Communicator, Handle, Received, _Done, _ring_allreduce_bytes, _tensor_nbytes, is_time_varying
+from .base import Communicator, Handle, Received, _Done, ring_allreduce_bytes, tensor_nbytes, is_time_varying
 from gossip.errors import PeerConnectionError, PeerPayloadError, PeerTimeoutError, format_peers
 from .ledger import Ledger
 
@@ -353,7 +353,7 @@ class DistCommunicator(Communicator):
                 "all_reduce", lambda: dist.all_reduce(Y, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             )
             if record:
-                self._record_ring(_ring_allreduce_bytes(_tensor_nbytes(X), self.world_size), "all_reduce")
+                self._record_ring(ring_allreduce_bytes(tensor_nbytes(X), self.world_size), "all_reduce")
         n = self.world_size
         finish = (lambda: Y.div_(n)) if op == "mean" else (lambda: Y)
         return _CollectiveHandle(self, work, "all_reduce", finish)
@@ -368,7 +368,7 @@ class DistCommunicator(Communicator):
                 "all_gather", lambda: _all_gather_single(out, Xc, group=self.group, async_op=True)
             )
             if record:
-                self._record_ring((self.world_size - 1) * _tensor_nbytes(X), "all_gather")
+                self._record_ring((self.world_size - 1) * tensor_nbytes(X), "all_gather")
         return _CollectiveHandle(self, work, "all_gather", lambda: out)
 
     def broadcast_async(self, X: torch.Tensor, src: int, *, record: bool = True) -> Handle:
@@ -381,7 +381,7 @@ class DistCommunicator(Communicator):
                 "broadcast", lambda: dist.broadcast(Y, src=self._global[src], group=self.group, async_op=True)
             )
             if record:
-                b = _tensor_nbytes(X)
+                b = tensor_nbytes(X)
                 if self.rank == src:
                     others = np.delete(np.arange(self.world_size), src)
                     self.ledger.record(src, others, b, op="broadcast")

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Communicator, Handle, Received, _Done, _ring_allreduce_bytes, _tensor_nbytes, is_time_varying
+from .base import Communicator, Handle, Received, _Done, ring_allreduce_bytes, tensor_nbytes, is_time_varying
 from .ledger import Ledger
 
 _SIZE_MSG_BYTES = 16  # DistCommunicator's size check: two int64 each way
@@ -165,14 +165,14 @@ class SimulatedCommunicator(Communicator):
         if op == "mean":
             S = S / self.world_size
         if record:
-            b = _ring_allreduce_bytes(_tensor_nbytes(X), self.world_size)
+            b = ring_allreduce_bytes(tensor_nbytes(X), self.world_size)
             self._record_ring(b, "all_reduce")
         return _Done(S.expand_as(X).clone())
 
     def all_gather_async(self, X: torch.Tensor, *, record: bool = True) -> Handle:
         self._check_rows(X, "all_gather")
         if record:
-            self._record_ring((self.world_size - 1) * _tensor_nbytes(X), "all_gather")
+            self._record_ring((self.world_size - 1) * tensor_nbytes(X), "all_gather")
         return _Done(X.clone())
 
     def broadcast_async(self, X: torch.Tensor, src: int, *, record: bool = True) -> Handle:
@@ -180,7 +180,7 @@ class SimulatedCommunicator(Communicator):
         src = self._check_src(src)
         if record:
             others = np.delete(np.arange(self.world_size), src)
-            self.ledger.record(src, others, _tensor_nbytes(X), op="broadcast")
+            self.ledger.record(src, others, tensor_nbytes(X), op="broadcast")
             self.ledger.count("broadcast")
         return _Done(X[src : src + 1].expand_as(X).clone())
 

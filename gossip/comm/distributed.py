@@ -51,6 +51,11 @@ _SIZE_MSG_BYTES = 16  # two int64: magic, payload bytes
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _back(Y: torch.Tensor, home: torch.device | None) -> torch.Tensor:
+    """A collective's result on the device its input came from (see ``_on_backend``)."""
+    return Y if home is None else Y.to(home)
+
+
 def init_from_env(
     backend: str = "auto",
     *,
@@ -348,35 +353,46 @@ class DistCommunicator(Communicator):
         self._check_usable()
         self._check_reduce(X, op)
         with self.ledger.phase("communicate"):
-            Y = X.clone(memory_format=torch.contiguous_format)
+            Y, home = self._on_backend(X)
+            Y = Y.clone(memory_format=torch.contiguous_format)
             work = self._post_collective(
                 "all_reduce", lambda: dist.all_reduce(Y, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             )
             if record:
                 self._record_ring(ring_allreduce_bytes(tensor_nbytes(X), self.world_size), "all_reduce")
         n = self.world_size
-        finish = (lambda: Y.div_(n)) if op == "mean" else (lambda: Y)
+        finish = (lambda: _back(Y.div_(n), home)) if op == "mean" else (lambda: _back(Y, home))
         return _CollectiveHandle(self, work, "all_reduce", finish)
+
+    def _on_backend(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.device | None]:
+        """NCCL carries CUDA tensors only: a CPU tensor (the training loop's agreement and
+        control flags) travels through the communicator's device; returns the tensor to
+        send and the device to bring the result back to (None: no move)."""
+        if X.device.type == "cpu" and self.device.type == "cuda" and "nccl" in self.backend:
+            return X.to(self.device), X.device
+        return X, None
 
     def all_gather_async(self, X: torch.Tensor, *, record: bool = True) -> Handle:
         self._check_usable()
         self._check_rows(X, "all_gather")
         with self.ledger.phase("communicate"):
-            Xc = X.contiguous()
-            out = torch.empty((self.world_size, *X.shape[1:]), dtype=X.dtype, device=X.device)
+            Xc, home = self._on_backend(X)
+            Xc = Xc.contiguous()
+            out = torch.empty((self.world_size, *X.shape[1:]), dtype=X.dtype, device=Xc.device)
             work = self._post_collective(
                 "all_gather", lambda: _all_gather_single(out, Xc, group=self.group, async_op=True)
             )
             if record:
                 self._record_ring((self.world_size - 1) * tensor_nbytes(X), "all_gather")
-        return _CollectiveHandle(self, work, "all_gather", lambda: out)
+        return _CollectiveHandle(self, work, "all_gather", lambda: _back(out, home))
 
     def broadcast_async(self, X: torch.Tensor, src: int, *, record: bool = True) -> Handle:
         self._check_usable()
         self._check_rows(X, "broadcast")
         src = self._check_src(src)
         with self.ledger.phase("communicate"):
-            Y = X.clone(memory_format=torch.contiguous_format)
+            Y, home = self._on_backend(X)
+            Y = Y.clone(memory_format=torch.contiguous_format)
             work = self._post_collective(
                 "broadcast", lambda: dist.broadcast(Y, src=self._global[src], group=self.group, async_op=True)
             )
@@ -388,7 +404,7 @@ class DistCommunicator(Communicator):
                 else:
                     self.ledger.record(src, self.rank, b, op="broadcast")
                 self.ledger.count("broadcast")
-        return _CollectiveHandle(self, work, "broadcast", lambda: Y)
+        return _CollectiveHandle(self, work, "broadcast", lambda: _back(Y, home))
 
     def sharded_exchange_async(self, P, in_nbytes, out_nbytes, server, *, record: bool = True) -> Handle:
         """Post the push (``all_to_all_single`` with this rank's message of every shard);

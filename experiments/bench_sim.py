@@ -39,6 +39,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _provenance  # noqa: E402
+
 from gossip import comm as gcomm
 from gossip import data, loop
 from gossip.config import parse_args
@@ -169,7 +172,7 @@ def _timed_copy(x, y) -> float:
     return time.perf_counter() - t0
 
 
-def _provenance(argv: list[str]) -> dict:
+def _run_record(argv: list[str]) -> dict:
     def git(*a: str) -> str:
         try:
             return subprocess.run(["git", *a], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
@@ -283,18 +286,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average (1 min) before: {load0:.2f}" + ("  WARNING: above 0.3, figures are not the machine's own"
                                                          if load0 > 0.3 else ""), flush=True)
     rows, epochs = [], []
-    prov = _provenance(argv)
+    prov = _run_record(argv)
+    record = _provenance.start(["gossip", "experiments/bench_sim.py"], argv=["experiments/bench_sim.py", *argv],
+                               measure_memcpy=False)
+    record.machine["memcpy_gbps"] = prov["memcpy_gbps"]
     if a.device == "cuda":
         prov["gpu"] = torch.cuda.get_device_name(0)
 
     def save() -> None:  # after every row: a run cut short keeps what it measured
         if a.json:
+            record.load_after = []  # finish() takes the load of this save, the latest
             peak_now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
             Path(a.json).write_text(json.dumps({
                 **prov, "load_avg_before": load0, "load_avg_after": os.getloadavg()[0], "peak_rss_gib": peak_now,
                 "device": a.device, "batch_size": BATCH, "algo": "dpsgd", "topology": "ring",
-                "rows": rows, "epoch": epochs}, indent=1) + "\n")
+                "rows": rows, "epoch": epochs, "provenance": record.finish()}, indent=1) + "\n")
 
     for model in models:
         for n in nodes:

@@ -191,11 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         a.min_replicas = max(1, a.workers - 1)
     if not 2 <= a.workers or not 1 <= a.hosts <= a.workers or a.kill_every < 1 or a.steps <= a.kill_every:
         p.error("need --workers >= 2, 1 <= --hosts <= --workers and --steps > --kill-every >= 1")
-    from benchmark import provenance
+    import _provenance
 
-    prov = provenance([])
-    prov["command"] = " ".join(["python", "experiments/churn.py", *(argv if argv is not None else sys.argv[1:])])
-    prov["sources"] = ["experiments/churn.py", "gossip/fault_tolerance.py"]
+    record = _provenance.start(["experiments/churn.py", "gossip"],
+                               argv=["experiments/churn.py", *(argv if argv is not None else sys.argv[1:])])
     work = Path(a.work)
     try:
         with VirtualCluster(a.hosts, rate=a.rate, delay=(a.delay_ms / 1000 if a.delay_ms else None),
@@ -206,13 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     except VClusterError as e:
         print(f"churn: {e}", file=sys.stderr)
         return 2
-    prov["load_after"] = [round(x, 2) for x in os.getloadavg()]
-    res = {"provenance": prov, "network": network, "workers": a.workers, "hosts": a.hosts, "steps": a.steps,
+    res = {"network": network, "workers": a.workers, "hosts": a.hosts, "steps": a.steps,
            "kill_every": a.kill_every, "restart_delay_s": a.delay, "min_replicas": a.min_replicas,
            "undisturbed": ref, "churned": churned}
     out = Path(a.out) if a.out else REPO / "experiments" / "results" / f"churn-W{a.workers}-H{a.hosts}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1) + "\n")
+    _provenance.write(out, res, record)
     print(f"{a.workers} workers on {a.hosts} hosts, {a.steps} steps, a kill every {a.kill_every} steps, "
           f"restart after {a.delay:g} s ({network}); load {prov['load']} -> {prov['load_after']}")
     print(f"test accuracy: undisturbed {ref['test_acc']}, churned {churned['test_acc']}")

@@ -32,7 +32,7 @@ for p in (str(REPO), str(HERE)):
         sys.path.insert(0, p)
 
 import race  # noqa: E402  (experiments/ is not a package: the curve reader)
-from benchmark import provenance  # noqa: E402
+import _provenance  # noqa: E402
 
 H = "8"
 #: name -> the gossip.train flags that make the method (on top of the recipe)
@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     argv = list(argv if argv is not None else sys.argv[1:])
-    prov = provenance(argv)
-    prov["command"] = " ".join(["python", "experiments/modern_compare.py", *argv])
-    prov["sources"] = ["experiments/modern_compare.py", "gossip/"]
+    record = _provenance.start(["experiments/modern_compare.py", "gossip"], argv=["experiments/modern_compare.py", *argv])
+    prov = record.finish()  # the start's record (load before, machine), for the note below
+    record.load_after = []  # finished again when the results are written
     common = ["--data", a.data, "--epochs", str(a.epochs), "--seed", str(a.seed)]
     if a.max_steps is not None:
         common += ["--max-steps", str(a.max_steps)]
@@ -126,12 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     load_end = [round(x, 2) for x in os.getloadavg()]
     md = table(results)
     (out / "modern.md").write_text(
-        f"{md}\n\nMade with `{prov['command']}` at commit {prov['commit'][:10]}{' (dirty tree)' if prov['dirty'] else ''} "
+        f"{md}\n\nMade with `{prov['command']}` at commit {(prov['commit'] or '?')[:10]}{' (dirty tree)' if prov['dirty'] else ''} "
         f"on {prov['date']} ({a.nodes} simulated nodes, iid shards, {a.epochs} epochs, {a.data}; load average "
-        f"{prov['load'][0]} at the start, {load_end[0]} at the end, {prov['cores']} cores).\n")
+        f"{prov['load_before'][0]} at the start, {load_end[0]} at the end, {prov['machine']['cores']} cores).\n")
     (out / "modern.json").write_text(json.dumps({
         "nodes": a.nodes, "epochs": a.epochs, "data": a.data, "recipe": RECIPE,
-        "methods": {k: METHODS[k] for k in names}, "results": results, "provenance": prov, "load_end": load_end,
+        "methods": {k: METHODS[k] for k in names}, "results": results, "provenance": record.finish(), "load_end": load_end,
     }, indent=1))
     print(md)
     print(f"modern_compare: wrote {out / 'modern.md'}, {out / 'modern.json'}")

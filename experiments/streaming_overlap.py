@@ -39,7 +39,7 @@ for p in (str(REPO), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from benchmark import provenance  # noqa: E402
+import _provenance  # noqa: E402
 from gossip import rundir  # noqa: E402
 
 
@@ -90,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     argv = list(argv if argv is not None else sys.argv[1:])
-    prov = provenance(argv)
-    prov["command"] = " ".join(["python", "experiments/streaming_overlap.py", *argv])
-    prov["sources"] = ["experiments/streaming_overlap.py", "experiments/vcluster.py", "gossip/"]
+    record = _provenance.start(["experiments/streaming_overlap.py", "experiments/vcluster.py", "gossip"], argv=["experiments/streaming_overlap.py", *argv])
+    prov = record.finish()  # the start's record (load before, machine), for the note below
+    record.load_after = []  # finished again when the results are written
     env = {"OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(q for q in (str(REPO), os.environ.get("PYTHONPATH", "")) if q)}
     runs: dict[int, list[float]] = {t: [] for t in taus}
@@ -118,17 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {t: best[t] / best[0] for t in taus[1:]}
     load_end = [round(x, 2) for x in os.getloadavg()]
     md = table({str(t): v for t, v in runs.items()})
-    note = (f"Made with `{prov['command']}` at commit {prov['commit'][:10]}{' (dirty tree)' if prov['dirty'] else ''} "
+    note = (f"Made with `{prov['command']}` at commit {(prov['commit'] or '?')[:10]}{' (dirty tree)' if prov['dirty'] else ''} "
             f"on {prov['date']}: {a.nodes} hosts, {a.rate} tbf, diloco H = {a.local_steps}, F = 2, batch "
-            f"{a.batch_size}, steps {a.local_steps}..{a.steps} timed; load average {prov['load'][0]} at the "
-            f"start, {load_end[0]} at the end on {prov['cores']} cores"
-            f"{' (a loaded machine: not a result)' if max(prov['load'][0], load_end[0]) >= 0.3 else ''}.")
+            f"{a.batch_size}, steps {a.local_steps}..{a.steps} timed; load average {prov['load_before'][0]} at the "
+            f"start, {load_end[0]} at the end on {prov['machine']['cores']} cores"
+            f"{' (a loaded machine: not a result)' if max(prov['load_before'][0], load_end[0]) >= 0.3 else ''}.")
     (out / "overlap.md").write_text(f"{md}\n\n{note}\n")
     (out / "overlap.json").write_text(json.dumps({
         "nodes": a.nodes, "rate": a.rate, "local_steps": a.local_steps, "fragments": 2, "taus": taus,
         "steps": a.steps, "batch_size": a.batch_size, "runs_s_per_step": {str(t): v for t, v in runs.items()},
         "min_s_per_step": {str(t): v for t, v in best.items()}, "ratio_to_tau0": {str(t): r for t, r in ratios.items()},
-        "provenance": prov, "load_end": load_end, "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "provenance": record.finish(), "load_end": load_end, "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }, indent=1))
     print(md)
     print(note)

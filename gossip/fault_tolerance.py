@@ -44,9 +44,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import torch
-import torch.nn.functional as F
 
-from gossip import algorithms, data, rundir
+from gossip import algorithms, data, evaluation, rundir
 from gossip.comm.base import Communicator, Handle, ring_allreduce_bytes, tensor_nbytes
 from gossip.comm.ledger import Ledger
 
@@ -432,7 +431,7 @@ class _FTRun:
                     g["lr"] = lr
                 self.model.train()
                 self.opt.zero_grad(set_to_none=False)
-                loss = F.cross_entropy(self.model(x), y)
+                loss = evaluation.loss_fn(self.dataset.task)(self.model(x), y)
                 loss.backward()
                 self.algo.set_lr(lr)
                 if self.algo.acts_on == "gradient":
@@ -460,10 +459,8 @@ class _FTRun:
                         self.gopt.load_state_dict(snapshot)
                     self.loader.load_state_dict(saved)  # the batch is retried in the next quorum
                     self._say(f"step {step + 1} discarded (a participant failed); retrying with a new quorum")
-            test_loss, test_acc = loop._accuracy(self.model, self.dataset.x_test.to(self.device),
-                                                 self.dataset.y_test.to(self.device))
-            end = {"event": "end", "step": self.manager.current_step(), "test_loss": test_loss,
-                   "test_acc": test_acc, "time": time.perf_counter() - t0}
+            end = {"event": "end", "step": self.manager.current_step(),
+                   **evaluation.test_metrics(self.model, self.dataset, self.device), "time": time.perf_counter() - t0}
             metrics.write(end)
             torch.save({"params": self.gopt.flat.data[0].detach().clone(), "step": end["step"]},
                        self.out / f"model-replica{self.replica}.pt")

@@ -34,6 +34,8 @@ def load(path: str | Path) -> dict[str, Any]:
         raise LeaderboardError(f"--benchmark {path}: cannot read it ({e.strerror or e})") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise LeaderboardError(f"--benchmark {path}: not a benchmark results file ({e})") from None
+    if isinstance(res, dict) and isinstance(res.get("results"), dict) and "provenance" in res:
+        res = res["results"]  # written with its provenance record
     if not isinstance(res, dict) or not isinstance(res.get("workloads"), dict) or not isinstance(res.get("links"), list):
         raise LeaderboardError(f"--benchmark {path}: not a benchmark results file (no 'workloads' and 'links')")
     return res

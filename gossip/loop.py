@@ -1039,7 +1039,7 @@ class Run:
             optimizer = record.optimizer
             if not isinstance(self.gopt, vectorized.VectorizedOptimizer):  # a vectorized run's stacked state
                 optimizer = {**optimizer, "optimizers": vectorized.per_node_optimizer_states(
-                    optimizer["optimizers"], self.gopt.flat.shapes)}
+                    optimizer["optimizers"], self.gopt.flat)}
             self.gopt.load_state_dict(optimizer)
             self.gopt.steps = record.progress.step  # older checkpoints do not hold it
             for ld, s in zip(self.loaders, record.loaders):

@@ -203,12 +203,13 @@ def stack_optimizer_state(sds: Sequence[dict], shapes: Sequence[tuple[int, ...]]
     return {"state": state, "param_groups": [dict(g) for g in first["param_groups"]]}
 
 
-def per_node_optimizer_states(saved: Any, shapes: Sequence[tuple[int, ...]]) -> list[dict]:
+def per_node_optimizer_states(saved: Any, flat: Any) -> list[dict]:
     """The ``optimizers`` entry of a :meth:`VectorizedOptimizer.state_dict` (one stacked
     state and the node count) or of a loop path's (already one state dict per node), as
-    one state dict per node: what :class:`gossip.runtime.GossipOptimizer` loads."""
+    one state dict per node of ``flat`` (the loop path's flat parameters, whose tensor
+    shapes cut the stacked state): what :class:`gossip.runtime.GossipOptimizer` loads."""
     if isinstance(saved, dict) and "stacked" in saved:
-        return split_optimizer_state(saved["stacked"], int(saved["nodes"]), shapes)
+        return split_optimizer_state(saved["stacked"], int(saved["nodes"]), flat.shapes)
     return list(saved)
 
 

@@ -55,7 +55,8 @@ def bench(tmp_path_factory):
 
 def test_the_report_has_the_verdict_and_method_tables(bench):
     tmp, out, _ = bench
-    res = json.loads((out / "benchmark.json").read_text())
+    whole = json.loads((out / "benchmark.json").read_text())
+    res, prov = whole["results"], whole["provenance"]
     nd = res["workloads"]["blobs"]["nodes"]["2"]
     assert set(nd["methods"]) == {"allreduce", "localsgd"}
     assert set(nd["verdicts"]) == {"10mbit@0", "10mbit@10ms", "1gbit@0", "1gbit@10ms"}
@@ -68,9 +69,9 @@ def test_the_report_has_the_verdict_and_method_tables(bench):
         times = {k: m["links"][key]["time_s"]["mean"] for k, m in nd["methods"].items() if m["links"][key]["all_reached"]}
         assert v["winner"] == min(times, key=times.get)
         assert v["separated"] is None  # one seed: no interval, no claim
-    prov = res["provenance"]
-    for k in ("command", "commit", "dirty", "date", "cpu", "cores", "load", "torch"):
+    for k in ("command", "commit", "dirty", "date", "machine", "load_before", "load_after", "torch", "source_ids"):
         assert k in prov
+    assert "python experiments/benchmark.py run --spec" in prov["command"]
     md = (tmp / "docs" / "benchmark.md").read_text()
     assert "## Verdict" in md and "## Per method" in md and "| blobs | 2 | 10mbit@0 |" in md
     assert "![benchmark-blobs-n2](./benchmark-blobs-n2.png)" in md

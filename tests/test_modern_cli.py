@@ -146,7 +146,7 @@ def test_modern_compare_smoke(tmp_path):
                               "--out", str(tmp_path)])
     assert rc == 0
     res = json.loads((tmp_path / "modern.json").read_text())
-    assert res["provenance"]["command"].startswith("python experiments/modern_compare.py --epochs 1")
+    assert "python experiments/modern_compare.py --epochs 1" in res["provenance"]["command"]
     sl = res["results"]["sparseloco"]
     assert sl["bytes_vs_allreduce"] == sl["bytes_per_step"] / res["results"]["allreduce"]["bytes_per_step"] < 1
     assert "| sparseloco |" in (tmp_path / "modern.md").read_text()

@@ -159,7 +159,7 @@ def test_checkpoints_move_between_paths():
     b, _, _, lb_loaders, _ = _run_vectorized("dcd", "sgd", 10)
     sa, sb = a.state_dict(), b.state_dict()
     assert sb["optimizers"]["nodes"] == N  # stacked: a few tensors whatever n is
-    per_node = vectorized.per_node_optimizer_states(sb["optimizers"], b.flat.shapes)
+    per_node = vectorized.per_node_optimizer_states(sb["optimizers"], b.flat)
     assert len(per_node) == N
     for oa, ob in zip(sa["optimizers"], per_node):  # the loop path's format, node by node
         for k in oa["state"]:

@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     argv = list(argv if argv is not None else sys.argv[1:])
     record = _provenance.start(["experiments/modern_compare.py", "gossip"], argv=["experiments/modern_compare.py", *argv])
-    prov = record.finish()  # the start's record (load before, machine), for the note below
-    record.load_after = []  # finished again when the results are written
+    prov = vars(record)  # the record as started (command, commit, load before, machine), for the note below
     common = ["--data", a.data, "--epochs", str(a.epochs), "--seed", str(a.seed)]
     if a.max_steps is not None:
         common += ["--max-steps", str(a.max_steps)]

@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     argv = list(argv if argv is not None else sys.argv[1:])
     record = _provenance.start(["experiments/streaming_overlap.py", "experiments/vcluster.py", "gossip"], argv=["experiments/streaming_overlap.py", *argv])
-    prov = record.finish()  # the start's record (load before, machine), for the note below
-    record.load_after = []  # finished again when the results are written
+    prov = vars(record)  # the record as started (command, commit, load before, machine), for the note below
     env = {"OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(q for q in (str(REPO), os.environ.get("PYTHONPATH", "")) if q)}
     runs: dict[int, list[float]] = {t: [] for t in taus}

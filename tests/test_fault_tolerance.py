@@ -168,6 +168,12 @@ def test_kill_one_worker_the_others_keep_stepping_and_it_heals_from_a_peer(tmp_p
         # the survivors kept stepping while replica 3 was away: steps averaged over 3 participants
         between = [r for r in _records(m[0]) if "event" not in r and killed_at < r["step"] <= heals[0]["step"]
                    and r["loss"] is not None]
+        # a step or two may still have completed with all 4 before the death was seen (the kill
+        # lands between steps at an arbitrary point); from the first 3-participant step on, every
+        # step until the heal is averaged over the 3 survivors
+        first3 = next((i for i, r in enumerate(between) if r["participants"] == 3), len(between))
+        assert all(r["participants"] == 4 for r in between[:first3]) and first3 <= 3, between[:5]
+        between = between[first3:]
         assert between and all(r["participants"] == 3 for r in between), between[:3]
         assert all(p.poll() == 0 for p in procs[:3])
         # against an undisturbed run of the same length (the same 4 nodes, shards and seed in one

@@ -48,6 +48,17 @@ def scale_group(x3, keys, seeds, start: int, b0: int, B: int, L: int, mode: int,
 safe_inverse = _kernels.safe_inverse
 
 
+def divide(x: torch.Tensor, c: float) -> torch.Tensor:
+    """``x / c`` correctly rounded on every device.
+
+    CUDA's true division by a Python (or CPU) scalar multiplies by the scalar's
+    reciprocal, which differs from the division in the last bit for most values; the
+    scales that travel must be the same bytes on CPU and CUDA, so the divisor is a
+    tensor of x's shape on x's device (an element-wise IEEE division everywhere).
+    """
+    return torch.div(x, torch.full_like(x, c))
+
+
 def ordered_sum(v: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim in float64, in index order: (..., n) -> (...) float64.
 

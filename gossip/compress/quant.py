@@ -129,7 +129,7 @@ class Quant(Compressor):
             self._check_finite(x3.reshape(m, -1), rng)  # NaN/inf show up in the range
             # the scales that travel
             v["lo"][:, b0: b0 + nb] = lo.view(m, nb)
-            v["step"][:, b0: b0 + nb] = (rng / L).view(m, nb)
+            v["step"][:, b0: b0 + nb] = _blocks.divide(rng, L).view(m, nb)  # the same bytes on CUDA
         if row is not None:
             if bits > 8:
                 pack_bits(row, bits, out=v["codes"])

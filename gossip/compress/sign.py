@@ -243,7 +243,7 @@ class BlockSign(Compressor):
         for x3, b0 in self._groups(X):
             nb, B = x3.shape[1], x3.shape[2]
             # L1 per block in a fixed summation order (same bytes in any batch)
-            scale = (_block_l1(x3) / B).to(torch.float32)
+            scale = _blocks.divide(_block_l1(x3), B).to(torch.float32)
             self._check_finite(x3.reshape(m, -1), scale)
             v["scale"][:, b0: b0 + nb] = scale
         _encode_chunks(X, v["signs"], None)

@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
 """The neutral benchmark: every method tuned on the same budget, several seeds, per link and node count.
 
-    python experiments/benchmark.py run --spec experiments/benchmark.toml --out runs/bench
-    python experiments/benchmark.py report --out runs/bench --md docs/benchmark.md
+    python experiments/benchmark.py run --spec experiments/benchmark.toml --out runs/bench --jobs 2
+    python experiments/benchmark.py report --results runs/bench/benchmark.json --md docs/benchmark.md
     python experiments/benchmark.py plan --spec experiments/benchmark.toml      # what would run
+    python experiments/benchmark.py collect --spec S --out DIR                  # results from run dirs only
 
-``run`` is resumable: a trial whose run directory holds a finished run (its
-``summary.json`` with a final metric, and the driver's ``trial.json``) is never redone,
-so an interrupted benchmark continues where it stopped, and widening the spec (another
-seed, another method) runs only what is new.
+``run`` is resumable: a trial whose run directory holds its record (``trial.json``, with
+the trial's figures) is never redone, so an interrupted benchmark continues where it
+stopped, and widening the spec (another seed, another method) runs only what is new.
+``--resume RESULTS`` takes the trials of an earlier session's results file as finished,
+so a session on another machine continues from that file alone; ``--workloads``,
+``--nodes`` and ``--methods`` run a part of the spec under the same protocol;
+``--stop-after`` and SIGTERM stop it with what finished kept.
 
 The protocol, fixed before any result is read (docs/benchmark.md states it too):
 
@@ -16,13 +20,16 @@ The protocol, fixed before any result is read (docs/benchmark.md states it too):
    runs: its learning rate on a grid of ``lr_factors`` times its paper's (or the
    project's documented) default, at a short horizon (``tune_epochs``), seed
    ``tune_seed``. Every other option keeps the method's paper default. The trials train
-   on the training set less a fixed 10 % carve and are evaluated on that carve
-   (``experiments/bench_data.py``): the test split is never handed to a tuning run.
+   on the training data less a validation carve and are evaluated on that carve
+   (``experiments/bench_data.py``: 10 % of the samples for a classifier; for text, the
+   block of the training text just before the test tail): the test split is never
+   handed to a tuning run.
 2. **Selection** on the validation metric at the end of the short horizon (higher
-   accuracy, or lower loss), ties to the smaller learning rate. A trial that fails or
-   diverges ranks last.
+   accuracy, or lower loss or bits per byte), ties to the smaller learning rate. A
+   trial that fails or diverges ranks last.
 3. **Final runs** of the selected setting with every seed in ``seeds``, on the whole
-   training set, evaluated on the test split.
+   training data, evaluated on the test split. They start as soon as the method's own
+   tuning has finished.
 4. **What is reported**, per workload, node count and link (bandwidth x latency): time
    to the target, modelled from each run's own bytes, message rounds and measured
    compute and codec time as ``experiments/race.py`` does (a ring all-reduce is
@@ -36,13 +43,15 @@ The protocol, fixed before any result is read (docs/benchmark.md states it too):
 
 Every node count trains on the same data per node: ``samples_per_node x nodes``
 training samples (MNIST-1D is generated with that many; 4,000 at 4 nodes is the
-embedded default data set).
+embedded default data set; text windows are spread over the corpus's training text).
 
 Output under ``--out``: one run directory per trial
 (``<workload>/n<N>/<method>/tune-lr<LR>`` and ``.../seed<S>``, ordinary gossip run
-directories), ``benchmark.json`` (every trial, the selection, the per-link statistics,
-the verdicts and the provenance), and with ``report``: the Markdown page and the
-figures (metric against bytes and against modelled time per link).
+directories, each with the driver's ``trial.json``), and the results file
+(``--results``, default ``OUT/benchmark.json``): every finished trial's record and
+figures, the selection, the per-link statistics, the verdicts, the budget, the sessions
+it was made in and the provenance. ``report`` reads that file alone and writes the
+Markdown page and the figures (metric against bytes and against modelled time per link).
 """
 
 from __future__ import annotations
@@ -341,13 +350,18 @@ def _run_trial(t: Trial, lr: float, out: Path, device: str = "cpu") -> dict:
     run_dir = t.run_dir(out)
     args = _train_args(t, lr, run_dir, device)
     served = len(bench_data.SERVED)
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     cpu0, wall0 = time.process_time(), time.perf_counter()
     rc, err = race._train(args)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    if rc in (130, 128 + 15):  # interrupted or SIGTERM: the trial did not fail, it was stopped; no record
+        raise _Stop()
     what = bench_data.SERVED[served:] if len(bench_data.SERVED) > served else [None]
     rec = {"key": t.key, "workload": t.workload.name, "nodes": t.nodes, "method": t.method.name, "stage": t.stage,
            "lr": lr, "seed": t.seed, "args": args, "cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
-           "data": what[-1], "status": "ok" if rc == 0 else "failed",
+           # the 1-minute load before and after: a CPU-time figure from a crowded machine is inflated
+           "load": [None if x is None else round(x, 2) for x in (load0, load1)], "data": what[-1], "status": "ok" if rc == 0 else "failed",
            "error": None if rc == 0 else (err.strip().splitlines() or ["?"])[-1]}
     if rc == 0:
         try:
@@ -440,10 +454,10 @@ def run(spec: Spec, out: Path, *, jobs: int = 1, log=print, stop_after: float | 
     interrupted run leaves whole methods. With ``stop_after`` (seconds), no trial
     starts after that time; on SIGTERM the running trials are abandoned. Either way
     what finished is kept and a re-run goes on from there.
-    Returns {"ran": k, "skipped": k, "failed": k, "left": k}."""
+    Returns {"ran": k, "skipped": k, "failed": k, "left": k, "stopped": whether SIGTERM stopped it}."""
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    counts = {"ran": 0, "skipped": 0, "failed": 0, "left": 0}
+    counts = {"ran": 0, "skipped": 0, "failed": 0, "left": 0, "stopped": False}
     todo: list[Trial] = []
     for t in plan(spec, workloads=workloads, nodes=nodes, methods=methods):
         if t.stage == "tune" and _finished(t.run_dir(out), t.workload.metric,
@@ -530,18 +544,20 @@ def run(spec: Spec, out: Path, *, jobs: int = 1, log=print, stop_after: float | 
                         t, lr = futs.pop(f)
                         note(t, lr, f.result())
             except (_Stop, KeyboardInterrupt, cf.process.BrokenProcessPool):
-                log(f"benchmark: stopped with {len(futs)} trials running; what finished is kept", flush=True)
+                log(f"benchmark: stopped with {len(futs)} trials running (run again next time); what finished "
+                    "is kept", flush=True)
                 for proc in list(getattr(pool, "_processes", {}).values()):
-                    proc.terminate()
+                    proc.kill()  # abandoned: their run directories hold no record, so they run again
                 pool.shutdown(wait=False, cancel_futures=True)
+                counts["left"] += len(futs)
                 raise _Stop() from None
             pool.shutdown(wait=True)
     except _Stop:
-        pass
+        counts["stopped"] = True
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)
-    counts["left"] = len(todo)
+    counts["left"] += len(todo)
     return counts
 
 
@@ -869,8 +885,46 @@ def _workload_lines(res: dict) -> list[str]:
     return lines
 
 
-def report(res: dict, md: Path, fig_dir: Path, title: str | None = None) -> str:
-    """The Markdown page: protocol, verdict table, per-method tables, figures, provenance."""
+def cost_table(res: dict) -> str:
+    """Measured cost per workload and node count: trials, CPU seconds per trial (tuning
+    and final apart), the 1-minute load the trials ran under."""
+    trials = res.get("trials") or []
+    if not trials:
+        return ""
+    groups: dict[tuple[str, int], dict[str, list]] = {}
+    for r in trials:
+        g = groups.setdefault((r["workload"], r["nodes"]), {"tune": [], "final": [], "load": []})
+        g[r["stage"]].append(r.get("cpu_s", 0.0))
+        g["load"] += [x for x in r.get("load") or [] if x is not None]
+    rows = ["| workload | nodes | trials | CPU s per tuning trial | CPU s per final trial | CPU minutes | "
+            "1-min load during |", "|---|---|---|---|---|---|---|"]
+    for (w, n), g in groups.items():
+        mean = lambda xs: f"{sum(xs) / len(xs):.0f}" if xs else "-"  # noqa: E731
+        load = f"{min(g['load']):.1f} to {max(g['load']):.1f}" if g["load"] else "not recorded"
+        rows.append(f"| {w} | {n} | {len(g['tune']) + len(g['final'])} | {mean(g['tune'])} | {mean(g['final'])} | "
+                    f"{(sum(g['tune']) + sum(g['final'])) / 60:.1f} | {load} |")
+    return "\n".join(rows)
+
+
+def estimate_section(spec: Spec, measured: dict, prov: dict, source: str, jobs: int = 14) -> str:
+    """What the whole of ``spec`` would cost, from the trials measured in a results file."""
+    planned = plan(spec)
+    est = estimate(spec, measured.get("trials", []), planned)
+    m = prov.get("machine", {})
+    lines = [f"Estimated from the CPU time per epoch of the trials in `{source}` (made "
+             f"{str(prov.get('date', '?'))[:10]} on {m.get('cores', '?')} cores of {m.get('cpu', '?')}; a node count "
+             "not measured scales from the nearest measured one in proportion to the nodes):", "",
+             "| part of the spec | trials | CPU minutes | minutes on " + str(jobs) + " cores |", "|---|---|---|---|"]
+    for g, v in est["groups"].items():
+        lines.append(f"| {g} | {v['trials']} | {v['cpu_s'] / 60:.0f} | {v['cpu_s'] / 60 / jobs:.1f} |")
+    lines.append(f"| **all of `{spec.source}`** | {len(planned)} | {est['cpu_s'] / 60:.0f} | "
+                 f"{est['cpu_s'] / 60 / jobs:.1f} |")
+    return "\n".join(lines)
+
+
+def report(res: dict, md: Path, fig_dir: Path, title: str | None = None, extra: str = "") -> str:
+    """The Markdown page: protocol, verdict table, per-method tables, cost, figures,
+    provenance; ``extra`` (Markdown) goes before the figures."""
     fig_dir.mkdir(parents=True, exist_ok=True)
     figs = plots(res, fig_dir, md.stem)
     p = res.get("provenance", {})
@@ -929,6 +983,12 @@ def report(res: dict, md: Path, fig_dir: Path, title: str | None = None) -> str:
         "",
         method_tables(res),
     ]
+    cost = cost_table(res)
+    if cost:
+        lines += ["## Cost", "", "CPU time of the trials as measured (each trial single-threaded; "
+                  "a figure taken under a load above the machine's cores is inflated):", "", cost, ""]
+    if extra:
+        lines += [extra, ""]
     if figs:
         lines += ["## Figures", ""]
         rel = os.path.relpath(fig_dir, md.parent)
@@ -962,6 +1022,42 @@ def estimate(spec: Spec, trials: Sequence[dict], planned: Sequence[Trial]) -> di
         g["cpu_s"] += cpu
         out["cpu_s"] += cpu
     return out
+
+
+#: the page's section on running the benchmark (``report --running``)
+RUNNING = """## Running it
+
+```
+python experiments/benchmark.py plan --spec experiments/benchmark.toml            # the trials, one a line
+python experiments/benchmark.py run --spec experiments/benchmark.toml --out runs/bench --jobs 2
+python experiments/benchmark.py report --results runs/bench/benchmark.json --md docs/benchmark.md
+make results-tables                                   # the README's verdict table, from the results file
+```
+
+- **Resumable.** A trial whose run directory holds its record (`trial.json`, with the trial's
+  figures) is never redone; an interrupted `run` goes on where it stopped, and widening the spec
+  (a seed, a method) runs only what is new. A record counts only if it ran the arguments the
+  spec now asks for (a changed horizon or recipe runs the trial again).
+- **In parts, on other machines.** `--workloads`, `--nodes` and `--methods` keep a part of the spec
+  (each kept method still gets its whole grid and every seed: the protocol is the same). The
+  results file (`--results`, default `OUT/benchmark.json`) holds every finished trial's figures
+  and is all that `report` needs. `--resume FILE` (repeatable) takes the trials of an earlier
+  session's results file as finished, so a session on another machine continues from the file
+  alone, and the report names every session. `--stop-after SECONDS` starts no trial after that
+  time; SIGTERM (a `timeout` running out) abandons the running trials, which are run again next
+  time, and the results file is still written:
+
+  ```
+  timeout -k 30 480 python experiments/benchmark.py run --spec experiments/benchmark.toml \\
+      --out runs/bench --nodes 4 --jobs 14 --stop-after 390 --results results/benchmark.json \\
+      --resume experiments/results/benchmark.json
+  ```
+- **Cost.** `plan --estimate RESULTS --jobs N` estimates the CPU time of (a part of) the spec from
+  the trials measured in a results file; the table below is that estimate for the whole spec.
+- **Selection needs the tuning.** A method's final runs start as soon as its own tuning has
+  finished, so with `--jobs` the methods complete one after another and a cut run leaves whole
+  methods; the report lists only methods whose tuning has all run, and ranks a method at a link
+  only if every seed of the protocol reached the target."""
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -1051,6 +1147,9 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--md", default="docs/benchmark.md")
     rp.add_argument("--figures", default=None, help="folder of the figures (default: beside --md)")
     rp.add_argument("--title", default=None, help="the page's title")
+    rp.add_argument("--estimate", nargs=2, default=None, metavar=("SPEC", "RESULTS"),
+                    help="add what the whole of SPEC would cost, from the trials measured in RESULTS")
+    rp.add_argument("--running", action="store_true", help="add the section on running the benchmark")
     a = p.parse_args(argv)
     try:
         if a.cmd == "plan":
@@ -1081,7 +1180,10 @@ def main(argv: list[str] | None = None) -> int:
             res = _write_results(spec, out, path, record, sessions, counts)
             cov = res["coverage"]
             print(f"benchmark: {counts['ran']} ran ({counts['failed']} failed), {counts['skipped']} already "
-                  f"finished; {cov['finished']} of {cov['planned']} planned trials done; results in {path}")
+                  f"finished; {cov['finished']} of {cov['planned']} planned trials done; results in {path}", flush=True)
+            if counts["stopped"]:  # SIGTERM: leave now, abandoned workers and their threads included
+                sys.stderr.flush()
+                os._exit(128 + 15)
             return 0
         if a.cmd == "collect":
             spec = load_spec(a.spec)
@@ -1108,7 +1210,12 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecError(f"--results {path}: not a benchmark results file (no 'workloads' and 'protocol')")
         res = {**results, "provenance": prov}
         md = Path(a.md)
-        report(res, md, Path(a.figures) if a.figures else md.parent, title=a.title)
+        extra = RUNNING if a.running else ""
+        if a.estimate:
+            measured, mprov = _read_results(Path(a.estimate[1]))
+            extra += "\n\n### What the whole spec costs\n\n" + estimate_section(
+                load_spec(a.estimate[0]), measured, mprov, a.estimate[1])
+        report(res, md, Path(a.figures) if a.figures else md.parent, title=a.title, extra=extra.strip())
         print(f"benchmark: report in {md}")
         return 0
     except (SpecError, crossover.CrossoverError) as e:

@@ -275,7 +275,8 @@ def _benchmark_verdict(res: dict) -> str:
     cov = res.get("coverage")
     head = (f"Each method tuned on the same budget ({len(proto['lr_factors'])} learning rates, selection on a "
             f"validation carve), then {len(proto['seeds'])} seeds; {len(spec.get('methods', {})) or '?'} methods; "
-            f"{wls}" + (f"; {cov['finished']} of {cov['planned']} planned trials finished" if cov else "") + ".")
+            f"{wls}" + (f"; {cov['finished']} of {cov['planned']} planned trials finished, {cov['cpu_s'] / 60:.0f} CPU "
+                           f"minutes" if cov else "") + ".")
     return head + "\n\n" + leaderboard.verdict_table(res)
 
 

@@ -1093,6 +1093,22 @@ class _Kept:
         return self.prov
 
 
+def stamp(prov: dict, commit: str) -> dict:
+    """Fill in the commit and the sources' ids of a provenance record made on a machine
+    without a git checkout (a copy of the tree), from this checkout's git at ``commit``;
+    the record says it was stamped. Refused for a record that has a commit."""
+    if prov.get("commit"):
+        raise SpecError(f"stamp: the results already record commit {prov['commit'][:10]}; nothing to fill in")
+    full = _provenance._git("rev-parse", "--verify", f"{commit}^{{commit}}")
+    if full is None:
+        raise SpecError(f"stamp: --commit {commit!r} is not a commit of this checkout")
+    ids = _provenance.source_ids(prov.get("sources") or SOURCES, rev=full)
+    prov.update(commit=full, dirty=None, source_ids=ids,
+                stamped="commit and source ids filled in afterwards with `experiments/benchmark.py stamp`: the "
+                        "machine that ran it had a copy of the tree at that commit and no git checkout")
+    return prov
+
+
 def _read_results(path: Path) -> tuple[dict, dict]:
     try:
         return _provenance.read(path)
@@ -1140,6 +1156,9 @@ def main(argv: list[str] | None = None) -> int:
     co.add_argument("--provenance-of", default=None, metavar="RESULTS",
                     help="keep the provenance record of this earlier results file made from the same run "
                          "directories (converting it to this layout), instead of recording this command")
+    st = sub.add_parser("stamp", help="fill in the commit of a results file made where there was no git checkout")
+    st.add_argument("--results", required=True)
+    st.add_argument("--commit", required=True, help="the commit the run's tree was (its sources' ids are read here)")
     rp = sub.add_parser("report", help="write the Markdown page and figures from a results file")
     src = rp.add_mutually_exclusive_group(required=True)
     src.add_argument("--results", help="the results file (its trials and analysis; no run directory needed)")
@@ -1184,6 +1203,13 @@ def main(argv: list[str] | None = None) -> int:
             if counts["stopped"]:  # SIGTERM: leave now, abandoned workers and their threads included
                 sys.stderr.flush()
                 os._exit(128 + 15)
+            return 0
+        if a.cmd == "stamp":
+            path = Path(a.results)
+            results, prov = _read_results(path)
+            stamp(prov, a.commit)
+            _provenance.write(path, results, _Kept(prov))
+            print(f"benchmark: {path} stamped with commit {prov['commit'][:10]}")
             return 0
         if a.cmd == "collect":
             spec = load_spec(a.spec)

@@ -265,3 +265,20 @@ def test_the_readme_verdict_table_is_rendered_from_the_results(bench):
     cell = rows[0].split(" | ")[3]
     assert cell.startswith(f"**{v['winner']}**") if v["winner"] else cell == "none reached it"
     assert leaderboard.fmt_metric("test_bpb", 2.5) == "2.500 bpb" and leaderboard.fmt_metric("test_acc", 0.9) == "90.00%"
+
+
+def test_a_run_made_without_git_is_stamped_with_its_commit(bench, tmp_path, capsys):
+    """Run on a copy of the tree (no git checkout there), the results record no commit;
+    ``stamp`` fills it and the sources' ids in from this checkout, once."""
+    from experiments import _provenance as P
+
+    _, out, _ = bench
+    whole = json.loads((out / "benchmark.json").read_text())
+    whole["provenance"].update(commit=None, dirty=None, source_ids={s: None for s in benchmark.SOURCES})
+    (tmp_path / "r.json").write_text(json.dumps(whole))
+    head = P.git_commit()[0]
+    assert benchmark.main(["stamp", "--results", str(tmp_path / "r.json"), "--commit", "HEAD"]) == 0
+    prov = json.loads((tmp_path / "r.json").read_text())["provenance"]
+    assert prov["commit"] == head and prov["source_ids"] == P.source_ids(benchmark.SOURCES) and "stamped" in prov
+    assert benchmark.main(["stamp", "--results", str(tmp_path / "r.json"), "--commit", "HEAD"]) == 2
+    assert "stamp: the results already record commit" in capsys.readouterr().err

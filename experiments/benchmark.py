@@ -621,6 +621,9 @@ def collect(spec: Spec, out: Path) -> list[dict]:
         rec = _finished(t.run_dir(out), t.workload.metric, _train_args(t, lr, t.run_dir(out), spec.device))
         if rec is not None:
             rec = {k: v for k, v in rec.items() if k != "imported_from"}
+            # where it wrote is this machine's business, not the trial's (the key names the trial)
+            args = rec.get("args", [])
+            rec["args"] = [a for i, a in enumerate(args) if a != "--out" and (i == 0 or args[i - 1] != "--out")]
             recs.append({**rec, "key": t.key})
     return recs
 
@@ -911,9 +914,15 @@ def estimate_section(spec: Spec, measured: dict, prov: dict, source: str, jobs: 
     planned = plan(spec)
     est = estimate(spec, measured.get("trials", []), planned)
     m = prov.get("machine", {})
-    lines = [f"Estimated from the CPU time per epoch of the trials in `{source}` (made "
-             f"{str(prov.get('date', '?'))[:10]} on {m.get('cores', '?')} cores of {m.get('cpu', '?')}; a node count "
-             "not measured scales from the nearest measured one in proportion to the nodes):", "",
+    loads = sorted(x for r in measured.get("trials", []) for x in (r.get("load") or []) if x is not None)
+    at_end = [x[0] for x in (prov.get("load_before"), prov.get("load_after")) if x]
+    load = (f"the trials ran at a 1-minute load of {loads[0]:.1f} to {loads[-1]:.1f}" if loads else
+            f"the trials' own load was not recorded, the 1-minute load was {max(at_end):.1f} when the file was "
+            "written" if at_end else "load not recorded")
+    lines = [f"Estimated from the CPU time per epoch of the trials in `{source}` (collected "
+             f"{str(prov.get('date', '?'))[:10]} on {m.get('cores', '?')} cores of {m.get('cpu', '?')}, {load}: "
+             "CPU seconds taken on a crowded machine are inflated, so this errs high; a node count not measured "
+             "scales from the nearest measured one in proportion to the nodes):", "",
              "| part of the spec | trials | CPU minutes | minutes on " + str(jobs) + " cores |", "|---|---|---|---|"]
     for g, v in est["groups"].items():
         lines.append(f"| {g} | {v['trials']} | {v['cpu_s'] / 60:.0f} | {v['cpu_s'] / 60 / jobs:.1f} |")

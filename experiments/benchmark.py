@@ -705,6 +705,15 @@ def analyse(spec: Spec, trials: Sequence[dict]) -> dict:
                           "text_eval_bytes": bench_data.TEXT_EVAL_BYTES, "device": spec.device,
                           "selection": "best validation metric at the end of tune_epochs; ties to the smaller lr"}
     result["links"] = [f"{b}@{lat}" for b, _, lat, _ in links]
+    # every trial of one data set must have evaluated on the same split: sessions resumed on
+    # machines whose default text corpus differs (another Python) would otherwise mix data
+    digests: dict[str, set] = {}
+    for r in trials:
+        if r.get("data"):
+            digests.setdefault(r["data"]["name"], set()).add(r["data"]["eval_digest"])
+    result["warnings"] = [f"the trials of {name} evaluated on {len(d)} different data sets (sessions on machines "
+                          "with different data, e.g. another Python's standard library as the text corpus): "
+                          "their figures do not compare" for name, d in digests.items() if len(d) > 1]
     planned = plan(spec)
     result["coverage"] = {"planned": len(planned), "finished": len(trials),
                           "cpu_s": round(sum(r.get("cpu_s", 0.0) for r in trials), 1)}
@@ -957,6 +966,7 @@ def report(res: dict, md: Path, fig_dir: Path, title: str | None = None, extra: 
            if p.get("converted") else ""),
         "",
     ]
+    lines += [f"**Warning**: {w}." for w in res.get("warnings") or []] + ([""] if res.get("warnings") else [])
     if cov:
         lines += [f"Trials finished: {cov['finished']} of the {cov['planned']} the spec plans, "
                   f"{cov['cpu_s'] / 60:.0f} CPU minutes in all."
@@ -1207,8 +1217,12 @@ def main(argv: list[str] | None = None) -> int:
             counts = run(spec, out, jobs=max(1, a.jobs), stop_after=a.stop_after, **filters)
             res = _write_results(spec, out, path, record, sessions, counts)
             cov = res["coverage"]
+            part = {t.key for t in plan(spec, **filters)}
+            done = sum(r["key"] in part for r in res["trials"])
             print(f"benchmark: {counts['ran']} ran ({counts['failed']} failed), {counts['skipped']} already "
-                  f"finished; {cov['finished']} of {cov['planned']} planned trials done; results in {path}", flush=True)
+                  f"finished; {cov['finished']} of {cov['planned']} planned trials done"
+                  + (f" ({done} of the {len(part)} asked for)" if len(part) < cov["planned"] else "")
+                  + f"; results in {path}", flush=True)
             if counts["stopped"]:  # SIGTERM: leave now, abandoned workers and their threads included
                 sys.stderr.flush()
                 os._exit(128 + 15)

@@ -282,3 +282,17 @@ def test_a_run_made_without_git_is_stamped_with_its_commit(bench, tmp_path, caps
     assert prov["commit"] == head and prov["source_ids"] == P.source_ids(benchmark.SOURCES) and "stamped" in prov
     assert benchmark.main(["stamp", "--results", str(tmp_path / "r.json"), "--commit", "HEAD"]) == 2
     assert "stamp: the results already record commit" in capsys.readouterr().err
+
+
+def test_trials_on_different_data_are_flagged(lm_bench):
+    """Resumed sessions whose machines served different data (another Python's standard
+    library as the text corpus) do not compare: the results say so."""
+    tmp, _ = lm_bench
+    whole = json.loads((tmp / "results.json").read_text())
+    trials = whole["results"]["trials"]
+    assert benchmark.analyse(benchmark.load_spec(tmp / "spec.toml"), trials)["warnings"] == []
+    odd = [dict(trials[0], data=dict(trials[0]["data"], eval_digest="0" * 16)), *trials[1:]]  # one tuning trial
+    warn = benchmark.analyse(benchmark.load_spec(tmp / "spec.toml"), odd)["warnings"]
+    assert warn == ["the trials of synthtext_n96_c16_val evaluated on 2 different data sets (sessions on machines "
+                    "with different data, e.g. another Python's standard library as the text corpus): their figures "
+                    "do not compare"]

@@ -44,10 +44,20 @@ _MARK = re.compile(r"(<!-- results:([\w.-]+) -->\n)(.*?)(<!-- /results:\2 -->)",
 
 @dataclass(frozen=True)
 class Table:
-    """A rendered table: the results file it reads and how its figures become Markdown."""
+    """A rendered table: the results file it reads and how its figures become Markdown.
+    ``fallback``: the file read while ``results`` does not exist yet (a pilot's, until
+    the full run's results are committed)."""
 
     results: str
     render: Callable[[Any], str]
+    fallback: str | None = None
+
+    @property
+    def path(self) -> str:
+        """The results file this table reads now."""
+        if self.fallback is not None and not (REPO / self.results).exists():
+            return self.fallback
+        return self.results
 
 
 def _f(v: Any, nd: int = 4) -> str:
@@ -254,6 +264,22 @@ def _tang2018(res: dict) -> str:
     return _md(["data", "run", "status", "final test accuracy", "final training loss"], body)
 
 
+def _benchmark_verdict(res: dict) -> str:
+    """The benchmark's verdicts (gossip.leaderboard), headed by what was run."""
+    from gossip import leaderboard
+
+    proto = res["protocol"]
+    spec = res.get("spec") or {}
+    wls = "; ".join(f"{name}: {w['model']} on {w['data']}, nodes {', '.join(w['nodes']) or '-'}"
+                    for name, w in res["workloads"].items())
+    cov = res.get("coverage")
+    head = (f"Each method tuned on the same budget ({len(proto['lr_factors'])} learning rates, selection on a "
+            f"validation carve), then {len(proto['seeds'])} seeds; {len(spec.get('methods', {})) or '?'} methods; "
+            f"{wls}" + (f"; {cov['finished']} of {cov['planned']} planned trials finished, {cov['cpu_s'] / 60:.0f} CPU "
+                           f"minutes" if cov else "") + ".")
+    return head + "\n\n" + leaderboard.verdict_table(res)
+
+
 TABLES: dict[str, Table] = {
     "low_precision": Table(f"{RESULTS}/low_precision.json", _low_precision),
     "bench_step": Table(f"{RESULTS}/bench_step.json", _bench_step),
@@ -268,6 +294,8 @@ TABLES: dict[str, Table] = {
     "gpu_summary": Table(f"{RESULTS}/gpu_check.json", _gpu_summary),
     "gpu_compress_speed": Table(f"{RESULTS}/gpu_check.json", _gpu_speed),
     "gpu_bytes": Table(f"{RESULTS}/gpu_check.json", _gpu_bytes),
+    # the full benchmark's verdicts; the 4-node pilot's until its results are committed
+    "benchmark_verdict": Table(f"{RESULTS}/benchmark.json", _benchmark_verdict, fallback=f"{RESULTS}/benchmark-pilot.json"),
 }
 
 
@@ -304,8 +332,8 @@ def provenance_line(path: str, prov: dict[str, Any]) -> str:
 
 def render_table(name: str) -> str:
     t = TABLES[name]
-    results, prov = P.read(REPO / t.results)
-    return t.render(results) + "\n\n" + provenance_line(t.results, prov) + "\n"
+    results, prov = P.read(REPO / t.path)
+    return t.render(results) + "\n\n" + provenance_line(t.path, prov) + "\n"
 
 
 # ----------------------------------------------------------------------------- files

@@ -7,6 +7,8 @@ the nearest benchmarked link and node count (in log scale; latency 0 counts as 0
 ranks the methods that reached the target with every seed by their mean time there,
 and says how far the user's model size is from the benchmarked model's. The crossover
 tool prints it next to its own model of the step (``--benchmark FILE``).
+:func:`verdict_table` is the README's summary of the same file: per workload, node count
+and bandwidth, the fastest method at each latency and its margin over the second.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from gossip.crossover import fmt_rate, parse_rate, parse_time
 
-__all__ = ["LeaderboardError", "load", "answer", "render"]
+__all__ = ["LeaderboardError", "load", "answer", "render", "fmt_metric", "verdict_table"]
 
 
 class LeaderboardError(ValueError):
@@ -104,3 +106,47 @@ def render(ans: list[dict[str, Any]], bandwidth: float, latency: float, nodes: i
             lines.append(f"    {i}. {m['method']} ({m['wire']}): {t['mean']:.3g} s{ci}")
         lines.append(f"    ({a['reached']} of {a['ranked_of']} methods reached it with every seed)")
     return "\n".join(lines)
+
+
+def fmt_metric(metric: str, x: float | None) -> str:
+    """A workload's metric as the reports print it: accuracy in %, bits per byte, loss."""
+    if x is None:
+        return "-"
+    if "acc" in metric:
+        return f"{x:.2%}"
+    return f"{x:.3f} bpb" if metric.endswith("bpb") else f"{x:.4g}"
+
+
+def _fmt_s(x: float) -> str:
+    return f"{x:.3g} s" if x < 1000 else f"{x:.0f} s"
+
+
+def verdict_table(res: dict[str, Any]) -> str:
+    """The verdicts of a benchmark's results as a compact Markdown table: one row per
+    workload, node count and bandwidth, one column per latency; a cell names the
+    fastest method to the target, its mean time and its margin over the second, marked
+    \u2713 where the lead is beyond both 95 % intervals."""
+    bws: list[str] = []
+    lats: list[str] = []
+    for key in res["links"]:
+        b, _, lat = key.partition("@")
+        bws += [b] if b not in bws else []
+        lats += [lat] if lat not in lats else []
+    head = ["workload (target)", "nodes", "bandwidth", *[f"latency {lat}" for lat in lats]]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for wname, w in res["workloads"].items():
+        target = f"{wname} ({fmt_metric(w['metric'], w['target'])})"
+        for n, nd in w["nodes"].items():
+            for b in bws:
+                cells = []
+                for lat in lats:
+                    v = nd["verdicts"].get(f"{b}@{lat}") or {"winner": None}
+                    if v["winner"] is None:
+                        cells.append("none reached it")
+                        continue
+                    cell = f"**{v['winner']}** {_fmt_s(v['time_s'])}"
+                    if v.get("second"):
+                        cell += f", {_fmt_s(v['margin_s'])} before {v['second']}" + (" \u2713" if v["separated"] else "")
+                    cells.append(cell)
+                rows.append("| " + " | ".join([target, str(n), b, *cells]) + " |")
+    return "\n".join(rows)

@@ -15,6 +15,8 @@ sys.path.insert(0, str(REPO / "experiments"))
 import bench_data  # noqa: E402
 import benchmark  # noqa: E402
 
+from gossip import textdata  # noqa: E402
+
 SPEC = """
 seeds = [0]
 lr_factors = [0.5, 1.0]
@@ -133,3 +135,164 @@ def test_crossover_answers_from_the_benchmark(bench, capsys):
     assert rc == 0 and "nearest benchmarked point (1gbit@0, 2 nodes)" in text and "1. " in text
     assert crossover.main(["--benchmark", str(out / "missing.json"), "--benchmark-only"]) == 2
     assert capsys.readouterr().err.strip().endswith("cannot read it (No such file or directory)")
+
+
+# ----------------------------------------------------------------------------- the language-model workload
+LM_SPEC = """
+seeds = [0]
+lr_factors = [0.5, 1.0]
+[workloads.tinygpt]
+data = "synthtext"
+context = 16
+model = "gpt"
+samples_per_node = 48
+epochs = 2
+tune_epochs = 1
+batch_size = 8
+target = 6.0
+recipe = ["--model-opt", "layers=1", "--model-opt", "width=16", "--model-opt", "heads=2"]
+nodes = [2]
+[methods.allreduce]
+flags = ["--algo", "allreduce"]
+lr = 0.01
+[links]
+bandwidth = ["10mbit"]
+latency = ["0"]
+"""
+
+
+@pytest.fixture(scope="module")
+def lm_bench(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lmbench")
+    (tmp / "spec.toml").write_text(LM_SPEC)
+    bench_data.SERVED.clear()
+    assert benchmark.main(["run", "--spec", str(tmp / "spec.toml"), "--out", str(tmp / "out"),
+                           "--results", str(tmp / "results.json")]) == 0
+    return tmp, list(bench_data.SERVED)
+
+
+def test_the_lm_workload_is_tuned_on_held_out_text_and_judged_lower_is_better(lm_bench):
+    tmp, served = lm_bench
+    whole = json.loads((tmp / "results.json").read_text())
+    res = whole["results"]
+    w = res["workloads"]["tinygpt"]
+    assert w["metric"] == "test_bpb" and w["higher_is_better"] is False and w["task"] == "lm"
+    m = w["nodes"]["2"]["methods"]["allreduce"]
+    scores = {s["lr"]: s["validation"] for s in m["tuning"]}
+    assert set(scores) == {0.005, 0.01} and m["lr"] == min(scores, key=scores.get)  # the lower bpb wins
+    assert m["final"]["mean"] == res["trials"][-1]["result"]["final"]["final_test_bpb"]
+    # the validation block is the training text's tail, before the test tail; tuning never sees the test split
+    text, _ = bench_data._corpus("synthtext")
+    n = bench_data.TEXT_EVAL_BYTES
+    val = bench_data.build("synthtext", 96, "val", 16)
+    test = bench_data.build("synthtext", 96, "test", 16)
+    assert bytes(test.x_test[0].tolist()) == text[-n:][:16] and bytes(val.x_test[0].tolist()) == text[-2 * n:-n][:16]
+    head = textdata.windows(text[:-2 * n], 16)[0]  # every tuning window starts before the held-out blocks
+    rows = {bytes(r.tolist()) for r in head}
+    assert all(bytes(x.tolist()) in rows for x in val.x_train) and len(val.x_train) == 96
+    tune = {s["eval_digest"] for s in served if s["role"] == "val"}
+    final = {s["eval_digest"] for s in served if s["role"] == "test"}
+    assert tune == {bench_data.digest(val.x_test, val.y_test)} and final == {bench_data.digest(test.x_test, test.y_test)}
+    assert all(s["num_train"] == 96 for s in served)  # the same windows per node whatever the role
+    md = benchmark.report({**res, "provenance": whole["provenance"]}, tmp / "b.md", tmp)
+    assert "target 6.000 bpb test_bpb, lower is better" in md and "| tinygpt | 2 | 10mbit@0 |" in md
+
+
+def test_the_results_file_stands_alone_and_resumes_a_session(lm_bench, capsys):
+    """The report needs no run directory; a run given the results file of an earlier
+    session (as the device machine's files come back) redoes nothing."""
+    tmp, _ = lm_bench
+    capsys.readouterr()
+    other = tmp / "elsewhere"
+    assert benchmark.main(["run", "--spec", str(tmp / "spec.toml"), "--out", str(other), "--resume",
+                           str(tmp / "results.json"), "--results", str(tmp / "again.json")]) == 0
+    out = capsys.readouterr().out
+    assert "3 finished trials taken from" in out and "0 ran (0 failed), 3 already finished" in out
+    assert not list(other.rglob("summary.json"))  # nothing was trained
+    first, again = (json.loads((tmp / f).read_text()) for f in ("results.json", "again.json"))
+    assert again["results"]["workloads"] == first["results"]["workloads"]
+    assert again["results"]["sessions"] == [first["provenance"]]
+    assert benchmark.main(["report", "--results", str(tmp / "again.json"), "--md", str(tmp / "r" / "x.md")]) == 0
+    assert "resumed 1 earlier session(s)" in (tmp / "r" / "x.md").read_text()
+    assert (tmp / "r" / "x-tinygpt-n2.png").stat().st_size > 0
+    # a budget: --stop-after 0 starts nothing, and the file still says what is done
+    assert benchmark.main(["run", "--spec", str(tmp / "spec.toml"), "--out", str(tmp / "fresh"),
+                           "--stop-after", "0", "--results", str(tmp / "none.json")]) == 0
+    assert "0 ran (0 failed), 0 already finished; 0 of 3 planned trials done" in capsys.readouterr().out
+    assert benchmark.main(["plan", "--spec", str(tmp / "spec.toml"), "--estimate", str(tmp / "results.json"),
+                           "--jobs", "2"]) == 0
+    assert "tinygpt n=2: 3 trials" in capsys.readouterr().out
+
+
+def test_bad_lm_specs_and_resume_files_are_one_line(tmp_path, capsys):
+    cases = [(LM_SPEC.replace("context = 16\n", ""), "benchmark: workloads.tinygpt.context = None: a text workload "
+                                                      "needs a positive integer context"),
+             (LM_SPEC.replace('target = 6.0', 'target = 6.0\nmetric = "test_acc"'),
+              "benchmark: workloads.tinygpt.metric = 'test_acc': a lm workload is judged on one of test_bpb, test_loss"),
+             (SPEC.replace("nodes = [2]", "nodes = [2]\ncontext = 8"),
+              "benchmark: workloads.blobs.context = 8: only the text data text, synthtext take a context")]
+    for text, want in cases:
+        (tmp_path / "s.toml").write_text(text)
+        assert benchmark.main(["plan", "--spec", str(tmp_path / "s.toml")]) == 2
+        assert capsys.readouterr().err.strip() == want
+    (tmp_path / "s.toml").write_text(LM_SPEC)
+    (tmp_path / "r.json").write_text('{"provenance": {}, "results": {"workloads": {}}}')
+    assert benchmark.main(["run", "--spec", str(tmp_path / "s.toml"), "--out", str(tmp_path / "o"),
+                           "--resume", str(tmp_path / "r.json")]) == 2
+    assert "not a benchmark results file with its trials (no 'trials' list)" in capsys.readouterr().err
+    assert benchmark.main(["run", "--spec", str(tmp_path / "s.toml"), "--out", str(tmp_path / "o"),
+                           "--nodes", "3"]) == 2
+    assert capsys.readouterr().err.strip() == "benchmark: --nodes 3: not in the spec; it has 2"
+
+
+def test_the_readme_verdict_table_is_rendered_from_the_results(bench):
+    """experiments/render.py's benchmark_verdict: the full results once committed, the
+    pilot's until then; one row per workload, node count and bandwidth."""
+    from experiments import render
+    from gossip import leaderboard
+
+    _, out, _ = bench
+    t = render.TABLES["benchmark_verdict"]
+    assert t.path == (t.results if (render.REPO / t.results).exists() else t.fallback)
+    assert "README.md" in render.used_tables()["benchmark_verdict"]
+    res = json.loads((out / "benchmark.json").read_text())["results"]
+    table = render._benchmark_verdict(res)
+    assert table.startswith("Each method tuned on the same budget (2 learning rates, selection on a validation "
+                            "carve), then 1 seeds; 2 methods; blobs: mlp on synthetic, nodes 2")
+    rows = [r for r in table.splitlines() if r.startswith("| blobs")]
+    assert [r.split(" | ")[2] for r in rows] == ["10mbit", "1gbit"]
+    v = res["workloads"]["blobs"]["nodes"]["2"]["verdicts"]["10mbit@0"]
+    cell = rows[0].split(" | ")[3]
+    assert cell.startswith(f"**{v['winner']}**") if v["winner"] else cell == "none reached it"
+    assert leaderboard.fmt_metric("test_bpb", 2.5) == "2.500 bpb" and leaderboard.fmt_metric("test_acc", 0.9) == "90.00%"
+
+
+def test_a_run_made_without_git_is_stamped_with_its_commit(bench, tmp_path, capsys):
+    """Run on a copy of the tree (no git checkout there), the results record no commit;
+    ``stamp`` fills it and the sources' ids in from this checkout, once."""
+    from experiments import _provenance as P
+
+    _, out, _ = bench
+    whole = json.loads((out / "benchmark.json").read_text())
+    whole["provenance"].update(commit=None, dirty=None, source_ids={s: None for s in benchmark.SOURCES})
+    (tmp_path / "r.json").write_text(json.dumps(whole))
+    head = P.git_commit()[0]
+    assert benchmark.main(["stamp", "--results", str(tmp_path / "r.json"), "--commit", "HEAD"]) == 0
+    prov = json.loads((tmp_path / "r.json").read_text())["provenance"]
+    assert prov["commit"] == head and prov["source_ids"] == P.source_ids(benchmark.SOURCES) and "stamped" in prov
+    assert benchmark.main(["stamp", "--results", str(tmp_path / "r.json"), "--commit", "HEAD"]) == 2
+    assert "stamp: the results already record commit" in capsys.readouterr().err
+
+
+def test_trials_on_different_data_are_flagged(lm_bench):
+    """Resumed sessions whose machines served different data (another Python's standard
+    library as the text corpus) do not compare: the results say so."""
+    tmp, _ = lm_bench
+    whole = json.loads((tmp / "results.json").read_text())
+    trials = whole["results"]["trials"]
+    assert benchmark.analyse(benchmark.load_spec(tmp / "spec.toml"), trials)["warnings"] == []
+    odd = [dict(trials[0], data=dict(trials[0]["data"], eval_digest="0" * 16)), *trials[1:]]  # one tuning trial
+    warn = benchmark.analyse(benchmark.load_spec(tmp / "spec.toml"), odd)["warnings"]
+    assert warn == ["the trials of synthtext_n96_c16_val evaluated on 2 different data sets (sessions on machines "
+                    "with different data, e.g. another Python's standard library as the text corpus): their figures "
+                    "do not compare"]

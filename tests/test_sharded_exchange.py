@@ -318,11 +318,21 @@ def test_sharded_accuracy_smoke(tmp_path, capsys):
         import sharded_accuracy
     finally:
         sys.path.pop(0)
+    res = tmp_path / "res.json"
     assert sharded_accuracy.main(["--nodes", "2", "--epochs", "1", "--max-steps", "1", "--data", "synthetic",
-                                  "--methods", "signum", "--out", str(tmp_path)]) == 0
-    rows = __import__("json").loads((tmp_path / "results.json").read_text())["rows"]
-    assert [(r["method"], r["exchange"]) for r in rows] == [("signum", "sharded"), ("signum", "allgather")]
+                                  "--methods", "allreduce,signum", "--out", str(tmp_path), "--json", str(res)]) == 0
+    from experiments import _provenance, render
+
+    results, prov = _provenance.read(res)
+    assert "python experiments/sharded_accuracy.py --nodes 2" in prov["command"]
+    assert prov["sources"] == sharded_accuracy.SOURCES and prov["load_before"]
+    rows = results["rows"]
+    assert [(r["method"], r["exchange"]) for r in rows] == [("allreduce", "fp32"), ("signum", "sharded"),
+                                                            ("signum", "allgather")]
     assert all(r["steps"] == 1 and r["bytes_per_node_per_step"] > 0 for r in rows)
-    assert "| signum |" in (tmp_path / "results.md").read_text()
-    assert sharded_accuracy.main(["--methods", "nosuch", "--out", str(tmp_path)]) == 2
-    assert "unknown nosuch; known: efsgd:8" in capsys.readouterr().err
+    table = (tmp_path / "results.md").read_text()
+    assert table == render.TABLES["sharded_accuracy"].render(results) + "\n"
+    assert "| signum | sharded |" in table and "| allreduce | fp32 all-reduce |" in table
+    with pytest.raises(SystemExit) as e:
+        sharded_accuracy.main(["--methods", "nosuch", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--methods: unknown nosuch; known: allreduce, efsgd:8" in capsys.readouterr().err

@@ -23,13 +23,13 @@ def add_methods(p: argparse.ArgumentParser, known: Iterable[str], default: Itera
                    help=f"comma-separated, of {', '.join(known)}")
 
 
-def methods(p: argparse.ArgumentParser, value: str, known: Iterable[str]) -> list[str]:
-    """The method names in ``value`` (comma-separated, blanks ignored), in its order.
-    An unknown name, or none at all, stops the script through ``p.error``: one line
-    naming what was wrong and the known names, exit status 2."""
+def methods(p: argparse.ArgumentParser, value: str, known: Iterable[str], *, flag: str = "--methods") -> list[str]:
+    """The names in ``value`` (comma-separated, blanks ignored), in its order. An
+    unknown name, or none at all, stops the script through ``p.error``: one line
+    naming ``flag``, what was wrong and the known names, exit status 2."""
     known = list(known)
     names = [m.strip() for m in value.split(",") if m.strip()]
     unknown = [m for m in names if m not in known]
     if unknown or not names:
-        p.error(f"--methods: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(known)}")
+        p.error(f"{flag}: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(known)}")
     return names

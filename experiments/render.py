@@ -266,6 +266,40 @@ def _sharded_accuracy(res: dict) -> str:
                 "best (epoch)", "sharded - all-gathered (points)", "bytes/node/step", "vs fp32 all-reduce"], body)
 
 
+_DDP_SETTINGS = {
+    "efsgd_overlap": "efsgd hook, overlapped",
+    "efsgd_inline": "efsgd hook, waiting inline",
+    "torch_equal_bytes": "torch all-reduce of a quarter of each bucket (the same bytes)",
+    "torch_fp32": "torch's default fp32 all-reduce",
+}
+
+
+def _bench_ddp_overlap(res: dict) -> str:
+    """experiments/bench_ddp_overlap.py: each setting's step time (minimum over the
+    repeats of each run's median), its ratio to the inline hook, rank 0's bytes sent;
+    then in how many repeats the overlapped hook beat the inline one."""
+    import statistics
+
+    rows, best = res["rows"], res["best_step_s"]
+    ref = best.get("efsgd_inline")
+    body = []
+    for m in res["modes"]:
+        tx = statistics.median(r["rank0_tx_bytes"] for r in rows if r["mode"] == m)
+        body.append([_DDP_SETTINGS.get(m, m), f"{best[m]:.3f}", f"{best[m] / ref:.2f}" if ref else "-",
+                     f"{tx / 1e6:.1f} MB"])
+    out = _md([f"setting ({res['rate']}, {res['ranks']} ranks)",
+               f"step (s), min over {res['repeats']} repeats of the median", "vs inline", "rank 0 sent per run"],
+              body)
+    per = {(r["mode"], r["repeat"]): r["step_s"] for r in rows}
+    reps = [k for k in range(res["repeats"]) if ("efsgd_overlap", k) in per and ("efsgd_inline", k) in per]
+    if reps:
+        wins = sum(per["efsgd_overlap", k] < per["efsgd_inline", k] for k in reps)
+        pairs = ", ".join(f"{per['efsgd_overlap', k]:.3f} / {per['efsgd_inline', k]:.3f}" for k in reps)
+        out += (f"\n\nThe overlapped hook was faster than the inline one in {wins} of {len(reps)} repeats "
+                f"(median step, overlapped / inline: {pairs} s).")
+    return out
+
+
 def _tang2018(res: dict) -> str:
     """The reproduction's runs at a glance: status, final test accuracy and training loss."""
     body = []
@@ -287,6 +321,7 @@ TABLES: dict[str, Table] = {
     "bench_mergecomp": Table(f"{RESULTS}/bench_mergecomp.json", _bench_mergecomp),
     "race_allreduce": Table(f"{RESULTS}/race_allreduce.json", _race_accuracy),
     "race_powersgd_lr005": Table(f"{RESULTS}/race_powersgd_lr0.05.json", _race_accuracy),
+    "bench_ddp_overlap": Table(f"{RESULTS}/bench_ddp_overlap.json", _bench_ddp_overlap),
     "sharded_accuracy": Table(f"{RESULTS}/sharded_accuracy.json", _sharded_accuracy),
     "tang2018": Table("reports/tang2018/results.json", _tang2018),
     "gpu_summary": Table(f"{RESULTS}/gpu_check.json", _gpu_summary),

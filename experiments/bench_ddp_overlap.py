@@ -25,9 +25,12 @@ the backward of the next ones) in four settings, interleaved ``--repeats`` times
 Each run times ``--steps`` iterations (forward, backward, optimizer step) after
 ``--warmup`` ones; rank 0 reports the median and minimum step time and the bytes
 its interface sent. Prints a table (minimum over repeats of the per-run medians,
-and the ratios to ``efsgd_inline``) and writes ``results.json`` in ``--out`` with the
-command, commit, machine and the load average before and after. Needs root
-(network namespaces); run it on a quiet machine: speed is measured, not asserted.
+and the ratios to ``efsgd_inline``) and writes ``--json`` (default
+``OUT/results.json``) through ``experiments/_provenance.py`` (command, commit, date,
+machine with its memcpy speed, load average before and after); ``make results-tables``
+renders the committed ``experiments/results/bench_ddp_overlap.json`` into
+docs/centralized.md. Needs root (network namespaces); run it on a quiet machine
+(load average below 0.3): speed is measured, not asserted.
 """
 
 from __future__ import annotations
@@ -35,16 +38,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 MODES = ("efsgd_overlap", "efsgd_inline", "torch_equal_bytes", "torch_fp32")
+#: the code the step times measure: the hooks, the exchange they run, the codec
+SOURCES = ["gossip/ddp.py", "gossip/algorithms", "gossip/comm", "gossip/compress", "experiments/bench_ddp_overlap.py"]
 
 
 # ------------------------------------------------------------------------ one rank
@@ -106,29 +111,6 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------ the driver
-def _commit() -> tuple[str, bool]:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
-                                    text=True).stdout.strip())
-        return sha, dirty
-    except OSError:
-        return "unknown", True
-
-
-def _memcpy_gbps() -> float:
-    import torch
-
-    torch.set_num_threads(1)
-    a, b = torch.empty(1 << 24), torch.empty(1 << 24)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.numel() * 4 / best / 1e9
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rate", default="100mbit")
@@ -144,16 +126,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", default="eager", choices=("eager", "auto", "compile"),
                    help="gossip.compress kernel backend of the ranks (eager: no compile time in the warm-up)")
     p.add_argument("--prefix", default="ddpov")
-    p.add_argument("--out", default="runs/bench_ddp_overlap")
+    p.add_argument("--out", default="runs/bench_ddp_overlap", help="directory for the ranks' logs")
+    p.add_argument("--json", default=None, help="results file (default OUT/results.json)")
     p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)  # one rank, inside the cluster
     args = p.parse_args(argv)
     if args.worker:
         return _worker(args)
-    modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        print(f"bench_ddp_overlap: --modes: unknown {', '.join(bad)}; known: {', '.join(MODES)}", file=sys.stderr)
-        return 2
+    from experiments import _cli, _provenance
+
+    modes = _cli.methods(p, args.modes, MODES, flag="--modes")
+    if min(args.steps, args.repeats) < 1 or args.warmup < 0:
+        p.error(f"need --steps >= 1, --repeats >= 1 and --warmup >= 0, got --steps {args.steps} "
+                f"--repeats {args.repeats} --warmup {args.warmup}")
 
     sys.path.insert(0, str(HERE))
     from vcluster import VirtualCluster
@@ -165,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     passthrough = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
                    "--depth", str(args.depth), "--inputs", str(args.inputs), "--batch", str(args.batch),
                    "--bucket-mb", str(args.bucket_mb)]
-    load_before = os.getloadavg()
+    prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/bench_ddp_overlap.py", *argv])
     rows = []
     with VirtualCluster(2, rate=args.rate, prefix=args.prefix) as vc:
         for rep in range(args.repeats):
@@ -180,25 +164,18 @@ def main(argv: list[str] | None = None) -> int:
                        "load": os.getloadavg()[0]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    load_after = os.getloadavg()
-    sha, dirty = _commit()
+    from experiments import render
+
     best = {m: min(r["step_s"] for r in rows if r["mode"] == m) for m in modes}
-    ref = best.get("efsgd_inline")
-    table = ["| setting | step (s), min of medians | vs efsgd_inline | rank 0 sent per run (MB) |",
-             "|---|---:|---:|---:|"]
-    for m in modes:
-        tx = statistics.median(r["rank0_tx_bytes"] for r in rows if r["mode"] == m) / 1e6
-        ratio = f"{best[m] / ref:.3f}" if ref else "-"
-        table.append(f"| {m} | {best[m]:.3f} | {ratio} | {tx:.1f} |")
-    meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": sha, "dirty": dirty,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": platform.processor() or
-            platform.machine(), "cores": os.cpu_count(), "memcpy_gbps": round(_memcpy_gbps(), 2),
-            "load_before": load_before, "load_after": load_after, "rate": args.rate, "steps": args.steps,
-            "warmup": args.warmup, "repeats": args.repeats, "width": args.width, "depth": args.depth,
-            "batch": args.batch, "bucket_mb": args.bucket_mb, "kernels": args.kernels}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "best_step_s": best}, indent=2) + "\n")
-    print(f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f} (figures count below 0.3)")
-    print("\n".join(table))
+    results = {"rate": args.rate, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+               "width": args.width, "depth": args.depth, "inputs": args.inputs, "batch": args.batch,
+               "bucket_mb": args.bucket_mb, "kernels": args.kernels, "ranks": 2, "modes": modes,
+               "params": rows[0]["params"], "best_step_s": best, "rows": rows}
+    path = _provenance.write(args.json or out / "results.json", results, prov)
+    print(f"\nload average before {prov.load_before[0]:.2f}, after {prov.load_after[0]:.2f} "
+          f"(speed figures count below {_provenance.QUIET_LOAD})")
+    print(render.TABLES["bench_ddp_overlap"].render(results))
+    print(f"bench_ddp_overlap: wrote {path}")
     return 0
 
 

@@ -48,6 +48,7 @@ for p in (str(REPO), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import _cli  # noqa: E402
 import _provenance  # noqa: E402
 import race  # noqa: E402  (experiments/ is not a package: the curve reader and the time model)
 from gossip import crossover, rundir  # noqa: E402
@@ -134,7 +135,7 @@ def plot(results: dict, bw_label: str, path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    _cli.add_methods(p, METHODS)
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--data", default="mnist1d")
@@ -143,10 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="directory for the run directories and the results")
     a = p.parse_args(argv)
-    names = [m.strip() for m in a.methods.split(",") if m.strip()]
-    unknown = [m for m in names if m not in METHODS]
-    if unknown or not names:
-        p.error(f"--methods: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(METHODS)}")
+    names = _cli.methods(p, a.methods, METHODS)
     if a.nodes < 2 or a.epochs < 1:
         p.error(f"need --nodes >= 2 and --epochs >= 1, got --nodes {a.nodes} --epochs {a.epochs}")
     prov = _provenance.start(["gossip", "experiments/gossip_compare.py", "experiments/race.py"],

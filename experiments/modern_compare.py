@@ -32,6 +32,7 @@ for p in (str(REPO), str(HERE)):
         sys.path.insert(0, p)
 
 import race  # noqa: E402  (experiments/ is not a package: the curve reader)
+import _cli  # noqa: E402
 import _provenance  # noqa: E402
 
 H = "8"
@@ -82,7 +83,7 @@ def table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    _cli.add_methods(p, METHODS)
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--data", default="mnist1d")
@@ -90,10 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=None, help="stop every run after this many steps (a smoke run)")
     p.add_argument("--out", required=True, help="directory for the run directories and the results")
     a = p.parse_args(argv)
-    names = [m.strip() for m in a.methods.split(",") if m.strip()]
-    unknown = [m for m in names if m not in METHODS]
-    if unknown or not names:
-        p.error(f"--methods: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(METHODS)}")
+    names = _cli.methods(p, a.methods, METHODS)
     if a.nodes < 2 or a.epochs < 1:
         p.error(f"need --nodes >= 2 and --epochs >= 1, got --nodes {a.nodes} --epochs {a.epochs}")
     out = Path(a.out)

@@ -67,7 +67,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from experiments import _provenance  # noqa: E402
+from experiments import _cli, _provenance  # noqa: E402
 from gossip import checkpoint, crossover, rundir  # noqa: E402
 from gossip.evaluation import PRIMARY  # noqa: E402
 
@@ -532,7 +532,7 @@ def main_netns(a: argparse.Namespace, names: list[str], bw_labels: list[str], ba
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    _cli.add_methods(p, METHODS)
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--data", default="mnist1d")
@@ -556,12 +556,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0, help="netns: seconds allowed per run (default 3600)")
     p.add_argument("--prefix", default="race", help="netns: name prefix of the namespaces (default race)")
     a = p.parse_args(argv)
-    names = [m.strip() for m in a.methods.split(",") if m.strip()]
+    names = _cli.methods(p, a.methods, METHODS)
     if a.lr is not None and not a.lr > 0:
         p.error(f"--lr must be > 0, got {a.lr:g}")
-    unknown = [m for m in names if m not in METHODS]
-    if unknown:
-        p.error(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(METHODS)}")
     try:
         bw_labels = [b.strip() for b in a.bandwidth.split(",")]
         bandwidths = [crossover.parse_rate(b) for b in bw_labels]

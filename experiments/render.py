@@ -253,6 +253,63 @@ def _race_accuracy(res: dict) -> str:
     return _md(["method", "lr", "epochs", "final test accuracy", "best"], body)
 
 
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}".replace("%", " %")
+
+
+def _sharded_accuracy(res: dict) -> str:
+    """experiments/sharded_accuracy.py: each method's sharded and all-gathered runs (and
+    the fp32 all-reduce reference), final and best accuracy, the sharded form's
+    difference in points, bytes per node per step and their ratio to all-reduce's."""
+    rows = res["rows"]
+    ref = next((r["bytes_per_node_per_step"] for r in rows if r["exchange"] == "fp32"), None)
+    acc = {(r["method"], r["exchange"]): r["final_test_acc"] for r in rows}
+    body = []
+    for r in rows:
+        other = acc.get((r["method"], "allgather")) if r["exchange"] == "sharded" else None
+        diff = "-" if other is None else f"{100 * (r['final_test_acc'] - other):+.1f}"
+        best = _pct(r["best_test_acc"]) + ("" if r.get("best_epoch") is None else f" ({r['best_epoch']:g})")
+        b = r["bytes_per_node_per_step"]
+        body.append([r["method"], "fp32 all-reduce" if r["exchange"] == "fp32" else r["exchange"],
+                     _pct(r["final_test_acc"]), best, diff, f"{b:,.0f}", "-" if not ref else f"{b / ref:.3f}"])
+    return _md([f"method ({res['nodes']} nodes, {res['epochs']} epochs)", "exchange", "final test accuracy",
+                "best (epoch)", "sharded - all-gathered (points)", "bytes/node/step", "vs fp32 all-reduce"], body)
+
+
+_DDP_SETTINGS = {
+    "efsgd_overlap": "efsgd hook, overlapped",
+    "efsgd_inline": "efsgd hook, waiting inline",
+    "torch_equal_bytes": "torch all-reduce of a quarter of each bucket (the same bytes)",
+    "torch_fp32": "torch's default fp32 all-reduce",
+}
+
+
+def _bench_ddp_overlap(res: dict) -> str:
+    """experiments/bench_ddp_overlap.py: each setting's step time (minimum over the
+    repeats of each run's median), its ratio to the inline hook, rank 0's bytes sent;
+    then in how many repeats the overlapped hook beat the inline one."""
+    import statistics
+
+    rows, best = res["rows"], res["best_step_s"]
+    ref = best.get("efsgd_inline")
+    body = []
+    for m in res["modes"]:
+        tx = statistics.median(r["rank0_tx_bytes"] for r in rows if r["mode"] == m)
+        body.append([_DDP_SETTINGS.get(m, m), f"{best[m]:.3f}", f"{best[m] / ref:.2f}" if ref else "-",
+                     f"{tx / 1e6:.1f} MB"])
+    out = _md([f"setting ({res['rate']}, {res['ranks']} ranks)",
+               f"step (s), min over {res['repeats']} repeats of the median", "vs inline", "rank 0 sent per run"],
+              body)
+    per = {(r["mode"], r["repeat"]): r["step_s"] for r in rows}
+    reps = [k for k in range(res["repeats"]) if ("efsgd_overlap", k) in per and ("efsgd_inline", k) in per]
+    if reps:
+        wins = sum(per["efsgd_overlap", k] < per["efsgd_inline", k] for k in reps)
+        pairs = ", ".join(f"{per['efsgd_overlap', k]:.3f} / {per['efsgd_inline', k]:.3f}" for k in reps)
+        out += (f"\n\nThe overlapped hook was faster than the inline one in {wins} of {len(reps)} repeats "
+                f"(median step, overlapped / inline: {pairs} s).")
+    return out
+
+
 def _tang2018(res: dict) -> str:
     """The reproduction's runs at a glance: status, final test accuracy and training loss."""
     body = []
@@ -290,6 +347,8 @@ TABLES: dict[str, Table] = {
     "bench_mergecomp": Table(f"{RESULTS}/bench_mergecomp.json", _bench_mergecomp),
     "race_allreduce": Table(f"{RESULTS}/race_allreduce.json", _race_accuracy),
     "race_powersgd_lr005": Table(f"{RESULTS}/race_powersgd_lr0.05.json", _race_accuracy),
+    "bench_ddp_overlap": Table(f"{RESULTS}/bench_ddp_overlap.json", _bench_ddp_overlap),
+    "sharded_accuracy": Table(f"{RESULTS}/sharded_accuracy.json", _sharded_accuracy),
     "tang2018": Table("reports/tang2018/results.json", _tang2018),
     "gpu_summary": Table(f"{RESULTS}/gpu_check.json", _gpu_summary),
     "gpu_compress_speed": Table(f"{RESULTS}/gpu_check.json", _gpu_speed),

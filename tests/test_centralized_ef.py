@@ -9,7 +9,7 @@ from gossip import algorithms, comm
 from gossip import compress as gc
 from gossip.algorithms._centralized import ErrorFeedback
 from gossip.algorithms._common import node_keys, shared_key
-from tests._centralized import assert_restore_bit_identical, layout_of
+from tests._centralized import assert_restore_bit_identical, layout_of, random_grads, reduce_step, run_reduce, sign_ref
 from tests._dist import run_world
 
 N, D, T = 4, 37, 6
@@ -18,23 +18,11 @@ LAYOUT = layout_of(OFFSETS, D)
 LRS = [0.1, 0.1, 0.05, 0.05, 0.2, 0.02]  # a changing step size exercises eta_{t-1}/eta_t
 
 
-def _grads(n: int = N, d: int = D, t: int = T) -> torch.Tensor:
-    g = torch.Generator().manual_seed(3)
-    return torch.randn(t, n, d, generator=g)
+def _grads(n: int = N) -> torch.Tensor:
+    return random_grads(n, D, T)
 
 
 # ---------------------------------------------------------------- plain references
-def _sign_ref(p: torch.Tensor, offsets=(0,)) -> torch.Tensor:
-    """||p_b||_1 / d_b * sign(p_b) per block, 0 counted as positive."""
-    out = torch.empty_like(p)
-    bounds = list(offsets) + [p.numel()]
-    for a, b in zip(bounds, bounds[1:]):
-        blk = p[a:b].double()
-        scale = blk.abs().sum() / (b - a)
-        out[a:b] = (scale * torch.where(blk < 0, -1.0, 1.0)).float()
-    return out
-
-
 def _ef_reference(grads, lrs, mu, compress_worker, compress_server):
     """Zheng et al. 2019 (arXiv:1905.10936) Alg. 2 / 4 written out node by node; returns Delta~_t per step."""
     T_, n, d = grads.shape
@@ -61,20 +49,10 @@ def _ef_reference(grads, lrs, mu, compress_worker, compress_server):
     return torch.stack(outs)
 
 
-def _run_sim(name, opts, grads, lrs, n=N):
-    c = comm.SimulatedCommunicator(world_size=n)
-    opts = dict(opts)
-    opts.setdefault("exchange", "allgather")  # the replicated server of the references here
+def _run_sim(name, opts, grads, lrs):
+    opts = {"exchange": "allgather", **opts}  # the replicated server of the references here
     layout = opts.pop("layout", None)
-    alg = algorithms.build(name, c, **opts)
-    alg.setup(torch.zeros(n, grads.shape[2]), layout)
-    outs = []
-    for t in range(grads.shape[0]):
-        alg.set_lr(lrs[t])
-        G = grads[t].clone()
-        alg.reduce_gradients(G)
-        outs.append(G.clone())
-    return torch.stack(outs), alg, c
+    return run_reduce(name, opts, grads, lrs, layout)
 
 
 def _keyed(spec, seed):
@@ -94,12 +72,12 @@ def _keyed(spec, seed):
 
 
 EF_CASES = [
-    ("efsgd", {}, 0.0, lambda p, t, i: _sign_ref(p), lambda p, t: _sign_ref(p)),
-    ("efsgd", {"momentum": 0.5}, 0.5, lambda p, t, i: _sign_ref(p), lambda p, t: _sign_ref(p)),
+    ("efsgd", {}, 0.0, lambda p, t, i: sign_ref(p), lambda p, t: sign_ref(p)),
+    ("efsgd", {"momentum": 0.5}, 0.5, lambda p, t, i: sign_ref(p), lambda p, t: sign_ref(p)),
     ("efblocksgd", {"layout": LAYOUT}, 0.0,
-     lambda p, t, i: _sign_ref(p, OFFSETS), lambda p, t: _sign_ref(p, OFFSETS)),
+     lambda p, t, i: sign_ref(p, OFFSETS), lambda p, t: sign_ref(p, OFFSETS)),
     ("efblocksgdm", {"layout": LAYOUT, "momentum": 0.9}, 0.9,
-     lambda p, t, i: _sign_ref(p, OFFSETS), lambda p, t: _sign_ref(p, OFFSETS)),
+     lambda p, t, i: sign_ref(p, OFFSETS), lambda p, t: sign_ref(p, OFFSETS)),
     ("efsgd", {"compressor": "identity"}, 0.0, lambda p, t, i: p, lambda p, t: p),
 ]
 
@@ -145,7 +123,7 @@ def _vote_reference(grads, beta):
 def test_majority_vote_matches_reference(name, beta):
     grads = _grads(n=5)  # odd: no ties
     opts = {} if name == "signsgd" else {"momentum": beta}
-    got, _, _ = _run_sim(name, opts, grads, LRS, n=5)
+    got, _, _ = _run_sim(name, opts, grads, LRS)
     want = _vote_reference(grads, beta)
     torch.testing.assert_close(got, want.unsqueeze(1).expand_as(got), rtol=1e-6, atol=1e-6)
 
@@ -240,13 +218,7 @@ def _dist_worker(n):
         layout = opts.pop("layout", None)
         alg = algorithms.build(name, c, **opts)
         alg.setup(torch.zeros(1, D), layout)
-        traj = []
-        for t in range(T):
-            alg.set_lr(LRS[t])
-            G = grads[t, rank : rank + 1].clone()
-            alg.reduce_gradients(G)
-            traj.append(G[0].clone())
-        out.append(torch.stack(traj))
+        out.append(torch.stack([reduce_step(alg, grads[t, rank: rank + 1], LRS[t])[0] for t in range(T)]))
     return out, c.ledger.bytes_sent
 
 
@@ -257,7 +229,7 @@ def test_real_processes_equal_simulation(n):
     grads = _grads(n=n)
     sent_sim = 0
     for k, (name, opts) in enumerate(_DIST_CASES):
-        sim, _, c = _run_sim(name, opts, grads, LRS, n=n)
+        sim, _, c = _run_sim(name, opts, grads, LRS)
         sent_sim += c.ledger.sent_by(0)
         for rank, (trajs, _) in enumerate(results):
             assert torch.equal(trajs[k], sim[:, rank]), (name, rank)

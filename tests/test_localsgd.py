@@ -48,15 +48,20 @@ def run(name: str, steps: int, *, nodes: int = 4, lr: float = 0.1, adamw: bool =
     else:
         opts_ = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
     opt = GossipOptimizer(models, opts_, algorithms.build(name, c, **opts))
-    gen = torch.Generator().manual_seed(1)
+    train_steps(opt, torch.Generator().manual_seed(1), steps)
+    return opt.flat.data.clone(), c.ledger.as_dict(), opt
+
+
+def train_steps(opt: GossipOptimizer, gen: torch.Generator, steps: int) -> None:
+    """``steps`` steps of ``opt``: every node a batch of 16 random examples from ``gen``,
+    in node order (a resumed run that skips ``k`` steps draws ``k`` steps first)."""
     for _ in range(steps):
         opt.zero_grad()
-        for m in models:
+        for m in opt.models:
             x = torch.randn(16, FEATURES, generator=gen)
             y = torch.randint(0, CLASSES, (16,), generator=gen)
             F.cross_entropy(m(x), y).backward()
         opt.step()
-    return opt.flat.data.clone(), c.ledger.as_dict(), opt
 
 
 # ---------------------------------------------------------------------------- reductions
@@ -207,13 +212,7 @@ def test_state_round_trip_mid_round_is_bit_identical():
     gen = torch.Generator().manual_seed(1)
     for _ in range(6 * 4):  # the batches the first 6 steps drew
         torch.randn(16, FEATURES, generator=gen), torch.randint(0, CLASSES, (16,), generator=gen)
-    for _ in range(4):
-        fresh.zero_grad()
-        for m in fresh.models:
-            x = torch.randn(16, FEATURES, generator=gen)
-            y = torch.randint(0, CLASSES, (16,), generator=gen)
-            F.cross_entropy(m(x), y).backward()
-        fresh.step()
+    train_steps(fresh, gen, 4)
     assert torch.equal(fresh.flat.data, full)
 
 

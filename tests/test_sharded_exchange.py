@@ -11,7 +11,7 @@ import torch
 from gossip import algorithms, comm
 from gossip import compress as gc
 from gossip.algorithms._sharded import ShardPlan
-from tests._centralized import assert_restore_bit_identical, layout_of
+from tests._centralized import assert_restore_bit_identical, layout_of, random_grads, run_reduce, sign_ref
 from tests._dist import run_world
 
 N, D, T = 4, 37, 5
@@ -21,8 +21,8 @@ LRS = [0.1, 0.05, 0.05, 0.2, 0.02]
 CNN1D = ((64, 1, 5), (64,), (64, 64, 5), (64,), (64, 64, 5), (64,), (128, 640), (128,), (10, 128), (10,))
 
 
-def _grads(n: int = N, d: int = D, t: int = T, seed: int = 3) -> torch.Tensor:
-    return torch.randn(t, n, d, generator=torch.Generator().manual_seed(seed))
+def _grads(n: int = N) -> torch.Tensor:
+    return random_grads(n, D, T)
 
 
 def _shards(d: int, n: int) -> list[tuple[int, int]]:
@@ -36,34 +36,12 @@ def _shards(d: int, n: int) -> list[tuple[int, int]]:
     return out
 
 
-def _sign_ref(p: torch.Tensor, offsets=(0,)) -> torch.Tensor:
-    out = torch.empty_like(p)
-    bounds = list(offsets) + [p.numel()]
-    for a, b in zip(bounds, bounds[1:]):
-        blk = p[a:b].double()
-        out[a:b] = (blk.abs().sum() / (b - a) * torch.where(blk < 0, -1.0, 1.0)).float()
-    return out
-
-
-def _run(name, opts, grads, lrs, n=N, layout=None):
-    c = comm.SimulatedCommunicator(world_size=n)
-    alg = algorithms.build(name, c, **opts)
-    alg.setup(torch.zeros(n, grads.shape[2]), layout)
-    outs = []
-    for t in range(grads.shape[0]):
-        alg.set_lr(lrs[t])
-        G = grads[t].clone()
-        alg.reduce_gradients(G)
-        outs.append(G.clone())
-    return torch.stack(outs), alg, c
-
-
 # ---------------------------------------------------------------- semantics
 def test_sharded_efsgd_is_dist_ef_sgd_with_a_server_per_shard():
     """papers' Alg. 2 written out with the server's e~ split among the shard owners: every
     shard compressed on its own (one sign scale per shard, both ways)."""
     grads = _grads()
-    got, alg, _ = _run("efsgd", {}, grads, LRS)
+    got, alg, _ = run_reduce("efsgd", {}, grads, LRS)
     assert alg.exchange == "sharded" and alg.state.shards == N
     shards = _shards(D, N)
     e, es, prev, want = torch.zeros(N, D), torch.zeros(D), 0.0, []
@@ -74,11 +52,11 @@ def test_sharded_efsgd_is_dist_ef_sgd_with_a_server_per_shard():
             pushed = []
             for i in range(N):
                 p = grads[t, i, a:b] + ratio * e[i, a:b]
-                delta = _sign_ref(p)
+                delta = sign_ref(p)
                 e[i, a:b] = p - delta
                 pushed.append(delta)
             pt = torch.stack(pushed).mean(0) + ratio * es[a:b]
-            out[a:b] = _sign_ref(pt)
+            out[a:b] = sign_ref(pt)
             es[a:b] = pt - out[a:b]
         want.append(out)
         prev = LRS[t]
@@ -100,7 +78,7 @@ def test_sharded_blocksign_keeps_tensor_blocks_inside_each_shard():
 def test_sharded_majority_vote(n):
     """Odd n: the sign of the vote count; even n: a tie goes to the scale-weighted sum."""
     grads = _grads(n=n)
-    got, _, _ = _run("signsgd", {}, grads, LRS, n=n)
+    got, _, _ = run_reduce("signsgd", {}, grads, LRS)
     votes = torch.where(grads < 0, -1.0, 1.0).sum(1)
     want = torch.empty_like(votes)
     for a, b in _shards(D, n):
@@ -214,17 +192,7 @@ def test_four_processes_equal_the_simulation_bit_for_bit():
     results = run_world(n, _dist_worker, n, timeout=120)
     grads = _grads(n=n)
     c = comm.SimulatedCommunicator(world_size=n)
-    sims = []
-    for name, opts, layout in _DIST:
-        alg = algorithms.build(name, c, **opts)
-        alg.setup(torch.zeros(n, D), layout)
-        traj = []
-        for t in range(T):
-            alg.set_lr(LRS[t])
-            G = grads[t].clone()
-            alg.reduce_gradients(G)
-            traj.append(G.clone())
-        sims.append(torch.stack(traj))
+    sims = [run_reduce(name, opts, grads, LRS, layout, c)[0] for name, opts, layout in _DIST]
     alg = algorithms.build("diloco", c, compressor="quant:bits=4", local_steps=2, error_feedback=True)
     X = torch.zeros(n, D)
     alg.setup(X, None)
@@ -247,7 +215,7 @@ def test_resume_is_bit_identical(name, opts):
 
 
 def test_resume_on_another_world_size_is_refused_naming_both():
-    _, alg, _ = _run("efsgd", {}, _grads(), LRS)
+    _, alg, _ = run_reduce("efsgd", {}, _grads(), LRS)
     other = algorithms.build("efsgd", comm.SimulatedCommunicator(world_size=8))
     other.setup(torch.zeros(8, D))
     sd = alg.state_dict()
@@ -260,7 +228,7 @@ def test_a_state_from_before_the_sharded_exchange_resumes_all_gathered():
     """An old state (no `exchange`, no `shards`) all-gathered: the run continues exactly as
     the replicated server would; asking for exchange=sharded with it is refused."""
     grads = _grads()
-    ref, old, _ = _run("efsgd", {"exchange": "allgather", "compressor": "quant:bits=4"}, grads, LRS)
+    ref, old, _ = run_reduce("efsgd", {"exchange": "allgather", "compressor": "quant:bits=4"}, grads, LRS)
     c = comm.SimulatedCommunicator(world_size=N)
     old = algorithms.build("efsgd", c, exchange="allgather", compressor="quant:bits=4")
     old.setup(torch.zeros(N, D))
@@ -318,11 +286,21 @@ def test_sharded_accuracy_smoke(tmp_path, capsys):
         import sharded_accuracy
     finally:
         sys.path.pop(0)
+    res = tmp_path / "res.json"
     assert sharded_accuracy.main(["--nodes", "2", "--epochs", "1", "--max-steps", "1", "--data", "synthetic",
-                                  "--methods", "signum", "--out", str(tmp_path)]) == 0
-    rows = __import__("json").loads((tmp_path / "results.json").read_text())["rows"]
-    assert [(r["method"], r["exchange"]) for r in rows] == [("signum", "sharded"), ("signum", "allgather")]
+                                  "--methods", "allreduce,signum", "--out", str(tmp_path), "--json", str(res)]) == 0
+    from experiments import _provenance, render
+
+    results, prov = _provenance.read(res)
+    assert "python experiments/sharded_accuracy.py --nodes 2" in prov["command"]
+    assert prov["sources"] == sharded_accuracy.SOURCES and prov["load_before"]
+    rows = results["rows"]
+    assert [(r["method"], r["exchange"]) for r in rows] == [("allreduce", "fp32"), ("signum", "sharded"),
+                                                            ("signum", "allgather")]
     assert all(r["steps"] == 1 and r["bytes_per_node_per_step"] > 0 for r in rows)
-    assert "| signum |" in (tmp_path / "results.md").read_text()
-    assert sharded_accuracy.main(["--methods", "nosuch", "--out", str(tmp_path)]) == 2
-    assert "unknown nosuch; known: efsgd:8" in capsys.readouterr().err
+    table = (tmp_path / "results.md").read_text()
+    assert table == render.TABLES["sharded_accuracy"].render(results) + "\n"
+    assert "| signum | sharded |" in table and "| allreduce | fp32 all-reduce |" in table
+    with pytest.raises(SystemExit) as e:
+        sharded_accuracy.main(["--methods", "nosuch", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--methods: unknown nosuch; known: allreduce, efsgd:8" in capsys.readouterr().err

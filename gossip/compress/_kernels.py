@@ -45,7 +45,7 @@ import warnings
 
 import torch
 
-from . import _random as R
+from . import _random as R, _scratch
 
 R_ = R  # the _random module, under a name that the kernels' local `R` (a range) does not shadow
 
@@ -604,21 +604,17 @@ def _checksum(words, w):
 
 
 _CHECKSUM_CHUNK = 1 << 14  # words per eager chunk: the product stays in cache
-_checksum_scratch: dict = {}
 
 
 def _checksum_eager(words, w):
-    """The same sum, chunk by chunk through one kept scratch buffer: no temporary of
-    the payload's size (integer sums are exact, so the order does not matter)."""
+    """The same sum, chunk by chunk through a scratch buffer kept per thread (a DDP
+    hook's exchange may encode in a worker thread while the main thread encodes): no
+    temporary of the payload's size (integer sums are exact, so the order does not
+    matter)."""
     m, n = words.shape
     if n <= 1024:  # a small payload: its temporaries are small too
         return _checksum(words, w)
-    key = (m, words.device)
-    buf = _checksum_scratch.get(key)
-    if buf is None:
-        if len(_checksum_scratch) > 8:
-            _checksum_scratch.clear()
-        buf = _checksum_scratch[key] = torch.empty(m, _CHECKSUM_CHUNK, dtype=torch.int32, device=words.device)
+    buf = _scratch.buffer("checksum", m * _CHECKSUM_CHUNK, torch.int32, words.device).view(m, _CHECKSUM_CHUNK)
     acc = torch.zeros(m, dtype=torch.int64, device=words.device)
     for a in range(0, n, _CHECKSUM_CHUNK):
         b = min(n, a + _CHECKSUM_CHUNK)

@@ -973,3 +973,33 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         return TrainConfig.from_flat(values)
     except TypeError as e:
         raise ConfigError(str(e)) from None
+
+
+#: ``--resume auto``: continue the run in --out if it has a checkpoint, else start it
+RESUME_AUTO = "auto"
+#: config.json keys whose change makes a checkpoint unusable for an exact continuation
+FINGERPRINT_KEYS = (
+    "algo", "compressor_spec", "topology", "degree", "rows", "cols", "weights", "lazy",
+    "model_name", "data", "partition", "epochs", "batch_size", "lr", "lr_schedule",
+    "momentum", "local_momentum", "weight_decay", "seed", "merge", "merge_max_groups", "merge_alpha",
+    "algo_options",
+)
+#: fingerprinted too where the local optimizer is not SGD: checkpoints written before
+#: ``--optimizer`` existed (all SGD) keep the fingerprint they were written with
+OPTIMIZER_FINGERPRINT_KEYS = ("local_optimizer", "betas")
+#: fingerprinted too where set: the model's and data set's options, and the identity of
+#: a text corpus (checkpoints written before they existed keep their fingerprint)
+OPTIONAL_FINGERPRINT_KEYS = ("model_options", "data_options", "corpus_sha256")
+#: config keys every rank must share: the fingerprinted ones and the run's length and cadence
+#: (paths such as --out and --data-dir may differ between hosts)
+AGREE_KEYS = FINGERPRINT_KEYS + (
+    "max_steps", "checkpoint_every", "log_every", "emulate_latency", "device", "simulate", "tensorboard",
+) + OPTIMIZER_FINGERPRINT_KEYS + ("model_options", "data_options")
+
+
+def fingerprint_keys(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The config.json keys a checkpoint of this run is fingerprinted with."""
+    keys = FINGERPRINT_KEYS
+    if config.get("local_optimizer", "sgd") != "sgd":
+        keys += OPTIMIZER_FINGERPRINT_KEYS
+    return keys + tuple(k for k in OPTIONAL_FINGERPRINT_KEYS if config.get(k))

@@ -179,6 +179,31 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _new_header(config: Mapping[str, Any] | None, keys: Iterable[str] | None, fingerprint: str | None,
+                world_size: int | None) -> dict[str, Any]:
+    """A new checkpoint's header, before the body's length and checksum are known."""
+    header: dict[str, Any] = {"format_version": FORMAT_VERSION}
+    if world_size is not None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        header["world_size"] = world_size
+    if config is not None:
+        subset = _config_subset(config, keys)
+        header["fingerprint"] = config_fingerprint(subset)
+        header["config"] = subset
+        if fingerprint is not None and fingerprint != header["fingerprint"]:
+            raise ValueError(
+                f"fingerprint {fingerprint!r} does not match the config's fingerprint {header['fingerprint']!r}"
+            )
+    elif keys is not None:
+        raise ValueError("fingerprint_keys was given without a config")
+    elif fingerprint is not None:
+        if not isinstance(fingerprint, str) or not fingerprint:
+            raise ValueError(f"fingerprint must be a non-empty str, got {fingerprint!r}")
+        header["fingerprint"] = fingerprint
+    return header
+
+
 def save_checkpoint(
     path: str | os.PathLike,
     payload: Mapping[str, Any],
@@ -201,26 +226,7 @@ def save_checkpoint(
     if not isinstance(payload, Mapping) or not all(isinstance(k, str) for k in payload):
         raise TypeError("payload must be a dict with str keys")
     _check_payload(dict(payload), "payload")
-    header: dict[str, Any] = {"format_version": FORMAT_VERSION}
-    if world_size is not None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-        header["world_size"] = world_size
-    if config is not None:
-        subset = _config_subset(config, fingerprint_keys)
-        header["fingerprint"] = config_fingerprint(subset)
-        header["config"] = subset
-        if fingerprint is not None and fingerprint != header["fingerprint"]:
-            raise ValueError(
-                f"fingerprint {fingerprint!r} does not match the config's fingerprint {header['fingerprint']!r}"
-            )
-    elif fingerprint_keys is not None:
-        raise ValueError("fingerprint_keys was given without a config")
-    elif fingerprint is not None:
-        if not isinstance(fingerprint, str) or not fingerprint:
-            raise ValueError(f"fingerprint must be a non-empty str, got {fingerprint!r}")
-        header["fingerprint"] = fingerprint
-
+    header = _new_header(config, fingerprint_keys, fingerprint, world_size)
     buffer = io.BytesIO()
     torch.save(dict(payload), buffer)
     body = buffer.getbuffer()
@@ -294,25 +300,9 @@ def checkpoint_info(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint '{path}' is a directory, not a checkpoint file") from None
 
 
-def load_checkpoint(
-    path: str | os.PathLike,
-    *,
-    expect_fingerprint: str | None = None,
-    expect_world_size: int | None = None,
-    expect_config: Mapping[str, Any] | None = None,
-    map_location: Any = "cpu",
-) -> dict[str, Any]:
-    """Read and verify the checkpoint at ``path``; return its payload.
-
-    Raises :class:`CheckpointError` with one line when the file is missing, damaged
-    (bad marker or header, truncated, checksum mismatch, body not loadable), of another
-    format version, or written by another run: a world size other than
-    ``expect_world_size``, a fingerprint other than ``expect_fingerprint``. When
-    ``expect_config`` is given, the stored config entries are compared with it and the
-    message names each one that differs (``lr 0.1 != 0.05``); it is also a check by
-    itself when no fingerprint is given.
-    """
-    path = Path(path)
+def _read_verified(path: Path) -> tuple[dict[str, Any], bytes]:
+    """The header and the body of the file at ``path``, the body's length and checksum
+    checked against the header."""
     try:
         f = open(path, "rb")
     except FileNotFoundError:
@@ -333,7 +323,12 @@ def load_checkpoint(
             f"checkpoint '{path}' is damaged: checksum mismatch (sha256 {digest[:16]}..., "
             f"header says {header['sha256'][:16]}...)"
         )
+    return header, body
 
+
+def _check_identity(path: Path, header: Mapping[str, Any], expect_fingerprint: str | None,
+                    expect_world_size: int | None, expect_config: Mapping[str, Any] | None) -> None:
+    """Refuse a checkpoint of another run: another world size, fingerprint or config."""
     stored_ws = header.get("world_size")
     if expect_world_size is not None and stored_ws != expect_world_size:
         raise CheckpointError(
@@ -348,6 +343,28 @@ def load_checkpoint(
     if expect_config is not None and stored_cfg is None and expect_fingerprint is None:
         raise CheckpointError(f"checkpoint '{path}' stores no config to compare with")
 
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    expect_fingerprint: str | None = None,
+    expect_world_size: int | None = None,
+    expect_config: Mapping[str, Any] | None = None,
+    map_location: Any = "cpu",
+) -> dict[str, Any]:
+    """Read and verify the checkpoint at ``path``; return its payload.
+
+    Raises :class:`CheckpointError` with one line when the file is missing, damaged
+    (bad marker or header, truncated, checksum mismatch, body not loadable), of another
+    format version, or written by another run: a world size other than
+    ``expect_world_size``, a fingerprint other than ``expect_fingerprint``. When
+    ``expect_config`` is given, the stored config entries are compared with it and the
+    message names each one that differs (``lr 0.1 != 0.05``); it is also a check by
+    itself when no fingerprint is given.
+    """
+    path = Path(path)
+    header, body = _read_verified(path)
+    _check_identity(path, header, expect_fingerprint, expect_world_size, expect_config)
     try:
         payload = torch.load(io.BytesIO(body), map_location=map_location, weights_only=True)
     except Exception as exc:

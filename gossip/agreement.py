@@ -25,7 +25,7 @@ import torch
 
 from gossip import algorithms, rundir
 from gossip.assembly import Env
-from gossip.config import AGREE_KEYS, RESUME_AUTO, TrainConfig
+from gossip.config import AGREE_KEYS, RESUME_AUTO, TrainConfig, agree_keys
 from gossip.errors import RunError
 
 __all__ = ["AGREE_KEYS", "agree_config", "agree_out_dir", "claim_out", "data_identity", "failing_ranks",
@@ -157,7 +157,7 @@ def agree_config(cfg: TrainConfig, env: Env, dataset=None, data_error: str | Non
     import torch.distributed as dist
 
     flat = cfg.to_dict()
-    mine = {k: flat.get(k) for k in AGREE_KEYS}
+    mine = {k: flat.get(k) for k in agree_keys()}
     mine["resume_auto"] = cfg.run.resume == RESUME_AUTO
     data_keys = data_identity(dataset) if dataset is not None else {}
     mine.update({f"data:{k}": v for k, v in data_keys.items()})

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -26,8 +26,8 @@ from gossip.errors import RunError
 
 __all__ = [
     "Env", "build_algorithm", "build_dataset", "build_model", "build_topology", "check_memory", "choose_device",
-    "detect_env", "hosts_of", "local_optimizer", "lr_at", "memory_line", "path_line", "peak_memory",
-    "simulation_path",
+    "detect_env", "hosts_of", "local_optimizer", "lr_at", "lr_schedule", "memory_line", "path_line", "peak_memory",
+    "simulation_path", "state_copies",
 ]
 
 
@@ -146,12 +146,8 @@ def build_model(cfg: TrainConfig, dataset, device: torch.device) -> torch.nn.Mod
         raise RunError(f"--model {name} does not fit --data {cfg.data.name}: {e}") from None
 
 
-def _expected_state_bytes(cfg: TrainConfig, m: int, d: int) -> int:
-    """The hosted nodes' parameter state, roughly: m x d x the algorithm's ``state_copies`` floats."""
-    return 4 * d * _state_copies(cfg) * m
-
-
-def _state_copies(cfg: TrainConfig) -> int:
+def state_copies(cfg: TrainConfig) -> int:
+    """How many d-float copies of its parameters one node of the run's algorithm holds."""
     return algorithms.algorithm_class(cfg.algorithm.name).state_copies
 
 
@@ -171,26 +167,26 @@ def peak_memory(device: torch.device) -> int | None:
         return None
 
 
-def memory_line(cfg: TrainConfig, m: int, d: int, before: int | None, device: torch.device) -> str:
+def memory_line(copies: int, m: int, d: int, before: int | None, device: torch.device) -> str:
     """The simulation's memory check, stated: the peak it expected (what the process held
     before the nodes were built, the data set included, plus the nodes' state), the peak
     measured."""
-    state = _expected_state_bytes(cfg, m, d)
+    state = 4 * d * copies * m  # the hosted nodes' parameter state, roughly
     peak = peak_memory(device)
     what = "CUDA allocator peak" if device.type == "cuda" else "maximum resident set of this process"
     measured = f"{peak / 2**30:.2f} GiB ({what})" if peak is not None else "unknown on this platform"
     base = before or 0
     return (f"memory: expected peak about {(base + state) / 2**30:.2f} GiB (before the nodes {base / 2**30:.2f} GiB, "
-            f"plus {m} nodes x {d:,} parameters x {_state_copies(cfg)} copies "
+            f"plus {m} nodes x {d:,} parameters x {copies} copies "
             f"{state / 2**30:.2f} GiB); measured peak {measured}")
 
 
-def check_memory(cfg: TrainConfig, m: int, d: int, device: torch.device) -> None:
-    """Refuse, in one line, a simulation that cannot fit in this machine's memory."""
+def check_memory(copies: int, m: int, d: int, device: torch.device) -> None:
+    """Refuse, in one line, a simulation of ``m`` nodes of ``d`` parameters and ``copies``
+    copies of them each that cannot fit in this machine's memory."""
     if device.type != "cpu" or m < 2:
         return
-    copies = _state_copies(cfg)
-    need, have = _expected_state_bytes(cfg, m, d), available_memory()
+    need, have = 4 * d * copies * m, available_memory()
     if have is not None and need > have:
         fit = max(1, have // (4 * d * copies))
         raise RunError(
@@ -272,12 +268,17 @@ def local_optimizer(cfg: TrainConfig, model: torch.nn.Module | None, params=None
                            weight_decay=cfg.optim.weight_decay)
 
 
-def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
-    """The learning rate of step ``step`` of ``total`` under ``--lr-schedule``."""
+def lr_schedule(cfg: TrainConfig, total: int) -> Callable[[int], float]:
+    """``--lr`` under ``--lr-schedule`` over a run of ``total`` steps: step -> learning rate
+    (cosine: to 0 over the run; step: x0.1 at 50% and at 75%)."""
     lr, schedule = cfg.learning_rate, cfg.optim.lr_schedule
     if schedule == "cosine":
-        return 0.5 * lr * (1.0 + math.cos(math.pi * step / max(1, total)))
+        return lambda step: 0.5 * lr * (1.0 + math.cos(math.pi * step / max(1, total)))
     if schedule == "step":
-        return lr * (0.1 ** ((step >= 0.5 * total) + (step >= 0.75 * total)))
-    return lr
+        return lambda step: lr * (0.1 ** ((step >= 0.5 * total) + (step >= 0.75 * total)))
+    return lambda step: lr
 
+
+def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
+    """The learning rate of step ``step`` of ``total`` under ``--lr-schedule``."""
+    return lr_schedule(cfg, total)(step)

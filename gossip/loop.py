@@ -165,6 +165,7 @@ class Run:
             self.cfg_dict["corpus_sha256"] = dataset.corpus["sha256"]
         # Step 1: the algorithm, then identical x_1 on every node with its local optimizer
         self.algo = assembly.build_algorithm(cfg, comm)
+        self.copies = assembly.state_copies(cfg)  # of the parameters, per node: for the memory check
         self._build_nodes()
         self.dim = self.gopt.flat.dim
         # Step 2: each node's shard of the training data
@@ -175,6 +176,7 @@ class Run:
         self.steps_per_epoch = self.loaders[0].steps_per_epoch
         self.total = cfg.run.epochs * self.steps_per_epoch  # the schedule spans the whole run
         self.stop = self.total if cfg.run.max_steps is None else min(self.total, cfg.run.max_steps)
+        self.lr_at = assembly.lr_schedule(cfg, self.total)
         self.ledger = comm.ledger
         self.progress = Progress.fresh(len(self.nodes))
         # full-precision D-PSGD's bytes per node per step on this topology, for the ratio
@@ -194,8 +196,8 @@ class Run:
         torch.manual_seed(cfg.run.seed)
         first = assembly.build_model(cfg, self.dataset, device)
         # before m copies exist: will they fit?
-        assembly.check_memory(cfg, len(self.nodes), sum(p.numel() for p in first.parameters() if p.requires_grad),
-                              device)
+        assembly.check_memory(self.copies, len(self.nodes),
+                              sum(p.numel() for p in first.parameters() if p.requires_grad), device)
         #: the simulation's path: "vectorized" (all nodes one batched model) or "loop"; None under torchrun
         self.sim_path, self.sim_why = assembly.simulation_path(cfg, self.env, first, self.dataset, device)
         try:  # the algorithm's setup meets the model here (its layout, the local momentum)
@@ -289,7 +291,7 @@ class Run:
     def step(self) -> None:
         """Local gradients of every hosted node, then the optimizer and algorithm step."""
         p, ledger = self.progress, self.ledger
-        lr = assembly.lr_at(self.cfg, p.step, self.total)
+        lr = self.lr_at(p.step)
         for o in self.opts:
             for g in o.param_groups:
                 g["lr"] = lr
@@ -363,6 +365,6 @@ class Run:
             return None
         rundir.write_json(rundir.summary_path(self.out), summary)
         if self.sim_path is not None and self.env.world_size > 1:
-            print(assembly.memory_line(self.cfg, self.env.world_size, self.dim, self._mem0, self.device), flush=True)
+            print(assembly.memory_line(self.copies, self.env.world_size, self.dim, self._mem0, self.device), flush=True)
         print(f"run directory: {self.out}", flush=True)
         return summary

@@ -6,8 +6,8 @@ whose ranks differ would train something nobody asked for. Before the first exch
 of the data set (:func:`data_identity`) across the ranks, and every rank stops with
 the same line naming what differs. :func:`agree_out_dir` gives every rank rank 0's
 run directory, :func:`claim_out` refuses one that holds another run, on every rank
-alike, before anything is written. :func:`failing_ranks` and :func:`gathered_max` are
-the two collective decisions the rest of the run takes (all ranks succeed or all
+alike, before anything is written. :func:`failing_ranks`, :func:`gathered` and :func:`gathered_max` are
+the collective decisions the rest of the run takes (all ranks succeed or all
 stop; every rank acts on the largest value any rank saw). In the one-process
 simulation every check is local.
 """
@@ -29,7 +29,7 @@ from gossip.config import AGREE_KEYS, RESUME_AUTO, TrainConfig, agree_keys
 from gossip.errors import RunError
 
 __all__ = ["AGREE_KEYS", "agree_config", "agree_out_dir", "claim_out", "data_identity", "failing_ranks",
-           "gathered_max", "init_group"]
+           "gathered", "gathered_max", "init_group"]
 
 
 def failing_ranks(comm, distributed: bool, ok: bool) -> list[int]:
@@ -41,12 +41,16 @@ def failing_ranks(comm, distributed: bool, ok: bool) -> list[int]:
     return [int(i) for i in torch.nonzero(flags[:, 0] < 1).flatten()]
 
 
+def gathered(comm, distributed: bool, values: list[float]) -> list[list[float]]:
+    """Every rank's ``values``, by rank (this process's own alone in one process)."""
+    if not distributed:
+        return [[float(v) for v in values]]
+    return comm.all_gather(torch.tensor([values], dtype=torch.float64), record=False).tolist()
+
+
 def gathered_max(comm, distributed: bool, values: list[float]) -> list[float]:
     """Each of ``values``' largest value over the ranks: the value every rank acts on."""
-    if not distributed:
-        return [float(v) for v in values]
-    seen = comm.all_gather(torch.tensor([values], dtype=torch.float64), record=False)
-    return [float(v) for v in seen.max(dim=0).values]
+    return [max(column) for column in zip(*gathered(comm, distributed, values))]
 
 
 def claim_out(cfg: TrainConfig, out: Path, distributed: bool, is_main: bool, comm) -> None:

@@ -651,12 +651,10 @@ class CheckpointManager:
         ranks = range(env.world_size if env.distributed else 1)
         complete = sorted((s for s, r in list_checkpoints(self.out).items() if all(k in r for k in ranks)),
                           reverse=True)
-        if env.distributed:
-            mine = torch.tensor([[float(len(complete)), float(complete[0] if complete else -1)]], dtype=torch.float64)
-            seen = self.comm.all_gather(mine, record=False)
-            if len(set(map(tuple, seen.tolist()))) != 1:
-                raise RunError(f"--resume: ranks see different checkpoints in {str(self.out)!r} "
-                               f"(newest complete step per rank: {[int(v) for v in seen[:, 1].tolist()]})")
+        seen = agreement.gathered(self.comm, env.distributed, [len(complete), complete[0] if complete else -1])
+        if len(set(map(tuple, seen))) != 1:
+            raise RunError(f"--resume: ranks see different checkpoints in {str(self.out)!r} "
+                           f"(newest complete step per rank: {[int(v[1]) for v in seen]})")
         return complete
 
     def _load(self, path: Path) -> tuple[Progress | None, str | None]:

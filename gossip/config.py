@@ -730,9 +730,15 @@ class _Entry(NamedTuple):
         return self.option.key or self.field.name
 
     @property
+    def kinds(self) -> tuple:
+        """The types the field's annotation allows (``int | None`` -> ``(int, NoneType)``)."""
+        return _kinds(typing.get_type_hints(SECTIONS[self.section])[self.field.name])
+
+    @property
     def is_table(self) -> bool:
-        """``--algo-opt KEY=VALUE`` and alike: a table of the TOML file, repeated flags."""
-        return self.option.flag is not None and self.field.default == ()
+        """A Mapping field (``--algo-opt KEY=VALUE`` and alike): a table of the TOML file,
+        a repeatable flag."""
+        return any(typing.get_origin(k) is Mapping for k in self.kinds)
 
 
 def _schema() -> Iterator[_Entry]:
@@ -1027,7 +1033,7 @@ def _argument(e: _Entry, reg: Registries) -> dict[str, Any]:
     kw: dict[str, Any] = {"dest": e.key, "help": o.help}
     if e.is_table:
         return {**kw, "action": "append", "metavar": o.metavar}
-    kinds = _kinds(typing.get_type_hints(SECTIONS[e.section])[e.field.name])
+    kinds = e.kinds
     if bool in kinds:  # a switch: --lazy sets True, --no-progress sets False
         return {**kw, "action": "store_false" if default is True else "store_true"}
     kind = next((k for k in (int, float) if k in kinds), None)
@@ -1072,7 +1078,7 @@ def _check_toml_type(path: str, e: _Entry, value: Any) -> None:
         if not isinstance(value, dict):
             raise ConfigError(f"--config {path!r}: {e.key} = {value!r} must be a table, e.g. [{e.key}]")
         return
-    kinds = _kinds(typing.get_type_hints(SECTIONS[e.section])[e.field.name])
+    kinds = e.kinds
     ok = any(
         (k is bool and isinstance(value, bool))
         or (k is int and isinstance(value, int) and not isinstance(value, bool))

@@ -121,8 +121,7 @@ def bench_pair(n: int, model: str, steps: int, device: str, loop_budget: float, 
         if row.get("loop_step_s") and row.get("vectorized_step_s"):
             row["ratio"] = row["loop_step_s"] / row["vectorized_step_s"]
         for r in runs.values():
-            for m_ in r.metrics:
-                m_.close()
+            r.log.close()
     return row
 
 

@@ -1,4 +1,4 @@
-"""The training run's typed configuration: flags, TOML files and validation.
+"""The training run's typed configuration: one schema for flags, TOML files and config.json.
 
 A :class:`TrainConfig` is six frozen sections, each a keyword-only dataclass that
 checks its own fields in ``__post_init__``: ``data`` (data set, partition, batch
@@ -7,11 +7,20 @@ compressor, its own options, MergeComp), ``comm`` (graph, device, transport, hos
 and ``run`` (length, seed, output, checkpoints, logging). Every rule raises
 :class:`ConfigError` with one line naming the value and what is accepted.
 
-:func:`parse_args` builds it from the command line and a TOML file given with
-``--config``, flags overriding the file. The file may use the flat keys of the long
-flags (``lr = 0.1``, ``batch-size = 64``) or tables named after the sections
-(``[optim] lr = 0.1``); ``config.json`` records the flat keys (:data:`FLAT_KEYS` maps
-each to its section), so run directories of every version read the same.
+The sections are the single source. Each field is declared with :func:`option`,
+whose :class:`Option` carries its help text, its flat key (the long flag's name, the
+TOML file's top-level key and config.json's key, e.g. ``algo`` for
+``algorithm.name``), its flag where that is not ``--<key>``, the choices or metavar
+of ``--help``, and its :data:`ROLES` role for a resume's fingerprint and for the
+ranks' agreement. :func:`build_parser` (``--help`` included), the TOML reader,
+:meth:`TrainConfig.to_dict` (config.json), :data:`FLAT_KEYS`, :func:`fingerprint_keys`
+and :func:`agree_keys` all derive from the sections, so adding a flag is one field in
+one section (a section added to :data:`SECTIONS` is read the same way).
+
+:func:`parse_args` builds the config from the command line and a TOML file given with
+``--config``, flags overriding the file. The file may use the flat keys (``lr = 0.1``,
+``batch-size = 64``) or tables named after the sections (``[optim] lr = 0.1``), so run
+directories and files of every version read the same.
 
 Options of the chosen algorithm's own Config (PowerSGD's ``rank``, sketched's ``p``)
 come from repeated ``--algo-opt KEY=VALUE`` flags and an ``[algo_options]`` (or
@@ -25,28 +34,36 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import tomllib
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator, NamedTuple
 
 __all__ = [
+    "AGREE_KEYS",
     "AlgorithmSection",
     "CommSection",
     "ConfigError",
     "DataSection",
+    "FINGERPRINT_KEYS",
     "FLAT_KEYS",
     "LR_SCHEDULES",
     "OPTIMIZERS",
     "ModelSection",
+    "Option",
     "OptimSection",
+    "ROLES",
     "RunSection",
     "SECTIONS",
     "SIMULATE_MODES",
     "TrainConfig",
+    "agree_keys",
     "build_parser",
+    "fingerprint_keys",
+    "option",
     "parse_args",
 ]
 
@@ -114,18 +131,66 @@ def _coerce_option(algo: str, key: str, text: str, hint: Any) -> Any:
     raise ConfigError(f"--algo-opt {key}={text}: {key} of --algo {algo} takes {' or '.join(wanted)}")
 
 
-def _registries() -> tuple[dict, dict, list, list, list]:
+class Registries(NamedTuple):
+    """The names each registry accepts: what the sections check and ``--help`` lists."""
+
+    algorithms: list[str]
+    compressors: list[str]
+    topologies: list[str]
+    models: list[str]
+    datasets: list[str]
+
+
+def _registries() -> Registries:
     import topologies
 
     from gossip import algorithms, compress, data, models
 
-    return (
-        algorithms.available(),
-        compress.available(),
-        list(topologies.available()),
-        list(models.available_models()),
-        list(data.available_datasets()),
-    )
+    return Registries(algorithms=list(algorithms.available()), compressors=list(compress.available()),
+                      topologies=list(topologies.available()), models=list(models.available_models()),
+                      datasets=list(data.available_datasets()))
+
+
+# --------------------------------------------------------------------------------------
+# the schema: one option per field
+# --------------------------------------------------------------------------------------
+#: a field's part in a resume and in the ranks' agreement: ``fingerprint`` (a change makes
+#: a checkpoint unusable; the ranks must agree), ``fingerprint-if-set`` (fingerprinted where
+#: set, so that checkpoints written before it existed keep theirs), ``fingerprint-not-sgd``
+#: (fingerprinted where the local optimizer is not SGD: checkpoints written before
+#: ``--optimizer`` were all SGD), ``agree`` (the ranks must agree: the run's length and
+#: cadence, its hosting) and ``None`` (may differ between hosts: paths, output, timeouts)
+ROLES = ("fingerprint", "fingerprint-if-set", "fingerprint-not-sgd", "agree", None)
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one config field meets the user: the schema entry :func:`option` declares.
+
+    ``key`` is the flat key (the long flag ``--<key>``, a TOML file's top-level key,
+    config.json's key); unset, the field's own name. ``flag`` replaces ``--<key>``
+    (``--algo-opt``); a bool field defaulting to True gets ``--no-<key>``. ``choices``
+    and ``metavar`` may be functions of the :class:`Registries`. ``default_text`` says
+    a default that depends on other fields. ``role`` is one of :data:`ROLES`.
+    ``int_as_text``: a TOML integer is read as the text of the flag (``merge = 4``)."""
+
+    help: str
+    key: str | None = None
+    flag: str | None = None
+    metavar: str | Callable[[Registries], str] | None = None
+    choices: tuple | Callable[[Registries], list] | None = None
+    default_text: str | None = None
+    role: str | None = None
+    int_as_text: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"Option role must be one of {ROLES}, got {self.role!r}")
+
+
+def option(default: Any, help: str, **meta: Any) -> Any:
+    """A section field with its :class:`Option` (``help``, then its keywords)."""
+    return dataclasses.field(default=default, metadata={"option": Option(help=help, **meta)})
 
 
 # --------------------------------------------------------------------------------------
@@ -204,15 +269,37 @@ def _check_named_options(flag: str, what: str, raw: Any, accepted: tuple[str, ..
 class DataSection:
     """What each node trains on: ``[data]`` in a TOML file."""
 
-    name: str = "mnist1d"
-    data_dir: str | None = None
-    partition: str = "iid"
-    batch_size: int = 32
-    #: the data set's own options (``--data-opt context=256``), sorted ``(key, value)`` pairs
-    options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
+    name: str = option(
+        "mnist1d",
+        "data set, or your own as module.path:function, called as function(seed) and returning a "
+        "gossip.data.Dataset or ((x_train, y_train), (x_test, y_test))",
+        key="data", metavar=lambda r: "{" + ",".join(r.datasets) + "} or MODULE:FN", role="fingerprint",
+    )
+    data_dir: str | None = option(
+        None,
+        "directory of a local data set (cifar10: the python batches; wikitext2: wiki.train.raw, "
+        "wiki.valid.raw, wiki.test.raw) or, for text, a UTF-8 file or folder (default: the Python "
+        "standard library's sources)",
+        metavar="DIR",
+    )
+    partition: str = option(
+        "iid",
+        "iid: random equal shards; sorted: contiguous slices of the label-sorted data (text: of the "
+        "text)",
+        choices=("iid", "sorted"), role="fingerprint",
+    )
+    batch_size: int = option(32, "mini-batch size per node", role="fingerprint")
+    #: the data set's own options, sorted ``(key, value)`` pairs
+    options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = option(
+        (),
+        "an option of the data set, repeatable, e.g. --data text --data-opt context=128 --data-opt "
+        "test_fraction=0.1 --data-opt max_test_bytes=65536 (default: none; a TOML file gives them as "
+        "a [data_options] table)",
+        key="data_options", flag="--data-opt", metavar="KEY=VALUE", role="fingerprint-if-set",
+    )
 
     def __post_init__(self) -> None:
-        datas = _registries()[4]
+        datas = _registries().datasets
         if not isinstance(self.name, str) or (self.name not in datas and not _is_factory(self.name)):
             raise ConfigError(f"unknown --data {self.name!r}; accepted: {', '.join(datas)}, "
                               f"or module.path:function (your own data, see gossip.factories)")
@@ -231,12 +318,25 @@ class DataSection:
 class ModelSection:
     """``[model]``: the model's name; unset picks the data set's own."""
 
-    name: str | None = None
-    #: the model's own options (``--model-opt layers=4``), sorted ``(key, value)`` pairs
-    options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
+    name: str | None = option(
+        None,
+        "model, or your own as module.path:function, called as function(input_shape, num_classes) and "
+        "returning a torch.nn.Module",
+        key="model", metavar=lambda r: "{" + ",".join(r.models) + "} or MODULE:FN",
+        default_text="cnn1d for mnist1d, resnet20 for cifar10, logreg for synthetic, gpt for text and wikitext2, "
+        "mlp for your own data",
+    )
+    #: the model's own options, sorted ``(key, value)`` pairs
+    options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = option(
+        (),
+        "an option of the model, repeatable, e.g. --model gpt --model-opt layers=4 --model-opt "
+        "width=128 --model-opt heads=4; an unknown key lists the accepted ones (default: none; a TOML "
+        "file gives them as a [model_options] table)",
+        key="model_options", flag="--model-opt", metavar="KEY=VALUE", role="fingerprint-if-set",
+    )
 
     def __post_init__(self) -> None:
-        mdls = _registries()[3]
+        mdls = _registries().models
         if self.name is not None and (not isinstance(self.name, str) or (self.name not in mdls and not _is_factory(self.name))):
             raise ConfigError(f"unknown --model {self.name!r}; accepted: {', '.join(mdls)}, "
                               f"or module.path:function (your own model, see gossip.factories)")
@@ -253,13 +353,33 @@ class OptimSection:
     is :data:`DEFAULT_LR` of that optimizer; ``beta1``/``beta2`` are AdamW's (unset:
     0.9 and 0.999), ``momentum`` is SGD's."""
 
-    lr: float | None = None
-    lr_schedule: str = "constant"
-    momentum: float | None = None
-    weight_decay: float = 0.0
-    optimizer: str | None = None
-    beta1: float | None = None
-    beta2: float | None = None
+    lr: float | None = option(
+        None,
+        "learning rate gamma of the local optimizer (unset: 0.05 for sgd, 0.001 for adamw)",
+        role="fingerprint",
+    )
+    lr_schedule: str = option(
+        "constant",
+        "constant, cosine (to 0 over the run) or step (x0.1 at 50%% and 75%%)",
+        choices=LR_SCHEDULES, role="fingerprint",
+    )
+    momentum: float | None = option(
+        None,
+        "momentum of the local SGD optimizer (unset: 0.9 for allreduce and the decentralized "
+        "algorithms, 0 for signsgd), or of the algorithm where it has its own (efsgd family, signum, "
+        "powersgd; unset: its default)",
+        role="fingerprint",
+    )
+    weight_decay: float = option(0.0, "weight decay of the local optimizer (AdamW's is decoupled)", role="fingerprint")
+    optimizer: str | None = option(
+        None,
+        "the local optimizer (unset: adamw for diloco, sparseloco and noloco, muon for muloco, sgd "
+        "for every other algorithm; muon: torch.optim.Muon on the 2-D weights, AdamW on the rest); an "
+        "algorithm that applies its own momentum refuses adamw with --beta1 > 0",
+        choices=OPTIMIZERS,
+    )
+    beta1: float | None = option(None, "AdamW's first-moment decay, its momentum (unset: 0.9); adamw only")
+    beta2: float | None = option(None, "AdamW's second-moment decay (unset: 0.999); adamw only")
 
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
@@ -279,18 +399,50 @@ class OptimSection:
 class AlgorithmSection:
     """``[algorithm]``: the algorithm, its compressor, its own options and MergeComp."""
 
-    name: str = "ecd"
-    bits: int | None = None
-    compressor: str | None = None
-    merge: str | None = None
-    merge_max_groups: int = 2
-    merge_alpha: float = 0.05
+    name: str = option("ecd", "training algorithm", key="algo", choices=lambda r: r.algorithms, role="fingerprint")
+    bits: int | None = option(
+        None,
+        "shorthand for --compressor quant:bits=BITS (algorithms with a compressor; default: the "
+        "algorithm's, 8 bits for naive/dcd/ecd)",
+        metavar="B",
+    )
+    compressor: str | None = option(
+        None,
+        "compressor spec, e.g. quant:bits=4,block=256, qsgd:levels=16, randk:p=0.1 (choco also: "
+        "topk:p=0.01, sign)",
+        metavar="SPEC",
+    )
+    merge: str | None = option(
+        None,
+        "MergeComp (Wang et al. 2021, arXiv:2103.15195) for efsgd/efblocksgd/efblocksgdm: layer (one "
+        "group per tensor), whole (one group), N (N groups chosen by the cost model) or auto (Alg. "
+        "2); groups are compressed and sent while backward goes on",
+        metavar="MODE", role="fingerprint", int_as_text=True,
+    )
+    merge_max_groups: int = option(
+        2,
+        "Y of Alg. 2 for --merge auto: the most groups tried",
+        metavar="Y", role="fingerprint",
+    )
+    merge_alpha: float = option(
+        0.05,
+        "alpha of Alg. 2 for --merge auto: stop when one more group gains less than this fraction",
+        metavar="ALPHA", role="fingerprint",
+    )
     #: options of the algorithm's own Config, kept as sorted ``(key, value)`` pairs so the
     #: config stays hashable; give a mapping, ``TrainConfig.to_dict`` gives one back
-    options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
+    options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = option(
+        (),
+        "an option of the algorithm's own Config, repeatable, read as that option's type (integer, "
+        "number, true/false, none, text); e.g. --algo powersgd --algo-opt rank=4 --algo-opt "
+        "approximator=best, --algo sketched --algo-opt p=0.01, --algo efmomentum --algo-opt "
+        "nesterov=false; an unknown key lists the accepted ones; seed, compressor and momentum have "
+        "their own flags (default: none; a TOML file gives them as an [algo_options] table)",
+        key="algo_options", flag="--algo-opt", metavar="KEY=VALUE", role="fingerprint",
+    )
 
     def __post_init__(self) -> None:
-        algos = _registries()[0]
+        algos = _registries().algorithms
         if self.name not in algos:
             raise ConfigError(f"unknown --algo {self.name!r}; accepted: {', '.join(algos)}")
         takes = _algo_fields(self.name)
@@ -410,22 +562,58 @@ class AlgorithmSection:
 class CommSection:
     """``[comm]``: the graph, the device and transport, and how nodes are hosted."""
 
-    topology: str = "ring"
-    degree: int | None = None
-    rows: int | None = None
-    cols: int | None = None
-    weights: str | None = None
-    lazy: bool = False
-    device: str = "auto"
-    timeout: float = 300.0
-    emulate_latency: float | None = None
-    simulate: int | None = None
-    fault_tolerance: str | None = None
-    min_replicas: int = 1
-    simulate_mode: str = "auto"
+    topology: str = option(
+        "ring",
+        "communication graph of the decentralized algorithms",
+        choices=lambda r: r.topologies, default_text='onepeer-exp for sgp, ring otherwise', role="fingerprint",
+    )
+    degree: int | None = option(None, "degree of the expander topology", metavar="D", role="fingerprint")
+    rows: int | None = option(None, "rows of the torus (with --cols)", metavar="R", role="fingerprint")
+    cols: int | None = option(None, "columns of the torus (with --rows)", metavar="C", role="fingerprint")
+    weights: str | None = option(
+        None,
+        "mixing weights: uniform (regular graphs) or metropolis",
+        choices=("uniform", "metropolis"), default_text='uniform when regular', role="fingerprint",
+    )
+    lazy: bool = option(False, "use the lazy matrix (I+W)/2", role="fingerprint")
+    device: str = option(
+        "auto",
+        "auto (cuda if available), cpu (gloo) or cuda (NCCL)",
+        choices=("auto", "cpu", "cuda"), role="agree",
+    )
+    timeout: float = option(300.0, "seconds to wait for a peer before failing with its rank", metavar="SECONDS")
+    emulate_latency: float | None = option(
+        None,
+        "add this one-way latency (ms) to every message round inside the communicator, for networks "
+        "where tc netem is unavailable (outputs say 'latency: emulated')",
+        metavar="MS", role="agree",
+    )
+    simulate: int | None = option(
+        None,
+        "run N nodes in this one process instead of under torchrun",
+        metavar="N", role="agree",
+    )
+    fault_tolerance: str | None = option(
+        None,
+        "keep training when workers die and rejoin: the torchft Lighthouse's HOST:PORT; each worker "
+        "is started alone with REPLICA_GROUP_ID and NUM_REPLICA_GROUPS (see docs/fault-tolerance.md)",
+        metavar="HOST:PORT",
+    )
+    min_replicas: int = option(
+        1,
+        "with --fault-tolerance: the fewest live workers a step may average over",
+        metavar="K",
+    )
+    simulate_mode: str = option(
+        "auto",
+        "how --simulate N runs the nodes: auto (all nodes as one batched call where the model allows "
+        "it, else one after another, saying why), vectorized (refuse a model that cannot be batched) "
+        "or loop (one after another, bit-identical with torchrun)",
+        choices=SIMULATE_MODES,
+    )
 
     def __post_init__(self) -> None:
-        topos = _registries()[2]
+        topos = _registries().topologies
         if self.simulate_mode not in SIMULATE_MODES:
             raise ConfigError(f"--simulate-mode must be one of {', '.join(SIMULATE_MODES)}, got {self.simulate_mode!r}")
         if self.topology not in topos:
@@ -461,16 +649,40 @@ class CommSection:
 class RunSection:
     """``[run]``: length, seed, output directory, checkpoints, logging."""
 
-    epochs: int = 20
-    max_steps: int | None = None
-    seed: int = 0
-    out: str | None = None
-    checkpoint_every: int = 0
-    resume: str | None = None
-    log_every: int = 10
-    progress: bool = True
-    tensorboard: bool = False
-    overwrite: bool = False
+    epochs: int = option(20, "passes over each node's shard", role="fingerprint")
+    max_steps: int | None = option(
+        None,
+        "stop after this many steps (the schedule still spans --epochs; resume to go on)",
+        metavar="N", role="agree",
+    )
+    seed: int = option(0, "seed of the model's x_1, the data order and the compressors' randomness", role="fingerprint")
+    out: str | None = option(None, "output directory (default runs/<timestamp>-<algo>-<topology>)", metavar="DIR")
+    checkpoint_every: int = option(
+        0,
+        "write a checkpoint every N steps (0: only at the end)",
+        metavar="N", role="agree",
+    )
+    resume: str | None = option(
+        None,
+        "continue the run in this directory from its latest checkpoint; 'auto' continues the run in "
+        "--out from its newest valid checkpoint if it has one and starts it otherwise (for torchrun "
+        "--max-restarts)",
+        metavar="DIR|auto",
+    )
+    log_every: int = option(10, "write a metrics record every N steps", metavar="N", role="agree")
+    progress: bool = option(True, "hide the progress bar")
+    tensorboard: bool = option(
+        False,
+        "also write the metrics as TensorBoard scalars to <out>/tensorboard (needs the optional "
+        "extra: pip install 'gossip[tensorboard]')",
+        role="agree",
+    )
+    overwrite: bool = option(
+        False,
+        "replace the run already in --out: the files a run writes (config, summary, metrics, error "
+        "logs, checkpoints, TensorBoard events) are deleted first, nothing else; without it a "
+        "non-empty --out is refused",
+    )
 
     def __post_init__(self) -> None:
         for name, lo in (("epochs", 1), ("log_every", 1), ("checkpoint_every", 0), ("seed", 0)):
@@ -495,7 +707,9 @@ class RunSection:
                               f"{self.out!r} names another: drop --out (or give --resume auto --out DIR)")
 
 
-#: the sections of a TrainConfig, in the order of ``to_dict`` and of ``--help``
+#: the sections of a TrainConfig, in the order of ``to_dict`` and of ``--help``; a section
+#: added here (a frozen, keyword-only dataclass of :func:`option` fields) is read from the
+#: flags, the TOML file and config.json like the others
 SECTIONS: dict[str, type] = {
     "data": DataSection,
     "model": ModelSection,
@@ -504,25 +718,74 @@ SECTIONS: dict[str, type] = {
     "comm": CommSection,
     "run": RunSection,
 }
-#: flat keys (the long flags, config.json's keys) whose section field has another name
-_RENAMED = {
-    "data": ("data", "name"),
-    "model": ("model", "name"),
-    "algo": ("algorithm", "name"),
-    "algo_options": ("algorithm", "options"),
-    "model_options": ("model", "options"),
-    "data_options": ("data", "options"),
-}
-#: every flat key -> (section, field)
-FLAT_KEYS: dict[str, tuple[str, str]] = {
-    **{
-        f.name: (sec, f.name)
-        for sec, cls in SECTIONS.items()
-        for f in dataclasses.fields(cls)
-        if (sec, f.name) not in _RENAMED.values()
-    },
-    **_RENAMED,
-}
+
+
+class _Entry(NamedTuple):
+    section: str
+    field: dataclasses.Field
+    option: Option
+
+    @property
+    def key(self) -> str:
+        return self.option.key or self.field.name
+
+    @property
+    def kinds(self) -> tuple:
+        """The types the field's annotation allows (``int | None`` -> ``(int, NoneType)``)."""
+        return _kinds(typing.get_type_hints(SECTIONS[self.section])[self.field.name])
+
+    @property
+    def is_table(self) -> bool:
+        """A Mapping field (``--algo-opt KEY=VALUE`` and alike): a table of the TOML file,
+        a repeatable flag."""
+        return any(typing.get_origin(k) is Mapping for k in self.kinds)
+
+
+def _schema() -> Iterator[_Entry]:
+    """Every field of every section with its Option, in the sections' declared order."""
+    for sec, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            opt = f.metadata.get("option")
+            if opt is None:
+                raise TypeError(f"{cls.__name__}.{f.name} is not declared with config.option(...)")
+            yield _Entry(sec, f, opt)
+
+
+class _FlatKeys(Mapping):
+    """Every flat key -> (section, field), read from :data:`SECTIONS` when asked."""
+
+    def _table(self) -> dict[str, tuple[str, str]]:
+        return {e.key: (e.section, e.field.name) for e in _schema()}
+
+    def __getitem__(self, key: str) -> tuple[str, str]:
+        return self._table()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+    def __repr__(self) -> str:
+        return f"FLAT_KEYS({self._table()!r})"
+
+
+#: every flat key (the long flags, the TOML file's top-level keys, config.json's keys) ->
+#: its (section, field); derived from the sections' options
+FLAT_KEYS: Mapping[str, tuple[str, str]] = _FlatKeys()
+
+
+def _recorded(key: str | None = None, role: str | None = None):
+    """Marks a TrainConfig property as a key of config.json (``key``, else its name) with
+    its :data:`ROLES` role: the values a run derives from several fields."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+    def mark(fn: Callable) -> property:
+        fn.recorded = (key or fn.__name__, role)  # type: ignore[attr-defined]
+        return property(fn)
+
+    return mark
 
 
 class TrainConfig:
@@ -534,8 +797,6 @@ class TrainConfig:
     checks its own fields in ``__post_init__``; the rules that tie sections together
     are checked here. Instances are immutable and compare by value.
     """
-
-    __slots__ = tuple(SECTIONS)
 
     def __init__(self, **sections: Any) -> None:
         unknown = set(sections) - set(SECTIONS)
@@ -620,8 +881,28 @@ class TrainConfig:
                 f"(or --simulate 1); --merge layer and whole work with --simulate {comm.simulate}"
             )
 
-    # --- derived ---------------------------------------------------------------------
-    @property
+    # --- derived: config.json records them after the flat keys ----------------------------
+    @_recorded("lr")
+    def learning_rate(self) -> float:
+        """--lr, else the local optimizer's default (:data:`DEFAULT_LR`)."""
+        return self.optim.lr if self.optim.lr is not None else DEFAULT_LR[self.local_optimizer]
+
+    @_recorded(role="fingerprint")
+    def compressor_spec(self) -> str | None:
+        """What goes on the wire: --compressor, --bits, else the algorithm's own default."""
+        return self.algorithm.compressor_spec
+
+    @_recorded(role="fingerprint")
+    def model_name(self) -> str:
+        """--model, else the data set's own model."""
+        if self.model.name is not None:
+            return self.model.name
+        if _is_factory(self.data.name):
+            return "mlp"  # the user's own data: a multi-layer perceptron unless --model says otherwise
+        return {"cifar10": "resnet20", "synthetic": "logreg", "text": "gpt", "wikitext2": "gpt"}.get(self.data.name,
+                                                                                                     "cnn1d")
+
+    @_recorded(role="fingerprint")
     def local_momentum(self) -> float:
         """Momentum of the local SGD optimizer: none where the algorithm has its own or
         the local optimizer is AdamW (its momentum is beta1)."""
@@ -633,21 +914,16 @@ class TrainConfig:
 
         return _alg.local_momentum_default(self.algorithm.name)
 
-    @property
+    @_recorded(role="fingerprint-not-sgd")
     def local_optimizer(self) -> str:
-        """``sgd`` or ``adamw``: --optimizer, else the algorithm's default."""
+        """``sgd``, ``adamw`` or ``muon``: --optimizer, else the algorithm's default."""
         if self.optim.optimizer is not None:
             return self.optim.optimizer
         from gossip import algorithms as _alg
 
         return _alg.local_optimizer_default(self.algorithm.name)
 
-    @property
-    def learning_rate(self) -> float:
-        """--lr, else the local optimizer's default (:data:`DEFAULT_LR`)."""
-        return self.optim.lr if self.optim.lr is not None else DEFAULT_LR[self.local_optimizer]
-
-    @property
+    @_recorded(role="fingerprint-not-sgd")
     def betas(self) -> tuple[float, float] | None:
         """AdamW's (beta1, beta2); None for SGD."""
         if self.local_optimizer != "adamw":
@@ -655,40 +931,34 @@ class TrainConfig:
         b1, b2 = self.optim.beta1, self.optim.beta2
         return (DEFAULT_BETAS[0] if b1 is None else b1, DEFAULT_BETAS[1] if b2 is None else b2)
 
-    @property
-    def model_name(self) -> str:
-        if self.model.name is not None:
-            return self.model.name
-        if _is_factory(self.data.name):
-            return "mlp"  # the user's own data: a multi-layer perceptron unless --model says otherwise
-        return {"cifar10": "resnet20", "synthetic": "logreg", "text": "gpt", "wikitext2": "gpt"}.get(self.data.name,
-                                                                                                     "cnn1d")
-
     def flat(self) -> dict[str, Any]:
-        """The flat keys and their values (no derived ones)."""
-        out = {}
-        for key, (sec, fld) in FLAT_KEYS.items():
-            out[key] = getattr(getattr(self, sec), fld)
-        for key in _OPTION_TABLES:
-            out[key] = dict(out[key])
-        return out
+        """The flat keys and their values (no derived ones); tables as dicts."""
+        return {e.key: (dict(v) if e.is_table else v)
+                for e in _schema() for v in [getattr(getattr(self, e.section), e.field.name)]}
 
     def to_dict(self) -> dict[str, Any]:
-        """config.json's keys: the flat keys in the historical order, then derived ones."""
+        """config.json's keys: the flat keys (in the order every release wrote them, keys
+        added since in the sections' order), then the derived ones (:func:`_recorded`)."""
         flat = self.flat()
-        d = {k: flat[k] for k in _FLAT_ORDER}
-        d["lr"] = self.learning_rate  # the value the run uses (unset: the optimizer's default)
-        d["compressor_spec"] = self.algorithm.compressor_spec
-        d["model_name"] = self.model_name
-        d["local_momentum"] = self.local_momentum
-        d["local_optimizer"] = self.local_optimizer
-        betas = self.betas
-        d["betas"] = list(betas) if betas is not None else None
+        d = {k: flat[k] for k in _RECORD_ORDER if k in flat}
+        d.update((k, v) for k, v in flat.items() if k not in d)
+        for key, prop, _ in _derived():
+            value = prop.fget(self)
+            d[key] = list(value) if isinstance(value, tuple) else value
         return d
 
 
-#: the order of config.json's keys (unchanged since the first release)
-_FLAT_ORDER = (
+def _derived() -> Iterator[tuple[str, property, str | None]]:
+    """TrainConfig's recorded properties: (config.json key, property, role)."""
+    for prop in vars(TrainConfig).values():
+        if isinstance(prop, property) and hasattr(prop.fget, "recorded"):
+            key, role = prop.fget.recorded
+            yield key, prop, role
+
+
+#: the order of config.json's keys as every release wrote them (a key added since
+#: follows them, in the sections' order: adding a field does not touch this)
+_RECORD_ORDER = (
     "algo", "bits", "compressor", "topology", "degree", "rows", "cols", "weights", "lazy", "model", "data",
     "data_dir", "partition", "epochs", "max_steps", "batch_size", "lr", "lr_schedule", "momentum",
     "weight_decay", "seed", "device", "out", "checkpoint_every", "resume", "timeout", "emulate_latency",
@@ -696,98 +966,52 @@ _FLAT_ORDER = (
     "tensorboard", "overwrite", "optimizer", "beta1", "beta2", "fault_tolerance", "min_replicas",
     "model_options", "data_options", "simulate_mode",
 )
-#: the flat keys that are tables of KEY = VALUE (flags --algo-opt, --model-opt, --data-opt)
-_OPTION_TABLES = ("algo_options", "model_options", "data_options")
-assert set(_FLAT_ORDER) == set(FLAT_KEYS), "every flat key has its place in config.json"
 
 
-#: defaults that depend on other flags, as --help states them (TrainConfig fills them in)
-_DEFAULT_TEXT = {
-    "topology": "onepeer-exp for sgp, ring otherwise",
-    "weights": "uniform when regular",
-    "model": "cnn1d for mnist1d, resnet20 for cifar10, logreg for synthetic, gpt for text and wikitext2, "
-    "mlp for your own data",
-}
+# --------------------------------------------------------------------------------------
+# the roles: a resume's fingerprint and the ranks' agreement
+# --------------------------------------------------------------------------------------
+#: ``--resume auto``: continue the run in --out if it has a checkpoint, else start it
+RESUME_AUTO = "auto"
+#: what a run adds to its config.json record that a checkpoint must match where present:
+#: the identity of a text corpus (checkpoints written before it existed keep their fingerprint)
+RUN_FINGERPRINT_KEYS = ("corpus_sha256",)
 
 
-def _flat_default(key: str) -> Any:
-    sec, fld = FLAT_KEYS[key]
-    return SECTIONS[sec].__dataclass_fields__[fld].default
+def _keys_of(*roles: str) -> tuple[str, ...]:
+    """config.json's keys (fields and derived ones) of the given roles."""
+    return tuple(e.key for e in _schema() if e.option.role in roles) + tuple(
+        key for key, _, role in _derived() if role in roles)
 
 
-_HELP = {
-    "algo": "training algorithm",
-    "bits": "shorthand for --compressor quant:bits=BITS (algorithms with a compressor; default: the algorithm's, 8 bits for naive/dcd/ecd)",
-    "compressor": "compressor spec, e.g. quant:bits=4,block=256, qsgd:levels=16, randk:p=0.1 (choco also: topk:p=0.01, sign)",
-    "topology": "communication graph of the decentralized algorithms",
-    "degree": "degree of the expander topology",
-    "rows": "rows of the torus (with --cols)",
-    "cols": "columns of the torus (with --rows)",
-    "weights": "mixing weights: uniform (regular graphs) or metropolis",
-    "lazy": "use the lazy matrix (I+W)/2",
-    "model": "model, or your own as module.path:function, called as function(input_shape, num_classes) and "
-    "returning a torch.nn.Module",
-    "data": "data set, or your own as module.path:function, called as function(seed) and returning a "
-    "gossip.data.Dataset or ((x_train, y_train), (x_test, y_test))",
-    "data_dir": "directory of a local data set (cifar10: the python batches; wikitext2: wiki.train.raw, "
-    "wiki.valid.raw, wiki.test.raw) or, for text, a UTF-8 file or folder (default: the Python standard "
-    "library's sources)",
-    "model_options": "an option of the model, repeatable, e.g. --model gpt --model-opt layers=4 --model-opt "
-    "width=128 --model-opt heads=4; an unknown key lists the accepted ones (default: none; a TOML file "
-    "gives them as a [model_options] table)",
-    "data_options": "an option of the data set, repeatable, e.g. --data text --data-opt context=128 "
-    "--data-opt test_fraction=0.1 --data-opt max_test_bytes=65536 (default: none; a TOML file gives them "
-    "as a [data_options] table)",
-    "partition": "iid: random equal shards; sorted: contiguous slices of the label-sorted data (text: of "
-    "the text)",
-    "epochs": "passes over each node's shard",
-    "max_steps": "stop after this many steps (the schedule still spans --epochs; resume to go on)",
-    "batch_size": "mini-batch size per node",
-    "lr": "learning rate gamma of the local optimizer (unset: 0.05 for sgd, 0.001 for adamw)",
-    "lr_schedule": "constant, cosine (to 0 over the run) or step (x0.1 at 50%% and 75%%)",
-    "momentum": "momentum of the local SGD optimizer (unset: 0.9 for allreduce and the decentralized algorithms, "
-    "0 for signsgd), or of the algorithm where it has its own (efsgd family, signum, powersgd; unset: its default)",
-    "weight_decay": "weight decay of the local optimizer (AdamW's is decoupled)",
-    "optimizer": "the local optimizer (unset: adamw for diloco, sparseloco and noloco, muon for muloco, sgd for "
-    "every other algorithm; muon: torch.optim.Muon on the 2-D weights, AdamW on the rest); an "
-    "algorithm that applies its own momentum refuses adamw with --beta1 > 0",
-    "beta1": "AdamW's first-moment decay, its momentum (unset: 0.9); adamw only",
-    "beta2": "AdamW's second-moment decay (unset: 0.999); adamw only",
-    "seed": "seed of the model's x_1, the data order and the compressors' randomness",
-    "device": "auto (cuda if available), cpu (gloo) or cuda (NCCL)",
-    "out": "output directory (default runs/<timestamp>-<algo>-<topology>)",
-    "checkpoint_every": "write a checkpoint every N steps (0: only at the end)",
-    "resume": "continue the run in this directory from its latest checkpoint; 'auto' continues the run in --out "
-    "from its newest valid checkpoint if it has one and starts it otherwise (for torchrun --max-restarts)",
-    "timeout": "seconds to wait for a peer before failing with its rank",
-    "simulate": "run N nodes in this one process instead of under torchrun",
-    "fault_tolerance": "keep training when workers die and rejoin: the torchft Lighthouse's HOST:PORT; each "
-    "worker is started alone with REPLICA_GROUP_ID and NUM_REPLICA_GROUPS (see docs/fault-tolerance.md)",
-    "min_replicas": "with --fault-tolerance: the fewest live workers a step may average over",
-    "simulate_mode": "how --simulate N runs the nodes: auto (all nodes as one batched call where the model "
-    "allows it, else one after another, saying why), vectorized (refuse a model that cannot be batched) or "
-    "loop (one after another, bit-identical with torchrun)",
-    "emulate_latency": "add this one-way latency (ms) to every message round inside the communicator, "
-    "for networks where tc netem is unavailable (outputs say 'latency: emulated')",
-    "log_every": "write a metrics record every N steps",
-    "progress": "show a progress bar on rank 0",
-    "overwrite": "replace the run already in --out: the files a run writes (config, summary, metrics, error logs, "
-    "checkpoints, TensorBoard events) are deleted first, nothing else; without it a non-empty --out is refused",
-    "tensorboard": "also write the metrics as TensorBoard scalars to <out>/tensorboard "
-    "(needs the optional extra: pip install 'gossip[tensorboard]')",
-    "merge": "MergeComp (Wang et al. 2021, arXiv:2103.15195) for efsgd/efblocksgd/efblocksgdm: layer (one group per tensor), whole "
-    "(one group), N (N groups chosen by the cost model) or auto (Alg. 2); groups are compressed and sent "
-    "while backward goes on",
-    "merge_max_groups": "Y of Alg. 2 for --merge auto: the most groups tried",
-    "merge_alpha": "alpha of Alg. 2 for --merge auto: stop when one more group gains less than this fraction",
-    "algo_options": "an option of the algorithm's own Config, repeatable, read as that option's type "
-    "(integer, number, true/false, none, text); e.g. --algo powersgd --algo-opt rank=4 "
-    "--algo-opt approximator=best, --algo sketched --algo-opt p=0.01, --algo efmomentum --algo-opt "
-    "nesterov=false; an unknown key lists the accepted ones; seed, compressor and momentum have their "
-    "own flags (default: none; a TOML file gives them as an [algo_options] table)",
-}
+def fingerprint_keys(config: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+    """The config.json keys a checkpoint of this run is fingerprinted with: the
+    ``fingerprint`` ones, the ``fingerprint-not-sgd`` ones where the local optimizer is
+    not SGD, and the ``fingerprint-if-set`` ones (and :data:`RUN_FINGERPRINT_KEYS`)
+    where set. Without ``config``, the keys every run is fingerprinted with."""
+    keys = _keys_of("fingerprint")
+    if config is None:
+        return keys
+    if config.get("local_optimizer", "sgd") != "sgd":
+        keys += _keys_of("fingerprint-not-sgd")
+    return keys + tuple(k for k in _keys_of("fingerprint-if-set") + RUN_FINGERPRINT_KEYS if config.get(k))
 
 
+def agree_keys() -> tuple[str, ...]:
+    """The config.json keys every rank must share: every fingerprinted one and the
+    ``agree`` ones (paths such as --out and --data-dir may differ between hosts)."""
+    return _keys_of("fingerprint", "agree", "fingerprint-not-sgd", "fingerprint-if-set")
+
+
+#: config.json keys whose change makes a checkpoint unusable for an exact continuation
+FINGERPRINT_KEYS = fingerprint_keys()
+#: config.json keys every rank must share (:func:`agree_keys` of the built-in sections)
+AGREE_KEYS = agree_keys()
+
+
+# --------------------------------------------------------------------------------------
+# the command line and the TOML file
+# --------------------------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
     """Usage errors as one line, like every other user error of the CLI."""
 
@@ -795,9 +1019,39 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _flag_of(e: _Entry) -> str:
+    if e.option.flag is not None:
+        return e.option.flag
+    if e.field.default is True:  # a switch that is on unless given
+        return "--no-" + e.key.replace("_", "-")
+    return "--" + e.key.replace("_", "-")
+
+
+def _argument(e: _Entry, reg: Registries) -> dict[str, Any]:
+    """argparse's keywords for one field: from its type, default and Option."""
+    o, default = e.option, e.field.default
+    kw: dict[str, Any] = {"dest": e.key, "help": o.help}
+    if e.is_table:
+        return {**kw, "action": "append", "metavar": o.metavar}
+    kinds = e.kinds
+    if bool in kinds:  # a switch: --lazy sets True, --no-progress sets False
+        return {**kw, "action": "store_false" if default is True else "store_true"}
+    kind = next((k for k in (int, float) if k in kinds), None)
+    if kind is not None:
+        kw["type"] = kind
+    if o.choices is not None:
+        kw["choices"] = list(o.choices(reg) if callable(o.choices) else o.choices)
+    if o.metavar is not None:
+        kw["metavar"] = o.metavar(reg) if callable(o.metavar) else o.metavar
+    said = o.default_text if o.default_text is not None else default
+    kw["help"] += f" (default: {'unset' if said is None else said})"
+    return kw
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``gossip.train`` argument parser; the choices come from the registries."""
-    algos, comps, topos, mdls, datas = _registries()
+    """The ``gossip.train`` argument parser, one flag per section field (grouped by
+    section in ``--help``); the choices come from the registries."""
+    reg = _registries()
     p = _Parser(
         prog="gossip.train",
         description=(
@@ -809,78 +1063,22 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     p.add_argument("--config", metavar="FILE", help="TOML file with the same keys as the flags; flags override it")
-
-    def add(name: str, **kw: Any) -> None:
-        dflt = _DEFAULT_TEXT.get(name, _flat_default(name))
-        kw.setdefault("help", _HELP[name])
-        kw["help"] += f" (default: {'unset' if dflt is None else dflt})"
-        p.add_argument("--" + name.replace("_", "-"), dest=name, **kw)
-
-    add("algo", choices=list(algos))
-    add("bits", type=int, metavar="B")
-    add("compressor", metavar="SPEC")
-    add("topology", choices=topos)
-    add("degree", type=int, metavar="D")
-    add("rows", type=int, metavar="R")
-    add("cols", type=int, metavar="C")
-    add("weights", choices=["uniform", "metropolis"])
-    add("lazy", action="store_true")
-    add("model", metavar="{" + ",".join(mdls) + "} or MODULE:FN")
-    add("data", metavar="{" + ",".join(datas) + "} or MODULE:FN")
-    add("data_dir", metavar="DIR")
-    add("partition", choices=["iid", "sorted"])
-    add("epochs", type=int)
-    add("max_steps", type=int, metavar="N")
-    add("batch_size", type=int)
-    add("lr", type=float)
-    add("lr_schedule", choices=list(LR_SCHEDULES))
-    add("momentum", type=float)
-    add("weight_decay", type=float)
-    add("optimizer", choices=list(OPTIMIZERS))
-    add("beta1", type=float)
-    add("beta2", type=float)
-    add("seed", type=int)
-    add("device", choices=["auto", "cpu", "cuda"])
-    add("out", metavar="DIR")
-    add("checkpoint_every", type=int, metavar="N")
-    add("resume", metavar="DIR|auto")
-    add("timeout", type=float, metavar="SECONDS")
-    add("simulate", type=int, metavar="N")
-    add("simulate_mode", choices=list(SIMULATE_MODES))
-    add("emulate_latency", type=float, metavar="MS")
-    add("fault_tolerance", metavar="HOST:PORT")
-    add("min_replicas", type=int, metavar="K")
-    add("log_every", type=int, metavar="N")
-    add("merge", metavar="MODE")
-    add("merge_max_groups", type=int, metavar="Y")
-    add("merge_alpha", type=float, metavar="ALPHA")
-    p.add_argument(
-        "--algo-opt", dest="algo_options", action="append", metavar="KEY=VALUE", help=_HELP["algo_options"]
-    )
-    p.add_argument(
-        "--model-opt", dest="model_options", action="append", metavar="KEY=VALUE", help=_HELP["model_options"]
-    )
-    p.add_argument(
-        "--data-opt", dest="data_options", action="append", metavar="KEY=VALUE", help=_HELP["data_options"]
-    )
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
-    p.add_argument("--tensorboard", action="store_true", help=_HELP["tensorboard"])
-    p.add_argument("--overwrite", action="store_true", help=_HELP["overwrite"])
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for e in _schema():
+        if e.section not in groups:
+            doc = (SECTIONS[e.section].__doc__ or "").strip().splitlines()[0].replace("``", "")
+            groups[e.section] = p.add_argument_group(f"[{e.section}]", re.sub(r"^\[\w+\]:\s*", "", doc) or None)
+        groups[e.section].add_argument(_flag_of(e), **_argument(e, reg))
     return p
 
 
-#: section field -> flat key, for TOML tables such as ``[optim]`` and ``[algorithm]``
-_FIELD_TO_FLAT = {(sec, fld): key for key, (sec, fld) in FLAT_KEYS.items()}
-
-
-def _check_toml_type(path: str, key: str, value: Any) -> None:
+def _check_toml_type(path: str, e: _Entry, value: Any) -> None:
     """A TOML value against its field's type: ``lazy = "false"`` is text, not a bool."""
-    if key in _OPTION_TABLES:
+    if e.is_table:
         if not isinstance(value, dict):
-            raise ConfigError(f"--config {path!r}: {key} = {value!r} must be a table, e.g. [{key}]")
+            raise ConfigError(f"--config {path!r}: {e.key} = {value!r} must be a table, e.g. [{e.key}]")
         return
-    sec, fld = FLAT_KEYS[key]
-    kinds = _kinds(typing.get_type_hints(SECTIONS[sec])[fld])
+    kinds = e.kinds
     ok = any(
         (k is bool and isinstance(value, bool))
         or (k is int and isinstance(value, int) and not isinstance(value, bool))
@@ -891,15 +1089,13 @@ def _check_toml_type(path: str, key: str, value: Any) -> None:
     )
     if not ok:
         want = " or ".join(_WORDS.get(k, k.__name__) for k in kinds if k is not type(None))
-        raise ConfigError(f"--config {path!r}: {key} = {value!r} has the wrong type; expected {want}")
+        raise ConfigError(f"--config {path!r}: {e.key} = {value!r} has the wrong type; expected {want}")
 
 
-def _load_toml(path: str) -> dict[str, Any]:
-    """The file's values as flat keys: top-level keys as the flags name them, or tables
-    named after the sections (``[optim] lr = 0.1``, ``[algorithm.options] rank = 2``)."""
+def _read_toml(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
+            return tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"--config {path!r}: no such file") from None
     except IsADirectoryError:
@@ -913,34 +1109,64 @@ def _load_toml(path: str) -> dict[str, Any]:
                           f"and [sections] of plain values") from None
     except OSError as e:
         raise ConfigError(f"--config {path!r}: cannot read it ({e.strerror})") from None
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    """The file's values as flat keys: top-level keys as the flags name them, or tables
+    named after the sections (``[optim] lr = 0.1``, ``[algorithm.options] rank = 2``)."""
+    raw = _read_toml(path)
+    entries = {e.key: e for e in _schema()}
+    by_field = {(e.section, e.field.name): e for e in entries.values()}
     out: dict[str, Any] = {}
 
-    def put(key: str, value: Any, where: str) -> None:
-        if key in out:
-            raise ConfigError(f"--config {path!r}: {where} sets {key!r} a second time")
-        if key == "merge" and isinstance(value, int) and not isinstance(value, bool):
+    def put(e: _Entry, value: Any, where: str) -> None:
+        if e.key in out:
+            raise ConfigError(f"--config {path!r}: {where} sets {e.key!r} a second time")
+        if e.option.int_as_text and isinstance(value, int) and not isinstance(value, bool):
             value = str(value)  # merge = 4 (groups), as --merge 4
-        _check_toml_type(path, key, value)
-        out[key] = value
+        _check_toml_type(path, e, value)
+        out[e.key] = value
 
     for k, v in raw.items():
         key = k.replace("-", "_")
-        if key in SECTIONS and isinstance(v, dict):  # a section table
+        if key in SECTIONS and isinstance(v, dict):  # a section table: its fields, or their flat keys
             for k2, v2 in v.items():
                 fld = k2.replace("-", "_")
-                flat = _FIELD_TO_FLAT.get((key, fld)) or (fld if FLAT_KEYS.get(fld, ("",))[0] == key else None)
-                if flat is None:
+                e = by_field.get((key, fld)) or (entries[fld] if fld in entries and entries[fld].section == key
+                                                 else None)
+                if e is None:
                     fields = [f.name for f in dataclasses.fields(SECTIONS[key])]  # declared order
                     raise ConfigError(
                         f"--config {path!r}: unknown key {k2!r} in [{key}]; accepted: {', '.join(fields)}"
                     )
-                put(flat, v2, f"[{key}]")
+                put(e, v2, f"[{key}]")
             continue
-        if key not in FLAT_KEYS:
-            accepted = sorted(FLAT_KEYS) + [f"[{s}]" for s in SECTIONS]
+        if key not in entries:
+            accepted = sorted(entries) + [f"[{s}]" for s in SECTIONS]
             raise ConfigError(f"--config {path!r}: unknown key {k!r}; accepted: {', '.join(accepted)}")
-        put(key, v, "the file")
+        put(entries[key], v, "the file")
     return out
+
+
+def _merge_tables(values: dict[str, Any], ns: dict[str, Any], cfg_path: str | None) -> None:
+    """The repeated ``--algo-opt KEY=VALUE`` flags (and alike) merged into the file's
+    table of the same key, key by key, the flags winning."""
+    for e in _schema():
+        flags = ns.pop(e.key, None) if e.is_table else None
+        if not flags:
+            continue
+        flag = e.option.flag
+        example = (re.findall(re.escape(flag) + r" (\S+)", e.option.help) or ["KEY=VALUE"])[0].rstrip(";,")
+        merged = values.get(e.key, {})
+        if not isinstance(merged, Mapping):
+            raise ConfigError(f"--config {cfg_path!r}: {e.key} must be a table, got {merged!r}")
+        merged = {str(k).replace("-", "_"): v for k, v in merged.items()}
+        for item in flags:
+            key, eq, text = item.partition("=")
+            if not eq or not key.strip():
+                raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE, e.g. {flag} {example}")
+            merged[key.strip().replace("-", "_")] = text
+        values[e.key] = merged
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -953,21 +1179,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     cfg_path = ns.pop("config", None)
     if cfg_path is not None:
         values.update(_load_toml(cfg_path))
-    for table, flag, example in (("algo_options", "--algo-opt", "rank=4"), ("model_options", "--model-opt", "layers=4"),
-                                 ("data_options", "--data-opt", "context=128")):
-        flags = ns.pop(table, None) or []
-        if not flags:
-            continue
-        merged = values.get(table, {})
-        if not isinstance(merged, Mapping):
-            raise ConfigError(f"--config {cfg_path!r}: {table} must be a table, got {merged!r}")
-        merged = {str(k).replace("-", "_"): v for k, v in merged.items()}
-        for item in flags:
-            key, eq, text = item.partition("=")
-            if not eq or not key.strip():
-                raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE, e.g. {flag} {example}")
-            merged[key.strip().replace("-", "_")] = text
-        values[table] = merged
+    _merge_tables(values, ns, cfg_path)
     values.update(ns)
     try:
         return TrainConfig.from_flat(values)

@@ -160,21 +160,14 @@ def model_factory(model: str | None, params: int | None) -> tuple[Callable[[], A
     return mlp, (_MLP_INPUT,), 10, f"mlp {_MLP_INPUT}-{hidden}-10"
 
 
-def measure(cand: Candidate, factory: Callable[[], Any], input_shape: Sequence[int], classes: int, *,
-            world_size: int, topology: str, degree: int | None = None, batch_size: int = 32,
-            steps: int = 3, seed: int = 0) -> Measured:
-    """Run ``steps`` steps (after one warm-up step) of ``cand`` on ``world_size`` simulated nodes,
-    rounded up to whole communication cycles (``Algorithm.period``)."""
-    import torch
-    import torch.nn.functional as F
-
+def _simulated_algorithm(cand: Candidate, world_size: int, topology: str, degree: int | None, seed: int):
+    """A simulated communicator on the candidate's graph (none for a centralized one)
+    and the candidate's algorithm over it."""
     import topologies
     from gossip import algorithms, comm
-    from gossip.runtime import GossipOptimizer
 
-    decentralized = algorithms.is_decentralized(cand.algo)
     topo = None
-    if decentralized:
+    if algorithms.is_decentralized(cand.algo):
         try:
             topo = topologies.build(topology, world_size, **({"degree": degree} if degree else {}))
         except (ValueError, TypeError) as e:
@@ -184,9 +177,24 @@ def measure(cand: Candidate, factory: Callable[[], Any], input_shape: Sequence[i
     if cand.compressor is not None:
         opts["compressor"] = cand.compressor
     try:
-        algo = algorithms.build(cand.algo, c, **opts)
+        return c, algorithms.build(cand.algo, c, **opts)
     except (ValueError, TypeError) as e:
         raise CrossoverError(f"--algos {cand.label}: {e}") from None
+
+
+def measure(cand: Candidate, factory: Callable[[], Any], input_shape: Sequence[int], classes: int, *,
+            world_size: int, topology: str, degree: int | None = None, batch_size: int = 32,
+            steps: int = 3, seed: int = 0) -> Measured:
+    """Run ``steps`` steps (after one warm-up step) of ``cand`` on ``world_size`` simulated nodes,
+    rounded up to whole communication cycles (``Algorithm.period``)."""
+    import torch
+    import torch.nn.functional as F
+
+    from gossip import algorithms
+    from gossip.runtime import GossipOptimizer
+
+    decentralized = algorithms.is_decentralized(cand.algo)
+    c, algo = _simulated_algorithm(cand, world_size, topology, degree, seed)
     models = [factory() for _ in range(world_size)]
     sgd = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]  # no local momentum: every algorithm takes it
     gopt = GossipOptimizer(models, sgd, algo)

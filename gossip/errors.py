@@ -102,3 +102,25 @@ def format_peers(peers: Iterable[int]) -> str:
     if not ps:
         return "no peer"
     return f"rank {ps[0]}" if len(ps) == 1 else f"ranks {ps}"
+
+
+class RunError(RuntimeError):
+    """A failure of a training run the user can act on (bad data dir, damaged
+    checkpoint, dead peer): one line, exit status 2."""
+
+    exit_code = 2
+
+
+class Diverged(RunError):
+    """Training produced a non-finite loss or model: an outcome, recorded in summary.json."""
+
+    exit_code = 1
+
+
+class Finished(RunError):
+    """--resume of a run that already ended: nothing to do, nothing changed. Exit 0
+    under ``--resume auto`` (a restart of a finished job), 2 for an explicit ``--resume``."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

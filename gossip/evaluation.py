@@ -26,7 +26,8 @@ from torch import Tensor
 
 from gossip.data import CLASSIFICATION, LANGUAGE_MODEL
 
-__all__ = ["METRICS", "PRIMARY", "evaluate", "loss_fn", "lm_loss", "classification_loss", "test_metrics"]
+__all__ = ["METRICS", "PRIMARY", "evaluate", "evaluate_vectorized", "global_mean", "loss_fn", "lm_loss",
+           "classification_loss", "mean_over_nodes", "test_metrics"]
 
 #: the keys of an eval record (besides step, epoch, time, train_loss), per task
 METRICS = {
@@ -111,3 +112,41 @@ def evaluate(gopt, models, dataset, device, comm) -> dict[str, float]:
     out.update({f"{key}_min": float(every.min()), f"{key}_max": float(every.max()),
                 f"{key}_mean": float(every.mean()), "consensus_distance": gopt.consensus_distance()})
     return out
+
+
+@torch.no_grad()
+def evaluate_vectorized(gopt, dataset, device) -> dict[str, float]:
+    """The batched simulation's evaluation (classification): xbar's test loss and
+    accuracy, and the nodes' own accuracies over ``vectorized.eval_nodes(n)`` (every
+    node up to ``vectorized.EVAL_NODES``, else that many evenly spaced), in batched
+    calls. The keys of :data:`METRICS` for classification."""
+    from gossip import vectorized  # the batched model's own forward
+
+    x_test = dataset.x_test.to(device)
+    y_test = dataset.y_test.to(device)
+    X = gopt.flat.data
+    xbar = gopt.average()
+    loss, acc = vectorized.node_accuracies(gopt, x_test, y_test, xbar.unsqueeze(0))
+    every = vectorized.node_accuracies(gopt, x_test, y_test, X[vectorized.eval_nodes(X.shape[0]).to(X.device)])[1]
+    return {
+        "test_loss": float(loss[0]),
+        "test_acc": float(acc[0]),
+        "node_acc_min": float(every.min()),
+        "node_acc_max": float(every.max()),
+        "node_acc_mean": float(every.mean()),
+        "consensus_distance": gopt.consensus_distance(),
+    }
+
+
+def mean_over_nodes(comm, values: list[float]) -> float:
+    """The mean of one value per hosted node over every node of the run."""
+    t = torch.tensor([[v] for v in values], dtype=torch.float64)
+    return float(comm.all_reduce(t, op="mean", record=False)[0, 0])
+
+
+def global_mean(comm, value: float, distributed: bool) -> float:
+    """The mean over the ranks of one value per rank (the value itself in one process)."""
+    if not distributed:
+        return value
+    t = torch.tensor([[value]], dtype=torch.float64)
+    return float(comm.all_reduce(t, op="mean", record=False)[0, 0])

@@ -67,6 +67,8 @@ __all__ = [
     "is_run_dir",
     "metrics_files",
     "metrics_path",
+    "node_traffic",
+    "payload_traffic",
     "error_log_path",
     "read_json",
     "read_metrics",
@@ -74,6 +76,7 @@ __all__ = [
     "run_files",
     "summary_path",
     "setup_traffic_of",
+    "step_bytes_per_node",
     "tensorboard_dir",
     "TensorBoardWriter",
     "warn_future_schema",
@@ -354,3 +357,39 @@ def wire_of(config: dict, summary: dict | None = None) -> dict[str, Any]:
     label = config.get("compressor_spec") or "fp32"
     bits = config.get("bits") if config.get("bits") is not None else (summary or {}).get("bits")
     return {"label": label, "bits_per_coord": bits, "source": "config (schema 1)"}
+
+
+# --------------------------------------------------------------------------------------
+# accounting: the byte and time figures of the records, read from the run's Ledger
+# --------------------------------------------------------------------------------------
+def node_traffic(ledger, node: int) -> dict[str, float]:
+    """A metrics record's figures of hosted node ``node``: its cumulative bytes of the
+    steps and of setup, and its share of the hosted nodes' time per phase."""
+    hosted, t = len(ledger.nodes), ledger.times
+    return {
+        "bytes_sent": ledger.step_bytes_sent_by(node), "bytes_recv": ledger.step_bytes_received_by(node),
+        "setup_bytes_sent": ledger.setup_bytes_sent_by(node), "setup_bytes_recv": ledger.setup_bytes_received_by(node),
+        "warmup_s": t.get("warmup", 0.0) / hosted,
+        "compute_s": t.get("compute", 0.0) / hosted,
+        "compress_s": t.get("compress", 0.0) / hosted,
+        # all time on the network: posting and transfers plus waiting for the peers
+        "comm_s": (t.get("communicate", 0.0) + t.get("wait", 0.0)) / hosted,
+        "wait_s": t.get("wait", 0.0) / hosted,
+    }
+
+
+def step_bytes_per_node(ledger, steps: int) -> float:
+    """Bytes a hosted node sent per step, on average over the hosted nodes (setup left out)."""
+    return ledger.step_bytes_sent / len(ledger.nodes) / steps if steps else 0.0
+
+
+def payload_traffic(ledger) -> tuple[float, float] | None:
+    """Bytes and messages of the steps' payload (control and setup traffic left out),
+    or None where the ledger was restored from a state that did not count messages."""
+    snap = ledger.as_dict()
+    msgs, setup = snap.get("messages"), snap["setup"]
+    if not msgs:
+        return None
+    sent = ledger.bytes_sent - snap["ops"]["control"]["sent"] - (setup["sent"] - setup["control"]["sent"])
+    count = msgs["sent"] - msgs["control"] - (setup["messages"] - setup["control"]["messages"])
+    return float(sent), float(count)

@@ -99,6 +99,12 @@ def test_setup_traffic_is_counted_in_the_total_and_kept_apart(clock: _Clock) -> 
     led.step()
     assert led.bytes_sent == 220 and led.setup_bytes_sent == 200 and led.step_bytes_sent == 20
     assert led.setup_bytes_received == 200 and led.times["warmup"] == pytest.approx(3.0)
+    # per node: node 0 sent 100 in setup and 10 in the step, received 100 (from 2) and 10 (from 1)
+    assert (led.setup_bytes_sent_by(0), led.step_bytes_sent_by(0), led.step_bytes_received_by(0)) == (100, 10, 10)
+    assert led.setup_bytes_received_by(1) == 100 and led.step_bytes_received_by(1) == 10
+    assert sum(led.step_bytes_sent_by(i) for i in led.nodes) == led.step_bytes_sent
+    with pytest.raises(ValueError, match="node 2 is not hosted here"):
+        led.step_bytes_sent_by(2)
     d = led.as_dict(detail=True)
     assert d["setup"] == {"sent": 200, "received": 200, "messages": 2, "known": True,
                           "control": {"sent": 0, "messages": 0}, "per_node": {"sent": [100, 100], "received": [100, 100]}}

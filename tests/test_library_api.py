@@ -228,16 +228,17 @@ def test_every_hook_is_declared_and_called_without_probing():
 
 
 def test_the_loop_uses_the_contract_only():
-    """The training loop calls the hooks the base class declares: no probing of
-    algorithms, no reading of Config fields, no reading of an algorithm's State."""
+    """The training loop and its components call the hooks the base class declares: no
+    probing of algorithms, no reading of Config fields, no reading of an algorithm's State."""
     import inspect
 
-    from gossip import loop
+    from gossip import agreement, assembly, checkpoint, evaluation, loop, metrics
 
-    src = inspect.getsource(loop)
-    assert "hasattr(" not in src and "isinstance(self.algo" not in src
-    assert "dataclasses.fields" not in src and "state.phase" not in src
-    assert "shapes" not in src and "offsets" not in src
+    for module in (loop, assembly, agreement, checkpoint, metrics, evaluation):
+        src = inspect.getsource(module)
+        assert "hasattr(" not in src and "isinstance(self.algo" not in src, module.__name__
+        assert "dataclasses.fields" not in src and "state.phase" not in src, module.__name__
+        assert "shapes" not in src and "offsets" not in src, module.__name__
 
 
 def test_the_layout_is_validated_and_recorded():

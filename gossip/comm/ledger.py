@@ -304,6 +304,24 @@ class Ledger:
         """Bytes received by hosted node ``node``."""
         return int(self._node_received[self._hosted(node)])
 
+    def step_bytes_sent_by(self, node: int) -> int:
+        """Bytes sent by hosted node ``node`` in steps: its total less its setup traffic."""
+        pos = self._hosted(node)
+        return int(self._node_sent[pos] - self._setup_sent[pos])
+
+    def step_bytes_received_by(self, node: int) -> int:
+        """Bytes received by hosted node ``node`` in steps: its total less its setup traffic."""
+        pos = self._hosted(node)
+        return int(self._node_received[pos] - self._setup_received[pos])
+
+    def setup_bytes_sent_by(self, node: int) -> int:
+        """Setup traffic sent by hosted node ``node``."""
+        return int(self._setup_sent[self._hosted(node)])
+
+    def setup_bytes_received_by(self, node: int) -> int:
+        """Setup traffic received by hosted node ``node``."""
+        return int(self._setup_received[self._hosted(node)])
+
     def traffic(self) -> dict[tuple[int, int], int]:
         """``{(src, dst): bytes}`` over every recorded message touching a hosted node."""
         self._consolidate()

@@ -78,28 +78,32 @@ class SimulatedCommunicator(Communicator):
             if int(topology.n) != n:
                 raise ValueError(f"SimulatedCommunicator: topology has n = {topology.n}, expected {n}")
         elif topology is not None:
-            idx, w = topology.padded_neighbors()
-            # own, writable copies: topologies hands out read-only arrays
-            idx = np.array(idx, dtype=np.int64).reshape(n, -1)
-            w = np.array(w, dtype=np.float64).reshape(n, -1)
-            deg = np.array(topology.degrees, dtype=np.int64).reshape(n)
-            self._idx, self._w, self._deg = idx, w, deg
-            real = np.arange(idx.shape[1])[None, :] < deg[:, None]
-            # bit-identity with a distributed run rests on the ascending order
-            later = np.where(real[:, 1:], idx[:, 1:], n)
-            bad = (later <= idx[:, :-1]).any(axis=1) | (
-                real & (idx == np.arange(n)[:, None])
-            ).any(axis=1)
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                raise ValueError(
-                    f"SimulatedCommunicator: topology.padded_neighbors() row {i} must list "
-                    f"distinct neighbours other than {i} in ascending order, got "
-                    f"{idx[i, : deg[i]].tolist()}"
-                )
-            # every directed edge i -> j once, for the ledger
-            self._edge_dst = idx[real]
-            self._edge_src = np.broadcast_to(np.arange(n)[:, None], idx.shape)[real]
+            self._static_tables(topology, n)
+
+    def _static_tables(self, topology: Any, n: int) -> None:
+        """The fixed graph's neighbour table, checked, and its directed edges for the ledger."""
+        idx, w = topology.padded_neighbors()
+        # own, writable copies: topologies hands out read-only arrays
+        idx = np.array(idx, dtype=np.int64).reshape(n, -1)
+        w = np.array(w, dtype=np.float64).reshape(n, -1)
+        deg = np.array(topology.degrees, dtype=np.int64).reshape(n)
+        self._idx, self._w, self._deg = idx, w, deg
+        real = np.arange(idx.shape[1])[None, :] < deg[:, None]
+        # bit-identity with a distributed run rests on the ascending order
+        later = np.where(real[:, 1:], idx[:, 1:], n)
+        bad = (later <= idx[:, :-1]).any(axis=1) | (
+            real & (idx == np.arange(n)[:, None])
+        ).any(axis=1)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"SimulatedCommunicator: topology.padded_neighbors() row {i} must list "
+                f"distinct neighbours other than {i} in ascending order, got "
+                f"{idx[i, : deg[i]].tolist()}"
+            )
+        # every directed edge i -> j once, for the ledger
+        self._edge_dst = idx[real]
+        self._edge_src = np.broadcast_to(np.arange(n)[:, None], idx.shape)[real]
 
     def _table(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         t = self._tables.get(device)

@@ -175,17 +175,7 @@ class Compressor:
         valid while ``P`` is unchanged) and ``out`` is left alone; other compressors
         decode as without it.
         """
-        if not isinstance(P, torch.Tensor) or P.dtype != torch.uint8 or P.dim() != 2:
-            raise ValueError(
-                f"{self.name}.decode: payloads must be a 2-D uint8 tensor (m, nbytes), got "
-                + (f"{P.dtype} of shape {tuple(P.shape)}" if isinstance(P, torch.Tensor) else type(P).__name__)
-            )
-        numel = self._check_numel(numel)
-        if tag is not None and (isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < _U32):
-            raise ValueError(f"{self.name}.decode: tag must be None or an int in [0, 2**32), got {tag!r}")
-        P = P.contiguous()
-        if P.storage_offset() % 8:  # header fields are read through an int64 view
-            P = P.clone()
+        P, numel = self._decode_args(P, numel, tag)
         m = P.shape[0]
         if out is not None:
             out = _check_out(self.name + ".decode", out, (m, numel), torch.float32, P.device)
@@ -212,7 +202,25 @@ class Compressor:
                     return self._decode(layout.views(P), numel, h[:, 2])
                 self._decode_into(layout.views(P), numel, h[:, 2], out)
                 return out
-        # something is wrong: find the first failing check, in a fixed order
+        self._refuse(P, numel, tag, expected)  # something is wrong: say what
+
+    def _decode_args(self, P: torch.Tensor, numel: int, tag: int | None) -> tuple[torch.Tensor, int]:
+        """``decode``'s arguments checked; the payloads contiguous and 8-byte aligned."""
+        if not isinstance(P, torch.Tensor) or P.dtype != torch.uint8 or P.dim() != 2:
+            raise ValueError(
+                f"{self.name}.decode: payloads must be a 2-D uint8 tensor (m, nbytes), got "
+                + (f"{P.dtype} of shape {tuple(P.shape)}" if isinstance(P, torch.Tensor) else type(P).__name__)
+            )
+        numel = self._check_numel(numel)
+        if tag is not None and (isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < _U32):
+            raise ValueError(f"{self.name}.decode: tag must be None or an int in [0, 2**32), got {tag!r}")
+        P = P.contiguous()
+        if P.storage_offset() % 8:  # header fields are read through an int64 view
+            P = P.clone()
+        return P, numel
+
+    def _refuse(self, P: torch.Tensor, numel: int, tag: int | None, expected: int) -> None:
+        """Raise the PayloadError of the first failing check, in a fixed order."""
         f = wire.header_fields(P)
         self._check_header(f, expected_numel=numel)
         if P.shape[1] != expected:

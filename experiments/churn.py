@@ -20,6 +20,7 @@ each killed worker missed while it was away.
 
     sudo python experiments/churn.py --workers 8 --hosts 4 --steps 400 --kill-every 80 --delay 3
     sudo python experiments/churn.py --quick       # 4 workers on 2 hosts, 150 steps
+    sudo python experiments/churn.py --algo dpsgd  # a decentralized run: the ring is rebuilt over the live workers
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _run(vc: VirtualCluster, args: argparse.Namespace, out: Path, churn: bool) -
     lh = vc.popen(0, [_lighthouse(), "--min_replicas", str(args.min_replicas), "--bind", f"0.0.0.0:{LIGHTHOUSE_PORT}",
                       "--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1000"],
                   stdout=lh_log, stderr=subprocess.STDOUT, torchrun_env=False)
-    argv = [sys.executable, "-m", "gossip.train", "--algo", "allreduce", "--data", "mnist1d", "--model", args.model,
+    argv = [sys.executable, "-m", "gossip.train", "--algo", args.algo, "--data", "mnist1d", "--model", args.model,
             "--batch-size", "32", "--lr", str(args.lr), "--epochs", "1000", "--max-steps", str(args.steps),
             "--log-every", "1",
             "--timeout", str(args.timeout), "--device", "cpu", "--fault-tolerance", f"{h0}:{LIGHTHOUSE_PORT}",
@@ -96,6 +97,7 @@ def _run(vc: VirtualCluster, args: argparse.Namespace, out: Path, churn: bool) -
     t0 = time.monotonic()
     procs = {k: start(k, "0") for k in range(args.workers)}
     restarts: list[dict] = []
+    kills: list[int] = []  # worker 0's last step when each kill was made
     pending: list[tuple[float, int, int]] = []  # (restart time, worker, step killed at)
     victims = list(range(1, args.workers))
     next_kill, nkill = args.kill_every, 0
@@ -113,6 +115,7 @@ def _run(vc: VirtualCluster, args: argparse.Namespace, out: Path, churn: bool) -
                     os.killpg(procs[k].pid, signal.SIGKILL)
                     procs[k].wait()
                     pending.append((time.monotonic() + args.delay, k, at))
+                    kills.append(step0)
                     print(f"churn: SIGKILL worker {k} at its step {at} (worker 0 at {step0})", flush=True)
             for item in list(pending):
                 when, k, at = item
@@ -151,6 +154,9 @@ def _run(vc: VirtualCluster, args: argparse.Namespace, out: Path, churn: bool) -
         lost[k] = len(set(range(1, max(end, args.steps) + 1)) - set(s)) + (len(s) - len(set(s)))
         healed[k] = sum(1 for r in _records(out / f"metrics-rank{k}.jsonl") if "healed_from" in r)
     ends = [r for r in _records(m0) if r.get("event") == "end"]
+    pauses = _pauses(_records(m0), kills, args.workers)
+    aborted = {k: ([r.get("aborted_groups") for r in _records(out / f"metrics-rank{k}.jsonl")
+                    if r.get("event") == "end"] or [None])[-1] for k in survivors}
     discarded = sum((logs / f).read_text().count("discarded") for f in os.listdir(logs) if f.startswith("w0-"))
     for r in restarts:
         r.pop("started")
@@ -163,7 +169,23 @@ def _run(vc: VirtualCluster, args: argparse.Namespace, out: Path, churn: bool) -
             "test_loss": ends[-1]["test_loss"] if ends else None, "wall_s": round(time.monotonic() - t0, 1),
             "survivors": survivors, "survivor_steps_lost": lost,
             "survivor_steps_taken_by_healing": healed, "steps_discarded_on_worker0": discarded,
-            "restarts": restarts}
+            "aborted_groups": aborted, "pauses": pauses, "restarts": restarts}
+
+
+def _pauses(records: list[dict], kills: list[int], workers: int) -> list[dict]:
+    """For each kill, on worker 0 (never killed): the seconds from its last step before the
+    kill to its first step without the dead worker, and the steps it took without it."""
+    steps = [r for r in records if "event" not in r and r.get("loss") is not None]
+    out = []
+    for at in kills:
+        before = [r for r in steps if r["step"] <= at]
+        fewer = [r for r in steps if r["step"] > at and (r.get("participants") or workers) < workers]
+        back = next((r for r in steps if r["step"] > at and r.get("participants") == workers
+                     and fewer and r["step"] > fewer[0]["step"]), None)
+        out.append({"worker0_step": at,
+                    "resumed_after_s": round(fewer[0]["time"] - before[-1]["time"], 2) if before and fewer else None,
+                    "steps_without_it": sum(1 for r in fewer if back is None or r["step"] < back["step"])})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay", type=float, default=3.0, help="seconds before a killed worker is started again")
     p.add_argument("--min-replicas", type=int, default=None, help="default: workers - 1")
     p.add_argument("--model", default="mlp")
+    p.add_argument("--algo", default="allreduce", help="any --algo that runs under --fault-tolerance")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--rate", default=None, help="link rate per host, e.g. 100mbit (default unshaped)")
     p.add_argument("--delay-ms", type=float, default=None, help="one-way link latency in ms")
@@ -206,22 +229,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"churn: {e}", file=sys.stderr)
         return 2
     res = {"network": network, "workers": a.workers, "hosts": a.hosts, "steps": a.steps,
-           "kill_every": a.kill_every, "restart_delay_s": a.delay, "min_replicas": a.min_replicas,
+           "kill_every": a.kill_every, "restart_delay_s": a.delay, "min_replicas": a.min_replicas, "algo": a.algo,
+           "timeout_s": a.timeout,
            "undisturbed": ref, "churned": churned}
     out = Path(a.out) if a.out else REPO / "experiments" / "results" / f"churn-W{a.workers}-H{a.hosts}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     _provenance.write(out, res, record)
     print(f"{a.workers} workers on {a.hosts} hosts, {a.steps} steps, a kill every {a.kill_every} steps, "
-          f"restart after {a.delay:g} s ({network}); load {prov['load']} -> {prov['load_after']}")
+          f"restart after {a.delay:g} s ({network}); load {record.load_before} -> {record.load_after}")
     print(f"test accuracy: undisturbed {ref['test_acc']}, churned {churned['test_acc']}")
     print(f"steps lost by the survivors: {churned['survivor_steps_lost']} (taken by healing from a peer: "
           f"{churned['survivor_steps_taken_by_healing']}); steps discarded "
           f"(a worker died in them): {churned['steps_discarded_on_worker0']}")
-    print("| worker | killed at step | healed at step | steps missed | time to heal (s) | heal bytes |")
-    print("|---|---|---|---|---|---|")
-    for r in churned["restarts"]:
-        print(f"| {r['worker']} | {r['killed_at_step']} | {r['healed_at_step']} | {r['steps_missed']} | "
-              f"{r['time_to_heal_s']} | {r['heal_bytes']} |")
+    print("| worker | killed at step | survivors resumed after (s) | steps without it | healed at step | "
+          "time to heal (s) | heal bytes |")
+    print("|---|---|---|---|---|---|---|")
+    for r, pz in zip(churned["restarts"], churned["pauses"]):
+        print(f"| {r['worker']} | {r['killed_at_step']} | {pz['resumed_after_s']} | {pz['steps_without_it']} | "
+              f"{r['healed_at_step']} | {r['time_to_heal_s']} | {r['heal_bytes']} |")
     print(f"results: {out}")
     ok = all(c == 0 for c in churned["exit_codes"].values()) and \
         all(v == 0 for v in churned["survivor_steps_lost"].values())

@@ -87,8 +87,9 @@ class FTCommunicator(Communicator):
     (shards owned by rank) is not carried: a quorum change would re-assign the shards.
 
     Args:
-        manager: the replica's ``torchft.Manager``; errors are reported to it.
-        pg: the Manager's reconfigurable process group.
+        manager: the replica's ``torchft.Manager``; errors are reported to it (None
+            until :meth:`attach`; only :meth:`offline` works without it).
+        pg: the Manager's reconfigurable process group (likewise).
         replica: this replica's id ``k`` in ``0 .. replicas-1``.
         replicas: the number of replicas the run was configured with.
         timeout: seconds one operation may take before it counts as failed.
@@ -101,6 +102,11 @@ class FTCommunicator(Communicator):
         self.aborts = 0  # groups this replica aborted after a failure
         self._offline = False
         self.reconfigure([self.replica], None)
+
+    def attach(self, manager: Any, pg: Any) -> None:
+        """The Manager and its process group, once started (the communicator is built
+        before, offline, so that the algorithm is built and checked before anything connects)."""
+        self.manager, self.pg = manager, pg
 
     def reconfigure(self, members: list[int], topology: Any) -> None:
         if self.replica not in members:
@@ -183,7 +189,7 @@ class FTCommunicator(Communicator):
         return _FTHandle(self, works, "all_reduce", finish, lambda: X.clone())
 
     def all_gather_async(self, X: torch.Tensor, *, record: bool = True) -> Handle:
-        from torch.distributed import AllgatherOptions
+        from torch._C._distributed_c10d import AllgatherOptions  # (not re-exported by torch.distributed)
 
         self._check_rows(X, "all_gather")
         n, record = self.world_size, record and not self._offline

@@ -56,7 +56,7 @@ from gossip import algorithms, data, evaluation, rundir
 from gossip._ftcomm import FTCommunicator
 from gossip.comm.base import is_time_varying
 
-__all__ = ["FTCommunicator", "SUPPORTED_ALGORITHMS", "lighthouse_address", "run_fault_tolerant"]
+__all__ = ["FTCommunicator", "SUPPORTED_ALGORITHMS", "lighthouse_address", "live_topology", "run_fault_tolerant"]
 
 #: the algorithms that run under ``--fault-tolerance`` (``Algorithm.fault_tolerant``)
 SUPPORTED_ALGORITHMS = tuple(n for n in algorithms.available() if algorithms.algorithm_class(n).fault_tolerant)
@@ -248,7 +248,6 @@ class _FTRun:
     # --- construction ---------------------------------------------------------------
     def run(self) -> dict | None:
         cfg, loop = self.cfg, self.loop
-        _wait_for_lighthouse(self.addr, self.timeout, self.RunError)
         self.dataset = loop._build_dataset(cfg)
         torch.manual_seed(cfg.run.seed)  # x_1 identical on every replica
         self.model = loop._build_model(cfg, self.dataset, self.device)
@@ -262,9 +261,12 @@ class _FTRun:
         if self.replica == 0 and not rundir.config_path(self.out).exists():
             record = {**cfg.to_dict(), "fault_tolerance_replicas": self.replicas}
             rundir.write_json(rundir.config_path(self.out), record)
+        # the algorithm is built (and refused, in one line) before anything connects
+        self.comm = FTCommunicator(None, None, self.replica, self.replicas, self.timeout)
+        self._build_optimizer()
+        _wait_for_lighthouse(self.addr, self.timeout, self.RunError)
         self._start_manager()
         try:
-            self._build_optimizer()
             return self._train()
         finally:
             self.manager.shutdown(wait=False)
@@ -290,7 +292,7 @@ class _FTRun:
             checkpoint_transport=_checkpoint_transport(host, td),
         )
         self.watch = self.manager._client = _QuorumWatch(self.manager._client)
-        self.comm = FTCommunicator(self.manager, self.pg, self.replica, self.replicas, self.timeout)
+        self.comm.attach(self.manager, self.pg)
 
     def _build_optimizer(self) -> None:
         from gossip.runtime import GossipOptimizer
@@ -313,14 +315,7 @@ class _FTRun:
 
     # --- the topology over the live replicas ------------------------------------------
     def _topology(self, n: int) -> tuple[Any, str | None]:
-        """The run's ``--topology`` over ``n`` live replicas (an expander re-drawn with the
-        run's seed, a time-varying graph over the live set), validated by its builder; a
-        ring (two nodes: the complete graph) where it cannot be built, and why."""
-        try:
-            return self.loop._build_topology(self.cfg, n), None
-        except self.RunError as e:
-            fallback = "ring" if n >= 3 else "complete"
-            return topologies.build(fallback, n), f"{e}; falling back to {fallback}"
+        return live_topology(self.cfg, n)
 
     def _rebuild(self, ids: list[int], step: int, metrics: Any) -> None:
         """Every quorum: the communicator's live members; for a decentralized algorithm the
@@ -503,6 +498,23 @@ class _FTRun:
         if self.replica == 0:
             print(json.dumps(end), flush=True)
         return end
+
+
+def live_topology(cfg: Any, n: int) -> tuple[Any, str | None]:
+    """The run's ``--topology`` over ``n`` live replicas, and None; or, where it cannot be
+    built on ``n`` nodes (a torus of 7), a ring (of two nodes: the complete graph) and why.
+
+    The builders validate W (symmetric, doubly stochastic, connected) before it is used;
+    an expander is re-drawn with the run's seed over the live count, and a time-varying
+    graph (``onepeer-exp``, ``matching``) is built over the live set.
+    """
+    from gossip import loop
+
+    try:
+        return loop._build_topology(cfg, n), None
+    except loop.RunError as e:
+        fallback = "ring" if n >= 3 else "complete"
+        return topologies.build(fallback, n), f"{e}; falling back to {fallback}"
 
 
 def _replica_name(k: int) -> str:

@@ -295,21 +295,101 @@ def test_min_replicas_must_be_positive() -> None:
         parse_args(["--fault-tolerance", "localhost:1", "--min-replicas", "0"])
 
 
-def test_unsupported_algorithm_and_missing_replica_env_are_one_line(tmp_path: Path) -> None:
+def test_unsupported_algorithms_and_bad_settings_are_one_line_before_anything_connects(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
     from gossip.loop import RunError, run
 
-    cfg = parse_args(["--algo", "dcd", "--fault-tolerance", "localhost:1", "--out", str(tmp_path)])
-    with pytest.raises(RunError, match=r"--fault-tolerance supports --algo allreduce, localsgd, slowmo, diloco so far, "
-                                       r"got --algo dcd "
-                                       r"\(decentralized"):
+    cfg = parse_args(["--algo", "sgp", "--fault-tolerance", "localhost:1", "--out", str(tmp_path)])
+    with pytest.raises(RunError, match=r"--fault-tolerance supports --algo allreduce, dpsgd, .*choco, efsgd, .*powersgd, "
+                                       r".*sketched, .*diloco, got --algo sgp"):
         run(cfg)
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
     cfg = parse_args(["--algo", "allreduce", "--fault-tolerance", "localhost:1", "--out", str(tmp_path)])
-    env = {k: os.environ.pop(k) for k in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS") if k in os.environ}
-    try:
-        with pytest.raises(RunError, match=r"set REPLICA_GROUP_ID=K and NUM_REPLICA_GROUPS=N"):
-            run(cfg)
-    finally:
-        os.environ.update(env)
+    with pytest.raises(RunError, match=r"set REPLICA_GROUP_ID=K and NUM_REPLICA_GROUPS=N"):
+        run(cfg)
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "4")
+    cfg = parse_args(["--algo", "ecd", "--fault-tolerance", "localhost:1", "--min-replicas", "1", "--out", str(tmp_path)])
+    with pytest.raises(RunError, match=r"--algo ecd is decentralized: --min-replicas must be at least 2 .*got 1"):
+        run(cfg)
+    # shards owned by rank cannot follow the quorum: refused before the Lighthouse is even looked for
+    # (nothing listens at localhost:1)
+    cfg = parse_args(["--algo", "efsgd", "--compressor", "sign", "--fault-tolerance", "localhost:1",
+                      "--max-steps", "1", "--out", str(tmp_path)])
+    with pytest.raises(RunError, match=r"uses the sharded exchange, .* add --algo-opt exchange=allgather"):
+        run(cfg)
+
+
+def test_the_topology_over_the_live_replicas_falls_back_to_a_ring_and_says_why() -> None:
+    import topologies
+    from gossip.fault_tolerance import live_topology
+
+    cfg = parse_args(["--algo", "dpsgd", "--topology", "torus", "--fault-tolerance", "localhost:1"])
+    topo, why = live_topology(cfg, 9)
+    assert topo.name == "torus" and why is None
+    topo, why = live_topology(cfg, 7)  # a torus of 7 cannot be built
+    assert topo.name == "ring" and topo.n == 7
+    assert re.fullmatch(r"--topology torus with world size 7: .*; falling back to ring", why), why
+    topo, why = live_topology(parse_args(["--algo", "dpsgd", "--fault-tolerance", "localhost:1"]), 2)
+    assert topo.name == "complete" and "falling back to complete" in why
+    # an expander is re-drawn with the run's seed over the live count: every survivor draws the same graph
+    cfg = parse_args(["--algo", "dpsgd", "--topology", "expander", "--degree", "3", "--seed", "5",
+                      "--fault-tolerance", "localhost:1"])
+    a, b = live_topology(cfg, 6)[0], live_topology(cfg, 6)[0]
+    assert a.n == 6 and (a.to_dense() == b.to_dense()).all()
+    assert (a.to_dense() == topologies.build("expander", 6, degree=3, seed=5).to_dense()).all()
+
+
+class _Manager:
+    """What FTCommunicator asks of a torchft Manager."""
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+    def errored(self) -> Exception | None:
+        return self.error
+
+    def report_error(self, e: Exception) -> None:
+        self.error = e
+
+
+class _DeadPeerGroup:
+    """A process group whose peer died: every collective fails when waited on."""
+
+    aborted = 0
+
+    def allreduce(self, tensors, opts):
+        return self
+
+    def wait(self, timeout=None):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+
+def test_a_failed_collective_is_reported_and_aborts_the_group_so_every_peer_leaves_it() -> None:
+    from gossip.fault_tolerance import FTCommunicator
+
+    manager, pg = _Manager(), _DeadPeerGroup()
+    comm = FTCommunicator(manager, pg, replica=2, replicas=4, timeout=5)
+    comm.reconfigure([0, 2, 3], None)
+    assert (comm.rank, comm.world_size) == (1, 3)
+    X = torch.ones(1, 5)
+    Y = comm.all_reduce(X, op="mean")  # the peer's failure does not raise: the step is discarded
+    assert Y.shape == X.shape and pg.aborted == 1 and comm.aborts == 1
+    assert re.match(r"all_reduce: .*Connection closed by peer", str(manager.errored()))
+    # later operations of the failed step post nothing and return the replica's own values
+    assert torch.equal(comm.all_gather(X), X.expand(3, 5)) and pg.aborted == 1
+    # the ledger counts by replica id, whatever the member's rank in the quorum
+    assert comm.run_ledger.nodes == (2,)
+    sent = comm.run_ledger.bytes_sent
+    manager.error = None
+    comm.reconfigure([1, 2], None)
+    comm.all_reduce(X)
+    assert comm.run_ledger.bytes_sent > sent
+    with pytest.raises(ValueError, match=r"replica 2 is not among the quorum's members \[0, 1\]"):
+        comm.reconfigure([0, 1], None)
 
 
 def test_lighthouse_address_is_normalised_and_incarnations_are_told_apart() -> None:
@@ -319,4 +399,9 @@ def test_lighthouse_address_is_normalised_and_incarnations_are_told_apart() -> N
     assert lighthouse_address("http://10.0.0.1:29510/") == "http://10.0.0.1:29510"
     # a restarted worker keeps its number and gets a new uuid from torchft
     assert _incarnations(["gossip_3:b", "gossip_0:a", "gossip_12:c"]) == [(0, "a"), (3, "b"), (12, "c")]
+    # zero-padded names: torchft ranks a quorum's replicas by name, which is then their number
+    from gossip.fault_tolerance import _replica_name
+
+    names = [_replica_name(k) for k in (12, 3, 100, 0)]
+    assert [k for k, _ in _incarnations(sorted(n + ":u" for n in names))] == [0, 3, 12, 100]
     assert _incarnations(["gossip_3:b"]) != _incarnations(["gossip_3:d"])

@@ -307,6 +307,10 @@ class _FTRun:
                 self.gopt = GossipOptimizer([self.model], [self.opt], self.algo)
         except (ValueError, TypeError) as e:
             raise self.RunError(f"--algo {cfg.algorithm.name}: {e}") from None
+        if not type(self.algo).fault_tolerant:  # e.g. MergeComp's schedule of the EF family (--merge)
+            raise self.RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} as configured builds "
+                                f"{type(self.algo).__name__}, which does not run under --fault-tolerance; supported: "
+                                f"{', '.join(SUPPORTED_ALGORITHMS)} (without --merge)")
         if getattr(self.algo.state, "exchange", None) == "sharded":
             raise self.RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} with --compressor "
                                 f"{cfg.algorithm.compressor_spec} uses the sharded exchange, whose shards are owned "

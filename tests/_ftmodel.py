@@ -1,7 +1,7 @@
 """A user's model for the ``--fault-tolerance`` tests (``--model tests._ftmodel:mlp``).
 
 While the file named by ``GOSSIP_TEST_SLOW`` exists, every training forward pass sleeps
-0.1 s: the test slows the survivors down while a restarted worker rejoins, so that the
+0.25 s: the test slows the survivors down while a restarted worker rejoins, so that the
 run cannot end before the rejoin however slow the machine is, and removes the file once
 the rejoin is seen (an event, not a step count).
 """
@@ -24,7 +24,7 @@ class _SlowWhenAsked(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self._flag and os.path.exists(self._flag):
-            time.sleep(0.1)
+            time.sleep(0.25)
         return self.inner(x)
 
 

@@ -20,7 +20,7 @@ discarded (a step a worker died in is retried by all); for each restart the time
 from its start to its heal record and the bytes of state it received; and the steps
 each killed worker missed while it was away.
 
-    sudo python experiments/churn.py --workers 8 --hosts 4 --steps 400 --kill-every 80 --delay 3
+    sudo python experiments/churn.py --workers 8 --hosts 4 --steps 1600 --kill-every 320 --delay 3 --timeout 15
     sudo python experiments/churn.py --quick       # 4 workers on 2 hosts, 150 steps
     sudo python experiments/churn.py --algo dpsgd  # a decentralized run: the ring is rebuilt over the live workers
 """
@@ -201,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--hosts", type=int, default=4)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--kill-every", type=int, default=80, metavar="K")
+    p.add_argument("--steps", type=int, default=1600)
+    p.add_argument("--kill-every", type=int, default=320, metavar="K",
+                   help="steps between kills (a restarted worker must start and rejoin within them)")
     p.add_argument("--delay", type=float, default=3.0, help="seconds before a killed worker is started again")
     p.add_argument("--min-replicas", type=int, default=None, help="default: workers - 1")
     p.add_argument("--model", default="mlp")
@@ -213,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=15.0,
                    help="gossip.train --timeout: also how long a survivor may wait on a dead peer in a collective")
     p.add_argument("--run-timeout", type=float, default=1800.0)
-    p.add_argument("--out", default=None, help="results JSON (default experiments/results/churn-W<w>-H<h>.json)")
+    p.add_argument("--out", default=None,
+                   help="results JSON (default experiments/results/churn-W<w>-H<h>[-<algo>].json)")
     p.add_argument("--work", default="/tmp/gossip-churn", help="run directories")
     p.add_argument("--quick", action="store_true", help="4 workers on 2 hosts, 150 steps, a kill every 50")
     a = p.parse_args(argv)
@@ -241,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
            "kill_every": a.kill_every, "restart_delay_s": a.delay, "min_replicas": a.min_replicas, "algo": a.algo,
            "timeout_s": a.timeout,
            "undisturbed": ref, "churned": churned}
-    out = Path(a.out) if a.out else REPO / "experiments" / "results" / f"churn-W{a.workers}-H{a.hosts}.json"
+    name = f"churn-W{a.workers}-H{a.hosts}" + ("" if a.algo == "allreduce" else f"-{a.algo}")
+    out = Path(a.out) if a.out else REPO / "experiments" / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     _provenance.write(out, res, record)
     print(f"{a.workers} workers on {a.hosts} hosts, {a.steps} steps, a kill every {a.kill_every} steps, "

@@ -497,3 +497,97 @@ def test_the_neighbour_exchange_over_the_quorum_gives_the_simulations_numbers(al
         torch.testing.assert_close(out[i][0][0], Xs[i], rtol=0, atol=1e-6)
         ledger = out[i][1]
         assert ledger.nodes == (members[i],) and ledger.bytes_sent > 0  # counted under the replica's id
+
+
+class _Collectives:
+    """All-reduce and all-gather between in-process ranks (one thread each)."""
+
+    def __init__(self, n: int) -> None:
+        import threading
+
+        self.n, self.barrier, self.slots = n, threading.Barrier(n, timeout=30), [None] * n
+
+    def group(self, rank: int) -> Any:
+        box = self
+
+        class _Done:
+            def wait(self, timeout=None) -> bool:
+                return True
+
+            def is_completed(self) -> bool:
+                return True
+
+        def exchange(t: torch.Tensor) -> list[torch.Tensor]:
+            box.barrier.wait()
+            box.slots[rank] = t.clone()
+            box.barrier.wait()
+            got = list(box.slots)
+            box.barrier.wait()
+            return got
+
+        class _Group:
+            def allreduce(self, tensors, opts):
+                got = exchange(tensors[0])
+                tensors[0].copy_(torch.stack(got).sum(0))
+                return _Done()
+
+            def allgather(self, outs, inputs, opts):
+                for o, g in zip(outs[0], exchange(inputs[0])):
+                    o.copy_(g)
+                return _Done()
+
+        return _Group()
+
+
+@pytest.mark.parametrize("algo, opts", [
+    ("efsgd", {"compressor": "sign", "exchange": "allgather"}),
+    ("powersgd", {}),
+    ("sketched", {}),
+    ("localtopk", {}),
+])
+def test_the_centralized_exchanges_over_the_quorum_give_the_simulations_numbers(algo, opts) -> None:
+    """Three live replicas (ids 1, 3, 4 of 5): all-reduces averaged over the three and
+    all-gathers of their rows give the in-process simulation's directions, step for step,
+    error memories and PowerSGD's Q included."""
+    import threading
+
+    from gossip import algorithms
+    from gossip.comm.simulated import SimulatedCommunicator
+
+    n, d, steps = 3, 64, 3
+    gen = torch.Generator().manual_seed(1)
+    X0 = torch.randn(1, d, generator=gen).expand(n, d).clone()
+    G = [torch.randn(n, d, generator=gen) for _ in range(steps)]
+    layout = algorithms.base.ParamLayout.from_shapes([(8, 8)])
+    sim = algorithms.build(algo, SimulatedCommunicator(None, world_size=n), seed=3, **opts)
+    sim.setup(X0.clone(), layout)
+    want = []
+    for t in range(steps):
+        g = G[t].clone()
+        sim.set_lr(0.1)
+        sim.reduce_gradients(g)
+        want.append(g)
+    coll, members, got = _Collectives(n), [1, 3, 4], {}
+
+    def node(i: int) -> None:
+        from gossip.fault_tolerance import FTCommunicator
+
+        comm = FTCommunicator(_Manager(), coll.group(i), replica=members[i], replicas=5, timeout=30)
+        comm.reconfigure(members, None)
+        a = algorithms.build(algo, comm, seed=3, **opts)
+        a.setup(X0[i:i + 1].clone(), layout)
+        got[i] = []
+        for t in range(steps):
+            g = G[t][i:i + 1].clone()
+            a.set_lr(0.1)
+            a.reduce_gradients(g)
+            got[i].append(g)
+
+    threads = [threading.Thread(target=node, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    for i in range(n):
+        for t in range(steps):
+            torch.testing.assert_close(got[i][t][0], want[t][i], rtol=1e-5, atol=1e-6)

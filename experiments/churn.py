@@ -163,7 +163,6 @@ def _run(vc: VirtualCluster, args: argparse.Namespace, out: Path, churn: bool) -
         lost[k] = len(set(range(1, max(end, args.steps) + 1)) - set(s)) + (len(s) - len(set(s)))
         healed[k] = sum(1 for r in _records(out / f"metrics-rank{k}.jsonl") if "healed_from" in r)
     ends = [r for r in _records(m0) if r.get("event") == "end"]
-    pauses = _pauses(_records(m0), kills, args.workers)
     aborted = {k: ([r.get("aborted_groups") for r in _records(out / f"metrics-rank{k}.jsonl")
                     if r.get("event") == "end"] or [None])[-1] for k in survivors}
     discarded = sum((logs / f).read_text().count("discarded") for f in os.listdir(logs) if f.startswith("w0-"))
@@ -174,6 +173,7 @@ def _run(vc: VirtualCluster, args: argparse.Namespace, out: Path, churn: bool) -
         r["heal_bytes"] = h["bytes"] if h else None
         r["steps_missed"] = (h["step"] - r["killed_at_step"]) if h else None
         r.setdefault("time_to_heal_s", None)
+    pauses = _pauses(_records(m0), kills, [r["healed_at_step"] for r in restarts], args.workers)
     return {"exit_codes": codes, "test_acc": ends[-1]["test_acc"] if ends else None,
             "test_loss": ends[-1]["test_loss"] if ends else None, "wall_s": round(time.monotonic() - t0, 1),
             "survivors": survivors, "survivor_steps_lost": lost,
@@ -181,19 +181,19 @@ def _run(vc: VirtualCluster, args: argparse.Namespace, out: Path, churn: bool) -
             "aborted_groups": aborted, "pauses": pauses, "restarts": restarts}
 
 
-def _pauses(records: list[dict], kills: list[int], workers: int) -> list[dict]:
+def _pauses(records: list[dict], kills: list[int], heals: list[int | None], workers: int) -> list[dict]:
     """For each kill, on worker 0 (never killed): the seconds from its last step before the
-    kill to its first step without the dead worker, and the steps it took without it."""
+    kill to its first step without the dead worker, and the steps it committed without it
+    (until the dead worker's heal, or the end of the run)."""
     steps = [r for r in records if "event" not in r and r.get("loss") is not None]
     out = []
-    for at in kills:
+    for at, healed in zip(kills, heals):
         before = [r for r in steps if r["step"] <= at]
-        fewer = [r for r in steps if r["step"] > at and (r.get("participants") or workers) < workers]
-        back = next((r for r in steps if r["step"] > at and r.get("participants") == workers
-                     and fewer and r["step"] > fewer[0]["step"]), None)
+        fewer = [r for r in steps if r["step"] > at and (healed is None or r["step"] <= healed)
+                 and (r.get("participants") or workers) < workers]
         out.append({"worker0_step": at,
                     "resumed_after_s": round(fewer[0]["time"] - before[-1]["time"], 2) if before and fewer else None,
-                    "steps_without_it": sum(1 for r in fewer if back is None or r["step"] < back["step"])})
+                    "steps_without_it": len(fewer)})
     return out
 
 

@@ -377,6 +377,7 @@ TABLES: dict[str, Table] = {
     # the full benchmark's verdicts; the 4-node pilot's until its results are committed
     "benchmark_verdict": Table(f"{RESULTS}/benchmark.json", _benchmark_verdict, fallback=f"{RESULTS}/benchmark-pilot.json"),
     "churn": Table(f"{RESULTS}/churn-W8-H4.json", _churn),
+    "churn_dpsgd": Table(f"{RESULTS}/churn-W8-H4-dpsgd.json", _churn),
 }
 
 

@@ -337,6 +337,27 @@ def _benchmark_verdict(res: dict) -> str:
     return head + "\n\n" + leaderboard.verdict_table(res)
 
 
+def _churn(res: dict) -> str:
+    """experiments/churn.py: the undisturbed and the churned run, then each restart."""
+    u, c = res["undisturbed"], res["churned"]
+    lost = sum(c["survivor_steps_lost"].values())
+    healed = sum(c["survivor_steps_taken_by_healing"].values())
+    top = _md(["", "undisturbed", "churned"], [
+        ["algorithm, workers on hosts", f"{res.get('algo', 'allreduce')}, {res['workers']} on {res['hosts']}", ""],
+        ["final test accuracy", _f(u["test_acc"], 3), _f(c["test_acc"], 3)],
+        ["steps lost by the workers never killed", "", f"{lost} ({healed} taken by healing from a peer)"],
+        ["steps discarded (a worker died in them)", "", _f(c["steps_discarded_on_worker0"])],
+        ["wall time (s)", _f(u["wall_s"]), _f(c["wall_s"])],
+    ])
+    pauses = c.get("pauses") or [{}] * len(c["restarts"])
+    rows = [[str(r["worker"]), _f(r["killed_at_step"]), _f(p.get("resumed_after_s")), _f(p.get("steps_without_it")),
+             _f(r["healed_at_step"]), _f(r["time_to_heal_s"]), _f(r["heal_bytes"])]
+            for r, p in zip(c["restarts"], pauses)]
+    per = _md(["worker killed", "at step", "survivors resumed after (s)", "steps without it", "healed at step",
+               "time to heal (s)", "state received (bytes)"], rows)
+    return top + "\n\n" + per
+
+
 TABLES: dict[str, Table] = {
     "low_precision": Table(f"{RESULTS}/low_precision.json", _low_precision),
     "bench_step": Table(f"{RESULTS}/bench_step.json", _bench_step),
@@ -355,6 +376,8 @@ TABLES: dict[str, Table] = {
     "gpu_bytes": Table(f"{RESULTS}/gpu_check.json", _gpu_bytes),
     # the full benchmark's verdicts; the 4-node pilot's until its results are committed
     "benchmark_verdict": Table(f"{RESULTS}/benchmark.json", _benchmark_verdict, fallback=f"{RESULTS}/benchmark-pilot.json"),
+    "churn": Table(f"{RESULTS}/churn-W8-H4.json", _churn),
+    "churn_dpsgd": Table(f"{RESULTS}/churn-W8-H4-dpsgd.json", _churn),
 }
 
 

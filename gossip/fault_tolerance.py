@@ -11,18 +11,24 @@ torchft carries and what it does not.
 One step of replica ``k`` (``Manager`` calls in brackets):
 
 1. Join the quorum [``start_quorum``, synchronous]. If the group is ahead (a restart),
-   load a live peer's model, local optimizer and algorithm state and continue from
-   the group's step; the data loader is re-positioned on ``k``'s own shard.
+   load a live peer's model, local optimizer and algorithm state (less the worker's own
+   error-feedback residuals, ``Algorithm.local_state``, which start at zero) and continue
+   from the group's step; the data loader is re-positioned on ``k``'s own shard.
 2. If the participants changed, say who left and who joined in one line and in the
    metrics. Fewer than ``--min-replicas`` participants: wait (said once), and fail in
    one line when ``--timeout`` passes without enough of them.
-3. Forward and backward on ``k``'s next batch; the algorithm reduces the flat gradient
-   through ``FTCommunicator``, whose all-reduce is ``Manager.allreduce``: the
-   mean over this step's participants.
-4. Commit [``should_commit``]: every participant agrees that nobody failed during
+3. When the group was re-formed, take the live replicas as the communicator's members;
+   a decentralized algorithm also rebuilds its graph over them (``--topology`` over the
+   live count, validated; a ring where it cannot be built) and re-establishes its
+   replica state with the new neighbours by a full-precision exchange (setup traffic).
+4. Forward and backward on ``k``'s next batch; the algorithm's exchanges run through
+   :class:`FTCommunicator` over the quorum's process group (all-reduce means are over
+   the step's participants). A failure is reported to the Manager and aborts the group
+   at once, so that every survivor leaves the failed collective.
+5. Commit [``should_commit``]: every participant agrees that nobody failed during
    the step; only then does the local optimizer step and the metrics record it. A
-   step that fails (a peer died mid-all-reduce) is discarded and retried with the
-   new quorum; the loader is put back so that no batch is skipped.
+   step that fails is put back (model, optimizers, algorithm state, loader) and
+   retried with the new quorum.
 
 Workers are started one by one (``python -m gossip.train`` or ``torchrun
 --nproc_per_node 1``) with ``REPLICA_GROUP_ID`` (0 .. N-1, the worker's data shard)
@@ -45,14 +51,14 @@ from urllib.parse import urlsplit
 
 import torch
 
+import topologies
 from gossip import algorithms, data, evaluation, rundir
-from gossip.comm.base import Communicator, Handle, ring_allreduce_bytes, tensor_nbytes
-from gossip.comm.ledger import Ledger
+from gossip._ftcomm import FTCommunicator
+from gossip.comm.base import is_time_varying
 
-__all__ = ["FTCommunicator", "SUPPORTED_ALGORITHMS", "lighthouse_address", "run_fault_tolerant"]
+__all__ = ["FTCommunicator", "SUPPORTED_ALGORITHMS", "lighthouse_address", "live_topology", "run_fault_tolerant"]
 
-#: the algorithms whose every exchange is one all-reduce of a dense vector, which torchft's
-#: managed all-reduce carries over a changing quorum (diloco with a linear compressor only)
+#: the algorithms that run under ``--fault-tolerance`` (``Algorithm.fault_tolerant``)
 SUPPORTED_ALGORITHMS = tuple(n for n in algorithms.available() if algorithms.algorithm_class(n).fault_tolerant)
 #: the environment torchft's examples give each replica group
 REPLICA_ENV, REPLICAS_ENV = "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"
@@ -80,82 +86,6 @@ def lighthouse_address(value: str) -> str:
     return f"http://{host}:{port}"
 
 
-# --------------------------------------------------------------------------------------
-# the communicator: the step's collectives over torchft's managed process group
-# --------------------------------------------------------------------------------------
-class _ManagedHandle(Handle):
-    def __init__(self, work: Any, Y: torch.Tensor) -> None:
-        self._work, self._Y = work, Y
-
-    def wait(self) -> torch.Tensor:
-        self._work.wait()  # an error is reported to the Manager: should_commit() says False
-        return self._Y.view(1, -1)
-
-    def is_completed(self) -> bool:
-        return bool(self._work.is_completed())
-
-
-class FTCommunicator(Communicator):
-    """One replica's collectives over the quorum of the step, through a torchft Manager.
-
-    ``all_reduce`` is ``Manager.allreduce``: the sum, or the mean over the step's
-    participants (not over the configured number of replicas). An error during it
-    (a peer died) does not raise here: torchft records it and the step's
-    ``should_commit()`` returns False, so the caller discards the step.
-
-    Only all-reduce is carried. torchft's process group is re-formed per quorum and
-    offers collectives, not the point-to-point sends a gossip neighbour exchange
-    needs; ``neighbor_exchange``, ``all_gather`` and ``broadcast`` raise.
-
-    Args:
-        manager: the replica's ``torchft.Manager`` (its group has one rank).
-        replica: this replica's id ``k`` in ``0 .. replicas-1``.
-        replicas: the number of replicas the run was configured with.
-        membership: a callable returning the replica ids of the current quorum (for
-            the ledger's ring model of who sends to whom).
-    """
-
-    topology = None
-
-    def __init__(self, manager: Any, replica: int, replicas: int, membership: Any) -> None:
-        self.manager, self.replica, self._members = manager, int(replica), membership
-        self.world_size = int(replicas)
-        self.rank = int(replica)
-        self.nodes = torch.tensor([self.replica])
-        self.ledger = Ledger(nodes=(self.replica,), world_size=self.world_size)
-
-    def all_reduce_async(self, X: torch.Tensor, op: str = "sum", *, record: bool = True) -> Handle:
-        from torch.distributed import ReduceOp
-
-        self._check_reduce(X, op)
-        with self.ledger.phase("communicate"):
-            Y = X[0].clone(memory_format=torch.contiguous_format)
-            work = self.manager.allreduce(Y, reduce_op=ReduceOp.AVG if op == "mean" else ReduceOp.SUM)
-            members = sorted(self._members())
-            if record and len(members) > 1 and self.replica in members:
-                # ring model over the step's participants: to the successor, from the predecessor
-                i, n = members.index(self.replica), len(members)
-                nbytes = ring_allreduce_bytes(tensor_nbytes(X), n)
-                self.ledger.record(self.replica, members[(i + 1) % n], nbytes, op="all_reduce")
-                self.ledger.record(members[(i - 1) % n], self.replica, nbytes, op="all_reduce")
-            self.ledger.count("all_reduce")
-        return _ManagedHandle(work, Y)
-
-    def _refuse(self, what: str) -> Handle:
-        raise NotImplementedError(
-            f"{what} is not carried under --fault-tolerance: torchft's managed process group offers the "
-            f"all-reduce of the step's participants only (supported: {', '.join(SUPPORTED_ALGORITHMS)})")
-
-    def neighbor_exchange_async(self, P: torch.Tensor, *, record: bool = True, step: int | None = None) -> Handle:
-        return self._refuse("the neighbour exchange")
-
-    def all_gather_async(self, X: torch.Tensor, *, record: bool = True) -> Handle:
-        return self._refuse("all_gather")
-
-    def broadcast_async(self, X: torch.Tensor, src: int, *, record: bool = True) -> Handle:
-        return self._refuse("broadcast")
-
-
 class _QuorumWatch:
     """torchft's ``ManagerClient``, remembering the replica ids of the latest quorum.
 
@@ -168,10 +98,13 @@ class _QuorumWatch:
         self._client = client
         self.replica_ids: list[str] = []
         self.max_step = 0  # the group's step: the highest step among the quorum's replicas
+        self.quorum_id: int | None = None  # changes when the group is re-formed
+        self.replica_rank = -1  # this replica's rank in the re-formed group
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         quorum = self._client._quorum(*args, **kwargs)
         self.replica_ids, self.max_step = list(quorum.replica_ids), int(quorum.max_step)
+        self.quorum_id, self.replica_rank = int(quorum.quorum_id), int(quorum.replica_rank)
         return quorum
 
     def __getattr__(self, name: str) -> Any:
@@ -243,11 +176,10 @@ class _FTRun:
 
         self.cfg, self.loop, self.RunError = cfg, loop, loop.RunError
         algo = cfg.algorithm.name
+        self.decentralized = algorithms.is_decentralized(algo)
         if algo not in SUPPORTED_ALGORITHMS:
-            kind = "decentralized: rebuilding the topology over the live nodes is not built yet" \
-                if algorithms.is_decentralized(algo) else "its exchanges are not all-reduces of dense vectors"
-            raise self.RunError(f"--fault-tolerance supports --algo {', '.join(SUPPORTED_ALGORITHMS)} so far, "
-                                f"got --algo {algo} ({kind}; see docs/fault-tolerance.md)")
+            raise self.RunError(f"--fault-tolerance supports --algo {', '.join(SUPPORTED_ALGORITHMS)}, got --algo "
+                                f"{algo} (see docs/fault-tolerance.md)")
         if cfg.comm.simulate is not None:
             raise self.RunError("--fault-tolerance runs one worker per process: do not combine it with --simulate")
         if cfg.run.out is None:
@@ -265,10 +197,14 @@ class _FTRun:
         if self.min_replicas > self.replicas:
             raise self.RunError(f"--min-replicas {self.min_replicas} exceeds the {self.replicas} replicas of "
                                 f"{REPLICAS_ENV}; accepted: 1 .. {self.replicas}")
+        if self.decentralized and self.min_replicas < 2:
+            raise self.RunError(f"--algo {algo} is decentralized: --min-replicas must be at least 2 (a graph needs "
+                                f"two live nodes), got {self.min_replicas}")
         self.out = Path(cfg.run.out)
         self.device = torch.device("cpu") if cfg.comm.device != "cuda" else torch.device("cuda")
         self.members: list[tuple[int, str]] = []
-        self.heal_bytes, self.heal_source = 0, -1
+        self.heal_bytes, self.heal_source, self.heal_reset = 0, -1, []
+        self.built_quorum: int | None = None  # the quorum the topology and replica state were built for
 
     # --- state a healing peer receives: model, local optimizer, algorithm -------------
     def _state(self) -> dict:
@@ -278,7 +214,23 @@ class _FTRun:
         return copy.deepcopy({"gossip": self.gopt.state_dict(), "replica": self.replica})
 
     def _load(self, sd: dict) -> None:
-        self.gopt.load_state_dict(sd["gossip"])
+        state, algo = sd["gossip"], self.algo
+        if self.decentralized:
+            # the replica state of a graph is rebuilt with the new neighbours right after the
+            # quorum (a full-precision exchange); from the peer: its model, local optimizer,
+            # step counters and the algorithm's iteration t
+            with torch.no_grad():
+                self.gopt.flat.data.copy_(state["params"])
+            for opt, osd in zip(self.gopt.optimizers, state["optimizers"]):
+                opt.load_state_dict(osd)
+            self.gopt.steps = int(state["steps"])
+            algo.state.t = int(state["algorithm"]["t"])
+            self.built_quorum = None
+        else:
+            self.gopt.load_state_dict(state)
+            for name in algo.local_state:  # this worker's own residual died with it
+                getattr(algo.state, name).zero_()
+        self.heal_reset = list(algo.local_state)
         self.heal_bytes = sum(int(t.numel() * t.element_size()) for t in _tensors(sd))
         self.heal_source = int(sd["replica"])
 
@@ -293,12 +245,9 @@ class _FTRun:
     def _say(self, line: str) -> None:
         print(f"[replica {self.replica}] {line}", file=sys.stderr, flush=True)
 
+    # --- construction ---------------------------------------------------------------
     def run(self) -> dict | None:
-        from torchft import Manager
-        from torch.distributed import TCPStore
-
         cfg, loop = self.cfg, self.loop
-        _wait_for_lighthouse(self.addr, self.timeout, self.RunError)
         self.dataset = loop._build_dataset(cfg)
         torch.manual_seed(cfg.run.seed)  # x_1 identical on every replica
         self.model = loop._build_model(cfg, self.dataset, self.device)
@@ -312,163 +261,278 @@ class _FTRun:
         if self.replica == 0 and not rundir.config_path(self.out).exists():
             record = {**cfg.to_dict(), "fault_tolerance_replicas": self.replicas}
             rundir.write_json(rundir.config_path(self.out), record)
-        host = os.environ.get(HOST_ENV) or socket.gethostname()
-        td = _dt.timedelta(seconds=self.timeout)
-        # the replica group's own store (a group of one rank): torchft's Manager expects it started
-        store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False, timeout=td)
-        from torchft.process_group import ProcessGroupGloo
-
-        self.pg = ProcessGroupGloo(timeout=td)  # re-configured by the Manager at every quorum change
-        self.manager = Manager(
-            pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=self.min_replicas,
-            use_async_quorum=False,  # heal before the forward pass: a restarted replica takes part at once
-            # a survivor may spend up to --timeout stuck in a collective on a dead peer before it
-            # asks for the next quorum: the others' quorum wait must outlast that
-            timeout=td, quorum_timeout=3 * td, connect_timeout=td, rank=0, world_size=1,
-            store_addr=host, store_port=store.port, lighthouse_addr=self.addr, replica_id=f"gossip_{self.replica}",
-            hostname=host, init_sync=False,  # x_1 is identical by the seed
-            checkpoint_transport=_checkpoint_transport(host, td),
-        )
-        self.watch = self.manager._client = _QuorumWatch(self.manager._client)
-        self.comm = FTCommunicator(self.manager, self.replica, self.replicas,
-                                   lambda: [k for k, _ in _incarnations(self.watch.replica_ids)])
-        self.algo = loop._build_algorithm(cfg, self.comm)
-        from gossip.runtime import GossipOptimizer
-
-        try:
-            self.gopt = GossipOptimizer([self.model], [self.opt], self.algo)
-        except (ValueError, TypeError) as e:
-            raise self.RunError(f"--algo {cfg.algorithm.name}: {e}") from None
-        if getattr(self.algo, "collective", "all_reduce") != "all_reduce":
-            raise self.RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} with --compressor "
-                                f"{cfg.algorithm.compressor_spec} all-gathers its payloads, which torchft's Manager "
-                                "does not carry; use a linear compressor (identity, randomk, randomblock)")
+        # the algorithm is built (and refused, in one line) before anything connects
+        self.comm = FTCommunicator(None, None, self.replica, self.replicas, self.timeout)
+        self._build_optimizer()
+        _wait_for_lighthouse(self.addr, self.timeout, self.RunError)
+        self._start_manager()
         try:
             return self._train()
         finally:
             self.manager.shutdown(wait=False)
 
-    def _train(self) -> dict | None:
-        cfg, loop = self.cfg, self.loop
-        steps_per_epoch = len(self.shards[self.replica]) // cfg.data.batch_size or 1
-        total = cfg.run.epochs * steps_per_epoch
-        stop = total if cfg.run.max_steps is None else min(total, cfg.run.max_steps)
-        metrics = rundir.MetricsWriter(rundir.metrics_path(self.out, self.replica), keep_until=2**62)  # append
-        self._position_loader(0)
-        loader_step, t0, waiting_since, said_wait = 0, time.perf_counter(), None, False
-        stepped = False  # has this process committed a step (a restarted one has not, before it heals)
+    def _start_manager(self) -> None:
+        from torch.distributed import TCPStore
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        host = os.environ.get(HOST_ENV) or socket.gethostname()
+        td = _dt.timedelta(seconds=self.timeout)
+        # the replica group's own store (a group of one rank): torchft's Manager expects it started
+        self.store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False, timeout=td)
+        self.pg = ProcessGroupGloo(timeout=td)  # re-configured by the Manager at every quorum change
+        self.manager = Manager(
+            pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=self.min_replicas,
+            use_async_quorum=False,  # heal before the forward pass: a restarted replica takes part at once
+            # a survivor may spend up to --timeout stuck in a collective on a peer that died without
+            # closing its connections before it asks for the next quorum: the others' wait must outlast that
+            timeout=td, quorum_timeout=3 * td, connect_timeout=td, rank=0, world_size=1,
+            store_addr=host, store_port=self.store.port, lighthouse_addr=self.addr,
+            replica_id=_replica_name(self.replica), hostname=host, init_sync=False,  # x_1 is identical by the seed
+            checkpoint_transport=_checkpoint_transport(host, td),
+        )
+        self.watch = self.manager._client = _QuorumWatch(self.manager._client)
+        self.comm.attach(self.manager, self.pg)
+
+    def _build_optimizer(self) -> None:
+        from gossip.runtime import GossipOptimizer
+
+        cfg = self.cfg
+        # a placeholder membership (all replicas) until the first quorum
+        self.comm.reconfigure(list(range(self.replicas)),
+                              self._topology(self.replicas)[0] if self.decentralized else None)
+        self.algo = self.loop._build_algorithm(cfg, self.comm)
         try:
-            while (step := self.manager.current_step()) < stop:
-                # 1. the quorum of this step; healing happens inside when the group is ahead
-                try:
-                    self.manager.start_quorum()
-                except Exception as e:  # the Lighthouse did not form a quorum within --timeout
-                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                    raise self.RunError(
-                        f"--fault-tolerance {self.addr}: no quorum of --min-replicas {self.min_replicas} formed "
-                        f"within 3 x --timeout ({3 * self.timeout:g} s) at step {step} ({first[:200]})") from None
-                if self.manager.current_step() != step:  # healed from a live peer
-                    self._say(f"healed from replica {self.heal_source} at step {self.manager.current_step()} "
-                              f"(was at step {step}; {self.heal_bytes:,} bytes of state received)")
-                    metrics.write({"event": "heal", "step": self.manager.current_step(), "from_step": step,
-                                   "source": self.heal_source, "bytes": self.heal_bytes})
-                    if stepped:  # a live worker that fell behind (its vote said no where others' said yes):
-                        # the steps it took by healing are recorded once, as healed, with no loss of its own
-                        for s_ in range(step + 1, self.manager.current_step() + 1):
-                            if s_ % cfg.run.log_every == 0 or s_ == stop:
-                                metrics.write({"step": s_, "loss": None, "healed_from": self.heal_source,
-                                               "participants": None, "time": time.perf_counter() - t0})
-                    step = self.manager.current_step()
-                if loader_step != step:
-                    self._position_loader(step)
-                    loader_step = step
-                # 2. who is here
-                members = _incarnations(self.watch.replica_ids)
-                if members != self.members:  # a restarted worker is a new incarnation: left and joined
-                    left = sorted(k for k, u in self.members if (k, u) not in members)
-                    joined = sorted(k for k, u in members if (k, u) not in self.members) if self.members else []
-                    ids = [k for k, _ in members]
-                    self._say(f"quorum at step {step}: {len(ids)} replicas {ids}"
-                              f" (left: {left or 'none'}; joined: {joined or 'none'})")
-                    metrics.write({"event": "quorum", "step": step, "replicas": ids, "left": left,
-                                   "joined": joined})
-                    self.members = members
-                n = self.manager.num_participants()
-                # the first step waits for every configured worker (as a torchrun rendezvous
-                # would); later steps go on with --min-replicas of them
-                if n < self.min_replicas:
-                    need, what = self.min_replicas, f"--min-replicas {self.min_replicas}"
-                else:
-                    # (the group's step, not this worker's: a restarted worker whose healing failed
-                    # is at 0 while the group is not, and retries below)
-                    start = step == 0 and self.watch.max_step == 0
-                    need, what = (self.replicas if start else n), f"all {REPLICAS_ENV}={self.replicas} to start"
-                if n < need:
-                    waiting_since = waiting_since or time.monotonic()
-                    if not said_wait:
-                        self._say(f"waiting: the quorum has {n} of {need} replicas ({what})")
-                        said_wait = True
-                    if time.monotonic() - waiting_since > self.timeout:
-                        raise self.RunError(
-                            f"{what}: only {n} replica(s) in the quorum for --timeout {self.timeout:g} s at step "
-                            f"{step}; start more workers" + (" or lower --min-replicas" if need == self.min_replicas
-                                                             else ""))
-                    # no step: the commit vote says no (it would otherwise count a step not taken)
-                    self.manager.report_error(RuntimeError("waiting for replicas"))
-                    self.manager.should_commit()
-                    time.sleep(0.2)
+            with self.comm.offline():  # the replica state is built with the first quorum's neighbours
+                self.gopt = GossipOptimizer([self.model], [self.opt], self.algo)
+        except (ValueError, TypeError) as e:
+            raise self.RunError(f"--algo {cfg.algorithm.name}: {e}") from None
+        if not type(self.algo).fault_tolerant:  # e.g. MergeComp's schedule of the EF family (--merge)
+            raise self.RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} as configured builds "
+                                f"{type(self.algo).__name__}, which does not run under --fault-tolerance; supported: "
+                                f"{', '.join(SUPPORTED_ALGORITHMS)} (without --merge)")
+        if getattr(self.algo.state, "exchange", None) == "sharded":
+            raise self.RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} with --compressor "
+                                f"{cfg.algorithm.compressor_spec} uses the sharded exchange, whose shards are owned "
+                                "by rank and would be re-assigned at every quorum change; add --algo-opt "
+                                "exchange=allgather")
+
+    # --- the topology over the live replicas ------------------------------------------
+    def _topology(self, n: int) -> tuple[Any, str | None]:
+        return live_topology(self.cfg, n)
+
+    def _rebuild(self, ids: list[int], step: int, metrics: Any) -> None:
+        """Every quorum: the communicator's live members; for a decentralized algorithm the
+        graph over them and the replica state (DCD/ECD replicas, CHOCO's x-hat) re-established
+        with the new neighbours by a full-precision exchange, counted as setup traffic."""
+        if ids.index(self.replica) != self.watch.replica_rank:  # torchft's order of ranks is not ours
+            self.manager.report_error(RuntimeError(f"replica {self.replica} is rank {self.watch.replica_rank} of the "
+                                                   f"group, expected {ids.index(self.replica)} of {ids}"))
+            return
+        if not self.decentralized:
+            self.comm.reconfigure(ids, None)
+            self.built_quorum = self.watch.quorum_id
+            return
+        topo, why = self._topology(len(ids))
+        if why is not None:
+            self._say(f"--topology {self.cfg.comm.topology} cannot be built on the {len(ids)} live replicas: {why}")
+        self.comm.reconfigure(ids, topo)
+        t = self.algo.state.t
+        algo = self.loop._build_algorithm(self.cfg, self.comm)
+        before = self.comm.run_ledger.setup_bytes_sent
+        with self.comm.ledger.setup():
+            algo.setup(self.gopt.flat.data, self.gopt.layout)
+        algo.state.t = t
+        self.algo = self.gopt.algorithm = algo
+        if self.manager.errored() is not None:
+            return  # the exchange failed: the step is discarded and the next quorum rebuilds again
+        self.built_quorum = self.watch.quorum_id
+        gap = _spectral_gap(topo)
+        setup = self.comm.run_ledger.setup_bytes_sent - before
+        self._say(f"topology at step {step}: {topo.name} over replicas {ids}"
+                  + (f", spectral gap {gap:.4g}" if gap is not None else "")
+                  + f"; replica state re-established ({setup:,} bytes sent, setup traffic)")
+        metrics.write({"event": "topology", "step": step, "replicas": ids, "topology": topo.name,
+                       "spectral_gap": gap, "fallback": why, "setup_bytes_sent": setup})
+
+    # --- the steps --------------------------------------------------------------------
+    def _train(self) -> dict | None:
+        cfg = self.cfg
+        steps_per_epoch = len(self.shards[self.replica]) // cfg.data.batch_size or 1
+        self.total = cfg.run.epochs * steps_per_epoch
+        self.stop = self.total if cfg.run.max_steps is None else min(self.total, cfg.run.max_steps)
+        self.metrics = rundir.MetricsWriter(rundir.metrics_path(self.out, self.replica), keep_until=2**62)  # append
+        self._position_loader(0)
+        self.loader_step, self.t0, self.waiting_since, self.said_wait = 0, time.perf_counter(), None, False
+        self.stepped = False  # has this process committed a step (a restarted one has not, before it heals)
+        try:
+            while (step := self.manager.current_step()) < self.stop:
+                step = self._quorum(step)
+                n = self._membership(step)
+                if not self._enough(n, step):
                     continue
-                waiting_since, said_wait = None, False
-                if self.manager.errored() is not None:  # e.g. re-forming the group or healing failed
+                if self.watch.quorum_id != self.built_quorum and self.manager.errored() is None:
+                    self._rebuild([k for k, _ in self.members], step, self.metrics)
+                if self.manager.errored() is not None:  # re-forming the group, healing or rebuilding failed
                     self.manager.should_commit()  # says no: the next quorum retries
                     self._say(f"step {step + 1} skipped ({str(self.manager.errored())[:120]}); retrying")
                     continue
-                # 3. the local gradient, reduced over the step's participants
-                saved = self.loader.state_dict()
-                x, y = self.loader.next_batch()
-                lr = loop._lr_at(cfg, step, total)
-                for g in self.opt.param_groups:
-                    g["lr"] = lr
-                self.model.train()
-                self.opt.zero_grad(set_to_none=False)
-                loss = evaluation.loss_fn(self.dataset.task)(self.model(x), y)
-                loss.backward()
-                self.algo.set_lr(lr)
-                if self.algo.acts_on == "gradient":
-                    G = self.gopt.flat.gather_grads()
-                    self.algo.reduce_gradients(G)
-                    snapshot = None
-                else:  # the algorithm changes the model in its step: keep what to go back to
-                    snapshot = copy.deepcopy(self.gopt.state_dict())
-                    self.gopt.step()
-                # 4. commit only if every participant got through the step
-                if self.manager.should_commit():
-                    if snapshot is None:
-                        self.gopt.flat.scatter_grads(G)
-                        self.opt.step()
-                        self.gopt.steps += 1
-                        self.algo.on_step_end(self.gopt.steps)
-                    loader_step, stepped = step + 1, True
-                    done = self.manager.current_step()
-                    if done % cfg.run.log_every == 0 or done == stop:
-                        metrics.write({"step": done, "loss": loss.item(), "lr": lr, "participants": n,
-                                       "time": time.perf_counter() - t0,
-                                       "bytes_sent": int(self.comm.ledger.bytes_sent)})
-                else:
-                    if snapshot is not None:
-                        self.gopt.load_state_dict(snapshot)
-                    self.loader.load_state_dict(saved)  # the batch is retried in the next quorum
-                    self._say(f"step {step + 1} discarded (a participant failed); retrying with a new quorum")
-            end = {"event": "end", "step": self.manager.current_step(),
-                   **evaluation.test_metrics(self.model, self.dataset, self.device), "time": time.perf_counter() - t0}
-            metrics.write(end)
-            torch.save({"params": self.gopt.flat.data[0].detach().clone(), "step": end["step"]},
-                       self.out / f"model-replica{self.replica}.pt")
+                self._step(step, n)
+            return self._finish()
         finally:
-            metrics.close()
+            self.metrics.close()
+
+    def _quorum(self, step: int) -> int:
+        """Step 1: join the step's quorum (healing inside it when the group is ahead); the step."""
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # the Lighthouse did not form a quorum within 3 x --timeout
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise self.RunError(
+                f"--fault-tolerance {self.addr}: no quorum of --min-replicas {self.min_replicas} formed "
+                f"within 3 x --timeout ({3 * self.timeout:g} s) at step {step} ({first[:200]})") from None
+        now = self.manager.current_step()
+        if now != step:  # healed from a live peer
+            reset = f"; its own {', '.join(self.heal_reset)} started at zero" if self.heal_reset else ""
+            self._say(f"healed from replica {self.heal_source} at step {now} (was at step {step}; "
+                      f"{self.heal_bytes:,} bytes of state received{reset})")
+            self.metrics.write({"event": "heal", "step": now, "from_step": step, "source": self.heal_source,
+                                "bytes": self.heal_bytes, "reset": self.heal_reset})
+            if self.stepped:  # a live worker that fell behind (its vote said no where others' said yes):
+                # the steps it took by healing are recorded once, as healed, with no loss of its own
+                for s_ in range(step + 1, now + 1):
+                    if s_ % self.cfg.run.log_every == 0 or s_ == self.stop:
+                        self.metrics.write({"step": s_, "loss": None, "healed_from": self.heal_source,
+                                            "participants": None, "time": time.perf_counter() - self.t0})
+        if self.loader_step != now:
+            self._position_loader(now)
+            self.loader_step = now
+        return now
+
+    def _membership(self, step: int) -> int:
+        """Step 2: say who left and who joined, once per change; the step's participants."""
+        members = _incarnations(self.watch.replica_ids)
+        if members != self.members:  # a restarted worker is a new incarnation: left and joined
+            left = sorted(k for k, u in self.members if (k, u) not in members)
+            joined = sorted(k for k, u in members if (k, u) not in self.members) if self.members else []
+            ids = [k for k, _ in members]
+            self._say(f"quorum at step {step}: {len(ids)} replicas {ids}"
+                      f" (left: {left or 'none'}; joined: {joined or 'none'})")
+            self.metrics.write({"event": "quorum", "step": step, "replicas": ids, "left": left, "joined": joined})
+            self.members = members
+        return self.manager.num_participants()
+
+    def _enough(self, n: int, step: int) -> bool:
+        """Fewer participants than needed: vote no, wait (said once), fail at --timeout."""
+        # the first step waits for every configured worker (as a torchrun rendezvous would);
+        # later steps go on with --min-replicas of them
+        if n < self.min_replicas:
+            need, what = self.min_replicas, f"--min-replicas {self.min_replicas}"
+        else:
+            # (the group's step, not this worker's: a restarted worker whose healing failed
+            # is at 0 while the group is not, and retries)
+            start = step == 0 and self.watch.max_step == 0
+            need, what = (self.replicas if start else n), f"all {REPLICAS_ENV}={self.replicas} to start"
+        if n >= need:
+            self.waiting_since, self.said_wait = None, False
+            return True
+        self.waiting_since = self.waiting_since or time.monotonic()
+        if not self.said_wait:
+            self._say(f"waiting: the quorum has {n} of {need} replicas ({what})")
+            self.said_wait = True
+        if time.monotonic() - self.waiting_since > self.timeout:
+            raise self.RunError(
+                f"{what}: only {n} replica(s) in the quorum for --timeout {self.timeout:g} s at step {step}; start "
+                f"more workers" + (" or lower --min-replicas" if need == self.min_replicas else ""))
+        # no step: the commit vote says no (it would otherwise count a step not taken)
+        self.manager.report_error(RuntimeError("waiting for replicas"))
+        self.manager.should_commit()
+        time.sleep(0.2)
+        return False
+
+    def _step(self, step: int, n: int) -> None:
+        """Steps 3 and 4: the local gradient, the algorithm's exchange over the step's
+        participants, and the commit; a step that fails anywhere is put back entirely."""
+        cfg, algo = self.cfg, self.algo
+        saved = self.loader.state_dict()
+        x, y = self.loader.next_batch()
+        lr = self.loop._lr_at(cfg, step, self.total)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.model.train()
+        self.opt.zero_grad(set_to_none=False)
+        loss = evaluation.loss_fn(self.dataset.task)(self.model(x), y)
+        loss.backward()
+        algo.set_lr(lr)
+        if algo.acts_on == "gradient":  # its memories (error feedback, Q) change: keep what to go back to
+            snapshot = {"algorithm": algo.state_dict()}
+            G = self.gopt.flat.gather_grads()
+            algo.reduce_gradients(G)
+        else:  # the algorithm changes the model in its step
+            snapshot = copy.deepcopy(self.gopt.state_dict())
+            self.gopt.step()
+        if not self.manager.should_commit():
+            if "params" in snapshot:
+                self.gopt.load_state_dict(snapshot)
+            else:
+                algo.load_state_dict(snapshot["algorithm"])
+            self.loader.load_state_dict(saved)  # the batch is retried in the next quorum
+            self._say(f"step {step + 1} discarded (a participant failed); retrying with a new quorum")
+            return
+        if algo.acts_on == "gradient":
+            self.gopt.flat.scatter_grads(G)
+            self.opt.step()
+            self.gopt.steps += 1
+            algo.on_step_end(self.gopt.steps)
+        self.loader_step, self.stepped = step + 1, True
+        done = self.manager.current_step()
+        if done % cfg.run.log_every == 0 or done == self.stop:
+            self.metrics.write({"step": done, "loss": loss.item(), "lr": lr, "participants": n,
+                                "time": time.perf_counter() - self.t0,
+                                "bytes_sent": int(self.comm.run_ledger.bytes_sent),
+                                "setup_bytes_sent": int(self.comm.run_ledger.setup_bytes_sent)})
+
+    def _finish(self) -> dict:
+        end = {"event": "end", "step": self.manager.current_step(),
+               **evaluation.test_metrics(self.model, self.dataset, self.device),
+               "time": time.perf_counter() - self.t0, "aborted_groups": self.comm.aborts}
+        self.metrics.write(end)
+        torch.save({"params": self.gopt.flat.data[0].detach().clone(), "step": end["step"]},
+                   self.out / f"model-replica{self.replica}.pt")
         if self.replica == 0:
             print(json.dumps(end), flush=True)
         return end
+
+
+def live_topology(cfg: Any, n: int) -> tuple[Any, str | None]:
+    """The run's ``--topology`` over ``n`` live replicas, and None; or, where it cannot be
+    built on ``n`` nodes (a torus of 7), a ring (of two nodes: the complete graph) and why.
+
+    The builders validate W (symmetric, doubly stochastic, connected) before it is used;
+    an expander is re-drawn with the run's seed over the live count, and a time-varying
+    graph (``onepeer-exp``, ``matching``) is built over the live set.
+    """
+    from gossip import loop
+
+    try:
+        return loop._build_topology(cfg, n), None
+    except loop.RunError as e:
+        fallback = "ring" if n >= 3 else "complete"
+        return topologies.build(fallback, n), f"{e}; falling back to {fallback}"
+
+
+def _replica_name(k: int) -> str:
+    """torchft's replica id of replica ``k``: zero-padded, so that torchft's order of the
+    group's ranks (by replica id, as strings) is the numeric order of ``k``."""
+    return f"gossip_{k:05d}"
+
+
+def _spectral_gap(topo: Any) -> float | None:
+    """1 - rho of a static graph; None for a time-varying one (no single W)."""
+    try:
+        return None if is_time_varying(topo) else float(topo.spectral_gap)
+    except Exception:  # noqa: BLE001 - a figure for the log, never a reason to stop
+        return None
 
 
 def _tensors(obj: Any):

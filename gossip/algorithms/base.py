@@ -227,9 +227,15 @@ class Algorithm:
     #: True where MergeComp (``merge=``) can schedule the algorithm group by group: the
     #: error-feedback family whose Config MergeComp's own mirrors
     mergeable: ClassVar[bool] = False
-    #: True where every exchange is one all-reduce of a dense vector, which torchft's managed
-    #: all-reduce carries over a changing quorum (``--fault-tolerance``; gossip.fault_tolerance)
+    #: True where the algorithm runs under ``--fault-tolerance`` (gossip.fault_tolerance): its
+    #: exchanges are all-reduces or all-gathers over the live replicas, or (decentralized)
+    #: neighbour exchanges on a topology rebuilt over them, whose replica state ``setup``
+    #: re-establishes from the models; a rank-owned sharded exchange is not carried
     fault_tolerant: ClassVar[bool] = False
+    #: State fields that belong to this worker alone (error-feedback residuals): a worker
+    #: that heals from a live peer takes everything else from the peer and starts these at
+    #: zero, since the peer's residual is not its own and would be counted twice
+    local_state: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any, comm: Any) -> None:
         topo = comm.topology

@@ -164,6 +164,7 @@ class Choco(_Gossip):
     """
 
     name = "choco"
+    fault_tolerant = True
     Config = ChocoConfig
     state_copies = 9
     summary = "CHOCO-SGD (Koloskova et al. 2019): compressed gossip that takes biased compressors (top-k, sign)"

@@ -354,6 +354,7 @@ class DPSGD(_Gossip):
     """
 
     name = "dpsgd"
+    fault_tolerant = True
     Config = DPSGDConfig
     state_copies = 5
     summary = "D-PSGD: exchange full-precision models with neighbours"
@@ -387,6 +388,7 @@ class Naive(_Gossip):
     """
 
     name = "naive"
+    fault_tolerant = True
     Config = NaiveConfig
     state_copies = 5
     summary = "D-PSGD sending compressed models (Tang et al. 2018, arXiv:1803.06443, Fig. 1 baseline; does not converge)"
@@ -413,6 +415,7 @@ class DCD(_Gossip):
     """
 
     name = "dcd"
+    fault_tolerant = True
     Config = DCDConfig
     state_copies = 8
     summary = "DCD-PSGD (Tang et al. 2018, arXiv:1803.06443, Alg. 1): exchange compressed model differences"
@@ -450,6 +453,7 @@ class ECD(_Gossip):
     """
 
     name = "ecd"
+    fault_tolerant = True
     Config = ECDConfig
     state_copies = 9
     summary = "ECD-PSGD (Tang et al. 2018, arXiv:1803.06443, Alg. 2): exchange compressed extrapolations"

@@ -133,6 +133,8 @@ class EFMomentum(ExchangeMixin, _Centralized):
     module docstring."""
 
     name = "efmomentum"
+    fault_tolerant = True
+    local_state = ("error",)  # the worker's own residual: a healed worker starts it at zero
     Config = EFMomentumConfig
     summary = (
         "EF-SGD with momentum (Vogels et al. 2019, arXiv:1905.13727, Alg. 2) around Random Block, Random K, "

@@ -306,6 +306,8 @@ class DistEFSGD(_TwoWay):
     """dist-EF-SGD / -blockSGD / -blockSGDM; see the module docstring for the steps."""
 
     name = "efsgd"
+    fault_tolerant = True
+    local_state = ("error",)  # the worker's own residual: a healed worker starts it at zero
     Config = EFSGDConfig
     mergeable = True
     summary = "dist-EF-SGD (Zheng et al. 2019, arXiv:1905.10936, Alg. 2): two-way compression with worker and server error feedback"
@@ -401,6 +403,7 @@ class SignSGD(_TwoWay):
     docstring for the steps."""
 
     name = "signsgd"
+    fault_tolerant = True
     Config = SignSGDConfig
     summary = "signSGD with majority vote (baseline of Zheng et al. 2019 (arXiv:1905.10936)): 1-bit pushes, no error feedback"
 

@@ -187,6 +187,8 @@ class PowerSGD(_Centralized):
     """Rank-r PowerSGD with error feedback and momentum; steps in the module docstring."""
 
     name = "powersgd"
+    fault_tolerant = True
+    local_state = ("error",)  # e_w, the worker's own residual; Q is shared and comes from the peer
     Config = PowerSGDConfig
     summary = "PowerSGD (Vogels et al. 2019, arXiv:1905.13727): rank-r power iteration, warm start, error feedback, momentum"
 

@@ -190,6 +190,9 @@ class TopKState:
 
 
 class _TopKFamily(_Centralized):
+    fault_tolerant = True
+    local_state = ("v",)  # the worker's own error accumulation: a healed worker starts it at zero
+
     def __init__(self, config: Any, comm: Any) -> None:
         super().__init__(config, comm)
         self.unc_index = torch.zeros(0, dtype=torch.int64)

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _provenance  # noqa: E402
 
 from gossip import comm as gcomm
-from gossip import data, loop
+from gossip import assembly, data, loop
 from gossip.config import parse_args
 
 FEATURES, CLASSES, BATCH = 40, 10, 32
@@ -67,9 +67,9 @@ def build(n: int, model: str, mode: str, ds: data.Dataset, out: Path, device: st
             "--model", model, "--data", "synthetic", "--batch-size", str(BATCH), "--epochs", str(epochs),
             "--lr", "0.05", "--log-every", "1000000", "--no-progress", "--device", device, "--out", str(out)]
     cfg = parse_args(argv)
-    env = loop._Env(world_size=n, distributed=False, rank=0)
-    topo = loop._build_topology(cfg, n)
-    dev = loop._device(cfg, env)
+    env = assembly.Env(world_size=n, distributed=False, rank=0)
+    topo = assembly.build_topology(cfg, n)
+    dev = assembly.choose_device(cfg, env)
     comm = gcomm.SimulatedCommunicator(topo, world_size=n, device=dev)
     return loop.Run(cfg, env, topo, dev, ds, comm)
 

@@ -172,9 +172,9 @@ class _FTRun:
     """One replica's run (see the module's steps)."""
 
     def __init__(self, cfg: Any) -> None:
-        from gossip import loop
+        from gossip import assembly, loop
 
-        self.cfg, self.loop, self.RunError = cfg, loop, loop.RunError
+        self.cfg, self.parts, self.RunError = cfg, assembly, loop.RunError
         algo = cfg.algorithm.name
         self.decentralized = algorithms.is_decentralized(algo)
         if algo not in SUPPORTED_ALGORITHMS:
@@ -247,11 +247,11 @@ class _FTRun:
 
     # --- construction ---------------------------------------------------------------
     def run(self) -> dict | None:
-        cfg, loop = self.cfg, self.loop
-        self.dataset = loop._build_dataset(cfg)
+        cfg, parts = self.cfg, self.parts
+        self.dataset = parts.build_dataset(cfg)
         torch.manual_seed(cfg.run.seed)  # x_1 identical on every replica
-        self.model = loop._build_model(cfg, self.dataset, self.device)
-        self.opt = loop._local_optimizer(cfg, self.model)
+        self.model = parts.build_model(cfg, self.dataset, self.device)
+        self.opt = parts.local_optimizer(cfg, self.model)
         try:
             self.shards = data.partition(self.dataset.y_train, self.replicas, scheme=cfg.data.partition,
                                          seed=cfg.run.seed)
@@ -301,7 +301,7 @@ class _FTRun:
         # a placeholder membership (all replicas) until the first quorum
         self.comm.reconfigure(list(range(self.replicas)),
                               self._topology(self.replicas)[0] if self.decentralized else None)
-        self.algo = self.loop._build_algorithm(cfg, self.comm)
+        self.algo = self.parts.build_algorithm(cfg, self.comm)
         try:
             with self.comm.offline():  # the replica state is built with the first quorum's neighbours
                 self.gopt = GossipOptimizer([self.model], [self.opt], self.algo)
@@ -338,7 +338,7 @@ class _FTRun:
             self._say(f"--topology {self.cfg.comm.topology} cannot be built on the {len(ids)} live replicas: {why}")
         self.comm.reconfigure(ids, topo)
         t = self.algo.state.t
-        algo = self.loop._build_algorithm(self.cfg, self.comm)
+        algo = self.parts.build_algorithm(self.cfg, self.comm)
         before = self.comm.run_ledger.setup_bytes_sent
         with self.comm.ledger.setup():
             algo.setup(self.gopt.flat.data, self.gopt.layout)
@@ -456,7 +456,7 @@ class _FTRun:
         cfg, algo = self.cfg, self.algo
         saved = self.loader.state_dict()
         x, y = self.loader.next_batch()
-        lr = self.loop._lr_at(cfg, step, self.total)
+        lr = self.parts.lr_at(cfg, step, self.total)
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.model.train()
@@ -512,10 +512,10 @@ def live_topology(cfg: Any, n: int) -> tuple[Any, str | None]:
     an expander is re-drawn with the run's seed over the live count, and a time-varying
     graph (``onepeer-exp``, ``matching``) is built over the live set.
     """
-    from gossip import loop
+    from gossip import assembly, loop
 
     try:
-        return loop._build_topology(cfg, n), None
+        return assembly.build_topology(cfg, n), None
     except loop.RunError as e:
         fallback = "ring" if n >= 3 else "complete"
         return topologies.build(fallback, n), f"{e}; falling back to {fallback}"

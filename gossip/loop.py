@@ -35,11 +35,6 @@ from gossip.runtime import GossipOptimizer
 
 __all__ = ["CheckpointRecord", "Diverged", "Finished", "FINGERPRINT_KEYS", "Progress", "Run", "RunError", "fingerprint_keys", "run"]
 
-# the builders under their former names, for callers written against them
-_Env, _build_topology, _build_algorithm, _build_dataset = Env, assembly.build_topology, assembly.build_algorithm, \
-    assembly.build_dataset
-_build_model, _device, _local_optimizer, _lr_at = assembly.build_model, assembly.choose_device, \
-    assembly.local_optimizer, assembly.lr_at
 
 
 # --------------------------------------------------------------------------------------

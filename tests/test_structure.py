@@ -12,10 +12,7 @@ from tests.conftest import REPO
 
 LONGEST = 60
 #: functions known to be longer, each with the reason it is still allowed
-KNOWN = {
-    # being split in its own change (the fault-tolerant loop's training steps)
-    "gossip/fault_tolerance.py::_train",
-}
+KNOWN: set[str] = set()
 
 
 def long_functions(root) -> dict[str, int]:

@@ -190,8 +190,8 @@ def _run_verified(k: Kernel, args):
 #
 # For t >= 0, code = floor(t) + [U < frac(t)] with U uniform in [0, 1). U's first 24
 # bits are the element's digit u = hash24(i, seed) (see _random: one int32 hash per
-# element, i the element's index in its row), compared with F = frac(t) * 2**24 in
-# fp32 (a power-of-two scaling: exact; u < 2**24: exact). D = F - u > 0 means "up"
+# element, i the element's index in its row; the compiled kernels are handed i + s1),
+# compared with F = frac(t) * 2**24 in fp32 (a power-of-two scaling: exact; u < 2**24: exact). D = F - u > 0 means "up"
 # unless 0 < D < 1, where u == floor(F) and F has bits below 2**-24, only possible
 # when t < 0.5 (for t >= 0.5 the fp32 spacing of t is at least 2**-24, so F is an
 # integer): then further 32-bit digits of U decide, drawn lazily for those few
@@ -218,14 +218,19 @@ def block_digits(seeds: torch.Tensor, nb: int, n: int, start: int) -> torch.Tens
 
 
 def _seed_args(seeds: torch.Tensor, start: int):
-    """Arguments of the compiled kernels: seed halves (m, 1, 1) and the first index (int32 0-d)."""
+    """Arguments of the compiled kernels: the seed's high half s2 and ``start + s1``, the
+    hash's input of the first element (int32 (m, 1, 1) each). Adding s1 here, once per
+    row, saves the kernels one vector add per element."""
     s1, s2 = R.seeds32(seeds)
     m = seeds.shape[0]
-    return s1.view(m, 1, 1), s2.view(m, 1, 1), torch.tensor(start, dtype=torch.int32, device=seeds.device)
+    b = s1.to(torch.int64) + start
+    b = ((b + (1 << 31)) & R._MASK32) - (1 << 31)  # wrapped to int32, as the eager index + s1 wraps
+    return s2.view(m, 1, 1), b.to(torch.int32).view(m, 1, 1)
 
 
 def _index(x, base):
-    """Element indices (1, nb, B) int32 of blocks x (m, nb, B) that start at element ``base``."""
+    """Element indices (m or 1, nb, B) int32 of blocks x (m, nb, B) that start at element
+    ``base`` (int32, 0-d or (m, 1, 1))."""
     nb, B = x.shape[1], x.shape[2]
     dev = x.device
     return base + (torch.arange(nb, dtype=torch.int32, device=dev) * B).view(1, nb, 1) \
@@ -233,8 +238,12 @@ def _index(x, base):
 
 
 def _scaled(x, a, s, L: float, mode: int):
-    t = (x - a) * s if mode == 0 else x.abs() * s
-    return t.clamp(max=L)
+    if mode == 0:
+        # no clamp: a is the block's min and s = safe_inverse(L, max - a), so
+        # fl(x - a) <= fl(max - a) = R and fl(fl(x - a) * s) <= fl(R * s) <= L
+        # (rounding is monotone): t <= L already, and a clamp costs a pass
+        return (x - a) * s
+    return (x.abs() * s).clamp(max=L)
 
 
 def _round_half(x, a, s, u, L: float, mode: int):
@@ -262,10 +271,10 @@ def _round_half(x, a, s, u, L: float, mode: int):
 
 
 def _make_sr(mode: int, levels: int, dtype=None):
-    def stochastic_round(x, a, s, s1, s2, base, out):
+    def stochastic_round(x, a, s, s2, base, out):
         """Round blocks x (m, nb, B) into ``out``; returns tie flags (m, nb, B) uint8."""
         L = float(levels)
-        lvl, tie = _round_half(x, a, s, R_.hash24(_index(x, base), s1, s2), L, mode)
+        lvl, tie = _round_half(x, a, s, R_.hash24(_index(x, base), 0, s2), L, mode)
         out.copy_(lvl)
         return tie.to(torch.uint8)
 
@@ -275,10 +284,9 @@ def _make_sr(mode: int, levels: int, dtype=None):
 def _sr_eager(x, a, s, u, L: float, mode: int, out):
     """The same rounding with all digits given: u (m, nb, B) int32. Returns bool ties."""
     if mode == 0:
-        t = torch.sub(x, a)
+        t = torch.sub(x, a).mul_(s)  # <= L without a clamp: see _scaled
     else:
-        t = x.abs()
-    t.mul_(s).clamp_(max=L)
+        t = x.abs().mul_(s).clamp_(max=L)
     f = t.floor()
     D = t.sub_(f).mul_(_TWO24).sub_(u)  # u < 2**24 converts to fp32 exactly
     up = D > 0
@@ -326,7 +334,7 @@ def _scales(x, L: float, mode: int):
 
 
 def _make_fused(mode: int, levels: int, dtype=None):
-    def scale_and_round(x, s1, s2, base, out):
+    def scale_and_round(x, s2, base, out):
         """Scales and rounding of nb blocks in one compiled call (quant and ternary).
 
         For quant (mode 0) only whether there is a tie comes back: ties need t < 0.5,
@@ -336,7 +344,7 @@ def _make_fused(mode: int, levels: int, dtype=None):
         """
         L = float(levels)
         a, R, s = _scales(x, L, mode)
-        lvl, tie = _round_half(x, a, s, R_.hash24(_index(x, base), s1, s2), L, mode)
+        lvl, tie = _round_half(x, a, s, R_.hash24(_index(x, base), 0, s2), L, mode)
         out.copy_(lvl)
         if mode == 0:
             return a, R, s, tie.amax()
@@ -360,8 +368,8 @@ def scale_and_round(x, keys, seeds, start: int, L: float, mode: int, out):
     m, nb, B = x.shape
     k = _variant("scale_and_round", _make_fused, (mode, int(L), out.dtype))
     if _want_compiled(k, x.numel(), x.device):
-        s1, s2, base = _seed_args(seeds, start)
-        a, R, s, flags = run(k, x.numel(), x, s1, s2, base, out)
+        s2, base = _seed_args(seeds, start)
+        a, R, s, flags = run(k, x.numel(), x, s2, base, out)
         if flags.dim() == 0:  # whether there is a tie: locate them, if any, with a second pass
             if float(flags) != 0:
                 resolve_ties(out, _ties(x, a, s, seeds, start, L, mode, out), x, a, s, keys, start, float(L), mode)
@@ -383,8 +391,8 @@ def stochastic_round(x, a, s, keys, seeds, start: int, L: float, mode: int, out)
     m, nb, B = x.shape
     k = _variant("stochastic_round", _make_sr, (mode, int(L), out.dtype))
     if _want_compiled(k, x.numel(), x.device):
-        s1, s2, base = _seed_args(seeds, start)
-        flags = run(k, x.numel(), x, a, s, s1, s2, base, out)
+        s2, base = _seed_args(seeds, start)
+        flags = run(k, x.numel(), x, a, s, s2, base, out)
         if bool(flags.any()):
             resolve_ties(out, flags.bool(), x, a, s, keys, start, float(L), mode)
     else:
@@ -415,7 +423,7 @@ def _closure_variant(name: str, factory, key) -> Kernel:
 def _make_planar_encode(bits: int):
     wide = torch.int32 if bits <= 4 else torch.int64
 
-    def quant_planar_encode(x4, s1, s2, base, out4):
+    def quant_planar_encode(x4, s2, base, out4):
         """x4 (m, nb, 8, N) -> out4 (m, nb, bits, N) uint8; returns a, R, s (m, nb, 1) and
         whether some element is a tie (0-d float)."""
         L = float((1 << bits) - 1)
@@ -428,7 +436,7 @@ def _make_planar_encode(bits: int):
             + torch.arange(N, dtype=torch.int32, device=dev).view(1, 1, N)
         word = tie = None
         for j in range(8):
-            lvl, t = _round_half(x4[:, :, j], a, s, R_.hash24(e0 + j * N, s1, s2), L, 0)
+            lvl, t = _round_half(x4[:, :, j], a, s, R_.hash24(e0 + j * N, 0, s2), L, 0)
             c = lvl.to(wide) << (bits * j)
             word = c if word is None else word | c
             tie = t if tie is None else torch.maximum(tie, t)
@@ -492,9 +500,9 @@ def quant_planar_encode(x, keys, seeds, start: int, bits: int, out):
     """Blocks x (m, nb, 8N) -> packed codes out (m, nb, bits * N); returns (a, R, s)."""
     m, nb, B = x.shape
     N = B // 8
-    s1, s2, base = _seed_args(seeds, start)
+    s2, base = _seed_args(seeds, start)
     k = _planar("encode", bits)
-    a, R, s, tie, _ = run(k, x.numel(), x.view(m, nb, 8, N), s1, s2, base, out.view(m, nb, bits, N))
+    a, R, s, tie, _ = run(k, x.numel(), x.view(m, nb, 8, N), s2, base, out.view(m, nb, bits, N))
     if float(tie) != 0:  # rare: redo the group with ties resolved (exactly the same codes otherwise)
         from .bitpack import pack_planes
 
@@ -600,7 +608,9 @@ MAGNITUDE_KEYS = Kernel("magnitude_keys", _magnitude_keys)
 
 
 def _checksum(words, w):
-    return (words * w).sum(dim=1, dtype=torch.int64) & 0xFFFFFFFF
+    # summed in int32: the sum modulo 2**32 is what is kept, and an int64 sum made the
+    # compiled loop widen every product (twice the vector work)
+    return (words * w).sum(dim=1, dtype=torch.int32).to(torch.int64) & 0xFFFFFFFF
 
 
 _CHECKSUM_CHUNK = 1 << 14  # words per eager chunk: the product stays in cache

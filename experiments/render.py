@@ -337,6 +337,21 @@ def _benchmark_verdict(res: dict) -> str:
     return head + "\n\n" + leaderboard.verdict_table(res)
 
 
+def _modern_compare(res: dict) -> str:
+    """experiments/modern_compare.py's table (tuned grid, final accuracy, bytes)."""
+    from experiments import modern_compare
+
+    return modern_compare.table(res["results"])
+
+
+def _streaming_overlap(res: dict) -> str:
+    """experiments/streaming_overlap.py's table (step time per tau) and its target's verdict."""
+    from experiments import streaming_overlap
+
+    verdict = res.get("target", "not judged (recorded before the verdict was)")
+    return streaming_overlap.table(res["runs_s_per_step"]) + f"\n\nTarget (tau = {res['taus'][1]} below tau = 0): {verdict}."
+
+
 TABLES: dict[str, Table] = {
     "low_precision": Table(f"{RESULTS}/low_precision.json", _low_precision),
     "bench_step": Table(f"{RESULTS}/bench_step.json", _bench_step),
@@ -355,6 +370,9 @@ TABLES: dict[str, Table] = {
     "gpu_bytes": Table(f"{RESULTS}/gpu_check.json", _gpu_bytes),
     # the full benchmark's verdicts; the 4-node pilot's until its results are committed
     "benchmark_verdict": Table(f"{RESULTS}/benchmark.json", _benchmark_verdict, fallback=f"{RESULTS}/benchmark-pilot.json"),
+    "modern_compare": Table(f"{RESULTS}/modern_compare.json", _modern_compare),
+    "streaming_overlap": Table(f"{RESULTS}/streaming_overlap.json", _streaming_overlap),
+    "streaming_overlap_taus": Table(f"{RESULTS}/streaming_overlap_taus.json", _streaming_overlap),
 }
 
 

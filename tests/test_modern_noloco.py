@@ -155,3 +155,16 @@ def test_bad_options_are_one_line():
         algorithms.build("noloco", c, gamma=-0.1)
     with pytest.raises(ValueError, match=r"noloco: .*unexpected keyword.*compressor.*accepted options"):
         algorithms.build("noloco", c, compressor="quant:bits=4")
+
+
+def test_a_checkpoint_from_before_gamma_was_recorded():
+    """Its state has no ``gamma`` (it ran with the old default 0.5): refused in one line
+    under the new default, taken where gamma is given."""
+    algo, X = _two_nodes()
+    old = {k: v for k, v in algo.state_dict().items() if k != "gamma"}
+    with pytest.raises(ValueError, match=r"^noloco: this checkpoint was written when `gamma` defaulted to 0.5; "
+                                         r"the default is now `outer_lr` \(0.7\)"):
+        algo.load_state_dict(old)
+    algo, X = _two_nodes(gamma=0.5)
+    algo.load_state_dict(old)
+    assert algo.state.gamma == 0.5

@@ -95,11 +95,13 @@ class NoLoCoConfig:
 @dataclass
 class NoLoCoState:
     """``t`` local steps taken (round r = t // H); ``start`` (m, d) phi, each node's slow
-    weights; ``momentum`` (m, d) delta."""
+    weights; ``momentum`` (m, d) delta; ``gamma`` the pull in effect (recorded so that a
+    checkpoint says which one it ran with)."""
 
     t: int
     start: torch.Tensor
     momentum: torch.Tensor
+    gamma: float
 
 
 class NoLoCo(_Gossip):
@@ -127,7 +129,21 @@ class NoLoCo(_Gossip):
 
     def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         self._take_layout(X, layout)
-        self.state = NoLoCoState(t=0, start=X.detach().clone(), momentum=torch.zeros_like(X))
+        self.state = NoLoCoState(t=0, start=X.detach().clone(), momentum=torch.zeros_like(X),
+                                 gamma=float(self.config.pull))
+
+    def load_state_dict(self, sd: dict) -> None:
+        """A state saved before ``gamma`` was recorded ran with gamma 0.5, the default then:
+        it continues where that was given explicitly, and is refused in one line where
+        the default is asked for (which is now ``outer_lr``)."""
+        if "gamma" not in sd:
+            if self.config.gamma is None:
+                raise ValueError(
+                    "noloco: this checkpoint was written when `gamma` defaulted to 0.5; the default is now "
+                    f"`outer_lr` ({self.config.outer_lr}), as in the authors' code, so it cannot continue "
+                    "unchanged: start the run again (or resume it with the version that wrote it)")
+            sd = {**sd, "gamma": float(self.config.gamma)}
+        super().load_state_dict(sd)
 
     @torch.no_grad()
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
@@ -145,6 +161,6 @@ class NoLoCo(_Gossip):
             avg = self._self_w(Z, r) * Z + mixed  # sum_j W_ij (phi_j, Delta_j)
             phi_bar, delta_bar = avg[:, :d], avg[:, d:]
             mom = st.momentum  # 4
-            mom.mul_(cfg.outer_momentum).sub_(cfg.outer_lr * delta_bar).sub_(cfg.pull * (st.start - phi_bar))
+            mom.mul_(cfg.outer_momentum).sub_(cfg.outer_lr * delta_bar).sub_(st.gamma * (st.start - phi_bar))
             st.start.add_(mom)  # 5
             X.copy_(st.start)

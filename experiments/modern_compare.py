@@ -98,6 +98,7 @@ def _done(run_dir: Path, args: list[str]) -> dict | None:
         rec = rundir.read_json(run_dir / _TRIAL)
     except Exception:  # noqa: BLE001 - absent or unreadable: not finished
         return None
+    # a run stopped from outside (this script interrupted) is not an outcome: it is run again
     return rec if rec.get("args") == args and rec.get("status") in ("ok", "failed") else None
 
 
@@ -105,7 +106,9 @@ def run_trial(name: str, stage: str, lr: float, args: list[str], run_dir: Path) 
     """One gossip.train run in this process; its record (also written to ``trial.json``)."""
     cpu0, wall0 = time.process_time(), time.perf_counter()
     rc, err = race._train(args)
-    rec = {"method": name, "stage": stage, "lr": lr, "args": args, "status": "ok" if rc == 0 else "failed",
+    stopped = rc != 0 and "stopped by SIG" in err
+    rec = {"method": name, "stage": stage, "lr": lr, "args": args,
+           "status": "ok" if rc == 0 else "interrupted" if stopped else "failed",
            "cpu_s": round(time.process_time() - cpu0, 2), "wall_s": round(time.perf_counter() - wall0, 2),
            "error": None if rc == 0 else (err.strip().splitlines() or ["?"])[-1], "score": None}
     if rc == 0:

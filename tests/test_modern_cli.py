@@ -184,6 +184,24 @@ def test_modern_compare_selection_ties_go_to_the_smaller_rate():
     assert modern_compare.select([{"lr": 0.1, "val_acc": None}]) is None
 
 
+def test_modern_compare_reruns_an_interrupted_trial_not_a_failed_one(tmp_path):
+    import sys
+
+    from gossip import rundir
+    from tests.conftest import REPO
+
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        import modern_compare
+    finally:
+        sys.path.remove(str(REPO / "experiments"))
+    args = ["--lr", "0.1"]
+    for status, done in (("ok", True), ("failed", True), ("interrupted", False)):
+        rundir.write_json(tmp_path / "trial.json", {"args": args, "status": status})
+        assert (modern_compare._done(tmp_path, args) is not None) is done, status
+    assert modern_compare._done(tmp_path, ["--lr", "0.2"]) is None  # other flags: not this trial
+
+
 def test_docs_tables_come_from_the_results_files():
     """docs/modern.md's two tables are the ones the experiments render from their
     results files in experiments/results/."""

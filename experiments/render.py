@@ -358,6 +358,21 @@ def _churn(res: dict) -> str:
     return top + "\n\n" + per
 
 
+def _modern_compare(res: dict) -> str:
+    """experiments/modern_compare.py's table (tuned grid, final accuracy, bytes)."""
+    from experiments import modern_compare
+
+    return modern_compare.table(res["results"])
+
+
+def _streaming_overlap(res: dict) -> str:
+    """experiments/streaming_overlap.py's table (step time per tau) and its target's verdict."""
+    from experiments import streaming_overlap
+
+    verdict = res.get("target", "not judged (recorded before the verdict was)")
+    return streaming_overlap.table(res["runs_s_per_step"]) + f"\n\nTarget (tau = {res['taus'][1]} below tau = 0): {verdict}."
+
+
 TABLES: dict[str, Table] = {
     "low_precision": Table(f"{RESULTS}/low_precision.json", _low_precision),
     "bench_step": Table(f"{RESULTS}/bench_step.json", _bench_step),
@@ -378,6 +393,9 @@ TABLES: dict[str, Table] = {
     "benchmark_verdict": Table(f"{RESULTS}/benchmark.json", _benchmark_verdict, fallback=f"{RESULTS}/benchmark-pilot.json"),
     "churn": Table(f"{RESULTS}/churn-W8-H4.json", _churn),
     "churn_dpsgd": Table(f"{RESULTS}/churn-W8-H4-dpsgd.json", _churn),
+    "modern_compare": Table(f"{RESULTS}/modern_compare.json", _modern_compare),
+    "streaming_overlap": Table(f"{RESULTS}/streaming_overlap.json", _streaming_overlap),
+    "streaming_overlap_taus": Table(f"{RESULTS}/streaming_overlap_taus.json", _streaming_overlap),
 }
 
 

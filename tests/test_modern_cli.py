@@ -130,8 +130,46 @@ def test_real_processes_equal_the_simulation():
 
 
 def test_modern_compare_smoke(tmp_path):
-    """experiments/modern_compare.py end to end on a tiny run: the table and the JSON
-    with its provenance, each method's bytes against allreduce."""
+    """experiments/modern_compare.py end to end on a tiny run: a 2-value grid tuned on
+    the validation carve, the selected rate's final run on the test split, the table and
+    the JSON with its provenance, each method's bytes against allreduce."""
+    import sys
+
+    from tests.conftest import REPO
+
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        import bench_data
+        import modern_compare
+    finally:
+        sys.path.remove(str(REPO / "experiments"))
+    served = len(bench_data.SERVED)
+    rc = modern_compare.main(["--epochs", "1", "--tune-epochs", "1", "--lr-factors", "1,3", "--data", "synthetic",
+                              "--samples", "256", "--nodes", "2", "--methods", "allreduce,sparseloco",
+                              "--max-steps", "16", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "modern.json").read_text())
+    assert "python experiments/modern_compare.py --epochs 1" in res["provenance"]["command"]
+    sl = res["results"]["sparseloco"]
+    assert [g["lr"] for g in sl["grid"]] == [0.003, 0.009]
+    assert sl["lr"] == modern_compare.select(sl["grid"]) in (0.003, 0.009)
+    assert all(g["val_acc"] is not None for g in sl["grid"])
+    # tuning saw only the carve, the final run only the test split
+    roles = [s["role"] for s in bench_data.SERVED[served:]]
+    assert roles == ["val"] * 4 + ["test"] * 2
+    assert res["data"] == {"tune": "bench_data:synthetic_n256_val", "final": "bench_data:synthetic_n256_test"}
+    assert sl["bytes_vs_allreduce"] == sl["bytes_per_step"] / res["results"]["allreduce"]["bytes_per_step"] < 1
+    assert "| sparseloco |" in (tmp_path / "modern.md").read_text()
+    # a second call finds every trial done and redoes none
+    rc = modern_compare.main(["--epochs", "1", "--tune-epochs", "1", "--lr-factors", "1,3", "--data", "synthetic",
+                              "--samples", "256", "--nodes", "2", "--methods", "allreduce,sparseloco",
+                              "--max-steps", "16", "--out", str(tmp_path)])
+    assert rc == 0 and len(bench_data.SERVED) == served + 6
+    with pytest.raises(SystemExit):
+        modern_compare.main(["--lr-factors", "0,x", "--out", str(tmp_path)])
+
+
+def test_modern_compare_selection_ties_go_to_the_smaller_rate():
     import sys
 
     from tests.conftest import REPO
@@ -141,15 +179,27 @@ def test_modern_compare_smoke(tmp_path):
         import modern_compare
     finally:
         sys.path.remove(str(REPO / "experiments"))
-    rc = modern_compare.main(["--epochs", "1", "--data", "synthetic", "--nodes", "2",
-                              "--methods", "allreduce,sparseloco", "--max-steps", "16",
-                              "--out", str(tmp_path)])
-    assert rc == 0
-    res = json.loads((tmp_path / "modern.json").read_text())
-    assert "python experiments/modern_compare.py --epochs 1" in res["provenance"]["command"]
-    sl = res["results"]["sparseloco"]
-    assert sl["bytes_vs_allreduce"] == sl["bytes_per_step"] / res["results"]["allreduce"]["bytes_per_step"] < 1
-    assert "| sparseloco |" in (tmp_path / "modern.md").read_text()
+    grid = [{"lr": 0.01, "val_acc": 0.5}, {"lr": 0.001, "val_acc": 0.5}, {"lr": 0.1, "val_acc": None}]
+    assert modern_compare.select(grid) == 0.001
+    assert modern_compare.select([{"lr": 0.1, "val_acc": None}]) is None
+
+
+def test_modern_compare_reruns_an_interrupted_trial_not_a_failed_one(tmp_path):
+    import sys
+
+    from gossip import rundir
+    from tests.conftest import REPO
+
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        import modern_compare
+    finally:
+        sys.path.remove(str(REPO / "experiments"))
+    args = ["--lr", "0.1"]
+    for status, done in (("ok", True), ("failed", True), ("interrupted", False)):
+        rundir.write_json(tmp_path / "trial.json", {"args": args, "status": status})
+        assert (modern_compare._done(tmp_path, args) is not None) is done, status
+    assert modern_compare._done(tmp_path, ["--lr", "0.2"]) is None  # other flags: not this trial
 
 
 def test_docs_tables_come_from_the_results_files():

@@ -20,7 +20,17 @@ Worker i, gradient g_i, step size eta_t, decay beta (``compression_decay``):
    ``weight_decay`` wd is applied after this rewrite, x <- x (1 - eta_t wd) - eta_t
    sign(...), which is DeMo's decoupled weight decay.
 
-Paper and reference code (github bloc97/DeMo) differ in step 5: the paper averages
+Checked line by line against the reference code (github bloc97/DeMo, ``demo.py``):
+step 1 is its ``delta.mul_(compression_decay).add_(grad, alpha=lr)`` with the group's
+current lr; step 2 its ``TransformDCT.encode`` (orthonormal DCT-II per chunk, the basis
+applied on both axes of a 2-D chunk) and ``CompressDCT.compress`` (``topk`` of |.| over
+each chunk's flattened coefficients, clamped to the chunk size); step 3 its
+``delta.sub_(transmit_grad)``; steps 4-6 its all-gather, ``batch_decompress``, decode
+and ``grad.sign_()`` before a plain SGD step. Its decoupled weight decay multiplies
+the parameters by (1 - lr wd) before the step; the user's SGD ``weight_decay`` adds
+wd x to the rewritten gradient, which gives the same x (1 - eta_t wd) - eta_t sign(.).
+
+Paper and reference code differ in step 5: the paper averages
 the workers' q_j over all n workers; the code's ``scatter_reduce(..., "mean",
 include_self=False)`` averages, at each coefficient, over the workers that sent it.
 We follow the code. Chunk sizes follow the code too: a dimension of size s is cut in

@@ -19,6 +19,23 @@ Node i, slow weights phi_i (the round's start), outer momentum delta_i, H =
 4. delta_i <- alpha delta_i - beta sum_j W_ij Delta_j - gamma (phi_i - sum_j W_ij phi_j);
 5. phi_i <- phi_i + delta_i; x_i <- phi_i.
 
+Checked line by line against the authors' code (github.com/gensyn-ai/noloco, the
+``sparse_optimizer_c`` outer step that its ``noloco_mean`` configurations run):
+
+- the group is a random partition into groups of ``local_group_size`` = 2, redrawn
+  every round: a random perfect matching, as ``matching`` draws;
+- the group means are of the slow weights phi_j the round started from and of the
+  pseudo-gradients (there written x_j - phi_j, added with +beta: the same sign as
+  -beta Delta_j here);
+- the momentum is m <- m + (alpha - 1) m + beta mean_j(x_j - phi_j) + beta (mean_j phi_j
+  - phi_i), i.e. step 4 with **gamma = beta**: the code has no separate gamma. So
+  ``gamma`` defaults to None, meaning ``outer_lr``; an explicit value decouples the
+  pull from the step, as the paper's notation allows;
+- then phi_i <- phi_i + m and the model restarts from phi_i (step 5); the inner Adam's
+  state is kept across rounds, neither averaged nor reset (as here: the user's
+  optimizer keeps its state);
+- the configurations use H = 50, beta = 0.7, alpha = 0.5 (this module's defaults).
+
 With an exact average (a complete graph, W = J/n) the slow weights stay equal on every
 node, the gamma term vanishes and step 4 is heavy-ball momentum on the averaged
 pseudo-gradient: with alpha = 0 it is DiLoCo with ``outer_momentum=0`` and
@@ -47,21 +64,28 @@ __all__ = ["NoLoCo", "NoLoCoConfig", "NoLoCoState"]
 
 @dataclass(frozen=True, kw_only=True)
 class NoLoCoConfig:
-    """``local_steps`` H 50, ``outer_lr`` beta 0.7, ``outer_momentum`` alpha 0.5,
-    ``gamma`` 0.5 (the pull of the slow weights towards the group's mean)."""
+    """``local_steps`` H 50, ``outer_lr`` beta 0.7, ``outer_momentum`` alpha 0.5 (the
+    authors' configurations); ``gamma``, the pull of the slow weights towards the group's
+    mean: None (the default) takes ``outer_lr``, as the authors' code does."""
 
     local_steps: int = 50
     outer_lr: float = 0.7
     outer_momentum: float = 0.5
-    gamma: float = 0.5
+    gamma: float | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
         check_int("local_steps", self.local_steps, minimum=1)
         check_float("Arg `outer_lr`", self.outer_lr, lo=0.0, lo_open=True)
         check_fraction("outer_momentum", self.outer_momentum)
-        check_float("Arg `gamma`", self.gamma, lo=0.0)
+        if self.gamma is not None:
+            check_float("Arg `gamma`", self.gamma, lo=0.0)
         check_int("seed", self.seed, minimum=0)
+
+    @property
+    def pull(self) -> float:
+        """gamma as used: ``gamma``, or ``outer_lr`` where it is None."""
+        return self.outer_lr if self.gamma is None else self.gamma
 
     @property
     def compressor(self) -> str:
@@ -71,11 +95,13 @@ class NoLoCoConfig:
 @dataclass
 class NoLoCoState:
     """``t`` local steps taken (round r = t // H); ``start`` (m, d) phi, each node's slow
-    weights; ``momentum`` (m, d) delta."""
+    weights; ``momentum`` (m, d) delta; ``gamma`` the pull in effect (recorded so that a
+    checkpoint says which one it ran with)."""
 
     t: int
     start: torch.Tensor
     momentum: torch.Tensor
+    gamma: float
 
 
 class NoLoCo(_Gossip):
@@ -103,7 +129,21 @@ class NoLoCo(_Gossip):
 
     def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         self._take_layout(X, layout)
-        self.state = NoLoCoState(t=0, start=X.detach().clone(), momentum=torch.zeros_like(X))
+        self.state = NoLoCoState(t=0, start=X.detach().clone(), momentum=torch.zeros_like(X),
+                                 gamma=float(self.config.pull))
+
+    def load_state_dict(self, sd: dict) -> None:
+        """A state saved before ``gamma`` was recorded ran with gamma 0.5, the default then:
+        it continues where that was given explicitly, and is refused in one line where
+        the default is asked for (which is now ``outer_lr``)."""
+        if "gamma" not in sd:
+            if self.config.gamma is None:
+                raise ValueError(
+                    "noloco: this checkpoint was written when `gamma` defaulted to 0.5; the default is now "
+                    f"`outer_lr` ({self.config.outer_lr}), as in the authors' code, so it cannot continue "
+                    "unchanged: start the run again (or resume it with the version that wrote it)")
+            sd = {**sd, "gamma": float(self.config.gamma)}
+        super().load_state_dict(sd)
 
     @torch.no_grad()
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
@@ -121,6 +161,6 @@ class NoLoCo(_Gossip):
             avg = self._self_w(Z, r) * Z + mixed  # sum_j W_ij (phi_j, Delta_j)
             phi_bar, delta_bar = avg[:, :d], avg[:, d:]
             mom = st.momentum  # 4
-            mom.mul_(cfg.outer_momentum).sub_(cfg.outer_lr * delta_bar).sub_(cfg.gamma * (st.start - phi_bar))
+            mom.mul_(cfg.outer_momentum).sub_(cfg.outer_lr * delta_bar).sub_(st.gamma * (st.start - phi_bar))
             st.start.add_(mom)  # 5
             X.copy_(st.start)

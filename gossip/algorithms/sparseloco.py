@@ -26,6 +26,15 @@ nearest level (deterministic, no zero level for even 2^b: 2 bits are {-s, -s/3, 
 s}). Aggregation: the mean over all n workers of the paper's equation, not DeMo's
 mean over the workers that sent a coordinate.
 
+The authors' code was not available to check against. Its predecessor in the same
+line of work (templar's CCLoco optimizer, chunked top-k with error feedback after
+bloc97/DeMo) makes two other choices, which we note without following: it averages
+each coordinate over the workers that sent it (DeMo's ``scatter_reduce`` mean), and
+its quantizer is statistical (values centred on their mean, bins spread over a range
+of standard deviations, each bin decoded as the mean of the values it holds, that
+table sent with the codes). Ours keeps the paper's mean over n and a max-scaled
+uniform quantizer, whose payload is the one counted below.
+
 Degenerate settings: ``topk_fraction=1, bits=32, ef_decay=0`` sends the exact
 pseudo-gradient and is DiLoCo with ``outer_momentum=0`` and the same ``outer_lr``.
 

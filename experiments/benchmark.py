@@ -803,11 +803,14 @@ def method_tables(res: dict) -> str:
                 if r.get("seeds_failed"):
                     final += f" ({len(r['seeds_failed'])} seeds failed)"
                 first = r["links"][keys[0]]
-                byts = "not reached" if first["bytes"] is None else race._fmt_bytes(first["bytes"]["mean"])
-                times = [_fmt_ci(r["links"][k]["time_s"]) + ("" if r["links"][k]["all_reached"]
-                                                               else f" ({r['links'][k]['reached']} seeds)")
-                         for k in keys]
                 b = r["budget"]
+                if b["final"]["runs"] == 0:  # selected, final runs still to come: nothing is "not reached" yet
+                    byts, times = "final runs not run yet", ["-"] * len(keys)
+                else:
+                    byts = "not reached" if first["bytes"] is None else race._fmt_bytes(first["bytes"]["mean"])
+                    times = [_fmt_ci(r["links"][k]["time_s"]) + ("" if r["links"][k]["all_reached"]
+                                                                   else f" ({r['links'][k]['reached']} seeds)")
+                             for k in keys]
                 budget = (f"tune {b['tune']['runs']}, {b['tune']['steps']}, {b['tune']['cpu_s']:.0f}; "
                           f"final {b['final']['runs']}, {b['final']['steps']}, {b['final']['cpu_s']:.0f}")
                 rows.append("| " + " | ".join([name, r["wire"] or "-", f"{r['lr']:g}", final, byts, *times, budget])

@@ -334,7 +334,25 @@ def _benchmark_verdict(res: dict) -> str:
             f"validation carve), then {len(proto['seeds'])} seeds; {len(spec.get('methods', {})) or '?'} methods; "
             f"{wls}" + (f"; {cov['finished']} of {cov['planned']} planned trials finished, {cov['cpu_s'] / 60:.0f} CPU "
                            f"minutes" if cov else "") + ".")
-    return head + "\n\n" + leaderboard.verdict_table(res)
+    return head + _partial_line(res, len(spec.get("methods", {})), len(proto["seeds"])) + "\n\n" + \
+        leaderboard.verdict_table(res)
+
+
+def _partial_line(res: dict, n_methods: int, n_seeds: int) -> str:
+    """While the run is incomplete, which methods the verdicts cover: a method is ranked
+    only once all its final seeds finished, so a verdict over part of the field says so."""
+    parts = []
+    for name, w in res["workloads"].items():
+        for nodes, at in w["nodes"].items():
+            done = sorted(m for m, r in at["methods"].items()
+                          if sum(1 for s in (r.get("seeds") or {}).values() if s.get("final") is not None) >= n_seeds)
+            if len(done) < n_methods:
+                parts.append(f"{name} at {nodes} nodes: {len(done)} of {n_methods} methods have all their final runs "
+                             f"({', '.join(done) or 'none'})")
+    if not parts:
+        return ""
+    return (" **Incomplete**: the verdicts rank only the methods whose final runs all finished; "
+            + "; ".join(parts) + ". The others are still to run (`run` resumes).")
 
 
 def _churn(res: dict) -> str:

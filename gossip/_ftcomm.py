@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gossip.comm.base import Communicator, Handle, Received, _Done, is_time_varying, ring_allreduce_bytes, tensor_nbytes
+from gossip.comm.base import Communicator, Handle, Received, Done, is_time_varying, ring_allreduce_bytes, tensor_nbytes
 from gossip.comm.ledger import Ledger
 
 __all__ = ["FTCommunicator"]
@@ -176,7 +176,7 @@ class FTCommunicator(Communicator):
         with self.ledger.phase("communicate"):
             Y = X.clone(memory_format=torch.contiguous_format)
             if n == 1:
-                return _Done(Y)
+                return Done(Y)
             opts = AllreduceOptions()
             opts.reduceOp = ReduceOp.SUM  # gloo has no AVG: divide below
             works = self._post("all_reduce", lambda: [self.pg.allreduce([Y], opts)])
@@ -197,7 +197,7 @@ class FTCommunicator(Communicator):
             Xc = X.contiguous()
             out = [torch.empty_like(Xc[0]) for _ in range(n)]
             if n == 1:
-                return _Done(Xc.clone())
+                return Done(Xc.clone())
             works = self._post("all_gather", lambda: [self.pg.allgather([out], [Xc[0]], AllgatherOptions())])
             if record:
                 nbytes = (n - 1) * tensor_nbytes(X)

@@ -16,7 +16,7 @@ import torch
 from gossip.errors import PeerPayloadError, format_peers
 from .ledger import Ledger
 
-__all__ = ["Communicator", "Received", "Handle", "ShardServer", "ring_allreduce_bytes", "tensor_nbytes"]
+__all__ = ["Communicator", "Received", "Handle", "Done", "ShardServer", "ring_allreduce_bytes", "tensor_nbytes"]
 
 Decode = Callable[[torch.Tensor], torch.Tensor]
 
@@ -212,7 +212,7 @@ class Handle:
         return fut
 
 
-class _Done(Handle):
+class Done(Handle):
     """A handle whose result is already there (simulation, world of one)."""
 
     __slots__ = ("_result",)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import Communicator, Handle, Received, _Done, ring_allreduce_bytes, tensor_nbytes, is_time_varying
+from .base import Communicator, Handle, Received, Done, ring_allreduce_bytes, tensor_nbytes, is_time_varying
 from gossip.errors import PeerConnectionError, PeerPayloadError, PeerTimeoutError, format_peers
 from .ledger import Ledger
 
@@ -316,7 +316,7 @@ class DistCommunicator(Communicator):
             torch.tensor([deg], dtype=torch.int64, device=P.device),
         )
         if posted is None:
-            return _Done(received)
+            return Done(received)
         return _ExchangeHandle(self, posted, received, nbytes, record, src)
 
     def _agree_size(self, nbytes: int, device: torch.device, src: np.ndarray, dst: np.ndarray) -> None:

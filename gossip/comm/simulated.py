@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Communicator, Handle, Received, _Done, ring_allreduce_bytes, tensor_nbytes, is_time_varying
+from .base import Communicator, Handle, Received, Done, ring_allreduce_bytes, tensor_nbytes, is_time_varying
 from .ledger import Ledger
 
 _SIZE_MSG_BYTES = 16  # DistCommunicator's size check: two int64 each way
@@ -160,7 +160,7 @@ class SimulatedCommunicator(Communicator):
         if record:
             self.ledger.record(edge_src, edge_dst, nbytes, op="exchange")
             self.ledger.count("exchange")
-        return _Done(Received(senders, P, senders, idx, w, deg))
+        return Done(Received(senders, P, senders, idx, w, deg))
 
     # ---------------------------------------------------------------- collectives
     def all_reduce_async(self, X: torch.Tensor, op: str = "sum", *, record: bool = True) -> Handle:
@@ -171,13 +171,13 @@ class SimulatedCommunicator(Communicator):
         if record:
             b = ring_allreduce_bytes(tensor_nbytes(X), self.world_size)
             self._record_ring(b, "all_reduce")
-        return _Done(S.expand_as(X).clone())
+        return Done(S.expand_as(X).clone())
 
     def all_gather_async(self, X: torch.Tensor, *, record: bool = True) -> Handle:
         self._check_rows(X, "all_gather")
         if record:
             self._record_ring((self.world_size - 1) * tensor_nbytes(X), "all_gather")
-        return _Done(X.clone())
+        return Done(X.clone())
 
     def broadcast_async(self, X: torch.Tensor, src: int, *, record: bool = True) -> Handle:
         self._check_rows(X, "broadcast")
@@ -186,7 +186,7 @@ class SimulatedCommunicator(Communicator):
             others = np.delete(np.arange(self.world_size), src)
             self.ledger.record(src, others, tensor_nbytes(X), op="broadcast")
             self.ledger.count("broadcast")
-        return _Done(X[src : src + 1].expand_as(X).clone())
+        return Done(X[src : src + 1].expand_as(X).clone())
 
     def sharded_exchange_async(self, P, in_nbytes, out_nbytes, server, *, record: bool = True) -> Handle:
         ins, outs = self._check_sharded(P, in_nbytes, out_nbytes, server)
@@ -204,7 +204,7 @@ class SimulatedCommunicator(Communicator):
         for j, (b_in, b_out) in enumerate(zip(ins, outs)):
             replies.append(self._serve(server, j, P[:, a:a + b_in], b_out))
             a += b_in
-        return _Done(torch.cat(replies) if replies else P.new_zeros(0))
+        return Done(torch.cat(replies) if replies else P.new_zeros(0))
 
     def _record_ring(self, nbytes: int, op: str) -> None:
         n = self.world_size

@@ -22,6 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _lmruns import REPO, _provenance, run_train  # noqa: E402
 
+#: the code the figures measure (the results go stale when one changes): the text data, the
+#: models, their loss and metrics, the all-reduce and the scripts
+SOURCES = ["gossip/textdata.py", "gossip/models.py", "gossip/evaluation.py", "gossip/algorithms",
+           "experiments/lm_recipes.py", "experiments/_lmruns.py"]
+
 #: name -> gossip.train flags; --max-steps is given separately (the recipe's, or --steps)
 RECIPES = {
     # 4 layers of width 144 and 4 heads: 1.04M parameters; AdamW, constant 3e-3
@@ -42,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/lm-recipes", help="directory of the run directories")
     p.add_argument("--json", default=str(REPO / "experiments" / "results" / "lm_recipes.json"))
     a = p.parse_args(argv)
-    prov = _provenance.start(["gossip", "experiments/lm_recipes.py", "experiments/_lmruns.py"], argv=None if argv is None else ["experiments/lm_recipes.py", *argv])
+    prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/lm_recipes.py", *argv])
     names = [n.strip() for n in a.recipes.split(",") if n.strip()]
     unknown = [n for n in names if n not in RECIPES]
     if unknown:

@@ -29,6 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _lmruns import REPO, _provenance, run_train  # noqa: E402
 
+#: the code the figures measure (the results go stale when one changes): the text data, the
+#: LSTM, its loss and metrics, all-reduce and PowerSGD with their wire format, the scripts
+SOURCES = ["gossip/textdata.py", "gossip/models.py", "gossip/evaluation.py", "gossip/algorithms", "gossip/compress",
+           "experiments/powersgd_lstm.py", "experiments/_lmruns.py"]
 COMMON = ["--simulate", "4", "--model", "lstm", "--model-opt", "layers=3", "--model-opt", "width=192",
           "--data-opt", "context=64", "--batch-size", "8", "--optimizer", "sgd", "--momentum", "0.9",
           "--epochs", "1", "--seed", "0"]
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/powersgd-lstm")
     p.add_argument("--json", default=str(REPO / "experiments" / "results" / "powersgd_lstm.json"))
     a = p.parse_args(argv)
-    prov = _provenance.start(["gossip", "experiments/powersgd_lstm.py", "experiments/_lmruns.py"], argv=None if argv is None else ["experiments/powersgd_lstm.py", *argv])
+    prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/powersgd_lstm.py", *argv])
     data = ["--data", a.data] + (["--data-dir", a.data_dir] if a.data_dir else [])
     rows = {}
     for name, flags in METHODS.items():

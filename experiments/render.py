@@ -391,6 +391,57 @@ def _streaming_overlap(res: dict) -> str:
     return streaming_overlap.table(res["runs_s_per_step"]) + f"\n\nTarget (tau = {res['taus'][1]} below tau = 0): {verdict}."
 
 
+def _load(r: dict) -> str:
+    la = r.get("load_average") or []
+    return f"{la[0]:.1f} → {la[1]:.1f}" if len(la) == 2 else "-"
+
+
+def _lm_recipes(res: dict) -> str:
+    """experiments/lm_recipes.py: each recipe's end point and what it cost."""
+    body = []
+    for name, r in res.items():
+        if r.get("exit") != 0:
+            body.append([name, "failed", r.get("error", ""), "", "", "", ""])
+            continue
+        body.append([name, f"{r['params'] / 1e6:.2f}M", f"{r['steps']:,}", f"{r['final_test_bpb']:.3f}",
+                     f"{r['final_test_ppl']:.2f}", f"{r['wall_s']:.0f} s", _load(r)])
+    return _md(["recipe", "parameters", "steps", "held-out bits per byte", "perplexity per byte",
+                "wall clock", "load start → end"], body)
+
+
+#: the PowerSGD paper's Table 3 (LSTM on WikiText-2, 16 workers): test perplexity (per
+#: word) and data sent per epoch
+_T3_NAMES = {"sgd": ("SGD (all-reduce)", "sgd"), "powersgd:1": ("PowerSGD rank 1", "rank1"),
+             "powersgd:2": ("PowerSGD rank 2", "rank2"), "powersgd:4": ("PowerSGD rank 4", "rank4")}
+
+
+def _powersgd_lstm(res: dict) -> str:
+    """experiments/powersgd_lstm.py: Table 3's columns here and in the paper, then its checks."""
+    paper, body = res["paper"], []
+    for name, r in res["runs"].items():
+        label, key = _T3_NAMES.get(name, (name, name))
+        here = ["failed", "", "", ""] if r.get("exit") != 0 else [
+            f"{r['final_test_bpb']:.3f}", f"{r['final_test_ppl']:.3f}",
+            f"{r['bytes_sent_per_node_per_step'] / 1e3:,.1f} KB", f"{r['mb_per_epoch_per_node']:,.0f} MB"]
+        body.append([label, *here, f"{paper['perplexity'].get(key, '-')}", f"{paper['mb_per_epoch'].get(key, '-'):,} MB"])
+    table = _md(["method", "held-out bits per byte", "perplexity per byte", "sent per node per step",
+                 "data per node per epoch", "paper: test perplexity (per word)", "paper: data per epoch"], body)
+    c = res.get("checks") or {}
+    if not c:
+        return table + "\n\nNo check: a run failed."
+    tol, runs = c["tolerance_bpb"], res["runs"]
+    r1 = "yes" if c["rank1_clearly_worse"] else "**no**"
+    r4 = "yes" if c["rank4_within_tolerance"] else "**no**"
+    r2 = runs["powersgd:2"]["final_test_bpb"] - runs["sgd"]["final_test_bpb"]
+    paper_mb = paper["mb_per_epoch"]
+    mb = {0: paper_mb["sgd"], **{k: paper_mb[f"rank{k}"] for k in (1, 2, 4)}}
+    ratio = {k: runs["sgd"]["mb_per_epoch_per_node"] / runs[f"powersgd:{k}"]["mb_per_epoch_per_node"] for k in (1, 2, 4)}
+    return (table + f"\n\nRank 1 − SGD: {c['rank1_minus_sgd_bpb']:+.3f} bits per byte (clearly worse, by more than "
+            f"{tol:g}: {r1}). Rank 2 − SGD: {r2:+.3f}. Rank 4 − SGD: {c['rank4_minus_sgd_bpb']:+.3f} bits per byte "
+            f"(within {tol:g}: {r4}). SGD sends {ratio[1]:.0f}, {ratio[2]:.0f} and {ratio[4]:.0f} times the data "
+            f"of ranks 1, 2 and 4 (the paper: {', '.join(f'{mb[0] / mb[k]:.0f}' for k in (1, 2, 4))}).")
+
+
 TABLES: dict[str, Table] = {
     "low_precision": Table(f"{RESULTS}/low_precision.json", _low_precision),
     "bench_step": Table(f"{RESULTS}/bench_step.json", _bench_step),
@@ -404,6 +455,8 @@ TABLES: dict[str, Table] = {
     "bench_ddp_overlap": Table(f"{RESULTS}/bench_ddp_overlap.json", _bench_ddp_overlap),
     "sharded_accuracy": Table(f"{RESULTS}/sharded_accuracy.json", _sharded_accuracy),
     "tang2018": Table("reports/tang2018/results.json", _tang2018),
+    "lm_recipes": Table(f"{RESULTS}/lm_recipes.json", _lm_recipes),
+    "powersgd_lstm": Table(f"{RESULTS}/powersgd_lstm.json", _powersgd_lstm),
     "gpu_summary": Table(f"{RESULTS}/gpu_check.json", _gpu_summary),
     "gpu_compress_speed": Table(f"{RESULTS}/gpu_check.json", _gpu_speed),
     "gpu_bytes": Table(f"{RESULTS}/gpu_check.json", _gpu_bytes),

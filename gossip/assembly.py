@@ -208,12 +208,14 @@ def simulation_path(cfg: TrainConfig, env: Env, model: torch.nn.Module, dataset,
         return "loop", "--simulate-mode loop"
     if env.world_size < 2:
         why = "one node: nothing to batch"
+    elif getattr(dataset, "task", "classification") != "classification":
+        # before the trial below, which would try the classification loss on the labels
+        # per position and report that failure instead of this reason
+        why = f"the data set's task is {dataset.task!r}; the batched path serves classification"
     else:
         x = dataset.x_train[:2].to(device)
         y = dataset.y_train[:2].to(device)
         why = vectorized.why_not_vectorized(model, x, y) or ""
-        if not why and getattr(dataset, "task", "classification") != "classification":
-            why = f"the data set's task is {dataset.task!r}; the batched path serves classification"
         if not why and dataset.y_train.dim() != 1:
             why = "the data has a label per position (a sequence task); the batched path takes one label per example"
         if not why and not all(p.requires_grad for p in model.parameters()):

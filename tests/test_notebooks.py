@@ -90,17 +90,27 @@ def test_convergence_notebook_reads_a_race(kernel_env, tmp_path):
                             date="2026-01-01 00:00:00 UTC", load=[1.0, 2.0], wall=1.0)
     race.write_netns(runs / "race-netns", {"allreduce": {"runs": {"10mbit": rec}}}, a, ["10mbit"], "race",
                      ["allreduce"])
+    # a language model's race, to held-out bits per byte (a tiny GPT on a few KB of text)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1  # Grüße\n" * 150, encoding="utf-8")
+    flags = (f"--data-dir {corpus} --model-opt layers=1 --model-opt width=16 --model-opt heads=2 "
+             "--data-opt context=16 --batch-size 8 --lr 0.5")
+    assert race.main(["--methods", "allreduce", "--nodes", "2", "--epochs", "1", "--data", "text", "--model", "gpt",
+                      "--train-flags", flags, "--target", "7.5", "--out", str(runs / "race-lm")]) == 0
     kernel_env.setenv("GOSSIP_RUNS", str(runs))
     nb = execute("convergence.ipynb")
     text = text_of(nb)
     # the race's run directories are ordinary runs, and its race.json gives the table and the panels
-    assert f"2 run(s) under {runs}" in text
+    assert f"3 run(s) under {runs}" in text
+    assert f"race {runs / 'race-lm' / 'race.json'}: simulated-time, 2 nodes, 1 method(s), target 7.5 bpb" in text
+    # the runs of both tasks in one table: accuracy for the classifiers, bits per byte for the GPT
+    assert "final_test_acc" in text and "final_test_bpb" in text and "final_test_ppl" in text
     assert f"race {runs / 'race' / 'race.json'}: simulated-time, 2 nodes, 2 method(s), target 0%" in text
     assert "time_to_target_s@10mbit" in text and "localsgd" in text
     assert f"race {runs / 'race-netns' / 'race.json'}: netns, 2 nodes, 1 method(s), target 0%" in text
     assert "modelled_s" in text and "model_error" in text
     assert "no race results" not in text
-    assert images(nb) >= 6
+    assert images(nb) >= 7
 
 
 def test_decentralized_notebook_reads_a_comparison(kernel_env, tmp_path):

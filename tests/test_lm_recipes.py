@@ -1,0 +1,71 @@
+"""The language-model experiments (experiments/lm_recipes.py, experiments/powersgd_lstm.py)
+run end to end on a small text, write their figures with provenance, and render."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from experiments import _provenance as P
+from experiments import render
+from tests.conftest import REPO
+
+TEXT = "def mean(xs):\n    return sum(xs) / len(xs)  # Grüße\n" * 600  # 31 KB: windows for 4 nodes x 8
+
+
+def _script(name: str):
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(REPO / "experiments"))
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    f = tmp_path / "corpus.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    return f
+
+
+def test_recipes_run_and_render(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "lm.json"
+    assert _script("lm_recipes").main(["--recipes", "lstm", "--steps", "2", "--data-dir", str(corpus),
+                                       "--out", str(tmp_path / "runs"), "--json", str(out)]) == 0
+    res, prov = P.read(out)
+    r = res["lstm"]
+    assert r["exit"] == 0 and r["steps"] == 2 and r["reduced"] and 0.9e6 < r["params"] < 1e6
+    assert 0 < r["final_test_bpb"] < 9 and r["command"].startswith("python -m gossip.train --simulate 4")
+    assert prov["command"].startswith("OMP_NUM_THREADS=1 python experiments/lm_recipes.py --recipes lstm")
+    assert "gossip/textdata.py" in prov["sources"]
+    md = render.TABLES["lm_recipes"].render(res)
+    assert md.startswith("| recipe | parameters | steps | held-out bits per byte |")
+    assert f"| lstm | 0.94M | 2 | {r['final_test_bpb']:.3f} |" in md
+    with pytest.raises(SystemExit):
+        _script("lm_recipes").main(["--recipes", "rnn", "--json", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_table3_runs_sgd_and_powersgd_ranks_and_renders(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "t3.json"
+    assert _script("powersgd_lstm").main(["--steps", "2", "--data-dir", str(corpus), "--jobs", "2",
+                                          "--out", str(tmp_path / "runs"), "--json", str(out)]) == 0
+    res, _ = P.read(out)
+    runs = res["runs"]
+    assert list(runs) == ["sgd", "powersgd:1", "powersgd:2", "powersgd:4"]
+    sent = [runs[k]["bytes_sent_per_node_per_step"] for k in runs]
+    # full precision sends far more than rank 4 > rank 2 > rank 1 (payloads grow with the rank)
+    assert sent[0] > 20 * sent[3] and sent[3] > sent[2] > sent[1] > 0
+    for r in runs.values():  # bytes per epoch = bytes per step x steps per epoch
+        assert r["mb_per_epoch_per_node"] == pytest.approx(r["bytes_sent_per_node_per_step"] * r["steps_per_epoch"] / 1e6)
+    c = res["checks"]
+    assert c["rank1_minus_sgd_bpb"] == pytest.approx(runs["powersgd:1"]["final_test_bpb"] - runs["sgd"]["final_test_bpb"])
+    md = render.TABLES["powersgd_lstm"].render(res)
+    assert "| PowerSGD rank 4 |" in md and "| 91 | 64 MB |" in md and "Rank 1 − SGD: " in md
+    assert "the paper: 309, 203, 121" in md
+    with pytest.raises(SystemExit):
+        _script("powersgd_lstm").main(["--jobs", "0", "--json", str(tmp_path / "x.json")])

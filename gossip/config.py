@@ -897,10 +897,11 @@ class TrainConfig:
         """--model, else the data set's own model."""
         if self.model.name is not None:
             return self.model.name
+        from gossip import data  # the data set declares its model (imported here: config stays light)
+
         if _is_factory(self.data.name):
-            return "mlp"  # the user's own data: a multi-layer perceptron unless --model says otherwise
-        return {"cifar10": "resnet20", "synthetic": "logreg", "text": "gpt", "wikitext2": "gpt"}.get(self.data.name,
-                                                                                                     "cnn1d")
+            return data.FALLBACK_MODEL  # the user's own data: a multi-layer perceptron unless --model says otherwise
+        return data.default_model(self.data.name)
 
     @_recorded(role="fingerprint")
     def local_momentum(self) -> float:

@@ -75,6 +75,8 @@ __all__ = [
     "ShardLoader",
     "available_datasets",
     "register_dataset",
+    "default_model",
+    "FALLBACK_MODEL",
     "build_dataset",
     "build_loaders",
     "dataset_options",
@@ -636,19 +638,38 @@ def dataset_options(name: str) -> tuple[str, ...]:
     return tuple(p for p in _DATASETS.parameters(name) if p not in _BUILDER_ARGS)
 
 
-def register_dataset(name: str, builder: Callable[..., Dataset], summary: str) -> None:
+#: the model a run trains on each data set when --model is not given
+_DEFAULT_MODELS: dict[str, str] = {}
+#: the default model of a data set registered without one, and of the user's own data
+FALLBACK_MODEL = "mlp"
+
+
+def register_dataset(name: str, builder: Callable[..., Dataset], summary: str,
+                     default_model: str = FALLBACK_MODEL) -> None:
     """Make ``builder(*, data_dir, cache_dir, seed, **options)`` buildable as ``name``;
-    its other keyword-only parameters are the options :func:`build_dataset` accepts."""
+    its other keyword-only parameters are the options :func:`build_dataset` accepts.
+    ``default_model``: the registered model a run trains on it when ``--model`` is not
+    given."""
     _DATASETS.register(name, builder, summary)
+    _DEFAULT_MODELS[name] = default_model
 
 
-register_dataset("mnist1d", _build_mnist1d, "MNIST-1D (Greydanus 2020), generated locally: 40-value sequences, 10 classes")
-register_dataset("cifar10", _build_cifar10, "CIFAR-10 from a local copy (data_dir): 32x32 RGB images, 10 classes")
-register_dataset("synthetic", _build_synthetic, "Gaussian features with logistic-regression labels (sizes and classes are options)")
+def default_model(name: str) -> str:
+    """The model a run trains on data set ``name`` when ``--model`` is not given
+    (:data:`FALLBACK_MODEL` for a name registered without one or not registered)."""
+    return _DEFAULT_MODELS.get(name, FALLBACK_MODEL)
+
+
+register_dataset("mnist1d", _build_mnist1d, "MNIST-1D (Greydanus 2020), generated locally: 40-value sequences, 10 classes",
+                 default_model="cnn1d")
+register_dataset("cifar10", _build_cifar10, "CIFAR-10 from a local copy (data_dir): 32x32 RGB images, 10 classes",
+                 default_model="resnet20")
+register_dataset("synthetic", _build_synthetic, "Gaussian features with logistic-regression labels (sizes and classes are options)",
+                 default_model="logreg")
 register_dataset("text", _build_text, "UTF-8 text as bytes for next-byte language modelling: your file or folder "
-                 "(data_dir), else the standard library's sources")
+                 "(data_dir), else the standard library's sources", default_model="gpt")
 register_dataset("wikitext2", _build_wikitext2, "WikiText-2 raw (wiki.train/valid/test.raw in data_dir) as bytes, "
-                 "for language modelling")
+                 "for language modelling", default_model="gpt")
 
 
 def available_datasets() -> dict[str, str]:

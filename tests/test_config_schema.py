@@ -95,3 +95,17 @@ def test_every_built_in_field_has_help_and_a_flag():
             assert o.help.strip(), f"{sec}.{f.name}"
             flag = o.flag or ("--no-" if f.default is True else "--") + (o.key or f.name).replace("_", "-")
             assert flag in flags, flag
+
+
+def test_the_data_set_declares_the_model_a_run_trains_without_model(monkeypatch):
+    """No data-to-model table in the config: each registered data set names its default
+    model, and one registered by the user is honoured the same way."""
+    from gossip import data
+
+    assert parse_args(["--data", "mnist1d"]).model_name == "cnn1d"
+    assert parse_args(["--data", "synthetic"]).model_name == "logreg"
+    assert parse_args(["--data", "text"]).model_name == "gpt"
+    monkeypatch.setitem(data._DEFAULT_MODELS, "mnist1d", "mlp")  # what the registration says is what is used
+    assert parse_args(["--data", "mnist1d"]).model_name == "mlp"
+    assert parse_args(["--data", "mnist1d", "--model", "logreg"]).model_name == "logreg"
+    assert data.default_model("not-registered") == data.FALLBACK_MODEL

@@ -1,6 +1,6 @@
 """Throughput of every compressor against a plain memcpy, on one CPU thread.
 
-    python experiments/bench_compress.py [--quick] [--json PATH] [--only SPEC,SPEC] [--backend auto]
+    python experiments/bench_compress.py [--quick] [--json PATH] [--only SPEC,SPEC] [--backend compile]
 
 For each compressor and size (1M and 16M fp32 elements; 1M only with --quick) it
 reports encode and decode throughput in GB/s of fp32 input, the throughput of a
@@ -135,8 +135,10 @@ def main(argv=None) -> int:
     ap.add_argument("--numel", type=int, default=0, help="one size only (elements per row)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
     ap.add_argument("--only", metavar="SPECS", help="comma-free list of specs separated by ';'")
-    ap.add_argument("--backend", choices=("auto", "compile", "eager"), default="auto",
-                    help="kernel backend (default: auto, as in normal use)")
+    ap.add_argument("--backend", choices=("auto", "compile", "eager"), default="compile",
+                    help="kernel backend (default: compile, the steady state of a run: auto runs a kernel eagerly "
+                         "until it has processed 2**30 elements, more than this benchmark's repetitions, so auto "
+                         "here would time the eager start of a run instead)")
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default 21 at 1M, 7 at 16M)")
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="statistic of the repetitions (default median; min shows the unloaded speed)")

@@ -110,8 +110,10 @@ def test_two_hosts_of_two_processes_match_one_host(tmp_path, prefix, mnist1d_cac
 
 @needs_netns
 def test_torchrun_static_rendezvous_and_bad_values(tmp_path, prefix):
-    show = ("import os, time; print('worker', *[os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'GROUP_RANK', "
-            "'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GLOO_SOCKET_IFNAME')], flush=True); "
+    # one os.write per line: the host's two workers share its stdout file, and print()
+    # writes the text and its newline separately, so their lines could interleave
+    show = ("import os, time; os.write(1, ' '.join(['worker', *[os.environ[k] for k in ('RANK', 'LOCAL_RANK', "
+            "'GROUP_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GLOO_SOCKET_IFNAME')]]).encode() + b'\\n'); "
             "time.sleep(2)")  # long enough for the cluster to see which ranks run where
     script = tmp_path / "show.py"
     script.write_text(show + "\n")

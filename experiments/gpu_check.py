@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,13 @@ SOURCES = ["gossip", "experiments/gpu_check.py", "experiments/bench_compress.py"
 SPEED_NUMEL = 1 << 24
 #: a section gets at least this long (within the budget), whatever its share
 MIN_SECTION_S = 15.0
+
+
+def _portable(text: str) -> str:
+    """``text`` with the checkout's path and temporary folders written as ``REPO`` and
+    ``TMP``: a results file names no path of the machine that made it."""
+    text = text.replace(str(REPO) + "/", "").replace(str(REPO), "REPO")
+    return re.sub(re.escape(tempfile.gettempdir()) + r"/tmp[\w.-]+", "TMP", text)
 
 
 def _py() -> list[str]:
@@ -187,10 +195,10 @@ def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> d
         rc, out, err = r.returncode, r.stdout, r.stderr
     except subprocess.TimeoutExpired as e:
         rc, out, err = "timeout", str(e.stdout or "")[-2000:], str(e.stderr or "")[-2000:]
-    return {"command": " ".join(cmd[1:] if cmd[0] == sys.executable else cmd), "exit": rc,
-            "seconds": round(time.perf_counter() - t, 1), "stdout_tail": out[-1500:],
+    return {"command": _portable(" ".join(cmd[1:] if cmd[0] == sys.executable else cmd)), "exit": rc,
+            "seconds": round(time.perf_counter() - t, 1), "stdout_tail": _portable(out[-1500:]),
             # a torchrun rank's own error comes before the launcher's summary: keep both ends
-            "stderr_head": err[:6000], "stderr_tail": err[-1500:]}
+            "stderr_head": _portable(err[:6000]), "stderr_tail": _portable(err[-1500:])}
 
 
 def _train_cmd(out: str, *extra: str) -> list[str]:

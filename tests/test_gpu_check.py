@@ -56,3 +56,12 @@ def test_a_section_records_each_compressor_error_instead_of_stopping():
 def test_bad_numbers_are_refused(bad, capsys):
     assert gpu_check.main([*bad, "--dry-run"]) == 2
     assert "gpu_check: error: --budget must be > 0, --numel and --reps >= 1" in capsys.readouterr().err
+
+
+def test_gpu_check_results_name_no_path_of_the_machine():
+    import tempfile
+
+    from experiments import gpu_check
+
+    line = f"{gpu_check.REPO}/experiments/gpu_check.py --out {tempfile.gettempdir()}/tmpx_1y/tr"
+    assert gpu_check._portable(line) == "experiments/gpu_check.py --out TMP/tr"

@@ -388,7 +388,7 @@ def _streaming_overlap(res: dict) -> str:
     from experiments import streaming_overlap
 
     verdict = res.get("target", "not judged (recorded before the verdict was)")
-    return streaming_overlap.table(res["runs_s_per_step"]) + f"\n\nTarget (tau = {res['taus'][1]} below tau = 0): {verdict}."
+    return streaming_overlap.table(res["runs_s_per_step"], res.get("wait_s_per_step")) + f"\n\nTarget (tau = {res['taus'][1]} below tau = 0): {verdict}."
 
 
 def _load(r: dict) -> str:

@@ -4,12 +4,13 @@ in the middle of a round is bit-identical, bad input is one line."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import topologies
-from gossip import algorithms, checkpoint, comm
+from gossip import algorithms, checkpoint, comm, rundir
 from tests.test_train import QUICK, _one_error_line, final_params, torchrun, train, why
 
 CASES = {
@@ -221,5 +222,36 @@ def test_docs_tables_come_from_the_results_files():
     assert res["provenance"]["command"] in doc
     for name in ("streaming_overlap.json", "streaming_overlap_taus.json"):
         ov = json.loads((REPO / "experiments" / "results" / name).read_text())
-        assert streaming_overlap.table(ov["runs_s_per_step"]) in doc
+        assert streaming_overlap.table(ov["runs_s_per_step"], ov.get("wait_s_per_step")) in doc
         assert ov["provenance"]["command"] in doc
+
+
+def test_streaming_overlap_times_the_steps_and_refuses_an_evaluation_inside(tmp_path):
+    """The overlap bench's clock: seconds and waits per step between the end of the
+    first round and the last step, from rank 0's records; an epoch's evaluation inside
+    the timed steps (a training set too small for the run) is refused, one at the run's
+    end is not; the training set it generates is longer than the run."""
+    import sys
+
+    from tests.conftest import REPO
+
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        import streaming_overlap
+    finally:
+        sys.path.remove(str(REPO / "experiments"))
+
+    def write(run: Path, eval_at: int) -> Path:
+        recs = [{"kind": "train", "step": s, "time": 0.5 * s, "wait_s": 0.1 * s} for s in range(1, 13)]
+        recs.append({"kind": "eval", "step": eval_at, "time": 6.5})
+        path = rundir.metrics_path(run, 0)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return run
+
+    step, wait = streaming_overlap.step_times(write(tmp_path / "ok", 12), 8)
+    assert step == pytest.approx(0.5) and wait == pytest.approx(0.1)
+    with pytest.raises(SystemExit, match="evaluated inside the timed steps 8..12"):
+        streaming_overlap.step_times(write(tmp_path / "bad", 10), 8)
+    assert streaming_overlap.train_samples(4, 1024, 40) == 4 * 1024 * 41
+    assert streaming_overlap.train_samples(4, 8, 10) == 4000  # never below the embedded set

@@ -227,11 +227,17 @@ def render(result: dict) -> str:
              f"load average {result['load_avg_before']:.2f} before and {result['load_avg_after']:.2f} after")
     lines = [f"`{result['command']}` at `{result['commit'][:10]}`: {where}.", "", table(result["rows"])]
     if result.get("epoch"):
-        lines += ["", "| one epoch, vectorized | nodes | steps | total | in the steps | set-up | outside the steps |",
-                  "|---|---|---|---|---|---|---|"]
-        for e in result["epoch"]:
-            lines.append(f"| {e['model']} | {e['nodes']:,} | {e['steps']} | {e['total_s']:.2f} s | {e['steps_s']:.2f} s | "
-                         f"{e['setup_s']:.2f} s | {e['outside_share']:.0%} |")
+        lines += ["", epoch_table(result["epoch"])]
+    return "\n".join(lines)
+
+
+def epoch_table(epochs: list[dict]) -> str:
+    """The one-epoch runs: wall time, the part in the steps, and the share outside them."""
+    lines = ["| one epoch, vectorized | nodes | steps | total | in the steps | set-up | outside the steps |",
+             "|---|---|---|---|---|---|---|"]
+    for e in epochs:
+        lines.append(f"| {e['model']} | {e['nodes']:,} | {e['steps']} | {e['total_s']:.2f} s | {e['steps_s']:.2f} s | "
+                     f"{e['setup_s']:.2f} s | {e['outside_share']:.0%} |")
     return "\n".join(lines)
 
 

@@ -442,6 +442,18 @@ def _powersgd_lstm(res: dict) -> str:
             f"of ranks 1, 2 and 4 (the paper: {', '.join(f'{mb[0] / mb[k]:.0f}' for k in (1, 2, 4))}).")
 
 
+def _bench_sim(res: dict) -> str:
+    """experiments/bench_sim.py: nodes x steps per second of both paths, then the one-epoch runs."""
+    from experiments import bench_sim
+
+    where = (f"{res.get('gpu') or res['device']}, {res['threads']} thread(s), batch {res['batch_size']}, "
+             f"{res['algo']} on a {res['topology']}")
+    text = f"On {where}:\n\n{bench_sim.table(res['rows'])}"
+    if res.get("epoch"):
+        text += f"\n\n{bench_sim.epoch_table(res['epoch'])}"
+    return text
+
+
 TABLES: dict[str, Table] = {
     "low_precision": Table(f"{RESULTS}/low_precision.json", _low_precision),
     "bench_step": Table(f"{RESULTS}/bench_step.json", _bench_step),
@@ -467,6 +479,7 @@ TABLES: dict[str, Table] = {
     "modern_compare": Table(f"{RESULTS}/modern_compare.json", _modern_compare),
     "streaming_overlap": Table(f"{RESULTS}/streaming_overlap.json", _streaming_overlap),
     "streaming_overlap_taus": Table(f"{RESULTS}/streaming_overlap_taus.json", _streaming_overlap),
+    "bench_sim": Table(f"{RESULTS}/bench_sim.json", _bench_sim),
 }
 
 

@@ -180,6 +180,14 @@ def _bench_centralized(rows: list[dict]) -> str:
     return _md(header, body)
 
 
+def _bench_centralized_steps(rows: list[dict]) -> str:
+    """Every row of experiments/bench_centralized.py: the step and its parts, bytes and ratio."""
+    cols = ["algo", "compressor", "model", "params", "step_s", "compute_s", "compress_s", "comm_s",
+            "bytes_per_step", "compression_ratio"]
+    return _md(cols, [[r["algo"], r["compressor"], r["model"], str(r["params"])]
+                      + [f"{r[k]:.4g}" for k in cols[4:]] for r in rows])
+
+
 def _bench_mergecomp(rows: list[dict]) -> str:
     cols = ["model", "tensors", "compressor", "mode", "groups", "iter ms", "compute ms", "compress ms",
             "comm ms", "scaling factor", "predicted ms"]
@@ -546,6 +554,7 @@ TABLES: dict[str, Table] = {
     "bench_compress": Table(f"{RESULTS}/bench_compress.json", _bench_compress),
     "bench_compress_12gbs": Table(f"{RESULTS}/bench_compress_12gbs.json", _bench_compress),
     "bench_centralized": Table(f"{RESULTS}/bench_centralized.json", _bench_centralized),
+    "bench_centralized_steps": Table(f"{RESULTS}/bench_centralized.json", _bench_centralized_steps),
     "bench_mergecomp": Table(f"{RESULTS}/bench_mergecomp.json", _bench_mergecomp),
     "race_allreduce": Table(f"{RESULTS}/race_allreduce.json", _race_accuracy),
     "race_powersgd_lr005": Table(f"{RESULTS}/race_powersgd_lr0.05.json", _race_accuracy),

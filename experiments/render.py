@@ -536,6 +536,8 @@ _CMD_GOSSIP = ("OMP_NUM_THREADS=1 python experiments/gossip_compare.py --epochs 
 _CMD_SWEEP = ("sudo python experiments/sweep_network.py --nodes 4 --algos allreduce,dcd:8,ecd:8,dpsgd "
               "--bandwidth 20mbit,5mbit --latency 0.13ms,5ms,20ms --steps 25 --warmup 5 --out runs/netsweep4 "
               f"--results {RESULTS}/sweep_network.json")
+_CMD_SIM_QUIET = ("OMP_NUM_THREADS=1 python experiments/bench_sim.py --nodes 16,256,1024 --steps 3 --loop-budget 1 "
+                  f"--json {RESULTS}/bench_sim_quiet.json")
 _CMD_TOPO = f"python experiments/bench_topologies.py --results {RESULTS}/bench_topologies.json"
 _CMD_ECD = f"OMP_NUM_THREADS=1 python experiments/ecd_recipes.py --out runs/ecd-recipes --results {RESULTS}/ecd_recipes.json"
 _CMD_RACE = ("OMP_NUM_THREADS=1 python experiments/race.py --out runs/race --bandwidth 10mbit,100mbit --latency 0 "
@@ -574,6 +576,8 @@ TABLES: dict[str, Table] = {
     "streaming_overlap": Table(f"{RESULTS}/streaming_overlap.json", _streaming_overlap),
     "streaming_overlap_taus": Table(f"{RESULTS}/streaming_overlap_taus.json", _streaming_overlap),
     "bench_sim": Table(f"{RESULTS}/bench_sim.json", _bench_sim),
+    "bench_sim_cuda": Table(f"{RESULTS}/bench_sim_cuda.json", _bench_sim),
+    "bench_sim_quiet": Table(f"{RESULTS}/bench_sim_quiet.json", _bench_sim, command=_CMD_SIM_QUIET),
     "crossover_check": Table(f"{RESULTS}/crossover_check.json", _crossover_check, command=_CMD_CROSSOVER),
     "sgp_overlap": Table(f"{RESULTS}/sgp_overlap.json", _sgp_overlap, command=_CMD_SGP),
     "gossip_compare": Table(f"{RESULTS}/gossip_compare.json", _gossip_compare, command=_CMD_GOSSIP),

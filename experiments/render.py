@@ -471,6 +471,12 @@ def _bench_sim(res: dict) -> str:
     return text
 
 
+def _sharded_bytes(res: dict) -> str:
+    from experiments import sharded_bytes
+
+    return sharded_bytes.table(res)
+
+
 def _crossover_check(res: dict) -> str:
     """experiments/crossover_check.py: gossip.crossover's predicted step beside the step
     measured on shaped links."""
@@ -562,6 +568,7 @@ TABLES: dict[str, Table] = {
     "race_powersgd_lr005": Table(f"{RESULTS}/race_powersgd_lr0.05.json", _race_accuracy),
     "bench_ddp_overlap": Table(f"{RESULTS}/bench_ddp_overlap.json", _bench_ddp_overlap),
     "sharded_accuracy": Table(f"{RESULTS}/sharded_accuracy.json", _sharded_accuracy),
+    "sharded_bytes": Table(f"{RESULTS}/sharded_bytes.json", _sharded_bytes),
     "tang2018": Table("reports/tang2018/results.json", _tang2018),
     "lm_recipes": Table(f"{RESULTS}/lm_recipes.json", _lm_recipes),
     "powersgd_lstm": Table(f"{RESULTS}/powersgd_lstm.json", _powersgd_lstm),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from experiments import _provenance as P
-from experiments import bench_topologies, crossover_check, ecd_recipes, render, sgp_overlap
+from experiments import bench_topologies, crossover_check, ecd_recipes, render, sgp_overlap, sharded_bytes
 
 
 def _row(rate, overlap, repeat, step, comm, comp):
@@ -95,3 +95,20 @@ def test_ecd_recipes_writes_last_and_best_accuracy(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         ecd_recipes.main(["--recipes", "demo,fast", "--out", str(tmp_path)])
     assert e.value.code == 2 and "--recipes: unknown fast; known: demo, demo-25," in capsys.readouterr().err
+
+
+def test_sharded_bytes_reads_both_legs_from_the_ledger(tmp_path, capsys):
+    path = tmp_path / "sb.json"
+    assert sharded_bytes.main(["--nodes", "2,4", "--results", str(path)]) == 0
+    res, prov = P.read(path)
+    assert res["params"] == 124_810 and "gossip/compress" in prov["sources"]
+    efsgd8 = res["rows"][0]
+    assert efsgd8["payload_bytes"] > 124_810  # a byte a value, plus the header
+    for n in ("2", "4"):  # each leg carries a shard's payload and its own small header
+        assert 1.0 <= efsgd8["per_n"][n]["vs_two_ring_legs"] < 1.01
+    table = render.TABLES["sharded_bytes"].render(res).splitlines()
+    assert table[0] == "| bytes/node/step | payload | n = 2 | n = 4 | all-gather at n = 4 (computed) |"
+    assert table[-1].startswith("| diloco `quant:bits=4`, H = 10 | 62,448 / 10 |") and table[-1].endswith("| 2x |")
+    with pytest.raises(SystemExit) as e:
+        sharded_bytes.main(["--nodes", "1,4"])
+    assert e.value.code == 2 and "--nodes must be a comma list of integers >= 2, got '1,4'" in capsys.readouterr().err

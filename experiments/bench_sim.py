@@ -220,17 +220,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def render(result: dict) -> str:
-    """The results file as docs/simulation.md shows it: where it ran, then both tables."""
-    where = (f"{result.get('gpu') or result['device']} (host {result['cpu']}, {result['cores']} cores, {result['threads']} thread(s), "
-             f"memcpy {result['memcpy_gbps']:.1f} GB/s), torch {result['torch']}, {result['date'][:10]}, "
-             f"load average {result['load_avg_before']:.2f} before and {result['load_avg_after']:.2f} after")
-    lines = [f"`{result['command']}` at `{result['commit'][:10]}`: {where}.", "", table(result["rows"])]
-    if result.get("epoch"):
-        lines += ["", epoch_table(result["epoch"])]
-    return "\n".join(lines)
-
-
 def epoch_table(epochs: list[dict]) -> str:
     """The one-epoch runs: wall time, the part in the steps, and the share outside them."""
     lines = ["| one epoch, vectorized | nodes | steps | total | in the steps | set-up | outside the steps |",
@@ -251,16 +240,14 @@ def scale_data(seed: int) -> data.Dataset:
     return dataset(16_384, seed)
 
 
-def update_docs(docs: Path = DOCS, results: Path = RESULTS) -> None:
-    """Re-render every ``<!-- NAME.json -->`` block of docs/simulation.md from its results file."""
-    text = docs.read_text()
-    for name in ("bench_sim_cuda.json", "bench_sim.json"):
-        start, end = f"<!-- {name} -->", f"<!-- /{name} -->"
-        head, rest = text.split(start, 1)
-        _, tail = rest.split(end, 1)
-        body = render(json.loads((results / name).read_text()))
-        text = f"{head}{start}\n{body}\n{end}{tail}"
-    docs.write_text(text)
+def update_docs() -> None:
+    """Re-render docs/simulation.md's tables (every marked table, as ``make results-tables``)."""
+    repo = str(Path(__file__).resolve().parents[1])
+    if repo not in sys.path:  # run as a script: experiments/ is on the path, the repository is not
+        sys.path.insert(0, repo)
+    from experiments import render as _render
+
+    _render.render_all(write=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="16 and 64 nodes, logreg and mlp, 2 steps (a smoke test)")
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     ap.add_argument("--update-docs", action="store_true",
-                    help="only re-render docs/simulation.md's tables from experiments/results/*.json")
+                    help="only re-render the docs' tables from experiments/results/*.json (make results-tables)")
     a = ap.parse_args(argv)
     if a.update_docs:
         update_docs()

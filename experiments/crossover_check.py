@@ -15,7 +15,10 @@
 
 Needs root (network namespaces). The ranks share this machine's cores: keep the
 model small enough that compute stays a minor part of a step, or give
-``--compute-threads`` thought. Output: ``check.json`` and ``check.md`` in ``--out``.
+``--compute-threads`` thought. Output: ``check.json`` (the rows, the prediction and
+the provenance record of ``experiments/_provenance.py``) and ``check.md`` in ``--out``;
+with ``--results PATH`` the same JSON at PATH too (``make results-tables`` renders
+``experiments/results/crossover_check.json`` into docs/crossover.md).
 """
 
 from __future__ import annotations
@@ -35,6 +38,43 @@ def _crossover_label(algo: str) -> str:
     return f"{name}@quant:bits={bits}" if bits else name
 
 
+def compare(measured: list[dict], prediction: dict, labels: dict[str, str]) -> list[dict]:
+    """One row per measured cell that succeeded: ``sweep_network.py``'s row (``measured``,
+    from its results.csv) beside ``gossip.crossover``'s prediction at the nearest
+    bandwidth and latency (``prediction``: its ``--json``; ``labels``: sweep name ->
+    crossover label)."""
+    rows_pred = {r["label"]: r for r in prediction["rows"]}
+    out = []
+    for m in measured:
+        algo = m["algo"] + (f":{m['bits']}" if m.get("bits") not in (None, "", "None") else "")
+        label = labels.get(algo)
+        if label is None or m.get("ok") not in ("True", "true", "1"):
+            continue
+        bw = float(m["bandwidth_mbit"]) * 1e6
+        r = rows_pred[label]
+        step = min(r["step_s"], key=lambda s: abs(s["bandwidth"] - bw) + abs(s["latency"] * 1e3 - float(m["latency_ms"])))
+        meas = float(m["step_s"])
+        out.append({"algo": algo, "bandwidth_mbit": bw / 1e6, "latency_ms": float(m["latency_ms"]),
+                    "latency_mode": m["latency_mode"], "predicted_s": step["seconds"], "measured_s": meas,
+                    "predicted_over_measured": step["seconds"] / meas,
+                    "bytes_predicted": r["bytes"], "bytes_measured": float(m["bytes_per_step"]),
+                    "iface_bytes_per_step": float(m["iface_bytes_per_step"]) if m.get("iface_bytes_per_step") else None})
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    """Prediction and measurement side by side (also the rendered table of docs/crossover.md)."""
+    lines = ["| algo | bandwidth | latency | predicted step | measured step | predicted / measured | "
+             "bytes/step predicted | ledger | interface |", "|---|---|---|---|---|---|---|---|---|"]
+    for t in rows:
+        iface = t["iface_bytes_per_step"]
+        lines.append(f"| {t['algo']} | {t['bandwidth_mbit']:g} Mbit/s | {t['latency_ms']:g} ms ({t['latency_mode']}) | "
+                     f"{1e3 * t['predicted_s']:.1f} ms | {1e3 * t['measured_s']:.1f} ms | "
+                     f"{t['predicted_over_measured']:.2f} | {t['bytes_predicted']:,.0f} | {t['bytes_measured']:,.0f} | "
+                     f"{'-' if iface is None or iface != iface else f'{iface:,.0f}'} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=4)
@@ -46,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--force", action="store_true", help="re-measure cells already measured")
+    p.add_argument("--results", type=Path, default=None,
+                   help="also write check.json here (experiments/results/crossover_check.json: docs/crossover.md's table)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import _provenance
@@ -72,36 +114,17 @@ def main(argv: list[str] | None = None) -> int:
         print(pred.stderr, file=sys.stderr)
         return 1
     res = json.loads(pred.stdout)
-    rows_pred = {r["label"]: r for r in res["rows"]}
     with open(args.out / "sweep" / "results.csv", newline="") as fh:
         measured = list(csv.DictReader(fh))
-    table = []
-    for m in measured:
-        algo = m["algo"] + (f":{m['bits']}" if m.get("bits") not in (None, "", "None") else "")
-        label = labels.get(algo)
-        if label is None or m.get("ok") not in ("True", "true", "1"):
-            continue
-        bw = float(m["bandwidth_mbit"]) * 1e6
-        r = rows_pred[label]
-        step = min(r["step_s"], key=lambda s: abs(s["bandwidth"] - bw) + abs(s["latency"] * 1e3 - float(m["latency_ms"])))
-        meas = float(m["step_s"])
-        table.append({"algo": algo, "bandwidth_mbit": bw / 1e6, "latency_ms": float(m["latency_ms"]),
-                      "latency_mode": m["latency_mode"], "predicted_s": step["seconds"], "measured_s": meas,
-                      "predicted_over_measured": step["seconds"] / meas,
-                      "bytes_predicted": r["bytes"], "bytes_measured": float(m["bytes_per_step"]),
-                      "iface_bytes_per_step": float(m["iface_bytes_per_step"] or "nan")})
-    lines = ["| algo | bandwidth | latency | predicted step | measured step | predicted / measured | "
-             "bytes/step predicted | ledger | interface |", "|---|---|---|---|---|---|---|---|---|"]
-    for t in table:
-        lines.append(f"| {t['algo']} | {t['bandwidth_mbit']:g} Mbit/s | {t['latency_ms']:g} ms ({t['latency_mode']}) | "
-                     f"{1e3 * t['predicted_s']:.1f} ms | {1e3 * t['measured_s']:.1f} ms | "
-                     f"{t['predicted_over_measured']:.2f} | {t['bytes_predicted']:,.0f} | {t['bytes_measured']:,.0f} | "
-                     f"{t['iface_bytes_per_step']:,.0f} |")
-    text = "\n".join(lines)
+    rows = compare(measured, res, labels)
+    text = table(rows)
     print(text)
     (args.out / "check.md").write_text(text + "\n")
-    (args.out / "check.json").write_text(json.dumps({"prediction": res, "rows": table,
-                                                         "provenance": prov.finish()}, indent=1))
+    record = {"nodes": args.nodes, "model": args.model, "steps": args.steps, "warmup": args.warmup,
+              "prediction": res, "rows": rows, "provenance": prov.finish()}
+    for path in [args.out / "check.json"] + ([args.results] if args.results else []):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
 

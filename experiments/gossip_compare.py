@@ -29,7 +29,10 @@ model: compute + codec + 1.05 * 8 * bytes / B + latency * message rounds; every 
 has its own link, nothing overlapped). Nothing runs over a real shaped network.
 
 Out: ``compare.json`` (every method's curve, each point's modelled time per bandwidth,
-the load average at the start and the end), ``compare.md`` (the table), and with
+the load average at the start and the end, the provenance record of
+``experiments/_provenance.py``; with ``--results PATH`` also written to PATH, e.g.
+``experiments/results/gossip_compare.json``, which ``make results-tables`` renders into
+docs/decentralized.md), ``compare.md`` (the table), and with
 matplotlib ``compare.png`` (test accuracy against bytes sent per node and against the
 modelled time at the first bandwidth). ``notebooks/decentralized.ipynb`` reads them.
 """
@@ -143,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency", default="0", help="one-way latency (default 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="directory for the run directories and the results")
+    p.add_argument("--results", default=None,
+                   help="also write compare.json here (experiments/results/gossip_compare.json: docs/decentralized.md's table)")
     a = p.parse_args(argv)
     names = _cli.methods(p, a.methods, METHODS)
     if a.nodes < 2 or a.epochs < 1:
@@ -182,12 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     (out / "compare.md").write_text(
         f"{md}\n\nMade with `{cmd}` (simulated time, {a.nodes} nodes, sorted shards, {a.epochs} epochs; "
         f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, on {os.cpu_count()} cores).\n")
-    (out / "compare.json").write_text(json.dumps({
+    record = json.dumps({
         "nodes": a.nodes, "epochs": a.epochs, "data": a.data, "partition": "sorted", "bandwidths": bw_labels,
         "latency_s": latency, "recipe": RECIPE, "methods": {k: METHODS[k] for k in names},
         "results": results, "mode": "simulated-time", "load_average": load, "cpu_count": os.cpu_count(),
         "provenance": prov.finish(),
-    }, indent=1))
+    }, indent=1) + "\n"
+    for path in [out / "compare.json"] + ([Path(a.results)] if a.results else []):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(record)
     drew = plot(results, bw_labels[0], out / "compare.png")
     print(md)
     print(f"gossip_compare: wrote {out / 'compare.md'}, {out / 'compare.json'}" + (f", {out / 'compare.png'}" if drew else ""))

@@ -39,7 +39,10 @@ and codec time, and the model's error. No latency is shaped (this mode takes
 ``--latency 0`` only). The load average is recorded at the start and end of every run.
 
 Output in ``--out``: ``race.json`` (every method's curve and figures, each evaluation's
-modelled time per bandwidth in ``time_s``, the load average at the start and end), ``race.md``
+modelled time per bandwidth in ``time_s``, the load average at the start and end, the
+provenance record of ``experiments/_provenance.py``; with ``--results PATH`` also
+written to PATH once the race is done, e.g. ``experiments/results/race_modelled.json``,
+which ``make results-tables`` renders into docs/race.md), ``race.md``
 (method, bytes to target, time to target at each bandwidth, final accuracy) and, with
 matplotlib, ``race.png`` (test accuracy against modelled time, one panel per
 bandwidth). The run directories are ordinary ones: ``gossip.analysis.load_runs(out)``
@@ -525,9 +528,21 @@ def main_netns(a: argparse.Namespace, names: list[str], bw_labels: list[str], ba
             print(f"race: error: {e}", file=sys.stderr)
             return 2
     md, drew = write_netns(out, results, a, bw_labels, cmd, names)
+    _copy_results(out / "race.json", a.results)
     print(md)
     print(f"race: wrote {out / 'race.md'}, {out / 'race.json'}" + (f", {out / 'race.png'}" if drew else ""))
     return 0
+
+
+def _copy_results(src: Path, dst: Path | None) -> None:
+    """race.json, complete, at ``dst`` too (through a temporary file: an interrupted copy
+    leaves the old results)."""
+    if dst is None:
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".tmp")
+    tmp.write_bytes(src.read_bytes())
+    os.replace(tmp, dst)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -555,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="netns: run every method to its last epoch (default: stop a run once it reaches --target)")
     p.add_argument("--timeout", type=float, default=3600.0, help="netns: seconds allowed per run (default 3600)")
     p.add_argument("--prefix", default="race", help="netns: name prefix of the namespaces (default race)")
+    p.add_argument("--results", type=Path, default=None,
+                   help="when the race is done, also write race.json here (experiments/results/race*.json, "
+                        "the figures docs/race.md renders)")
     a = p.parse_args(argv)
     names = _cli.methods(p, a.methods, METHODS)
     if a.lr is not None and not a.lr > 0:
@@ -597,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results, "mode": "simulated-time", "load_average": load, "cpu_count": os.cpu_count(),
         "lr": a.lr, "provenance": _finish(a),
     }, indent=1))
+    _copy_results(out / "race.json", a.results)
     drew = plot(results, bandwidths, bw_labels, latency, out / "race.png", a.target)
     print(md)
     print(f"race: wrote {out / 'race.md'}, {out / 'race.json'}" + (f", {out / 'race.png'}" if drew else ""))

@@ -46,11 +46,15 @@ _MARK = re.compile(r"(<!-- results:([\w.-]+) -->\n)(.*?)(<!-- /results:\2 -->)",
 class Table:
     """A rendered table: the results file it reads and how its figures become Markdown.
     ``fallback``: the file read while ``results`` does not exist yet (a pilot's, until
-    the full run's results are committed)."""
+    the full run's results are committed). ``command``: the command that writes
+    ``results``; while that file does not exist yet, the table between the markers
+    stays as written by hand, under a line that says so and names the command
+    (``--stale`` lists such tables as not yet measured)."""
 
     results: str
     render: Callable[[Any], str]
     fallback: str | None = None
+    command: str | None = None
 
     @property
     def path(self) -> str:
@@ -58,6 +62,11 @@ class Table:
         if self.fallback is not None and not (REPO / self.results).exists():
             return self.fallback
         return self.results
+
+    @property
+    def pending(self) -> bool:
+        """Whether the table awaits its results file (and keeps its hand-written figures)."""
+        return self.command is not None and not (REPO / self.path).exists()
 
 
 def _f(v: Any, nd: int = 4) -> str:
@@ -169,6 +178,14 @@ def _bench_centralized(rows: list[dict]) -> str:
             cells += [_f(r["step_s"]), _f(r["compression_ratio"])] if r else ["", ""]
         body.append(cells)
     return _md(header, body)
+
+
+def _bench_centralized_steps(rows: list[dict]) -> str:
+    """Every row of experiments/bench_centralized.py: the step and its parts, bytes and ratio."""
+    cols = ["algo", "compressor", "model", "params", "step_s", "compute_s", "compress_s", "comm_s",
+            "bytes_per_step", "compression_ratio"]
+    return _md(cols, [[r["algo"], r["compressor"], r["model"], str(r["params"])]
+                      + [f"{r[k]:.4g}" for k in cols[4:]] for r in rows])
 
 
 def _bench_mergecomp(rows: list[dict]) -> str:
@@ -454,6 +471,90 @@ def _bench_sim(res: dict) -> str:
     return text
 
 
+def _sharded_bytes(res: dict) -> str:
+    from experiments import sharded_bytes
+
+    return sharded_bytes.table(res)
+
+
+def _crossover_check(res: dict) -> str:
+    """experiments/crossover_check.py: gossip.crossover's predicted step beside the step
+    measured on shaped links."""
+    from experiments import crossover_check
+
+    return crossover_check.table(res["rows"])
+
+
+def _sgp_overlap(res: dict) -> str:
+    """experiments/sgp_overlap.py: SGP's step with and without overlap, per link rate."""
+    from experiments import sgp_overlap
+
+    return sgp_overlap.table(res)
+
+
+def _gossip_compare(res: dict) -> str:
+    """experiments/gossip_compare.py: the decentralized methods on sorted shards."""
+    from experiments import gossip_compare
+
+    return gossip_compare.table(res["results"], res["bandwidths"])
+
+
+def _sweep_network(res: dict) -> str:
+    """experiments/sweep_network.py: all-reduce's step and the others' as ratios to it."""
+    from experiments import sweep_network
+
+    return sweep_network.ratio_table(res)
+
+
+def _bench_topologies(res: dict) -> str:
+    from experiments import bench_topologies
+
+    return bench_topologies.table(res)
+
+
+def _ecd_recipes(res: dict) -> str:
+    from experiments import ecd_recipes
+
+    return ecd_recipes.table(res)
+
+
+def _race_modelled(res: dict) -> str:
+    """experiments/race.py (simulated mode): bytes and modelled time to the target."""
+    from experiments import race
+
+    return race.table(res["results"], res["target"], res["bandwidths"])
+
+
+def _race_netns(res: dict) -> str:
+    """experiments/race.py --mode netns: measured time to the target beside the model's."""
+    from experiments import race
+
+    return race.netns_table(res["results"], res["target"], res["bandwidths"])
+
+
+#: the commands that make the tables still awaiting their results file (docs/provenance.md)
+_CMD_CROSSOVER = ("sudo python experiments/crossover_check.py --nodes 4 --algos dpsgd,ecd:8 --bandwidth 5mbit,50mbit "
+                  f"--steps 20 --out runs/crossover-check --results {RESULTS}/crossover_check.json")
+_CMD_SGP = ("sudo python experiments/sgp_overlap.py --nodes 4 --rate 100mbit,10mbit --steps 30 --repeats 2 "
+            f"--out runs/sgp-overlap --results {RESULTS}/sgp_overlap.json")
+_CMD_GOSSIP = ("OMP_NUM_THREADS=1 python experiments/gossip_compare.py --epochs 40 --out runs/gossip-compare "
+               f"--results {RESULTS}/gossip_compare.json")
+_CMD_SWEEP = ("sudo python experiments/sweep_network.py --nodes 4 --algos allreduce,dcd:8,ecd:8,dpsgd "
+              "--bandwidth 20mbit,5mbit --latency 0.13ms,5ms,20ms --steps 25 --warmup 5 --out runs/netsweep4 "
+              f"--results {RESULTS}/sweep_network.json")
+_CMD_SIM_QUIET = ("OMP_NUM_THREADS=1 python experiments/bench_sim.py --nodes 16,256,1024 --steps 3 --loop-budget 1 "
+                  f"--json {RESULTS}/bench_sim_quiet.json")
+_CMD_TOPO = f"python experiments/bench_topologies.py --results {RESULTS}/bench_topologies.json"
+_CMD_ECD = f"OMP_NUM_THREADS=1 python experiments/ecd_recipes.py --out runs/ecd-recipes --results {RESULTS}/ecd_recipes.json"
+_CMD_RACE = ("OMP_NUM_THREADS=1 python experiments/race.py --out runs/race --bandwidth 10mbit,100mbit --latency 0 "
+             f"--results {RESULTS}/race_modelled.json")
+_CMD_RACE16 = ("OMP_NUM_THREADS=1 python experiments/race.py --nodes 16 --methods "
+               "allreduce,localsgd,dcd:4,choco-top1,sgp,diloco:4 --target 0.55 --out runs/race16-55 "
+               f"--results {RESULTS}/race16_target55.json")
+_CMD_NETNS = ("sudo python experiments/race.py --mode netns --methods allreduce,localsgd,dcd:4,ecd:8,dpsgd,diloco,"
+              "diloco:4,powersgd:2,efsgd-sign,choco-top1,sgp --bandwidth 100mbit,10mbit --timeout 1200 "
+              f"--out runs/race-netns-quiet --results {RESULTS}/race_netns.json")
+
 TABLES: dict[str, Table] = {
     "low_precision": Table(f"{RESULTS}/low_precision.json", _low_precision),
     "bench_step": Table(f"{RESULTS}/bench_step.json", _bench_step),
@@ -461,11 +562,13 @@ TABLES: dict[str, Table] = {
     "bench_compress": Table(f"{RESULTS}/bench_compress.json", _bench_compress),
     "bench_compress_12gbs": Table(f"{RESULTS}/bench_compress_12gbs.json", _bench_compress),
     "bench_centralized": Table(f"{RESULTS}/bench_centralized.json", _bench_centralized),
+    "bench_centralized_steps": Table(f"{RESULTS}/bench_centralized.json", _bench_centralized_steps),
     "bench_mergecomp": Table(f"{RESULTS}/bench_mergecomp.json", _bench_mergecomp),
     "race_allreduce": Table(f"{RESULTS}/race_allreduce.json", _race_accuracy),
     "race_powersgd_lr005": Table(f"{RESULTS}/race_powersgd_lr0.05.json", _race_accuracy),
     "bench_ddp_overlap": Table(f"{RESULTS}/bench_ddp_overlap.json", _bench_ddp_overlap),
     "sharded_accuracy": Table(f"{RESULTS}/sharded_accuracy.json", _sharded_accuracy),
+    "sharded_bytes": Table(f"{RESULTS}/sharded_bytes.json", _sharded_bytes),
     "tang2018": Table("reports/tang2018/results.json", _tang2018),
     "lm_recipes": Table(f"{RESULTS}/lm_recipes.json", _lm_recipes),
     "powersgd_lstm": Table(f"{RESULTS}/powersgd_lstm.json", _powersgd_lstm),
@@ -480,6 +583,17 @@ TABLES: dict[str, Table] = {
     "streaming_overlap": Table(f"{RESULTS}/streaming_overlap.json", _streaming_overlap),
     "streaming_overlap_taus": Table(f"{RESULTS}/streaming_overlap_taus.json", _streaming_overlap),
     "bench_sim": Table(f"{RESULTS}/bench_sim.json", _bench_sim),
+    "bench_sim_cuda": Table(f"{RESULTS}/bench_sim_cuda.json", _bench_sim),
+    "bench_sim_quiet": Table(f"{RESULTS}/bench_sim_quiet.json", _bench_sim, command=_CMD_SIM_QUIET),
+    "crossover_check": Table(f"{RESULTS}/crossover_check.json", _crossover_check, command=_CMD_CROSSOVER),
+    "sgp_overlap": Table(f"{RESULTS}/sgp_overlap.json", _sgp_overlap, command=_CMD_SGP),
+    "gossip_compare": Table(f"{RESULTS}/gossip_compare.json", _gossip_compare, command=_CMD_GOSSIP),
+    "sweep_network": Table(f"{RESULTS}/sweep_network.json", _sweep_network, command=_CMD_SWEEP),
+    "bench_topologies": Table(f"{RESULTS}/bench_topologies.json", _bench_topologies, command=_CMD_TOPO),
+    "ecd_recipes": Table(f"{RESULTS}/ecd_recipes.json", _ecd_recipes, command=_CMD_ECD),
+    "race_modelled": Table(f"{RESULTS}/race_modelled.json", _race_modelled, command=_CMD_RACE),
+    "race16_target55": Table(f"{RESULTS}/race16_target55.json", _race_modelled, command=_CMD_RACE16),
+    "race_netns": Table(f"{RESULTS}/race_netns.json", _race_netns, command=_CMD_NETNS),
 }
 
 
@@ -514,8 +628,24 @@ def provenance_line(path: str, prov: dict[str, Any]) -> str:
     return line
 
 
-def render_table(name: str) -> str:
+#: how the line under a hand-written table (one awaiting its results file) begins
+PENDING = "<sub>Hand-written figures, not yet from a results file:"
+
+
+def pending_line(t: Table) -> str:
+    return f"{PENDING} `{t.command}` writes `{t.results}`, then `make results-tables` renders this table.</sub>"
+
+
+def render_table(name: str, current: str = "") -> str:
+    """The Markdown between NAME's markers. ``current``: what is there now, kept (less
+    its old note) under a note while the table awaits its results file."""
     t = TABLES[name]
+    if t.pending:
+        kept = "\n".join(ln for ln in current.splitlines() if not ln.startswith(PENDING)).strip()
+        if not kept:
+            raise ValueError(f"table {name!r}: no results file yet ({t.results}) and no hand-written table "
+                             f"between its markers; run `{t.command}`")
+        return kept + "\n\n" + pending_line(t) + "\n"
     results, prov = P.read(REPO / t.path)
     return t.render(results) + "\n\n" + provenance_line(t.path, prov) + "\n"
 
@@ -554,7 +684,7 @@ def render_file(text: str, where: str = "") -> str:
 
 
 def _sub(m: re.Match) -> str:
-    return m.group(1) + render_table(m.group(2)) + m.group(4)
+    return m.group(1) + render_table(m.group(2), m.group(3)) + m.group(4)
 
 
 def render_all(write: bool) -> list[Path]:
@@ -579,6 +709,11 @@ def used_tables() -> dict[str, list[str]]:
         for name in _markers(f.read_text()):
             used.setdefault(name, []).append(str(f.relative_to(REPO)))
     return used
+
+
+def pending_tables() -> dict[str, list[str]]:
+    """Table name -> the files that show it, for every table still awaiting its results file."""
+    return {name: files for name, files in used_tables().items() if name in TABLES and TABLES[name].pending}
 
 
 def stale_results() -> list[tuple[str, dict, list[str]]]:
@@ -619,7 +754,13 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"    {c}")
                     if len(since) > 8:
                         print(f"    ... and {len(since) - 8} earlier commits")
-            print(f"{len(found)} stale results file(s)" if found else "nothing stale")
+            pending = pending_tables()
+            for name, files in pending.items():
+                t = TABLES[name]
+                print(f"{t.results}: not yet measured (the table {name} in {', '.join(files)} is hand-written); "
+                      f"run: {t.command}")
+            print((f"{len(found)} stale results file(s)" if found else "nothing stale")
+                  + (f"; {len(pending)} table(s) awaiting their results file" if pending else ""))
             return 0
         changed = render_all(write=not args.check)
     except (ValueError, OSError, KeyError) as e:

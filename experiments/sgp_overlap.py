@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Step time of SGP with and without overlap on a shaped virtual cluster.
 
-    sudo python experiments/sgp_overlap.py --nodes 4 --rate 10mbit --steps 30 --repeats 2
+    sudo python experiments/sgp_overlap.py --nodes 4 --rate 100mbit,10mbit --steps 30 --repeats 2 \\
+        --results experiments/results/sgp_overlap.json
 
 Runs ``gossip.train --algo sgp --topology onepeer-exp --algo-opt overlap=0|1`` on
 ``experiments/vcluster.py`` (one network namespace per rank, links shaped with tc),
@@ -13,9 +14,12 @@ per-step records (``sweep_network.measure_run``, median over steps after
 ``--warmup``): the step time, the time in the communicate phase (waiting on the
 exchange) and in the compute phase. Without overlap a step costs about compute +
 comm; with overlap=1 the exchange of step t runs during the computation of step
-t + 1, so it should approach max(compute, comm). Writes ``results.json`` in
-``--out`` and prints a table. Needs root (network namespaces); run it on a quiet
-machine (speed is measured, not asserted).
+t + 1, so it should approach max(compute, comm). ``--rate`` takes a comma list (one
+cluster per rate). Writes ``results.json`` in ``--out`` (every run's figures and the
+provenance record of ``experiments/_provenance.py``), with ``--results PATH`` the same
+at PATH (``experiments/results/sgp_overlap.json``, rendered into docs/decentralized.md
+by ``make results-tables``), and prints the table. Needs root (network namespaces);
+run it on a quiet machine (speed is measured, not asserted).
 """
 
 from __future__ import annotations
@@ -45,18 +49,65 @@ def make(seed: int):
     return (x[:n], y[:n]), (x[n:], y[n:])
 
 
+def summary(rows: list[dict]) -> list[dict]:
+    """Per (rate, overlap): the step time (minimum over the repeats of each run's median
+    step), its 90th percentile (minimum over repeats), and the median over repeats of
+    the time waiting on the exchange and computing; overlap 0's rows also carry
+    max(compute, comm) and their sum, what overlap 1 can reach at best and what it
+    starts from."""
+    out = []
+    for rate in dict.fromkeys(r["rate"] for r in rows):
+        for overlap in (0, 1):
+            rs = [r for r in rows if r["rate"] == rate and r["overlap"] == overlap]
+            if not rs:
+                continue
+            comm = statistics.median(r["comm_s_per_step"] for r in rs)
+            comp = statistics.median(r["compute_s_per_step"] for r in rs)
+            s = {"rate": rate, "overlap": overlap, "step_s": min(r["step_s"] for r in rs),
+                 "step_s_p90": min(r["step_s_p90"] for r in rs), "comm_s_per_step": comm,
+                 "compute_s_per_step": comp, "repeats": len(rs)}
+            if overlap == 0:
+                s.update(max_s=max(comp, comm), sum_s=comp + comm)
+            out.append(s)
+    return out
+
+
+def _rate_text(rate: str) -> str:
+    num = rate.lower().removesuffix("mbit")
+    return f"{num} Mbit/s" if num != rate.lower() else rate
+
+
+def table(res: dict) -> str:
+    """The summary as Markdown (docs/decentralized.md renders it from the results file)."""
+    lines = ["| link | overlap | step, min over repeats | step p90 | compute | waiting on the exchange | "
+             "max / sum of the two (overlap 0) |", "|---|---|---|---|---|---|---|"]
+    for s in summary(res["rows"]):
+        ms = f"{s['max_s']:.3f} s / {s['sum_s']:.3f} s" if s["overlap"] == 0 else ""
+        lines.append(f"| {_rate_text(s['rate'])} | {s['overlap']} | {s['step_s']:.3f} s | {s['step_s_p90']:.3f} s | "
+                     f"{s['compute_s_per_step']:.3f} s | {s['comm_s_per_step']:.3f} s | {ms} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--rate", default="10mbit")
+    p.add_argument("--rate", default="10mbit", help="link rates, a comma list (one cluster each; default 10mbit)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--prefix", default="sgpov")
     p.add_argument("--out", default="runs/sgp_overlap")
+    p.add_argument("--results", default=None,
+                   help="also write results.json here (experiments/results/sgp_overlap.json: docs/decentralized.md's table)")
     args = p.parse_args(argv)
-    prov = _provenance.start(["gossip", "experiments/sgp_overlap.py"],
+    rates = [r.strip() for r in args.rate.split(",") if r.strip()]
+    if not rates:
+        p.error(f"--rate must name at least one rate, e.g. 10mbit, got {args.rate!r}")
+    if args.steps <= args.warmup or args.repeats < 1:
+        p.error(f"need --steps > --warmup and --repeats >= 1, got --steps {args.steps} --warmup {args.warmup} "
+                f"--repeats {args.repeats}")
+    prov = _provenance.start(["gossip", "experiments/sgp_overlap.py", "experiments/vcluster.py"],
                              argv=None if argv is None else ["experiments/sgp_overlap.py", *argv])
 
     import sweep_network as sw
@@ -67,39 +118,32 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     rows = []
-    with VirtualCluster(args.nodes, rate=args.rate, prefix=args.prefix) as vc:
-        for rep in range(args.repeats):
-            for overlap in (0, 1):
-                run_dir = out / f"overlap{overlap}-{rep}"
-                cmd = [sys.executable, "-m", "gossip.train", "--algo", "sgp", "--algo-opt", f"overlap={overlap}",
-                       "--topology", "onepeer-exp", "--data", "sgp_overlap:make", "--model", "cnn1d",
-                       "--batch-size", str(args.batch_size), "--epochs", "1", "--max-steps", str(args.steps),
-                       "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
-                res = vc.run(cmd, env=env, timeout=900, outdir=out / f"cluster-overlap{overlap}-{rep}")
-                if not res.ok:
-                    print(f"overlap={overlap} repeat {rep}: failed, see {res.outdir}", file=sys.stderr)
-                    return 1
-                m = sw.measure_run(run_dir, warmup=args.warmup)
-                rows.append({"overlap": overlap, "repeat": rep, "step_s": m["step_s"], "step_s_p90": m["step_s_p90"],
-                             "comm_s_per_step": m["comm_s_per_step"], "compute_s_per_step": m["compute_s_per_step"],
-                             "bytes_per_step": m["bytes_per_step"]})
-                print(json.dumps(rows[-1]), flush=True)
-    meta = {"nodes": args.nodes, "rate": args.rate, "steps": args.steps, "warmup": args.warmup,
-            "batch_size": args.batch_size, "load": os.getloadavg(), "provenance": prov.finish()}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    # the reference: overlap 0's own compute and communication times
-    ref = [r for r in rows if r["overlap"] == 0]
-    comm0 = statistics.median(r["comm_s_per_step"] for r in ref)
-    comp0 = statistics.median(r["compute_s_per_step"] for r in ref)
-    print(f"\noverlap 0: compute {comp0:.3f} s + comm {comm0:.3f} s = {comp0 + comm0:.3f} s; "
-          f"max(compute, comm) = {max(comp0, comm0):.3f} s")
-    print("| overlap | step (s), min over repeats | step p90 (s) | waiting on the exchange (s) | compute (s) |")
-    print("|---:|---:|---:|---:|---:|")
-    for overlap in (0, 1):
-        rs = [r for r in rows if r["overlap"] == overlap]
-        print(f"| {overlap} | {min(r['step_s'] for r in rs):.3f} | {min(r['step_s_p90'] for r in rs):.3f} | "
-              f"{statistics.median(r['comm_s_per_step'] for r in rs):.3f} | "
-              f"{statistics.median(r['compute_s_per_step'] for r in rs):.3f} |")
+    for rate in rates:
+        with VirtualCluster(args.nodes, rate=rate, prefix=args.prefix) as vc:
+            for rep in range(args.repeats):
+                for overlap in (0, 1):
+                    tag = f"{rate}-overlap{overlap}-{rep}"
+                    run_dir = out / tag
+                    cmd = [sys.executable, "-m", "gossip.train", "--algo", "sgp", "--algo-opt", f"overlap={overlap}",
+                           "--topology", "onepeer-exp", "--data", "sgp_overlap:make", "--model", "cnn1d",
+                           "--batch-size", str(args.batch_size), "--epochs", "1", "--max-steps", str(args.steps),
+                           "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
+                    res = vc.run(cmd, env=env, timeout=900, outdir=out / f"cluster-{tag}")
+                    if not res.ok:
+                        print(f"{rate}, overlap={overlap}, repeat {rep}: failed, see {res.outdir}", file=sys.stderr)
+                        return 1
+                    m = sw.measure_run(run_dir, warmup=args.warmup)
+                    rows.append({"rate": rate, "overlap": overlap, "repeat": rep, "step_s": m["step_s"],
+                                 "step_s_p90": m["step_s_p90"], "comm_s_per_step": m["comm_s_per_step"],
+                                 "compute_s_per_step": m["compute_s_per_step"], "bytes_per_step": m["bytes_per_step"]})
+                    print(json.dumps(rows[-1]), flush=True)
+    results = {"nodes": args.nodes, "rates": rates, "steps": args.steps, "warmup": args.warmup,
+               "repeats": args.repeats, "batch_size": args.batch_size, "model": "cnn1d", "rows": rows}
+    record = {**results, "provenance": prov.finish()}
+    for path in [out / "results.json"] + ([Path(args.results)] if args.results else []):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+    print(table(results))
     return 0
 
 

@@ -16,7 +16,10 @@ really sent (its tx counter), per step.
 Out: ``results.csv``, ``results.json``, ``results.md`` (a table with the ratios to
 all-reduce), ``fig3.png`` (epoch time against 5/bandwidth at the lowest and highest
 latency, and against latency at the highest and lowest bandwidth, one line per
-algorithm) and ``cells/<cell>/`` with each run's files. A cell already measured is
+algorithm) and ``cells/<cell>/`` with each run's files; with ``--results FILE`` also
+FILE, the rows with the provenance record of ``experiments/_provenance.py``
+(``experiments/results/sweep_network.json`` is rendered into docs/network.md by
+``make results-tables``). A cell already measured is
 skipped on a re-run unless ``--force``; ``--plot-only`` redraws from the CSV.
 
 Latency is shaped with netem where the kernel has it; otherwise it is emulated in the
@@ -556,6 +559,40 @@ def results_table(rows: list[dict], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_ALGO_WORDS = {"dpsgd": "D-PSGD", "dcd": "DCD", "ecd": "ECD", "naive": "naive"}
+
+
+def _algo_words(algo: str, bits: int | None) -> str:
+    return _ALGO_WORDS.get(algo, algo) + (f" {bits}-bit" if bits else "")
+
+
+def ratio_table(res: dict) -> str:
+    """Per (bandwidth, latency): all-reduce's step and every other algorithm's step as a
+    ratio to it, then the ideal (byte) ratios; the table docs/network.md renders from a
+    ``--results`` file (``res``: ``{"meta": ..., "rows": ...}``)."""
+    rows = [r for r in res["rows"] if r["ok"]]
+    order = [(a, b) for a, b in parse_algos(res["meta"]["algos"])] if res["meta"].get("algos") else \
+        sorted({(r["algo"], r["bits"]) for r in rows}, key=lambda k: (k[0], k[1] or 0))
+    others = [k for k in order if k[0] != "allreduce"]
+    cells = {(r["algo"], r["bits"], r["bandwidth_mbit"], r["latency_ms"]): r for r in rows}
+    links = sorted({(r["bandwidth_mbit"], r["latency_ms"]) for r in rows}, key=lambda k: (-k[0], k[1]))
+    modes = sorted({r["latency_mode"] for r in rows})
+    head = ["bandwidth", f"latency ({', '.join(modes)})", "all-reduce step"] + \
+        [f"{_algo_words(a, b)} / all-reduce" for a, b in others]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for bw, lat in links:
+        base = cells.get(("allreduce", None, bw, lat))
+        cols = [f"{bw:g} Mbit/s", f"{lat:g} ms", "-" if base is None else f"{base['step_s']:.3f} s"]
+        for a, b in others:
+            r = cells.get((a, b, bw, lat))
+            cols.append("-" if r is None or base is None else f"{r['step_s'] / base['step_s']:.2f}")
+        lines.append("| " + " | ".join(cols) + " |")
+    n = rows[0]["nodes"] if rows else 0
+    ideal = [ideal_bytes_ratio(a, b, n) for a, b in others]
+    lines.append("| *ideal (bytes)* | | | " + " | ".join("" if x is None else f"*{x:.3f}*" for x in ideal) + " |")
+    return "\n".join(lines)
+
+
 def plot_fig3(rows: list[dict], path: Path) -> Path | None:
     """The four panels of Tang et al.'s Fig. 3 (arXiv:1803.06443), drawn by
     ``gossip.analysis.plot_sweep`` as for a sweep read back later; None when no cell
@@ -614,6 +651,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--remote-repo", default=os.getcwd(), help="checkout path on the hosts (default: this cwd)")
     p.add_argument("--port", type=int, default=29500, help="MASTER_PORT on real hosts")
     p.add_argument("--dry-run", action="store_true", help="with --hosts: print the ssh commands, run nothing")
+    p.add_argument("--results", type=Path, metavar="FILE",
+                   help="also write results.json here (experiments/results/sweep_network.json: docs/network.md's table)")
     return p
 
 
@@ -746,9 +785,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             return 0
         meta = {"command": cmdline, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "cpus": os.cpu_count(), "warmup": args.warmup, "steps": args.steps,
+                "cpus": os.cpu_count(), "warmup": args.warmup, "steps": args.steps, "algos": args.algos,
                 "provenance": prov.finish()}
         write_results(rows, out, meta)
+        if args.results:  # the same figures, with the provenance record where experiments/render.py reads it
+            args.results.parent.mkdir(parents=True, exist_ok=True)
+            tmp = args.results.with_name(args.results.name + ".tmp")
+            tmp.write_text(json.dumps({"meta": {k: v for k, v in meta.items() if k != "provenance"},
+                                       "rows": json.loads((out / "results.json").read_text())["rows"],
+                                       "provenance": meta["provenance"]}, indent=2) + "\n")
+            os.replace(tmp, args.results)
         fig = plot_fig3(rows, out / "fig3.png")
         log(f"{sum(r['ok'] for r in rows)}/{len(rows)} cells measured; results in {out}/results.csv, "
             f"results.json, results.md{', fig3.png' if fig else ''}")

@@ -132,8 +132,19 @@ ARGS = ["--nodes", "4", "--algos", "allreduce,dcd:8", "--bandwidth", "20mbit,5mb
 
 def test_sweep_writes_results_and_skips_measured_cells(tmp_path, fake):
     out = tmp_path / "sweep"
-    assert sw.main([*ARGS, "--out", str(out)]) == 0
+    assert sw.main([*ARGS, "--out", str(out), "--results", str(tmp_path / "r" / "sweep.json")]) == 0
     assert len(fake.runs) == 8
+    # --results: the rows with the provenance record, which docs/network.md's table renders
+    from experiments import _provenance, render
+
+    res, prov = _provenance.read(tmp_path / "r" / "sweep.json")
+    assert prov["command"].endswith("--out OUT/sweep --results OUT/sweep.json") and "experiments/sweep_network.py" in prov["sources"]
+    ratios = render.TABLES["sweep_network"].render(res)
+    assert ratios.splitlines()[0] == "| bandwidth | latency (emulated) | all-reduce step | DCD 8-bit / all-reduce |"
+    ar = next(r for r in res["rows"] if r["algo"] == "allreduce" and r["bandwidth_mbit"] == 5 and r["latency_ms"] == 20)
+    dcd = next(r for r in res["rows"] if r["algo"] == "dcd" and r["bandwidth_mbit"] == 5 and r["latency_ms"] == 20)
+    assert f"| 5 Mbit/s | 20 ms | {ar['step_s']:.3f} s | {dcd['step_s'] / ar['step_s']:.2f} |" in ratios
+    assert ratios.splitlines()[-1] == "| *ideal (bytes)* | | | *0.333* |"
     with open(out / "results.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == 8

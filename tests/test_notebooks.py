@@ -123,7 +123,15 @@ def test_decentralized_notebook_reads_a_comparison(kernel_env, tmp_path):
         sys.path.remove(str(REPO / "experiments"))
     runs = tmp_path / "runs"
     out = runs / "cmp"
-    assert gossip_compare.main(["--epochs", "1", "--data", "synthetic", "--out", str(out)]) == 0
+    assert gossip_compare.main(["--epochs", "1", "--data", "synthetic", "--out", str(out),
+                                "--results", str(tmp_path / "gossip_compare.json")]) == 0
+    # --results: compare.json again, from which docs/decentralized.md renders compare.md's table
+    from experiments import _provenance, render
+
+    whole, prov = _provenance.read(tmp_path / "gossip_compare.json")
+    assert whole == {k: v for k, v in json.loads((out / "compare.json").read_text()).items() if k != "provenance"}
+    assert "experiments/gossip_compare.py" in prov["sources"] and prov["command"].endswith("--results OUT/gossip_compare.json")
+    assert render.TABLES["gossip_compare"].render(whole) in (out / "compare.md").read_text()
     res = json.loads((out / "compare.json").read_text())["results"]
     assert list(res) == ["dpsgd", "dcd:8", "ecd:8", "choco-sign", "choco-top1", "sgp"]
     per_step = {m: r["bytes_per_step"] for m, r in res.items()}

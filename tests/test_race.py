@@ -19,11 +19,16 @@ def test_race_smoke(tmp_path, capsys):
     out = tmp_path / "race"
     assert race.main(["--methods", "allreduce,localsgd", "--nodes", "2", "--epochs", "1", "--data", "synthetic",
                       "--target", "0", "--bandwidth", "10mbit,100mbit", "--latency", "1ms", "--lr", "0.07",
-                      "--out", str(out)]) == 0
+                      "--out", str(out), "--results", str(tmp_path / "results" / "race.json")]) == 0
     res = json.loads((out / "race.json").read_text())
+    # --results: the same file, from which docs/race.md renders the table race.md has
+    from experiments import render
+
+    assert json.loads((tmp_path / "results" / "race.json").read_text()) == res
+    assert render.TABLES["race_modelled"].render(res) == race.table(res["results"], 0.0, ["10mbit", "100mbit"])
     # --lr replaces the recipe's for every method; the file says how it was made
     assert res["lr"] == 0.07 and json.loads((out / "allreduce" / "config.json").read_text())["lr"] == 0.07
-    assert res["provenance"]["command"].endswith("--lr 0.07 --out OUT/race")
+    assert res["provenance"]["command"].endswith("--lr 0.07 --out OUT/race --results OUT/race.json")
     assert "experiments/race.py" in res["provenance"]["sources"]
     a, l = res["results"]["allreduce"], res["results"]["localsgd"]
     # target 0: reached at the first evaluation (epoch 1), where both have run the same steps
@@ -89,8 +94,12 @@ def test_race_netns_stops_at_the_target(tmp_path, capsys):
     out = tmp_path / "race"
     assert race.main(["--mode", "netns", "--methods", "allreduce", "--nodes", "2", "--epochs", "100", "--data",
                       "synthetic", "--target", "0", "--bandwidth", "100mbit", "--prefix", "r" + secrets.token_hex(3),
-                      "--out", str(out)]) == 0
+                      "--out", str(out), "--results", str(tmp_path / "netns.json")]) == 0
     res = json.loads((out / "race.json").read_text())
+    from experiments import render
+
+    assert json.loads((tmp_path / "netns.json").read_text()) == res
+    assert "\n| 100mbit | allreduce | fp32 | 1 |" in render.TABLES["race_netns"].render(res)
     run = res["results"]["allreduce"]["runs"]["100mbit"]
     assert res["mode"] == "netns" and run["ok"] and run["stopped_at_target"]
     assert run["to_target"]["epoch"] == 1 and run["last_epoch"] < 100 and run["final_test_acc"] is None

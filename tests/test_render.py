@@ -70,3 +70,37 @@ def test_stale_command_lists_results_with_their_reasons(capsys):
 def test_markers_inside_code_fences_are_examples_not_tables():
     text = "```\n<!-- results:NAME -->\n<!-- /results:NAME -->\n```\n"
     assert render.render_file(text) == text
+
+
+def test_a_table_awaiting_its_results_file_keeps_its_hand_written_figures(monkeypatch, capsys):
+    """A registered table whose command has not been run yet: the figures between its
+    markers stay, under one line that names the command; --stale lists it; once the
+    results file exists the render replaces them."""
+    t = render.Table("experiments/results/not-yet.json", lambda res: "rendered", command="python make_it.py")
+    monkeypatch.setitem(render.TABLES, "not_yet", t)
+    text = "<!-- results:not_yet -->\n| a | b |\n|---|---|\n| 1 | 2 |\n<!-- /results:not_yet -->\n"
+    new = render.render_file(text)
+    assert new == ("<!-- results:not_yet -->\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+                   "<sub>Hand-written figures, not yet from a results file: `python make_it.py` writes "
+                   "`experiments/results/not-yet.json`, then `make results-tables` renders this table.</sub>\n"
+                   "<!-- /results:not_yet -->\n")
+    assert render.render_file(new) == new  # the note is not repeated
+    with pytest.raises(ValueError, match=r"table 'not_yet': no results file yet \(experiments/results/not-yet.json\) "
+                                         r"and no hand-written table between its markers; run `python make_it.py`"):
+        render.render_file("<!-- results:not_yet -->\n<!-- /results:not_yet -->\n")
+    # a registered table without a command must have its file: a missing one is an error, not a pass
+    monkeypatch.setitem(render.TABLES, "no_file", render.Table("experiments/results/not-yet.json", lambda r: ""))
+    with pytest.raises(OSError):
+        render.render_file("<!-- results:no_file -->\n| x |\n<!-- /results:no_file -->\n")
+    monkeypatch.setattr(render, "used_tables", lambda: {"not_yet": ["docs/x.md"]})
+    assert render.main(["--stale"]) == 0
+    out = capsys.readouterr().out
+    assert ("experiments/results/not-yet.json: not yet measured (the table not_yet in docs/x.md is hand-written); "
+            "run: python make_it.py") in out
+    assert "1 table(s) awaiting their results file" in out.splitlines()[-1]
+    # the results file exists: its figures replace the hand-written ones
+    monkeypatch.setitem(render.TABLES, "not_yet", render.Table("experiments/results/low_precision.json",
+                                                               lambda res: "rendered", command="python make_it.py"))
+    now = render.render_file(new)
+    assert now.startswith("<!-- results:not_yet -->\nrendered\n\n") and "| 1 | 2 |" not in now
+    assert "<sub>Rendered from `experiments/results/low_precision.json`" in now and render.PENDING not in now

@@ -364,10 +364,13 @@ def test_bench_sim_runs_both_paths_and_writes_its_results(tmp_path):
 
 
 def test_docs_tables_are_rendered_from_the_results_files():
-    import json
+    """docs/simulation.md's tables go through experiments/render.py like every other
+    (tests/test_render.py checks the whole docs against the render)."""
+    from experiments import render
 
     bench = _bench_sim()
     docs = bench.DOCS.read_text()
-    for name in ("bench_sim_cuda.json", "bench_sim.json"):
-        block = docs.split(f"<!-- {name} -->", 1)[1].split(f"<!-- /{name} -->", 1)[0]
-        assert block.strip() == bench.render(json.loads((bench.RESULTS / name).read_text())).strip(), name
+    for name in ("bench_sim_cuda", "bench_sim"):
+        block = docs.split(f"<!-- results:{name} -->\n", 1)[1].split(f"<!-- /results:{name} -->", 1)[0]
+        assert block == render.render_table(name), name
+        assert f"Rendered from `experiments/results/{name}.json`" in block and "| loop node-steps/s |" in block

@@ -1,0 +1,114 @@
+"""The experiments behind the docs' rendered tables, at a tiny size: each writes its
+results file with provenance, and experiments/render.py turns it into the table.
+
+(The race, gossip_compare and sweep_network are covered where their own smoke tests
+run: tests/test_race.py, tests/test_notebooks.py, tests/test_netshape_sweep.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments import _provenance as P
+from experiments import bench_topologies, crossover_check, ecd_recipes, render, sgp_overlap, sharded_bytes
+
+
+def _row(rate, overlap, repeat, step, comm, comp):
+    return {"rate": rate, "overlap": overlap, "repeat": repeat, "step_s": step, "step_s_p90": step + 0.01,
+            "comm_s_per_step": comm, "compute_s_per_step": comp, "bytes_per_step": 499_280.0}
+
+
+def test_sgp_overlap_table_takes_the_fastest_repeat_and_the_median_parts():
+    rows = [_row("100mbit", 0, 0, 0.120, 0.052, 0.059), _row("100mbit", 1, 0, 0.095, 0.016, 0.072),
+            _row("100mbit", 0, 1, 0.116, 0.050, 0.061), _row("100mbit", 1, 1, 0.099, 0.018, 0.070),
+            _row("10mbit", 0, 0, 0.491, 0.485, 0.049), _row("10mbit", 1, 0, 0.498, 0.479, 0.042)]
+    table = render.TABLES["sgp_overlap"].render({"rows": rows})
+    lines = table.splitlines()
+    assert lines[0].startswith("| link | overlap | step, min over repeats |")
+    # min step over repeats; medians of the parts; overlap 0 carries max / sum of its parts
+    assert lines[2] == "| 100 Mbit/s | 0 | 0.116 s | 0.126 s | 0.060 s | 0.051 s | 0.060 s / 0.111 s |"
+    assert lines[3] == "| 100 Mbit/s | 1 | 0.095 s | 0.105 s | 0.071 s | 0.017 s |  |"
+    assert lines[4] == "| 10 Mbit/s | 0 | 0.491 s | 0.501 s | 0.049 s | 0.485 s | 0.485 s / 0.534 s |"
+    assert len(lines) == 6
+
+
+def test_sgp_overlap_refuses_bad_arguments_in_one_line(capsys):
+    for argv, msg in ((["--rate", ","], "--rate must name at least one rate"),
+                      (["--steps", "3", "--warmup", "3"], "need --steps > --warmup and --repeats >= 1")):
+        with pytest.raises(SystemExit) as e:
+            sgp_overlap.main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_crossover_check_pairs_each_measured_cell_with_the_nearest_prediction():
+    measured = [  # sweep_network.py's results.csv rows, as csv.DictReader gives them
+        {"algo": "dpsgd", "bits": "", "bandwidth_mbit": "50", "latency_ms": "0.13", "latency_mode": "emulated",
+         "step_s": "0.125", "bytes_per_step": "630928", "iface_bytes_per_step": "680000", "ok": "True"},
+        {"algo": "ecd", "bits": "8", "bandwidth_mbit": "5", "latency_ms": "0.13", "latency_mode": "emulated",
+         "step_s": "0.300", "bytes_per_step": "157808", "iface_bytes_per_step": "", "ok": "True"},
+        {"algo": "ecd", "bits": "8", "bandwidth_mbit": "50", "latency_ms": "0.13", "latency_mode": "emulated",
+         "step_s": "", "bytes_per_step": "", "iface_bytes_per_step": "", "ok": "False"},  # a failed cell: left out
+    ]
+    pred = {"rows": [  # python -m gossip.crossover --json
+        {"label": "dpsgd", "bytes": 630_000, "step_s": [{"bandwidth": 5e6, "latency": 1.3e-4, "seconds": 1.0},
+                                                        {"bandwidth": 5e7, "latency": 1.3e-4, "seconds": 0.105}]},
+        {"label": "ecd@quant:bits=8", "bytes": 157_000, "step_s": [{"bandwidth": 5e6, "latency": 1.3e-4, "seconds": 0.27},
+                                                                   {"bandwidth": 5e7, "latency": 1.3e-4, "seconds": 0.03}]}]}
+    rows = crossover_check.compare(measured, pred, {"dpsgd": "dpsgd", "ecd:8": "ecd@quant:bits=8"})
+    assert [(r["algo"], r["bandwidth_mbit"], r["predicted_s"]) for r in rows] == [("dpsgd", 50, 0.105), ("ecd:8", 5, 0.27)]
+    assert rows[0]["predicted_over_measured"] == pytest.approx(0.84) and rows[1]["iface_bytes_per_step"] is None
+    table = render.TABLES["crossover_check"].render({"rows": rows}).splitlines()
+    assert table[2] == ("| dpsgd | 50 Mbit/s | 0.13 ms (emulated) | 105.0 ms | 125.0 ms | 0.84 | 630,000 | 630,928 | "
+                        "680,000 |")
+    assert table[3].endswith("| 0.90 | 157,000 | 157,808 | - |")
+
+
+def test_bench_topologies_writes_its_results_and_the_table(tmp_path, capsys):
+    path = tmp_path / "topo.json"
+    assert bench_topologies.main(["--n", "64", "--repeats", "1", "--results", str(path)]) == 0
+    res, prov = P.read(path)
+    assert prov["sources"] == ["topologies", "experiments/bench_topologies.py"] and prov["machine"]["memcpy_gbps"] > 0
+    assert set(res["cli"]) == {"start-up (--list)", "ring", "expander, degree 4"}
+    ring = res["cli"]["ring"]
+    assert ring["command"] == "python -m topologies ring 64 --json" and ring["printed"]["n"] == 64
+    assert ring["wall_s"][0] > 0 and res["split"]["ring"]["spectrum_s"][0] > 0
+    table = render.TABLES["bench_topologies"].render(res)
+    assert table.splitlines()[0].startswith("| `python -m topologies ...`, n = 64 | wall, median of 1 (range) |")
+    assert "| expander, degree 4 |" in table and table in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        bench_topologies.main(["--n", "4"])
+    assert e.value.code == 2 and "need --n >= 5" in capsys.readouterr().err
+
+
+def test_ecd_recipes_writes_last_and_best_accuracy(tmp_path, capsys):
+    path = tmp_path / "ecd.json"
+    assert ecd_recipes.main(["--recipes", "demo,lr0.1", "--epochs-scale", "0.1", "--data", "synthetic",
+                             "--out", str(tmp_path / "runs"), "--results", str(path)]) == 0
+    res, prov = P.read(path)
+    assert "python experiments/ecd_recipes.py --recipes demo,lr0.1 " in prov["command"]
+    demo = res["runs"]["demo"]
+    assert demo["epochs"] == 2 and [p["epoch"] for p in demo["points"]] == [1, 2]
+    assert demo["final_test_acc"] == demo["points"][-1]["test_acc"]  # the averaged model at the last epoch
+    best = max(demo["points"], key=lambda p: p["test_acc"])
+    table = render.TABLES["ecd_recipes"].render(res).splitlines()
+    assert table[2].startswith(f"| the demo: lr 0.05 constant | 2 | {demo['final_test_acc']:.1%}".replace("%", " %"))
+    assert table[2].endswith(f"({best['epoch']:g}) |") and table[3].startswith("| lr 0.1 constant | 2 |")
+    with pytest.raises(SystemExit) as e:
+        ecd_recipes.main(["--recipes", "demo,fast", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--recipes: unknown fast; known: demo, demo-25," in capsys.readouterr().err
+
+
+def test_sharded_bytes_reads_both_legs_from_the_ledger(tmp_path, capsys):
+    path = tmp_path / "sb.json"
+    assert sharded_bytes.main(["--nodes", "2,4", "--results", str(path)]) == 0
+    res, prov = P.read(path)
+    assert res["params"] == 124_810 and "gossip/compress" in prov["sources"]
+    efsgd8 = res["rows"][0]
+    assert efsgd8["payload_bytes"] > 124_810  # a byte a value, plus the header
+    for n in ("2", "4"):  # each leg carries a shard's payload and its own small header
+        assert 1.0 <= efsgd8["per_n"][n]["vs_two_ring_legs"] < 1.01
+    table = render.TABLES["sharded_bytes"].render(res).splitlines()
+    assert table[0] == "| bytes/node/step | payload | n = 2 | n = 4 | all-gather at n = 4 (computed) |"
+    assert table[-1].startswith("| diloco `quant:bits=4`, H = 10 | 62,448 / 10 |") and table[-1].endswith("| 2x |")
+    with pytest.raises(SystemExit) as e:
+        sharded_bytes.main(["--nodes", "1,4"])
+    assert e.value.code == 2 and "--nodes must be a comma list of integers >= 2, got '1,4'" in capsys.readouterr().err

@@ -306,16 +306,19 @@ def test_payload_errors_name_row_and_field():
         c.decode(bad, 100)
     bad = P.clone()
     bad[2, 2] = 9
-    with pytest.raises(PayloadError, match=r"payload row 2: format version mismatch: expected 4, got 9"):
+    with pytest.raises(PayloadError, match=r"payload row 2: format version mismatch: expected 5, got 9"):
         c.decode(bad, 100)
     bad[2, 2] = 1  # version 1: quant's earlier code layout and rounding digits
-    with pytest.raises(PayloadError, match=r"payload row 2: format version mismatch: expected 4, got 1"):
+    with pytest.raises(PayloadError, match=r"payload row 2: format version mismatch: expected 5, got 1"):
         c.decode(bad, 100)
     bad[2, 2] = 2  # version 2: randk's and randomk's earlier coordinates
-    with pytest.raises(PayloadError, match=r"payload row 2: format version mismatch: expected 4, got 2"):
+    with pytest.raises(PayloadError, match=r"payload row 2: format version mismatch: expected 5, got 2"):
         c.decode(bad, 100)
     bad[2, 2] = 3  # version 3: quant's earlier rounding digits
-    with pytest.raises(PayloadError, match=r"payload row 2: format version mismatch: expected 4, got 3"):
+    with pytest.raises(PayloadError, match=r"payload row 2: format version mismatch: expected 5, got 3"):
+        c.decode(bad, 100)
+    bad[2, 2] = 4  # version 4: sparseloco's earlier quantizer
+    with pytest.raises(PayloadError, match=r"payload row 2: format version mismatch: expected 5, got 4"):
         c.decode(bad, 100)
     bad = P.clone()
     bad[4, 100] ^= 0x10

@@ -57,6 +57,7 @@ def test_resume_mid_round_is_bit_identical(tmp_path, case):
 @pytest.mark.parametrize("args,needles", [
     (["--algo", "demo", "--algo-opt", "chunk=8"], ["--algo-opt chunk", "not an option of --algo demo"]),
     (["--algo", "sparseloco", "--algo-opt", "topk_fraction=0"], ["topk_fraction", "(0, 1]"]),
+    (["--algo", "sparseloco", "--algo-opt", "aggregate=sum"], ["aggregate", "senders, workers", "'sum'"]),
     (["--algo", "demo", "--momentum", "0.9"], ["demo", "momentum"]),
 ])
 def test_bad_input_is_one_line(args, needles):

@@ -39,10 +39,12 @@ from . import _kernels
 __all__ = ["PayloadError", "HEADER_NBYTES", "FORMAT_VERSION", "Layout"]
 
 HEADER_NBYTES = 32
-FORMAT_VERSION = 4  # 2: quant's codes in planes, first rounding digits from hash24;
+FORMAT_VERSION = 5  # 2: quant's codes in planes, first rounding digits from hash24;
 # 3: randk/randomk coordinates are the first k distinct of uniform draws (k <= d/2);
 # 4: quant/qsgd/ternary's first rounding digits from the cheaper hash24 (one xorshift
-# between the two multiplies, the top bits folded into the low ones)
+# between the two multiplies, the top bits folded into the low ones);
+# 5: sparseloco's values by default through the authors' statistical quantizer (codes,
+# then per tensor the mean and the bin means), no longer one max scale per chunk
 MAGIC = b"GZ"
 _MAGIC_WORD0 = MAGIC[0] | (MAGIC[1] << 8) | (FORMAT_VERSION << 16)  # + (id << 24)
 _CHECK_WORD = 7

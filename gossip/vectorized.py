@@ -66,6 +66,9 @@ __all__ = [
 #: this many, else this many evenly spaced (node 0 and node n-1 among them)
 EVAL_NODES = 32
 
+#: values per block of rows where a whole-matrix temporary is avoided (16 MiB of float32)
+_BLOCK_VALUES = 1 << 22
+
 
 def _norm_layers(model: nn.Module) -> list[str]:
     return [name for name, mod in model.named_modules()
@@ -337,6 +340,36 @@ class VectorizedOptimizer(GossipOptimizer):
             losses = self._loss(logits, y)
         losses.sum().backward()
         return losses.detach()
+
+    # --- views for evaluation: every node is hosted here, so no collective is needed -----
+    @torch.no_grad()
+    def average(self) -> Tensor:
+        """xbar, the average of all n nodes' parameters (shape (d,)): the numbers of the
+        communicator's mean all-reduce (sum over the rows, then divided by n), without
+        materialising its ``(n, d)`` result, n copies of xbar."""
+        if self.comm.world_size != self.flat.rows:
+            return super().average()
+        self.flat.check()
+        X = self.flat.data
+        return (X.sum(dim=0, keepdim=True).to(X.dtype) / self.flat.rows)[0]
+
+    @torch.no_grad()
+    def consensus_distance(self) -> float:
+        """mean_i ||x_i - xbar||^2 over all n nodes, as the base class computes it, in
+        blocks of rows through one reused buffer: the whole-matrix expression allocates
+        two ``(n, d)`` temporaries (page faults cost more than its arithmetic)."""
+        if self.comm.world_size != self.flat.rows:
+            return super().consensus_distance()
+        X = self.flat.data
+        xbar = self.average()
+        rows = max(1, _BLOCK_VALUES // max(1, X.shape[1]))
+        buf = torch.empty(min(rows, X.shape[0]), X.shape[1], dtype=X.dtype, device=X.device)
+        dist = torch.empty(X.shape[0], 1, dtype=torch.float64, device=X.device)
+        for r in range(0, X.shape[0], rows):
+            part = X[r:r + rows]
+            diff = torch.sub(part, xbar, out=buf[:part.shape[0]])
+            dist[r:r + part.shape[0]] = diff.pow_(2).sum(dim=1, keepdim=True)
+        return float((dist.sum(dim=0, keepdim=True) / X.shape[0])[0, 0])
 
     def state_dict(self) -> dict:
         return {

@@ -247,6 +247,20 @@ def test_batched_node_accuracies_equal_each_models_own():
         assert float(acc[i]) == float((out.argmax(1) == y).double().mean())
 
 
+@pytest.mark.parametrize("block", [vectorized._BLOCK_VALUES, 40])
+def test_average_and_consensus_distance_equal_the_collectives(monkeypatch, block):
+    """Computed here without the communicator's (n, d) all-reduce result, in blocks of
+    rows: the same numbers, to the bit, as the base class's collectives."""
+    monkeypatch.setattr(vectorized, "_BLOCK_VALUES", block)  # 40: blocks of one row (d = 75)
+    c = comm.SimulatedCommunicator(topologies.build("ring", 7))
+    gopt = vectorized.VectorizedOptimizer(_model(torch.float32), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                          algorithms.build("dpsgd", c))
+    with torch.no_grad():
+        gopt.flat.data.normal_(generator=torch.Generator().manual_seed(2))
+    assert torch.equal(gopt.average(), GossipOptimizer.average(gopt))
+    assert gopt.consensus_distance() == GossipOptimizer.consensus_distance(gopt) > 0
+
+
 def test_evaluated_nodes_are_all_or_an_even_sample():
     assert vectorized.eval_nodes(5).tolist() == [0, 1, 2, 3, 4]
     s = vectorized.eval_nodes(1024)

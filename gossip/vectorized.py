@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from gossip.algorithms.base import ParamLayout
-from gossip.runtime import GossipOptimizer, ModelMoved, check_momentum
+from gossip.runtime import GossipOptimizer, ModelMoved, _params_of, check_momentum
 
 __all__ = [
     "BatchedLoader",
@@ -371,9 +371,10 @@ class VectorizedOptimizer(GossipOptimizer):
             dist[r:r + part.shape[0]] = diff.pow_(2).sum(dim=1, keepdim=True)
         return float((dist.sum(dim=0, keepdim=True) / X.shape[0])[0, 0])
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *, copy: bool = True) -> dict:
+        self.flat.check()
         return {
-            "params": self.flat.data.detach().clone(),
+            "params": _params_of(self.flat.data, copy),
             "algorithm": self.algorithm.state_dict(),
             "optimizers": {"stacked": self.optimizers[0].state_dict(), "nodes": self.flat.rows},
             "steps": self.steps,

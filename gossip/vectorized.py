@@ -241,6 +241,22 @@ def _node_loss(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor]) ->
     return one
 
 
+def _cross_entropy_rows(z: Tensor, y: Tensor) -> Tensor:
+    """``F.cross_entropy(z, y, reduction="none")`` for ``(rows, classes)`` logits.
+
+    On the CPU the log-softmax runs over the transposed ``(classes, rows)`` matrix: the
+    kernel over a short last dimension (10 classes) is about 8x slower than over the
+    outer one, and at 1024 nodes of logistic regression it was a third of the step. The
+    two kernels sum the classes in another order, so the losses agree to rounding (equal
+    for 10 float32 classes on the machine it was measured on, within 4e-15 in float64)."""
+    if z.device.type != "cpu" or z.dim() != 2 or y.dim() != 1:
+        return F.cross_entropy(z, y, reduction="none")
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= z.shape[1]):
+        return F.cross_entropy(z, y, reduction="none")  # its own message for a bad label
+    logp = F.log_softmax(z.t().contiguous(), dim=0)
+    return -logp.gather(0, y.unsqueeze(0)).squeeze(0)
+
+
 def why_not_vectorized(model: nn.Module, x: Tensor, y: Tensor,
                        loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy) -> str | None:
     """Why ``model`` cannot run as one batched call over nodes (one line), or None.
@@ -335,7 +351,7 @@ class VectorizedOptimizer(GossipOptimizer):
         if self._loss_fn is F.cross_entropy and logits.dim() == 3 and y.dim() == 2:
             # one cross-entropy over all n x B rows, then each node's mean: the same
             # numbers as under vmap without vmap's per-node fallback for this op
-            losses = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(n, -1).mean(1)
+            losses = _cross_entropy_rows(logits.flatten(0, 1), y.flatten()).view(n, -1).mean(1)
         else:
             losses = self._loss(logits, y)
         losses.sum().backward()

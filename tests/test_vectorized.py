@@ -261,6 +261,23 @@ def test_average_and_consensus_distance_equal_the_collectives(monkeypatch, block
     assert gopt.consensus_distance() == GossipOptimizer.consensus_distance(gopt) > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_batched_cross_entropy_equals_torchs_to_rounding(dtype):
+    """The classes-major log-softmax of the batched loss against F.cross_entropy: the
+    losses and their gradients agree to rounding; a bad label gets torch's own message."""
+    g = torch.Generator().manual_seed(4)
+    z = (3 * torch.randn(640, 10, generator=g, dtype=dtype)).requires_grad_()
+    y = torch.randint(0, 10, (640,), generator=g)
+    ref = F.cross_entropy(z, y, reduction="none")
+    got = vectorized._cross_entropy_rows(z, y)
+    eps = torch.finfo(dtype).eps
+    assert torch.allclose(got, ref, rtol=8 * eps, atol=8 * eps)
+    (g_ref,), (g_got,) = torch.autograd.grad(ref.sum(), z), torch.autograd.grad(got.sum(), z)
+    assert torch.allclose(g_got, g_ref, rtol=8 * eps, atol=8 * eps)
+    with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
+        vectorized._cross_entropy_rows(z, torch.full((640,), 10))
+
+
 def test_evaluated_nodes_are_all_or_an_even_sample():
     assert vectorized.eval_nodes(5).tolist() == [0, 1, 2, 3, 4]
     s = vectorized.eval_nodes(1024)

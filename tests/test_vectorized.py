@@ -405,3 +405,20 @@ def test_docs_tables_are_rendered_from_the_results_files():
         block = docs.split(f"<!-- results:{name} -->\n", 1)[1].split(f"<!-- /results:{name} -->", 1)[0]
         assert block == render.render_table(name), name
         assert f"Rendered from `experiments/results/{name}.json`" in block and "| loop node-steps/s |" in block
+
+
+def test_sim_kernels_runs_and_writes_its_figures(tmp_path):
+    """experiments/sim_kernels.py, tiny: every figure it prints is in its results file."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "experiments" / "sim_kernels.py"
+    spec = importlib.util.spec_from_file_location("sim_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--nodes", "4", "--groups", "2", "--repeats", "1", "--json", str(tmp_path / "k.json")]) == 0
+    r = json.loads((tmp_path / "k.json").read_text())
+    assert r["peak_gflops"] > 0 and r["mlp"]["nodes"] == 4 and 0 < r["mlp"]["matmul_share"] <= 1
+    assert r["mlp"]["matmul_gflop"] > 0 and [c["layer"] for c in r["conv"]] == ["conv1", "conv2", "conv3"]
+    assert all(c["grouped_2_ms_per_node"] > 0 for c in r["conv"]) and r["cross_entropy"]["rows"] == 4 * 32

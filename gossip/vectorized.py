@@ -249,7 +249,7 @@ def _cross_entropy_rows(z: Tensor, y: Tensor) -> Tensor:
     outer one, and at 1024 nodes of logistic regression it was a third of the step. The
     two kernels sum the classes in another order, so the losses agree to rounding (equal
     for 10 float32 classes on the machine it was measured on, within 4e-15 in float64)."""
-    if z.device.type != "cpu" or z.dim() != 2 or y.dim() != 1:
+    if z.device.type != "cpu" or z.dim() != 2 or y.dim() != 1 or y.dtype != torch.int64:
         return F.cross_entropy(z, y, reduction="none")
     if y.numel() and (int(y.min()) < 0 or int(y.max()) >= z.shape[1]):
         return F.cross_entropy(z, y, reduction="none")  # its own message for a bad label
@@ -349,8 +349,8 @@ class VectorizedOptimizer(GossipOptimizer):
                              f"dimensions {x.shape[0]} and {y.shape[0]}")
         logits = self._forward(self.flat.params, x)
         if self._loss_fn is F.cross_entropy and logits.dim() == 3 and y.dim() == 2:
-            # one cross-entropy over all n x B rows, then each node's mean: the same
-            # numbers as under vmap without vmap's per-node fallback for this op
+            # one cross-entropy over all n x B rows, then each node's mean: the numbers
+            # of vmap's (to rounding) without vmap's per-node fallback for this op
             losses = _cross_entropy_rows(logits.flatten(0, 1), y.flatten()).view(n, -1).mean(1)
         else:
             losses = self._loss(logits, y)

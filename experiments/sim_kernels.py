@@ -17,6 +17,10 @@ minimum of each):
    ``F.cross_entropy`` against the classes-major log-softmax the vectorized path
    uses (``gossip.vectorized._cross_entropy_rows``), forward and backward.
 
+4. **evaluation**: ``gossip.vectorized.node_accuracies`` of 33 models (xbar's and the
+   32 sampled nodes') over bench_sim's 2,048 test examples, ``node_chunk`` models per
+   batched call, for each model (its figures do not depend on ``node_chunk``).
+
 Figures count only on a quiet machine (load average < 0.3): the run records the load
 before and after. ``--json PATH`` writes every figure.
 """
@@ -132,11 +136,35 @@ def cross_entropy(nodes: int, repeats: int, batch: int = bench_sim.BATCH, classe
             "ratio": best["torch"] / best["classes_major"]}
 
 
+def evaluation(chunks: list[int], repeats: int, models: tuple[str, ...] = ("logreg", "mlp", "cnn1d"),
+               rows: int = vectorized.EVAL_NODES + 1) -> list[dict]:
+    """Seconds of node_accuracies over ``rows`` models per ``node_chunk``, per model."""
+    from gossip import algorithms, models as gmodels
+    from gossip.comm import SimulatedCommunicator
+    from topologies import ring
+
+    ds = bench_sim.dataset(rows)
+    out = []
+    for name in models:
+        model = gmodels.build_model(name, input_shape=(1, bench_sim.FEATURES), num_classes=bench_sim.CLASSES, seed=0)
+        algo = algorithms.build("dpsgd", SimulatedCommunicator(ring(max(3, rows))))  # a ring has 3 nodes or more
+        gopt = vectorized.VectorizedOptimizer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), algo)
+        with torch.no_grad():
+            gopt.flat.data.add_(0.01 * torch.randn(gopt.flat.data.shape, generator=torch.Generator().manual_seed(0)))
+        X = gopt.flat.data[:rows]
+        best = _min_interleaved({c: (lambda c=c: vectorized.node_accuracies(gopt, ds.x_test, ds.y_test, X, node_chunk=c))
+                                 for c in chunks}, repeats)
+        out.append({"model": name, "models_evaluated": rows, **{f"node_chunk_{c}_s": best[c] for c in chunks}})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=1024, help="nodes of the mlp step and of the cross-entropy rows")
     ap.add_argument("--groups", default="64,256", help="node counts of the grouped convolutions")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--eval-models", type=int, default=vectorized.EVAL_NODES + 1,
+                    help="models of the evaluation timing (the CLI's: xbar and 32 sampled nodes)")
     ap.add_argument("--json", metavar="PATH")
     a = ap.parse_args(argv)
     threads = torch.get_num_threads()
@@ -160,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         ce = cross_entropy(a.nodes, a.repeats)
         print(f"cross-entropy, {ce['rows']} rows x 10 classes, forward and backward: torch {ce['torch_ms']:.2f} ms, "
               f"classes-major {ce['classes_major_ms']:.2f} ms ({ce['ratio']:.1f}x)", flush=True)
+        evals = evaluation([1, 4, 16], max(1, a.repeats // 2), rows=a.eval_models)
+        for r in evals:
+            print(f"evaluation of {r['models_evaluated']} {r['model']} models, node_chunk 1 / 4 / 16: "
+                  + " / ".join(f"{r[f'node_chunk_{c}_s']:.2f}" for c in (1, 4, 16)) + " s", flush=True)
         load1 = os.getloadavg()[0]
         print(f"load average (1 min) before {load0:.2f}, after {load1:.2f}")
         if a.json:
@@ -167,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(a.json).write_text(json.dumps({
                 "command": " ".join(["python", "experiments/sim_kernels.py", *(argv if argv is not None else sys.argv[1:])]),
                 "cpu_threads": 1, "load_avg_before": load0, "load_avg_after": load1, "peak_gflops": peak,
-                "mlp": mlp, "conv": convs, "cross_entropy": ce}, indent=1) + "\n")
+                "mlp": mlp, "conv": convs, "cross_entropy": ce, "evaluation": evals}, indent=1) + "\n")
     finally:
         torch.set_num_threads(threads)
     return 0

@@ -417,8 +417,10 @@ def test_sim_kernels_runs_and_writes_its_figures(tmp_path):
     spec = importlib.util.spec_from_file_location("sim_kernels", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.main(["--nodes", "4", "--groups", "2", "--repeats", "1", "--json", str(tmp_path / "k.json")]) == 0
+    assert mod.main(["--nodes", "4", "--groups", "2", "--repeats", "1", "--eval-models", "2",
+                     "--json", str(tmp_path / "k.json")]) == 0
     r = json.loads((tmp_path / "k.json").read_text())
     assert r["peak_gflops"] > 0 and r["mlp"]["nodes"] == 4 and 0 < r["mlp"]["matmul_share"] <= 1
     assert r["mlp"]["matmul_gflop"] > 0 and [c["layer"] for c in r["conv"]] == ["conv1", "conv2", "conv3"]
     assert all(c["grouped_2_ms_per_node"] > 0 for c in r["conv"]) and r["cross_entropy"]["rows"] == 4 * 32
+    assert [e["model"] for e in r["evaluation"]] == ["logreg", "mlp", "cnn1d"] and r["evaluation"][2]["node_chunk_4_s"] > 0

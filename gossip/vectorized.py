@@ -504,11 +504,10 @@ def node_accuracies(gopt: VectorizedOptimizer, x: Tensor, y: Tensor, rows: Tenso
     Returns two ``(k,)`` float64 tensors (on the CPU).
 
     Each model's figures are the same whatever ``node_chunk`` is (each node's
-    examples are summed in the same batches). The default, 4, was the fastest of 1, 4
-    and 16 on one CPU thread for the MLP and near the fastest for the CNN, 2-2.5x
-    faster than 16 for both (``experiments/sim_kernels.py`` times them): more models
-    per call make bigger activations, out of cache, and for convolutions more groups,
-    which cost more per node."""
+    examples are summed in the same batches). The default, 4, was 1.4-2.3x faster
+    than 16 for the MLP and the CNN on one CPU thread (``experiments/sim_kernels.py``
+    times 1, 4 and 16): more models per call make bigger activations, out of cache,
+    and for convolutions more groups, which cost more per node."""
     model = gopt.models[0]
     was = model.training
     model.eval()

@@ -7,6 +7,10 @@ File format (version 1)::
     {"format_version": 1, "sha256": ..., ...}\\n   one JSON header line
     <body>                                     torch.save(payload), exactly header["nbytes"] bytes
 
+The header line may end in spaces before its newline: the body is streamed to the
+file after a reserved line, and the header, whose length and checksum are known
+only then, is written back into it. Files with and without the padding read alike.
+
 The header holds the format version, the SHA-256 and length of the body, the world
 size of the run, and (when a config is given) the config's fingerprint, the keys it
 covers and their values. Reading checks, in order: magic, header, version, length,
@@ -227,28 +231,53 @@ def save_checkpoint(
         raise TypeError("payload must be a dict with str keys")
     _check_payload(dict(payload), "payload")
     header = _new_header(config, fingerprint_keys, fingerprint, world_size)
-    buffer = io.BytesIO()
-    torch.save(dict(payload), buffer)
-    body = buffer.getbuffer()
-    header["nbytes"] = body.nbytes
-    header["sha256"] = hashlib.sha256(body).hexdigest()
-    header_line = json.dumps(header, sort_keys=True, separators=(",", ":")).encode() + b"\n"
-
+    # The header names the body's length and checksum, known only once the body is
+    # written: its line is reserved (room for any length), the body streamed into the
+    # file through the checksum, then the header written into the reserved line, padded
+    # with spaces (JSON allows them; readers of the format before streaming read it
+    # unchanged). No in-memory copy of the body: for an (n, d) parameter matrix of a
+    # large simulation that copy cost as much as the write.
+    width = len(_header_line({**header, "nbytes": 10**20, "sha256": "0" * 64}))
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(f: Any) -> None:
         f.write(_MAGIC)
-        f.write(_HSUM + hashlib.sha256(header_line).hexdigest().encode() + b"\n")
-        f.write(header_line)
-        f.write(body)
+        start = f.tell()
+        f.write(b" " * (len(_HSUM) + 64 + 1 + width))
+        body = _HashingWriter(f)
+        torch.save(dict(payload), body)
+        header["nbytes"], header["sha256"] = body.nbytes, body.sha256.hexdigest()
+        line = _header_line(header)
+        line = line[:-1] + b" " * (width - len(line)) + b"\n"
+        f.seek(start)
+        f.write(_HSUM + hashlib.sha256(line).hexdigest().encode() + b"\n")
+        f.write(line)
+        f.seek(0, os.SEEK_END)
 
-    try:
-        write_atomically(path, write)
-    finally:
-        del body
-        buffer.close()
+    write_atomically(path, write)
     _fsync_dir(path.parent)
     return path
+
+
+def _header_line(header: Mapping[str, Any]) -> bytes:
+    return json.dumps(header, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+
+
+class _HashingWriter:
+    """A write-only stream over ``f`` that keeps the SHA-256 and the length of what
+    passes through it (``torch.save`` needs only ``write`` and ``flush``)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.sha256, self.nbytes = f, hashlib.sha256(), 0
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        self.sha256.update(view)
+        self.nbytes += view.nbytes
+        return self.f.write(view)
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def _read_header(f: Any, path: Path) -> dict[str, Any]:
@@ -554,7 +583,7 @@ class CheckpointManager:
         if self.batches is not None:  # the loaders hold the data positions a checkpoint saves
             self.batches.sync()
         record = CheckpointRecord(
-            progress=progress, optimizer=self.gopt.state_dict(),
+            progress=progress, optimizer=self.gopt.state_dict(copy=False),  # serialised at once: no copy of X
             loaders=[ld.state_dict() for ld in self.loaders], ledger=self.ledger.state_dict(),
             nodes=self.nodes, config=self.cfg_dict,
         )

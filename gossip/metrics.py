@@ -75,9 +75,9 @@ class RunLog:
         """A ``train`` record per hosted node (its mean loss over ``losses``, the bytes and
         time so far), and their mean over every node to TensorBoard."""
         recs = []
-        for node, w, ls in zip(self.nodes, self.writers, losses):
+        for w, ls, traffic in zip(self.writers, losses, rundir.nodes_traffic(ledger, self.nodes)):
             recs.append({"kind": "train", "step": step, "epoch": step / self.steps_per_epoch, "time": elapsed,
-                         "loss": sum(ls) / len(ls), "lr": lr, **rundir.node_traffic(ledger, node)})
+                         "loss": sum(ls) / len(ls), "lr": lr, **traffic})
             w.write(recs[-1])
         if self.cfg.run.tensorboard:  # every rank: the mean over all nodes is a collective
             keys = [k for k, v in recs[0].items() if isinstance(v, (int, float)) and k not in ("kind", "step")]

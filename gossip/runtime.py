@@ -178,6 +178,15 @@ def check_momentum(name: str, momentum: float, optimizers: Sequence[torch.optim.
                 )
 
 
+def _params_of(data: torch.Tensor, copy: bool) -> torch.Tensor:
+    """The parameter matrix for a state dict: a copy, or (``copy=False``) the matrix
+    itself where it owns its storage exactly (a view would save its whole storage)."""
+    data = data.detach()
+    own = data.is_contiguous() and data.storage_offset() == 0 \
+        and data.untyped_storage().nbytes() == data.numel() * data.element_size()
+    return data if not copy and own else data.clone()
+
+
 class GossipOptimizer:
     """Runs the local optimizer(s), then the algorithm's communication step.
 
@@ -275,10 +284,14 @@ class GossipOptimizer:
         dist = ((X - xbar) ** 2).sum(dim=1, keepdim=True).to(torch.float64)
         return float(self.comm.all_reduce(dist, op="mean", record=False)[0, 0])
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *, copy: bool = True) -> dict:
+        """Everything a resume needs: the parameters, the algorithm's state, the local
+        optimizers' states and the step count. ``copy=False`` gives the parameter
+        matrix itself, not a copy: for a caller that serialises the dict at once (a
+        checkpoint), which then saves the (n, d) matrix without first copying it."""
         self.flat.check()  # else it would save the weights the model left behind
         return {
-            "params": self.flat.data.detach().clone(),
+            "params": _params_of(self.flat.data, copy),
             "algorithm": self.algorithm.state_dict(),
             "optimizers": [opt.state_dict() for opt in self.optimizers],
             "steps": self.steps,

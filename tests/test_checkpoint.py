@@ -85,6 +85,51 @@ def test_the_body_loads_with_weights_only(saved):
     assert json.loads(header)["sha256"] == hashlib.sha256(body).hexdigest()
 
 
+def _saved_before_streaming(path, payload, **kw):
+    """save_checkpoint as it was before the body was streamed: the body serialised in
+    memory first, the header line unpadded."""
+    header = ck._new_header(kw.get("config"), kw.get("fingerprint_keys"), None, kw.get("world_size"))
+    buf = io.BytesIO()
+    torch.save(dict(payload), buf)
+    body = buf.getvalue()
+    header.update(nbytes=len(body), sha256=hashlib.sha256(body).hexdigest())
+    line = json.dumps(header, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+    path.write_bytes(b"GOSSIP-CHECKPOINT\nHSUM " + hashlib.sha256(line).hexdigest().encode() + b"\n" + line + body)
+
+
+def test_the_streamed_file_holds_the_bytes_of_the_in_memory_one_and_both_load(saved, tmp_path):
+    """Streaming changed only the header's padding: the same body, the same header
+    entries; a file of the earlier writer loads as before."""
+    path, payload = saved
+    old = tmp_path / "old.pt"
+    _saved_before_streaming(old, payload, config=CONFIG, fingerprint_keys=KEYS, world_size=4)
+    _, new_head, new_body = _split(path.read_bytes())
+    _, old_head, old_body = _split(old.read_bytes())
+    assert new_body == old_body and json.loads(new_head) == json.loads(old_head)
+    assert new_head.rstrip(b" ") == old_head and len(new_head) > len(old_head)  # spaces before the newline
+    for p in (path, old):
+        assert _equal(load_checkpoint(p, expect_config=CONFIG, expect_world_size=4), payload)
+
+
+def test_a_checkpoint_saves_the_parameter_matrix_without_copying_it():
+    """``state_dict(copy=False)`` (what CheckpointManager saves) hands over X itself;
+    the default stays a copy that later steps leave alone."""
+    from gossip import algorithms, vectorized
+    from gossip.comm import SimulatedCommunicator
+    from gossip.runtime import GossipOptimizer
+    from topologies import ring
+
+    models = [nn.Linear(3, 2) for _ in range(3)]
+    loop = GossipOptimizer(models, [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models],
+                           algorithms.build("dpsgd", SimulatedCommunicator(ring(3))))
+    vec = vectorized.VectorizedOptimizer(nn.Linear(3, 2), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                         algorithms.build("dpsgd", SimulatedCommunicator(ring(3))))
+    for gopt in (loop, vec):
+        assert gopt.state_dict(copy=False)["params"].data_ptr() == gopt.flat.data.data_ptr()
+        copied = gopt.state_dict()["params"]
+        assert torch.equal(copied, gopt.flat.data) and copied.data_ptr() != gopt.flat.data.data_ptr()
+
+
 def test_header_records_version_world_size_and_config(saved):
     path, _ = saved
     info = ck.checkpoint_info(path)

@@ -211,3 +211,33 @@ def test_a_state_from_before_the_wait_phase_loads(clock: _Clock) -> None:
     sd["phases"] = ["compute", "communicate"]
     with pytest.raises(ValueError, match=r"state has phases \['compute', 'communicate'\]"):
         new.load_state_dict(sd)
+
+
+def test_node_traffic_of_all_nodes_in_one_pass_equals_the_per_node_figures(clock: _Clock) -> None:
+    from gossip import rundir
+
+    led = Ledger([1, 3, 4], 6)  # three of six nodes hosted, in the order the records list them
+    with led.setup():
+        with led.phase("communicate"):
+            clock.t += 2.0
+            led.record([1, 3, 4, 5], [3, 4, 5, 1], [7, 8, 9, 10])
+    with led.phase("compute"):
+        clock.t += 1.5
+    led.record([1, 1, 4, 0], [3, 0, 1, 4], [100, 30, 20, 5])
+    led.step()
+    order = [4, 1, 3]
+    many = rundir.nodes_traffic(led, order)
+    for node, rec in zip(order, many):
+        # the figures a record held when each node was asked on its own
+        assert rec == {
+            "bytes_sent": led.step_bytes_sent_by(node), "bytes_recv": led.step_bytes_received_by(node),
+            "setup_bytes_sent": led.setup_bytes_sent_by(node), "setup_bytes_recv": led.setup_bytes_received_by(node),
+            "warmup_s": 2.0 / 3, "compute_s": 1.5 / 3, "compress_s": 0.0, "comm_s": 0.0, "wait_s": 0.0,
+        }
+        assert rundir.node_traffic(led, node) == rec
+        assert all(type(rec[k]) is int for k in ("bytes_sent", "bytes_recv", "setup_bytes_sent", "setup_bytes_recv"))
+    assert [r["bytes_sent"] for r in many] == [20, 130, 0] and [r["setup_bytes_recv"] for r in many] == [8, 10, 7]
+    with pytest.raises(ValueError, match="node 5 is not hosted here"):
+        rundir.nodes_traffic(led, [1, 5])
+    with pytest.raises(ValueError, match="node 9 is not hosted here"):
+        led.node_bytes([9])

@@ -247,6 +247,37 @@ def test_batched_node_accuracies_equal_each_models_own():
         assert float(acc[i]) == float((out.argmax(1) == y).double().mean())
 
 
+@pytest.mark.parametrize("block", [vectorized._BLOCK_VALUES, 40])
+def test_average_and_consensus_distance_equal_the_collectives(monkeypatch, block):
+    """Computed here without the communicator's (n, d) all-reduce result, in blocks of
+    rows: the same numbers, to the bit, as the base class's collectives."""
+    monkeypatch.setattr(vectorized, "_BLOCK_VALUES", block)  # 40: blocks of one row (d = 75)
+    c = comm.SimulatedCommunicator(topologies.build("ring", 7))
+    gopt = vectorized.VectorizedOptimizer(_model(torch.float32), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                          algorithms.build("dpsgd", c))
+    with torch.no_grad():
+        gopt.flat.data.normal_(generator=torch.Generator().manual_seed(2))
+    assert torch.equal(gopt.average(), GossipOptimizer.average(gopt))
+    assert gopt.consensus_distance() == GossipOptimizer.consensus_distance(gopt) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_batched_cross_entropy_equals_torchs_to_rounding(dtype):
+    """The classes-major log-softmax of the batched loss against F.cross_entropy: the
+    losses and their gradients agree to rounding; a bad label gets torch's own message."""
+    g = torch.Generator().manual_seed(4)
+    z = (3 * torch.randn(640, 10, generator=g, dtype=dtype)).requires_grad_()
+    y = torch.randint(0, 10, (640,), generator=g)
+    ref = F.cross_entropy(z, y, reduction="none")
+    got = vectorized._cross_entropy_rows(z, y)
+    eps = torch.finfo(dtype).eps
+    assert torch.allclose(got, ref, rtol=8 * eps, atol=8 * eps)
+    (g_ref,), (g_got,) = torch.autograd.grad(ref.sum(), z), torch.autograd.grad(got.sum(), z)
+    assert torch.allclose(g_got, g_ref, rtol=8 * eps, atol=8 * eps)
+    with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
+        vectorized._cross_entropy_rows(z, torch.full((640,), 10))
+
+
 def test_evaluated_nodes_are_all_or_an_even_sample():
     assert vectorized.eval_nodes(5).tolist() == [0, 1, 2, 3, 4]
     s = vectorized.eval_nodes(1024)
@@ -374,3 +405,22 @@ def test_docs_tables_are_rendered_from_the_results_files():
         block = docs.split(f"<!-- results:{name} -->\n", 1)[1].split(f"<!-- /results:{name} -->", 1)[0]
         assert block == render.render_table(name), name
         assert f"Rendered from `experiments/results/{name}.json`" in block and "| loop node-steps/s |" in block
+
+
+def test_sim_kernels_runs_and_writes_its_figures(tmp_path):
+    """experiments/sim_kernels.py, tiny: every figure it prints is in its results file."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "experiments" / "sim_kernels.py"
+    spec = importlib.util.spec_from_file_location("sim_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--nodes", "4", "--groups", "2", "--repeats", "1", "--eval-models", "2",
+                     "--json", str(tmp_path / "k.json")]) == 0
+    r = json.loads((tmp_path / "k.json").read_text())
+    assert r["peak_gflops"] > 0 and r["mlp"]["nodes"] == 4 and 0 < r["mlp"]["matmul_share"] <= 1
+    assert r["mlp"]["matmul_gflop"] > 0 and [c["layer"] for c in r["conv"]] == ["conv1", "conv2", "conv3"]
+    assert all(c["grouped_2_ms_per_node"] > 0 for c in r["conv"]) and r["cross_entropy"]["rows"] == 4 * 32
+    assert [e["model"] for e in r["evaluation"]] == ["logreg", "mlp", "cnn1d"] and r["evaluation"][2]["node_chunk_4_s"] > 0

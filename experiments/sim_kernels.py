@@ -1,0 +1,209 @@
+"""Where the vectorized simulation's step time goes, kernel by kernel (one thread).
+
+Three questions that ``bench_sim.py``'s ratios raise, answered in one run, each
+candidate timed against its baseline in the same process (interleaved repeats,
+minimum of each):
+
+1. **mlp**: is the vectorized step's time in its batched matrix products? One step of
+   ``--nodes`` nodes under ``torch.profiler`` (with FLOP counts): the matmuls' share
+   of the step and their GFLOP/s, against this thread's peak (a 1024^3 float32
+   matmul, timed in the same run).
+2. **cnn1d**: why is the vectorized step no faster than the loop? ``vmap`` turns a
+   convolution with per-node weights into one grouped convolution (``groups = n``).
+   Forward and backward of each of the model's three convolutions, per node: one
+   node's own convolution (the loop path) against the grouped one over ``--groups``
+   nodes, and the FLOP rate of the plain one.
+3. **logreg**: the batched cross-entropy of 1024 x 32 rows of 10 classes, torch's
+   ``F.cross_entropy`` against the classes-major log-softmax the vectorized path
+   uses (``gossip.vectorized._cross_entropy_rows``), forward and backward.
+
+4. **evaluation**: ``gossip.vectorized.node_accuracies`` of 33 models (xbar's and the
+   32 sampled nodes') over bench_sim's 2,048 test examples, ``node_chunk`` models per
+   batched call, for each model (its figures do not depend on ``node_chunk``).
+
+Figures count only on a quiet machine (load average < 0.3): the run records the load
+before and after. ``--json PATH`` writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_sim  # noqa: E402
+
+from gossip import vectorized  # noqa: E402
+
+
+def _min_interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """The minimum wall time of each callable, the candidates run in turn per repeat."""
+    best = {k: float("inf") for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            best[k] = min(best[k], time.perf_counter() - t)
+    return best
+
+
+def peak_gflops(repeats: int, size: int = 1024) -> float:
+    """This thread's float32 matmul rate on a large square product (GFLOP/s)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    c = torch.empty(size, size)
+    t = _min_interleaved({"mm": lambda: torch.mm(a, b, out=c)}, repeats)["mm"]
+    return 2 * size**3 / t / 1e9
+
+
+_MATMULS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm")
+
+
+def mlp_step(nodes: int, repeats: int) -> dict:
+    """One vectorized mlp step under the profiler: the matmuls' time, FLOPs and share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ds = bench_sim.dataset(nodes)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = bench_sim.build(nodes, "mlp", "vectorized", ds, Path(tmp) / "run", "cpu")
+        try:
+            run.step()  # first calls
+            step = _min_interleaved({"step": run.step}, repeats)["step"]
+            with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+                run.step()
+        finally:
+            run.log.close()
+    ops = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in ops) / 1e6
+    mm = [e for e in ops if e.key in _MATMULS]
+    mm_s = sum(e.self_cpu_time_total for e in mm) / 1e6
+    flops = sum(e.flops for e in mm)
+    top = sorted(ops, key=lambda e: -e.self_cpu_time_total)[:6]
+    return {"nodes": nodes, "step_s": step, "profiled_s": total, "matmul_s": mm_s, "matmul_share": mm_s / total,
+            "matmul_gflop": flops / 1e9, "matmul_gflops": flops / mm_s / 1e9 if mm_s else None,
+            "top_ops": [(e.key, e.self_cpu_time_total / 1e6) for e in top]}
+
+
+#: the cnn1d's convolutions (bench_sim's data: 1 channel of length 40; batch 32)
+_CONVS = (("conv1", 1, 64, 40, 1), ("conv2", 64, 64, 40, 2), ("conv3", 64, 64, 20, 2))
+
+
+def conv_per_node(groups: list[int], repeats: int, batch: int = bench_sim.BATCH) -> list[dict]:
+    """Forward and backward per node: a node's own convolution against the grouped one."""
+    rows = []
+    for name, cin, cout, length, stride in _CONVS:
+        fns, per = {}, {}
+
+        def make(g: int):
+            x = torch.randn(batch, g * cin, length, requires_grad=cin > 1)  # conv1 reads the data
+            w = torch.randn(g * cout, cin, 5, requires_grad=True)
+
+            def f() -> None:
+                x.grad = w.grad = None
+                F.conv1d(x, w, stride=stride, padding=2, groups=g).sum().backward()
+            return f
+        for g in (1, *groups):
+            fns[g], per[g] = make(g), g
+        best = _min_interleaved(fns, repeats)
+        lout = (length - 1) // stride + 1
+        flops = 2 * batch * lout * cout * cin * 5 * (3 if cin > 1 else 2)  # forward, grad weight, grad input
+        row = {"layer": name, "own_ms": 1e3 * best[1], "own_gflops": flops / best[1] / 1e9}
+        for g in groups:
+            row[f"grouped_{g}_ms_per_node"] = 1e3 * best[g] / g
+        rows.append(row)
+    return rows
+
+
+def cross_entropy(nodes: int, repeats: int, batch: int = bench_sim.BATCH, classes: int = 10) -> dict:
+    z = torch.randn(nodes * batch, classes, requires_grad=True)
+    y = torch.randint(0, classes, (nodes * batch,))
+
+    def run(fn):
+        def f() -> None:
+            z.grad = None
+            fn(z, y).sum().backward()
+        return f
+    best = _min_interleaved({"torch": run(lambda a, b: F.cross_entropy(a, b, reduction="none")),
+                             "classes_major": run(vectorized._cross_entropy_rows)}, repeats)
+    return {"rows": nodes * batch, "torch_ms": 1e3 * best["torch"], "classes_major_ms": 1e3 * best["classes_major"],
+            "ratio": best["torch"] / best["classes_major"]}
+
+
+def evaluation(chunks: list[int], repeats: int, models: tuple[str, ...] = ("logreg", "mlp", "cnn1d"),
+               rows: int = vectorized.EVAL_NODES + 1) -> list[dict]:
+    """Seconds of node_accuracies over ``rows`` models per ``node_chunk``, per model."""
+    from gossip import algorithms, models as gmodels
+    from gossip.comm import SimulatedCommunicator
+    from topologies import ring
+
+    ds = bench_sim.dataset(rows)
+    out = []
+    for name in models:
+        model = gmodels.build_model(name, input_shape=(1, bench_sim.FEATURES), num_classes=bench_sim.CLASSES, seed=0)
+        algo = algorithms.build("dpsgd", SimulatedCommunicator(ring(max(3, rows))))  # a ring has 3 nodes or more
+        gopt = vectorized.VectorizedOptimizer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), algo)
+        with torch.no_grad():
+            gopt.flat.data.add_(0.01 * torch.randn(gopt.flat.data.shape, generator=torch.Generator().manual_seed(0)))
+        X = gopt.flat.data[:rows]
+        best = _min_interleaved({c: (lambda c=c: vectorized.node_accuracies(gopt, ds.x_test, ds.y_test, X, node_chunk=c))
+                                 for c in chunks}, repeats)
+        out.append({"model": name, "models_evaluated": rows, **{f"node_chunk_{c}_s": best[c] for c in chunks}})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=1024, help="nodes of the mlp step and of the cross-entropy rows")
+    ap.add_argument("--groups", default="64,256", help="node counts of the grouped convolutions")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--eval-models", type=int, default=vectorized.EVAL_NODES + 1,
+                    help="models of the evaluation timing (the CLI's: xbar and 32 sampled nodes)")
+    ap.add_argument("--json", metavar="PATH")
+    a = ap.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        load0 = os.getloadavg()[0]
+        print(f"load average (1 min) before: {load0:.2f}" + ("  WARNING: above 0.3, figures are indicative only"
+                                                             if load0 > 0.3 else ""), flush=True)
+        groups = [int(g) for g in a.groups.split(",")]
+        peak = peak_gflops(a.repeats)
+        print(f"one-thread float32 matmul peak (1024^3): {peak:.1f} GFLOP/s", flush=True)
+        mlp = mlp_step(a.nodes, max(2, a.repeats // 2))
+        print(f"mlp, {a.nodes} nodes: step {mlp['step_s']:.3f} s; matmuls {mlp['matmul_s']:.3f} s "
+              f"({mlp['matmul_share']:.0%} of the profiled step), {mlp['matmul_gflop']:.2f} GFLOP at "
+              f"{mlp['matmul_gflops'] or 0:.1f} GFLOP/s ({(mlp['matmul_gflops'] or 0) / peak:.0%} of the peak); top ops: "
+              + ", ".join(f"{k} {s * 1e3:.0f} ms" for k, s in mlp["top_ops"]), flush=True)
+        convs = conv_per_node(groups, a.repeats)
+        for r in convs:
+            print(f"cnn1d {r['layer']}: own {r['own_ms']:.3f} ms ({r['own_gflops']:.1f} GFLOP/s); grouped per node: "
+                  + ", ".join(f"{g} nodes {r[f'grouped_{g}_ms_per_node']:.3f} ms" for g in groups), flush=True)
+        ce = cross_entropy(a.nodes, a.repeats)
+        print(f"cross-entropy, {ce['rows']} rows x 10 classes, forward and backward: torch {ce['torch_ms']:.2f} ms, "
+              f"classes-major {ce['classes_major_ms']:.2f} ms ({ce['ratio']:.1f}x)", flush=True)
+        evals = evaluation([1, 4, 16], max(1, a.repeats // 2), rows=a.eval_models)
+        for r in evals:
+            print(f"evaluation of {r['models_evaluated']} {r['model']} models, node_chunk 1 / 4 / 16: "
+                  + " / ".join(f"{r[f'node_chunk_{c}_s']:.2f}" for c in (1, 4, 16)) + " s", flush=True)
+        load1 = os.getloadavg()[0]
+        print(f"load average (1 min) before {load0:.2f}, after {load1:.2f}")
+        if a.json:
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps({
+                "command": " ".join(["python", "experiments/sim_kernels.py", *(argv if argv is not None else sys.argv[1:])]),
+                "cpu_threads": 1, "load_avg_before": load0, "load_avg_after": load1, "peak_gflops": peak,
+                "mlp": mlp, "conv": convs, "cross_entropy": ce, "evaluation": evals}, indent=1) + "\n")
+    finally:
+        torch.set_num_threads(threads)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -359,6 +359,74 @@ def _ties(x, a, s, seeds, start: int, L: float, mode: int, out) -> torch.Tensor:
                      torch.empty_like(out))
 
 
+# --------------------------------------------------------------------------------------
+# quant's rounding as two compiled loops, when a block splits into rows of C elements
+# (C a power of two from 256 to 4096): the block's [min, max] (one read of the input),
+# then the rounding of the rows, whose element indices are the row's first index (a
+# scalar) plus a lane ramp 0..C-1 loaded from a small tensor. Inductor writes a vector
+# of consecutive indices (`Vectorized<int32_t>::arange`) as 16 scalar inserts, about 35
+# instructions per 16 elements, which was as much work as the hash itself; the loaded
+# ramp costs one load from L1 cache. The same codes and scales as `scale_and_round`'s
+# one-loop form (the integer hash is exact, the float steps are the same IEEE ops).
+# --------------------------------------------------------------------------------------
+
+_LANES_MIN, _LANES_MAX = 256, 4096
+_RAMPS: dict = {}
+
+
+def lane_width(B: int) -> int:
+    """Row length C for the lane kernels of blocks of B elements (the largest power of
+    two up to 4096 dividing B), or 0 when it would be below 256 (short rows pay a
+    horizontal reduction each: the one-loop kernel is used)."""
+    C = min(B & -B, _LANES_MAX)
+    return C if C >= _LANES_MIN else 0
+
+
+def _ramp(C: int, device) -> torch.Tensor:
+    r = _RAMPS.get(device)
+    if r is None:
+        r = _RAMPS[device] = torch.arange(_LANES_MAX, dtype=torch.int32, device=device)
+    return r[:C]
+
+
+def _make_minmax(levels: int):
+    def quant_minmax(x):
+        """Offset a (the block's min), range R and inverse step s of blocks x (m, nb, B)."""
+        return _scales(x, float(levels), 0)
+
+    return quant_minmax
+
+
+def _make_round_lanes(levels: int, dtype=None):
+    def quant_round_lanes(x4, a, s, s2, base, ramp, out4):
+        """Round blocks x4 (m, nb, R, C) into the codes ``out4``; returns a 0-d int32 that is
+        positive iff some element is a tie (a, s: (m, nb, 1, 1); ramp: 0..C-1 int32).
+
+        Written without comparisons (a comparison becomes a mask register, which inductor's
+        vector code turns into a vector and back, three instructions): with D = F - u as in
+        _round_half, g = frac(t) - u * 2**-24 is D * 2**-24 exactly (power-of-two scalings
+        commute with rounding here), so ceil(g) is 1 iff D > 0 ("up") and 0 otherwise
+        (-1 < g <= 0); and a tie, 0 < D < 1, is up == 1 with trunc(D) == 0, i.e.
+        min(up, 1 - trunc(D)) == 1 (it is <= 0 for every other element).
+        """
+        m, nb, R, C = x4.shape
+        dev = x4.device
+        i = base.view(-1, 1, 1, 1) + (torch.arange(nb, dtype=torch.int32, device=dev) * (R * C)).view(1, nb, 1, 1) \
+            + (torch.arange(R, dtype=torch.int32, device=dev) * C).view(1, 1, R, 1) + ramp.view(1, 1, 1, C)
+        u = R_.hash24(i, 0, s2.view(-1, 1, 1, 1))
+        t = (x4 - a) * s  # <= L without a clamp: see _scaled
+        f = t.floor()
+        g = (t - f) - u.to(torch.float32) * 2.0**-24  # a literal: a float global becomes a tensor input
+        up = g.ceil()
+        out4.copy_((f + up).to(torch.int32))
+        tie = torch.minimum(up.to(torch.int32), 1 - (g * (1 << 24)).to(torch.int32))
+        return tie.amax(dim=-1).amax()
+
+    return quant_round_lanes
+
+
+
+
 def scale_and_round(x, keys, seeds, start: int, L: float, mode: int, out):
     """Block scales and stochastic rounding for quant (mode 0) and ternary (mode 2).
 
@@ -366,6 +434,19 @@ def scale_and_round(x, keys, seeds, start: int, L: float, mode: int, out):
     inverse step per block, (m, nb, 1) each.
     """
     m, nb, B = x.shape
+    C = lane_width(B) if mode == 0 else 0
+    if C:
+        kr = _variant("quant_round_lanes", _make_round_lanes, (int(L), out.dtype))
+        if _want_compiled(kr, x.numel(), x.device):
+            km = _variant("quant_minmax", _make_minmax, (int(L),))
+            km.budget_spent |= kr.budget_spent  # the pair compiles together (auto's budget is kr's)
+            a, R, s = run(km, x.numel(), x)
+            s2, base = _seed_args(seeds, start)
+            flag = run(kr, x.numel(), x.view(m, nb, B // C, C), a.view(m, nb, 1, 1), s.view(m, nb, 1, 1),
+                       s2, base, _ramp(C, x.device), out.view(m, nb, B // C, C))
+            if int(flag) > 0:  # rare: locate the ties with a second pass and resolve them
+                resolve_ties(out, _ties(x, a, s, seeds, start, L, mode, out), x, a, s, keys, start, float(L), mode)
+            return a, R, s
     k = _variant("scale_and_round", _make_fused, (mode, int(L), out.dtype))
     if _want_compiled(k, x.numel(), x.device):
         s2, base = _seed_args(seeds, start)

@@ -253,6 +253,7 @@ def test_switching_from_eager_to_compiled_mid_run_keeps_the_bits(backend, monkey
     backend("auto")
     monkeypatch.setattr(_kernels, "MIN_COMPILED_NUMEL", 1)
     monkeypatch.setattr(_kernels, "EAGER_BUDGET_NUMEL", 3 * 4 * (1 << 12))  # encode switches at step 3
+    monkeypatch.setattr(_kernels, "LANES_MIN_NUMEL", 1)  # the lane kernels' pair switches too
     kernels = [*_kernels._VARIANTS.values(), _kernels.CHECKSUM, *_kernels.AFFINE._variants.values()]
     for k in kernels:  # fresh budgets for the kernels earlier tests used (their compiled code stays)
         monkeypatch.setattr(k, "budget_spent", False)
@@ -275,6 +276,12 @@ def test_lane_width_rows_of_a_power_of_two_from_256_to_4096():
 _LANE_D = 3 * 4096
 
 
+@pytest.fixture
+def lanes(monkeypatch):
+    """The lane kernels for these small inputs too (they take calls of 2**18 values or more)."""
+    monkeypatch.setattr(_kernels, "LANES_MIN_NUMEL", 1)
+
+
 def _lane_kernels(bits: int):
     L = (1 << bits) - 1
     rnd = ("quant_round_lanes", (L, torch.uint8)) if bits == 8 else ("quant_planar_encode_lanes", (bits,))
@@ -282,7 +289,7 @@ def _lane_kernels(bits: int):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_compiled_lane_kernels_match_eager(backend, bits):
+def test_compiled_lane_kernels_match_eager(backend, lanes, bits):
     g = torch.Generator().manual_seed(4)
     X = torch.randn(3, _LANE_D, generator=g) * torch.tensor([[1.0], [1e-3], [50.0]])
     X[1, 100:5000] = 0.0
@@ -295,7 +302,7 @@ def test_compiled_lane_kernels_match_eager(backend, bits):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_compiled_lane_kernels_find_and_resolve_real_ties(backend, monkeypatch, bits):
+def test_compiled_lane_kernels_find_and_resolve_real_ties(backend, lanes, monkeypatch, bits):
     """Inputs built so that some elements are ties (the first 24-bit digit equals
     floor(frac(t) * 2**24)): the compiled kernels must flag them, and the bytes must be
     the eager ones (which resolve ties with the further digits)."""

@@ -272,7 +272,8 @@ def test_lane_width_rows_of_a_power_of_two_from_256_to_4096():
     assert _kernels.lane_width(4001) == 0 and _kernels.lane_width(128 * 7) == 0  # the one-loop kernels
 
 
-# rows of 3 x 4096 values: the lane kernels (8 bits: rows of 4096; 4 bits: 1536 columns, rows of 512)
+# rows of 3 x 4096 values: the lane kernels at 8 bits (rows of 4096); at 4 bits the planar
+# kernels (one-loop encode, the decode that reads each code's byte)
 _LANE_D = 3 * 4096
 
 
@@ -283,9 +284,10 @@ def lanes(monkeypatch):
 
 
 def _lane_kernels(bits: int):
-    L = (1 << bits) - 1
-    rnd = ("quant_round_lanes", (L, torch.uint8)) if bits == 8 else ("quant_planar_encode_lanes", (bits,))
-    return [_kernels._VARIANTS[rnd], _kernels._VARIANTS[("quant_minmax", (L,))]]
+    if bits == 8:
+        return [_kernels._VARIANTS[("quant_round_lanes", (255, torch.uint8))],
+                _kernels._VARIANTS[("quant_minmax", (255,))]]
+    return [_kernels._PLANAR[("encode", bits)], _kernels._PLANAR[("decode", bits)]]
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -88,12 +88,10 @@ class Kernel:
     each specialisation (quantizer mode, code dtype, number of levels).
     """
 
-    def __init__(self, name: str, eager, compiled_src=None, options: dict | None = None):
+    def __init__(self, name: str, eager, compiled_src=None):
         self.name = name
         self.eager = eager
         self.src = compiled_src or eager
-        #: inductor options of this kernel's compilation (``torch.compile(options=...)``)
-        self.options = options
         self._compiled = None
         self._variants: dict = {}
         self.failed = False
@@ -107,7 +105,7 @@ class Kernel:
 
     def compiled(self):
         if self._compiled is None:
-            self._compiled = torch.compile(self.src, dynamic=True, fullgraph=True, options=self.options)
+            self._compiled = torch.compile(self.src, dynamic=True, fullgraph=True)
         return self._compiled
 
     def variant(self, key) -> "Kernel":
@@ -306,10 +304,10 @@ def _sr_eager(x, a, s, u, L: float, mode: int, out):
 _VARIANTS: dict = {}
 
 
-def _variant(name: str, factory, key, options: dict | None = None) -> "Kernel":
+def _variant(name: str, factory, key) -> "Kernel":
     k = _VARIANTS.get((name, key))
     if k is None:
-        k = _VARIANTS[(name, key)] = _closure_variant(name, factory, key, options)
+        k = _VARIANTS[(name, key)] = _closure_variant(name, factory, key)
     return k
 
 
@@ -497,14 +495,14 @@ def stochastic_round(x, a, s, keys, seeds, start: int, L: float, mode: int, out)
 # --------------------------------------------------------------------------------------
 
 
-def _closure_variant(name: str, factory, key, options: dict | None = None) -> Kernel:
+def _closure_variant(name: str, factory, key) -> Kernel:
     """A Kernel whose function comes from ``factory(*key)`` under its own code object
     (torch.compile caches per code object: one cache and one graph per variant)."""
     f = factory(*key)
     tag = "_" + "_".join(str(p).replace(".", "_").replace("torch_", "") for p in key)
     code = f.__code__.replace(co_name=f.__name__ + tag)
     g = types.FunctionType(code, f.__globals__, code.co_name, f.__defaults__, f.__closure__)
-    return Kernel(name + tag, g, options=options)
+    return Kernel(name + tag, g)
 
 
 def _make_planar_encode(bits: int):
@@ -589,67 +587,16 @@ def planar_wanted(bits: int, B: int, numel: int, device) -> bool:
     return 1 <= bits < 8 and B % 8 == 0 and _want_compiled(_planar("encode", bits), numel, device)
 
 
-#: inductor stores a value that two consumers read and that reads more than
-#: ``realize_reads_threshold`` (4) inputs; each plane's g (x, a, s, the seed, the base and
-#: the ramp) would so be written to memory and the words assembled in a second loop
-_ONE_LOOP = {"realize_reads_threshold": 64}
-
-
-def _make_planar_encode_lanes(bits: int):
-    wide = torch.int32 if bits <= 4 else torch.int64
-
-    def quant_planar_encode_lanes(x5, a, s, s2, base, ramp, out5):
-        """x5 (m, nb, 8, R, C) -> out5 (m, nb, bits, R, C) uint8, the planar layout of
-        quant_planar_encode with each plane's N = R * C columns split into rows of C (the
-        column index is the row's first column plus the loaded ramp, as in
-        quant_round_lanes, whose comparison-free rounding and tie flag this uses); a, s:
-        (m, nb, 1, 1, 1). Returns a 0-d int32, positive iff some element is a tie, and the
-        words."""
-        m, nb, _, R, C = x5.shape
-        dev = x5.device
-        N = R * C
-        e0 = base.view(-1, 1, 1, 1) + (torch.arange(nb, dtype=torch.int32, device=dev) * (8 * N)).view(1, nb, 1, 1) \
-            + (torch.arange(R, dtype=torch.int32, device=dev) * C).view(1, 1, R, 1) + ramp.view(1, 1, 1, C)
-        a, s, s2 = a.view(m, nb, 1, 1), s.view(m, nb, 1, 1), s2.view(-1, 1, 1, 1)
-        word = tie = None
-        for j in range(8):
-            u = R_.hash24(e0 + j * N, 0, s2)
-            t = (x5[:, :, j] - a) * s
-            f = t.floor()
-            g = (t - f) - u.to(torch.float32) * 2.0**-24
-            up = g.ceil()
-            c = (f + up).to(wide) << (bits * j)
-            word = c if word is None else word | c
-            tj = torch.minimum(up.to(torch.int32), 1 - (g * (1 << 24)).to(torch.int32))
-            tie = tj if tie is None else torch.maximum(tie, tj)
-        # the words are returned, so computed once into a buffer; the planes are cut from it
-        # in one write (see quant_planar_encode)
-        shifts = (torch.arange(bits, dtype=wide, device=dev) * 8).view(1, 1, bits, 1, 1)
-        out5.copy_(((word.unsqueeze(2) >> shifts) & 0xFF).to(torch.uint8))
-        return tie.amax(dim=-1).amax(), word
-
-    return quant_planar_encode_lanes
-
-
 def quant_planar_encode(x, keys, seeds, start: int, bits: int, out):
     """Blocks x (m, nb, 8N) -> packed codes out (m, nb, bits * N); returns (a, R, s)."""
     m, nb, B = x.shape
     N = B // 8
     s2, base = _seed_args(seeds, start)
     k = _planar("encode", bits)
-    C = lane_width(N) if x.numel() >= LANES_MIN_NUMEL else 0
-    if C:  # the lane form: min/max, then rounding and packing (see quant_round_lanes)
-        L = (1 << bits) - 1
-        km = _variant("quant_minmax", _make_minmax, (L,))
-        kl = _variant("quant_planar_encode_lanes", _make_planar_encode_lanes, (bits,), _ONE_LOOP)
-        km.budget_spent |= k.budget_spent  # the caller decided with k's budget (planar_wanted)
-        kl.budget_spent |= k.budget_spent
-        a, R, s = run(km, x.numel(), x)
-        tie, _ = run(kl, x.numel(), x.view(m, nb, 8, N // C, C), a, s, s2, base, _ramp(C, x.device),
-                     out.view(m, nb, bits, N // C, C))
-    else:
-        a, R, s, tie, _ = run(k, x.numel(), x.view(m, nb, 8, N), s2, base, out.view(m, nb, bits, N))
-    if float(tie) > 0:  # rare: redo the group with ties resolved (exactly the same codes otherwise)
+    # one call: the planes share each column's index vector (inductor's vector arange),
+    # so the lane form saves little here and costs a second call
+    a, R, s, tie, _ = run(k, x.numel(), x.view(m, nb, 8, N), s2, base, out.view(m, nb, bits, N))
+    if float(tie) != 0:  # rare: redo the group with ties resolved (exactly the same codes otherwise)
         from .bitpack import pack_planes
 
         codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)

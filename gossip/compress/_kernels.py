@@ -509,8 +509,8 @@ def _make_planar_encode(bits: int):
     wide = torch.int32 if bits <= 4 else torch.int64
 
     def quant_planar_encode(x4, s2, base, out4):
-        """x4 (m, nb, 8, N) -> out4 (m, nb, bits, N) uint8; returns a, R, s (m, nb, 1) and
-        whether some element is a tie (0-d float)."""
+        """x4 (m, nb, 8, N) -> out4 (m, nb, bits, N) uint8; returns a, R, s (m, nb, 1), a 0-d
+        int32 that is positive iff some element is a tie, and the words."""
         L = float((1 << bits) - 1)
         m, nb, _, N = x4.shape
         a = x4.amin(dim=(2, 3)).view(m, nb, 1)
@@ -520,11 +520,16 @@ def _make_planar_encode(bits: int):
         e0 = base + (torch.arange(nb, dtype=torch.int32, device=dev) * (8 * N)).view(1, nb, 1) \
             + torch.arange(N, dtype=torch.int32, device=dev).view(1, 1, N)
         word = tie = None
-        for j in range(8):
-            lvl, t = _round_half(x4[:, :, j], a, s, R_.hash24(e0 + j * N, 0, s2), L, 0)
-            c = lvl.to(wide) << (bits * j)
+        for j in range(8):  # the comparison-free rounding and tie flag of quant_round_lanes
+            u = R_.hash24(e0 + j * N, 0, s2)
+            t = (x4[:, :, j] - a) * s
+            f = t.floor()
+            g = (t - f) - u.to(torch.float32) * 2.0**-24
+            up = g.ceil()
+            c = (f + up).to(wide) << (bits * j)
             word = c if word is None else word | c
-            tie = t if tie is None else torch.maximum(tie, t)
+            tj = torch.minimum(up.to(torch.int32), 1 - (g * (1 << 24)).to(torch.int32))
+            tie = tj if tie is None else torch.maximum(tie, tj)
         # `word` is returned, so it is computed once into a buffer (n / 8 words) and the
         # planes are cut from it (one pointwise write of all planes, not one per plane:
         # writing plane by plane makes inductor blend each plane into the old contents)
@@ -596,7 +601,7 @@ def quant_planar_encode(x, keys, seeds, start: int, bits: int, out):
     # one call: the planes share each column's index vector (inductor's vector arange),
     # so the lane form saves little here and costs a second call
     a, R, s, tie, _ = run(k, x.numel(), x.view(m, nb, 8, N), s2, base, out.view(m, nb, bits, N))
-    if float(tie) != 0:  # rare: redo the group with ties resolved (exactly the same codes otherwise)
+    if int(tie) > 0:  # rare: redo the group with ties resolved (exactly the same codes otherwise)
         from .bitpack import pack_planes
 
         codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)

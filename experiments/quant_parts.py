@@ -4,9 +4,12 @@
 
 One thread, one row of standard normal fp32 values, minimum of interleaved repeats;
 every figure is also given as a fraction of a memcpy of the same tensor timed in the
-same run. It times the whole ``quant:bits=8`` encode and decode (``out=`` buffers, the
-default ``auto`` backend, as ``bench_compress.py``) and, compiled the same way as the
-encoder's kernel, its parts:
+same run. It times the whole ``quant:bits=8`` and ``quant:bits=4`` encode and decode
+(``out=`` buffers, the compiled kernels, as ``bench_compress.py``), the 8-bit encode
+also with the one-loop kernel that rows not splitting into lanes take (``one-loop``:
+the element indices built by inductor's vector ``arange``, min/max fused in the same
+call; the form every size took before the lane kernels), and, compiled the same way as
+the one-loop kernel, the encoder's parts:
 
 - ``min/max``: the block's range, one read of the input;
 - ``round``: scaling, the 24-bit counter hash of every element's index, the rounding
@@ -18,8 +21,8 @@ encoder's kernel, its parts:
 - ``checksum``: the payload's integrity sum, which the encoder writes and the decoder
   checks (so a round trip pays it twice).
 
-The last line is the round trip's bound for this design, ``min/max + round + decode``
-at the measured speeds, as a fraction of memcpy (the speed target is 1/4).
+Then the one-loop design's bound, ``min/max + round + decode`` at the measured speeds,
+and the round trips of both forms, as fractions of memcpy (the speed target is 1/4).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def main(argv=None) -> int:
     prov = _provenance.start(["gossip/compress", "experiments/quant_parts.py"],
                              argv=None if argv is None else ["experiments/quant_parts.py", *argv])
     torch.set_num_threads(1)
+    K.set_backend("compile")  # the steady state (auto runs the first 2**30 elements eager)
     load = os.getloadavg()[0]
     print(f"torch {torch.__version__}, 1 thread, {args.numel} elements; load average (1 min) {load:.2f}"
           + ("  WARNING: above 0.3, figures are not the machine's own" if load > 0.3 else ""))
@@ -71,9 +75,24 @@ def main(argv=None) -> int:
     x3 = x.view(1, 1, n)
     dst = torch.empty_like(x)
     c = gc.build("quant:bits=8")
+    c4 = gc.build("quant:bits=4")
     keys = torch.tensor([12345])
     P = c.encode(x, keys)
+    P4 = c4.encode(x, keys)
     Y = torch.empty_like(x)
+    lane_width = K.lane_width
+
+    def one_loop(c, P):
+        """Encode with the one-loop kernels (no row splits into lanes)."""
+        K.lane_width = lambda B: 0
+        try:
+            c.encode(x, keys, out=P)
+        finally:
+            K.lane_width = lane_width
+
+    Q = P.clone()
+    one_loop(c, Q)  # compiles the one-loop kernel; the same bytes
+    same = torch.equal(Q, P)
     codes = torch.empty(1, 1, n, dtype=torch.uint8)
     L = float(c.levels)
     a, _, s = K._scales(x3, L, 0)
@@ -98,6 +117,9 @@ def main(argv=None) -> int:
         "memcpy": lambda: dst.copy_(x),
         "encode": lambda: c.encode(x, keys, out=P),
         "decode": lambda: c.decode(P, n, out=Y),
+        "encode, one-loop": lambda: one_loop(c, P),
+        "4-bit encode": lambda: c4.encode(x, keys, out=P4),
+        "4-bit decode": lambda: c4.decode(P4, n, out=Y),
         "min/max": lambda: minmax(x3),
         "round": lambda: compiled[(True, True)](x3, a, s, s1, s2, base, codes),
         "round, digit given": lambda: compiled[(False, True)](x3, a, s, s1, s2, base, codes),
@@ -116,16 +138,21 @@ def main(argv=None) -> int:
     rt = t["encode"] + t["decode"]
     bound = t["min/max"] + t["round"] + t["decode"]
     print(f"memcpy {gbs:.2f} GB/s; round trip encode+decode {rt * 1e3:.2f} ms = {mem / rt:.3f} of memcpy speed; "
-          f"the hash costs {(t['round'] - t['round, digit given']) * 1e3:.2f} ms, the tie flag "
+          f"in the one-loop kernel the hash costs {(t['round'] - t['round, digit given']) * 1e3:.2f} ms, the tie flag "
           f"{(t['round'] - t['round, no tie flag']) * 1e3:.2f} ms, the two checksums "
           f"{2 * t['checksum'] * 1e3:.2f} ms = {2 * t['checksum'] / rt:.1%} of the round trip")
-    print(f"bound of this design (min/max + round + decode): {bound * 1e3:.2f} ms = {mem / bound:.3f} of memcpy speed")
+    print(f"bound of the one-loop design (min/max + round + decode): {bound * 1e3:.2f} ms = {mem / bound:.3f} of memcpy speed")
+    ratios = {"8": mem / rt, "8, one-loop": mem / (t["encode, one-loop"] + t["decode"]),
+              "4": mem / (t["4-bit encode"] + t["4-bit decode"])}
+    print("round trip / memcpy: " + ", ".join(f"{k} bits {v:.3f}" for k, v in ratios.items())
+          + f" (the two forms' payloads {'identical' if same else 'DIFFER'})")
     load = os.getloadavg()[0]
     print(f"load average (1 min) at the end: {load:.2f}")
     if args.json:
         _provenance.write(args.json, {"numel": n, "reps": args.reps, "stat": "min", "seconds": t,
                                       "memcpy_gbps": gbs, "roundtrip_ratio": mem / rt,
-                                      "design_bound_ratio": mem / bound}, prov)
+                                      "design_bound_ratio": mem / bound, "roundtrip_ratios": ratios,
+                                      "same_bytes": same}, prov)
     return 0
 
 

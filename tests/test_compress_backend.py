@@ -253,11 +253,86 @@ def test_switching_from_eager_to_compiled_mid_run_keeps_the_bits(backend, monkey
     backend("auto")
     monkeypatch.setattr(_kernels, "MIN_COMPILED_NUMEL", 1)
     monkeypatch.setattr(_kernels, "EAGER_BUDGET_NUMEL", 3 * 4 * (1 << 12))  # encode switches at step 3
+    monkeypatch.setattr(_kernels, "LANES_MIN_NUMEL", 1)  # the lane kernels' pair switches too
     kernels = [*_kernels._VARIANTS.values(), _kernels.CHECKSUM, *_kernels.AFFINE._variants.values()]
     for k in kernels:  # fresh budgets for the kernels earlier tests used (their compiled code stays)
         monkeypatch.setattr(k, "budget_spent", False)
         monkeypatch.setattr(k, "eager_numel", 0)
     got = _dcd_run()
     assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
-    k = _kernels._VARIANTS[("scale_and_round", (0, 255, torch.uint8))]
-    assert k.budget_spent and k.verified and not k.failed  # it did switch, and ran compiled
+    # rows of 4096 values take the lane kernels (min/max, then rounding), which switch together
+    for k in (_kernels._VARIANTS[("quant_round_lanes", (255, torch.uint8))],
+              _kernels._VARIANTS[("quant_minmax", (255,))]):
+        assert k.budget_spent and k.verified and not k.failed, k.name  # it did switch, and ran compiled
+
+
+def test_lane_width_rows_of_a_power_of_two_from_256_to_4096():
+    assert _kernels.lane_width(1 << 24) == 4096 and _kernels.lane_width(3 * 512) == 512
+    assert _kernels.lane_width(256) == 256 and _kernels.lane_width(4096 * 3 + 2048) == 2048
+    assert _kernels.lane_width(4001) == 0 and _kernels.lane_width(128 * 7) == 0  # the one-loop kernels
+
+
+# rows of 3 x 4096 values: the lane kernels at 8 bits (rows of 4096); at 4 bits the planar
+# kernels (one-loop encode, the decode that reads each code's byte)
+_LANE_D = 3 * 4096
+
+
+@pytest.fixture
+def lanes(monkeypatch):
+    """The lane kernels for these small inputs too (they take calls of 2**18 values or more)."""
+    monkeypatch.setattr(_kernels, "LANES_MIN_NUMEL", 1)
+
+
+def _lane_kernels(bits: int):
+    if bits == 8:
+        return [_kernels._VARIANTS[("quant_round_lanes", (255, torch.uint8))],
+                _kernels._VARIANTS[("quant_minmax", (255,))]]
+    return [_kernels._PLANAR[("encode", bits)], _kernels._PLANAR[("decode", bits)]]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_compiled_lane_kernels_match_eager(backend, lanes, bits):
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(3, _LANE_D, generator=g) * torch.tensor([[1.0], [1e-3], [50.0]])
+    X[1, 100:5000] = 0.0
+    X[2] = 0.25  # a constant row: range 0
+    c = gc.build(f"quant:bits={bits}")
+    Pe, Pc, De, Dc = _both(backend, c, X, torch.tensor([11, -12, 1 << 40]))
+    require_compiled(_all_kernels())
+    assert all(k.verified for k in _lane_kernels(bits))  # this shape took the lane kernels
+    assert torch.equal(Pe, Pc) and torch.equal(De, Dc)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_compiled_lane_kernels_find_and_resolve_real_ties(backend, lanes, monkeypatch, bits):
+    """Inputs built so that some elements are ties (the first 24-bit digit equals
+    floor(frac(t) * 2**24)): the compiled kernels must flag them, and the bytes must be
+    the eager ones (which resolve ties with the further digits)."""
+    from gossip.compress import _random as R
+
+    L = (1 << bits) - 1
+    g = torch.Generator().manual_seed(5)
+    keys = torch.tensor([21, 22, 23])
+    X = torch.rand(3, _LANE_D, generator=g) * L
+    X[:, 0], X[:, 1] = 0.0, float(L)  # min 0 and range L: t = x exactly (the step's inverse is 1)
+    u = _kernels.block_digits(R.stream_seeds(keys, R.STREAM_ROUND), 1, _LANE_D, 0)[:, 0]
+    placed = 0
+    for r in (0, 2):
+        for i in (u[r, 2:] < (1 << 23)).nonzero()[:3, 0].tolist():  # ties need t < 0.5
+            X[r, i + 2] = (float(u[r, i + 2]) + 0.5) * 2.0**-24  # F = u + 0.5: exact in fp32
+            placed += 1
+    assert placed == 6
+    seen = []
+    real = _kernels.resolve_ties
+
+    def spy(codes, tie, *a, **kw):
+        seen.append(int(tie.sum()))
+        return real(codes, tie, *a, **kw)
+
+    monkeypatch.setattr(_kernels, "resolve_ties", spy)
+    c = gc.build(f"quant:bits={bits}")
+    Pe, Pc, De, Dc = _both(backend, c, X, keys)
+    require_compiled(_all_kernels())
+    assert all(k.verified for k in _lane_kernels(bits))
+    assert seen == [placed, placed], seen  # eager, then compiled: both found the six ties
+    assert torch.equal(Pe, Pc) and torch.equal(De, Dc)

@@ -359,6 +359,78 @@ def _ties(x, a, s, seeds, start: int, L: float, mode: int, out) -> torch.Tensor:
                      torch.empty_like(out))
 
 
+# --------------------------------------------------------------------------------------
+# quant's rounding as two compiled loops, when a block splits into rows of C elements
+# (C a power of two from 256 to 4096): the block's [min, max] (one read of the input),
+# then the rounding of the rows, whose element indices are the row's first index (a
+# scalar) plus a lane ramp 0..C-1 loaded from a small tensor. Inductor writes a vector
+# of consecutive indices (`Vectorized<int32_t>::arange`) as 16 scalar inserts, about 35
+# instructions per 16 elements, which was as much work as the hash itself; the loaded
+# ramp costs one load from L1 cache. The same codes and scales as `scale_and_round`'s
+# one-loop form (the integer hash is exact, the float steps are the same IEEE ops).
+# --------------------------------------------------------------------------------------
+
+_LANES_MIN, _LANES_MAX = 256, 4096
+#: calls of fewer elements keep the one-loop kernels: a second compiled call costs about
+#: 50 us, more than the lane form saves there (equal at 2**18 elements, 30-40 % faster
+#: 8-bit encodes at 2**24)
+LANES_MIN_NUMEL = 1 << 18
+_RAMPS: dict = {}
+
+
+def lane_width(B: int) -> int:
+    """Row length C for the lane kernels of blocks of B elements (the largest power of
+    two up to 4096 dividing B), or 0 when it would be below 256 (short rows pay a
+    horizontal reduction each: the one-loop kernel is used)."""
+    C = min(B & -B, _LANES_MAX)
+    return C if C >= _LANES_MIN else 0
+
+
+def _ramp(C: int, device) -> torch.Tensor:
+    r = _RAMPS.get(device)
+    if r is None:
+        r = _RAMPS[device] = torch.arange(_LANES_MAX, dtype=torch.int32, device=device)
+    return r[:C]
+
+
+def _make_minmax(levels: int):
+    def quant_minmax(x):
+        """Offset a (the block's min), range R and inverse step s of blocks x (m, nb, B)."""
+        return _scales(x, float(levels), 0)
+
+    return quant_minmax
+
+
+def _make_round_lanes(levels: int, dtype=None):
+    def quant_round_lanes(x4, a, s, s2, base, ramp, out4):
+        """Round blocks x4 (m, nb, R, C) into the codes ``out4``; returns a 0-d int32 that is
+        positive iff some element is a tie (a, s: (m, nb, 1, 1); ramp: 0..C-1 int32).
+
+        Written without comparisons (a comparison becomes a mask register, which inductor's
+        vector code turns into a vector and back, three instructions): with D = F - u as in
+        _round_half, g = frac(t) - u * 2**-24 is D * 2**-24 exactly (power-of-two scalings
+        commute with rounding here), so ceil(g) is 1 iff D > 0 ("up") and 0 otherwise
+        (-1 < g <= 0); and a tie, 0 < D < 1, is up == 1 with trunc(D) == 0, i.e.
+        min(up, 1 - trunc(D)) == 1 (it is <= 0 for every other element).
+        """
+        m, nb, R, C = x4.shape
+        dev = x4.device
+        i = base.view(-1, 1, 1, 1) + (torch.arange(nb, dtype=torch.int32, device=dev) * (R * C)).view(1, nb, 1, 1) \
+            + (torch.arange(R, dtype=torch.int32, device=dev) * C).view(1, 1, R, 1) + ramp.view(1, 1, 1, C)
+        u = R_.hash24(i, 0, s2.view(-1, 1, 1, 1))
+        t = (x4 - a) * s  # <= L without a clamp: see _scaled
+        f = t.floor()
+        g = (t - f) - u.to(torch.float32) * 2.0**-24  # a literal: a float global becomes a tensor input
+        up = g.ceil()
+        out4.copy_((f + up).to(torch.int32))
+        tie = torch.minimum(up.to(torch.int32), 1 - (g * (1 << 24)).to(torch.int32))
+        return tie.amax(dim=-1).amax()
+
+    return quant_round_lanes
+
+
+
+
 def scale_and_round(x, keys, seeds, start: int, L: float, mode: int, out):
     """Block scales and stochastic rounding for quant (mode 0) and ternary (mode 2).
 
@@ -366,6 +438,19 @@ def scale_and_round(x, keys, seeds, start: int, L: float, mode: int, out):
     inverse step per block, (m, nb, 1) each.
     """
     m, nb, B = x.shape
+    C = lane_width(B) if mode == 0 and x.numel() >= LANES_MIN_NUMEL else 0
+    if C:
+        kr = _variant("quant_round_lanes", _make_round_lanes, (int(L), out.dtype))
+        if _want_compiled(kr, x.numel(), x.device):
+            km = _variant("quant_minmax", _make_minmax, (int(L),))
+            km.budget_spent |= kr.budget_spent  # the pair compiles together (auto's budget is kr's)
+            a, R, s = run(km, x.numel(), x)
+            s2, base = _seed_args(seeds, start)
+            flag = run(kr, x.numel(), x.view(m, nb, B // C, C), a.view(m, nb, 1, 1), s.view(m, nb, 1, 1),
+                       s2, base, _ramp(C, x.device), out.view(m, nb, B // C, C))
+            if int(flag) > 0:  # rare: locate the ties with a second pass and resolve them
+                resolve_ties(out, _ties(x, a, s, seeds, start, L, mode, out), x, a, s, keys, start, float(L), mode)
+            return a, R, s
     k = _variant("scale_and_round", _make_fused, (mode, int(L), out.dtype))
     if _want_compiled(k, x.numel(), x.device):
         s2, base = _seed_args(seeds, start)
@@ -424,8 +509,8 @@ def _make_planar_encode(bits: int):
     wide = torch.int32 if bits <= 4 else torch.int64
 
     def quant_planar_encode(x4, s2, base, out4):
-        """x4 (m, nb, 8, N) -> out4 (m, nb, bits, N) uint8; returns a, R, s (m, nb, 1) and
-        whether some element is a tie (0-d float)."""
+        """x4 (m, nb, 8, N) -> out4 (m, nb, bits, N) uint8; returns a, R, s (m, nb, 1), a 0-d
+        int32 that is positive iff some element is a tie, and the words."""
         L = float((1 << bits) - 1)
         m, nb, _, N = x4.shape
         a = x4.amin(dim=(2, 3)).view(m, nb, 1)
@@ -435,11 +520,16 @@ def _make_planar_encode(bits: int):
         e0 = base + (torch.arange(nb, dtype=torch.int32, device=dev) * (8 * N)).view(1, nb, 1) \
             + torch.arange(N, dtype=torch.int32, device=dev).view(1, 1, N)
         word = tie = None
-        for j in range(8):
-            lvl, t = _round_half(x4[:, :, j], a, s, R_.hash24(e0 + j * N, 0, s2), L, 0)
-            c = lvl.to(wide) << (bits * j)
+        for j in range(8):  # the comparison-free rounding and tie flag of quant_round_lanes
+            u = R_.hash24(e0 + j * N, 0, s2)
+            t = (x4[:, :, j] - a) * s
+            f = t.floor()
+            g = (t - f) - u.to(torch.float32) * 2.0**-24
+            up = g.ceil()
+            c = (f + up).to(wide) << (bits * j)
             word = c if word is None else word | c
-            tie = t if tie is None else torch.maximum(tie, t)
+            tj = torch.minimum(up.to(torch.int32), 1 - (g * (1 << 24)).to(torch.int32))
+            tie = tj if tie is None else torch.maximum(tie, tj)
         # `word` is returned, so it is computed once into a buffer (n / 8 words) and the
         # planes are cut from it (one pointwise write of all planes, not one per plane:
         # writing plane by plane makes inductor blend each plane into the old contents)
@@ -452,32 +542,38 @@ def _make_planar_encode(bits: int):
 
 def _make_planar_decode(bits: int):
     mask = (1 << bits) - 1
+    straddle = any((bits * j) % 8 + bits > 8 for j in range(8))  # some code spans two bytes
 
-    def quant_planar_decode(p4, a, step, out4):
-        """p4 (m, nb, bits, N) uint8 -> out4 (m, nb, 8, N) = code * step + a."""
-        if bits <= 4:  # the column's word fits in int32
-            word = None
-            for q in range(bits):
-                c = p4[:, :, q].to(torch.int32) << (8 * q)
-                word = c if word is None else word | c
-            shifts = (torch.arange(8, dtype=torch.int32, device=p4.device) * bits).view(1, 1, 8, 1)
-            codes = (word.unsqueeze(2) >> shifts) & mask
-        else:  # 40..56-bit words, read as two int32 windows: bytes 0..3 and bytes 3..bits-1;
-            # each code lies wholly in one of them (it starts below bit 24 only if it ends by bit 31)
-            lo = hi = None
-            for q in range(bits):
-                v = p4[:, :, q].to(torch.int32)
-                if q < 4:
-                    lo = v if lo is None else lo | (v << (8 * q))
-                if q >= 3:
-                    hi = v if hi is None else hi | (v << (8 * (q - 3)))
-            j = torch.arange(8, dtype=torch.int32, device=p4.device).view(1, 1, 8, 1)
-            in_lo = j * bits + bits <= 32
-            sh = torch.where(in_lo, j * bits, j * bits - 24)
-            codes = (torch.where(in_lo, lo.unsqueeze(2), hi.unsqueeze(2)) >> sh) & mask
+    def quant_planar_decode(p4, a, step, qlo, qhi, sh, out4):
+        """p4 (m, nb, bits, N) uint8 -> out4 (m, nb, 8, N) = code * step + a.
+
+        Code j of a column is bits [bits j, bits j + bits) of its word: it lies in byte
+        qlo[j] = bits j // 8 from bit sh[j] = bits j % 8, and runs into byte qhi[j] =
+        qlo[j] + 1 when sh[j] + bits > 8. Each plane reads only those one or two bytes of
+        the column (a gather along the byte dimension: one contiguous load each), where
+        assembling the whole word for every plane read all ``bits`` bytes eight times.
+        """
+        w = p4[:, :, qlo].to(torch.int32)
+        if straddle:
+            w = w | (p4[:, :, qhi].to(torch.int32) << 8)
+        codes = (w >> sh.view(1, 1, 8, 1)) & mask
         out4.copy_(codes.to(torch.float32) * step.unsqueeze(3) + a.unsqueeze(3))
 
     return quant_planar_decode
+
+
+_DECODE_TABLES: dict = {}
+
+
+def _decode_tables(bits: int, device):
+    """(qlo, qhi, sh) of quant_planar_decode for ``bits``, kept per device."""
+    t = _DECODE_TABLES.get((bits, device))
+    if t is None:
+        qlo = torch.tensor([(bits * j) // 8 for j in range(8)], device=device)
+        t = _DECODE_TABLES[(bits, device)] = (
+            qlo, torch.clamp(qlo + 1, max=bits - 1),
+            torch.tensor([(bits * j) % 8 for j in range(8)], dtype=torch.int32, device=device))
+    return t
 
 
 _PLANAR: dict = {}
@@ -502,8 +598,10 @@ def quant_planar_encode(x, keys, seeds, start: int, bits: int, out):
     N = B // 8
     s2, base = _seed_args(seeds, start)
     k = _planar("encode", bits)
+    # one call: the planes share each column's index vector (inductor's vector arange),
+    # so the lane form saves little here and costs a second call
     a, R, s, tie, _ = run(k, x.numel(), x.view(m, nb, 8, N), s2, base, out.view(m, nb, bits, N))
-    if float(tie) != 0:  # rare: redo the group with ties resolved (exactly the same codes otherwise)
+    if int(tie) > 0:  # rare: redo the group with ties resolved (exactly the same codes otherwise)
         from .bitpack import pack_planes
 
         codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
@@ -517,7 +615,8 @@ def quant_planar_decode(p, a, step, bits: int, out) -> None:
     """Packed codes p (m, nb, bits * N) -> out (m, nb, 8N) fp32 = code * step + a."""
     m, nb, nby = p.shape
     N = nby // bits
-    run(_planar("decode", bits), out.numel(), p.view(m, nb, bits, N), a, step, out.view(m, nb, 8, N))
+    run(_planar("decode", bits), out.numel(), p.view(m, nb, bits, N), a, step, *_decode_tables(bits, p.device),
+        out.view(m, nb, 8, N))
 
 
 def resolve_ties(codes, tie, x, a, s, keys, start: int, L: float, mode: int) -> None:

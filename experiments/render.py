@@ -459,6 +459,24 @@ def _powersgd_lstm(res: dict) -> str:
             f"of ranks 1, 2 and 4 (the paper: {', '.join(f'{mb[0] / mb[k]:.0f}' for k in (1, 2, 4))}).")
 
 
+_QP_LABELS = {"8": "8 bits (lane kernels)", "8, one-loop": "8 bits (one-loop kernel)", "4": "4 bits"}
+
+
+def _quant_parts(res: dict) -> str:
+    """experiments/quant_parts.py: quant's round trip part by part against memcpy, and the target."""
+    sec = res["seconds"]
+    mem = sec["memcpy"]
+    table = _md([f"part ({res['numel']:,} values, one thread, min of {res['reps']})", "ms", "/ memcpy"],
+                [[name, f"{1e3 * t:.2f}", f"{t / mem:.2f}"] for name, t in sec.items()])
+    ratios = res["roundtrip_ratios"]
+    said = ", ".join(f"{_QP_LABELS.get(k, k)} {v:.3f}" for k, v in ratios.items())
+    verdict = ", ".join(f"{_QP_LABELS.get(k, k)} {'met' if ratios[k] >= 0.25 else '**not met**'}"
+                        for k in ("8", "4") if k in ratios)
+    same = "identical" if res.get("same_bytes") else "**different**"
+    return (f"{table}\n\nRound trip (encode + decode) at memcpy's speed = 1: {said}; the two 8-bit forms' "
+            f"payloads {same}. Target at least 0.25: {verdict}.")
+
+
 def _bench_sim(res: dict) -> str:
     """experiments/bench_sim.py: nodes x steps per second of both paths, then the one-epoch runs."""
     from experiments import bench_sim
@@ -542,8 +560,6 @@ _CMD_GOSSIP = ("OMP_NUM_THREADS=1 python experiments/gossip_compare.py --epochs 
 _CMD_SWEEP = ("sudo python experiments/sweep_network.py --nodes 4 --algos allreduce,dcd:8,ecd:8,dpsgd "
               "--bandwidth 20mbit,5mbit --latency 0.13ms,5ms,20ms --steps 25 --warmup 5 --out runs/netsweep4 "
               f"--results {RESULTS}/sweep_network.json")
-_CMD_SIM_QUIET = ("OMP_NUM_THREADS=1 python experiments/bench_sim.py --nodes 16,256,1024 --steps 3 --loop-budget 1 "
-                  f"--json {RESULTS}/bench_sim_quiet.json")
 _CMD_TOPO = f"python experiments/bench_topologies.py --results {RESULTS}/bench_topologies.json"
 _CMD_ECD = f"OMP_NUM_THREADS=1 python experiments/ecd_recipes.py --out runs/ecd-recipes --results {RESULTS}/ecd_recipes.json"
 _CMD_RACE = ("OMP_NUM_THREADS=1 python experiments/race.py --out runs/race --bandwidth 10mbit,100mbit --latency 0 "
@@ -583,8 +599,8 @@ TABLES: dict[str, Table] = {
     "streaming_overlap": Table(f"{RESULTS}/streaming_overlap.json", _streaming_overlap),
     "streaming_overlap_taus": Table(f"{RESULTS}/streaming_overlap_taus.json", _streaming_overlap),
     "bench_sim": Table(f"{RESULTS}/bench_sim.json", _bench_sim),
+    "quant_parts": Table(f"{RESULTS}/quant_parts.json", _quant_parts),
     "bench_sim_cuda": Table(f"{RESULTS}/bench_sim_cuda.json", _bench_sim),
-    "bench_sim_quiet": Table(f"{RESULTS}/bench_sim_quiet.json", _bench_sim, command=_CMD_SIM_QUIET),
     "crossover_check": Table(f"{RESULTS}/crossover_check.json", _crossover_check, command=_CMD_CROSSOVER),
     "sgp_overlap": Table(f"{RESULTS}/sgp_overlap.json", _sgp_overlap, command=_CMD_SGP),
     "gossip_compare": Table(f"{RESULTS}/gossip_compare.json", _gossip_compare, command=_CMD_GOSSIP),

@@ -245,7 +245,12 @@ def save_checkpoint(
         start = f.tell()
         f.write(b" " * (len(_HSUM) + 64 + 1 + width))
         body = _HashingWriter(f)
-        torch.save(dict(payload), body)
+        try:
+            torch.save(dict(payload), body)
+        except RuntimeError:
+            if body.error is not None:  # torch wraps the file's OSError (a full disk): raise that
+                raise body.error from None
+            raise
         header["nbytes"], header["sha256"] = body.nbytes, body.sha256.hexdigest()
         line = _header_line(header)
         line = line[:-1] + b" " * (width - len(line)) + b"\n"
@@ -269,12 +274,18 @@ class _HashingWriter:
 
     def __init__(self, f: Any) -> None:
         self.f, self.sha256, self.nbytes = f, hashlib.sha256(), 0
+        #: the first OSError of the file (torch.save raises its own RuntimeError over it)
+        self.error: OSError | None = None
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
         self.sha256.update(view)
         self.nbytes += view.nbytes
-        return self.f.write(view)
+        try:
+            return self.f.write(view)
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
     def flush(self) -> None:
         self.f.flush()

@@ -178,7 +178,7 @@ def check_momentum(name: str, momentum: float, optimizers: Sequence[torch.optim.
                 )
 
 
-def _params_of(data: torch.Tensor, copy: bool) -> torch.Tensor:
+def params_of(data: torch.Tensor, copy: bool) -> torch.Tensor:
     """The parameter matrix for a state dict: a copy, or (``copy=False``) the matrix
     itself where it owns its storage exactly (a view would save its whole storage)."""
     data = data.detach()
@@ -291,7 +291,7 @@ class GossipOptimizer:
         checkpoint), which then saves the (n, d) matrix without first copying it."""
         self.flat.check()  # else it would save the weights the model left behind
         return {
-            "params": _params_of(self.flat.data, copy),
+            "params": params_of(self.flat.data, copy),
             "algorithm": self.algorithm.state_dict(),
             "optimizers": [opt.state_dict() for opt in self.optimizers],
             "steps": self.steps,

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from gossip.algorithms.base import ParamLayout
-from gossip.runtime import GossipOptimizer, ModelMoved, _params_of, check_momentum
+from gossip.runtime import GossipOptimizer, ModelMoved, check_momentum, params_of
 
 __all__ = [
     "BatchedLoader",
@@ -390,7 +390,7 @@ class VectorizedOptimizer(GossipOptimizer):
     def state_dict(self, *, copy: bool = True) -> dict:
         self.flat.check()
         return {
-            "params": _params_of(self.flat.data, copy),
+            "params": params_of(self.flat.data, copy),
             "algorithm": self.algorithm.state_dict(),
             "optimizers": {"stacked": self.optimizers[0].state_dict(), "nodes": self.flat.rows},
             "steps": self.steps,

@@ -26,6 +26,11 @@ LR = {"signsgd": 0.01, "signum": 0.01}
 #: Sketched-SGD's default k (1% of ~450 coordinates: 4 per step) is too few for 150 steps
 #: of this tiny model, whatever the momentum
 OPTIONS = {"sketched": {"p": 0.05}}
+#: points below allreduce an algorithm may end, where 2 is not its due: SparseLoCo's
+#: default aggregation (its authors' code: each coordinate averaged over the workers that
+#: sent it) moves a coordinate that one of the 8 non-iid workers sent by that worker's
+#: full value; at 1/64 density that costs about 4 points here (docs/modern.md)
+MARGIN = {"sparseloco": 0.05}
 #: name -> (local momentum used, accuracy), printed at the end of the module
 RESULTS: dict[str, tuple[str, float]] = {}
 
@@ -99,7 +104,7 @@ def test_every_algorithm_with_the_users_sgd_momentum(name, reference):
         assert "\n" not in msg and name in msg and "momentum 0.9" in msg and "momentum=0" in msg, msg
         acc, used = train(name, 0.0), "0 (0.9 refused)"  # what the message says to do
     RESULTS[name] = (used, acc)
-    assert acc >= reference - 0.02, f"{name}: accuracy {acc:.3f}, allreduce {reference:.3f}"
+    assert acc >= reference - MARGIN.get(name, 0.02), f"{name}: accuracy {acc:.3f}, allreduce {reference:.3f}"
 
 
 def test_the_problem_tells_compounded_momentum_apart(reference, monkeypatch):

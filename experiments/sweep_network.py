@@ -784,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_sweep(args, out, log)
         if args.dry_run:
             return 0
-        meta = {"command": cmdline, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        meta = {"command": prov.command, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "cpus": os.cpu_count(), "warmup": args.warmup, "steps": args.steps, "algos": args.algos,
                 "provenance": prov.finish()}
         write_results(rows, out, meta)

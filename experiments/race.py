@@ -377,14 +377,17 @@ def _wait_for_namespaces(vc, grace: float = 20.0) -> None:
 
 def netns_record(run_dir: Path, bandwidth: float, target: float, *, ok: bool, stopped: bool, date: str,
                  load: list[float], wall: float) -> dict:
-    """What race.json keeps of one real run (its curve read from ``run_dir``)."""
+    """What race.json keeps of one real run (its curve read from ``run_dir``).
+
+    ``run_dir`` is kept as the run's folder name under ``--out``, so that a results file names no
+    folder of the machine that ran it."""
     metrics = rundir.metrics_path(run_dir, 0)
     pts = measured_curve(run_dir, bandwidth)["points"] if metrics.is_file() else []
     summary = rundir.read_json(rundir.summary_path(run_dir)) if rundir.summary_path(run_dir).is_file() else None
     wire = rundir.wire_of(rundir.read_json(rundir.config_path(run_dir)), summary) \
         if rundir.config_path(run_dir).is_file() else {"label": "?"}
     return {
-        "run_dir": str(run_dir), "ok": ok, "stopped_at_target": stopped, "date": date, "load_average": load,
+        "run_dir": run_dir.name, "ok": ok, "stopped_at_target": stopped, "date": date, "load_average": load,
         "launch_wall_s": wall, "points": pts, "to_target": measured_to_target(pts, target),
         "last_test_acc": pts[-1].get("test_acc") if pts else None, "last_epoch": pts[-1]["epoch"] if pts else None,
         "final_test_acc": summary["final_test_acc"] if summary else None, "wire": wire,
@@ -587,8 +590,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--latency {a.latency}: the netns mode shapes the rate only (tbf/htb, no netem); give --latency 0")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = "python experiments/race.py " + " ".join(argv if argv is not None else sys.argv[1:])
     a.provenance = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/race.py", *argv])
+    cmd = a.provenance.command  # the portable form: no folder of this machine in a results file
     if a.mode == "netns":
         return main_netns(a, names, bw_labels, bandwidths, out, cmd)
     common = ["--data", a.data, "--epochs", str(a.epochs), "--seed", str(a.seed), *_lr(a)]

@@ -57,6 +57,8 @@ __all__ = [
     "stale",
     "commits_since",
     "memcpy_gbps",
+    "narrow",
+    "inside",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,6 +113,63 @@ def stale(prov: dict[str, Any]) -> list[str]:
     if changed:
         why.append(f"changed since: {', '.join(changed)}")
     return why
+
+
+def inside(path: str, source: str) -> bool:
+    """Whether repository path ``path`` is ``source`` or lies under the folder ``source``."""
+    return path == source or path.startswith(source.rstrip("/") + "/")
+
+
+def narrow(prov: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
+    """The record ``prov`` with its sources narrowed to ``paths``, without re-running.
+
+    A record keeps the git object id of each source at the commit that made it, so
+    the ids of sub-paths can be looked up at that same commit: each path must lie in
+    one of the recorded sources (narrowing never widens what was measured) and exist
+    at the recorded commit, and the recorded ids must be that commit's (a record that
+    says otherwise is refused). Recorded sources that no path lies in are dropped: say
+    so only where the figures do not measure them. Uncommitted changes recorded
+    under ``dirty_sources`` are kept where they lie in the new paths. The sources and
+    ids before narrowing are kept under ``narrowed`` (one entry per narrowing).
+    Raises ValueError with one line naming what was wrong.
+    """
+    commit = prov.get("commit")
+    if not commit:
+        raise ValueError("the record names no commit, so its sources cannot be looked up: re-run its command")
+    if _git("cat-file", "-e", f"{commit}^{{commit}}") is None:
+        raise ValueError(f"the recorded commit {commit[:10]} is not in this repository's history "
+                         "(fetch it, or unshallow the clone)")
+    sources, ids = list(prov.get("sources") or []), dict(prov.get("source_ids") or {})
+    if not sources or not ids:
+        raise ValueError("the record lists no sources with their ids: nothing to narrow, re-run its command")
+    at = source_ids(sources, commit)
+    wrong = [s for s in sources if at.get(s) != ids.get(s)]
+    if wrong:
+        raise ValueError(f"the recorded ids of {', '.join(wrong)} are not those at the recorded commit "
+                         f"{commit[:10]}: the record is inconsistent, re-run its command")
+    new: list[str] = []
+    for p in paths:
+        p = str(p).strip().rstrip("/")
+        if not p or p.startswith("/") or ".." in p.split("/"):
+            raise ValueError(f"paths must be relative to the repository, without '..', got {p!r}")
+        if not any(inside(p, s) for s in sources):
+            raise ValueError(f"{p} is not inside the recorded sources ({', '.join(sources)}): "
+                             "narrowing can only name paths within them")
+        if p not in new:
+            new.append(p)
+    if not new:
+        raise ValueError("name at least one path to narrow the sources to")
+    new_ids = source_ids(new, commit)
+    missing = [p for p in new if new_ids[p] is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} did not exist at the recorded commit {commit[:10]}")
+    out = dict(prov)
+    out["narrowed"] = [*(prov.get("narrowed") or []), {
+        "date": datetime.now(timezone.utc).replace(microsecond=0).isoformat(),
+        "sources": sources, "source_ids": ids}]
+    out["sources"], out["source_ids"] = new, new_ids
+    out["dirty_sources"] = [d for d in prov.get("dirty_sources") or [] if any(inside(d, p) for p in new)]
+    return out
 
 
 def commits_since(date: str, sources: Sequence[str]) -> list[str]:

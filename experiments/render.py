@@ -3,6 +3,7 @@
     python -m experiments.render            # rewrite every table between its markers
     python -m experiments.render --check    # exit 1 if a committed table differs
     python -m experiments.render --stale    # list results whose sources changed since
+    python -m experiments.render --narrow RESULTS PATH...   # narrow a results file's sources
     make results-tables                     # the same as the first
 
 A table lives in a Markdown file between two markers::
@@ -18,11 +19,18 @@ the date, the machine and its load. A table whose sources changed after it was
 made (their git object ids at HEAD differ from those recorded) is marked **stale**
 with its date and commit until its command is re-run; ``--stale`` lists each with
 the commits that changed its sources since.
+
+``--narrow RESULTS PATH...`` narrows the sources a committed results file lists to
+the paths its figures really measure, without re-running: the git object ids of the
+paths are looked up at the commit the file records (experiments/_provenance.py's
+``narrow``), and the file is rewritten with the same layout.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -33,7 +41,7 @@ if __package__ in (None, ""):  # run as a script: python experiments/render.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments import _provenance as P  # noqa: E402
 
-__all__ = ["TABLES", "Table", "render_file", "render_all", "stale_results", "main"]
+__all__ = ["TABLES", "Table", "render_file", "render_all", "stale_results", "narrow_file", "main"]
 
 REPO = P.REPO
 RESULTS = "experiments/results"
@@ -750,14 +758,56 @@ def stale_results() -> list[tuple[str, dict, list[str]]]:
     return out
 
 
+def _dumps(data: Any, like: str) -> str:
+    """``data`` as JSON laid out like the text ``like`` (its indent, its escaping and its
+    final newline), so that narrowing a file changes only the lines it must."""
+    old = json.loads(like)
+    for indent in (1, 2, None, 4):
+        for ascii_ in (True, False):
+            text = json.dumps(old, indent=indent, ensure_ascii=ascii_)
+            if text == like.rstrip("\n"):
+                return json.dumps(data, indent=indent, ensure_ascii=ascii_) + like[len(text):]
+    return json.dumps(data, indent=1) + "\n"
+
+
+def narrow_file(path: str | Path, paths: list[str]) -> dict[str, Any]:
+    """Narrow the sources of the results file ``path`` to ``paths`` (see
+    :func:`experiments._provenance.narrow`) and rewrite it in place; its new record."""
+    path = Path(path)
+    if not path.is_absolute() and not path.exists():
+        path = REPO / path
+    P.read(path)  # one-line errors for a missing file, bad JSON or no provenance
+    text = path.read_text()
+    data = json.loads(text)
+    data["provenance"] = P.narrow(data["provenance"], paths)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(_dumps(data, text))
+    os.replace(tmp, path)
+    return data["provenance"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.render", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table differs from its render")
     g.add_argument("--stale", action="store_true", help="list results whose sources changed since they were made")
+    g.add_argument("--narrow", nargs="+", metavar="RESULTS PATH",
+                   help="narrow the sources of the results file RESULTS to the PATHs (each inside a recorded "
+                        "source), their ids looked up at the recorded commit; nothing is re-run")
     args = ap.parse_args(argv)
     try:
+        if args.narrow:
+            if len(args.narrow) < 2:
+                raise ValueError("--narrow takes a results file and at least one path to narrow its sources to")
+            rel, paths = args.narrow[0], args.narrow[1:]
+            before = P.read(REPO / rel if not Path(rel).exists() else rel)[1]
+            prov = narrow_file(rel, paths)
+            why = P.stale(prov)
+            print(f"{rel}: sources narrowed from {', '.join(before.get('sources') or [])} to "
+                  f"{', '.join(prov['sources'])} (ids at commit {_short(prov['commit'])}); "
+                  + (f"still stale: {'; '.join(why)}" if why else "fresh"))
+            return 0
         if args.stale:
             found = stale_results()
             for rel, prov, why in found:

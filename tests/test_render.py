@@ -3,6 +3,8 @@ committed results files: a figure cannot drift from its source."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from experiments import _provenance as P
@@ -104,3 +106,68 @@ def test_a_table_awaiting_its_results_file_keeps_its_hand_written_figures(monkey
     now = render.render_file(new)
     assert now.startswith("<!-- results:not_yet -->\nrendered\n\n") and "| 1 | 2 |" not in now
     assert "<sub>Rendered from `experiments/results/low_precision.json`" in now and render.PENDING not in now
+
+
+def _git_repo(root):
+    """A repository of two commits: dir/a.py and dir/b.py, then dir/a.py changed."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=root, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    (root / "dir").mkdir()
+    (root / "dir" / "a.py").write_text("a = 1\n")
+    (root / "dir" / "b.py").write_text("b = 1\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "first")
+    first = git("rev-parse", "HEAD")
+    (root / "dir" / "a.py").write_text("a = 2\n")
+    git("commit", "-q", "-am", "second")
+    return first, git
+
+
+def test_narrow_looks_up_the_sub_paths_at_the_recorded_commit(tmp_path, monkeypatch, capsys):
+    """A results file made at an older commit, listing a folder: narrowed to one file in
+    it, the file's id is the one at that commit, so the freshness check judges it by the
+    file alone (fresh where only a sibling changed since, stale where it changed)."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    first, git = _git_repo(repo)
+    monkeypatch.setattr(P, "REPO", repo)
+    prov = {"command": "python x.py", "commit": first, "dirty": False, "date": "2026-01-02T03:04:05+00:00",
+            "sources": ["dir"], "source_ids": {"dir": git("rev-parse", f"{first}:dir")},
+            "dirty_sources": ["dir/a.py", "dir/b.py"]}
+    assert P.stale({**prov, "dirty_sources": []}) == ["changed since: dir"]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"provenance": prov, "results": [1]}, indent=2) + "\n")
+    assert render.main(["--narrow", str(path), "dir/b.py"]) == 0
+    assert "sources narrowed from dir to dir/b.py" in capsys.readouterr().out
+    res, new = P.read(path)
+    assert res == [1] and new["sources"] == ["dir/b.py"] and new["dirty_sources"] == ["dir/b.py"]
+    assert new["source_ids"] == {"dir/b.py": git("rev-parse", f"{first}:dir/b.py")}
+    assert new["narrowed"][0]["sources"] == ["dir"] and new["narrowed"][0]["source_ids"] == prov["source_ids"]
+    assert path.read_text().startswith('{\n  "provenance": {\n    "command"')  # the file's layout is kept
+    assert P.stale({**new, "dirty_sources": []}) == []  # only dir/a.py changed since
+    a = P.narrow(prov, ["dir/a.py"])
+    assert a["source_ids"]["dir/a.py"] == git("rev-parse", f"{first}:dir/a.py") != git("rev-parse", "HEAD:dir/a.py")
+    assert P.stale({**a, "dirty_sources": []}) == ["changed since: dir/a.py"]
+    # what cannot be narrowed says why, in one line
+    with pytest.raises(ValueError, match=r"^dir/a.py is not inside the recorded sources \(dir/b.py\): narrowing can "
+                                         r"only name paths within them$"):
+        P.narrow(new, ["dir/a.py"])
+    with pytest.raises(ValueError, match=r"^dir/c.py did not exist at the recorded commit " + first[:10] + "$"):
+        P.narrow(prov, ["dir/c.py"])
+    with pytest.raises(ValueError, match=r"^the recorded commit 0000000000 is not in this repository's history"):
+        P.narrow({**prov, "commit": "0" * 40}, ["dir/a.py"])
+    with pytest.raises(ValueError, match=r"^the recorded ids of dir are not those at the recorded commit"):
+        P.narrow({**prov, "source_ids": {"dir": "1" * 40}}, ["dir/a.py"])
+    with pytest.raises(ValueError, match=r"^paths must be relative to the repository, without '\.\.', got 'dir/\.\./x'"):
+        P.narrow(prov, ["dir/../x"])
+    before = path.read_text()
+    assert render.main(["--narrow", str(path), "dir"]) == 2
+    assert "render: error: dir is not inside the recorded sources (dir/b.py)" in capsys.readouterr().err
+    assert render.main(["--narrow", str(path)]) == 2
+    assert "--narrow takes a results file and at least one path" in capsys.readouterr().err
+    assert path.read_text() == before  # a refused narrowing leaves the file as it was

@@ -6,7 +6,8 @@ figures:
 
 - ``command``: the command line that made it (the script path relative to the
   repository, its arguments, and the environment variables that change results:
-  ``OMP_NUM_THREADS``, ``GOSSIP_*``);
+  ``OMP_NUM_THREADS``, ``GOSSIP_*``, ``TORCHINDUCTOR_CACHE_DIR``; a path-valued one
+  is written ``PATH``);
 - ``commit`` and ``dirty``: the git commit checked out and whether tracked files
   differed from it (a dirty tree's figures are not reproducible from the commit);
 - ``date``: UTC, ISO 8601, when the run started, and ``seconds``, how long it took;
@@ -69,7 +70,7 @@ QUIET_LOAD = 0.3
 #: provenance schema version, written into every record
 SCHEMA = 1
 #: environment variables that change what an experiment computes or how fast
-_ENV_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+_ENV_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "TORCHINDUCTOR_CACHE_DIR")
 _ENV_PREFIX = "GOSSIP_"
 
 

@@ -167,6 +167,29 @@ def _bench_compress(rows: list[dict]) -> str:
     return _md(["compressor", "rt/mem", "target"], body)
 
 
+def _bench_compress_all(rows: list[dict]) -> str:
+    """Every row of experiments/bench_compress.py, as it prints them: throughput of
+    encode and decode, memcpy in the same run, their ratios, bytes and error, and the
+    verdict against the compressor's target where it has one."""
+    def num(r: dict, k: str, nd: int) -> str:
+        v = r.get(k)
+        return "-" if v is None else f"{v:.{nd}f}"
+
+    sizes = sorted({r["numel"] for r in rows})
+    body = []
+    for r in rows:
+        t = _target(r["compressor"])
+        verdict = "" if t is None else f"≥ {_FRAC[t]}" + ("" if r["roundtrip_ratio"] >= t else ": **not met**")
+        name = r["compressor"] if len(sizes) == 1 else f"{r['compressor']} ({r['numel']:,})"
+        body.append([name, num(r, "encode_gbps", 3), num(r, "decode_gbps", 3), num(r, "memcpy_gbps", 2),
+                     num(r, "encode_ratio", 3), num(r, "decode_ratio", 3), num(r, "roundtrip_ratio", 3),
+                     num(r, "roundtrip_ratio_cpu", 3), num(r, "load_avg", 2), num(r, "bytes_per_element", 4),
+                     num(r, "ratio_to_ideal", 4), num(r, "rel_error", 4), verdict])
+    first = "compressor" + (f" ({sizes[0]:,} values)" if len(sizes) == 1 else " (values)")
+    return _md([first, "enc GB/s", "dec GB/s", "memcpy GB/s", "enc/mem", "dec/mem", "rt/mem", "cpu", "load",
+                "B/elem", "/ideal", "rel err", "target"], body)
+
+
 _MODEL_NAMES = {"resnet20": "ResNet-20", "mlp11m": "11M MLP"}
 
 
@@ -558,6 +581,13 @@ def _race_netns(res: dict) -> str:
     return race.netns_table(res["results"], res["target"], res["bandwidths"])
 
 
+def _cold_start(res: dict) -> str:
+    """experiments/cold_start.py: each compressor's first and second call in a fresh process."""
+    from experiments import cold_start
+
+    return cold_start.table(res)
+
+
 #: the commands that make the tables still awaiting their results file (docs/provenance.md)
 _CMD_CROSSOVER = ("sudo python experiments/crossover_check.py --nodes 4 --algos dpsgd,ecd:8 --bandwidth 5mbit,50mbit "
                   f"--steps 20 --out runs/crossover-check --results {RESULTS}/crossover_check.json")
@@ -568,6 +598,8 @@ _CMD_GOSSIP = ("OMP_NUM_THREADS=1 python experiments/gossip_compare.py --epochs 
 _CMD_SWEEP = ("sudo python experiments/sweep_network.py --nodes 4 --algos allreduce,dcd:8,ecd:8,dpsgd "
               "--bandwidth 20mbit,5mbit --latency 0.13ms,5ms,20ms --steps 25 --warmup 5 --out runs/netsweep4 "
               f"--results {RESULTS}/sweep_network.json")
+_CMD_COLD = ("TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) OMP_NUM_THREADS=1 python experiments/cold_start.py quant:bits=8 "
+             f"quant:bits=4 identity --results {RESULTS}/cold_start.json")
 _CMD_TOPO = f"python experiments/bench_topologies.py --results {RESULTS}/bench_topologies.json"
 _CMD_ECD = f"OMP_NUM_THREADS=1 python experiments/ecd_recipes.py --out runs/ecd-recipes --results {RESULTS}/ecd_recipes.json"
 _CMD_RACE = ("OMP_NUM_THREADS=1 python experiments/race.py --out runs/race --bandwidth 10mbit,100mbit --latency 0 "
@@ -585,6 +617,8 @@ TABLES: dict[str, Table] = {
     "bench_step_simulation": Table(f"{RESULTS}/bench_step.json", _bench_step_sim),
     "bench_compress": Table(f"{RESULTS}/bench_compress.json", _bench_compress),
     "bench_compress_12gbs": Table(f"{RESULTS}/bench_compress_12gbs.json", _bench_compress),
+    "bench_compress_all": Table(f"{RESULTS}/bench_compress.json", _bench_compress_all),
+    "bench_compress_12gbs_all": Table(f"{RESULTS}/bench_compress_12gbs.json", _bench_compress_all),
     "bench_centralized": Table(f"{RESULTS}/bench_centralized.json", _bench_centralized),
     "bench_centralized_steps": Table(f"{RESULTS}/bench_centralized.json", _bench_centralized_steps),
     "bench_mergecomp": Table(f"{RESULTS}/bench_mergecomp.json", _bench_mergecomp),
@@ -618,6 +652,7 @@ TABLES: dict[str, Table] = {
     "race_modelled": Table(f"{RESULTS}/race_modelled.json", _race_modelled, command=_CMD_RACE),
     "race16_target55": Table(f"{RESULTS}/race16_target55.json", _race_modelled, command=_CMD_RACE16),
     "race_netns": Table(f"{RESULTS}/race_netns.json", _race_netns, command=_CMD_NETNS),
+    "cold_start": Table(f"{RESULTS}/cold_start.json", _cold_start, command=_CMD_COLD),
 }
 
 

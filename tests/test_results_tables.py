@@ -7,9 +7,10 @@ run: tests/test_race.py, tests/test_notebooks.py, tests/test_netshape_sweep.py.)
 from __future__ import annotations
 
 import pytest
+import torch
 
 from experiments import _provenance as P
-from experiments import bench_topologies, crossover_check, ecd_recipes, render, sgp_overlap, sharded_bytes
+from experiments import bench_topologies, cold_start, crossover_check, ecd_recipes, render, sgp_overlap, sharded_bytes
 
 
 def _row(rate, overlap, repeat, step, comm, comp):
@@ -112,3 +113,47 @@ def test_sharded_bytes_reads_both_legs_from_the_ledger(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         sharded_bytes.main(["--nodes", "1,4"])
     assert e.value.code == 2 and "--nodes must be a comma list of integers >= 2, got '1,4'" in capsys.readouterr().err
+
+
+def test_cold_start_writes_its_results_and_the_table(tmp_path, monkeypatch, capsys):
+    threads = torch.get_num_threads()
+    cache = tmp_path / "inductor"
+    cache.mkdir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    path = tmp_path / "cold.json"
+    assert cold_start.main(["quant:bits=8", "identity", "--numel", "4096", "--results", str(path)]) == 0
+    res, prov = P.read(path)
+    assert prov["sources"] == ["gossip/compress", "experiments/cold_start.py"]
+    assert "TORCHINDUCTOR_CACHE_DIR=PATH " in prov["command"]  # the cache folder is named, not spelled out
+    assert "python experiments/cold_start.py quant:bits=8 identity --numel 4096 --results" in prov["command"]
+    assert res["numel"] == 4096 and res["threads"] == 1 and res["inductor_cache"] == "empty"
+    assert [r["compressor"] for r in res["rows"]] == ["quant:bits=8", "identity"]
+    assert all(0 < r["first_s"] < 60 and 0 < r["second_s"] < 60 for r in res["rows"])
+    assert torch.get_num_threads() == threads  # one thread while timing, the caller's count restored
+    table = render.TABLES["cold_start"].render(res)
+    lines = table.splitlines()
+    assert lines[0] == f"Backend `{res['backend']}`, inductor cache empty at the start, torch {res['torch']}:"
+    assert lines[2] == "| compressor (4,096 values, 1 thread) | first encode+decode | second | first under 5 s |"
+    q = res["rows"][0]
+    assert lines[4] == f"| quant:bits=8 | {q['first_s']:.2f} s | {q['second_s']:.2f} s | yes |"
+    slow = {**res, "rows": [{"compressor": "quant:bits=8", "first_s": 13.86, "second_s": 4.52}]}
+    assert render.TABLES["cold_start"].render(slow).splitlines()[-1] == "| quant:bits=8 | 13.86 s | 4.52 s | **no** |"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cold_start.main(["quant:bits=99"])
+    assert e.value.code == 2 and "bits" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cold_start.main(["identity", "--numel", "0"])
+    assert e.value.code == 2 and "--numel must be positive, got 0" in capsys.readouterr().err
+
+
+def test_the_full_compressor_table_gives_every_column_and_the_verdicts():
+    row = {"compressor": "quant:bits=3", "numel": 16777216, "encode_gbps": 4.868, "decode_gbps": 11.293,
+           "memcpy_gbps": 13.68, "encode_ratio": 0.356, "decode_ratio": 0.825, "roundtrip_ratio": 0.249,
+           "roundtrip_ratio_cpu": 0.249, "load_avg": 0.37, "bytes_per_element": 0.375, "ratio_to_fp32": 0.094,
+           "ratio_to_ideal": 1.0, "rel_error": 0.6125}
+    lines = render.TABLES["bench_compress_all"].render([row, {**row, "compressor": "fp16"}]).splitlines()
+    assert lines[0].startswith("| compressor (16,777,216 values) | enc GB/s | dec GB/s | memcpy GB/s |")
+    assert lines[2] == ("| quant:bits=3 | 4.868 | 11.293 | 13.68 | 0.356 | 0.825 | 0.249 | 0.249 | 0.37 | 0.3750 | "
+                        "1.0000 | 0.6125 | ≥ 1/4: **not met** |")
+    assert lines[3].startswith("| fp16 | 4.868 |") and lines[3].endswith("| 0.6125 |  |")  # no target

@@ -229,7 +229,33 @@ def _bench_mergecomp(rows: list[dict]) -> str:
                      f"{r['iter_s'] * 1e3:.0f}", f"{r['compute_s'] * 1e3:.0f}", f"{r['compress_s'] * 1e3:.0f}",
                      f"{r['comm_s'] * 1e3:.1f}", f"{r['scaling_factor']:.3f}",
                      f"{pred * 1e3:.0f}" if pred is not None else "-"])
-    return _md(cols, body)
+    return _md(cols, body) + _mergecomp_verdicts(rows)
+
+
+#: MergeComp's targets: the searched partition's compression overhead at least this many
+#: times below layer-wise, and its iteration no slower than the better of layer and whole
+_MERGE_COMPRESS_TARGET = 3.0
+
+
+def _mergecomp_verdicts(rows: list[dict]) -> str:
+    """Per model and compressor: layer-wise / searched compression time against the 3x
+    target, and the searched iteration time / the better of layer-wise and whole."""
+    by = {(r["model"], r["compressor"], r["mode"]): r for r in rows}
+    cells = list(dict.fromkeys((r["model"], r["compressor"]) for r in rows))
+    comp, it = [], []
+    for m, c in cells:
+        a, lay, whole = by.get((m, c, "auto")), by.get((m, c, "layer")), by.get((m, c, "whole"))
+        if not (a and lay and whole) or not a["compress_s"]:
+            continue
+        x = lay["compress_s"] / a["compress_s"]
+        comp.append(f"{m} {c} {x:.1f}x" + ("" if x >= _MERGE_COMPRESS_TARGET else " (**not met**)"))
+        y = a["iter_s"] / min(lay["iter_s"], whole["iter_s"])
+        it.append(f"{m} {c} {y:.2f}" + ("" if y <= 1 else " (slower)"))
+    if not comp:
+        return ""
+    return (f"\n\nCompression time, layer-wise / searched (target ≥ {_MERGE_COMPRESS_TARGET:g}x): "
+            + ", ".join(comp) + ". Iteration time, searched / the better of layer-wise and whole (target ≤ 1): "
+            + ", ".join(it) + ".")
 
 
 def _gpu_speed(res: dict) -> str:
@@ -517,7 +543,34 @@ def _bench_sim(res: dict) -> str:
     text = f"On {where}:\n\n{bench_sim.table(res['rows'])}"
     if res.get("epoch"):
         text += f"\n\n{bench_sim.epoch_table(res['epoch'])}"
-    return text
+    verdicts = _bench_sim_targets(res)
+    return text + (f"\n\nTargets on one CPU thread: {verdicts}." if verdicts else "")
+
+
+#: the simulation's targets on one CPU thread: vectorized / loop node-steps per second
+#: at a node count, and the share of a one-epoch run at 1,024 nodes outside the steps
+_SIM_RATIO_TARGETS = {("logreg", 1024): 10.0, ("mlp", 1024): 10.0, ("cnn1d", 256): 1.5}
+_SIM_OUTSIDE_TARGET = 0.20
+
+
+def _bench_sim_targets(res: dict) -> str:
+    """Each target's figure and verdict, for a CPU run with one thread ('' otherwise:
+    the targets are one CPU thread's)."""
+    if res.get("device") != "cpu" or res.get("threads") != 1:
+        return ""
+    parts = []
+    ratios = {(r["model"], r["nodes"]): r.get("ratio") for r in res["rows"]}
+    for (model, nodes), want in _SIM_RATIO_TARGETS.items():
+        got = ratios.get((model, nodes))
+        if got is not None:
+            parts.append(f"{model} at {nodes:,} nodes {got:.1f}x against ≥ {want:g}x "
+                         + ("met" if got >= want else "**not met**"))
+    for e in res.get("epoch") or []:
+        if e["nodes"] == 1024:
+            parts.append(f"{e['model']} one epoch {e['outside_share']:.0%} outside the steps against "
+                         f"< {_SIM_OUTSIDE_TARGET:.0%} " + ("met" if e["outside_share"] < _SIM_OUTSIDE_TARGET
+                                                           else "**not met**"))
+    return "; ".join(parts)
 
 
 def _sharded_bytes(res: dict) -> str:

@@ -171,3 +171,24 @@ def test_narrow_looks_up_the_sub_paths_at_the_recorded_commit(tmp_path, monkeypa
     assert render.main(["--narrow", str(path)]) == 2
     assert "--narrow takes a results file and at least one path" in capsys.readouterr().err
     assert path.read_text() == before  # a refused narrowing leaves the file as it was
+
+
+def test_the_simulation_and_mergecomp_verdicts_follow_their_figures():
+    rows = [{"model": "logreg", "nodes": 1024, "ratio": 10.3}, {"model": "mlp", "nodes": 1024, "ratio": 9.96},
+            {"model": "cnn1d", "nodes": 256, "ratio": 1.5}]
+    epoch = [{"model": "cnn1d", "nodes": 1024, "outside_share": 0.17}, {"model": "mlp", "nodes": 1024, "outside_share": 0.2}]
+    res = {"device": "cpu", "threads": 1, "rows": rows, "epoch": epoch}
+    assert render._bench_sim_targets(res) == (
+        "logreg at 1,024 nodes 10.3x against ≥ 10x met; mlp at 1,024 nodes 10.0x against ≥ 10x **not met**; "
+        "cnn1d at 256 nodes 1.5x against ≥ 1.5x met; cnn1d one epoch 17% outside the steps against < 20% met; "
+        "mlp one epoch 20% outside the steps against < 20% **not met**")
+    assert render._bench_sim_targets({**res, "device": "cuda"}) == ""  # the targets are one CPU thread's
+    assert render._bench_sim_targets({**res, "threads": 2}) == ""
+
+    def row(mode, compress, it):
+        return {"model": "m", "compressor": "c", "mode": mode, "compress_s": compress, "iter_s": it}
+
+    line = render._mergecomp_verdicts([row("auto", 0.010, 0.20), row("layer", 0.029, 0.50), row("whole", 0.012, 0.19)])
+    assert line == ("\n\nCompression time, layer-wise / searched (target ≥ 3x): m c 2.9x (**not met**). "
+                    "Iteration time, searched / the better of layer-wise and whole (target ≤ 1): m c 1.05 (slower).")
+    assert render._mergecomp_verdicts([row("auto", 0.01, 0.2)]) == ""  # no layer-wise and whole runs to compare

@@ -60,6 +60,9 @@ __all__ = [
     "memcpy_gbps",
     "narrow",
     "inside",
+    "NOT_TRAINED",
+    "package_except",
+    "training_sources",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,6 +117,37 @@ def stale(prov: dict[str, Any]) -> list[str]:
     if changed:
         why.append(f"changed since: {', '.join(changed)}")
     return why
+
+
+#: the entries of the gossip package that a training run (``gossip.train``, simulated or
+#: under torchrun, without fault tolerance or MergeComp) never imports: an experiment
+#: made of such runs lists the rest (:func:`training_sources`), so that a change to the
+#: DDP hooks, the leaderboard or the fault-tolerant loop does not mark its figures stale.
+#: tests/test_render.py runs a training step and checks that none of these is imported.
+NOT_TRAINED = ("_ftcomm.py", "analysis.py", "crossover.py", "ddp.py", "fault_tolerance.py", "leaderboard.py",
+               "schedule")
+
+
+def package_except(package: str, excluded: Sequence[str] = (), rev: str = "HEAD") -> list[str]:
+    """The entries (files and folders) git tracks directly under the repository folder
+    ``package`` at ``rev``, less the names in ``excluded``: the sources of an experiment
+    that runs most of a package. A module added later is listed from the next run on.
+    Outside a git checkout, the folder's entries on disk (caches left out)."""
+    out = _git("ls-tree", "--name-only", rev, f"{package.rstrip('/')}/")
+    if out is None:
+        names = sorted(f"{package}/{p.name}" for p in (REPO / package).iterdir()
+                       if p.name != "__pycache__" and not p.name.endswith(".pyc"))
+    else:
+        names = [line for line in out.splitlines() if line]
+    return [n for n in names if n.rsplit("/", 1)[-1] not in set(excluded)]
+
+
+def training_sources(*also: str, rev: str = "HEAD") -> list[str]:
+    """The sources of an experiment whose figures come from training runs: the gossip
+    package less :data:`NOT_TRAINED`, the topologies package (the graphs), then
+    ``also`` (the experiment's scripts and helpers, and any excluded module it imports
+    itself, e.g. ``gossip/crossover.py`` for a modelled time)."""
+    return [*package_except("gossip", NOT_TRAINED, rev), "topologies", *also]
 
 
 def inside(path: str, source: str) -> bool:

@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          if load0 > 0.3 else ""), flush=True)
     rows, epochs = [], []
     prov = _run_record(argv)
-    record = _provenance.start(["gossip", "experiments/bench_sim.py"], argv=["experiments/bench_sim.py", *argv],
+    record = _provenance.start(_provenance.training_sources("experiments/bench_sim.py"), argv=["experiments/bench_sim.py", *argv],
                                measure_memcpy=False)
     record.machine["memcpy_gbps"] = prov["memcpy_gbps"]
     if a.device == "cuda":

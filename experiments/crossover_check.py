@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import _provenance
 
-    prov = _provenance.start(["gossip/crossover.py", "gossip", "experiments/crossover_check.py",
-                              "experiments/sweep_network.py"],
+    prov = _provenance.start(_provenance.training_sources(  # the model's prediction and the sweep's runs
+        "gossip/crossover.py", "experiments/crossover_check.py", "experiments/sweep_network.py",
+        "experiments/vcluster.py"),
                              argv=None if argv is None else ["experiments/crossover_check.py", *argv])
     args.out.mkdir(parents=True, exist_ok=True)
     sweep = [sys.executable, str(HERE / "sweep_network.py"), "--nodes", str(args.nodes), "--algos", args.algos,

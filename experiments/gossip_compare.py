@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     names = _cli.methods(p, a.methods, METHODS)
     if a.nodes < 2 or a.epochs < 1:
         p.error(f"need --nodes >= 2 and --epochs >= 1, got --nodes {a.nodes} --epochs {a.epochs}")
-    prov = _provenance.start(["gossip", "experiments/gossip_compare.py", "experiments/race.py"],
+    prov = _provenance.start(_provenance.training_sources(  # training runs, the race's time model and curves
+        "gossip/crossover.py", "experiments/gossip_compare.py", "experiments/race.py", "experiments/_cli.py"),
                              argv=None if argv is None else ["experiments/gossip_compare.py", *argv])
     try:
         bw_labels = [b.strip() for b in a.bandwidth.split(",") if b.strip()]

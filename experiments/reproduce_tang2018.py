@@ -53,8 +53,9 @@ if str(REPO) not in sys.path:
 
 __all__ = ["FIGURES", "SPECS", "Spec", "main", "plan"]
 
-#: the code the report's figures measure (for `python -m experiments.render --stale`)
-SOURCES = ["gossip", "topologies", "experiments/reproduce_tang2018.py"]
+#: the code the report's figures measure (for `python -m experiments.render --stale`), besides
+#: the training runs' (experiments/_provenance.py's training_sources)
+SOURCES = ["gossip/analysis.py", "experiments/reproduce_tang2018.py"]
 
 
 # --------------------------------------------------------------------------------------
@@ -896,7 +897,7 @@ def main(argv: list[str] | None = None) -> int:
     prov = None
     if not args.dry_run:
         from experiments import _provenance
-        prov = _provenance.start(SOURCES, argv=None if argv is None else
+        prov = _provenance.start(_provenance.training_sources(*SOURCES), argv=None if argv is None else
                                  ["experiments/reproduce_tang2018.py", *argv])
     settings = [Setting("mnist1d", args.model, args.epochs, args.batch_size, args.lr, args.momentum)]
     if args.data_dir:

@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps <= args.warmup or args.repeats < 1:
         p.error(f"need --steps > --warmup and --repeats >= 1, got --steps {args.steps} --warmup {args.warmup} "
                 f"--repeats {args.repeats}")
-    prov = _provenance.start(["gossip", "experiments/sgp_overlap.py", "experiments/vcluster.py"],
+    prov = _provenance.start(_provenance.training_sources(  # training runs, timed by sweep_network's reader
+        "experiments/sgp_overlap.py", "experiments/vcluster.py", "experiments/sweep_network.py"),
                              argv=None if argv is None else ["experiments/sgp_overlap.py", *argv])
 
     import sweep_network as sw

@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     argv = list(argv if argv is not None else sys.argv[1:])
-    record = _provenance.start(["experiments/streaming_overlap.py", "experiments/vcluster.py", "gossip"], argv=["experiments/streaming_overlap.py", *argv])
+    record = _provenance.start(_provenance.training_sources(  # training runs on the virtual cluster
+        "experiments/streaming_overlap.py", "experiments/vcluster.py", "experiments/bench_data.py"), argv=["experiments/streaming_overlap.py", *argv])
     prov = vars(record)  # the record as started (command, commit, load before, machine), for the note below
     env = {"OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(q for q in (str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")) if q)}

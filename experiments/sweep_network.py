@@ -763,7 +763,9 @@ def _run_cell(args, launcher, cell: Cell, out: Path, epochs: int, spe: int, mode
 
 
 #: the code a sweep's figures measure (for `python -m experiments.render --stale`)
-SOURCES = ["gossip", "experiments/sweep_network.py", "experiments/vcluster.py"]
+#: the code the figures measure: training runs (gossip less experiments/_provenance.py's
+#: NOT_TRAINED; gossip.analysis only draws the figure) on the virtual cluster
+SOURCES = _provenance.training_sources("experiments/sweep_network.py", "experiments/vcluster.py")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -192,3 +192,34 @@ def test_the_simulation_and_mergecomp_verdicts_follow_their_figures():
     assert line == ("\n\nCompression time, layer-wise / searched (target ≥ 3x): m c 2.9x (**not met**). "
                     "Iteration time, searched / the better of layer-wise and whole (target ≤ 1): m c 1.05 (slower).")
     assert render._mergecomp_verdicts([row("auto", 0.01, 0.2)]) == ""  # no layer-wise and whole runs to compare
+
+
+def test_a_training_run_imports_none_of_the_modules_its_sources_leave_out(tmp_path):
+    """training_sources lists the gossip package less NOT_TRAINED: a training run (the
+    command line's, simulated) must import none of those, or its figures could change
+    with code its results file does not list."""
+    import os
+    import subprocess
+    import sys
+
+    srcs = P.training_sources("experiments/race.py")
+    assert {"gossip/runtime.py", "gossip/algorithms", "gossip/compress", "topologies", "experiments/race.py"} <= set(srcs)
+    assert not {"gossip/ddp.py", "gossip/leaderboard.py", "gossip/fault_tolerance.py", "gossip/schedule"} & set(srcs)
+    assert all((P.REPO / s).exists() for s in srcs)
+    code = ("import runpy, sys\n"
+            "sys.argv = ['gossip.train', '--simulate', '4', '--algo', 'dcd', '--bits', '8', '--data', 'synthetic',\n"
+            "            '--max-steps', '2', '--no-progress', '--out', sys.argv[1]]\n"
+            "try:\n"
+            "    runpy.run_module('gossip.train', run_name='__main__', alter_sys=True)\n"
+            "except SystemExit as e:\n"
+            "    assert not e.code, e.code\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] == 'gossip')))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(P.REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = out.stdout.strip().splitlines()[-1].split()
+    assert "gossip.runtime" in loaded and "gossip.loop" in loaded
+    left_out = {m.removesuffix(".py") for m in P.NOT_TRAINED}
+    assert [m for m in loaded if m.count(".") and m.split(".")[1] in left_out] == []

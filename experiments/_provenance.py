@@ -98,6 +98,11 @@ def git_commit() -> tuple[str | None, bool | None]:
 def source_ids(sources: Sequence[str], rev: str = "HEAD") -> dict[str, str | None]:
     """The git object id (blob or tree) of each source path at ``rev``; ``None`` for a
     path git does not track there."""
+    sources = list(sources)
+    both = _git("rev-parse", *(f"{rev}:{s}" for s in sources)) if sources else ""
+    ids = (both or "").splitlines()
+    if both is not None and len(ids) == len(sources):  # one call for all (a missing path fails it)
+        return dict(zip(sources, ids))
     return {s: _git("rev-parse", f"{rev}:{s}") for s in sources}
 
 

@@ -49,7 +49,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 MODES = ("efsgd_overlap", "efsgd_inline", "torch_equal_bytes", "torch_fp32")
 #: the code the step times measure: the hooks, the exchange they run, the codec
-SOURCES = ["gossip/ddp.py", "gossip/algorithms", "gossip/comm", "gossip/compress", "experiments/bench_ddp_overlap.py"]
+SOURCES = ["gossip/ddp.py", "gossip/runtime.py", "gossip/algorithms", "gossip/comm", "gossip/compress",
+           "experiments/bench_ddp_overlap.py", "experiments/vcluster.py"]
 
 
 # ------------------------------------------------------------------------ one rank

@@ -176,7 +176,8 @@ def bench_simulation(sizes: list[int], steps: int, dim: int = 100) -> list[dict]
 
 
 #: the code these figures measure (for `python -m experiments.render --stale`)
-SOURCES = ["gossip/algorithms", "gossip/comm", "gossip/compress", "gossip/runtime.py", "experiments/bench_step.py"]
+SOURCES = ["gossip/algorithms", "gossip/comm", "gossip/compress", "gossip/runtime.py", "topologies", "experiments/bench_step.py",
+           "experiments/bench_compress.py", "experiments/_benchlib.py"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _lmruns import REPO, _provenance, run_train  # noqa: E402
 
-#: the code the figures measure (the results go stale when one changes): the text data, the
-#: models, their loss and metrics, the all-reduce and the scripts
-SOURCES = ["gossip/textdata.py", "gossip/models.py", "gossip/evaluation.py", "gossip/algorithms",
-           "experiments/lm_recipes.py", "experiments/_lmruns.py"]
+#: the code the figures measure (the results go stale when one changes): each recipe is a
+#: `gossip.train` run, so the training path (experiments/_provenance.py's training_sources:
+#: the text data, the models, their loss and metrics, the loop, the all-reduce), and the scripts
+SOURCES = _provenance.training_sources("experiments/lm_recipes.py", "experiments/_lmruns.py")
 
 #: name -> gossip.train flags; --max-steps is given separately (the recipe's, or --steps)
 RECIPES = {

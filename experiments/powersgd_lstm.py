@@ -30,10 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _lmruns import REPO, _provenance, run_train  # noqa: E402
 
-#: the code the figures measure (the results go stale when one changes): the text data, the
-#: LSTM, its loss and metrics, all-reduce and PowerSGD with their wire format, the scripts
-SOURCES = ["gossip/textdata.py", "gossip/models.py", "gossip/evaluation.py", "gossip/algorithms", "gossip/compress",
-           "experiments/powersgd_lstm.py", "experiments/_lmruns.py"]
+#: the code the figures measure (the results go stale when one changes): each method is a
+#: `gossip.train` run, so the training path (experiments/_provenance.py's training_sources:
+#: the text data, the LSTM, its loss and metrics, the loop, all-reduce and PowerSGD with
+#: their wire format), and the scripts
+SOURCES = _provenance.training_sources("experiments/powersgd_lstm.py", "experiments/_lmruns.py")
 COMMON = ["--simulate", "4", "--model", "lstm", "--model-opt", "layers=3", "--model-opt", "width=192",
           "--data-opt", "context=64", "--batch-size", "8", "--optimizer", "sgd", "--momentum", "0.9",
           "--epochs", "1", "--seed", "0"]

@@ -58,7 +58,7 @@ RECIPE = ["--lr", "0.1", "--lr-schedule", "step", "--weight-decay", "1e-3", "--b
 EXCHANGES = ("sharded", "allgather")
 #: the code whose behaviour the figures measure (the exchange's two forms); the
 #: training loop is common to both forms of every method
-SOURCES = ["gossip/algorithms", "gossip/comm", "gossip/compress", "experiments/sharded_accuracy.py"]
+SOURCES = _provenance.training_sources("experiments/sharded_accuracy.py", "experiments/_cli.py")  # gossip.train runs
 
 
 def _train(args: list[str]) -> tuple[int, str]:

@@ -35,7 +35,7 @@ from experiments import _provenance  # noqa: E402
 
 __all__ = ["CASES", "main", "measure", "table"]
 
-SOURCES = ["gossip/algorithms", "gossip/comm", "gossip/compress", "experiments/sharded_bytes.py"]
+SOURCES = ["gossip/algorithms", "gossip/comm", "gossip/compress", "gossip/models.py", "experiments/sharded_bytes.py"]
 
 #: (label, algorithm, its options, the compressor spec whose payload is the unit)
 CASES = [("efsgd `quant:bits=8`", "efsgd", {"compressor": "quant:bits=8"}, "quant:bits=8"),

@@ -199,6 +199,8 @@ def narrow(prov: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
             new.append(p)
     if not new:
         raise ValueError("name at least one path to narrow the sources to")
+    if sorted(new) == sorted(sources):
+        raise ValueError(f"nothing to narrow: the paths are the recorded sources ({', '.join(sources)})")
     new_ids = source_ids(new, commit)
     missing = [p for p in new if new_ids[p] is None]
     if missing:

@@ -165,6 +165,8 @@ def test_narrow_looks_up_the_sub_paths_at_the_recorded_commit(tmp_path, monkeypa
         P.narrow({**prov, "source_ids": {"dir": "1" * 40}}, ["dir/a.py"])
     with pytest.raises(ValueError, match=r"^paths must be relative to the repository, without '\.\.', got 'dir/\.\./x'"):
         P.narrow(prov, ["dir/../x"])
+    with pytest.raises(ValueError, match=r"^nothing to narrow: the paths are the recorded sources \(dir\)$"):
+        P.narrow(prov, ["dir/"])
     before = path.read_text()
     assert render.main(["--narrow", str(path), "dir"]) == 2
     assert "render: error: dir is not inside the recorded sources (dir/b.py)" in capsys.readouterr().err

@@ -98,8 +98,10 @@ def _point(r: dict) -> dict:
     m = _metric(r)
     return {"metric": m, "score": r[m], m: r[m]}
 
-#: the code a race's figures measure (for `python -m experiments.render --stale`)
-SOURCES = ["gossip", "experiments/race.py"]
+#: the code a race's figures measure (for `python -m experiments.render --stale`): training
+#: runs (experiments/_provenance.py's training_sources), the time model, the netns cluster
+SOURCES = _provenance.training_sources("gossip/crossover.py", "experiments/race.py", "experiments/_cli.py",
+                                       "experiments/vcluster.py")
 
 #: name -> the gossip.train flags that make the method (on top of the recipe)
 METHODS: dict[str, list[str]] = {

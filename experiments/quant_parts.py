@@ -1,4 +1,4 @@
-"""Where the time of an 8-bit quant round trip goes, and the bound of its design.
+"""Where the time of quant's 8-bit and 4-bit round trips goes, and the bound of the 8-bit design.
 
     python experiments/quant_parts.py [--numel 16777216] [--reps 9]
 
@@ -8,8 +8,10 @@ same run. It times the whole ``quant:bits=8`` and ``quant:bits=4`` encode and de
 (``out=`` buffers, the compiled kernels, as ``bench_compress.py``), the 8-bit encode
 also with the one-loop kernel that rows not splitting into lanes take (``one-loop``:
 the element indices built by inductor's vector ``arange``, min/max fused in the same
-call; the form every size took before the lane kernels), and, compiled the same way as
-the one-loop kernel, the encoder's parts:
+call; the form every size took before the lane kernels), the 4-bit encode also with
+the one-call planar kernel (``one-call``: min/max, rounding and packing in one call, the
+planes assembled into a column word; the form every size took before the 4-bit lane
+kernels), and, compiled the same way as the one-loop kernel, the 8-bit encoder's parts:
 
 - ``min/max``: the block's range, one read of the input;
 - ``round``: scaling, the 24-bit counter hash of every element's index, the rounding
@@ -21,8 +23,17 @@ the one-loop kernel, the encoder's parts:
 - ``checksum``: the payload's integrity sum, which the encoder writes and the decoder
   checks (so a round trip pays it twice).
 
+and the 4-bit encoder's parts, its own compiled kernels called as the encoder calls them:
+
+- ``4-bit min/max``: the blocks' offset, range and inverse step (``quant_minmax``);
+- ``4-bit round+pack``: rounding and packing byte by byte (``quant_planar_lanes``), the
+  scales given;
+- ``4-bit round+pack, digit given``: the same kernel with the hash replaced by a constant
+  digit (the difference is the hash's cost);
+- ``4-bit checksum``: the 4-bit payload's integrity sum.
+
 Then the one-loop design's bound, ``min/max + round + decode`` at the measured speeds,
-and the round trips of both forms, as fractions of memcpy (the speed target is 1/4).
+and the round trips of every form, as fractions of memcpy (the speed target is 1/4).
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import argparse
 import os
 import sys
 import time
+import types
 
 import torch
 
@@ -49,6 +61,43 @@ def _best(fns: dict, reps: int) -> dict:
             f()
             best[k] = min(best[k], time.perf_counter() - t0)
     return best
+
+
+def _parts4(x3: torch.Tensor, keys: torch.Tensor) -> dict:
+    """The 4-bit encoder's two compiled calls on their own (min/max; rounding and packing,
+    also with the hash replaced by a constant digit), called as quant_planar_encode calls
+    them; empty when the row's columns do not split into lane rows."""
+    n = x3.shape[-1]
+    N = n // 8
+    C = K.lane_width(N) if n % 8 == 0 else 0
+    if not C or n < K.LANES_MIN_NUMEL:
+        print(f"(no 4-bit parts: {n} values do not take the 4-bit lane kernels)")
+        return {}
+    km = K._variant("quant_minmax", K._make_minmax, (15,))
+    kl = K._variant("quant_planar_lanes", K._make_planar_lanes, (4,))
+    a, _, s = K._scales(x3, 15.0, 0)
+    seeds = R.stream_seeds(keys, R.STREAM_ROUND)
+    s2 = K._seed_args(seeds, 0)[0]
+    bases = [K._seed_args(seeds, q * 2 * N)[1] for q in range(4)]  # each byte row's first hash input
+    x6 = x3.view(1, 1, 4, 2, N // C, C)
+    out5 = torch.empty(1, 1, 4, N // C, C, dtype=torch.uint8)
+    rest = (a.view(1, 1, 1, 1), s.view(1, 1, 1, 1), s2)
+    ramp = K._ramp(C, x3.device)
+    # the same kernel code, its hash replaced by a constant digit (dead code then: the index too)
+    u0 = torch.full((1, 1, 1, 1), 5_000_000, dtype=torch.int32)
+    f = K._make_planar_lanes(4)
+    given = types.FunctionType(f.__code__, {**vars(K), "R_": types.SimpleNamespace(hash24=lambda i, s1, s2: u0)},
+                               f.__name__, f.__defaults__, f.__closure__)
+    given = torch.compile(given, dynamic=True, fullgraph=True)
+
+    def round_pack(fn):
+        """The encoder's 4 calls, one per byte row (as quant_planar_encode makes them)."""
+        with torch.no_grad():
+            return max(int(fn(x6[:, :, q], *rest, bases[q], ramp, out5[:, :, q])) for q in range(4))
+
+    return {"4-bit min/max": lambda: K.run(km, n, x3),
+            "4-bit round+pack": lambda: round_pack(lambda *a: K.run(kl, n // 4, *a)),
+            "4-bit round+pack, digit given": lambda: round_pack(given)}
 
 
 def main(argv=None) -> int:
@@ -93,6 +142,9 @@ def main(argv=None) -> int:
     Q = P.clone()
     one_loop(c, Q)  # compiles the one-loop kernel; the same bytes
     same = torch.equal(Q, P)
+    Q4 = P4.clone()
+    one_loop(c4, Q4)  # the one-call planar kernel; the same bytes
+    same4 = torch.equal(Q4, P4)
     codes = torch.empty(1, 1, n, dtype=torch.uint8)
     L = float(c.levels)
     a, _, s = K._scales(x3, L, 0)
@@ -113,6 +165,8 @@ def main(argv=None) -> int:
             compiled[(hashed, flag)] = f
     minmax = torch.compile(lambda x: (x.amin(dim=-1), x.amax(dim=-1)), dynamic=False)
 
+    parts4 = _parts4(x3, keys)
+
     fns = {
         "memcpy": lambda: dst.copy_(x),
         "encode": lambda: c.encode(x, keys, out=P),
@@ -120,6 +174,9 @@ def main(argv=None) -> int:
         "encode, one-loop": lambda: one_loop(c, P),
         "4-bit encode": lambda: c4.encode(x, keys, out=P4),
         "4-bit decode": lambda: c4.decode(P4, n, out=Y),
+        "4-bit encode, one-call": lambda: one_loop(c4, Q4),
+        **parts4,
+        "4-bit checksum": lambda: wire.checksum(P4),
         "min/max": lambda: minmax(x3),
         "round": lambda: compiled[(True, True)](x3, a, s, s1, s2, base, codes),
         "round, digit given": lambda: compiled[(False, True)](x3, a, s, s1, s2, base, codes),
@@ -142,17 +199,24 @@ def main(argv=None) -> int:
           f"{(t['round'] - t['round, no tie flag']) * 1e3:.2f} ms, the two checksums "
           f"{2 * t['checksum'] * 1e3:.2f} ms = {2 * t['checksum'] / rt:.1%} of the round trip")
     print(f"bound of the one-loop design (min/max + round + decode): {bound * 1e3:.2f} ms = {mem / bound:.3f} of memcpy speed")
+    if parts4:
+        rest = t["4-bit encode"] - t["4-bit min/max"] - t["4-bit round+pack"]
+        print(f"4-bit encode {t['4-bit encode'] * 1e3:.2f} ms = min/max {t['4-bit min/max'] * 1e3:.2f} + round+pack "
+              f"{t['4-bit round+pack'] * 1e3:.2f} (of which the hash {(t['4-bit round+pack'] - t['4-bit round+pack, digit given']) * 1e3:.2f}) "
+              f"+ the rest {rest * 1e3:.2f} (header, scales, checksum {t['4-bit checksum'] * 1e3:.2f})")
     ratios = {"8": mem / rt, "8, one-loop": mem / (t["encode, one-loop"] + t["decode"]),
-              "4": mem / (t["4-bit encode"] + t["4-bit decode"])}
+              "4": mem / (t["4-bit encode"] + t["4-bit decode"]),
+              "4, one-call": mem / (t["4-bit encode, one-call"] + t["4-bit decode"])}
     print("round trip / memcpy: " + ", ".join(f"{k} bits {v:.3f}" for k, v in ratios.items())
-          + f" (the two forms' payloads {'identical' if same else 'DIFFER'})")
+          + f" (the two 8-bit forms' payloads {'identical' if same else 'DIFFER'}, the two 4-bit forms' "
+          + f"{'identical' if same4 else 'DIFFER'})")
     load = os.getloadavg()[0]
     print(f"load average (1 min) at the end: {load:.2f}")
     if args.json:
         _provenance.write(args.json, {"numel": n, "reps": args.reps, "stat": "min", "seconds": t,
                                       "memcpy_gbps": gbs, "roundtrip_ratio": mem / rt,
                                       "design_bound_ratio": mem / bound, "roundtrip_ratios": ratios,
-                                      "same_bytes": same}, prov)
+                                      "same_bytes": same, "same_bytes_4": same4}, prov)
     return 0
 
 

@@ -516,7 +516,8 @@ def _powersgd_lstm(res: dict) -> str:
             f"of ranks 1, 2 and 4 (the paper: {', '.join(f'{mb[0] / mb[k]:.0f}' for k in (1, 2, 4))}).")
 
 
-_QP_LABELS = {"8": "8 bits (lane kernels)", "8, one-loop": "8 bits (one-loop kernel)", "4": "4 bits"}
+_QP_LABELS = {"8": "8 bits (lane kernels)", "8, one-loop": "8 bits (one-loop kernel)", "4": "4 bits",
+              "4, one-call": "4 bits (one-call kernel)"}
 
 
 def _quant_parts(res: dict) -> str:
@@ -530,6 +531,8 @@ def _quant_parts(res: dict) -> str:
     verdict = ", ".join(f"{_QP_LABELS.get(k, k)} {'met' if ratios[k] >= 0.25 else '**not met**'}"
                         for k in ("8", "4") if k in ratios)
     same = "identical" if res.get("same_bytes") else "**different**"
+    if "same_bytes_4" in res:  # results since the 4-bit lane kernels
+        same += f", the two 4-bit forms' {'identical' if res['same_bytes_4'] else '**different**'}"
     return (f"{table}\n\nRound trip (encode + decode) at memcpy's speed = 1: {said}; the two 8-bit forms' "
             f"payloads {same}. Target at least 0.25: {verdict}.")
 

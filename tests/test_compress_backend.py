@@ -272,8 +272,9 @@ def test_lane_width_rows_of_a_power_of_two_from_256_to_4096():
     assert _kernels.lane_width(4001) == 0 and _kernels.lane_width(128 * 7) == 0  # the one-loop kernels
 
 
-# rows of 3 x 4096 values: the lane kernels at 8 bits (rows of 4096); at 4 bits the planar
-# kernels (one-loop encode, the decode that reads each code's byte)
+# rows of 3 x 4096 values: the lane kernels at 8 bits (rows of 4096) and at 1, 2 and 4 bits
+# (columns of 1536 = 3 x 512 codes: min/max, then rounding and packing byte by byte, and the
+# decode that shifts each byte); with blocks of 128 (columns of 16) the one-call planar encode
 _LANE_D = 3 * 4096
 
 
@@ -283,45 +284,53 @@ def lanes(monkeypatch):
     monkeypatch.setattr(_kernels, "LANES_MIN_NUMEL", 1)
 
 
-def _lane_kernels(bits: int):
+def _lane_kernels(spec: str):
+    bits = int(spec.split("bits=")[1].split(",")[0])
+    L = (1 << bits) - 1
     if bits == 8:
         return [_kernels._VARIANTS[("quant_round_lanes", (255, torch.uint8))],
                 _kernels._VARIANTS[("quant_minmax", (255,))]]
-    return [_kernels._PLANAR[("encode", bits)], _kernels._PLANAR[("decode", bits)]]
+    if "block=" in spec:
+        return [_kernels._PLANAR[("encode", bits)], _kernels._PLANAR[("decode", bits)]]
+    return [_kernels._VARIANTS[("quant_planar_lanes", (bits,))], _kernels._VARIANTS[("quant_minmax", (L,))],
+            _kernels._PLANAR[("decode", bits)]]
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_compiled_lane_kernels_match_eager(backend, lanes, bits):
+@pytest.mark.parametrize("spec", ["quant:bits=8", "quant:bits=4", "quant:bits=2", "quant:bits=4,block=128"])
+def test_compiled_lane_kernels_match_eager(backend, lanes, spec):
     g = torch.Generator().manual_seed(4)
     X = torch.randn(3, _LANE_D, generator=g) * torch.tensor([[1.0], [1e-3], [50.0]])
     X[1, 100:5000] = 0.0
     X[2] = 0.25  # a constant row: range 0
-    c = gc.build(f"quant:bits={bits}")
+    c = gc.build(spec)
     Pe, Pc, De, Dc = _both(backend, c, X, torch.tensor([11, -12, 1 << 40]))
     require_compiled(_all_kernels())
-    assert all(k.verified for k in _lane_kernels(bits))  # this shape took the lane kernels
+    assert all(k.verified for k in _lane_kernels(spec))  # this shape took these kernels
     assert torch.equal(Pe, Pc) and torch.equal(De, Dc)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_compiled_lane_kernels_find_and_resolve_real_ties(backend, lanes, monkeypatch, bits):
+@pytest.mark.parametrize("spec", ["quant:bits=8", "quant:bits=4", "quant:bits=4,block=1024"])
+def test_compiled_lane_kernels_find_and_resolve_real_ties(backend, lanes, monkeypatch, spec):
     """Inputs built so that some elements are ties (the first 24-bit digit equals
     floor(frac(t) * 2**24)): the compiled kernels must flag them, and the bytes must be
-    the eager ones (which resolve ties with the further digits)."""
+    the eager ones (which resolve ties with the further digits). The ties lie among the
+    first elements, in the first block of 1024 too (its min 0 and range L are set)."""
     from gossip.compress import _random as R
 
+    bits = int(spec.split("bits=")[1].split(",")[0])
     L = (1 << bits) - 1
     g = torch.Generator().manual_seed(5)
     keys = torch.tensor([21, 22, 23])
     X = torch.rand(3, _LANE_D, generator=g) * L
     X[:, 0], X[:, 1] = 0.0, float(L)  # min 0 and range L: t = x exactly (the step's inverse is 1)
     u = _kernels.block_digits(R.stream_seeds(keys, R.STREAM_ROUND), 1, _LANE_D, 0)[:, 0]
-    placed = 0
+    placed = []
     for r in (0, 2):
         for i in (u[r, 2:] < (1 << 23)).nonzero()[:3, 0].tolist():  # ties need t < 0.5
             X[r, i + 2] = (float(u[r, i + 2]) + 0.5) * 2.0**-24  # F = u + 0.5: exact in fp32
-            placed += 1
-    assert placed == 6
+            placed.append(i + 2)
+    assert len(placed) == 6 and max(placed) < 1024  # in the first block of 1024 too
+    placed = len(placed)
     seen = []
     real = _kernels.resolve_ties
 
@@ -330,9 +339,9 @@ def test_compiled_lane_kernels_find_and_resolve_real_ties(backend, lanes, monkey
         return real(codes, tie, *a, **kw)
 
     monkeypatch.setattr(_kernels, "resolve_ties", spy)
-    c = gc.build(f"quant:bits={bits}")
+    c = gc.build(spec)
     Pe, Pc, De, Dc = _both(backend, c, X, keys)
     require_compiled(_all_kernels())
-    assert all(k.verified for k in _lane_kernels(bits))
+    assert all(k.verified for k in _lane_kernels(spec))
     assert seen == [placed, placed], seen  # eager, then compiled: both found the six ties
     assert torch.equal(Pe, Pc) and torch.equal(De, Dc)

@@ -540,6 +540,54 @@ def _make_planar_encode(bits: int):
     return quant_planar_encode
 
 
+#: widths whose planar encode takes the lane kernels (min/max, then one call per byte row).
+#: Their codes never span two bytes; at 1 bit the byte row's 8 codes made inductor split
+#: the call into loops over buffers of the input's size (slower than the one-call encode),
+#: and 3, 5, 6 and 7 bits have codes across bytes
+PLANAR_LANES_BITS = (2, 4)
+
+
+def _make_planar_lanes(bits: int):
+    k = 8 // bits  # codes per byte (no code spans two bytes)
+
+    def quant_planar_lanes(x5, a, s, s2, base, ramp, out4):
+        """Round and pack the codes of one byte row: x5 (m, nb, k, R, C), k = 8 // bits, the
+        k planes whose codes share a byte, into out4 (m, nb, R, C) uint8; returns a 0-d
+        int32 that is positive iff some element is a tie (a, s: (m, nb, 1, 1); base: the
+        hash input of the row's first plane's first element; ramp: 0..C-1 int32).
+
+        Byte q of column i holds the codes of planes q k .. q k + k - 1, plane q k + r at
+        bits [bits r, bits r + bits): each byte is a function of its own k values, so every
+        value is read once and every byte written once, with no column word in between.
+        One call per byte row q (``bits`` calls): with the byte rows as a dimension of one
+        call, inductor split the rounding, the tie flag and the store into three loops
+        over different index shapes and kept the rounding digits in two buffers of the
+        input's size; one byte row has quant_round_lanes' shape and fuses like it, one
+        loop. Rounding and tie flag are quant_round_lanes' comparison-free ones.
+        """
+        m, nb, _, R, C = x5.shape
+        N = R * C  # columns of a block (8 N values)
+        dev = x5.device
+        i = base.view(-1, 1, 1, 1) + (torch.arange(nb, dtype=torch.int32, device=dev) * (8 * N)).view(1, nb, 1, 1) \
+            + (torch.arange(R, dtype=torch.int32, device=dev) * C).view(1, 1, R, 1) + ramp.view(1, 1, 1, C)
+        s2 = s2.view(-1, 1, 1, 1)
+        byte = tie = None
+        for r in range(k):
+            u = R_.hash24(i + r * N, 0, s2)
+            t = (x5[:, :, r] - a) * s  # <= L without a clamp: see _scaled
+            f = t.floor()
+            g = (t - f) - u.to(torch.float32) * 2.0**-24
+            up = g.ceil()
+            c = (f + up).to(torch.int32)
+            byte = c if byte is None else byte | (c << (bits * r))
+            tr = torch.minimum(up.to(torch.int32), 1 - (g * (1 << 24)).to(torch.int32))
+            tie = tr if tie is None else torch.maximum(tie, tr)
+        out4.copy_(byte.to(torch.uint8))
+        return tie.amax(dim=-1).amax()
+
+    return quant_planar_lanes
+
+
 def _make_planar_decode(bits: int):
     mask = (1 << bits) - 1
     straddle = any((bits * j) % 8 + bits > 8 for j in range(8))  # some code spans two bytes
@@ -593,14 +641,38 @@ def planar_wanted(bits: int, B: int, numel: int, device) -> bool:
 
 
 def quant_planar_encode(x, keys, seeds, start: int, bits: int, out):
-    """Blocks x (m, nb, 8N) -> packed codes out (m, nb, bits * N); returns (a, R, s)."""
+    """Blocks x (m, nb, 8N) -> packed codes out (m, nb, bits * N); returns (a, R, s).
+
+    At 2 and 4 bits, for calls of ``LANES_MIN_NUMEL`` values or more whose columns split
+    into lane rows (N a multiple of 256): 1. the blocks' min, range and inverse step
+    (``quant_minmax``); 2. the rounding and packing of each byte row (``quant_planar_lanes``,
+    ``bits`` calls). Otherwise one call does both (``quant_planar_encode``). 3. If some
+    element is a tie, the group is rounded again with the ties resolved. Both forms give
+    the same bytes.
+    """
     m, nb, B = x.shape
     N = B // 8
     s2, base = _seed_args(seeds, start)
     k = _planar("encode", bits)
-    # one call: the planes share each column's index vector (inductor's vector arange),
-    # so the lane form saves little here and costs a second call
-    a, R, s, tie, _ = run(k, x.numel(), x.view(m, nb, 8, N), s2, base, out.view(m, nb, bits, N))
+    C = lane_width(N) if bits in PLANAR_LANES_BITS and x.numel() >= LANES_MIN_NUMEL else 0
+    if C:
+        # 2 and 4 bits, columns that split into lane rows: the blocks' min/max (as at 8
+        # bits), then rounding and packing, one call per byte row
+        L = (1 << bits) - 1
+        km = _variant("quant_minmax", _make_minmax, (L,))
+        kl = _variant("quant_planar_lanes", _make_planar_lanes, (bits,))
+        km.budget_spent |= k.budget_spent  # the pair follows the planar encode's budget
+        kl.budget_spent |= k.budget_spent
+        a, R, s = run(km, x.numel(), x)
+        kk = 8 // bits
+        x6 = x.view(m, nb, bits, kk, N // C, C)
+        o5 = out.view(m, nb, bits, N // C, C)
+        a4, s4, ramp = a.view(m, nb, 1, 1), s.view(m, nb, 1, 1), _ramp(C, x.device)
+        tie = max(int(run(kl, x.numel() // bits, x6[:, :, q], a4, s4, s2, _seed_args(seeds, start + q * kk * N)[1],
+                          ramp, o5[:, :, q])) for q in range(bits))
+    else:
+        # one call: the planes share each column's index vector (inductor's vector arange)
+        a, R, s, tie, _ = run(k, x.numel(), x.view(m, nb, 8, N), s2, base, out.view(m, nb, bits, N))
     if int(tie) > 0:  # rare: redo the group with ties resolved (exactly the same codes otherwise)
         from .bitpack import pack_planes
 

@@ -83,10 +83,12 @@ def _parts4(x3: torch.Tensor, keys: torch.Tensor) -> dict:
     out5 = torch.empty(1, 1, 4, N // C, C, dtype=torch.uint8)
     rest = (a.view(1, 1, 1, 1), s.view(1, 1, 1, 1), s2)
     ramp = K._ramp(C, x3.device)
-    # the same kernel code, its hash replaced by a constant digit (dead code then: the index too)
-    u0 = torch.full((1, 1, 1, 1), 5_000_000, dtype=torch.int32)
+    # the same kernel code, its hash replaced by a constant digit; the digit still reads the
+    # index (i & 0), so the kernel keeps its loop shape (without the ramp's load inductor
+    # merged the lane rows and split the kernel into loops over buffers of the input's size)
     f = K._make_planar_lanes(4)
-    given = types.FunctionType(f.__code__, {**vars(K), "R_": types.SimpleNamespace(hash24=lambda i, s1, s2: u0)},
+    given = types.FunctionType(f.__code__, {**vars(K), "R_": types.SimpleNamespace(
+                                   hash24=lambda i, s1, s2: (i & 0) | 5_000_000)},
                                f.__name__, f.__defaults__, f.__closure__)
     given = torch.compile(given, dynamic=True, fullgraph=True)
 

@@ -272,9 +272,10 @@ def test_lane_width_rows_of_a_power_of_two_from_256_to_4096():
     assert _kernels.lane_width(4001) == 0 and _kernels.lane_width(128 * 7) == 0  # the one-loop kernels
 
 
-# rows of 3 x 4096 values: the lane kernels at 8 bits (rows of 4096) and at 1, 2 and 4 bits
-# (columns of 1536 = 3 x 512 codes: min/max, then rounding and packing byte by byte, and the
-# decode that shifts each byte); with blocks of 128 (columns of 16) the one-call planar encode
+# rows of 3 x 4096 values: the lane kernels at 8 bits (rows of 4096) and at 2 and 4 bits
+# (columns of 1536 = 3 x 512 codes: min/max, then rounding and packing one byte row per
+# call; the planar decode); with blocks of 128 or 1024 (columns of 16 or 128, too short
+# for lane rows) the one-call planar encode
 _LANE_D = 3 * 4096
 
 

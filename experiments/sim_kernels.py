@@ -41,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_sim  # noqa: E402
 
-from gossip import vectorized  # noqa: E402
+from gossip import _batched, vectorized  # noqa: E402
 
 
 def _min_interleaved(fns: dict, repeats: int) -> dict[str, float]:
@@ -109,16 +109,115 @@ def conv_per_node(groups: list[int], repeats: int, batch: int = bench_sim.BATCH)
                 x.grad = w.grad = None
                 F.conv1d(x, w, stride=stride, padding=2, groups=g).sum().backward()
             return f
+        def make_bmm(g: int):
+            # the vectorized path's kernel: im2col and one bmm per node (gossip._batched)
+            x = torch.randn(g, batch, cin, length, requires_grad=cin > 1)
+            w = torch.randn(g, cout, cin, 5, requires_grad=True)
+
+            def f() -> None:
+                x.grad = w.grad = None
+                _batched._Conv1d.apply(x, w, None, stride, 2).sum().backward()
+            return f
         for g in (1, *groups):
             fns[g], per[g] = make(g), g
+        for g in groups:
+            fns[f"bmm{g}"] = make_bmm(g)
         best = _min_interleaved(fns, repeats)
         lout = (length - 1) // stride + 1
         flops = 2 * batch * lout * cout * cin * 5 * (3 if cin > 1 else 2)  # forward, grad weight, grad input
         row = {"layer": name, "own_ms": 1e3 * best[1], "own_gflops": flops / best[1] / 1e9}
         for g in groups:
             row[f"grouped_{g}_ms_per_node"] = 1e3 * best[g] / g
+            row[f"bmm_{g}_ms_per_node"] = 1e3 * best[f"bmm{g}"] / g
+            row[f"bmm_{g}_gflops"] = flops * g / best[f"bmm{g}"] / 1e9
         rows.append(row)
     return rows
+
+
+def node_step_flops(model: str, batch: int = bench_sim.BATCH) -> tuple[int, int]:
+    """FLOPs of one node's forward and backward on one batch, counting the linear
+    layers' and convolutions' multiply-adds (2 FLOPs each): the forward, the weight
+    gradient and the input gradient (none for the first layer, which reads the data);
+    and the model's parameter count."""
+    from gossip import models as gmodels
+
+    net = gmodels.build_model(model, input_shape=(1, bench_sim.FEATURES), num_classes=bench_sim.CLASSES, seed=0)
+    macs: list[int] = []
+
+    def hook(mod, inputs, out) -> None:
+        if isinstance(mod, torch.nn.Linear):
+            macs.append(out.numel() * mod.in_features)
+        elif isinstance(mod, torch.nn.Conv1d):
+            macs.append(out.numel() * mod.in_channels * mod.kernel_size[0] // mod.groups)
+    handles = [m.register_forward_hook(hook) for m in net.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d))]
+    with torch.no_grad():
+        net(torch.zeros(batch, 1, bench_sim.FEATURES))
+    for h in handles:
+        h.remove()
+    flops = sum(2 * m * (2 if i == 0 else 3) for i, m in enumerate(macs))
+    return flops, sum(p.numel() for p in net.parameters())
+
+
+def anatomy(model: str, nodes: int, steps: int) -> dict:
+    """One step of each path (bench_sim's set-up) in parts, the minimum of each over
+    ``steps`` steps after a warm-up: the whole step; ``local_update``, the runtime's
+    step before the algorithm's (the local optimizer, and the loop path's copy and
+    restore of X); ``algorithm``, the algorithm's step (its encoding, exchange, mixing
+    and update of X, the same code on both paths); ``compute`` the rest (the batches,
+    the forward and backward passes)."""
+    ds = bench_sim.dataset(nodes)
+    out: dict = {"model": model, "nodes": nodes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("loop", "vectorized"):
+            run = bench_sim.build(nodes, model, mode, ds, Path(tmp) / mode, "cpu")
+            parts: dict[str, float] = {}
+
+            def timed(name: str, fn):
+                def wrapper(*a, **k):
+                    t = time.perf_counter()
+                    try:
+                        return fn(*a, **k)
+                    finally:
+                        parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
+                return wrapper
+            run.gopt.algorithm.step = timed("algorithm", run.gopt.algorithm.step)
+            run.gopt.step = timed("runtime_step", run.gopt.step)
+            best: dict[str, float] = {}
+            try:
+                run.step()  # first calls
+                for _ in range(steps):
+                    parts.clear()
+                    t = time.perf_counter()
+                    run.step()
+                    parts["step"] = time.perf_counter() - t
+                    parts["local_update"] = parts["runtime_step"] - parts["algorithm"]
+                    parts["compute"] = parts["step"] - parts["runtime_step"]
+                    for k, v in parts.items():
+                        best[k] = min(best.get(k, float("inf")), v)
+            finally:
+                run.log.close()
+            out[mode] = {k: best[k] for k in ("step", "compute", "local_update", "algorithm")}
+            if mode == "vectorized":
+                out["kernels"] = run.gopt.kernels
+    return out
+
+
+def roofline(model: str, nodes: int, peak: float, memcpy_gbps: float, parts: dict) -> dict:
+    """What one thread of this machine allows the vectorized step: the FLOPs of all
+    nodes' forward and backward at the measured matmul peak, and one pass over the
+    ``(n, d)`` float32 values (read and written once, as a copy) at the measured memcpy
+    speed; the ratio bound if the vectorized step did its FLOPs at the peak plus
+    ``passes`` such passes while the loop path kept its measured time."""
+    flops, d = node_step_flops(model)
+    matmul_s = nodes * flops / (peak * 1e9)
+    pass_s = nodes * d * 4 / (memcpy_gbps * 1e9)
+    loop_s = parts["loop"]["step"]
+    return {"model": model, "nodes": nodes, "params": d, "node_step_mflop": flops / 1e6,
+            "matmul_at_peak_s": matmul_s, "pass_bytes": nodes * d * 4, "pass_s": pass_s,
+            "loop_step_s": loop_s, "algorithm_s": parts["vectorized"]["algorithm"],
+            "bound_compute_only": loop_s / matmul_s,
+            "bound_with_algorithm": loop_s / (matmul_s + parts["vectorized"]["algorithm"]),
+            **{f"bound_{k}_passes": loop_s / (matmul_s + k * pass_s) for k in (4, 8)}}
 
 
 def cross_entropy(nodes: int, repeats: int, batch: int = bench_sim.BATCH, classes: int = 10) -> dict:
@@ -165,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--eval-models", type=int, default=vectorized.EVAL_NODES + 1,
                     help="models of the evaluation timing (the CLI's: xbar and 32 sampled nodes)")
+    ap.add_argument("--anatomy", default="mlp:1024,cnn1d:256",
+                    help="model:nodes pairs whose step is timed in parts on both paths, with the roofline ('' skips)")
     ap.add_argument("--json", metavar="PATH")
     a = ap.parse_args(argv)
     threads = torch.get_num_threads()
@@ -183,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{k} {s * 1e3:.0f} ms" for k, s in mlp["top_ops"]), flush=True)
         convs = conv_per_node(groups, a.repeats)
         for r in convs:
-            print(f"cnn1d {r['layer']}: own {r['own_ms']:.3f} ms ({r['own_gflops']:.1f} GFLOP/s); grouped per node: "
-                  + ", ".join(f"{g} nodes {r[f'grouped_{g}_ms_per_node']:.3f} ms" for g in groups), flush=True)
+            print(f"cnn1d {r['layer']}: own {r['own_ms']:.3f} ms ({r['own_gflops']:.1f} GFLOP/s); per node, grouped / bmm: "
+                  + ", ".join(f"{g} nodes {r[f'grouped_{g}_ms_per_node']:.3f} / {r[f'bmm_{g}_ms_per_node']:.3f} ms "
+                              f"({r[f'bmm_{g}_gflops']:.1f} GFLOP/s)" for g in groups), flush=True)
         ce = cross_entropy(a.nodes, a.repeats)
         print(f"cross-entropy, {ce['rows']} rows x 10 classes, forward and backward: torch {ce['torch_ms']:.2f} ms, "
               f"classes-major {ce['classes_major_ms']:.2f} ms ({ce['ratio']:.1f}x)", flush=True)
@@ -192,6 +294,23 @@ def main(argv: list[str] | None = None) -> int:
         for r in evals:
             print(f"evaluation of {r['models_evaluated']} {r['model']} models, node_chunk 1 / 4 / 16: "
                   + " / ".join(f"{r[f'node_chunk_{c}_s']:.2f}" for c in (1, 4, 16)) + " s", flush=True)
+        memcpy = bench_sim._memcpy_gbps()
+        parts, bounds = [], []
+        for spec in a.anatomy.split(",") if a.anatomy else []:
+            model, nodes = spec.split(":")
+            p = anatomy(model, int(nodes), max(2, a.repeats // 2))
+            parts.append(p)
+            print(f"{model}, {nodes} nodes, step in parts (loop / vectorized, {p['kernels']} kernels): "
+                  + ", ".join(f"{k} {1e3 * p['loop'][k]:.0f} / {1e3 * p['vectorized'][k]:.0f} ms"
+                              for k in ("step", "compute", "local_update", "algorithm")), flush=True)
+            b = roofline(model, int(nodes), peak, memcpy, p)
+            bounds.append(b)
+            print(f"  roofline: {b['node_step_mflop']:.1f} MFLOP per node-step, all nodes' at the peak "
+                  f"{1e3 * b['matmul_at_peak_s']:.0f} ms; one pass over (n, d) ({b['pass_bytes'] / 2**20:.0f} MiB) at "
+                  f"memcpy {memcpy:.1f} GB/s {1e3 * b['pass_s']:.0f} ms; ratio bounds against the loop's "
+                  f"{1e3 * b['loop_step_s']:.0f} ms: matmuls at the peak alone {b['bound_compute_only']:.1f}x, plus the "
+                  f"algorithm's measured step {b['bound_with_algorithm']:.1f}x, plus 4 / 8 passes "
+                  f"{b['bound_4_passes']:.1f}x / {b['bound_8_passes']:.1f}x", flush=True)
         load1 = os.getloadavg()[0]
         print(f"load average (1 min) before {load0:.2f}, after {load1:.2f}")
         if a.json:
@@ -199,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(a.json).write_text(json.dumps({
                 "command": " ".join(["python", "experiments/sim_kernels.py", *(argv if argv is not None else sys.argv[1:])]),
                 "cpu_threads": 1, "load_avg_before": load0, "load_avg_after": load1, "peak_gflops": peak,
-                "mlp": mlp, "conv": convs, "cross_entropy": ce, "evaluation": evals}, indent=1) + "\n")
+                "memcpy_gbps": memcpy, "mlp": mlp, "conv": convs, "cross_entropy": ce, "evaluation": evals,
+                "anatomy": parts, "roofline": bounds}, indent=1) + "\n")
     finally:
         torch.set_num_threads(threads)
     return 0

@@ -91,12 +91,12 @@ def _run_loop(name: str, opt_name: str, steps: int, dtype=torch.float64, snap=0,
     return gopt, c, torch.tensor(losses), loaders, snapped
 
 
-def _run_vectorized(name: str, opt_name: str, steps: int, dtype=torch.float64, snap=0):
+def _run_vectorized(name: str, opt_name: str, steps: int, dtype=torch.float64, snap=0, model=None):
     x, y = _data(dtype)
     snapped = []
     c = comm.SimulatedCommunicator(topologies.build("ring", N))
     algo = algorithms.build(name, c, seed=5)
-    gopt = vectorized.VectorizedOptimizer(_model(dtype), _optimizer(algo, opt_name), algo)
+    gopt = vectorized.VectorizedOptimizer((model or _model)(dtype), _optimizer(algo, opt_name), algo)
     loaders = _loaders(x, y)
     batches = vectorized.BatchedLoader(loaders)
     losses = []
@@ -151,6 +151,122 @@ def test_float32_paths_agree_where_nothing_is_discrete(name, opt_name):
     b, _, lb, *_ = _run_vectorized(name, opt_name, STEPS, torch.float32)
     assert float((a.flat.data - b.flat.data).abs().max()) <= RTOL32 * float(a.flat.data.abs().max())
     assert torch.allclose(la, lb, rtol=RTOL32, atol=RTOL32)
+
+
+def _cnn(dtype=torch.float64) -> nn.Module:
+    """A small 1-D CNN over the features seen as 2 channels of length 4: both
+    convolution kinds of the batched kernels (stride 1 and 2, zero padding)."""
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Unflatten(1, (2, 4)), nn.Conv1d(2, 3, 3, padding=1), nn.ReLU(),
+                         nn.Conv1d(3, 4, 5, stride=2, padding=2), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(8, CLASSES)).to(dtype)
+
+
+@pytest.mark.parametrize("name", ["dpsgd", "dcd"])
+def test_a_convolutional_model_agrees_across_paths(name):
+    """The batched convolution kernels (im2col and bmm) hold the same tolerance."""
+    a, ca, la, *_ = _run_loop(name, "sgd", STEPS, model=_cnn)
+    b, cb, lb, *_ = _run_vectorized(name, "sgd", STEPS, model=_cnn)
+    assert b.kernels == "bmm"
+    Xa, Xb = a.flat.data, b.flat.data
+    assert float((Xa - Xb).abs().max()) <= RTOL * float(Xa.abs().max())
+    assert torch.allclose(la, lb, rtol=RTOL, atol=RTOL) and _bytes(ca) == _bytes(cb)
+
+
+def _built_in(kind: str) -> tuple[nn.Module, tuple[int, ...]]:
+    from gossip import models as gmodels
+
+    torch.manual_seed(0)
+    return {"mlp": (gmodels.MLP(12, CLASSES, (7, 5)), (1, 12)),
+            "cnn1d": (gmodels.CNN1d(2, 12, CLASSES, channels=4, hidden=6), (2, 12)),
+            "logreg": (gmodels.LogReg(12, CLASSES), (12,))}[kind]
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn1d", "logreg"])
+def test_the_bmm_kernels_equal_vmap_and_each_nodes_own_model(kind):
+    """Forward and gradients of the batched kernels against vmap over the model's own
+    forward, nodes with different weights, in float64; and each node's logits against
+    its own model's."""
+    from torch.func import functional_call, vmap
+
+    model, shape = _built_in(kind)
+    model = model.double()
+    g = torch.Generator().manual_seed(1)
+    sp = vectorized.StackedParams(model, 3)
+    with torch.no_grad():
+        sp.data.add_(0.3 * torch.randn(sp.data.shape, generator=g, dtype=torch.float64))
+    x = torch.randn(3, 5, *shape, generator=g, dtype=torch.float64)
+    w = torch.randn(3, 5, CLASSES, generator=g, dtype=torch.float64)
+    forward = vectorized._NodeForward(model)
+    assert forward.kernels == "bmm"
+    results = []
+    for fn in (forward, vmap(lambda ps, xb: functional_call(model, ps, (xb,)))):
+        out = fn(sp.params, x)
+        (out * w).sum().backward()
+        results.append((out.detach(), [p.grad.clone() for p in sp.leaves()]))
+        for p in sp.leaves():
+            p.grad = None
+    (got, grads), (ref, ref_grads) = results
+    assert torch.allclose(got, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    for i in range(3):
+        torch.nn.utils.vector_to_parameters(sp.data[i], model.parameters())
+        with torch.no_grad():
+            assert torch.allclose(got[i], model(x[i]), rtol=1e-12, atol=1e-12)
+
+
+def test_models_outside_the_kernels_run_under_vmap():
+    from gossip import _batched
+
+    assert _batched.batched_forward(nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 3))) is None
+    assert _batched.batched_forward(nn.Sequential(nn.Conv1d(2, 4, 3, groups=2), nn.Flatten())) is None
+    # a convolution over one unbatched example (C, L) per node: the kernel meets a 3-D
+    # input, declines before computing, and the call (and every later one) runs under vmap
+    model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Flatten(0), nn.Linear(6, CLASSES)).double()
+    sp = vectorized.StackedParams(model, 2)
+    forward = vectorized._NodeForward(model)
+    assert forward.kernels == "bmm"
+    x = torch.randn(2, 2, 4, dtype=torch.float64)
+    out = forward(sp.params, x)
+    assert forward.kernels == "vmap" and out.shape == (2, CLASSES)
+    with torch.no_grad():
+        assert torch.allclose(out[1], model(x[1]))
+
+
+@pytest.mark.parametrize("kw", [dict(momentum=0.9, weight_decay=1e-3), dict(momentum=0.9, nesterov=True),
+                                dict(momentum=0.5, dampening=0.3), dict(weight_decay=0.1)])
+def test_the_fused_sgd_step_equals_torchs_sgd_step(monkeypatch, kw):
+    """VectorizedOptimizer.step's fused SGD update (chunks of rows, X read only) against
+    the generic step (torch's SGD between a copy of X and its restore): the same X and
+    momentum after three steps, to the last bits of float64."""
+    monkeypatch.setattr(vectorized, "_CHUNK_VALUES", 16)  # several chunks per tensor, rows cut mid-way
+    g = torch.Generator().manual_seed(3)
+    opts = []
+    for _ in range(2):
+        c = comm.SimulatedCommunicator(topologies.build("ring", N))
+        opts.append(vectorized.VectorizedOptimizer(_model(), lambda ps: torch.optim.SGD(ps, lr=0.05, **kw),
+                                                   algorithms.build("dpsgd", c)))
+    fused, generic = opts
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in fused.flat.leaves()]
+        for o in opts:
+            for p, gr in zip(o.flat.leaves(), grads):
+                p.grad = gr.clone()
+        fused.step()
+        GossipOptimizer.step(generic)
+    tol = 4 * torch.finfo(torch.float64).eps
+    assert torch.allclose(fused.flat.data, generic.flat.data, rtol=tol, atol=tol * float(generic.flat.data.abs().max()))
+    if kw.get("momentum"):
+        for p, q in zip(fused.flat.leaves(), generic.flat.leaves()):
+            a, b = fused.optimizers[0].state[p]["momentum_buffer"], generic.optimizers[0].state[q]["momentum_buffer"]
+            assert torch.allclose(a, b, rtol=tol, atol=tol)
+    # the generic step for what the fused one does not repeat: a scheduler's wrapper, AdamW
+    sgd = torch.optim.SGD(fused.flat.leaves(), lr=0.1)
+    assert vectorized._plain_sgd(sgd)
+    torch.optim.lr_scheduler.StepLR(sgd, 1)
+    assert not vectorized._plain_sgd(sgd)
+    assert not vectorized._plain_sgd(torch.optim.AdamW(fused.flat.leaves()))
 
 
 def test_checkpoints_move_between_paths():
@@ -417,10 +533,15 @@ def test_sim_kernels_runs_and_writes_its_figures(tmp_path):
     spec = importlib.util.spec_from_file_location("sim_kernels", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.main(["--nodes", "4", "--groups", "2", "--repeats", "1", "--eval-models", "2",
+    assert mod.main(["--nodes", "4", "--groups", "2", "--repeats", "1", "--eval-models", "2", "--anatomy", "mlp:4",
                      "--json", str(tmp_path / "k.json")]) == 0
     r = json.loads((tmp_path / "k.json").read_text())
     assert r["peak_gflops"] > 0 and r["mlp"]["nodes"] == 4 and 0 < r["mlp"]["matmul_share"] <= 1
     assert r["mlp"]["matmul_gflop"] > 0 and [c["layer"] for c in r["conv"]] == ["conv1", "conv2", "conv3"]
     assert all(c["grouped_2_ms_per_node"] > 0 for c in r["conv"]) and r["cross_entropy"]["rows"] == 4 * 32
     assert [e["model"] for e in r["evaluation"]] == ["logreg", "mlp", "cnn1d"] and r["evaluation"][2]["node_chunk_4_s"] > 0
+    assert all(c["bmm_2_ms_per_node"] > 0 for c in r["conv"])
+    (parts,) = r["anatomy"]
+    assert parts["kernels"] == "bmm" and all(parts[m]["step"] >= parts[m]["algorithm"] > 0 for m in ("loop", "vectorized"))
+    (bound,) = r["roofline"]
+    assert bound["params"] == 78_858 and bound["node_step_mflop"] > 0 and bound["bound_compute_only"] > bound["bound_8_passes"]

@@ -1,0 +1,282 @@
+"""n copies of one model, each node with its own weights, as batched matrix products.
+
+``torch.func.vmap`` over a model's forward batches each call by a generic rule. For
+the layers the built-in classifiers are made of, that rule is slow on the CPU: a
+convolution with per-node weights becomes one grouped convolution (``groups = n``),
+which costs more per node the more nodes there are (1.5x a node's own convolution at
+256 nodes, ``experiments/sim_kernels.py``). This module runs those layers for all
+nodes as ``torch.bmm`` with a backward of its own:
+
+1. **Linear**, ``y_i = x_i W_i^T + b_i`` for node i: one ``baddbmm``. Backward:
+   ``dx_i = dy_i W_i``, ``dW_i = dy_i^T x_i`` (made in W's own ``(out, in)`` layout,
+   so that autograd takes it as the gradient without a copy), ``db_i`` the sum of
+   ``dy_i``'s rows.
+2. **Conv1d** (zero padding, one group, no dilation) as im2col and ``bmm``. Each
+   node's input is padded into a channels-last ``(B, L + 2p, C)`` tensor, where the
+   window of output position l is one contiguous run of ``k C`` values; the columns
+   ``(B L_out, k C)`` times the node's weights ``(k C, C_out)`` are its output. The
+   output is returned as a channels-first view of that channels-last product, which
+   the next convolution reads without a transpose. Backward: ``dW`` from the saved
+   columns, the input's gradient by adding ``dcols`` back over the k taps (col2im).
+3. **The model's graph.** :func:`batched_forward` traces the model with ``torch.fx``
+   and maps every call onto a batched kernel (the layers above, ReLU, flatten and unflatten). A
+   model with any other call gets None, and the caller keeps ``vmap``. A kernel that
+   meets an input it does not cover (a 1-D convolution's input of another rank)
+   raises :class:`Unsupported` before computing anything, for the same fallback.
+
+Each kernel computes each node's own layer, the sums of ``F.linear`` / ``F.conv1d``
+in another order: the results agree with the node's own to rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__: list[str] = []  # private: gossip.vectorized is the interface
+
+
+class Unsupported(Exception):
+    """A call the batched kernels do not cover: the caller runs ``vmap`` instead."""
+
+
+# --------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------
+class _Linear(torch.autograd.Function):
+    """x (n, R, in), W (n, out, in), b (n, out) or None -> (n, R, out)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        wt = w.transpose(1, 2)
+        y = torch.bmm(x, wt) if b is None else torch.baddbmm(b.unsqueeze(1), x, wt)
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        gx = torch.bmm(gy, w) if need_x else None
+        # dy^T x is (n, out, in): W's own layout, taken by autograd as is
+        gw = torch.bmm(gy.transpose(1, 2), x) if need_w else None
+        gb = gy.sum(1) if ctx.has_bias and need_b else None
+        return gx, gw, gb
+
+
+class _Conv1d(torch.autograd.Function):
+    """x (n, B, C, L), W (n, C_out, C, k), b (n, C_out) or None -> (n, B, C_out, L_out)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, stride: int, padding: int) -> Tensor:
+        n, B, C, L = x.shape
+        cout, k = w.shape[1], w.shape[3]
+        Lp = L + 2 * padding
+        lout = (Lp - k) // stride + 1
+        # Step 1: the padded input, channels-last, so a window is one contiguous run
+        xp = x.new_empty(n, B, Lp, C)
+        if padding:
+            xp[:, :, :padding].zero_()
+            xp[:, :, padding + L:].zero_()
+        xp[:, :, padding:padding + L].copy_(x.transpose(2, 3))
+        # Step 2: im2col, row (b, l) = the k C values from position l * stride on
+        cols = xp.as_strided((n, B, lout, k * C), (B * Lp * C, Lp * C, stride * C, 1)).reshape(n, B * lout, k * C)
+        # the weights in the columns' (tap, channel) order: a small copy (n C_out k C)
+        wm = w.permute(0, 1, 3, 2).reshape(n, cout, k * C)
+        # Step 3: one batched product per node
+        wt = wm.transpose(1, 2)
+        y = torch.bmm(cols, wt) if b is None else torch.baddbmm(b.unsqueeze(1), cols, wt)
+        ctx.save_for_backward(cols, wm)
+        ctx.dims = (n, B, C, L, k, stride, padding, lout)
+        ctx.has_bias = b is not None
+        return y.view(n, B, lout, cout).transpose(2, 3)
+
+    @staticmethod
+    def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
+        cols, wm = ctx.saved_tensors
+        n, B, C, L, k, stride, padding, lout = ctx.dims
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        cout = wm.shape[1]
+        g = gy.transpose(2, 3).reshape(n, B * lout, cout)  # a view where gy is channels-last
+        gx = gw = gb = None
+        if need_w:
+            gw = torch.bmm(g.transpose(1, 2), cols).view(n, cout, k, C).permute(0, 1, 3, 2)
+        if ctx.has_bias and need_b:
+            gb = g.sum(1)
+        if need_x:
+            gcols = torch.bmm(g, wm).view(n, B, lout, k, C)
+            Lp = L + 2 * padding
+            gxp = gcols.new_zeros(n, B, Lp, C)
+            span = stride * (lout - 1) + 1
+            for j in range(k):  # col2im: tap j of output l came from position l * stride + j
+                gxp[:, :, j:j + span:stride].add_(gcols[:, :, :, j])
+            gx = gxp[:, :, padding:padding + L].transpose(2, 3)
+        return gx, gw, gb, None, None
+
+
+# --------------------------------------------------------------------------------------
+# one kernel per kind of call
+# --------------------------------------------------------------------------------------
+Kernel = Callable[[dict[str, Tensor], Tensor], Tensor]
+
+
+def _node_dim(dim: int) -> int:
+    """A dimension of one node's tensor as a dimension of the batched (n, ...) tensor."""
+    return dim + 1 if dim >= 0 else dim
+
+
+def _linear(prefix: str, mod: nn.Linear) -> Kernel:
+    bias = mod.bias is not None
+
+    def run(params: dict[str, Tensor], x: Tensor) -> Tensor:
+        w = params[prefix + "weight"]
+        b = params[prefix + "bias"] if bias else None
+        if x.dim() < 2 or x.shape[-1] != w.shape[-1]:
+            raise Unsupported(f"linear layer {prefix[:-1]!r} on an input of shape {tuple(x.shape)}")
+        n = x.shape[0]
+        if x.dim() == 2:  # one example per node
+            return _Linear.apply(x.unsqueeze(1), w, b).squeeze(1)
+        y = _Linear.apply(x.reshape(n, -1, x.shape[-1]), w, b)
+        return y.view(*x.shape[:-1], w.shape[1])
+    return run
+
+
+def _conv1d(prefix: str, mod: nn.Conv1d) -> Kernel | None:
+    padding = mod.padding
+    if padding == "valid":
+        padding = (0,)
+    if (mod.padding_mode != "zeros" or mod.groups != 1 or tuple(mod.dilation) != (1,)
+            or isinstance(padding, str) or len(mod.stride) != 1 or len(padding) != 1):
+        return None
+    stride, pad = int(mod.stride[0]), int(padding[0])
+    bias = mod.bias is not None
+
+    def run(params: dict[str, Tensor], x: Tensor) -> Tensor:
+        w = params[prefix + "weight"]
+        if x.dim() != 4 or x.shape[2] != w.shape[2] or x.shape[3] + 2 * pad < w.shape[3]:
+            raise Unsupported(f"conv1d layer {prefix[:-1]!r} on an input of shape {tuple(x.shape)}")
+        return _Conv1d.apply(x, w, params[prefix + "bias"] if bias else None, stride, pad)
+    return run
+
+
+def _flatten(start: int = 0, end: int = -1) -> Kernel:
+    start, end = _node_dim(int(start)), _node_dim(int(end))
+    return lambda params, x: x.flatten(start, end)
+
+
+def _relu(params: dict[str, Tensor], x: Tensor) -> Tensor:
+    return torch.relu(x)
+
+
+def _identity(params: dict[str, Tensor], x: Tensor) -> Tensor:
+    return x
+
+
+def _module_kernel(prefix: str, mod: nn.Module) -> Kernel | None:
+    kind = type(mod)  # exact types: a subclass may have a forward of its own
+    if kind is nn.Linear:
+        return _linear(prefix, mod)
+    if kind is nn.Conv1d:
+        return _conv1d(prefix, mod)
+    if kind is nn.ReLU:
+        return _relu
+    if kind is nn.Flatten:
+        return _flatten(mod.start_dim, mod.end_dim)
+    if kind is nn.Unflatten and isinstance(mod.dim, int):
+        dim, sizes = _node_dim(mod.dim), tuple(mod.unflattened_size)
+        return lambda params, x: x.unflatten(dim, sizes)
+    if kind is nn.Identity:
+        return _identity
+    return None
+
+
+_RELUS = (torch.relu, F.relu)
+
+
+def _call_kernel(target: Any, args: tuple, kwargs: dict, method: bool) -> Kernel | None:
+    """The kernel of a function or method call on the running tensor (``args[0]``);
+    the other arguments are constants (checked by the caller)."""
+    rest = args[1:]
+    if (method and target == "relu") or (not method and target in _RELUS):
+        if rest or set(kwargs) - {"inplace"}:
+            return None
+        return _relu
+    if (method and target == "flatten") or (not method and target is torch.flatten):
+        names = ("start_dim", "end_dim")
+        if len(rest) > 2 or set(kwargs) - set(names):
+            return None
+        given = dict(zip(names, rest), **kwargs)
+        if not all(isinstance(v, int) for v in given.values()):
+            return None
+        return _flatten(given.get("start_dim", 0), given.get("end_dim", -1))
+    return None
+
+
+def _has_node(value: Any) -> bool:
+    if isinstance(value, torch.fx.Node):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(_has_node(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_node(v) for v in value.values())
+    return False
+
+
+def batched_forward(model: nn.Module) -> Callable[[dict[str, Tensor], Tensor], Tensor] | None:
+    """``(params, x) -> logits`` for n nodes at once, or None where the model holds a
+    call this module has no batched kernel for.
+
+    ``params``: ``{name: (n, *shape)}`` (every node's tensors, the names of
+    ``model.named_parameters()``); ``x``: ``(n, B, ...)``, node i's batch in row i.
+    The model must be a chain: one input, each call taking the previous result and
+    constants. The result may raise :class:`Unsupported` on an input shape it does not
+    cover (nothing computed yet at that point)."""
+    if any(True for _ in model.buffers()):
+        return None  # state outside the parameters: vmap's functional_call handles it
+    try:
+        graph = torch.fx.symbolic_trace(model).graph
+    except Exception:  # noqa: BLE001 - any model fx cannot trace keeps vmap
+        return None
+    program: list[Kernel] = []
+    current = None  # the node whose value the next call must take
+    done = False
+    for node in graph.nodes:
+        if done:
+            return None
+        if node.op == "placeholder":
+            if current is not None:
+                return None  # a second input
+            current = node
+            continue
+        if node.op == "output":
+            if node.args[0] is not current:
+                return None
+            done = True
+            continue
+        if current is None or not node.args or node.args[0] is not current \
+                or _has_node(node.args[1:]) or _has_node(node.kwargs):
+            return None
+        if node.op == "call_module":
+            if node.kwargs or len(node.args) != 1:
+                return None
+            kernel = _module_kernel(node.target + ".", model.get_submodule(node.target))
+        elif node.op in ("call_function", "call_method"):
+            kernel = _call_kernel(node.target, tuple(node.args), dict(node.kwargs), node.op == "call_method")
+        else:  # get_attr: a parameter used outside a supported layer
+            return None
+        if kernel is None:
+            return None
+        program.append(kernel)
+        current = node
+    if not done or not program:
+        return None
+
+    def forward(params: dict[str, Tensor], x: Tensor) -> Tensor:
+        for kernel in program:
+            x = kernel(params, x)
+        return x
+    return forward

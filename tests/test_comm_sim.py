@@ -44,6 +44,23 @@ def test_weighted_sum_matches_dense_reference_and_the_sequential_contract(name: 
     assert torch.equal(out.view(torch.int32), _sequential(topo, D).view(torch.int32))
 
 
+@pytest.mark.parametrize("name, n", [("ring", 8), ("torus", 16), ("complete", 5)])
+def test_the_blocked_weighted_sum_keeps_the_sequential_contract(monkeypatch, name: str, n: int) -> None:
+    """Many rows of full degree are summed one block of columns at a time (blocks of 16
+    columns here, the last one narrower): the same bits as the per-node contract, as
+    a rank's own sum gives them."""
+    import gossip.comm.base as base
+
+    monkeypatch.setattr(base, "_SUM_BLOCK_VALUES", 16 * n)
+    topo = build(name, n)
+    P = payloads(n, 16 * 3 + 5)
+    rec = SimulatedCommunicator(topo).neighbor_exchange(P)
+    calls, blocked = [], Received._blocked_sum
+    monkeypatch.setattr(Received, "_blocked_sum", staticmethod(lambda *a: calls.append(1) or blocked(*a)))
+    out = rec.weighted_sum(decode_f32)
+    assert calls and torch.equal(out.view(torch.int32), _sequential(topo, decode_f32(P)).view(torch.int32))
+
+
 def test_padding_never_touches_a_row() -> None:
     """Star leaves have one neighbour; their padding must not add 0.0 * D_self."""
     topo = build("star", 5)

@@ -475,7 +475,8 @@ class VectorizedOptimizer(GossipOptimizer):
                             else buf.contiguous()
                         state["momentum_buffer"] = buf
                     b = buf.view(n, k)
-                rows = max(1, _CHUNK_VALUES // k)
+                # a GPU takes whole tensors: chunks would only add kernel launches
+                rows = max(1, _CHUNK_VALUES // k) if X.device.type == "cpu" else n
                 for r in range(0, n, rows):
                     s = slice(r, r + rows)
                     x = X[s, o:o + k]

@@ -379,14 +379,13 @@ class DPSGD(_Gossip):
         # Step I
         _, mixed, _, _ = self._gossip(X, t, self.compressor, want_own=False)
         # Step II, in place: the same roundings as W_ii * x + mixed + u; many hosted rows
-        # (the simulation) in blocks of columns that stay in cache through the three
-        # operations (4 passes over the (m, d) values through memory instead of 8)
+        # on the CPU (the simulation) in blocks of columns that stay in cache through the
+        # three operations (4 passes over the (m, d) values through memory instead of 8)
         w = self._self_w(X, t)
         m, d = X.shape
-        cols = max(16, _BLOCK_VALUES // m)
-        for c in range(0, d, cols) if m > 1 else (0,):
-            end = c + cols if m > 1 else d
-            X[:, c:end].mul_(w).add_(mixed[:, c:end]).add_(U[:, c:end])
+        cols = max(16, _BLOCK_VALUES // m) if m > 1 and X.device.type == "cpu" else max(1, d)
+        for c in range(0, d, cols):
+            X[:, c:c + cols].mul_(w).add_(mixed[:, c:c + cols]).add_(U[:, c:c + cols])
         self.state.t = t + 1
 
 

@@ -20,8 +20,9 @@ __all__ = ["Communicator", "Received", "Handle", "Done", "ShardServer", "ring_al
 
 Decode = Callable[[torch.Tensor], torch.Tensor]
 
-#: values per column block of a many-row weighted sum (the simulation's): one block's
-#: gathered rows and its running sum (2 x 512 KiB of float32) stay in a core's L2 cache
+#: values per column block of a many-row weighted sum (the simulation's, on the CPU): one
+#: block's gathered rows and its running sum (2 x 512 KiB of float32) stay in a core's L2
+#: cache (a GPU takes the whole matrix per operation: blocks would only add launches)
 _SUM_BLOCK_VALUES = 1 << 17
 
 #: the shard owner's step of a sharded exchange: ``server(j, Q)`` gets shard ``j``'s
@@ -161,8 +162,8 @@ class Received:
         if scratch is None or tuple(scratch.shape) != shape or scratch.dtype != D.dtype \
                 or scratch.device != D.device:
             scratch = D.new_empty(shape)
-        if m > 1 and bool((deg >= width).all()) and D.shape[1] > max(16, _SUM_BLOCK_VALUES // m) \
-                and scratch.is_contiguous():
+        if m > 1 and D.device.type == "cpu" and bool((deg >= width).all()) \
+                and D.shape[1] > max(16, _SUM_BLOCK_VALUES // m) and scratch.is_contiguous():
             return self._blocked_sum(D, idx, w, out, scratch, width)
 
         def rows(k: int) -> torch.Tensor:

@@ -257,13 +257,15 @@ class _NodeForward:
     def kernels(self) -> str:
         return "bmm" if self._fast is not None else "vmap"
 
-    def __call__(self, params: dict[str, Tensor], x: Tensor, *, shared: bool = False) -> Tensor:
+    def __call__(self, params: dict[str, Tensor], x: Tensor, *, shared: bool = False,
+                 grads: _batched.GradBuffers | None = None) -> Tensor:
         """``shared``: ``x`` is one batch ``(B, ...)`` that every row of ``params`` reads
-        (evaluation), not one batch per node."""
+        (evaluation), not one batch per node. ``grads``: where the bmm kernels' backward
+        may write the gradients (:class:`gossip._batched.GradBuffers`)."""
         if self._fast is not None:
             try:
                 k = next(iter(params.values())).shape[0]
-                return self._fast(params, x.expand(k, *x.shape) if shared else x)
+                return self._fast(params, x.expand(k, *x.shape) if shared else x, grads)
             except _batched.Unsupported:
                 self._fast = None
         return (self._vmap_shared if shared else self._vmap)(params, x)
@@ -376,6 +378,7 @@ class VectorizedOptimizer(GossipOptimizer):
         self.layout = self.flat.layout
         self._loss_fn = loss_fn
         self._forward = _NodeForward(model)
+        self._grads = _batched.GradBuffers()
         self._loss = vmap(loss_fn)
         with algorithm.comm.ledger.setup():
             algorithm.setup(self.flat.data, self.layout)
@@ -389,15 +392,21 @@ class VectorizedOptimizer(GossipOptimizer):
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clear the stacked gradients. By default (None) the cheaper way for the kernels
-        in use: with the bmm kernels the gradients are dropped (the backward makes each
-        in its parameter's layout and autograd keeps that tensor, where zeroing in place
-        costs a zeroing pass and an accumulating pass over the ``(n, d)`` values); under
-        ``vmap`` they are zeroed in place (its gradients come in other layouts and are
-        copied anyway, and reusing the buffers saves the page faults of a fresh
-        allocation, about 15 % of an MLP step at 256 nodes)."""
-        if set_to_none is None:
-            set_to_none = self.kernels == "bmm"
-        self.optimizers[0].zero_grad(set_to_none=set_to_none)
+        in use. With the bmm kernels the gradients become None and their tensors are
+        kept: the next backward writes each new gradient into its parameter's old
+        tensor, which autograd then takes as the gradient (no zeroing pass, no
+        accumulating pass over the ``(n, d)`` values, no page faults of a fresh
+        allocation; a reference kept to an old gradient sees it overwritten, as with
+        ``set_to_none=False``). Under ``vmap`` they are zeroed in place (its gradients
+        come in other layouts and are added into them). ``True`` or ``False``: the
+        optimizer's own ``zero_grad`` with that choice."""
+        if set_to_none is None and self.kernels == "bmm":
+            for name, p in self.flat.params.items():
+                if p.grad is not None:
+                    self._grads.keep(name, p.grad)
+                    p.grad = None
+            return
+        self.optimizers[0].zero_grad(set_to_none=bool(set_to_none))
 
     def forward_backward(self, x: Tensor, y: Tensor) -> Tensor:
         """Every node's loss on its own batch (``x[i]``, ``y[i]``) and its gradient, in
@@ -406,7 +415,7 @@ class VectorizedOptimizer(GossipOptimizer):
         if x.shape[0] != n or y.shape[0] != n:
             raise ValueError(f"forward_backward: x and y must hold one batch per node ({n}), got leading "
                              f"dimensions {x.shape[0]} and {y.shape[0]}")
-        logits = self._forward(self.flat.params, x)
+        logits = self._forward(self.flat.params, x, grads=self._grads)
         if self._loss_fn is F.cross_entropy and logits.dim() == 3 and y.dim() == 2:
             # one cross-entropy over all n x B rows, then each node's mean: the numbers
             # of vmap's (to rounding) without vmap's per-node fallback for this op

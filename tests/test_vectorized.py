@@ -216,6 +216,33 @@ def test_the_bmm_kernels_equal_vmap_and_each_nodes_own_model(kind):
             assert torch.allclose(got[i], model(x[i]), rtol=1e-12, atol=1e-12)
 
 
+def test_the_backward_writes_the_gradients_into_last_steps_tensors():
+    """zero_grad() keeps the gradient tensors and the next backward writes into them:
+    the same tensors step after step, the same values as into fresh ones."""
+    x, y = _data()
+    xb, yb = x[:N * BATCH].view(N, BATCH, FEATURES), y[:N * BATCH].view(N, BATCH)
+    opts = []
+    for _ in range(2):
+        c = comm.SimulatedCommunicator(topologies.build("ring", N))
+        opts.append(vectorized.VectorizedOptimizer(_cnn(), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                                   algorithms.build("dpsgd", c)))
+    kept, fresh = opts
+    seen = []
+    for _ in range(3):
+        kept.zero_grad()
+        fresh.zero_grad(set_to_none=True)
+        kept.forward_backward(xb, yb)
+        fresh.forward_backward(xb, yb)
+        seen.append([p.grad.data_ptr() for p in kept.flat.leaves()])
+        for p, q in zip(kept.flat.leaves(), fresh.flat.leaves()):
+            assert torch.equal(p.grad, q.grad)
+        kept.step()
+        fresh.step()
+    assert seen[1] == seen[2] and torch.equal(kept.flat.data, fresh.flat.data)
+    kept.zero_grad()
+    assert all(p.grad is None for p in kept.flat.leaves())
+
+
 def test_models_outside_the_kernels_run_under_vmap():
     from gossip import _batched
 

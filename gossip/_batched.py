@@ -100,58 +100,117 @@ class _Linear(torch.autograd.Function):
         return gx, gw, gb, None, None
 
 
+#: values of a convolution's columns per chunk of nodes (2 MiB of float32): one chunk's
+#: padded input, columns and products stay in cache, where whole-batch columns (210 MB
+#: for the CNN's second layer at 256 nodes) are written and read back through memory
+_CONV_CHUNK_VALUES = 1 << 19
+
+
 class _Conv1d(torch.autograd.Function):
-    """x (n, B, C, L), W (n, C_out, C, k), b (n, C_out) or None -> (n, B, C_out, L_out)."""
+    """x (n, B, C, L), W (n, C_out, C, k), b (n, C_out) or None -> (n, B, C_out, L_out).
+
+    Nodes are processed in chunks (:data:`_CONV_CHUNK_VALUES`; one chunk on a GPU): per
+    chunk, the padded input and its columns are built in buffers reused from chunk to
+    chunk, and the backward builds them again from the saved input instead of keeping
+    every node's columns."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, stride: int, padding: int,
                 grads: GradBuffers | None, names: tuple[str, str]) -> Tensor:
         n, B, C, L = x.shape
         cout, k = w.shape[1], w.shape[3]
-        Lp = L + 2 * padding
-        lout = (Lp - k) // stride + 1
-        # Step 1: the padded input, channels-last, so a window is one contiguous run
-        xp = x.new_empty(n, B, Lp, C)
-        if padding:
-            xp[:, :, :padding].zero_()
-            xp[:, :, padding + L:].zero_()
-        xp[:, :, padding:padding + L].copy_(x.transpose(2, 3))
-        # Step 2: im2col, row (b, l) = the k C values from position l * stride on
-        cols = xp.as_strided((n, B, lout, k * C), (B * Lp * C, Lp * C, stride * C, 1)).reshape(n, B * lout, k * C)
-        # the weights in the columns' (tap, channel) order: a small copy (n C_out k C)
-        wm = w.permute(0, 1, 3, 2).reshape(n, cout, k * C)
-        # Step 3: one batched product per node
-        wt = wm.transpose(1, 2)
-        y = torch.bmm(cols, wt) if b is None else torch.baddbmm(b.unsqueeze(1), cols, wt)
-        ctx.save_for_backward(cols, wm)
-        ctx.dims = (n, B, C, L, k, stride, padding, lout)
+        lout = (L + 2 * padding - k) // stride + 1
+        # the weights in the columns' (tap, channel) order, (k C, C_out) per node: a
+        # small copy (n k C C_out values) that makes every product's operands contiguous
+        wt = w.permute(0, 3, 2, 1).reshape(n, k * C, cout)
+        y = x.new_empty(n, B * lout, cout)
+        cols = _Columns(x, k, stride, padding, lout)
+        for s, c in cols.chunks():
+            # one batched product per node of the chunk, its bias added by baddbmm
+            if b is None:
+                torch.bmm(c, wt[s], out=y[s])
+            else:
+                torch.baddbmm(b[s].unsqueeze(1), c, wt[s], out=y[s])
+        ctx.save_for_backward(x, wt)
+        ctx.conv = (stride, padding, lout)
         ctx.has_bias = b is not None
         ctx.grads, ctx.names = grads, names
         return y.view(n, B, lout, cout).transpose(2, 3)
 
     @staticmethod
     def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
-        cols, wm = ctx.saved_tensors
-        n, B, C, L, k, stride, padding, lout = ctx.dims
+        x, wt = ctx.saved_tensors
+        stride, padding, lout = ctx.conv
+        n, B, C, L = x.shape
+        cout = wt.shape[2]
+        k = wt.shape[1] // C
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        cout = wm.shape[1]
         g = gy.transpose(2, 3).reshape(n, B * lout, cout)  # a view where gy is channels-last
         gx = gw = gb = None
-        if need_w:  # back from the columns' (tap, channel) order to W's (channel, tap)
-            gw = torch.bmm(g.transpose(1, 2), cols).view(n, cout, k, C).permute(0, 1, 3, 2)
-            out = _take(ctx.grads, ctx.names[0], gw.shape, gw)
-            gw = gw if out is None else out.copy_(gw)
         if ctx.has_bias and need_b:
             gb = torch.sum(g, 1, out=_take(ctx.grads, ctx.names[1], (n, cout), g))
+        if need_w:
+            gw = _take(ctx.grads, ctx.names[0], (n, cout, C, k), g)
+            if gw is None:
+                gw = g.new_empty(n, cout, C, k)
+            cols = _Columns(x, k, stride, padding, lout)
+            for s, c in cols.chunks():
+                # dW = dy^T cols, in the columns' (tap, channel) order, then W's (channel, tap)
+                gw[s].copy_(torch.bmm(g[s].transpose(1, 2), c).view(-1, cout, k, C).permute(0, 1, 3, 2))
         if need_x:
-            gcols = torch.bmm(g, wm).view(n, B, lout, k, C)
             Lp = L + 2 * padding
-            gxp = gcols.new_zeros(n, B, Lp, C)
+            gxl = g.new_empty(n, B, L, C)  # channels-last, returned as a (n, B, C, L) view
             span = stride * (lout - 1) + 1
-            for j in range(k):  # col2im: tap j of output l came from position l * stride + j
-                gxp[:, :, j:j + span:stride].add_(gcols[:, :, :, j])
-            gx = gxp[:, :, padding:padding + L].transpose(2, 3)
+            chunk = _chunk_nodes(g, B * lout * k * C, n)
+            gxp = g.new_empty(chunk, B, Lp, C)
+            for r in range(0, n, chunk):
+                s = slice(r, r + chunk)
+                gc = torch.bmm(g[s], wt[s].transpose(1, 2)).view(-1, B, lout, k, C)
+                part = gxp[:gc.shape[0]]
+                part.zero_()
+                for j in range(k):  # col2im: tap j of output l came from position l * stride + j
+                    part[:, :, j:j + span:stride].add_(gc[:, :, :, j])
+                gxl[s].copy_(part[:, :, padding:padding + L])
+            gx = gxl.transpose(2, 3)
         return gx, gw, gb, None, None, None, None
+
+
+def _chunk_nodes(like: Tensor, per_node: int, n: int) -> int:
+    """Nodes per chunk: ``per_node`` values each within :data:`_CONV_CHUNK_VALUES` on
+    the CPU; all ``n`` on a GPU (chunks would only add kernel launches)."""
+    if like.device.type != "cpu":
+        return n
+    return max(1, min(n, _CONV_CHUNK_VALUES // max(1, per_node)))
+
+
+class _Columns:
+    """im2col of a batched 1-D convolution's input, chunk of nodes by chunk of nodes:
+    node i's row (b, l) holds the k C values of its padded, channels-last input from
+    position l * stride on (one contiguous run)."""
+
+    def __init__(self, x: Tensor, k: int, stride: int, padding: int, lout: int) -> None:
+        self.x, self.k, self.stride, self.padding, self.lout = x, k, stride, padding, lout
+        n, B, C, L = x.shape
+        self.chunk = _chunk_nodes(x, B * lout * k * C, n)
+        self.xp = x.new_zeros(self.chunk, B, L + 2 * padding, C)  # the padding stays zero
+        self.cols = x.new_empty(self.chunk, B * lout, k * C)
+
+    def chunks(self):
+        """``(slice of nodes, their columns (c, B L_out, k C))`` per chunk; the columns
+        live in a buffer that the next chunk overwrites."""
+        x, k, stride, pad, lout = self.x, self.k, self.stride, self.padding, self.lout
+        n, B, C, L = x.shape
+        Lp = L + 2 * pad
+        for r in range(0, n, self.chunk):
+            s = slice(r, r + self.chunk)
+            part = x[s]
+            c = part.shape[0]
+            xp = self.xp[:c]
+            xp[:, :, pad:pad + L].copy_(part.transpose(2, 3))
+            cols = self.cols[:c]
+            windows = xp.as_strided((c, B, lout, k * C), (B * Lp * C, Lp * C, stride * C, 1))
+            cols.view(c, B, lout, k * C).copy_(windows)
+            yield s, cols
 
 
 # --------------------------------------------------------------------------------------

@@ -183,11 +183,15 @@ def _built_in(kind: str) -> tuple[nn.Module, tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("kind", ["mlp", "cnn1d", "logreg"])
-def test_the_bmm_kernels_equal_vmap_and_each_nodes_own_model(kind):
+def test_the_bmm_kernels_equal_vmap_and_each_nodes_own_model(kind, monkeypatch):
     """Forward and gradients of the batched kernels against vmap over the model's own
-    forward, nodes with different weights, in float64; and each node's logits against
-    its own model's."""
+    forward, nodes with different weights, in float64 (a convolution's nodes in chunks
+    of 2 nodes, the last one shorter); and each node's logits against its own model's."""
     from torch.func import functional_call, vmap
+
+    from gossip import _batched
+
+    monkeypatch.setattr(_batched, "_CONV_CHUNK_VALUES", 2 * 5 * 12 * 5 * 2)  # 2 nodes of the first two layers
 
     model, shape = _built_in(kind)
     model = model.double()

@@ -79,12 +79,3 @@ def test_checksum_kernel_from_two_threads():
     for i in range(2):
         assert len(got[i]) == 100
         assert all(torch.equal(c, want[i]) for c in got[i]), f"thread {i}: a checksum differs"
-
-
-def test_checksum_of_many_rows_in_narrow_chunks():
-    """Many rows (a simulation's batch of payloads): the eager checksum takes chunks of
-    fewer words per row (128 here, the last one narrower), with the same sums."""
-    m, n = 3000, 2000
-    words = torch.randint(-(1 << 31), 1 << 31, (m, n), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
-    w = torch.arange(n, dtype=torch.int32).mul_(2).add_(1)
-    assert torch.equal(_kernels._checksum_eager(words, w), _kernels._checksum(words, w))

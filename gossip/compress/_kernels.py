@@ -784,8 +784,7 @@ def _checksum(words, w):
     return (words * w).sum(dim=1, dtype=torch.int32).to(torch.int64) & 0xFFFFFFFF
 
 
-_CHECKSUM_CHUNK = 1 << 14  # words per eager chunk of one row: the product stays in cache
-_CHECKSUM_BLOCK = 1 << 17  # words per eager chunk of all rows (512 KiB of products)
+_CHECKSUM_CHUNK = 1 << 14  # words per eager chunk: the product stays in cache
 
 
 def _checksum_eager(words, w):
@@ -796,13 +795,10 @@ def _checksum_eager(words, w):
     m, n = words.shape
     if n <= 1024:  # a small payload: its temporaries are small too
         return _checksum(words, w)
-    # many rows (the simulation's batch): narrower chunks, so the products of all rows
-    # still fit in cache (at 1,024 rows a 16K-word chunk's would be 64 MiB)
-    chunk = max(128, min(_CHECKSUM_CHUNK, _CHECKSUM_BLOCK // max(1, m)))
-    buf = _scratch.buffer("checksum", m * chunk, torch.int32, words.device).view(m, chunk)
+    buf = _scratch.buffer("checksum", m * _CHECKSUM_CHUNK, torch.int32, words.device).view(m, _CHECKSUM_CHUNK)
     acc = torch.zeros(m, dtype=torch.int64, device=words.device)
-    for a in range(0, n, chunk):
-        b = min(n, a + chunk)
+    for a in range(0, n, _CHECKSUM_CHUNK):
+        b = min(n, a + _CHECKSUM_CHUNK)
         prod = torch.mul(words[:, a:b], w[a:b], out=buf[:, : b - a])  # int32 products wrap mod 2**32
         # an int32 sum is the sum modulo 2**32 (what is kept), and unlike an int64 sum
         # it makes no int64 copy of the chunk

@@ -46,14 +46,15 @@ def test_weighted_sum_matches_dense_reference_and_the_sequential_contract(name: 
 
 @pytest.mark.parametrize("name, n", [("ring", 8), ("torus", 16), ("complete", 5)])
 def test_the_blocked_weighted_sum_keeps_the_sequential_contract(monkeypatch, name: str, n: int) -> None:
-    """Many rows of full degree are summed one block of columns at a time (blocks of 16
-    columns here, the last one narrower): the same bits as the per-node contract, as
-    a rank's own sum gives them."""
+    """Many rows of full degree are summed one block of rows at a time (3 rows here, the
+    last block shorter): the same bits as the per-node contract, as a rank's own sum
+    gives them."""
     import gossip.comm.base as base
 
-    monkeypatch.setattr(base, "_SUM_BLOCK_VALUES", 16 * n)
+    d = 53
+    monkeypatch.setattr(base, "_SUM_BLOCK_VALUES", 3 * d)
     topo = build(name, n)
-    P = payloads(n, 16 * 3 + 5)
+    P = payloads(n, d)
     rec = SimulatedCommunicator(topo).neighbor_exchange(P)
     calls, blocked = [], Received._blocked_sum
     monkeypatch.setattr(Received, "_blocked_sum", staticmethod(lambda *a: calls.append(1) or blocked(*a)))
@@ -240,3 +241,26 @@ def test_all_reduce_bytes_are_the_ring_share_rounded_half_up(n: int, nbytes: int
     out = comm.all_reduce(torch.full((n, nbytes), 200, dtype=torch.uint8), record=False)
     assert out.dtype == torch.uint8 and int(out[0, 0]) == (200 * n) % 256  # wraps like gloo
     assert [comm.ledger.sent_by(i) for i in range(n)] == [per_node] * n
+
+
+def test_dpsgd_updates_many_rows_in_blocks_with_the_same_bits(monkeypatch) -> None:
+    """D-PSGD's in-place update of many hosted rows (and its weighted sum) in blocks of
+    rows (2 here): the same X, bit for bit, as in one block."""
+    import gossip.algorithms.decentralized as dec
+    import gossip.comm.base as base
+    from gossip import algorithms
+
+    g = torch.Generator().manual_seed(4)
+    X0, U = torch.randn(8, 50, generator=g), 1e-2 * torch.randn(8, 50, generator=g)
+    out = []
+    for block in (None, 2 * 50):
+        if block:
+            monkeypatch.setattr(dec, "_BLOCK_VALUES", block)
+            monkeypatch.setattr(base, "_SUM_BLOCK_VALUES", block)
+        alg = algorithms.build("dpsgd", SimulatedCommunicator(build("ring", 8)))
+        X = X0.clone()
+        alg.setup(X)
+        for _ in range(3):
+            alg.step(X, U)
+        out.append(X)
+    assert torch.equal(out[0], out[1]) and not torch.equal(out[0], X0)

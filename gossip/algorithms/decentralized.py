@@ -43,7 +43,7 @@ from gossip.algorithms._common import check_int, node_keys, step_tag
 from gossip.algorithms.base import Algorithm
 from gossip.comm.base import is_time_varying
 
-#: values per block of columns where many hosted rows are updated in place
+#: values per block of rows where many hosted rows are updated in place
 #: (:meth:`DPSGD.step`): a block of each operand (512 KiB of float32) stays in cache
 _BLOCK_VALUES = 1 << 17
 
@@ -379,13 +379,14 @@ class DPSGD(_Gossip):
         # Step I
         _, mixed, _, _ = self._gossip(X, t, self.compressor, want_own=False)
         # Step II, in place: the same roundings as W_ii * x + mixed + u; many hosted rows
-        # on the CPU (the simulation) in blocks of columns that stay in cache through the
+        # on the CPU (the simulation) in blocks of rows that stay in cache through the
         # three operations (4 passes over the (m, d) values through memory instead of 8)
         w = self._self_w(X, t)
         m, d = X.shape
-        cols = max(16, _BLOCK_VALUES // m) if m > 1 and X.device.type == "cpu" else max(1, d)
-        for c in range(0, d, cols):
-            X[:, c:c + cols].mul_(w).add_(mixed[:, c:c + cols]).add_(U[:, c:c + cols])
+        rows = max(1, _BLOCK_VALUES // max(1, d)) if X.device.type == "cpu" else m
+        for r in range(0, m, rows):
+            s = slice(r, r + rows)
+            X[s].mul_(w[s]).add_(mixed[s]).add_(U[s])
         self.state.t = t + 1
 
 

@@ -20,7 +20,7 @@ __all__ = ["Communicator", "Received", "Handle", "Done", "ShardServer", "ring_al
 
 Decode = Callable[[torch.Tensor], torch.Tensor]
 
-#: values per column block of a many-row weighted sum (the simulation's, on the CPU): one
+#: values per block of rows of a many-row weighted sum (the simulation's, on the CPU): one
 #: block's gathered rows and its running sum (2 x 512 KiB of float32) stay in a core's L2
 #: cache (a GPU takes the whole matrix per operation: blocks would only add launches)
 _SUM_BLOCK_VALUES = 1 << 17
@@ -163,7 +163,7 @@ class Received:
                 or scratch.device != D.device:
             scratch = D.new_empty(shape)
         if m > 1 and D.device.type == "cpu" and bool((deg >= width).all()) \
-                and D.shape[1] > max(16, _SUM_BLOCK_VALUES // m) and scratch.is_contiguous():
+                and m * D.shape[1] > _SUM_BLOCK_VALUES and scratch.is_contiguous():
             return self._blocked_sum(D, idx, w, out, scratch, width)
 
         def rows(k: int) -> torch.Tensor:
@@ -190,21 +190,23 @@ class Received:
     def _blocked_sum(D: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
                      scratch: torch.Tensor, width: int) -> torch.Tensor:
         """The weighted sum of :meth:`weighted_sum` for many hosted rows of full degree,
-        one block of columns at a time: the same operations on every value (a gather,
+        a block of rows at a time: the same operations on every value (a gather,
         ``acc = w_0 * D_0``, ``acc += w_k * D_k``), so the same bits, but each block's
         gathered rows and sum stay in cache, where the whole-matrix form streams its
         ``(m, d)`` scratch and sum through memory at every operation (11 passes over
-        ``m d`` values for a ring, 3 this way). A block's gathered rows lie in the start
-        of ``scratch`` (contiguous), so nothing is allocated."""
+        ``m d`` values for a ring, 3 this way). Blocks of whole rows, so that each
+        operation reads and writes contiguous memory. A block's gathered rows lie in
+        the start of ``scratch`` (contiguous), so nothing is allocated."""
         m, d = out.shape
-        cols = max(16, _SUM_BLOCK_VALUES // m)
+        rows = max(1, _SUM_BLOCK_VALUES // d)
         flat = scratch.view(-1)
-        for c in range(0, d, cols):
-            Dc, oc = D[:, c:c + cols], out[:, c:c + cols]
+        for r in range(0, m, rows):
+            s = slice(r, r + rows)
+            oc = out[s]
             b = flat[:oc.numel()].view(oc.shape)
-            torch.mul(torch.index_select(Dc, 0, idx[:, 0], out=b), w[:, 0:1], out=oc)
+            torch.mul(torch.index_select(D, 0, idx[s, 0], out=b), w[s, 0:1], out=oc)
             for k in range(1, width):
-                oc += torch.mul(torch.index_select(Dc, 0, idx[:, k], out=b), w[:, k:k + 1], out=b)
+                oc += torch.mul(torch.index_select(D, 0, idx[s, k], out=b), w[s, k:k + 1], out=b)
         return out
 
     def __repr__(self) -> str:

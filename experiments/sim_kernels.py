@@ -116,7 +116,7 @@ def conv_per_node(groups: list[int], repeats: int, batch: int = bench_sim.BATCH)
 
             def f() -> None:
                 x.grad = w.grad = None
-                _batched._Conv1d.apply(x, w, None, stride, 2, None, ("w", "b")).sum().backward()
+                _batched._Conv1d.apply(x, w, None, stride, 2, None, ("w", "b"), False).sum().backward()
             return f
         for g in (1, *groups):
             fns[g], per[g] = make(g), g

@@ -116,7 +116,7 @@ class _Conv1d(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, stride: int, padding: int,
-                grads: GradBuffers | None, names: tuple[str, str]) -> Tensor:
+                grads: GradBuffers | None, names: tuple[str, str], relu: bool = False) -> Tensor:
         n, B, C, L = x.shape
         cout, k = w.shape[1], w.shape[3]
         lout = (L + 2 * padding - k) // stride + 1
@@ -131,7 +131,9 @@ class _Conv1d(torch.autograd.Function):
                 torch.bmm(c, wt[s], out=y[s])
             else:
                 torch.baddbmm(b[s].unsqueeze(1), c, wt[s], out=y[s])
-        ctx.save_for_backward(x, wt)
+            if relu:  # max(y, 0) while the chunk's output is in cache
+                y[s].relu_()
+        ctx.save_for_backward(x, wt, y if relu else None)
         ctx.conv = (stride, padding, lout)
         ctx.has_bias = b is not None
         ctx.grads, ctx.names = grads, names
@@ -139,40 +141,49 @@ class _Conv1d(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
-        x, wt = ctx.saved_tensors
+        x, wt, y = ctx.saved_tensors
         stride, padding, lout = ctx.conv
         n, B, C, L = x.shape
         cout = wt.shape[2]
         k = wt.shape[1] // C
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and ctx.has_bias
         g = gy.transpose(2, 3).reshape(n, B * lout, cout)  # a view where gy is channels-last
         gx = gw = gb = None
-        if ctx.has_bias and need_b:
-            gb = torch.sum(g, 1, out=_take(ctx.grads, ctx.names[1], (n, cout), g))
+        if need_b:
+            gb = _take(ctx.grads, ctx.names[1], (n, cout), g)
+            if gb is None:
+                gb = g.new_empty(n, cout)
         if need_w:
             gw = _take(ctx.grads, ctx.names[0], (n, cout, C, k), g)
             if gw is None:
                 gw = g.new_empty(n, cout, C, k)
-            cols = _Columns(x, k, stride, padding, lout)
-            for s, c in cols.chunks():
-                # dW = dy^T cols, in the columns' (tap, channel) order, then W's (channel, tap)
-                gw[s].copy_(torch.bmm(g[s].transpose(1, 2), c).view(-1, cout, k, C).permute(0, 1, 3, 2))
         if need_x:
             Lp = L + 2 * padding
             gxl = g.new_empty(n, B, L, C)  # channels-last, returned as a (n, B, C, L) view
             span = stride * (lout - 1) + 1
-            chunk = _chunk_nodes(g, B * lout * k * C, n)
-            gxp = g.new_empty(chunk, B, Lp, C)
-            for r in range(0, n, chunk):
-                s = slice(r, r + chunk)
-                gc = torch.bmm(g[s], wt[s].transpose(1, 2)).view(-1, B, lout, k, C)
+        chunk = _chunk_nodes(g, B * lout * k * C, n)
+        cols = _Columns(x, k, stride, padding, lout) if need_w else None
+        gxp = g.new_empty(chunk, B, Lp, C) if need_x else None
+        for s, c in cols.chunks() if cols is not None else ((slice(r, r + chunk), None) for r in range(0, n, chunk)):
+            gs = g[s]
+            if y is not None:  # the fused ReLU's gradient: dy where its output was > 0
+                gs = torch.ops.aten.threshold_backward(gs, y[s], 0)
+            if need_b:
+                torch.sum(gs, 1, out=gb[s])
+            if need_w:
+                # dW = dy^T cols, in the columns' (tap, channel) order, then W's (channel, tap)
+                gw[s].copy_(torch.bmm(gs.transpose(1, 2), c).view(-1, cout, k, C).permute(0, 1, 3, 2))
+            if need_x:
+                gc = torch.bmm(gs, wt[s].transpose(1, 2)).view(-1, B, lout, k, C)
                 part = gxp[:gc.shape[0]]
                 part.zero_()
                 for j in range(k):  # col2im: tap j of output l came from position l * stride + j
                     part[:, :, j:j + span:stride].add_(gc[:, :, :, j])
                 gxl[s].copy_(part[:, :, padding:padding + L])
+        if need_x:
             gx = gxl.transpose(2, 3)
-        return gx, gw, gb, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None
 
 
 def _chunk_nodes(like: Tensor, per_node: int, n: int) -> int:
@@ -243,7 +254,7 @@ def _linear(prefix: str, mod: nn.Linear) -> Kernel:
     return run
 
 
-def _conv1d(prefix: str, mod: nn.Conv1d) -> Kernel | None:
+def _conv1d(prefix: str, mod: nn.Conv1d, relu: bool = False) -> Kernel | None:
     padding = mod.padding
     if padding == "valid":
         padding = (0,)
@@ -258,7 +269,9 @@ def _conv1d(prefix: str, mod: nn.Conv1d) -> Kernel | None:
         w = params[names[0]]
         if x.dim() != 4 or x.shape[2] != w.shape[2] or x.shape[3] + 2 * pad < w.shape[3]:
             raise Unsupported(f"conv1d layer {prefix[:-1]!r} on an input of shape {tuple(x.shape)}")
-        return _Conv1d.apply(x, w, params[names[1]] if bias else None, stride, pad, grads, names)
+        return _Conv1d.apply(x, w, params[names[1]] if bias else None, stride, pad, grads, names, relu)
+    if not relu:  # a ReLU right after it is applied inside, chunk by chunk (see batched_forward)
+        run.with_relu = lambda: _conv1d(prefix, mod, relu=True)  # type: ignore[attr-defined]
     return run
 
 
@@ -371,7 +384,12 @@ def batched_forward(model: nn.Module) -> Callable[..., Tensor] | None:
             return None
         if kernel is None:
             return None
-        program.append(kernel)
+        if kernel is _relu and program and hasattr(program[-1], "with_relu"):
+            # a convolution's only user (the graph is a chain): fused into it, where the
+            # output and its gradient are in cache, instead of two more passes over them
+            program[-1] = program[-1].with_relu()
+        else:
+            program.append(kernel)
         current = node
     if not done or not program:
         return None

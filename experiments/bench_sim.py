@@ -12,7 +12,8 @@ of the machine's load hits both alike. Each path's step time is the minimum over
 timed steps (after one warm-up step); nodes x steps per second is N over it, and the
 ratio is vectorized over loop. A path whose N copies would not fit in memory is
 refused by the run's own memory check and reported as such; a loop path slower than
-``--loop-budget`` seconds per step is timed on fewer steps.
+``--loop-budget`` seconds per step is timed on two steps only, and so is the
+vectorized path then (the minimum of more steps would favour it on a noisy machine).
 
 Then, for ``--epoch-nodes`` (1024) nodes and each model, one whole epoch of the
 vectorized path as the CLI runs it (``Run.train``: set-up, steps, the epoch's
@@ -106,9 +107,15 @@ def bench_pair(n: int, model: str, steps: int, device: str, loop_budget: float, 
             row[f"{mode}_warmup_s"] = _timed_step(runs[mode], device)  # first step: first calls
         row["params"] = next(iter(runs.values())).dim if runs else None
         times: dict[str, list[float]] = {m: [] for m in runs}
+        capped = False
         for k in range(steps):  # interleaved: one step of each path in turn
             for mode, r in runs.items():
                 if mode == "loop" and k > 0 and min(times["loop"]) > loop_budget and len(times["loop"]) >= 2:
+                    capped = True
+                    continue
+                if mode != "loop" and capped:
+                    # the minimum of as many steps as the loop path's: a minimum over more
+                    # steps is lower on a noisy machine, which would favour this path
                     continue
                 if r.progress.step >= r.stop:
                     continue

@@ -8,11 +8,11 @@ minimum of each):
    ``--nodes`` nodes under ``torch.profiler`` (with FLOP counts): the matmuls' share
    of the step and their GFLOP/s, against this thread's peak (a 1024^3 float32
    matmul, timed in the same run).
-2. **cnn1d**: why is the vectorized step no faster than the loop? ``vmap`` turns a
-   convolution with per-node weights into one grouped convolution (``groups = n``).
-   Forward and backward of each of the model's three convolutions, per node: one
-   node's own convolution (the loop path) against the grouped one over ``--groups``
-   nodes, and the FLOP rate of the plain one.
+2. **cnn1d**: ``vmap`` turns a convolution with per-node weights into one grouped
+   convolution (``groups = n``). Forward and backward of each of the model's three
+   convolutions, per node: one node's own convolution (the loop path) against the
+   grouped one and the vectorized path's im2col + ``bmm`` kernel
+   (``gossip._batched``) over ``--groups`` nodes, with the FLOP rates.
 3. **logreg**: the batched cross-entropy of 1024 x 32 rows of 10 classes, torch's
    ``F.cross_entropy`` against the classes-major log-softmax the vectorized path
    uses (``gossip.vectorized._cross_entropy_rows``), forward and backward.
@@ -20,6 +20,12 @@ minimum of each):
 4. **evaluation**: ``gossip.vectorized.node_accuracies`` of 33 models (xbar's and the
    32 sampled nodes') over bench_sim's 2,048 test examples, ``node_chunk`` models per
    batched call, for each model (its figures do not depend on ``node_chunk``).
+
+5. **anatomy and roofline** (``--anatomy model:nodes,...``): each path's step of
+   bench_sim's set-up in parts (the forward and backward, the local update, the
+   algorithm's step), and what one thread allows: all nodes' FLOPs at the matmul peak,
+   one pass over the ``(n, d)`` values at the memcpy speed, and the ratios to the loop
+   path those bounds leave.
 
 Figures count only on a quiet machine (load average < 0.3): the run records the load
 before and after. ``--json PATH`` writes every figure.

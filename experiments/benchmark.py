@@ -283,17 +283,26 @@ def _train_args(t: Trial, lr: float, run_dir: Path, device: str = "cpu") -> list
     return ["--simulate", str(t.nodes), "--data", data, "--model", wl.model, "--epochs", str(epochs),
             "--batch-size", str(wl.batch_size), *wl.recipe, *t.method.flags, "--lr", f"{lr:g}",
             "--seed", str(t.seed), "--device", device, "--log-every", "1", "--no-progress", "--overwrite",
-            "--out", str(run_dir)]
+            *_UNREAD, "--out", str(run_dir)]
+
+
+#: flags that only skip work whose figures the benchmark never reads: each node's own
+#: accuracy at every epoch's end (16 models evaluated besides the average at 16 nodes,
+#: a fifth to a third of a tuning trial's CPU time). Every figure it reads stays the same
+#: bit for bit, so a trial run with or without them stands for the other (``_protocol_args``)
+_UNREAD = ("--no-node-eval",)
 
 
 def _protocol_args(args: Sequence[str]) -> list[str]:
-    """A trial's gossip.train arguments less where it wrote (``--out``) and, for records
-    made before the benchmark pinned it, ``--device cpu``: what must match for a
-    finished trial to stand for the one the spec asks for."""
+    """A trial's gossip.train arguments less where it wrote (``--out``), the flags of
+    :data:`_UNREAD` and, for records made before the benchmark pinned it, ``--device cpu``:
+    what must match for a finished trial to stand for the one the spec asks for."""
     out, skip = [], False
     for i, a in enumerate(args):
         if skip:
             skip = False
+            continue
+        if a in _UNREAD:
             continue
         if a == "--out" or (a == "--device" and i + 1 < len(args) and args[i + 1] == "cpu"):
             skip = True
@@ -1076,6 +1085,11 @@ make results-tables                                   # the README's verdict tab
   ```
 - **Cost.** `plan --estimate RESULTS --jobs N` estimates the CPU time of (a part of) the spec from
   the trials measured in a results file; the table below is that estimate for the whole spec.
+  Trials run with `gossip.train --no-node-eval`: the accuracy of each node's own model at every
+  epoch's end, which the benchmark never reads, was a fifth to a third of the CPU time of a
+  16-node tuning trial (six methods measured, 2 epochs). Every figure the benchmark reads (the
+  metric, bytes and steps) is the same bit for bit with or without it, so a trial recorded
+  without the flag still counts as finished.
 - **Selection needs the tuning.** A method's final runs start as soon as its own tuning has
   finished, so with `--jobs` the methods complete one after another and a cut run leaves whole
   methods; the report lists only methods whose tuning has all run, and ranks a method at a link

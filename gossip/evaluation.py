@@ -12,7 +12,10 @@
   Accuracy is not reported: next-byte accuracy is no measure anyone compares.
 
 Every evaluation also reports ``consensus_distance``. :data:`METRICS` names the keys
-per task, so that readers (analysis, race, TensorBoard) take them from here.
+per task, so that readers (analysis, race, TensorBoard) take them from here. With
+``nodes=False`` (``gossip.train --no-node-eval``) the nodes' own models are not
+evaluated and their ``node_*`` keys are left out; every other figure is the same, as
+each model is evaluated on its own.
 """
 
 from __future__ import annotations
@@ -91,9 +94,11 @@ def test_metrics(model, dataset, device="cpu") -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate(gopt, models, dataset, device, comm) -> dict[str, float]:
+def evaluate(gopt, models, dataset, device, comm, nodes: bool = True) -> dict[str, float]:
     """Test metrics of the averaged model xbar, and the spread of the nodes' own models
-    over every rank, for the data set's task (the keys of :data:`METRICS`)."""
+    over every rank, for the data set's task (the keys of :data:`METRICS`). With
+    ``nodes=False`` the nodes' models are not evaluated (every rank must pass the same:
+    the spread is gathered collectively) and ``node_*`` is left out."""
     X = gopt.flat.data
     xbar = gopt.average()
     own = X[0].clone()
@@ -102,6 +107,9 @@ def evaluate(gopt, models, dataset, device, comm) -> dict[str, float]:
         out = test_metrics(models[0], dataset, device)
     finally:
         X[0].copy_(own)
+    if not nodes:
+        out["consensus_distance"] = gopt.consensus_distance()
+        return out
     lm = dataset.task == LANGUAGE_MODEL
     per_node = []
     for m_ in models:
@@ -115,11 +123,12 @@ def evaluate(gopt, models, dataset, device, comm) -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate_vectorized(gopt, dataset, device) -> dict[str, float]:
+def evaluate_vectorized(gopt, dataset, device, nodes: bool = True) -> dict[str, float]:
     """The batched simulation's evaluation (classification): xbar's test loss and
     accuracy, and the nodes' own accuracies over ``vectorized.eval_nodes(n)`` (every
     node up to ``vectorized.EVAL_NODES``, else that many evenly spaced), in batched
-    calls. The keys of :data:`METRICS` for classification."""
+    calls. The keys of :data:`METRICS` for classification (less ``node_*`` with
+    ``nodes=False``: xbar's figures are those of its own call either way)."""
     from gossip import vectorized  # the batched model's own forward
 
     x_test = dataset.x_test.to(device)
@@ -127,15 +136,13 @@ def evaluate_vectorized(gopt, dataset, device) -> dict[str, float]:
     X = gopt.flat.data
     xbar = gopt.average()
     loss, acc = vectorized.node_accuracies(gopt, x_test, y_test, xbar.unsqueeze(0))
-    every = vectorized.node_accuracies(gopt, x_test, y_test, X[vectorized.eval_nodes(X.shape[0]).to(X.device)])[1]
-    return {
-        "test_loss": float(loss[0]),
-        "test_acc": float(acc[0]),
-        "node_acc_min": float(every.min()),
-        "node_acc_max": float(every.max()),
-        "node_acc_mean": float(every.mean()),
-        "consensus_distance": gopt.consensus_distance(),
-    }
+    out = {"test_loss": float(loss[0]), "test_acc": float(acc[0])}
+    if nodes:
+        every = vectorized.node_accuracies(gopt, x_test, y_test, X[vectorized.eval_nodes(X.shape[0]).to(X.device)])[1]
+        out.update({"node_acc_min": float(every.min()), "node_acc_max": float(every.max()),
+                    "node_acc_mean": float(every.mean())})
+    out["consensus_distance"] = gopt.consensus_distance()
+    return out
 
 
 def mean_over_nodes(comm, values: list[float]) -> float:

@@ -335,9 +335,10 @@ class Run:
         """Evaluate the averaged model, log it, print the epoch line."""
         p, spe = self.progress, self.steps_per_epoch
         if self.sim_path == "vectorized":  # batched over the nodes (classification only takes this path)
-            ev = evaluation.evaluate_vectorized(self.gopt, self.dataset, self.device)
+            ev = evaluation.evaluate_vectorized(self.gopt, self.dataset, self.device, nodes=self.cfg.run.node_eval)
         else:
-            ev = evaluation.evaluate(self.gopt, self.models, self.dataset, self.device, self.comm)
+            ev = evaluation.evaluate(self.gopt, self.models, self.dataset, self.device, self.comm,
+                                     nodes=self.cfg.run.node_eval)
         # mean training loss of the nodes over the epoch's steps
         ev["train_loss"] = evaluation.mean_over_nodes(self.comm, [sum(v) / max(1, len(v)) for v in p.epoch_losses])
         p.epoch_losses = [[] for _ in self.nodes]

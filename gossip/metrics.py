@@ -153,9 +153,11 @@ def epoch_line(epoch: float, epochs, ev, ledger, dpsgd, step, task: str = data.C
     t = ledger.times
     return (
         f"epoch {(f'{epoch:.0f}' if epoch == int(epoch) else f'{epoch:.2f}'):>3}/{epochs}  train {ev['train_loss']:.4f}  test {ev['test_loss']:.4f}  "
-        + (f"acc {ev['test_acc']:.2%} [nodes {ev['node_acc_min']:.2%}-{ev['node_acc_max']:.2%}]  "
+        + (f"acc {ev['test_acc']:.2%}" + (f" [nodes {ev['node_acc_min']:.2%}-{ev['node_acc_max']:.2%}]"
+                                           if "node_acc_min" in ev else "") + "  "
            if task == data.CLASSIFICATION else
-           f"bpb {ev['test_bpb']:.3f} ppl {ev['test_ppl']:.3g} [nodes {ev['node_bpb_min']:.3f}-{ev['node_bpb_max']:.3f}]  ")
+           f"bpb {ev['test_bpb']:.3f} ppl {ev['test_ppl']:.3g}"
+           + (f" [nodes {ev['node_bpb_min']:.3f}-{ev['node_bpb_max']:.3f}]" if "node_bpb_min" in ev else "") + "  ")
         + f"consensus {ev['consensus_distance']:.3g}  sent/node/step {_fmt_bytes(per_step)}{ratio}  "
         f"time compute {t.get('compute', 0):.1f}s compress {t.get('compress', 0):.1f}s "
         f"comm {t.get('communicate', 0):.1f}s wait {t.get('wait', 0):.1f}s"

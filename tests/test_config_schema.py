@@ -57,7 +57,8 @@ def test_the_built_in_sections_give_the_keys_earlier_versions_fingerprinted_and_
                    "weight_decay", "seed", "merge", "merge_max_groups", "merge_alpha", "algo_options"}
     assert set(config.FINGERPRINT_KEYS) == fingerprint and len(config.FINGERPRINT_KEYS) == len(fingerprint)
     agree = fingerprint | {"max_steps", "checkpoint_every", "log_every", "emulate_latency", "device", "simulate",
-                           "tensorboard", "local_optimizer", "betas", "model_options", "data_options"}
+                           "tensorboard", "local_optimizer", "betas", "model_options", "data_options",
+                           "node_eval"}  # agreed on, not fingerprinted: a checkpoint resumes with or without it
     assert set(config.AGREE_KEYS) == agree and len(config.AGREE_KEYS) == len(agree)
     adamw = TrainConfig.from_flat(algo="diloco", model_options={}).to_dict()
     assert set(config.fingerprint_keys(adamw)) == fingerprint | {"local_optimizer", "betas"}
@@ -69,7 +70,10 @@ def test_the_built_in_sections_give_the_keys_earlier_versions_fingerprinted_and_
 def test_config_json_keeps_the_order_every_release_wrote():
     keys = list(TrainConfig().to_dict())
     assert keys[:5] == ["algo", "bits", "compressor", "topology", "degree"]
-    assert keys[-6:] == ["simulate_mode", "compressor_spec", "model_name", "local_momentum", "local_optimizer", "betas"]
+    assert keys[:len(config._RECORD_ORDER)] == list(config._RECORD_ORDER)  # ends with simulate_mode
+    # a field added since follows them (--no-node-eval's), then the recorded properties
+    assert keys[len(config._RECORD_ORDER):] == ["node_eval", "compressor_spec", "model_name", "local_momentum",
+                                                "local_optimizer", "betas"]
     assert json.loads(json.dumps(TrainConfig.from_flat(algo="diloco").to_dict()))["betas"] == [0.9, 0.999]
 
 

@@ -1211,7 +1211,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = load_spec(a.spec)
             trials = plan(spec, **_filters(a, spec))
             if a.estimate:
-                res, _ = _provenance.read(a.estimate)
+                res, _ = _read_results(Path(a.estimate))
                 est = estimate(spec, res.get("trials", []), trials)
                 for g, v in est["groups"].items():
                     print(f"{g}: {v['trials']} trials, {v['cpu_s'] / 60:.1f} CPU minutes")

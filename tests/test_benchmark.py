@@ -243,6 +243,10 @@ def test_bad_lm_specs_and_resume_files_are_one_line(tmp_path, capsys):
     assert benchmark.main(["run", "--spec", str(tmp_path / "s.toml"), "--out", str(tmp_path / "o"),
                            "--nodes", "3"]) == 2
     assert capsys.readouterr().err.strip() == "benchmark: --nodes 3: not in the spec; it has 2"
+    # a missing cost file for --estimate: one line, no traceback
+    assert benchmark.main(["plan", "--spec", str(tmp_path / "s.toml"), "--estimate", str(tmp_path / "none.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("benchmark: ") and "none.json: cannot read it" in err and "\n" not in err
 
 
 def test_the_readme_verdict_table_is_rendered_from_the_results(bench):

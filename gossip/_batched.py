@@ -338,6 +338,17 @@ def _has_node(value: Any) -> bool:
     return False
 
 
+def _node_kernel(node: torch.fx.Node, model: nn.Module) -> Kernel | None:
+    """The batched kernel of one call of the traced chain, or None where there is none."""
+    if node.op == "call_module":
+        if node.kwargs or len(node.args) != 1:
+            return None
+        return _module_kernel(node.target + ".", model.get_submodule(node.target))
+    if node.op in ("call_function", "call_method"):
+        return _call_kernel(node.target, tuple(node.args), dict(node.kwargs), node.op == "call_method")
+    return None  # get_attr: a parameter used outside a supported layer
+
+
 def batched_forward(model: nn.Module) -> Callable[..., Tensor] | None:
     """``(params, x, grads=None) -> logits`` for n nodes at once, or None where the
     model holds a call this module has no batched kernel for.
@@ -374,14 +385,7 @@ def batched_forward(model: nn.Module) -> Callable[..., Tensor] | None:
         if current is None or not node.args or node.args[0] is not current \
                 or _has_node(node.args[1:]) or _has_node(node.kwargs):
             return None
-        if node.op == "call_module":
-            if node.kwargs or len(node.args) != 1:
-                return None
-            kernel = _module_kernel(node.target + ".", model.get_submodule(node.target))
-        elif node.op in ("call_function", "call_method"):
-            kernel = _call_kernel(node.target, tuple(node.args), dict(node.kwargs), node.op == "call_method")
-        else:  # get_attr: a parameter used outside a supported layer
-            return None
+        kernel = _node_kernel(node, model)
         if kernel is None:
             return None
         if kernel is _relu and program and hasattr(program[-1], "with_relu"):

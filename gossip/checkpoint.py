@@ -38,6 +38,7 @@ step.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -246,7 +247,8 @@ def save_checkpoint(
         f.write(b" " * (len(_HSUM) + 64 + 1 + width))
         body = _HashingWriter(f)
         try:
-            torch.save(dict(payload), body)
+            with _no_zip_crc32():
+                torch.save(dict(payload), body)
         except RuntimeError:
             if body.error is not None:  # torch wraps the file's OSError (a full disk): raise that
                 raise body.error from None
@@ -262,6 +264,28 @@ def save_checkpoint(
     write_atomically(path, write)
     _fsync_dir(path.parent)
     return path
+
+
+@contextlib.contextmanager
+def _no_zip_crc32():
+    """``torch.save`` without the CRC-32 its zip writer computes for every record.
+
+    The header's SHA-256 already covers every byte of the body, and it is checked
+    before ``torch.load`` reads it, which does not check the records' CRC-32. Computing
+    it cost a third of the serialisation's CPU time (about 0.6 s for the 646 MB of an
+    MLP simulated on 1,024 nodes). The body's bytes differ only in the records' CRC
+    fields (zero); any ``torch.load`` reads it. Restores the previous setting."""
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    set_ = getattr(torch.serialization, "set_crc32_options", None)
+    if get is None or set_ is None:  # an older torch: it computes them
+        yield
+        return
+    before = get()
+    set_(False)
+    try:
+        yield
+    finally:
+        set_(before)
 
 
 def _header_line(header: Mapping[str, Any]) -> bytes:

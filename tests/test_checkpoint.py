@@ -97,16 +97,62 @@ def _saved_before_streaming(path, payload, **kw):
     path.write_bytes(b"GOSSIP-CHECKPOINT\nHSUM " + hashlib.sha256(line).hexdigest().encode() + b"\n" + line + body)
 
 
+def _zip_records(body: bytes) -> dict[str, bytes]:
+    """The records of ``body`` (a torch.save zip) by name, read from their local headers
+    without the CRC-32 check (which zipfile would make), less the serialization id
+    torch derives from the CRCs."""
+    import struct
+    import zipfile
+
+    out = {}
+    for info in zipfile.ZipFile(io.BytesIO(body)).infolist():
+        o = info.header_offset
+        assert body[o: o + 4] == b"PK\x03\x04"
+        n, m = struct.unpack("<HH", body[o + 26: o + 30])
+        out[info.filename] = body[o + 30 + n + m: o + 30 + n + m + info.compress_size]
+    out.pop(next(k for k in out if k.endswith(".data/serialization_id")))
+    return out
+
+
+def test_the_body_carries_no_zip_crcs_and_the_option_is_restored(tmp_path):
+    """torch's per-record CRC-32 is skipped (the header's SHA-256 covers the body) and
+    torch's setting is left as the caller had it, also after a failed save."""
+    import zipfile
+
+    get, set_ = torch.serialization.get_crc32_options, torch.serialization.set_crc32_options
+    for before in (True, False):
+        set_(before)
+        try:
+            path = save_checkpoint(tmp_path / f"c{before}.pt", {"x": torch.arange(1000.0)}, world_size=1)
+            assert get() is before
+            with pytest.raises(TypeError):
+                save_checkpoint(tmp_path / "bad.pt", {"x": object()}, world_size=1)
+            assert get() is before
+        finally:
+            set_(True)
+        _, _, body = _split(path.read_bytes())
+        crcs = [i.CRC for i in zipfile.ZipFile(io.BytesIO(body)).infolist()]
+        assert len(crcs) >= 2 and set(crcs) == {0}  # the pickle, the tensor's data, torch's small records
+        assert torch.equal(load_checkpoint(path)["x"], torch.arange(1000.0))
+        assert torch.equal(torch.load(io.BytesIO(body), weights_only=True)["x"], torch.arange(1000.0))
+
+
 def test_the_streamed_file_holds_the_bytes_of_the_in_memory_one_and_both_load(saved, tmp_path):
-    """Streaming changed only the header's padding: the same body, the same header
-    entries; a file of the earlier writer loads as before."""
+    """Streaming changed only the header's padding, and skipping torch's CRC-32 only the
+    zip records' CRC fields (so the body's SHA-256); the other header entries are the
+    same, and a file of the earlier writer loads as before."""
     path, payload = saved
     old = tmp_path / "old.pt"
     _saved_before_streaming(old, payload, config=CONFIG, fingerprint_keys=KEYS, world_size=4)
     _, new_head, new_body = _split(path.read_bytes())
     _, old_head, old_body = _split(old.read_bytes())
-    assert new_body == old_body and json.loads(new_head) == json.loads(old_head)
-    assert new_head.rstrip(b" ") == old_head and len(new_head) > len(old_head)  # spaces before the newline
+    # the same records with the same bytes; the zip's CRC-32 fields (now left at zero)
+    # and the serialization id derived from them differ
+    assert _zip_records(new_body) == _zip_records(old_body) and len(new_body) == len(old_body)
+    new_entries, old_entries = json.loads(new_head), json.loads(old_head)
+    assert new_entries.pop("sha256") != old_entries.pop("sha256")
+    assert new_entries == old_entries
+    assert len(new_head) > len(old_head)  # spaces before the newline
     for p in (path, old):
         assert _equal(load_checkpoint(p, expect_config=CONFIG, expect_world_size=4), payload)
 

@@ -23,6 +23,11 @@ from gossip.assembly import hosts_of
 from gossip.config import TrainConfig
 from gossip.errors import RunError
 
+#: hosted nodes up to which each node's metrics file stays open for the whole run; a
+#: simulation of more nodes opens a node's file for each record (one descriptor per node
+#: would exceed the open-file limit of many systems, 1,024, at a thousand nodes)
+OPEN_WRITERS_MAX = 64
+
 __all__ = ["RunLog", "config_record", "diverged_record", "dpsgd_bytes", "epoch_line", "header", "summary_record"]
 
 
@@ -45,7 +50,9 @@ class RunLog:
     def open(self, keep: int | None) -> None:
         """The writers of the hosted nodes (``keep``: the resumed step, records after it
         dropped) and TensorBoard's on rank 0."""
-        self.writers = [rundir.MetricsWriter(rundir.metrics_path(self.out, i), keep_until=keep) for i in self.nodes]
+        keep_open = len(self.nodes) <= OPEN_WRITERS_MAX
+        self.writers = [rundir.MetricsWriter(rundir.metrics_path(self.out, i), keep_until=keep, keep_open=keep_open)
+                        for i in self.nodes]
         if self.cfg.run.tensorboard and self.is_main:
             try:
                 self.tb = rundir.TensorBoardWriter(self.out, resume_step=keep)

@@ -296,9 +296,14 @@ class MetricsWriter:
     ``keep_until=None`` starts the file afresh; ``keep_until=step`` (a resumed run)
     keeps the records up to that step and drops later ones, which the resumed run
     writes again.
+
+    ``keep_open=False`` opens the file for each record and closes it again, so that
+    the writer holds no file descriptor between records: a simulation of thousands of
+    nodes has one writer per node, more than a process may have files open (1,024 by
+    default on many systems). The records are the same either way.
     """
 
-    def __init__(self, path: Path, keep_until: int | None = None) -> None:
+    def __init__(self, path: Path, keep_until: int | None = None, keep_open: bool = True) -> None:
         path = Path(path)
         if keep_until is not None and path.exists():
             kept = [json.dumps(r) for r in read_metrics(path) if r.get("step", 0) <= keep_until]
@@ -306,15 +311,26 @@ class MetricsWriter:
         elif keep_until is None and path.exists():
             path.unlink()
         self.path = path
-        self._fh = open(path, "a", buffering=1)
+        if keep_open:
+            self._fh = open(path, "a", buffering=1)
+        else:
+            self._fh = None
+            path.touch()  # the file exists from the start, as with an open writer
 
     def write(self, rec: dict) -> None:
+        line = json.dumps(rec) + "\n"
         try:
-            self._fh.write(json.dumps(rec) + "\n")
+            if self._fh is not None:
+                self._fh.write(line)
+            else:
+                with open(self.path, "a") as f:
+                    f.write(line)
         except OSError as e:  # a full disk, a directory made read-only: say which file
             raise type(e)(e.errno, e.strerror, str(self.path)) from e
 
     def close(self) -> None:
+        if self._fh is None:
+            return
         try:
             self._fh.close()
         except OSError:  # the line that failed to go out already raised from write()

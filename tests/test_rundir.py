@@ -95,3 +95,41 @@ def test_schema1_checkpoint_resumes_and_continues_exactly(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
     c = checkpoint.load_checkpoint(twice / "ckpt-step6-rank0.pt")["optimizer"]["params"]
     assert torch.equal(a, c)
+
+
+def test_a_simulation_of_more_nodes_than_files_a_process_may_open_runs(tmp_path):
+    """A simulation holds no file open per node beyond ``OPEN_WRITERS_MAX`` hosted nodes
+    (one descriptor per node ran out at the open-file limit, 1,024 on many systems: a
+    simulation of a thousand nodes stopped with "Too many open files"). Here the child's
+    limit is 96 and it simulates 160 nodes; every node's records are written."""
+    from gossip import metrics
+
+    nodes, limit = 160, 96
+    assert metrics.OPEN_WRITERS_MAX < limit < nodes
+    code = ("import resource, runpy; soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE); "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, hard)); "
+            "runpy.run_module('gossip.train', run_name='__main__', alter_sys=True)")
+    out = tmp_path / "run"
+    r = run_process([sys.executable, "-c", code, "--simulate", str(nodes), "--model", "logreg", "--data", "synthetic",
+                     "--batch-size", "4", "--epochs", "1", "--max-steps", "2", "--log-every", "1", "--no-progress",
+                     "--out", str(out)], cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for i in (0, nodes // 2, nodes - 1):
+        recs = rundir.read_metrics(rundir.metrics_path(out, i))
+        assert [x["step"] for x in recs if x["kind"] == "train"] == [1, 2]
+        assert [x["kind"] for x in recs].count("eval") >= 1
+
+
+def test_a_writer_that_reopens_per_record_writes_the_same_file(tmp_path):
+    recs = [{"kind": "train", "step": s, "loss": 1.0 / s} for s in (1, 2, 3)]
+    for keep_open in (True, False):
+        w = rundir.MetricsWriter(tmp_path / f"m{keep_open}.jsonl", keep_open=keep_open)
+        assert w.path.exists()
+        for rec in recs[:2]:
+            w.write(rec)
+        w.close()
+        w = rundir.MetricsWriter(w.path, keep_until=1, keep_open=keep_open)  # a resume at step 1
+        w.write(recs[2])
+        w.close()
+        assert rundir.read_metrics(w.path) == [recs[0], recs[2]]
+    assert (tmp_path / "mTrue.jsonl").read_bytes() == (tmp_path / "mFalse.jsonl").read_bytes()

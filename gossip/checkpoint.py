@@ -569,7 +569,7 @@ class CheckpointRecord:
             "step": p.step,
             "elapsed_s": float(p.elapsed_s),
             "optimizer": self.optimizer,
-            "loaders": self.loaders,
+            "loaders": _stack_loader_states(self.loaders),
             "ledger": self.ledger,
             "nodes": self.nodes,
             "config": self.config,
@@ -587,8 +587,47 @@ class CheckpointRecord:
             log_losses=losses.get("log_losses") or [[] for _ in range(hosted)],
             epoch_losses=losses.get("epoch_losses") or [[] for _ in range(hosted)],
         )
-        return cls(progress, payload["optimizer"], list(payload["loaders"]), payload["ledger"],
+        return cls(progress, payload["optimizer"], _unstack_loader_states(payload["loaders"], where), payload["ledger"],
                    list(payload["nodes"]), payload["config"])
+
+
+def _stack_loader_states(states: list[dict]) -> list[dict] | dict:
+    """The hosted nodes' data-loader states as one entry per key: a tensor that every
+    node has with the same shape and dtype (its generators' states) stacked into one
+    ``(nodes, ...)`` tensor, any other value listed. A simulation of 1,024 nodes saved
+    2,048 generator states as 2,048 tensors, each a record of its own in the file
+    (0.35 s of pickling; 32,768 at 16,384 nodes). States of differing keys stay a list."""
+    if len(states) < 2 or any(set(st) != set(states[0]) for st in states):
+        return states
+    tensors, values = {}, {}
+    for key in states[0]:
+        col = [st[key] for st in states]
+        first = col[0]
+        if isinstance(first, torch.Tensor) and all(
+                isinstance(v, torch.Tensor) and v.shape == first.shape and v.dtype == first.dtype
+                and v.device == first.device for v in col):
+            tensors[key] = torch.stack(col)
+        else:
+            values[key] = col
+    return {"stacked_nodes": len(states), "tensors": tensors, "values": values}
+
+
+def _unstack_loader_states(saved: Any, where: str) -> list[dict]:
+    """The per-node list of :func:`_stack_loader_states`'s entry (or a list as saved
+    before stacking)."""
+    if isinstance(saved, (list, tuple)):
+        return list(saved)
+    try:
+        n = int(saved["stacked_nodes"])
+        tensors, values = dict(saved["tensors"]), dict(saved["values"])
+        if any(t.shape[0] != n for t in tensors.values()) or any(len(v) != n for v in values.values()):
+            raise ValueError("a column of another length")
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise CheckpointError(f"checkpoint '{where}' is damaged: its data-loader states do not unpack ({e})") from None
+    # each row a tensor of its own (clone): Generator.set_state takes a state's storage
+    # from its start, so a row of the stacked tensor (a view at an offset) must not reach it
+    return [{**{k: t[i].clone() for k, t in tensors.items()}, **{k: v[i] for k, v in values.items()}}
+            for i in range(n)]
 
 
 

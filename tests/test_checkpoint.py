@@ -546,3 +546,46 @@ def test_prune_keeps_the_last_complete_steps(tmp_path):
     assert ck.prune_checkpoints(tmp_path, 1) == [ck.checkpoint_path(tmp_path, 30, r) for r in (0, 1)]
     with pytest.raises(ValueError, match="keep_last must be an integer >= 1, got 0"):
         ck.prune_checkpoints(tmp_path, 0)
+
+
+def test_loader_states_are_saved_stacked_and_read_back_per_node():
+    """Many nodes' loader states go into the file as one tensor per generator (one
+    record each, not one per node); reading gives every node its own state back, each
+    row a tensor of its own (a generator given a view at an offset crashes torch)."""
+    from gossip.data import ShardLoader
+
+    x, y = torch.randn(64, 3), torch.arange(64) % 4
+    loaders = [ShardLoader(x, y, torch.arange(16 * r, 16 * r + 16), 4, seed=7, node=r) for r in range(4)]
+    for ld in loaders[1:]:
+        next(iter(ld))
+    states = [ld.state_dict() for ld in loaders]
+    stacked = ck._stack_loader_states(states)
+    assert stacked["stacked_nodes"] == 4
+    assert {k: tuple(t.shape)[0] for k, t in stacked["tensors"].items()} == {"shuffle_generator": 4,
+                                                                           "transform_generator": 4}
+    back = ck._unstack_loader_states(stacked, "f")
+    assert len(back) == 4 and all(set(b) == set(s) for b, s in zip(back, states))
+    for b, s in zip(back, states):
+        for k in s:
+            assert torch.equal(b[k], s[k]) if isinstance(s[k], torch.Tensor) else b[k] == s[k]
+        assert all(b[k].storage_offset() == 0 for k in stacked["tensors"])
+    fresh = [ShardLoader(x, y, torch.arange(16 * r, 16 * r + 16), 4, seed=7, node=r) for r in range(4)]
+    for ld, st, orig in zip(fresh, back, loaders):
+        ld.load_state_dict(st)
+        assert all(torch.equal(a, b) for a, b in zip(next(iter(ld)), next(iter(orig))))
+    assert ck._unstack_loader_states(states, "f") == states  # a list, as saved before stacking
+    assert ck._stack_loader_states(states[:1]) == states[:1]
+
+
+@pytest.mark.parametrize("damage", [lambda s: s.pop("values"), lambda s: s.update(stacked_nodes=5),
+                                    lambda s: s["tensors"].update(shuffle_generator=torch.zeros(3, 2))])
+def test_damaged_stacked_loader_states_are_one_line(damage):
+    from gossip.data import ShardLoader
+
+    x, y = torch.randn(16, 3), torch.arange(16) % 4
+    stacked = ck._stack_loader_states([ShardLoader(x, y, torch.arange(8 * r, 8 * r + 8), 2, seed=0, node=r).state_dict()
+                                       for r in range(2)])
+    damage(stacked)
+    with pytest.raises(CheckpointError, match=r"^checkpoint 'f' is damaged: its data-loader states do not unpack") as e:
+        ck._unstack_loader_states(stacked, "f")
+    assert "\n" not in str(e.value)

@@ -23,10 +23,38 @@ from gossip.assembly import hosts_of
 from gossip.config import TrainConfig
 from gossip.errors import RunError
 
-#: hosted nodes up to which each node's metrics file stays open for the whole run; a
-#: simulation of more nodes opens a node's file for each record (one descriptor per node
-#: would exceed the open-file limit of many systems, 1,024, at a thousand nodes)
+#: hosted nodes up to which each node's metrics file stays open for the whole run
+#: without looking at the open-file limit
 OPEN_WRITERS_MAX = 64
+#: descriptors left to everything else (torch, data, sockets) when the metrics files
+#: of a larger simulation are kept open
+FD_RESERVE = 256
+
+
+def keep_files_open(nodes: int) -> bool:
+    """Whether ``nodes`` metrics files can stay open for the whole run: yes up to
+    :data:`OPEN_WRITERS_MAX`, and beyond while the open-file limit leaves
+    :data:`FD_RESERVE` descriptors free, after raising the soft limit towards the hard
+    one if needed (allowed to any process). Where even the hard limit is too low (1,024
+    soft on many systems; a simulation of a thousand nodes stopped with "Too many open
+    files"), each node's file is opened for each record instead: slower, the same records."""
+    if nodes <= OPEN_WRITERS_MAX:
+        return True
+    try:
+        import resource
+    except ImportError:  # no POSIX limits (Windows): as before
+        return True
+    need = nodes + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return True
+    if hard != resource.RLIM_INFINITY and hard < need:
+        return False
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    except (ValueError, OSError):
+        return False
+    return True
 
 __all__ = ["RunLog", "config_record", "diverged_record", "dpsgd_bytes", "epoch_line", "header", "summary_record"]
 
@@ -50,7 +78,10 @@ class RunLog:
     def open(self, keep: int | None) -> None:
         """The writers of the hosted nodes (``keep``: the resumed step, records after it
         dropped) and TensorBoard's on rank 0."""
-        keep_open = len(self.nodes) <= OPEN_WRITERS_MAX
+        keep_open = keep_files_open(len(self.nodes))
+        if not keep_open:
+            self.say(f"metrics: {len(self.nodes)} nodes' files are more than this process may keep open "
+                     f"(ulimit -n); each is opened for each record, which is slower")
         self.writers = [rundir.MetricsWriter(rundir.metrics_path(self.out, i), keep_until=keep, keep_open=keep_open)
                         for i in self.nodes]
         if self.cfg.run.tensorboard and self.is_main:

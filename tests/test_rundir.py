@@ -97,23 +97,27 @@ def test_schema1_checkpoint_resumes_and_continues_exactly(tmp_path):
     assert torch.equal(a, c)
 
 
-def test_a_simulation_of_more_nodes_than_files_a_process_may_open_runs(tmp_path):
-    """A simulation holds no file open per node beyond ``OPEN_WRITERS_MAX`` hosted nodes
-    (one descriptor per node ran out at the open-file limit, 1,024 on many systems: a
-    simulation of a thousand nodes stopped with "Too many open files"). Here the child's
-    limit is 96 and it simulates 160 nodes; every node's records are written."""
+@pytest.mark.parametrize("hard", [False, True])
+def test_a_simulation_of_more_nodes_than_files_a_process_may_open_runs(tmp_path, hard):
+    """A simulation of more nodes than the open-file limit allows (one metrics file per
+    node; a thousand nodes stopped with "Too many open files" under the 1,024 that many
+    systems set) raises its soft limit where the hard one allows, and otherwise opens a
+    node's file for each record. Here the child's soft limit (and with ``hard`` its hard
+    limit too) is 96 and it simulates 160 nodes; every node's records are written."""
     from gossip import metrics
 
     nodes, limit = 160, 96
     assert metrics.OPEN_WRITERS_MAX < limit < nodes
+    new_hard = str(limit) if hard else "hard"
     code = ("import resource, runpy; soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE); "
-            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, hard)); "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {new_hard})); "
             "runpy.run_module('gossip.train', run_name='__main__', alter_sys=True)")
     out = tmp_path / "run"
     r = run_process([sys.executable, "-c", code, "--simulate", str(nodes), "--model", "logreg", "--data", "synthetic",
                      "--batch-size", "4", "--epochs", "1", "--max-steps", "2", "--log-every", "1", "--no-progress",
                      "--out", str(out)], cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert ("each is opened for each record" in r.stdout) is hard
     for i in (0, nodes // 2, nodes - 1):
         recs = rundir.read_metrics(rundir.metrics_path(out, i))
         assert [x["step"] for x in recs if x["kind"] == "train"] == [1, 2]

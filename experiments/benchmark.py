@@ -1093,7 +1093,12 @@ make results-tables                                   # the README's verdict tab
 - **Selection needs the tuning.** A method's final runs start as soon as its own tuning has
   finished, so with `--jobs` the methods complete one after another and a cut run leaves whole
   methods; the report lists only methods whose tuning has all run, and ranks a method at a link
-  only if every seed of the protocol reached the target."""
+  only if every seed of the protocol reached the target.
+- **Measured on shaped links.** `sudo python experiments/benchmark_netns.py --results RESULTS
+  --out runs/bench-netns --netns-results NETNS` runs each method's final trial of seed 0 again
+  as 4 torchrun ranks in network namespaces, each link shaped with tc to 10 and 100 Mbit/s
+  (as the race's netns mode does), and stops it at the target; `report --netns NETNS` adds the
+  measured times next to the modelled ones. It needs root and a quiet machine (wall-clock times)."""
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -1205,6 +1210,8 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--estimate", nargs=2, default=None, metavar=("SPEC", "RESULTS"),
                     help="add what the whole of SPEC would cost, from the trials measured in RESULTS")
     rp.add_argument("--running", action="store_true", help="add the section on running the benchmark")
+    rp.add_argument("--netns", default=None, metavar="RESULTS",
+                    help="add the runs measured in the netns cluster (experiments/benchmark_netns.py's results)")
     a = p.parse_args(argv)
     try:
         if a.cmd == "plan":
@@ -1281,6 +1288,13 @@ def main(argv: list[str] | None = None) -> int:
             measured, mprov = _read_results(Path(a.estimate[1]))
             extra += "\n\n### What the whole spec costs\n\n" + estimate_section(
                 load_spec(a.estimate[0]), measured, mprov, a.estimate[1])
+        if a.netns:
+            import benchmark_netns
+
+            measured, nprov = _read_results(Path(a.netns))
+            if not isinstance(measured, dict) or "runs" not in measured or "bandwidths" not in measured:
+                raise SpecError(f"--netns {a.netns}: not a results file of experiments/benchmark_netns.py")
+            extra = benchmark_netns.section(measured, nprov) + "\n\n" + extra
         report(res, md, Path(a.figures) if a.figures else md.parent, title=a.title, extra=extra.strip())
         print(f"benchmark: report in {md}")
         return 0

@@ -315,9 +315,18 @@ def _load() -> float:
 def run_netns_method(vc, name: str, bw_label: str, bandwidth: float, out: Path, common: list[str],
                      target: float, to_end: bool, timeout: float) -> dict:
     """One method as torchrun ranks on the (already shaped) cluster ``vc``; its record."""
-    run_dir = out / _run_name(name, bw_label)
-    cmd = ["-m", "gossip.train", *RECIPE, *common, *METHODS[name], *METHOD_RECIPE.get(name, []),
-           "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
+    args = [*RECIPE, *common, *METHODS[name], *METHOD_RECIPE.get(name, [])]
+    return run_netns_args(vc, args, out / _run_name(name, bw_label), bandwidth, target, to_end, timeout,
+                          label=f"{name} @ {bw_label}", run_id="race")
+
+
+def run_netns_args(vc, args: list[str], run_dir: Path, bandwidth: float, target: float, to_end: bool,
+                   timeout: float, *, label: str, run_id: str, pythonpath: tuple[Path, ...] = ()) -> dict:
+    """``gossip.train args`` as torchrun ranks on the (already shaped) cluster ``vc``,
+    writing ``run_dir``, stopped at the first evaluation that reaches ``target`` unless
+    ``to_end``; its record (:func:`netns_record`). ``pythonpath``: folders the ranks
+    import from besides the repository (a data factory's module)."""
+    cmd = ["-m", "gossip.train", *args, "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
     metrics = rundir.metrics_path(run_dir, 0)
     checked = [0.0]
 
@@ -330,20 +339,21 @@ def run_netns_method(vc, name: str, bw_label: str, bandwidth: float, out: Path, 
                                      for r in rundir.read_metrics(metrics)):
             raise _Reached
 
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    paths = [str(REPO), *(str(p) for p in pythonpath), os.environ.get("PYTHONPATH", "")]
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     load = [_load()]
     t0 = time.perf_counter()
     stopped = ok = False
+    out = run_dir.parent
     try:
         res = vc.run_torchrun(cmd, 1, env=env, timeout=timeout, outdir=out / "cluster" / run_dir.name,
-                              cwd=str(REPO), run_id=f"race-{run_dir.name.replace('@', '-').replace('.', '-')}",
+                              cwd=str(REPO), run_id=f"{run_id}-{run_dir.name.replace('@', '-').replace('.', '-')}",
                               monitor=monitor)
         ok = res.ok
         if not ok:
             bad = res.failed[0]
-            print(f"race: {name} @ {bw_label} failed (host {bad.rank}, exit {bad.returncode}"
+            print(f"race: {label} failed (host {bad.rank}, exit {bad.returncode}"
                   f"{', timed out' if bad.timed_out else ''}): {res.tail(bad.rank, 1)}", file=sys.stderr, flush=True)
     except _Reached:  # the cluster stopped every rank on its way out
         stopped = ok = True

@@ -1,0 +1,284 @@
+#!/usr/bin/env python3
+"""The benchmark's methods measured on shaped links: torchrun ranks in network namespaces.
+
+    sudo python experiments/benchmark_netns.py --results experiments/results/benchmark.json \\
+        --out runs/bench-netns --bandwidth 10mbit,100mbit \\
+        --netns-results experiments/results/benchmark_netns.json
+    python experiments/benchmark.py report --results experiments/results/benchmark.json \\
+        --netns experiments/results/benchmark_netns.json --md docs/benchmark.md
+
+The benchmark (``experiments/benchmark.py``) models every method's time to target per
+link from simulated runs. This measures it, as the race's netns mode does
+(``experiments/race.py``): each method runs as ``--nodes`` torchrun ranks, one per
+network namespace of ``experiments/vcluster.py``'s virtual cluster, each host's link
+shaped with tc to the bandwidth; one cluster per bandwidth, the methods one after the
+other. A method runs exactly as its benchmark trial of ``--seed`` did (the same
+``gossip.train`` arguments, so its tuned learning rate and the workload's data and
+recipe), less ``--simulate``. It is stopped at the first evaluation that reaches the
+workload's target (``--to-end``: every epoch).
+
+For each run it records the measured wall time to target (after start-up), the time
+the race's model gives for the same run (its own bytes and measured compute and codec
+time), and the benchmark's modelled time of the simulated trial at the same link with
+no added latency; ``benchmark.py report --netns FILE`` adds the table to the report.
+Needs root (network namespaces and tc), as the race's netns mode does. No latency is
+shaped: the cluster shapes the rate only. Run it on a quiet machine: the times are
+wall-clock, and the ranks share its cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+for _p in (str(REPO), str(HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import race  # noqa: E402
+import vcluster  # noqa: E402
+from experiments import _provenance  # noqa: E402
+from gossip import crossover  # noqa: E402
+
+#: the code these figures measure: training runs, the race's netns runner, the cluster
+SOURCES = _provenance.training_sources("gossip/crossover.py", "experiments/race.py", "experiments/vcluster.py",
+                                       "experiments/benchmark_netns.py", "experiments/bench_data.py")
+
+
+class NetnsError(ValueError):
+    """A bad argument or results file: one line."""
+
+
+def rank_args(args: list[str]) -> list[str]:
+    """A trial's ``gossip.train`` arguments as each torchrun rank takes them: without
+    ``--simulate N`` (the ranks are the nodes) and without where it wrote (``--out``),
+    or the flags the runner sets itself (``--log-every``, ``--no-progress``, ``--overwrite``)."""
+    out, skip = [], 0
+    for a in args:
+        if skip:
+            skip -= 1
+            continue
+        if a in ("--simulate", "--out", "--log-every"):
+            skip = 1
+            continue
+        if a in ("--no-progress", "--overwrite"):
+            continue
+        out.append(a)
+    return out
+
+
+def plan_runs(results: dict, workload: str, nodes: int, seed: int, methods: list[str] | None) -> list[dict]:
+    """The runs to make: per method (in the spec's order), its final trial of ``seed`` at
+    ``nodes`` nodes, the rank arguments and the learning rate."""
+    wls = results.get("workloads") or {}
+    if workload not in wls:
+        raise NetnsError(f"--workload {workload}: not in the results file (it has {', '.join(wls) or 'none'})")
+    per_n = wls[workload]["nodes"]
+    if str(nodes) not in per_n:
+        raise NetnsError(f"--nodes {nodes}: the results file has no {workload} trials at {nodes} nodes "
+                         f"(it has {', '.join(per_n) or 'none'})")
+    selected = per_n[str(nodes)]["methods"]
+    seeds = results["protocol"]["seeds"]
+    if seed not in seeds:
+        raise NetnsError(f"--seed {seed}: not one of the protocol's final seeds {seeds}")
+    order = [m for m in (results.get("spec") or {}).get("methods", {}) if m in selected] or list(selected)
+    names = order if methods is None else methods
+    unknown = [m for m in names if m not in selected]
+    if unknown:
+        raise NetnsError(f"--methods: no finished tuning of {', '.join(unknown)} at {nodes} nodes on {workload}; "
+                         f"accepted: {', '.join(order)}")
+    by_key = {t["key"]: t for t in results.get("trials", [])}
+    runs = []
+    for name in names:
+        r = selected[name]
+        sd = (r.get("seeds") or {}).get(str(seed))
+        trial = by_key.get(sd["trial"]) if sd else None
+        if trial is None or trial.get("status") != "ok":
+            if methods is not None:
+                raise NetnsError(f"--methods {name}: its final run of seed {seed} at {nodes} nodes has not finished")
+            continue  # not run yet: the report says which methods the table covers
+        runs.append({"method": name, "lr": r["lr"], "trial": trial["key"], "args": rank_args(trial["args"]),
+                     "wire": r.get("wire"), "simulated": sd["links"]})
+    if not runs:
+        raise NetnsError(f"no method has a finished final run of seed {seed} at {nodes} nodes on {workload}")
+    return runs
+
+
+def _run_name(method: str, bw: str) -> str:
+    return f"{method.replace(':', '-')}@{bw}"
+
+
+def record(run: dict, measured: dict, bw: str) -> dict:
+    """What the results keep of one measured run, next to the simulated trial's model."""
+    sim = run["simulated"].get(f"{bw}@0") or {}
+    t = measured["to_target"]
+    return {**measured, "lr": run["lr"], "trial": run["trial"], "args": run["args"],
+            "simulated_time_s": sim.get("time_s"), "simulated_bytes": sim.get("bytes"),
+            "simulated_error": (sim["time_s"] / t["time_s"] - 1.0)
+            if sim.get("time_s") is not None and t["time_s"] else None}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.0%}"
+
+
+def table(res: dict) -> str:
+    """One row per run: measured time to target, the race model of the same run, and the
+    benchmark's model of the simulated trial."""
+    target = res["target"]
+    metric = res["metric"]
+    tgt = f"{target:.0%}" if metric == "test_acc" else f"{target:.3f} bpb"
+    head = ["bandwidth", "method", "lr", "wire", f"epoch to {tgt}", "bytes/node to target",
+            "time to target, measured", "same run, modelled (error)", "simulated trial, modelled (error)",
+            "first step", "end", "load start→end", "date (UTC)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for bw in res["bandwidths"]:
+        for name, per_bw in res["runs"].items():
+            run = per_bw.get(bw)
+            if run is None:
+                continue
+            t = run["to_target"]
+            reached = t["time_s"] is not None
+            how = "stopped at target" if run["stopped_at_target"] else ("last epoch" if run["ok"] else "failed")
+            end = "-" if not run["points"] else (
+                f"{race._fmt_score(metric, run['last_score'])} (epoch {run['last_epoch']:.0f}, {how})")
+            sim = run.get("simulated_time_s")
+            lines.append("| " + " | ".join([
+                bw, name, f"{run['lr']:g}", (run.get("wire") or {}).get("label", "?"),
+                f"{t['epoch']:.0f}" if reached else "not reached", race._fmt_bytes(t["bytes"]),
+                f"{t['time_s']:.1f} s" if reached else "-",
+                f"{t['model_s']:.1f} s ({_pct(t['model_error'])})" if reached else "-",
+                "-" if sim is None else f"{sim:.1f} s" + (f" ({_pct(run['simulated_error'])})" if reached else ""),
+                f"{t['warmup_s']:.1f} s" if reached else "-", end,
+                f"{run['load_average'][0]:.1f}→{run['load_average'][1]:.1f}", run["date"][:16]]) + " |")
+    return "\n".join(lines)
+
+
+def section(res: dict, prov: dict | None = None) -> str:
+    """The report's section on the measured runs (Markdown)."""
+    prov = prov or res.get("provenance") or {}
+    m = prov.get("machine", {})
+    errs = [r["simulated_error"] for per in res["runs"].values() for r in per.values()
+            if r.get("simulated_error") is not None]
+    lines = [
+        f"## Measured in the netns cluster ({res['nodes']} nodes)",
+        "",
+        f"{res['workload']}, {res['nodes']} torchrun ranks in network namespaces, each host's link shaped with tc "
+        f"to the bandwidth (no latency added); each method as its final trial of seed {res['seed']} ran "
+        "(its tuned learning rate), stopped at the first evaluation at the target. \"Same run, modelled\": the "
+        "race's model fed with this run's bytes and measured compute and codec time; \"simulated trial, "
+        "modelled\": the benchmark's modelled time of the simulated trial at the same link (the error is "
+        "modelled / measured - 1).",
+        "",
+        table(res),
+        "",
+        (f"Made by `{prov.get('command', '?')}` at commit `{(prov.get('commit') or '?')[:10]}`"
+         f"{' (dirty tree)' if prov.get('dirty') else ''} on {(prov.get('date') or '?')[:16]}, "
+         f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores), load {prov.get('load_before', '?')} before"
+         + (f"; the simulated trials' model against the measured time: median "
+            f"{sorted(errs)[len(errs) // 2]:+.0%}, range {min(errs):+.0%} to {max(errs):+.0%}" if errs else "")
+         + "."),
+    ]
+    missing = res.get("not_run") or []
+    if missing:
+        lines += ["", f"Not measured (no finished final run of seed {res['seed']}): {', '.join(missing)}."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", required=True, type=Path, help="the benchmark's results file")
+    p.add_argument("--out", required=True, type=Path, help="directory of the run directories and the results")
+    p.add_argument("--workload", default="mnist1d")
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0, help="whose final trial each method repeats (default 0)")
+    p.add_argument("--methods", default=None, help="comma-separated (default: every method with that trial)")
+    p.add_argument("--bandwidth", default="10mbit,100mbit", help="link rates (default 10mbit,100mbit)")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds allowed per run (default 1200)")
+    p.add_argument("--to-end", action="store_true", help="run every epoch instead of stopping at the target")
+    p.add_argument("--prefix", default="bnet", help="name prefix of the namespaces (default bnet)")
+    p.add_argument("--netns-results", type=Path, default=None,
+                   help="also write the results (with provenance) here once every run is done")
+    a = p.parse_args(argv)
+    try:
+        bw_labels = [b.strip() for b in a.bandwidth.split(",") if b.strip()]
+        if not bw_labels:
+            raise NetnsError("--bandwidth: give at least one rate, e.g. 10mbit,100mbit")
+        rates = []
+        for b in bw_labels:
+            try:
+                rates.append(crossover.parse_rate(b))
+            except crossover.CrossoverError as e:
+                raise NetnsError(f"--bandwidth {b}: {e}") from None
+        try:
+            results, bprov = _provenance.read(a.results)
+        except OSError as e:
+            raise NetnsError(f"--results {a.results}: cannot read it ({e.strerror or e})") from None
+        except ValueError as e:
+            raise NetnsError(str(e)) from None
+        if not isinstance(results, dict) or "workloads" not in results or "protocol" not in results:
+            raise NetnsError(f"--results {a.results}: not a benchmark results file (no 'workloads' and 'protocol')")
+        methods = [m.strip() for m in a.methods.split(",") if m.strip()] if a.methods else None
+        runs = plan_runs(results, a.workload, a.nodes, a.seed, methods)
+    except NetnsError as e:
+        print(f"benchmark_netns: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        vcluster.check_rights()
+    except vcluster.VClusterError as e:
+        print(f"benchmark_netns: error: {e}", file=sys.stderr)
+        return 2
+    wl = results["workloads"][a.workload]
+    selected = results["workloads"][a.workload]["nodes"][str(a.nodes)]["methods"]
+    record_ = _provenance.start(SOURCES, argv=["experiments/benchmark_netns.py", *argv])
+    res = {"workload": a.workload, "nodes": a.nodes, "seed": a.seed, "target": wl["target"], "metric": wl["metric"],
+           "bandwidths": bw_labels, "stop_at_target": not a.to_end,
+           "benchmark": {"results": a.results.name, "commit": bprov.get("commit")},
+           "not_run": [m for m in selected if m not in {r["method"] for r in runs}],
+           "runs": {r["method"]: {} for r in runs}}
+    a.out.mkdir(parents=True, exist_ok=True)
+    for bw, bps in zip(bw_labels, rates):
+        try:
+            with vcluster.VirtualCluster(a.nodes, rate=vcluster.parse_rate(bw), prefix=a.prefix) as vc:
+                print(f"benchmark_netns: {vc.describe()}", flush=True)
+                for run in runs:
+                    label = f"{run['method']} @ {bw}"
+                    print(f"benchmark_netns: {label} (lr {run['lr']:g}) ...", flush=True)
+                    measured = race.run_netns_args(vc, run["args"], a.out / _run_name(run["method"], bw), bps,
+                                                   wl["target"], a.to_end, a.timeout, label=label, run_id="bnet",
+                                                   pythonpath=(HERE,))
+                    rec = record(run, measured, bw)
+                    rec["wire"] = rec.get("wire") or run.get("wire")
+                    res["runs"][run["method"]][bw] = rec
+                    t = rec["to_target"]
+                    print(f"benchmark_netns: {label}: " + ("target not reached" if t["time_s"] is None else
+                          f"target at epoch {t['epoch']:.0f} after {t['time_s']:.1f} s measured, "
+                          f"{t['model_s']:.1f} s modelled from this run, simulated trial "
+                          + ("-" if rec["simulated_time_s"] is None else f"{rec['simulated_time_s']:.1f} s")),
+                          flush=True)
+                    # after every run, what has been measured so far (the results file with its
+                    # provenance is written once all have run)
+                    (a.out / "benchmark_netns.partial.json").write_text(json.dumps(res, indent=1) + "\n")
+        except vcluster.VClusterError as e:
+            print(f"benchmark_netns: error: {e}", file=sys.stderr)
+            return 2
+    _provenance.write(a.out / "benchmark_netns.json", res, record_)
+    if a.netns_results is not None:
+        a.netns_results.parent.mkdir(parents=True, exist_ok=True)
+        tmp = a.netns_results.with_name(a.netns_results.name + ".tmp")
+        tmp.write_bytes((a.out / "benchmark_netns.json").read_bytes())
+        os.replace(tmp, a.netns_results)
+    text = section(*_provenance.read(a.out / "benchmark_netns.json"))
+    (a.out / "benchmark_netns.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The benchmark's methods measured on shaped links (experiments/benchmark_netns.py): each
+method repeats its benchmark trial as torchrun ranks in network namespaces, and the
+report gains the table."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "experiments"))
+
+import bench_data  # noqa: E402
+import benchmark  # noqa: E402
+import benchmark_netns  # noqa: E402
+import vcluster  # noqa: E402
+
+from tests.test_benchmark import SPEC  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    """The tiny benchmark of tests/test_benchmark.py: 2 methods, 2 nodes, 1 seed."""
+    tmp = tmp_path_factory.mktemp("bnet")
+    (tmp / "spec.toml").write_text(SPEC)
+    bench_data.SERVED.clear()
+    assert benchmark.main(["run", "--spec", str(tmp / "spec.toml"), "--out", str(tmp / "out")]) == 0
+    return tmp, tmp / "out" / "benchmark.json"
+
+
+def test_a_rank_runs_the_trial_without_the_simulation():
+    args = ["--simulate", "4", "--data", "bench_data:mnist1d_n4000_test", "--model", "cnn1d", "--lr", "0.2",
+            "--seed", "0", "--log-every", "1", "--no-progress", "--overwrite", "--no-node-eval", "--out", "x"]
+    assert benchmark_netns.rank_args(args) == ["--data", "bench_data:mnist1d_n4000_test", "--model", "cnn1d",
+                                               "--lr", "0.2", "--seed", "0", "--no-node-eval"]
+
+
+def test_the_runs_repeat_each_methods_final_trial(bench):
+    _, path = bench
+    results = json.loads(path.read_text())["results"]
+    runs = benchmark_netns.plan_runs(results, "blobs", 2, 0, None)
+    assert [r["method"] for r in runs] == ["allreduce", "localsgd"]  # the spec's order
+    for r in runs:
+        m = results["workloads"]["blobs"]["nodes"]["2"]["methods"][r["method"]]
+        trial = next(t for t in results["trials"] if t["key"] == r["trial"])
+        assert trial["stage"] == "final" and trial["seed"] == 0 and r["lr"] == m["lr"] == trial["lr"]
+        assert "--simulate" not in r["args"] and f"{m['lr']:g}" in r["args"]
+        assert r["simulated"]["10mbit@0"]["time_s"] == m["seeds"]["0"]["links"]["10mbit@0"]["time_s"]
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--workload", "gpt"], "--workload gpt: not in the results file (it has blobs)"),
+    (["--workload", "blobs", "--nodes", "4"], "--nodes 4: the results file has no blobs trials at 4 nodes (it has 2)"),
+    (["--workload", "blobs", "--nodes", "2", "--seed", "3"], "--seed 3: not one of the protocol's final seeds [0]"),
+    (["--workload", "blobs", "--nodes", "2", "--methods", "allreduce,dpsgd"],
+     "--methods: no finished tuning of dpsgd at 2 nodes on blobs; accepted: allreduce, localsgd"),
+    (["--workload", "blobs", "--nodes", "2", "--bandwidth", "fast"], "--bandwidth fast:"),
+])
+def test_bad_arguments_are_one_line(bench, tmp_path, capsys, argv, msg):
+    _, path = bench
+    assert benchmark_netns.main(["--results", str(path), "--out", str(tmp_path / "n"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("benchmark_netns: error: " + msg) and len(err.splitlines()) == 1
+    assert not (tmp_path / "n").exists()
+
+
+def test_a_file_that_is_not_a_benchmark_results_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "x.json").write_text(json.dumps({"provenance": {}, "results": {"rows": []}}))
+    assert benchmark_netns.main(["--results", str(tmp_path / "x.json"), "--out", str(tmp_path / "n")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a benchmark results file" in err and len(err.splitlines()) == 1
+
+
+def _netns_reason() -> str | None:
+    try:
+        vcluster.check_rights()
+    except vcluster.VClusterError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.skipif(_netns_reason() is not None, reason=f"needs network namespaces: {_netns_reason()}")
+def test_the_methods_run_on_shaped_links_and_the_report_shows_them(bench, capsys):
+    tmp, path = bench
+    out = tmp / "netns"
+    assert benchmark_netns.main(["--results", str(path), "--out", str(out), "--workload", "blobs", "--nodes", "2",
+                                 "--bandwidth", "10mbit", "--prefix", "b" + secrets.token_hex(3),
+                                 "--netns-results", str(tmp / "bn.json"), "--timeout", "300"]) == 0
+    saved = json.loads((tmp / "bn.json").read_text())
+    res = saved["results"]
+    assert "python experiments/benchmark_netns.py --results" in saved["provenance"]["command"]
+    assert set(res["runs"]) == {"allreduce", "localsgd"} and res["bandwidths"] == ["10mbit"]
+    for name, per in res["runs"].items():
+        run = per["10mbit"]
+        assert run["ok"] and run["points"], name
+        assert (out / f"{name}@10mbit" / "metrics-rank1.jsonl").is_file()  # two ranks, each its own file
+        assert run["simulated_time_s"] > 0  # the simulated trial's model at 10mbit@0
+        t = run["to_target"]
+        if t["time_s"] is not None:  # reached: stopped there, and the errors are the ratios
+            assert run["stopped_at_target"] and t["time_s"] > 0
+            if run["simulated_time_s"] is not None:
+                assert run["simulated_error"] == pytest.approx(run["simulated_time_s"] / t["time_s"] - 1)
+    text = capsys.readouterr().out
+    assert "## Measured in the netns cluster (2 nodes)" in text and "\n| 10mbit | allreduce |" in text
+    md = tmp / "docs" / "b.md"
+    assert benchmark.main(["report", "--results", str(path), "--netns", str(tmp / "bn.json"), "--md", str(md)]) == 0
+    page = md.read_text()
+    assert "## Measured in the netns cluster (2 nodes)" in page and "\n| 10mbit | localsgd |" in page
+    assert page.index("## Measured in the netns cluster") > page.index("## Per method")

@@ -186,7 +186,8 @@ def section(res: dict, prov: dict | None = None) -> str:
     ]
     missing = res.get("not_run") or []
     if missing:
-        lines += ["", f"Not measured (no finished final run of seed {res['seed']}): {', '.join(missing)}."]
+        lines += ["", f"Not measured in this run (not asked for with --methods, or no finished final run of seed "
+                      f"{res['seed']}): {', '.join(missing)}."]
     return "\n".join(lines)
 
 

@@ -566,7 +566,7 @@ def _bench_sim_targets(res: dict) -> str:
     for (model, nodes), want in _SIM_RATIO_TARGETS.items():
         got = ratios.get((model, nodes))
         if got is not None:
-            parts.append(f"{model} at {nodes:,} nodes {got:.1f}x against ≥ {want:g}x "
+            parts.append(f"{model} at {nodes:,} nodes {got:.2f}x against ≥ {want:g}x "
                          + ("met" if got >= want else "**not met**"))
     for e in res.get("epoch") or []:
         if e["nodes"] == 1024:

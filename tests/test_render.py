@@ -180,9 +180,12 @@ def test_the_simulation_and_mergecomp_verdicts_follow_their_figures():
             {"model": "cnn1d", "nodes": 256, "ratio": 1.5}]
     epoch = [{"model": "cnn1d", "nodes": 1024, "outside_share": 0.17}, {"model": "mlp", "nodes": 1024, "outside_share": 0.2}]
     res = {"device": "cpu", "threads": 1, "rows": rows, "epoch": epoch}
+    # two decimals: a ratio of 1.46 must not read "1.5x against >= 1.5x not met"
+    assert "1.46x against ≥ 1.5x **not met**" in render._bench_sim_targets(
+        {**res, "rows": [{"model": "cnn1d", "nodes": 256, "ratio": 1.4618}]})
     assert render._bench_sim_targets(res) == (
-        "logreg at 1,024 nodes 10.3x against ≥ 10x met; mlp at 1,024 nodes 10.0x against ≥ 10x **not met**; "
-        "cnn1d at 256 nodes 1.5x against ≥ 1.5x met; cnn1d one epoch 17% outside the steps against < 20% met; "
+        "logreg at 1,024 nodes 10.30x against ≥ 10x met; mlp at 1,024 nodes 9.96x against ≥ 10x **not met**; "
+        "cnn1d at 256 nodes 1.50x against ≥ 1.5x met; cnn1d one epoch 17% outside the steps against < 20% met; "
         "mlp one epoch 20% outside the steps against < 20% **not met**")
     assert render._bench_sim_targets({**res, "device": "cuda"}) == ""  # the targets are one CPU thread's
     assert render._bench_sim_targets({**res, "threads": 2}) == ""

@@ -1159,6 +1159,20 @@ def _read_results(path: Path) -> tuple[dict, dict]:
         raise SpecError(str(e)) from None
 
 
+def read_benchmark_results(path: Path) -> tuple[dict, dict]:
+    """``(results, provenance)`` of a benchmark results file; SpecError (one line naming
+    ``--results PATH``) if it cannot be read or is not one."""
+    try:
+        results, prov = _provenance.read(path)
+    except OSError as e:
+        raise SpecError(f"--results {path}: cannot read it ({e.strerror or e})") from None
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+    if not isinstance(results, dict) or "workloads" not in results or "protocol" not in results:
+        raise SpecError(f"--results {path}: not a benchmark results file (no 'workloads' and 'protocol')")
+    return results, prov
+
+
 def _write_results(spec: Spec, out: Path, path: Path, record, sessions: list, counts: dict | None) -> dict:
     trials = collect(spec, out)
     res = analyse(spec, trials)
@@ -1272,15 +1286,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"benchmark: {res['coverage']['finished']} of {res['coverage']['planned']} planned trials "
                   f"collected into {path}")
             return 0
-        path = Path(a.results) if a.results else Path(a.out) / "benchmark.json"
-        try:
-            results, prov = _provenance.read(path)
-        except OSError as e:
-            raise SpecError(f"--results {path}: cannot read it ({e.strerror or e})") from None
-        except ValueError as e:
-            raise SpecError(str(e)) from None
-        if not isinstance(results, dict) or "workloads" not in results or "protocol" not in results:
-            raise SpecError(f"--results {path}: not a benchmark results file (no 'workloads' and 'protocol')")
+        results, prov = read_benchmark_results(Path(a.results) if a.results else Path(a.out) / "benchmark.json")
         res = {**results, "provenance": prov}
         md = Path(a.md)
         extra = RUNNING if a.running else ""

@@ -40,6 +40,7 @@ for _p in (str(REPO), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import benchmark  # noqa: E402
 import race  # noqa: E402
 import vcluster  # noqa: E402
 from experiments import _provenance  # noqa: E402
@@ -218,13 +219,9 @@ def main(argv: list[str] | None = None) -> int:
             except crossover.CrossoverError as e:
                 raise NetnsError(f"--bandwidth {b}: {e}") from None
         try:
-            results, bprov = _provenance.read(a.results)
-        except OSError as e:
-            raise NetnsError(f"--results {a.results}: cannot read it ({e.strerror or e})") from None
-        except ValueError as e:
+            results, bprov = benchmark.read_benchmark_results(a.results)
+        except benchmark.SpecError as e:
             raise NetnsError(str(e)) from None
-        if not isinstance(results, dict) or "workloads" not in results or "protocol" not in results:
-            raise NetnsError(f"--results {a.results}: not a benchmark results file (no 'workloads' and 'protocol')")
         methods = [m.strip() for m in a.methods.split(",") if m.strip()] if a.methods else None
         runs = plan_runs(results, a.workload, a.nodes, a.seed, methods)
     except NetnsError as e:

@@ -17,9 +17,9 @@ sys.path.insert(0, str(REPO / "experiments"))
 import bench_data  # noqa: E402
 import benchmark  # noqa: E402
 import benchmark_netns  # noqa: E402
-import vcluster  # noqa: E402
 
 from tests.test_benchmark import SPEC  # noqa: E402
+from tests.test_race import _netns_reason  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +73,6 @@ def test_a_file_that_is_not_a_benchmark_results_file_is_one_line(tmp_path, capsy
     assert benchmark_netns.main(["--results", str(tmp_path / "x.json"), "--out", str(tmp_path / "n")]) == 2
     err = capsys.readouterr().err.strip()
     assert "not a benchmark results file" in err and len(err.splitlines()) == 1
-
-
-def _netns_reason() -> str | None:
-    try:
-        vcluster.check_rights()
-    except vcluster.VClusterError as e:
-        return str(e)
-    return None
 
 
 @pytest.mark.skipif(_netns_reason() is not None, reason=f"needs network namespaces: {_netns_reason()}")

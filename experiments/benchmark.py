@@ -1098,7 +1098,9 @@ make results-tables                                   # the README's verdict tab
   --out runs/bench-netns --netns-results NETNS` runs each method's final trial of seed 0 again
   as 4 torchrun ranks in network namespaces, each link shaped with tc to 10 and 100 Mbit/s
   (as the race's netns mode does), and stops it at the target; `report --netns NETNS` adds the
-  measured times next to the modelled ones. It needs root and a quiet machine (wall-clock times)."""
+  measured times next to the modelled ones. It needs root and a quiet machine (wall-clock times).
+  `--methods A,B --resume NETNS` measures a few methods at a time and keeps the earlier runs, so
+  the field can be measured in several quiet windows."""
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -24,6 +24,11 @@ no added latency; ``benchmark.py report --netns FILE`` adds the table to the rep
 Needs root (network namespaces and tc), as the race's netns mode does. No latency is
 shaped: the cluster shapes the rate only. Run it on a quiet machine: the times are
 wall-clock, and the ranks share its cores.
+
+In parts: ``--resume FILE`` takes the runs of an earlier results file of this script
+(the same workload, nodes, seed and stopping rule) and keeps those this run does not
+measure again, so the methods can be measured a few at a time, each part in a quiet
+window; the file then names every session it holds, and each run its own date and load.
 """
 
 from __future__ import annotations
@@ -181,15 +186,51 @@ def section(res: dict, prov: dict | None = None) -> str:
         (f"Made by `{prov.get('command', '?')}` at commit `{(prov.get('commit') or '?')[:10]}`"
          f"{' (dirty tree)' if prov.get('dirty') else ''} on {(prov.get('date') or '?')[:16]}, "
          f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores), load {prov.get('load_before', '?')} before"
+         + (f"; it resumed {len(res['sessions'])} earlier session(s) ("
+            + ", ".join(f"`{x.get('command', '?')}` at `{(x.get('commit') or '?')[:10]}` on "
+                        f"{(x.get('date') or '?')[:16]}" for x in res["sessions"]) + ")"
+            if res.get("sessions") else "")
          + (f"; the simulated trials' model against the measured time: median "
             f"{sorted(errs)[len(errs) // 2]:+.0%}, range {min(errs):+.0%} to {max(errs):+.0%}" if errs else "")
          + "."),
     ]
     missing = res.get("not_run") or []
     if missing:
-        lines += ["", f"Not measured in this run (not asked for with --methods, or no finished final run of seed "
-                      f"{res['seed']}): {', '.join(missing)}."]
+        lines += ["", f"Not measured (not asked for with --methods in any session, or no finished final run of "
+                      f"seed {res['seed']}): {', '.join(missing)}."]
     return "\n".join(lines)
+
+
+def resumed(path: Path, res: dict) -> tuple[dict, list[dict]]:
+    """The runs of an earlier results file of this script, and its sessions (its own
+    provenance last), checked against this run's ``res``: the same workload, nodes,
+    seed and stopping rule. Raises NetnsError (one line) otherwise."""
+    try:
+        old, prov = _provenance.read(path)
+    except (OSError, ValueError) as e:
+        raise NetnsError(f"--resume {path}: {e}") from None
+    if not isinstance(old, dict) or not isinstance(old.get("runs"), dict):
+        raise NetnsError(f"--resume {path}: not a results file of experiments/benchmark_netns.py")
+    for key in ("workload", "nodes", "seed", "stop_at_target"):
+        if old.get(key) != res[key]:
+            raise NetnsError(f"--resume {path}: its {key} is {old.get(key)!r}, this run's {res[key]!r} "
+                             "(only runs of the same workload, nodes, seed and stopping rule combine)")
+    return old["runs"], [*old.get("sessions", []), prov]
+
+
+def _merge(res: dict, runs: dict, selected: list[str]) -> None:
+    """Add the earlier ``runs`` this run did not measure to ``res`` (a method and
+    bandwidth measured now replaces the earlier record), in the benchmark's method
+    order; the bandwidths are the earlier ones, then this run's new ones."""
+    for name, per in runs.items():
+        mine = res["runs"].setdefault(name, {})
+        for bw, rec in per.items():
+            mine.setdefault(bw, rec)
+    bws = [bw for bw in dict.fromkeys(bw for per in runs.values() for bw in per)]
+    res["bandwidths"] = [*bws, *(bw for bw in res["bandwidths"] if bw not in bws)]
+    order = {m: i for i, m in enumerate(selected)}
+    res["runs"] = dict(sorted(res["runs"].items(), key=lambda kv: order.get(kv[0], len(order))))
+    res["not_run"] = [m for m in selected if not res["runs"].get(m)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default="bnet", help="name prefix of the namespaces (default bnet)")
     p.add_argument("--netns-results", type=Path, default=None,
                    help="also write the results (with provenance) here once every run is done")
+    p.add_argument("--resume", type=Path, default=None, metavar="FILE",
+                   help="keep the runs of this earlier results file that this run does not measure again")
     a = p.parse_args(argv)
     try:
         bw_labels = [b.strip() for b in a.bandwidth.split(",") if b.strip()]
@@ -224,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             raise NetnsError(str(e)) from None
         methods = [m.strip() for m in a.methods.split(",") if m.strip()] if a.methods else None
         runs = plan_runs(results, a.workload, a.nodes, a.seed, methods)
+        earlier, sessions = resumed(a.resume, {"workload": a.workload, "nodes": a.nodes, "seed": a.seed,
+                                               "stop_at_target": not a.to_end}) if a.resume else ({}, [])
     except NetnsError as e:
         print(f"benchmark_netns: error: {e}", file=sys.stderr)
         return 2
@@ -239,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
            "bandwidths": bw_labels, "stop_at_target": not a.to_end,
            "benchmark": {"results": a.results.name, "commit": bprov.get("commit")},
            "not_run": [m for m in selected if m not in {r["method"] for r in runs}],
-           "runs": {r["method"]: {} for r in runs}}
+           "runs": {r["method"]: {} for r in runs}, "sessions": sessions}
     a.out.mkdir(parents=True, exist_ok=True)
     for bw, bps in zip(bw_labels, rates):
         try:
@@ -266,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         except vcluster.VClusterError as e:
             print(f"benchmark_netns: error: {e}", file=sys.stderr)
             return 2
+    if a.resume:
+        _merge(res, earlier, list(selected))
     _provenance.write(a.out / "benchmark_netns.json", res, record_)
     if a.netns_results is not None:
         a.netns_results.parent.mkdir(parents=True, exist_ok=True)

@@ -68,6 +68,22 @@ def test_bad_arguments_are_one_line(bench, tmp_path, capsys, argv, msg):
     assert not (tmp_path / "n").exists()
 
 
+def test_a_resumed_file_of_another_run_is_one_line(bench, tmp_path, capsys):
+    """--resume takes only a file of this script for the same workload, nodes, seed and
+    stopping rule; anything else is one line, before any cluster is made."""
+    _, path = bench
+    other = {"workload": "blobs", "nodes": 4, "seed": 0, "stop_at_target": True, "runs": {}}
+    (tmp_path / "other.json").write_text(json.dumps({"provenance": {"command": "x"}, "results": other}))
+    (tmp_path / "bench.json").write_text(path.read_text())
+    for f, msg in [("other.json", "its nodes is 4, this run's 2"), ("bench.json", "not a results file of"),
+                   ("missing.json", "No such file")]:
+        assert benchmark_netns.main(["--results", str(path), "--out", str(tmp_path / "n"), "--workload", "blobs",
+                                     "--nodes", "2", "--resume", str(tmp_path / f)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"benchmark_netns: error: --resume {tmp_path / f}: ") and msg in err, err
+        assert len(err.splitlines()) == 1 and not (tmp_path / "n").exists()
+
+
 def test_a_file_that_is_not_a_benchmark_results_file_is_one_line(tmp_path, capsys):
     (tmp_path / "x.json").write_text(json.dumps({"provenance": {}, "results": {"rows": []}}))
     assert benchmark_netns.main(["--results", str(tmp_path / "x.json"), "--out", str(tmp_path / "n")]) == 2
@@ -77,15 +93,23 @@ def test_a_file_that_is_not_a_benchmark_results_file_is_one_line(tmp_path, capsy
 
 @pytest.mark.skipif(_netns_reason() is not None, reason=f"needs network namespaces: {_netns_reason()}")
 def test_the_methods_run_on_shaped_links_and_the_report_shows_them(bench, capsys):
+    """In two parts: allreduce, then localsgd resuming the first part's file."""
     tmp, path = bench
     out = tmp / "netns"
-    assert benchmark_netns.main(["--results", str(path), "--out", str(out), "--workload", "blobs", "--nodes", "2",
-                                 "--bandwidth", "10mbit", "--prefix", "b" + secrets.token_hex(3),
-                                 "--netns-results", str(tmp / "bn.json"), "--timeout", "300"]) == 0
+    common = ["--results", str(path), "--workload", "blobs", "--nodes", "2", "--bandwidth", "10mbit",
+              "--prefix", "b" + secrets.token_hex(3), "--timeout", "300"]
+    assert benchmark_netns.main([*common, "--out", str(out), "--methods", "allreduce",
+                                 "--netns-results", str(tmp / "bn1.json")]) == 0
+    first = json.loads((tmp / "bn1.json").read_text())["results"]
+    assert set(first["runs"]) == {"allreduce"} and first["not_run"] == ["localsgd"] and first["sessions"] == []
+    assert benchmark_netns.main([*common, "--out", str(out), "--methods", "localsgd", "--resume",
+                                 str(tmp / "bn1.json"), "--netns-results", str(tmp / "bn.json")]) == 0
     saved = json.loads((tmp / "bn.json").read_text())
     res = saved["results"]
     assert "python experiments/benchmark_netns.py --results" in saved["provenance"]["command"]
-    assert set(res["runs"]) == {"allreduce", "localsgd"} and res["bandwidths"] == ["10mbit"]
+    assert list(res["runs"]) == ["allreduce", "localsgd"] and res["bandwidths"] == ["10mbit"]  # the spec's order
+    assert res["runs"]["allreduce"] == first["runs"]["allreduce"] and res["not_run"] == []
+    assert [x["command"] for x in res["sessions"]] == [json.loads((tmp / "bn1.json").read_text())["provenance"]["command"]]
     for name, per in res["runs"].items():
         run = per["10mbit"]
         assert run["ok"] and run["points"], name
@@ -98,6 +122,8 @@ def test_the_methods_run_on_shaped_links_and_the_report_shows_them(bench, capsys
                 assert run["simulated_error"] == pytest.approx(run["simulated_time_s"] / t["time_s"] - 1)
     text = capsys.readouterr().out
     assert "## Measured in the netns cluster (2 nodes)" in text and "\n| 10mbit | allreduce |" in text
+    resumed = text[text.index("it resumed 1 earlier session(s) (`"):]
+    assert "benchmark_netns.py --results" in resumed and "--methods allreduce" in resumed.split(";")[0]
     md = tmp / "docs" / "b.md"
     assert benchmark.main(["report", "--results", str(path), "--netns", str(tmp / "bn.json"), "--md", str(md)]) == 0
     page = md.read_text()

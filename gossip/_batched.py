@@ -11,13 +11,15 @@ nodes as ``torch.bmm`` with a backward of its own:
    ``dx_i = dy_i W_i``, ``dW_i = dy_i^T x_i`` (made in W's own ``(out, in)`` layout,
    so that autograd takes it as the gradient without a copy), ``db_i`` the sum of
    ``dy_i``'s rows.
-2. **Conv1d** (zero padding, one group, no dilation) as im2col and ``bmm``. Each
-   node's input is padded into a channels-last ``(B, L + 2p, C)`` tensor, where the
-   window of output position l is one contiguous run of ``k C`` values; the columns
-   ``(B L_out, k C)`` times the node's weights ``(k C, C_out)`` are its output. The
-   output is returned as a channels-first view of that channels-last product, which
-   the next convolution reads without a transpose. Backward: ``dW`` from the saved
-   columns, the input's gradient by adding ``dcols`` back over the k taps (col2im).
+2. **Conv1d** (zero padding, one group, no dilation) as im2col and ``bmm``. In a
+   channels-last ``(B, L, C)`` input the window of output position l is one
+   contiguous run of ``k C`` values (less the taps in the padding, which stay zero);
+   the columns ``(B L_out, k C)`` times the node's weights ``(k C, C_out)`` are its
+   output. The output is returned as a channels-first view of that channels-last
+   product, which the next convolution reads as its channels-last input, without a
+   transpose or a padded copy. Backward: ``dW`` from the columns (built again), the
+   input's gradient by adding ``dcols`` back over the k taps (col2im), straight into
+   the input's positions.
 3. **The model's graph.** :func:`batched_forward` traces the model with ``torch.fx``
    and maps every call onto a batched kernel (the layers above, ReLU, flatten and unflatten). A
    model with any other call gets None, and the caller keeps ``vmap``. A kernel that
@@ -159,12 +161,10 @@ class _Conv1d(torch.autograd.Function):
             if gw is None:
                 gw = g.new_empty(n, cout, C, k)
         if need_x:
-            Lp = L + 2 * padding
             gxl = g.new_empty(n, B, L, C)  # channels-last, returned as a (n, B, C, L) view
-            span = stride * (lout - 1) + 1
+            col2im = _col2im_plan(L, k, stride, padding, lout)
         chunk = _chunk_nodes(g, B * lout * k * C, n)
         cols = _Columns(x, k, stride, padding, lout) if need_w else None
-        gxp = g.new_empty(chunk, B, Lp, C) if need_x else None
         for s, c in cols.chunks() if cols is not None else ((slice(r, r + chunk), None) for r in range(0, n, chunk)):
             gs = g[s]
             if y is not None:  # the fused ReLU's gradient: dy where its output was > 0
@@ -176,11 +176,14 @@ class _Conv1d(torch.autograd.Function):
                 gw[s].copy_(torch.bmm(gs.transpose(1, 2), c).view(-1, cout, k, C).permute(0, 1, 3, 2))
             if need_x:
                 gc = torch.bmm(gs, wt[s].transpose(1, 2)).view(-1, B, lout, k, C)
-                part = gxp[:gc.shape[0]]
-                part.zero_()
-                for j in range(k):  # col2im: tap j of output l came from position l * stride + j
-                    part[:, :, j:j + span:stride].add_(gc[:, :, :, j])
-                gxl[s].copy_(part[:, :, padding:padding + L])
+                part = gxl[s]
+                zero, plan = col2im
+                if zero:
+                    part.zero_()
+                # col2im: tap j of output l came from position l * stride + j - padding
+                for j, l0, l1, q0, add in plan:
+                    src, dst = gc[:, :, l0:l1, j], part[:, :, q0:q0 + stride * (l1 - l0 - 1) + 1:stride]
+                    dst.add_(src) if add else dst.copy_(src)
         if need_x:
             gx = gxl.transpose(2, 3)
         return gx, gw, gb, None, None, None, None, None
@@ -194,34 +197,90 @@ def _chunk_nodes(like: Tensor, per_node: int, n: int) -> int:
     return max(1, min(n, _CONV_CHUNK_VALUES // max(1, per_node)))
 
 
+def _col2im_plan(L: int, k: int, stride: int, padding: int, lout: int) -> tuple[bool, list[tuple]]:
+    """How the input's gradient is summed from the columns' gradient, straight into the
+    input's own positions (the padding's are never written). Per tap j in order: the
+    outputs [l0, l1) whose tap j lies inside the signal, from position q0 on, every
+    ``stride``-th, and whether it is added (else copied: the first term of each of its
+    positions). Taps run in order, so each position's sum is the same as adding every
+    tap to zeros in order. ``zero`` is True when some position gets no term, or a tap
+    covers positions both new and already written: the input's gradient then starts at
+    zero and every tap is added. Returns (zero, [(j, l0, l1, q0, add), ...])."""
+    seen = [False] * L
+    plan, zero = [], False
+    for j in range(k):
+        ls = [r for r in range(lout) if 0 <= r * stride - padding + j < L]
+        if not ls:
+            continue
+        qs = [r * stride - padding + j for r in ls]
+        new = [not seen[q] for q in qs]
+        zero = zero or (any(new) and not all(new))
+        plan.append((j, ls[0], ls[-1] + 1, qs[0], not new[0]))
+        for q in qs:
+            seen[q] = True
+    zero = zero or not all(seen)
+    if zero:
+        plan = [(j, l0, l1, q0, True) for j, l0, l1, q0, _ in plan]
+    return zero, plan
+
+
 class _Columns:
     """im2col of a batched 1-D convolution's input, chunk of nodes by chunk of nodes:
-    node i's row (b, l) holds the k C values of its padded, channels-last input from
-    position l * stride on (one contiguous run)."""
+    node i's row (b, l) holds the k C values of its zero-padded, channels-last input
+    from position l * stride - padding on (one contiguous run of the input where the
+    window lies inside it).
+
+    The columns are copied from the input itself, which is channels-last in memory
+    whenever it is the previous convolution's output: the rows whose window lies
+    inside the signal in one strided copy, each edge row (its window reaches into the
+    padding) from its taps inside the signal, the taps outside left at the zeros the
+    buffer was made with. No padded copy of the input is made."""
 
     def __init__(self, x: Tensor, k: int, stride: int, padding: int, lout: int) -> None:
         self.x, self.k, self.stride, self.padding, self.lout = x, k, stride, padding, lout
         n, B, C, L = x.shape
         self.chunk = _chunk_nodes(x, B * lout * k * C, n)
-        self.xp = x.new_zeros(self.chunk, B, L + 2 * padding, C)  # the padding stays zero
-        self.cols = x.new_empty(self.chunk, B * lout, k * C)
+        # the zeros of the edge rows' taps in the padding are written once, here
+        self.cols = x.new_zeros(self.chunk, B, lout, k * C)
+        # rows [lo, hi) have every tap inside the signal; the others are edge rows
+        self.lo = min(lout, -(-padding // stride))
+        self.hi = max(self.lo, min(lout, (L - k + padding) // stride + 1))
+        self.edges = []  # (row, first tap, taps) of each edge row's taps inside the signal
+        for r in [*range(self.lo), *range(self.hi, lout)]:
+            taps = [j for j in range(k) if 0 <= r * stride - padding + j < L]
+            if taps:
+                self.edges.append((r, taps[0], len(taps)))
+        self.dense = None  # the input in channels-last order, where it is not already
+
+    def _channels_last(self, part: Tensor) -> Tensor:
+        xl = part.transpose(2, 3)
+        if xl.is_contiguous():
+            return xl
+        if self.dense is None:
+            self.dense = part.new_empty(self.chunk, *xl.shape[1:])
+        dense = self.dense[:xl.shape[0]]
+        dense.copy_(xl)
+        return dense
 
     def chunks(self):
         """``(slice of nodes, their columns (c, B L_out, k C))`` per chunk; the columns
         live in a buffer that the next chunk overwrites."""
         x, k, stride, pad, lout = self.x, self.k, self.stride, self.padding, self.lout
         n, B, C, L = x.shape
-        Lp = L + 2 * pad
+        lo, hi = self.lo, self.hi
         for r in range(0, n, self.chunk):
             s = slice(r, r + self.chunk)
-            part = x[s]
-            c = part.shape[0]
-            xp = self.xp[:c]
-            xp[:, :, pad:pad + L].copy_(part.transpose(2, 3))
+            xl = self._channels_last(x[s])  # (c, B, L, C), contiguous
+            c = xl.shape[0]
             cols = self.cols[:c]
-            windows = xp.as_strided((c, B, lout, k * C), (B * Lp * C, Lp * C, stride * C, 1))
-            cols.view(c, B, lout, k * C).copy_(windows)
-            yield s, cols
+            if hi > lo:
+                windows = xl.as_strided((c, B, hi - lo, k * C), (B * L * C, L * C, stride * C, 1),
+                                        xl.storage_offset() + (lo * stride - pad) * C)
+                cols[:, :, lo:hi].copy_(windows)
+            for row, j0, taps in self.edges:
+                q = row * stride - pad + j0
+                cols[:, :, row, j0 * C:(j0 + taps) * C].copy_(xl[:, :, q:q + taps].flatten(2))
+            yield s, cols.view(c, B * lout, k * C)
 
 
 # --------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ order): the tolerance below is the one docs/simulation.md states.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -218,6 +220,54 @@ def test_the_bmm_kernels_equal_vmap_and_each_nodes_own_model(kind, monkeypatch):
         torch.nn.utils.vector_to_parameters(sp.data[i], model.parameters())
         with torch.no_grad():
             assert torch.allclose(got[i], model(x[i]), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_values", [2 * 3 * 4, 1 << 19])
+def test_the_batched_convolution_equals_each_nodes_own_at_every_geometry(chunk_values, monkeypatch):
+    """The columns are copied from the input itself and the input's gradient summed
+    into its own positions, the windows that reach into the padding row by row: every
+    length, kernel, stride and padding, an input channels-last in memory (as the
+    previous convolution returns it) or not, in chunks of nodes or in one, against
+    F.conv1d of each node, forward and the three gradients, in float64. Fresh tensors
+    are filled with NaN (torch's deterministic mode), so a value the kernel leaves
+    unwritten shows."""
+    from gossip import _batched
+
+    monkeypatch.setattr(_batched, "_CONV_CHUNK_VALUES", chunk_values)
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        _every_geometry()
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _every_geometry() -> None:
+    import torch.nn.functional as F
+
+    from gossip import _batched
+    g = torch.Generator().manual_seed(3)
+    n, B, C, cout = 3, 2, 2, 3
+    for L, k, stride, pad in itertools.product([1, 7, 10], [1, 3, 5], [1, 2, 3], [0, 2, 3]):
+        if L + 2 * pad < k:
+            continue
+        for relu, channels_last in itertools.product([False, True], [False, True]):
+            if channels_last:
+                x = torch.randn(n, B, L, C, generator=g, dtype=torch.float64).transpose(2, 3)
+            else:
+                x = torch.randn(n, B, C, L, generator=g, dtype=torch.float64)
+            x.requires_grad_()
+            w = torch.randn(n, cout, C, k, generator=g, dtype=torch.float64, requires_grad=True)
+            b = torch.randn(n, cout, generator=g, dtype=torch.float64, requires_grad=True)
+            got = _batched._Conv1d.apply(x, w, b, stride, pad, None, ("w", "b"), relu)
+            ref = torch.stack([F.conv1d(x[i], w[i], b[i], stride=stride, padding=pad) for i in range(n)])
+            ref = ref.relu() if relu else ref
+            gy = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+            case = (L, k, stride, pad, relu, channels_last)
+            assert torch.allclose(got, ref, rtol=1e-12, atol=1e-12), case
+            for a, r in zip(torch.autograd.grad(got, (x, w, b), gy), torch.autograd.grad(ref, (x, w, b), gy)):
+                assert torch.allclose(a, r, rtol=1e-12, atol=1e-12), case
 
 
 def test_the_backward_writes_the_gradients_into_last_steps_tensors():

@@ -25,6 +25,12 @@ Needs root (network namespaces and tc), as the race's netns mode does. No latenc
 shaped: the cluster shapes the rate only. Run it on a quiet machine: the times are
 wall-clock, and the ranks share its cores.
 
+A method whose simulated trial did not reach the target at a link (that bandwidth, no
+latency) is not measured there: stopped at the target, it would run to its last epoch
+and give no time to target (``--also-unreached`` measures it anyway). The report lists
+those it skipped. Interrupted (Ctrl-C, SIGTERM), it tears the cluster down and writes
+the results file with the runs that finished, which ``--resume`` then keeps.
+
 In parts: ``--resume FILE`` takes the runs of an earlier results file of this script
 (the same workload, nodes, seed and stopping rule) and keeps those this run does not
 measure again, so the methods can be measured a few at a time, each part in a quiet
@@ -194,6 +200,13 @@ def section(res: dict, prov: dict | None = None) -> str:
             f"{sorted(errs)[len(errs) // 2]:+.0%}, range {min(errs):+.0%} to {max(errs):+.0%}" if errs else "")
          + "."),
     ]
+    if res.get("interrupted"):
+        lines += ["", f"This run was interrupted ({res['interrupted']}); the table holds the runs that finished."]
+    unreached = res.get("unreached") or {}
+    if unreached:
+        lines += ["", "Not measured where the simulated trial did not reach the target at that link (the run "
+                      "would give no time to target): " + "; ".join(f"{m} at {', '.join(b)}"
+                                                                     for m, b in unreached.items()) + "."]
     missing = res.get("not_run") or []
     if missing:
         lines += ["", f"Not measured (not asked for with --methods in any session, or no finished final run of "
@@ -215,22 +228,30 @@ def resumed(path: Path, res: dict) -> tuple[dict, list[dict]]:
         if old.get(key) != res[key]:
             raise NetnsError(f"--resume {path}: its {key} is {old.get(key)!r}, this run's {res[key]!r} "
                              "(only runs of the same workload, nodes, seed and stopping rule combine)")
-    return old["runs"], [*old.get("sessions", []), prov]
+    return old, [*old.get("sessions", []), prov]
 
 
-def _merge(res: dict, runs: dict, selected: list[str]) -> None:
-    """Add the earlier ``runs`` this run did not measure to ``res`` (a method and
-    bandwidth measured now replaces the earlier record), in the benchmark's method
-    order; the bandwidths are the earlier ones, then this run's new ones."""
-    for name, per in runs.items():
+def _merge(res: dict, earlier: dict, selected: list[str]) -> None:
+    """Add what an ``earlier`` results file holds and this run did not measure to
+    ``res`` (a method and bandwidth measured, or skipped as unreached, now replaces the
+    earlier record), in the benchmark's method order; the bandwidths are the earlier
+    ones, then this run's new ones."""
+    now = {(m, bw) for m, per in res["runs"].items() for bw in per}
+    now |= {(m, bw) for m, bws in res["unreached"].items() for bw in bws}
+    for name, per in earlier["runs"].items():
         mine = res["runs"].setdefault(name, {})
         for bw, rec in per.items():
-            mine.setdefault(bw, rec)
-    bws = [bw for bw in dict.fromkeys(bw for per in runs.values() for bw in per)]
+            if (name, bw) not in now:
+                mine[bw] = rec
+    for name, bws in (earlier.get("unreached") or {}).items():
+        keep = [bw for bw in bws if (name, bw) not in now]
+        if keep:
+            res["unreached"][name] = [*res["unreached"].get(name, []), *keep]
+    bws = list(dict.fromkeys([*(bw for per in earlier["runs"].values() for bw in per),
+                              *(bw for b in (earlier.get("unreached") or {}).values() for bw in b)]))
     res["bandwidths"] = [*bws, *(bw for bw in res["bandwidths"] if bw not in bws)]
     order = {m: i for i, m in enumerate(selected)}
     res["runs"] = dict(sorted(res["runs"].items(), key=lambda kv: order.get(kv[0], len(order))))
-    res["not_run"] = [m for m in selected if not res["runs"].get(m)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default="bnet", help="name prefix of the namespaces (default bnet)")
     p.add_argument("--netns-results", type=Path, default=None,
                    help="also write the results (with provenance) here once every run is done")
+    p.add_argument("--also-unreached", action="store_true",
+                   help="also measure a method at a link where its simulated trial did not reach the target")
     p.add_argument("--resume", type=Path, default=None, metavar="FILE",
                    help="keep the runs of this earlier results file that this run does not measure again")
     a = p.parse_args(argv)
@@ -284,45 +307,75 @@ def main(argv: list[str] | None = None) -> int:
            "bandwidths": bw_labels, "stop_at_target": not a.to_end,
            "benchmark": {"results": a.results.name, "commit": bprov.get("commit")},
            "not_run": [m for m in selected if m not in {r["method"] for r in runs}],
-           "runs": {r["method"]: {} for r in runs}, "sessions": sessions}
+           "runs": {r["method"]: {} for r in runs}, "sessions": sessions, "unreached": {}}
     a.out.mkdir(parents=True, exist_ok=True)
-    for bw, bps in zip(bw_labels, rates):
-        try:
-            with vcluster.VirtualCluster(a.nodes, rate=vcluster.parse_rate(bw), prefix=a.prefix) as vc:
-                print(f"benchmark_netns: {vc.describe()}", flush=True)
-                for run in runs:
-                    label = f"{run['method']} @ {bw}"
-                    print(f"benchmark_netns: {label} (lr {run['lr']:g}) ...", flush=True)
-                    measured = race.run_netns_args(vc, run["args"], a.out / _run_name(run["method"], bw), bps,
-                                                   wl["target"], a.to_end, a.timeout, label=label, run_id="bnet",
-                                                   pythonpath=(HERE,))
-                    rec = record(run, measured, bw)
-                    rec["wire"] = rec.get("wire") or run.get("wire")
-                    res["runs"][run["method"]][bw] = rec
-                    t = rec["to_target"]
-                    print(f"benchmark_netns: {label}: " + ("target not reached" if t["time_s"] is None else
-                          f"target at epoch {t['epoch']:.0f} after {t['time_s']:.1f} s measured, "
-                          f"{t['model_s']:.1f} s modelled from this run, simulated trial "
-                          + ("-" if rec["simulated_time_s"] is None else f"{rec['simulated_time_s']:.1f} s")),
-                          flush=True)
-                    # after every run, what has been measured so far (the results file with its
-                    # provenance is written once all have run)
-                    (a.out / "benchmark_netns.partial.json").write_text(json.dumps(res, indent=1) + "\n")
-        except vcluster.VClusterError as e:
-            print(f"benchmark_netns: error: {e}", file=sys.stderr)
-            return 2
+    interrupted = None
+    try:
+        _measure(a, res, runs, bw_labels, rates, wl)
+    except vcluster.VClusterError as e:
+        print(f"benchmark_netns: error: {e}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, vcluster._Terminated) as e:
+        interrupted = "SIGINT" if isinstance(e, KeyboardInterrupt) else str(e).rsplit(" ", 1)[-1]
+        res["interrupted"] = interrupted
     if a.resume:
         _merge(res, earlier, list(selected))
+    res["runs"] = {m: per for m, per in res["runs"].items() if per}
+    res["not_run"] = [m for m in selected if m not in res["runs"] and m not in res["unreached"]]
     _provenance.write(a.out / "benchmark_netns.json", res, record_)
     if a.netns_results is not None:
         a.netns_results.parent.mkdir(parents=True, exist_ok=True)
         tmp = a.netns_results.with_name(a.netns_results.name + ".tmp")
         tmp.write_bytes((a.out / "benchmark_netns.json").read_bytes())
         os.replace(tmp, a.netns_results)
+    if interrupted:
+        done = sum(len(per) for per in res["runs"].values())
+        print(f"benchmark_netns: interrupted ({interrupted}); the {done} finished run(s) are in "
+              f"{a.netns_results or a.out / 'benchmark_netns.json'} (--resume it to go on)", file=sys.stderr)
+        return 130 if interrupted == "SIGINT" else 143
     text = section(*_provenance.read(a.out / "benchmark_netns.json"))
     (a.out / "benchmark_netns.md").write_text(text + "\n")
     print(text)
     return 0
+
+
+def _measure(a: argparse.Namespace, res: dict, runs: list[dict], bw_labels: list[str], rates: list[float],
+             wl: dict) -> None:
+    """Every run of ``runs`` at every bandwidth, one cluster per bandwidth, into ``res``."""
+    for bw, bps in zip(bw_labels, rates):
+        todo = [r for r in runs if a.also_unreached or a.to_end or _reached(r, bw)]
+        for r in runs:
+            if r not in todo:
+                res["unreached"].setdefault(r["method"], []).append(bw)
+                print(f"benchmark_netns: {r['method']} @ {bw}: not measured (its simulated trial did not reach "
+                      "the target at this link)", flush=True)
+        if not todo:
+            continue
+        with vcluster.VirtualCluster(a.nodes, rate=vcluster.parse_rate(bw), prefix=a.prefix) as vc:
+            print(f"benchmark_netns: {vc.describe()}", flush=True)
+            for run in todo:
+                label = f"{run['method']} @ {bw}"
+                print(f"benchmark_netns: {label} (lr {run['lr']:g}) ...", flush=True)
+                measured = race.run_netns_args(vc, run["args"], a.out / _run_name(run["method"], bw), bps,
+                                               wl["target"], a.to_end, a.timeout, label=label, run_id="bnet",
+                                               pythonpath=(HERE,))
+                rec = record(run, measured, bw)
+                rec["wire"] = rec.get("wire") or run.get("wire")
+                res["runs"][run["method"]][bw] = rec
+                t = rec["to_target"]
+                print(f"benchmark_netns: {label}: " + ("target not reached" if t["time_s"] is None else
+                      f"target at epoch {t['epoch']:.0f} after {t['time_s']:.1f} s measured, "
+                      f"{t['model_s']:.1f} s modelled from this run, simulated trial "
+                      + ("-" if rec["simulated_time_s"] is None else f"{rec['simulated_time_s']:.1f} s")),
+                      flush=True)
+                # after every run, what has been measured so far (the results file with its
+                # provenance is written once all have run, or when interrupted)
+                (a.out / "benchmark_netns.partial.json").write_text(json.dumps(res, indent=1) + "\n")
+
+
+def _reached(run: dict, bw: str) -> bool:
+    """Whether the run's simulated trial reached the target at ``bw`` with no latency."""
+    return (run["simulated"].get(f"{bw}@0") or {}).get("time_s") is not None
 
 
 if __name__ == "__main__":

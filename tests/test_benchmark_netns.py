@@ -129,3 +129,53 @@ def test_the_methods_run_on_shaped_links_and_the_report_shows_them(bench, capsys
     page = md.read_text()
     assert "## Measured in the netns cluster (2 nodes)" in page and "\n| 10mbit | localsgd |" in page
     assert page.index("## Measured in the netns cluster") > page.index("## Per method")
+
+
+def test_a_method_its_simulation_never_brought_to_the_target_is_not_measured_there(capsys):
+    """Stopped at the target, such a run would go to its last epoch and give no time to
+    target: it is listed as unreached, and no cluster is made for a link with nothing
+    to measure."""
+    import argparse
+
+    runs = [{"method": "slow", "simulated": {"10mbit@0": {"time_s": None}}}]
+    res = {"runs": {"slow": {}}, "unreached": {}}
+    a = argparse.Namespace(also_unreached=False, to_end=False)
+    benchmark_netns._measure(a, res, runs, ["10mbit"], [10e6], {"target": 0.9})
+    assert res["unreached"] == {"slow": ["10mbit"]} and res["runs"] == {"slow": {}}
+    assert "slow @ 10mbit: not measured (its simulated trial did not reach the target" in capsys.readouterr().out
+    text = benchmark_netns.section({"workload": "w", "nodes": 4, "seed": 0, "target": 0.9, "metric": "test_acc",
+                                    "bandwidths": ["10mbit"], "runs": {}, "unreached": res["unreached"]}, {})
+    assert "did not reach the target at that link (the run would give no time to target): slow at 10mbit." in text
+
+
+def test_an_interrupted_run_keeps_what_finished_and_resumes_from_it(bench, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the middle: the results file holds the runs that finished, says it was
+    interrupted, and a --resume of it measures only the rest."""
+    _, path = bench
+    seen = []
+
+    def measure(a, res, runs, bws, rates, wl):
+        seen.append([r["method"] for r in runs])
+        res["runs"][runs[0]["method"]]["10mbit"] = {
+            "marker": len(seen), "lr": 0.05, "wire": {"label": "fp32"}, "ok": True, "stopped_at_target": True,
+            "points": [], "load_average": [0.1, 0.2], "date": "2026-01-01T00:00", "simulated_time_s": 0.5,
+            "simulated_error": -0.5, "to_target": {"time_s": 1.0, "epoch": 1, "bytes": 10, "model_s": 0.9,
+                                                   "model_error": -0.1, "warmup_s": 0.1}}
+        if len(seen) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(benchmark_netns, "_measure", measure)
+    monkeypatch.setattr(benchmark_netns.vcluster, "check_rights", lambda: None)
+    common = ["--results", str(path), "--out", str(tmp_path / "n"), "--workload", "blobs", "--nodes", "2",
+              "--bandwidth", "10mbit"]
+    assert benchmark_netns.main([*common, "--netns-results", str(tmp_path / "a.json")]) == 130
+    assert "interrupted (SIGINT); the 1 finished run(s) are in" in capsys.readouterr().err
+    first = json.loads((tmp_path / "a.json").read_text())["results"]
+    assert first["interrupted"] == "SIGINT" and list(first["runs"]) == ["allreduce"]
+    assert first["not_run"] == ["localsgd"]
+    assert benchmark_netns.main([*common, "--methods", "localsgd", "--resume", str(tmp_path / "a.json"),
+                                 "--netns-results", str(tmp_path / "b.json")]) == 0
+    res = json.loads((tmp_path / "b.json").read_text())["results"]
+    assert seen == [["allreduce", "localsgd"], ["localsgd"]]
+    assert {m: per["10mbit"]["marker"] for m, per in res["runs"].items()} == {"allreduce": 1, "localsgd": 2}
+    assert res["not_run"] == [] and "interrupted" not in res and len(res["sessions"]) == 1

@@ -700,7 +700,13 @@ def analyse(spec: Spec, trials: Sequence[dict]) -> dict:
                                    "flags": list(m.flags), "source": m.source,
                                    "wire": next(iter(seeds.values()))["wire"] if seeds else None}
             if methods:
-                per_n[str(n)] = {"methods": methods, "verdicts": _verdicts(methods, links)}
+                # the field the verdicts cover: the methods with every final run finished (ok or failed)
+                planned = [m.name for m in _methods_at(spec, n)]
+                complete = [name for name in planned if name in methods and all(
+                    Trial(wl, n, m, "final", None, sd).key in by_key for m in _methods_at(spec, n) if m.name == name
+                    for sd in spec.seeds)]
+                per_n[str(n)] = {"methods": methods, "verdicts": _verdicts(methods, links),
+                                 "field": {"planned": planned, "complete": complete}}
         params = next((sd["params"] for nd in per_n.values() for r in nd["methods"].values()
                        for sd in r.get("seeds", {}).values() if sd.get("params")), None)
         result["workloads"][wl.name] = {"nodes": per_n, "target": wl.target, "metric": wl.metric, "params": params,
@@ -779,6 +785,7 @@ def verdict_table(res: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for wname, w in res["workloads"].items():
         for n, nd in w["nodes"].items():
+            n = leaderboard.field_label(n, nd)
             for key, v in nd["verdicts"].items():
                 if v["winner"] is None:
                     lines.append(f"| {wname} | {n} | {key} | none reached the target | - | - | - | - |")

@@ -420,8 +420,9 @@ def _partial_line(res: dict, n_methods: int, n_seeds: int) -> str:
         for nodes, at in w["nodes"].items():
             done = sorted(m for m, r in at["methods"].items()
                           if sum(1 for s in (r.get("seeds") or {}).values() if s.get("final") is not None) >= n_seeds)
-            if len(done) < n_methods:
-                parts.append(f"{name} at {nodes} nodes: {len(done)} of {n_methods} methods have all their final runs "
+            planned = len((at.get("field") or {}).get("planned") or ()) or n_methods  # some stop below 64 nodes
+            if len(done) < planned:
+                parts.append(f"{name} at {nodes} nodes: {len(done)} of {planned} methods have all their final runs "
                              f"({', '.join(done) or 'none'})")
     if not parts:
         return ""

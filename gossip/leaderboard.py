@@ -20,7 +20,7 @@ from typing import Any
 
 from gossip.crossover import fmt_rate, parse_rate, parse_time
 
-__all__ = ["LeaderboardError", "load", "answer", "render", "fmt_metric", "verdict_table"]
+__all__ = ["LeaderboardError", "load", "answer", "render", "fmt_metric", "verdict_table", "field_label"]
 
 
 class LeaderboardError(ValueError):
@@ -121,6 +121,17 @@ def _fmt_s(x: float) -> str:
     return f"{x:.3g} s" if x < 1000 else f"{x:.0f} s"
 
 
+def field_label(n: str, nd: dict[str, Any]) -> str:
+    """A node count of a benchmark's results, with the part of the field its verdicts
+    cover while that is not all of it ("64 (9 of 26 methods)": the methods whose final
+    runs have all finished); results made before the field was recorded give the node
+    count alone."""
+    field = nd.get("field")
+    if not field or len(field["complete"]) >= len(field["planned"]):
+        return str(n)
+    return f"{n} ({len(field['complete'])} of {len(field['planned'])} methods)"
+
+
 def verdict_table(res: dict[str, Any]) -> str:
     """The verdicts of a benchmark's results as a compact Markdown table: one row per
     workload, node count and bandwidth, one column per latency; a cell names the
@@ -148,5 +159,5 @@ def verdict_table(res: dict[str, Any]) -> str:
                     if v.get("second"):
                         cell += f", {_fmt_s(v['margin_s'])} before {v['second']}" + (" \u2713" if v["separated"] else "")
                     cells.append(cell)
-                rows.append("| " + " | ".join([target, str(n), b, *cells]) + " |")
+                rows.append("| " + " | ".join([target, field_label(n, nd), b, *cells]) + " |")
     return "\n".join(rows)

@@ -300,3 +300,26 @@ def test_trials_on_different_data_are_flagged(lm_bench):
     assert warn == ["the trials of synthtext_n96_c16_val evaluated on 2 different data sets (sessions on machines "
                     "with different data, e.g. another Python's standard library as the text corpus): their figures "
                     "do not compare"]
+
+
+def test_verdicts_over_part_of_the_field_say_how_much_of_it(bench):
+    """While some methods' final runs are still to run, the verdict tables (the report's
+    and the README's) give the node count with the part of the field they rank."""
+    from experiments import render
+    from gossip import leaderboard
+
+    tmp, out, _ = bench
+    spec = benchmark.load_spec(tmp / "spec.toml")
+    trials = json.loads((out / "benchmark.json").read_text())["results"]["trials"]
+    whole = benchmark.analyse(spec, trials)["workloads"]["blobs"]["nodes"]["2"]
+    assert whole["field"] == {"planned": ["allreduce", "localsgd"], "complete": ["allreduce", "localsgd"]}
+    assert leaderboard.field_label("2", whole) == "2"
+    part = benchmark.analyse(spec, [t for t in trials if not (t["stage"] == "final" and "localsgd" in t["key"])])
+    nd = part["workloads"]["blobs"]["nodes"]["2"]
+    assert nd["field"]["complete"] == ["allreduce"] and "localsgd" in nd["methods"]  # tuned, not yet final
+    assert leaderboard.field_label("2", nd) == "2 (1 of 2 methods)"
+    assert "| blobs | 2 (1 of 2 methods) | 10mbit@0 |" in benchmark.verdict_table(part)
+    part.update(protocol={"lr_factors": [0.5, 1.0], "seeds": [0]}, spec=spec.raw)
+    readme = render._benchmark_verdict(part)
+    assert "blobs at 2 nodes: 1 of 2 methods have all their final runs (allreduce)" in readme
+    assert "| blobs (40.00%) | 2 (1 of 2 methods) | 10mbit |" in readme

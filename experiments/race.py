@@ -328,6 +328,13 @@ def run_netns_args(vc, args: list[str], run_dir: Path, bandwidth: float, target:
     import from besides the repository (a data factory's module)."""
     cmd = ["-m", "gossip.train", *args, "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
     metrics = rundir.metrics_path(run_dir, 0)
+    # an earlier run's files in run_dir would be read as this run's: its evaluations by the
+    # monitor (which would stop this run at once, "at the target"), its curve by the record
+    # of a run that failed before writing its own; the run replaces them (--overwrite) anyway
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
     checked = [0.0]
 
     def monitor() -> None:  # about every 50 ms: read rank 0's evaluations once a second

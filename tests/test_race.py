@@ -113,3 +113,33 @@ def test_race_netns_stops_at_the_target(tmp_path, capsys):
     assert "\n| 100mbit | allreduce | fp32 | 1 |" in (out / "race.md").read_text()
     assert (out / "allreduce@100mbit" / "metrics-rank0.jsonl").is_file()
     assert "race: allreduce @ 100mbit: 0% at epoch 1 after" in capsys.readouterr().out
+
+
+def test_an_earlier_runs_files_are_not_read_as_the_new_runs(tmp_path):
+    """Re-running into the same folder: the earlier run's evaluations (which reached the
+    target) must neither stop the new run at once nor stand in for its curve. Here the
+    new run fails before writing anything: it is recorded as failed, with no points."""
+    import json as _json
+    import types
+
+    from gossip import rundir
+
+    run_dir = tmp_path / "m@10mbit"
+    run_dir.mkdir()
+    rundir.metrics_path(run_dir, 0).write_text(_json.dumps({"kind": "eval", "epoch": 1, "step": 10,
+                                                            "test_acc": 0.99, "bytes_sent": 1}) + "\n")
+    calls = []
+
+    class Cluster:
+        hosts: list = []
+
+        def run_torchrun(self, cmd, per_host, *, monitor, **kw):
+            monitor()  # the new run has written nothing yet
+            calls.append(cmd)
+            bad = types.SimpleNamespace(rank=0, returncode=1, timed_out=False)
+            return types.SimpleNamespace(ok=False, failed=[bad], tail=lambda rank, n: "boom")
+
+    rec = race.run_netns_args(Cluster(), ["--model", "cnn1d"], run_dir, 10e6, 0.9, False, 60.0,
+                              label="m @ 10mbit", run_id="t")
+    assert calls and not rec["ok"] and not rec["stopped_at_target"] and rec["points"] == []
+    assert rec["to_target"]["time_s"] is None

@@ -1107,7 +1107,9 @@ make results-tables                                   # the README's verdict tab
   (as the race's netns mode does), and stops it at the target; `report --netns NETNS` adds the
   measured times next to the modelled ones. It needs root and a quiet machine (wall-clock times).
   `--methods A,B --resume NETNS` measures a few methods at a time and keeps the earlier runs, so
-  the field can be measured in several quiet windows."""
+  the field can be measured in several quiet windows; an interrupted run keeps what finished. A
+  method whose simulated trial never reached the target at a link is not measured there (the
+  report lists it; `--also-unreached` measures it anyway)."""
 
 
 # ----------------------------------------------------------------------------- CLI

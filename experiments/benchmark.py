@@ -649,7 +649,7 @@ def analyse(spec: Spec, trials: Sequence[dict]) -> dict:
     for wl in spec.workloads:
         per_n = {}
         for n in wl.nodes:
-            methods = {}
+            methods, complete = {}, []
             for m in _methods_at(spec, n):
                 tune = [Trial(wl, n, m, "tune", round(m.lr * f, 10), spec.tune_seed) for f in spec.lr_factors]
                 if any(t.key not in by_key for t in tune):
@@ -664,6 +664,8 @@ def analyse(spec: Spec, trials: Sequence[dict]) -> dict:
                 lr = max(ok, key=lambda x: (sign * x["validation"], -x["lr"]))["lr"]
                 budget = {"tune": {"runs": 0, "steps": 0, "cpu_s": 0.0}, "final": {"runs": 0, "steps": 0, "cpu_s": 0.0}}
                 finals = [Trial(wl, n, m, "final", None, sd) for sd in spec.seeds]
+                if all(t.key in by_key for t in finals):
+                    complete.append(m.name)
                 for t in tune + finals:
                     rec = by_key.get(t.key)
                     if rec is None or (t.stage == "final" and rec.get("lr") != lr):
@@ -701,12 +703,8 @@ def analyse(spec: Spec, trials: Sequence[dict]) -> dict:
                                    "wire": next(iter(seeds.values()))["wire"] if seeds else None}
             if methods:
                 # the field the verdicts cover: the methods with every final run finished (ok or failed)
-                planned = [m.name for m in _methods_at(spec, n)]
-                complete = [name for name in planned if name in methods and all(
-                    Trial(wl, n, m, "final", None, sd).key in by_key for m in _methods_at(spec, n) if m.name == name
-                    for sd in spec.seeds)]
                 per_n[str(n)] = {"methods": methods, "verdicts": _verdicts(methods, links),
-                                 "field": {"planned": planned, "complete": complete}}
+                                 "field": {"planned": [m.name for m in _methods_at(spec, n)], "complete": complete}}
         params = next((sd["params"] for nd in per_n.values() for r in nd["methods"].values()
                        for sd in r.get("seeds", {}).values() if sd.get("params")), None)
         result["workloads"][wl.name] = {"nodes": per_n, "target": wl.target, "metric": wl.metric, "params": params,

@@ -35,6 +35,16 @@ def _on_sigterm(signum, frame) -> None:
     raise Terminated()
 
 
+def _say(line: str) -> None:
+    """Write ``line`` and its newline to stderr in one write.
+
+    Under torchrun the ranks share one stream, and ``print`` writes a text and its
+    newline apart when Python runs unbuffered (``python -u``, ``PYTHONUNBUFFERED``):
+    another rank's line could land between the two and the lines would run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m gossip.train``: parse the flags, run, and return the exit code.
 
@@ -52,21 +62,21 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
         run(cfg)
     except ConfigError as e:
-        print(f"{who}gossip.train: error: {one_line(e)}", file=sys.stderr, flush=True)
+        _say(f"{who}gossip.train: error: {one_line(e)}")
         return 2
     except RunError as e:
         if e.exit_code == 0:  # nothing went wrong (a finished run resumed): rank 0 says so
             if rank == 0:
-                print(f"{who}gossip.train: {one_line(e)}", file=sys.stderr, flush=True)
+                _say(f"{who}gossip.train: {one_line(e)}")
             return 0
-        print(f"{who}gossip.train: error: {one_line(e)}", file=sys.stderr, flush=True)
+        _say(f"{who}gossip.train: error: {one_line(e)}")
         return e.exit_code
     except KeyboardInterrupt:
         if rank == 0:
-            print(f"{who}gossip.train: interrupted", file=sys.stderr, flush=True)
+            _say(f"{who}gossip.train: interrupted")
         return 130
     except Terminated:
-        print(f"{who}gossip.train: {STOPPED}", file=sys.stderr, flush=True)
+        _say(f"{who}gossip.train: {STOPPED}")
         return 128 + signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous)

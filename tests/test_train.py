@@ -154,6 +154,31 @@ def test_torchrun_bad_input_fails_on_every_rank(tmp_path):
     assert all("torus" in ln for ln in errors)
 
 
+class _Writes(io.StringIO):
+    """A stream that keeps each write apart, as an unbuffered stderr sends each one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.calls.append(s)
+        return super().write(s)
+
+
+def test_each_ranks_line_reaches_stderr_in_one_write(monkeypatch):
+    # under torchrun the ranks share one stream; unbuffered (python -u, PYTHONUNBUFFERED)
+    # each write is a system call, so a line and its newline written apart let another
+    # rank's line land between them and the two run together
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    err = _Writes()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert gossip_train.main(["--simulate", "4", "--no-progress"]) == 2
+    assert err.calls and all(c.endswith("\n") and c.count("\n") == 1 for c in err.calls), err.calls
+    assert err.calls[0].startswith("[rank 3] gossip.train: error: ") and "torchrun" in err.calls[0]
+
+
 def test_toml_config_and_flag_override(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text('algo = "dcd"\nbits = 4\ndata = "synthetic"\nepochs = 1\nbatch-size = 128\nsimulate = 3\n')

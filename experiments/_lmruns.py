@@ -25,7 +25,11 @@ from experiments import _provenance  # noqa: E402,F401  (the scripts' provenance
 
 
 def run_train(args: list[str], out: Path) -> dict:
-    """``python -m gossip.train ARGS --out OUT``; its summary's figures, wall clock and load."""
+    """``python -m gossip.train ARGS --out OUT``; its summary's figures, wall clock and load.
+
+    The record names the run directory as the record of the command names ``--out``
+    (``_provenance.portable``: relative to the repository, or ``OUT/...`` outside it), and
+    the scripts give ``out`` as ``--out``'s folder joined with a run's name."""
     cmd = [sys.executable, "-m", "gossip.train", *args, "--out", str(out), "--overwrite", "--no-progress"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     load0 = os.getloadavg()[0]
@@ -34,7 +38,7 @@ def run_train(args: list[str], out: Path) -> dict:
     wall = time.perf_counter() - t0
     load1 = os.getloadavg()[0]
     rec = {"command": "python -m gossip.train " + shlex.join(args), "wall_s": round(wall, 1),
-           "load_average": [round(load0, 2), round(load1, 2)], "exit": r.returncode, "out": str(out)}
+           "load_average": [round(load0, 2), round(load1, 2)], "exit": r.returncode, "out": f"{_provenance.portable(str(out.parent))}/{out.name}"}
     if r.returncode != 0:
         rec["error"] = (r.stderr.strip().splitlines() or [""])[-1]
         return rec

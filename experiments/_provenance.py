@@ -272,10 +272,10 @@ def _command(argv: Sequence[str] | None) -> str:
     # a path in the environment is this machine's own (a cache folder): named, not spelled out
     env = [f"{k}={'PATH' if os.path.isabs(os.environ[k]) else os.environ[k]}" for k in sorted(os.environ)
            if k in _ENV_KEYS or k.startswith(_ENV_PREFIX)]
-    return shlex.join([*env, *head, *map(_portable, argv)])
+    return shlex.join([*env, *head, *map(portable, argv)])
 
 
-def _portable(arg: str) -> str:
+def portable(arg: str) -> str:
     """An absolute path in an argument as a reader can use it: relative to the repository
     when inside it, else ``OUT/<last part>`` (a folder of this machine's own, such as a
     scratch output directory)."""

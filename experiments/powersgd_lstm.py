@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, rec in rows.items():
         rec["jobs"] = a.jobs
         if rec["exit"] == 0:
-            spe = steps_per_epoch(Path(rec["out"]))
+            spe = steps_per_epoch(Path(a.out) / name.replace(":", "-"))
             rec["steps_per_epoch"] = spe
             rec["mb_per_epoch_per_node"] = rec["bytes_sent_per_node_per_step"] * spe / 1e6 if spe else None
             print(f"powersgd_lstm: {name}: {rec['final_test_bpb']:.3f} bits per byte, perplexity per byte "

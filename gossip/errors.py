@@ -18,7 +18,9 @@ still work.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterable
+from typing import TextIO
 
 #: a word of a message longer than this is cut (a 50 MB TOML value, a pasted file)
 _LONGEST_WORD = 120
@@ -37,8 +39,21 @@ def one_line(message: object) -> str:
 
     return _LONG_WORD.sub(cut, text)
 
+
+def say_line(line: str, stream: TextIO | None = None) -> None:
+    """Write ``line`` and its newline to ``stream`` (standard error by default) in one
+    write, then flush.
+
+    Processes that share a stream (torchrun's ranks, torchft's replicas) would run their
+    lines together with ``print``: unbuffered (``python -u``, ``PYTHONUNBUFFERED``) it
+    writes a text and its newline apart, and another process's line can land between."""
+    stream = sys.stderr if stream is None else stream
+    stream.write(line + "\n")
+    stream.flush()
+
 __all__ = [
     "one_line",
+    "say_line",
     "NonFiniteError",
     "PayloadError",
     "PeerError",

@@ -54,6 +54,7 @@ import torch
 import topologies
 from gossip import algorithms, data, evaluation, rundir
 from gossip._ftcomm import FTCommunicator
+from gossip.errors import say_line
 from gossip.comm.base import is_time_varying
 
 __all__ = ["FTCommunicator", "SUPPORTED_ALGORITHMS", "lighthouse_address", "live_topology", "run_fault_tolerant"]
@@ -243,7 +244,7 @@ class _FTRun:
             self.loader.next_batch()
 
     def _say(self, line: str) -> None:
-        print(f"[replica {self.replica}] {line}", file=sys.stderr, flush=True)
+        say_line(f"[replica {self.replica}] {line}")  # the replicas share one stderr
 
     # --- construction ---------------------------------------------------------------
     def run(self) -> dict | None:
@@ -500,7 +501,7 @@ class _FTRun:
         torch.save({"params": self.gopt.flat.data[0].detach().clone(), "step": end["step"]},
                    self.out / f"model-replica{self.replica}.pt")
         if self.replica == 0:
-            print(json.dumps(end), flush=True)
+            say_line(json.dumps(end), sys.stdout)
         return end
 
 

@@ -36,13 +36,10 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def _say(line: str) -> None:
-    """Write ``line`` and its newline to stderr in one write.
+    """One line to stderr in one write: under torchrun the ranks share the stream."""
+    from gossip.errors import say_line
 
-    Under torchrun the ranks share one stream, and ``print`` writes a text and its
-    newline apart when Python runs unbuffered (``python -u``, ``PYTHONUNBUFFERED``):
-    another rank's line could land between the two and the lines would run together."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+    say_line(line)
 
 
 def main(argv: list[str] | None = None) -> int:

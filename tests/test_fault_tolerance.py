@@ -591,3 +591,31 @@ def test_the_centralized_exchanges_over_the_quorum_give_the_simulations_numbers(
     for i in range(n):
         for t in range(steps):
             torch.testing.assert_close(got[i][t][0], want[t][i], rtol=1e-5, atol=1e-6)
+
+
+class _Writes:
+    """A stream that keeps each write apart, as an unbuffered stderr sends each one."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.calls.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_each_replicas_line_reaches_stderr_in_one_write(monkeypatch):
+    # the replicas share one stderr; print() would write the text and its newline apart
+    # under python -u, and another replica's line could land between the two
+    from types import SimpleNamespace
+
+    from gossip.fault_tolerance import _FTRun
+
+    err = _Writes()
+    monkeypatch.setattr(sys, "stderr", err)
+    _FTRun._say(SimpleNamespace(replica=2), "quorum 3 -> 2 replicas")
+    _FTRun._say(SimpleNamespace(replica=0), "rejoined")
+    assert err.calls == ["[replica 2] quorum 3 -> 2 replicas\n", "[replica 0] rejoined\n"]

@@ -44,6 +44,8 @@ def test_recipes_run_and_render(corpus, tmp_path, monkeypatch):
     cmd = prov["command"]
     assert cmd.startswith("OMP_NUM_THREADS=1 ") and " python experiments/lm_recipes.py --recipes lstm " in cmd
     assert "gossip/textdata.py" in prov["sources"]
+    # the run directory named as the command names --out: no path of the machine it ran on
+    assert " --out OUT/runs " in cmd and r["out"] == "OUT/runs/lstm"
     md = render.TABLES["lm_recipes"].render(res)
     assert md.startswith("| recipe | parameters | steps | held-out bits per byte |")
     assert f"| lstm | 0.94M | 2 | {r['final_test_bpb']:.3f} |" in md
@@ -60,6 +62,7 @@ def test_table3_runs_sgd_and_powersgd_ranks_and_renders(corpus, tmp_path, monkey
     res, _ = P.read(out)
     runs = res["runs"]
     assert list(runs) == ["sgd", "powersgd:1", "powersgd:2", "powersgd:4"]
+    assert [r["out"] for r in runs.values()] == [f"OUT/runs/{k}" for k in ("sgd", "powersgd-1", "powersgd-2", "powersgd-4")]
     sent = [runs[k]["bytes_sent_per_node_per_step"] for k in runs]
     # full precision sends far more than rank 4 > rank 2 > rank 1 (payloads grow with the rank)
     assert sent[0] > 20 * sent[3] and sent[3] > sent[2] > sent[1] > 0

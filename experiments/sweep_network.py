@@ -20,7 +20,10 @@ algorithm) and ``cells/<cell>/`` with each run's files; with ``--results FILE`` 
 FILE, the rows with the provenance record of ``experiments/_provenance.py``
 (``experiments/results/sweep_network.json`` is rendered into docs/network.md by
 ``make results-tables``). A cell already measured is
-skipped on a re-run unless ``--force``; ``--plot-only`` redraws from the CSV.
+skipped on a re-run unless ``--force``, provided it was measured at the same code
+(its ``cell.json`` records the commit and the sources' ids): a cell measured at other
+code is measured again, and the run says so, so that the results' provenance never
+stands for figures of another commit; ``--plot-only`` redraws from the CSV.
 
 Latency is shaped with netem where the kernel has it; otherwise it is emulated in the
 communicator (``gossip.train --emulate-latency MS``) and every row, table and figure
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import math
 import os
@@ -666,7 +670,39 @@ def _load_rows(out: Path) -> list[dict]:
     return rows
 
 
-def run_sweep(args: argparse.Namespace, out: Path, log: Callable[[str], None]) -> list[dict]:
+def _other_code(row: dict, code: dict | None) -> str | None:
+    """Why a cell measured earlier cannot stand for the code run now (None if it can):
+    it was measured at other sources (or from uncommitted changes to them, or before
+    cells recorded their code), which the results' provenance would misstate."""
+    if code is None:
+        return None
+    was = row.get("code")
+    if not was:
+        return "measured before cells recorded their code"
+    now, then = code.get("source_ids") or {}, was.get("source_ids") or {}
+    changed = [s for s in sorted(set(now) | set(then)) if now.get(s) != then.get(s)]
+    if changed:
+        return f"measured at commit {str(was.get('commit'))[:10]}, changed since: {', '.join(changed)}"
+    if was.get("diff_sha256") != code.get("diff_sha256"):  # the same commit, other uncommitted changes
+        return (f"measured with other uncommitted changes (then: {', '.join(was.get('dirty_sources') or []) or 'none'}; "
+                f"now: {', '.join(code.get('dirty_sources') or []) or 'none'})")
+    return None
+
+
+def _code(prov: _provenance.Provenance) -> dict:
+    """The code a cell is measured at: the commit, its sources' ids, and a hash of
+    their uncommitted changes (the same commit with other changes is other code)."""
+    diff = subprocess.run(["git", "diff", "HEAD", "--", *prov.sources], cwd=_provenance.REPO,
+                          capture_output=True).stdout if prov.dirty_sources else b""
+    return {"commit": prov.commit, "source_ids": prov.source_ids, "dirty_sources": prov.dirty_sources,
+            "diff_sha256": hashlib.sha256(diff).hexdigest() if diff else None}
+
+
+def run_sweep(args: argparse.Namespace, out: Path, log: Callable[[str], None],
+              code: dict | None = None) -> list[dict]:
+    """Measure every cell not yet in ``out``; a cell measured there before is taken as
+    it is only if it was measured at the same code (``code``: the commit, the sources'
+    ids and their uncommitted changes, from the run's provenance), else measured again."""
     algos = parse_algos(args.algos)
     rates = _split(args.bandwidth, parse_rate, "--bandwidth")
     lats = _split(args.latency, lambda v: parse_time(v, "latency"), "--latency")
@@ -690,7 +726,15 @@ def run_sweep(args: argparse.Namespace, out: Path, log: Callable[[str], None]) -
         launcher = _VClusterLauncher(args.nodes, args.prefix, args.subnet, shape_ingress=not args.egress_only,
                                      tcp_cc=[c for c in args.tcp_cc.split(",") if c] or None)
         nodes = args.nodes
-    done = {r["cell"]: r for r in _load_rows(out) if r.get("ok")}
+    done = {}
+    for r in _load_rows(out):
+        if not r.get("ok"):
+            continue
+        why = _other_code(r, code)
+        if why is None:
+            done[r["cell"]] = r
+        elif not args.force:
+            log(f"cell {r['cell']}: {why}; measuring it again")
     rows: dict[str, dict] = {}
     with launcher:
         for rate in rates:
@@ -705,7 +749,7 @@ def run_sweep(args: argparse.Namespace, out: Path, log: Callable[[str], None]) -
                 mode = launcher.shape(rate, lat)
                 for c in todo:
                     log(f"cell {c.key}: {format_rate(rate)}, {c.latency_ms:g} ms ({mode}) ...")
-                    row = _run_cell(args, launcher, c, out, epochs, spe, mode, has_max_steps)
+                    row = _run_cell(args, launcher, c, out, epochs, spe, mode, has_max_steps, code)
                     rows[c.key] = row
                     if row["ok"]:
                         log(f"cell {c.key}: step {row['step_s']:.4f} s, epoch {row['epoch_s']:.2f} s, "
@@ -716,7 +760,7 @@ def run_sweep(args: argparse.Namespace, out: Path, log: Callable[[str], None]) -
 
 
 def _run_cell(args, launcher, cell: Cell, out: Path, epochs: int, spe: int, mode: str,
-              has_max_steps: bool) -> dict[str, Any]:
+              has_max_steps: bool, code: dict | None = None) -> dict[str, Any]:
     cell_dir = out / "cells" / cell.key
     run_dir = cell_dir / "run"
     if cell_dir.exists():
@@ -731,6 +775,7 @@ def _run_cell(args, launcher, cell: Cell, out: Path, epochs: int, spe: int, mode
         "latency_ms": cell.latency_ms, "latency_mode": mode, "cell": cell.key, "model": args.model,
         "data": args.data, "ok": False, "error": "",
         "shaping": getattr(launcher, "shaping", None), "tcp_cc": getattr(launcher, "tcp_cc", None),
+        "code": code,  # what a later run checks before it takes this cell as measured
     }
     ranks, wall, err = launcher.run(cmd, cell_dir, run_dir, args.cell_timeout, window=(args.warmup, args.steps))
     row["wall_s"] = wall
@@ -782,8 +827,14 @@ def main(argv: list[str] | None = None) -> int:
             rows = _load_rows(out)
             if not rows:
                 raise SweepError(f"--plot-only: no measured cells in {out}/cells")
+            code = _code(prov)
+            other = [(r["cell"], why) for r in rows if r.get("ok") and (why := _other_code(r, code))]
+            if args.results and other:
+                raise SweepError(f"--results with --plot-only: {len(other)} of the cells in {out}/cells were not "
+                                 f"measured at this checkout's code (cell {other[0][0]}: {other[0][1]}); "
+                                 "re-measure them (the same command without --plot-only) or leave out --results")
         else:
-            rows = run_sweep(args, out, log)
+            rows = run_sweep(args, out, log, code=_code(prov))
         if args.dry_run:
             return 0
         meta = {"command": prov.command, "created": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -176,6 +176,44 @@ def test_sweep_writes_results_and_skips_measured_cells(tmp_path, fake):
     assert len(fake.runs) == 20
 
 
+def test_cells_measured_at_other_code_are_measured_again(tmp_path, fake, monkeypatch, capsys):
+    # a resumed sweep takes a cell as measured only at the same code: the results'
+    # provenance names this checkout's commit, which a cell of another commit would belie
+    _provenance = sw._provenance  # the module sweep_network imported (experiments/ is on the path)
+
+    out, results = tmp_path / "sweep", tmp_path / "r.json"
+    assert sw.main([*ARGS, "--out", str(out)]) == 0
+    assert len(fake.runs) == 8
+    cell = json.loads(next((out / "cells").glob("*/cell.json")).read_text())
+    assert cell["code"]["source_ids"]["experiments/sweep_network.py"] == \
+        _provenance.source_ids(["experiments/sweep_network.py"])["experiments/sweep_network.py"]
+    assert sw.main([*ARGS, "--out", str(out)]) == 0  # the same code: nothing measured again
+    assert len(fake.runs) == 8
+
+    real = _provenance.source_ids
+    monkeypatch.setattr(_provenance, "source_ids",  # gossip/train.py as if changed since
+                        lambda sources, rev="HEAD": {**real(sources, rev), "gossip/train.py": "0" * 40})
+    capsys.readouterr()
+    assert sw.main(["--out", str(out), "--plot-only", "--results", str(results)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--results with --plot-only: 8 of the cells" in err[0] and "gossip/train.py" in err[0]
+    assert not results.exists()
+    assert sw.main([*ARGS, "--out", str(out), "--results", str(results)]) == 0
+    assert len(fake.runs) == 16  # every cell measured again, each saying why
+    err = capsys.readouterr().err
+    assert err.count("changed since: gossip/train.py; measuring it again") == 8
+    res, prov = _provenance.read(results)
+    assert {r["code"]["source_ids"]["gossip/train.py"] for r in res["rows"]} == {"0" * 40}
+
+    # a cell written before cells recorded their code is measured again too
+    f = out / "cells" / cell["cell"] / "cell.json"
+    old = json.loads(f.read_text())
+    del old["code"]
+    f.write_text(json.dumps(old))
+    assert sw.main([*ARGS, "--out", str(out)]) == 0
+    assert len(fake.runs) == 17 and "measured before cells recorded their code" in capsys.readouterr().err
+
+
 def test_choco_cells_run_choco_with_their_compressor_on_the_sweeps_graph(tmp_path, fake):
     out = tmp_path / "sweep"
     assert sw.main(["--nodes", "4", "--algos", "allreduce,choco-top1,choco-sign", "--bandwidth", "5mbit",

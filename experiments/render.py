@@ -414,20 +414,36 @@ def _benchmark_verdict(res: dict) -> str:
 
 def _partial_line(res: dict, n_methods: int, n_seeds: int) -> str:
     """While the run is incomplete, which methods the verdicts cover: a method is ranked
-    only once all its final seeds finished, so a verdict over part of the field says so."""
-    parts = []
+    only once all its final runs finished (the field's ``complete``), so a verdict over
+    part of the field says so. A method whose final runs all finished but not all of
+    them reached a result (a seed diverged) is named as such: resuming does not run it
+    again."""
+    parts, failed = [], []
     for name, w in res["workloads"].items():
         for nodes, at in w["nodes"].items():
-            done = sorted(m for m, r in at["methods"].items()
-                          if sum(1 for s in (r.get("seeds") or {}).values() if s.get("final") is not None) >= n_seeds)
-            planned = len((at.get("field") or {}).get("planned") or ()) or n_methods  # some stop below 64 nodes
+            field = at.get("field") or {}
+            if "complete" in field:
+                done = sorted(field["complete"])
+            else:  # results written before the field was recorded
+                done = sorted(m for m, r in at["methods"].items()
+                              if sum(1 for s in (r.get("seeds") or {}).values() if s.get("final") is not None)
+                              >= n_seeds)
+            planned = len(field.get("planned") or ()) or n_methods  # some stop below 64 nodes
             if len(done) < planned:
                 parts.append(f"{name} at {nodes} nodes: {len(done)} of {planned} methods have all their final runs "
                              f"({', '.join(done) or 'none'})")
-    if not parts:
-        return ""
-    return (" **Incomplete**: the verdicts rank only the methods whose final runs all finished; "
-            + "; ".join(parts) + ". The others are still to run (`run` resumes).")
+            for m in done:
+                bad = (at["methods"].get(m) or {}).get("seeds_failed") or []
+                if bad:
+                    failed.append(f"{m} at {nodes} nodes ({len(bad)} of {n_seeds} final seeds failed)")
+    text = ""
+    if parts:
+        text += (" **Incomplete**: the verdicts rank only the methods whose final runs all finished; "
+                 + "; ".join(parts) + ". The others are still to run (`run` resumes).")
+    if failed:
+        text += (" Finished with a final run that failed, so without a full set of seeds: " + ", ".join(failed)
+                 + " (the method tables give the reason).")
+    return text
 
 
 def _churn(res: dict) -> str:

@@ -323,3 +323,11 @@ def test_verdicts_over_part_of_the_field_say_how_much_of_it(bench):
     readme = render._benchmark_verdict(part)
     assert "blobs at 2 nodes: 1 of 2 methods have all their final runs (allreduce)" in readme
     assert "| blobs (40.00%) | 2 (1 of 2 methods) | 10mbit |" in readme
+    # every run finished, one method's final seed diverged: not "still to run", named as failed
+    full = benchmark.analyse(spec, trials)
+    full["workloads"]["blobs"]["nodes"]["2"]["methods"]["localsgd"]["seeds_failed"] = [0]
+    full.update(protocol={"lr_factors": [0.5, 1.0], "seeds": [0]}, spec=spec.raw)
+    readme = render._benchmark_verdict(full)
+    assert "Incomplete" not in readme and "still to run" not in readme
+    assert "a final run that failed, so without a full set of seeds: localsgd at 2 nodes (1 of 1 final seeds failed)" \
+        in readme

@@ -21,7 +21,8 @@ kernels), and, compiled the same way as the one-loop kernel, the 8-bit encoder's
 - ``round, no tie flag`` and ``round, digit given, no tie flag``: the same without the
   reduction that tells whether any element needs a second digit;
 - ``checksum``: the payload's integrity sum, which the encoder writes and the decoder
-  checks (so a round trip pays it twice).
+  checks (so a round trip pays it twice); not compiled, an integer matrix-vector
+  product (``experiments/bench_checksum.py`` compares the forms).
 
 and the 4-bit encoder's parts, its own compiled kernels called as the encoder calls them:
 

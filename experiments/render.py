@@ -554,6 +554,17 @@ def _quant_parts(res: dict) -> str:
             f"payloads {same}. Target at least 0.25: {verdict}.")
 
 
+def _bench_checksum(res: dict) -> str:
+    """experiments/bench_checksum.py: the payload checksum's integer matrix-vector product
+    against the compiled and the chunked eager product and sum, and memcpy."""
+    table = _md(["payload", "MB", "memcpy ms", "mv ms", "mv / memcpy", "compiled ms", "compiled / mv",
+                 "chunked ms", "chunked / mv"],
+                [[r["payload"], f"{r['mb']:.1f}", f"{r['memcpy_ms']:.2f}", f"{r['mv_ms']:.2f}",
+                  f"{r['mv_over_memcpy']:.2f}", f"{r['compiled_ms']:.2f}", f"{r['compiled_over_mv']:.2f}",
+                  f"{r['chunked_ms']:.2f}", f"{r['chunked_over_mv']:.2f}"] for r in res["rows"]])
+    return f"One thread, the minimum of {res['reps']} interleaved repeats:\n\n{table}"
+
+
 def _bench_sim(res: dict) -> str:
     """experiments/bench_sim.py: nodes x steps per second of both paths, then the one-epoch runs."""
     from experiments import bench_sim
@@ -715,6 +726,7 @@ TABLES: dict[str, Table] = {
     "streaming_overlap_taus": Table(f"{RESULTS}/streaming_overlap_taus.json", _streaming_overlap),
     "bench_sim": Table(f"{RESULTS}/bench_sim.json", _bench_sim),
     "quant_parts": Table(f"{RESULTS}/quant_parts.json", _quant_parts),
+    "bench_checksum": Table(f"{RESULTS}/bench_checksum.json", _bench_checksum),
     "bench_sim_cuda": Table(f"{RESULTS}/bench_sim_cuda.json", _bench_sim),
     "crossover_check": Table(f"{RESULTS}/crossover_check.json", _crossover_check, command=_CMD_CROSSOVER),
     "sgp_overlap": Table(f"{RESULTS}/sgp_overlap.json", _sgp_overlap, command=_CMD_SGP),

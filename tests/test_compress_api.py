@@ -342,6 +342,24 @@ def test_every_single_damaged_byte_is_detected(spec):
                 c.decode(bad, 50)
 
 
+@pytest.mark.parametrize("m,words", [(1, 9), (3, 1000), (2, 70_001), (40, 257)])
+def test_checksum_is_the_documented_sum_modulo_2_32(m, words):
+    """sum_j (2 j + 1) w_j mod 2**32 over each row's little-endian uint32 words, the
+    checksum word itself (word 7) taken as 0: computed here with Python integers, on
+    words at the extremes (every product and the sums wrap) and at random."""
+    from gossip.compress import wire
+
+    g = torch.Generator().manual_seed(m * words)
+    P = torch.randint(0, 256, (m, 4 * words), dtype=torch.uint8, generator=g)
+    P[0, : 4 * min(words, 40)] = 0xFF  # words of 2**32 - 1
+    P[-1, -4:] = torch.tensor([0, 0, 0, 0x80], dtype=torch.uint8)  # 2**31 at the end
+    want = []
+    for row in P.tolist():
+        ws = [int.from_bytes(bytes(row[4 * j: 4 * j + 4]), "little") for j in range(words)]
+        want.append(sum((2 * j + 1) * x for j, x in enumerate(ws) if j != 7) % (1 << 32))
+    assert wire.checksum(P).tolist() == want
+
+
 def test_swapped_words_are_detected():
     c, P = _payload(m=1, d=64)
     w = P.view(torch.int32).clone()
@@ -505,3 +523,28 @@ def test_declared_guarantees_are_reached(spec, row, expect):
     R = _error_ratios(c, rows[row], K=4000)
     mean, se = float(R.mean()), float(R.std()) / 4000**0.5
     assert abs(mean - expect(c, d)) <= 5 * se + 1e-5, (spec, mean, expect(c, d), se)
+
+
+def test_bench_checksum_runs_and_writes_its_figures(tmp_path, capsys):
+    """experiments/bench_checksum.py, tiny: each form's sums are checked against the
+    kernel's before timing, and every printed ratio is in the results file."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "experiments" / "bench_checksum.py"
+    spec = importlib.util.spec_from_file_location("bench_checksum", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--small", "--reps", "1", "--json", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    r = json.loads((tmp_path / "c.json").read_text())
+    assert "python experiments/bench_checksum.py --small --reps 1" in r["provenance"]["command"]
+    rows = r["results"]["rows"]
+    assert [(x["rows"], x["words"]) for x in rows] == [(4, 300), (1, 5000)]
+    for x in rows:
+        assert min(x["memcpy_ms"], x["mv_ms"], x["compiled_ms"], x["chunked_ms"]) > 0
+        assert f"({x['compiled_over_mv']:.2f}x mv)" in out and f"({x['chunked_over_mv']:.2f}x mv)" in out
+    with pytest.raises(SystemExit):
+        mod.main(["--reps", "0"])
+    assert "--reps must be at least 1, got 0" in capsys.readouterr().err

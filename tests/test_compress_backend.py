@@ -62,7 +62,7 @@ def require_compiled(kernels) -> None:
 
 def _all_kernels():
     return [*_kernels._VARIANTS.values(), *_kernels._PLANAR.values(), _kernels.PRIORITIES,
-            _kernels.MAGNITUDE_KEYS, _kernels.CHECKSUM, _kernels.AFFINE, *_kernels.AFFINE._variants.values()]
+            _kernels.MAGNITUDE_KEYS, _kernels.AFFINE, *_kernels.AFFINE._variants.values()]
 
 
 def test_compiled_quant_matches_eager(backend):
@@ -254,7 +254,7 @@ def test_switching_from_eager_to_compiled_mid_run_keeps_the_bits(backend, monkey
     monkeypatch.setattr(_kernels, "MIN_COMPILED_NUMEL", 1)
     monkeypatch.setattr(_kernels, "EAGER_BUDGET_NUMEL", 3 * 4 * (1 << 12))  # encode switches at step 3
     monkeypatch.setattr(_kernels, "LANES_MIN_NUMEL", 1)  # the lane kernels' pair switches too
-    kernels = [*_kernels._VARIANTS.values(), _kernels.CHECKSUM, *_kernels.AFFINE._variants.values()]
+    kernels = [*_kernels._VARIANTS.values(), *_kernels.AFFINE._variants.values()]
     for k in kernels:  # fresh budgets for the kernels earlier tests used (their compiled code stays)
         monkeypatch.setattr(k, "budget_spent", False)
         monkeypatch.setattr(k, "eager_numel", 0)

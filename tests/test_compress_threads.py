@@ -69,7 +69,7 @@ def test_checksum_kernel_from_two_threads():
 
     def work(i: int) -> None:
         start.wait()
-        got[i] = [_kernels._checksum_eager(words[i], w) for _ in range(100)]
+        got[i] = [_kernels.checksum(words[i], w) for _ in range(100)]
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
     for t in threads:

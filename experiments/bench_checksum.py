@@ -26,9 +26,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import min_interleaved  # noqa: E402
 
 from gossip.compress import _kernels as K
 from gossip.compress import wire
@@ -55,15 +57,6 @@ def _chunked(words: torch.Tensor, w: torch.Tensor, chunk: int = 1 << 14) -> torc
     return acc & 0xFFFFFFFF
 
 
-def _best(fns: dict, reps: int) -> dict:
-    best = {k: float("inf") for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            best[k] = min(best[k], time.perf_counter() - t0)
-    return best
-
 
 def measure(shapes, reps: int) -> list[dict]:
     compiled = torch.compile(K._checksum, dynamic=True, fullgraph=True)
@@ -80,7 +73,7 @@ def measure(shapes, reps: int) -> list[dict]:
             for k in ("compiled", "chunked"):
                 if not torch.equal(fns[k](), want):
                     raise SystemExit(f"bench_checksum: the {k} form gives other sums than the kernel for {name}")
-            t = _best(fns, reps)
+            t = min_interleaved(fns, reps)
         rows.append({"payload": name, "rows": m, "words": n, "mb": 4 * m * n / 1e6,
                      **{f"{k}_ms": 1e3 * v for k, v in t.items()},
                      "mv_over_memcpy": t["mv"] / t["memcpy"],
@@ -101,11 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error(f"--reps must be at least 1, got {args.reps}")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _provenance
 
     prov = _provenance.start(["gossip/compress/_kernels.py", "gossip/compress/wire.py",
-                              "experiments/bench_checksum.py"],
+                              "experiments/bench_checksum.py", "experiments/_timing.py"],
                              argv=None if argv is None else ["experiments/bench_checksum.py", *argv])
     torch.set_num_threads(1)
     load = os.getloadavg()[0]

@@ -42,26 +42,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 import types
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import min_interleaved  # noqa: E402
 
 import gossip.compress as gc
 from gossip.compress import _kernels as K
 from gossip.compress import _random as R
 from gossip.compress import wire
 
-
-def _best(fns: dict, reps: int) -> dict:
-    """Minimum time of each function over ``reps`` interleaved rounds."""
-    best = {k: float("inf") for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            best[k] = min(best[k], time.perf_counter() - t0)
-    return best
 
 
 def _parts4(x3: torch.Tensor, keys: torch.Tensor) -> dict:
@@ -110,11 +102,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the figures, with their provenance, as JSON")
     args = p.parse_args(argv)
     if args.numel < 1 or args.reps < 1:
-        p.error("--numel and --reps must be positive")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        p.error(f"--numel and --reps must be at least 1, got {args.numel} and {args.reps}")
     import _provenance
 
-    prov = _provenance.start(["gossip/compress", "experiments/quant_parts.py"],
+    prov = _provenance.start(["gossip/compress", "experiments/quant_parts.py", "experiments/_timing.py"],
                              argv=None if argv is None else ["experiments/quant_parts.py", *argv])
     torch.set_num_threads(1)
     K.set_backend("compile")  # the steady state (auto runs the first 2**30 elements eager)
@@ -189,7 +180,7 @@ def main(argv=None) -> int:
     }
     for f in fns.values():  # compile and fault every buffer in
         f()
-    t = _best(fns, args.reps)
+    t = min_interleaved(fns, args.reps)
     mem = t["memcpy"]
     print(f"{'part':34s} {'ms':>8s} {'/ memcpy':>9s}")
     for k, v in t.items():

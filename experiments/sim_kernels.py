@@ -46,26 +46,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_sim  # noqa: E402
+from _timing import min_interleaved  # noqa: E402
 
 from gossip import _batched, vectorized  # noqa: E402
 
-
-def _min_interleaved(fns: dict, repeats: int) -> dict[str, float]:
-    """The minimum wall time of each callable, the candidates run in turn per repeat."""
-    best = {k: float("inf") for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            t = time.perf_counter()
-            f()
-            best[k] = min(best[k], time.perf_counter() - t)
-    return best
 
 
 def peak_gflops(repeats: int, size: int = 1024) -> float:
     """This thread's float32 matmul rate on a large square product (GFLOP/s)."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     c = torch.empty(size, size)
-    t = _min_interleaved({"mm": lambda: torch.mm(a, b, out=c)}, repeats)["mm"]
+    t = min_interleaved({"mm": lambda: torch.mm(a, b, out=c)}, repeats)["mm"]
     return 2 * size**3 / t / 1e9
 
 
@@ -81,7 +72,7 @@ def mlp_step(nodes: int, repeats: int) -> dict:
         run = bench_sim.build(nodes, "mlp", "vectorized", ds, Path(tmp) / "run", "cpu")
         try:
             run.step()  # first calls
-            step = _min_interleaved({"step": run.step}, repeats)["step"]
+            step = min_interleaved({"step": run.step}, repeats)["step"]
             with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
                 run.step()
         finally:
@@ -128,7 +119,7 @@ def conv_per_node(groups: list[int], repeats: int, batch: int = bench_sim.BATCH)
             fns[g], per[g] = make(g), g
         for g in groups:
             fns[f"bmm{g}"] = make_bmm(g)
-        best = _min_interleaved(fns, repeats)
+        best = min_interleaved(fns, repeats)
         lout = (length - 1) // stride + 1
         flops = 2 * batch * lout * cout * cin * 5 * (3 if cin > 1 else 2)  # forward, grad weight, grad input
         row = {"layer": name, "own_ms": 1e3 * best[1], "own_gflops": flops / best[1] / 1e9}
@@ -235,7 +226,7 @@ def cross_entropy(nodes: int, repeats: int, batch: int = bench_sim.BATCH, classe
             z.grad = None
             fn(z, y).sum().backward()
         return f
-    best = _min_interleaved({"torch": run(lambda a, b: F.cross_entropy(a, b, reduction="none")),
+    best = min_interleaved({"torch": run(lambda a, b: F.cross_entropy(a, b, reduction="none")),
                              "classes_major": run(vectorized._cross_entropy_rows)}, repeats)
     return {"rows": nodes * batch, "torch_ms": 1e3 * best["torch"], "classes_major_ms": 1e3 * best["classes_major"],
             "ratio": best["torch"] / best["classes_major"]}
@@ -257,7 +248,7 @@ def evaluation(chunks: list[int], repeats: int, models: tuple[str, ...] = ("logr
         with torch.no_grad():
             gopt.flat.data.add_(0.01 * torch.randn(gopt.flat.data.shape, generator=torch.Generator().manual_seed(0)))
         X = gopt.flat.data[:rows]
-        best = _min_interleaved({c: (lambda c=c: vectorized.node_accuracies(gopt, ds.x_test, ds.y_test, X, node_chunk=c))
+        best = min_interleaved({c: (lambda c=c: vectorized.node_accuracies(gopt, ds.x_test, ds.y_test, X, node_chunk=c))
                                  for c in chunks}, repeats)
         out.append({"model": name, "models_evaluated": rows, **{f"node_chunk_{c}_s": best[c] for c in chunks}})
     return out

@@ -548,3 +548,27 @@ def test_bench_checksum_runs_and_writes_its_figures(tmp_path, capsys):
     with pytest.raises(SystemExit):
         mod.main(["--reps", "0"])
     assert "--reps must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_quant_parts_runs_and_writes_its_figures(tmp_path, capsys):
+    """experiments/quant_parts.py, tiny: the one-loop and one-call forms give the same
+    payloads as the kernels, and the printed round-trip ratios are the file's."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "experiments" / "quant_parts.py"
+    spec = importlib.util.spec_from_file_location("quant_parts", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--numel", "65536", "--reps", "1", "--json", str(tmp_path / "q.json")]) == 0
+    out = capsys.readouterr().out
+    r = json.loads((tmp_path / "q.json").read_text())
+    assert "python experiments/quant_parts.py --numel 65536 --reps 1" in r["provenance"]["command"]
+    res = r["results"]
+    assert res["same_bytes"] and res["same_bytes_4"]
+    assert all(v > 0 for v in res["seconds"].values())
+    assert "round trip / memcpy: " + ", ".join(f"{k} bits {v:.3f}" for k, v in res["roundtrip_ratios"].items()) in out
+    with pytest.raises(SystemExit):
+        mod.main(["--reps", "0"])
+    assert "--numel and --reps must be at least 1, got 16777216 and 0" in capsys.readouterr().err

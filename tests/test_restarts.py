@@ -54,7 +54,6 @@ def test_elastic_restart_after_sigkill_ends_bit_identical(tmp_path):
     # the emulated latency makes the steps slow enough to kill a worker mid-run
     cmd = _torchrun(4, "--max-restarts", "3") + RUN + ["--out", str(out), "--resume", "auto",
                                                         "--emulate-latency", "20"]
-    ref_lat = tmp_path / "uninterrupted-latency"
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -72,11 +71,10 @@ def test_elastic_restart_after_sigkill_ends_bit_identical(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stderr[-3000:]
     assert "exitcode: -9" in stderr  # the agent saw the killed worker and restarted
-    r = torchrun(4, *RUN, "--out", str(ref_lat), "--emulate-latency", "20", timeout=300, cwd=tmp_path)
-    assert r.returncode == 0, why(r)
     for rank in range(4):
-        assert torch.equal(_params(out, 60, rank), _params(ref_lat, 60, rank))
-        assert torch.equal(_params(out, 60, rank), _params(ref, 60, rank))  # latency changes no number
+        # the reference ran without the emulated latency: the restart and the latency
+        # together change no number
+        assert torch.equal(_params(out, 60, rank), _params(ref, 60, rank))
         assert _train_steps(out, rank) == list(range(1, 61))  # each step once
 
 

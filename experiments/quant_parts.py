@@ -8,7 +8,9 @@ same run. It times the whole ``quant:bits=8`` and ``quant:bits=4`` encode and de
 (``out=`` buffers, the compiled kernels, as ``bench_compress.py``), the 8-bit encode
 also with the one-loop kernel that rows not splitting into lanes take (``one-loop``:
 the element indices built by inductor's vector ``arange``, min/max fused in the same
-call; the form every size took before the lane kernels), the 4-bit encode also with
+call; the form every size takes where the vector code is narrower than 512 bits) and
+with the lane kernels (``lanes``: min/max, then the rounding of rows whose indices add a
+loaded ramp; the form 512-bit vector code takes), the 4-bit encode also with
 the one-call planar kernel (``one-call``: min/max, rounding and packing in one call, the
 planes assembled into a column word; the form every size took before the 4-bit lane
 kernels), and, compiled the same way as the one-loop kernel, the 8-bit encoder's parts:
@@ -133,9 +135,21 @@ def main(argv=None) -> int:
         finally:
             K.lane_width = lane_width
 
+    def lanes(c, P):
+        """Encode with the 8-bit lane kernels, on any CPU (``K.lanes_pay`` keeps them to
+        512-bit vector code)."""
+        before, K.LANES = K.LANES, True
+        try:
+            c.encode(x, keys, out=P)
+        finally:
+            K.LANES = before
+
     Q = P.clone()
     one_loop(c, Q)  # compiles the one-loop kernel; the same bytes
     same = torch.equal(Q, P)
+    Q8 = P.clone()
+    lanes(c, Q8)  # compiles the lane kernels; the same bytes
+    same = same and torch.equal(Q8, P)
     Q4 = P4.clone()
     one_loop(c4, Q4)  # the one-call planar kernel; the same bytes
     same4 = torch.equal(Q4, P4)
@@ -166,6 +180,7 @@ def main(argv=None) -> int:
         "encode": lambda: c.encode(x, keys, out=P),
         "decode": lambda: c.decode(P, n, out=Y),
         "encode, one-loop": lambda: one_loop(c, P),
+        "encode, lanes": lambda: lanes(c, Q8),
         "4-bit encode": lambda: c4.encode(x, keys, out=P4),
         "4-bit decode": lambda: c4.decode(P4, n, out=Y),
         "4-bit encode, one-call": lambda: one_loop(c4, Q4),
@@ -199,10 +214,11 @@ def main(argv=None) -> int:
               f"{t['4-bit round+pack'] * 1e3:.2f} (of which the hash {(t['4-bit round+pack'] - t['4-bit round+pack, digit given']) * 1e3:.2f}) "
               f"+ the rest {rest * 1e3:.2f} (header, scales, checksum {t['4-bit checksum'] * 1e3:.2f})")
     ratios = {"8": mem / rt, "8, one-loop": mem / (t["encode, one-loop"] + t["decode"]),
+              "8, lanes": mem / (t["encode, lanes"] + t["decode"]),
               "4": mem / (t["4-bit encode"] + t["4-bit decode"]),
               "4, one-call": mem / (t["4-bit encode, one-call"] + t["4-bit decode"])}
     print("round trip / memcpy: " + ", ".join(f"{k} bits {v:.3f}" for k, v in ratios.items())
-          + f" (the two 8-bit forms' payloads {'identical' if same else 'DIFFER'}, the two 4-bit forms' "
+          + f" (the 8-bit forms' payloads {'identical' if same else 'DIFFER'}, the two 4-bit forms' "
           + f"{'identical' if same4 else 'DIFFER'})")
     load = os.getloadavg()[0]
     print(f"load average (1 min) at the end: {load:.2f}")

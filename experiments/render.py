@@ -533,7 +533,8 @@ def _powersgd_lstm(res: dict) -> str:
             f"of ranks 1, 2 and 4 (the paper: {', '.join(f'{mb[0] / mb[k]:.0f}' for k in (1, 2, 4))}).")
 
 
-_QP_LABELS = {"8": "8 bits (lane kernels)", "8, one-loop": "8 bits (one-loop kernel)", "4": "4 bits",
+_QP_LABELS = {"8": "8 bits (the form this CPU takes)", "8, one-loop": "8 bits (one-loop kernel)",
+              "8, lanes": "8 bits (lane kernels)", "4": "4 bits",
               "4, one-call": "4 bits (one-call kernel)"}
 
 
@@ -550,7 +551,7 @@ def _quant_parts(res: dict) -> str:
     same = "identical" if res.get("same_bytes") else "**different**"
     if "same_bytes_4" in res:  # results since the 4-bit lane kernels
         same += f", the two 4-bit forms' {'identical' if res['same_bytes_4'] else '**different**'}"
-    return (f"{table}\n\nRound trip (encode + decode) at memcpy's speed = 1: {said}; the two 8-bit forms' "
+    return (f"{table}\n\nRound trip (encode + decode) at memcpy's speed = 1: {said}; the 8-bit forms' "
             f"payloads {same}. Target at least 0.25: {verdict}.")
 
 

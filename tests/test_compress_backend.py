@@ -254,6 +254,7 @@ def test_switching_from_eager_to_compiled_mid_run_keeps_the_bits(backend, monkey
     monkeypatch.setattr(_kernels, "MIN_COMPILED_NUMEL", 1)
     monkeypatch.setattr(_kernels, "EAGER_BUDGET_NUMEL", 3 * 4 * (1 << 12))  # encode switches at step 3
     monkeypatch.setattr(_kernels, "LANES_MIN_NUMEL", 1)  # the lane kernels' pair switches too
+    monkeypatch.setattr(_kernels, "LANES", True)  # on any CPU
     kernels = [*_kernels._VARIANTS.values(), *_kernels.AFFINE._variants.values()]
     for k in kernels:  # fresh budgets for the kernels earlier tests used (their compiled code stays)
         monkeypatch.setattr(k, "budget_spent", False)
@@ -281,8 +282,10 @@ _LANE_D = 3 * 4096
 
 @pytest.fixture
 def lanes(monkeypatch):
-    """The lane kernels for these small inputs too (they take calls of 2**18 values or more)."""
+    """The lane kernels for these small inputs too (they take calls of 2**18 values or
+    more), whatever this CPU's vector width (they serve 512-bit vector code only)."""
     monkeypatch.setattr(_kernels, "LANES_MIN_NUMEL", 1)
+    monkeypatch.setattr(_kernels, "LANES", True)
 
 
 def _lane_kernels(spec: str):
@@ -308,6 +311,40 @@ def test_compiled_lane_kernels_match_eager(backend, lanes, spec):
     require_compiled(_all_kernels())
     assert all(k.verified for k in _lane_kernels(spec))  # this shape took these kernels
     assert torch.equal(Pe, Pc) and torch.equal(De, Dc)
+
+
+def test_where_the_lane_kernels_do_not_pay_the_one_loop_kernel_gives_the_same_bytes(backend, monkeypatch):
+    """A CPU whose vector code is narrower than 512 bits (AVX2) takes the one-loop 8-bit
+    kernel for inputs the lane kernels fit: none of the lane kernels runs, and the
+    bytes are the eager ones (hence the lane kernels' too, by the test above)."""
+    monkeypatch.setattr(_kernels, "LANES_MIN_NUMEL", 1)
+    monkeypatch.setattr(_kernels, "LANES", False)
+    ran = []
+    real_run = _kernels.run
+
+    def spy(k, numel, *args):
+        ran.append(k.name)
+        return real_run(k, numel, *args)
+
+    monkeypatch.setattr(_kernels, "run", spy)
+    g = torch.Generator().manual_seed(6)
+    X = torch.randn(3, _LANE_D, generator=g)
+    Pe, Pc, De, Dc = _both(backend, gc.build("quant:bits=8"), X, torch.tensor([3, 4, 5]))
+    require_compiled(_all_kernels())
+    assert torch.equal(Pe, Pc) and torch.equal(De, Dc)
+    assert not [n for n in ran if "lanes" in n or "minmax" in n], ran
+    assert any(n.startswith("scale_and_round") for n in ran), ran
+
+
+def test_the_lane_kernels_serve_512_bit_vector_code_only(monkeypatch):
+    monkeypatch.setattr(_kernels, "LANES", None)
+    assert _kernels.lanes_pay() is (_kernels._vector_bits() >= 512)
+    monkeypatch.setattr(_kernels, "_vector_bits", lambda: 256)  # AVX2
+    assert _kernels.lanes_pay() is False
+    monkeypatch.setattr(_kernels, "_vector_bits", lambda: 512)  # AVX-512
+    assert _kernels.lanes_pay() is True
+    monkeypatch.setattr(_kernels, "LANES", False)
+    assert _kernels.lanes_pay() is False
 
 
 @pytest.mark.parametrize("spec", ["quant:bits=8", "quant:bits=4", "quant:bits=4,block=1024"])

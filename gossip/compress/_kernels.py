@@ -39,6 +39,7 @@ the rest of the process.
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 import warnings
@@ -371,6 +372,9 @@ def _ties(x, a, s, seeds, start: int, L: float, mode: int, out) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 _LANES_MIN, _LANES_MAX = 256, 4096
+#: whether quant's 8-bit lane kernels take the calls they fit: ``None`` decides by the CPU
+#: (:func:`lanes_pay`); ``True`` or ``False`` forces it (the tests use ``True``)
+LANES: bool | None = None
 #: calls of fewer elements keep the one-loop kernels: a second compiled call costs about
 #: 50 us, more than the lane form saves there (equal at 2**18 elements, 30-40 % faster
 #: 8-bit encodes at 2**24)
@@ -384,6 +388,37 @@ def lane_width(B: int) -> int:
     horizontal reduction each: the one-loop kernel is used)."""
     C = min(B & -B, _LANES_MAX)
     return C if C >= _LANES_MIN else 0
+
+
+def lanes_pay() -> bool:
+    """Whether quant's 8-bit lane kernels serve the compiled calls they fit, on this CPU.
+
+    They pay where inductor's vector code is 512 bits wide (AVX-512): a vector of 16
+    consecutive int32 indices is then 16 scalar inserts, which the loaded ramp avoids;
+    on an Intel Xeon they made the 8-bit encode of 16M values 30-40 % faster. With
+    256-bit vectors (AVX2; measured on an AMD EPYC, one thread, 16M values) the one-loop
+    kernel was the faster one: the 8-bit encode took 39 ms against 163 ms in lane form.
+    So at 8 bits the lane kernels are used with 512-bit vectors only. Both forms give
+    the same bytes, so the choice never changes a payload. (At 2 and 4 bits the lane
+    kernels serve every CPU: there the one-call planar encode was only 14 % faster on
+    that AMD EPYC, 64 against 74 ms, and it allocates a column word of half the
+    payload's size at every call.) :data:`LANES` overrides it.
+    """
+    if LANES is not None:
+        return bool(LANES)
+    return _vector_bits() >= 512
+
+
+@functools.lru_cache(maxsize=1)
+def _vector_bits() -> int:
+    """Width in bits of the vector code inductor writes for this CPU (0: none). Asked only
+    once a kernel compiles, when inductor has made the same check (it caches it)."""
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        return int(cpu_vec_isa.pick_vec_isa().bit_width())
+    except Exception:  # an inductor without this helper, or no usable vector ISA
+        return 0
 
 
 def _ramp(C: int, device) -> torch.Tensor:
@@ -441,7 +476,11 @@ def scale_and_round(x, keys, seeds, start: int, L: float, mode: int, out):
     C = lane_width(B) if mode == 0 and x.numel() >= LANES_MIN_NUMEL else 0
     if C:
         kr = _variant("quant_round_lanes", _make_round_lanes, (int(L), out.dtype))
-        if _want_compiled(kr, x.numel(), x.device):
+        compiled = _want_compiled(kr, x.numel(), x.device)
+        if compiled and not lanes_pay():
+            # on this CPU the one-loop kernel is the faster form: it compiles now, as the pair would have
+            _variant("scale_and_round", _make_fused, (mode, int(L), out.dtype)).budget_spent |= kr.budget_spent
+        elif compiled:
             km = _variant("quant_minmax", _make_minmax, (int(L),))
             km.budget_spent |= kr.budget_spent  # the pair compiles together (auto's budget is kr's)
             a, R, s = run(km, x.numel(), x)

@@ -183,6 +183,9 @@ def test_the_simulation_and_mergecomp_verdicts_follow_their_figures():
     # two decimals: a ratio of 1.46 must not read "1.5x against >= 1.5x not met"
     assert "1.46x against ≥ 1.5x **not met**" in render._bench_sim_targets(
         {**res, "rows": [{"model": "cnn1d", "nodes": 256, "ratio": 1.4618}]})
+    # and where two decimals would round a miss up to the target, four
+    assert "1.4967x against ≥ 1.5x **not met**" in render._bench_sim_targets(
+        {**res, "rows": [{"model": "cnn1d", "nodes": 256, "ratio": 1.49666}]})
     assert render._bench_sim_targets(res) == (
         "logreg at 1,024 nodes 10.30x against ≥ 10x met; mlp at 1,024 nodes 9.96x against ≥ 10x **not met**; "
         "cnn1d at 256 nodes 1.50x against ≥ 1.5x met; cnn1d one epoch 17% outside the steps against < 20% met; "

@@ -8,11 +8,9 @@ as the CLI builds them (``gossip.loop.Run``: D-PSGD on a ring, SGD with momentum
 batch 32, one thread) on a data set of 40 features and 10 classes with 131,072
 training samples (more where N x 32 x 4 needs more: every node gets at least four
 batches), then stepped alternately, one step of each path in turn, so that a change
-of the machine's load hits both alike. Like ``gossip.train``, it first asks glibc to
-keep freed memory for the next step (``gossip.allocator``; the results record what
-it said). Each path's step time is the minimum over the timed steps (after one
-warm-up step); nodes x steps per second is N over it, and the ratio is vectorized
-over loop. A path whose N copies would not fit in memory is
+of the machine's load hits both alike. Each path's step time is the minimum over the
+timed steps (after one warm-up step); nodes x steps per second is N over it, and the
+ratio is vectorized over loop. A path whose N copies would not fit in memory is
 refused by the run's own memory check and reported as such; a loop path slower than
 ``--loop-budget`` seconds per step is timed on two steps only, and so is the
 vectorized path then (the minimum of more steps would favour it on a noisy machine).
@@ -46,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _provenance  # noqa: E402
 
 from gossip import comm as gcomm
-from gossip import allocator, assembly, data, loop
+from gossip import assembly, data, loop
 from gossip.config import parse_args
 
 FEATURES, CLASSES, BATCH = 40, 10, 32
@@ -279,8 +277,6 @@ def main(argv: list[str] | None = None) -> int:
         update_docs()
         return 0
     torch.set_num_threads(a.threads)
-    # as gossip.train does at its start: freed blocks stay in the process for the next step
-    allocator_said = allocator.keep_freed_memory()
     nodes = [int(v) for v in a.nodes.split(",")]
     models = a.models.split(",")
     if a.quick:
@@ -303,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
             Path(a.json).write_text(json.dumps({
                 **prov, "load_avg_before": load0, "load_avg_after": os.getloadavg()[0], "peak_rss_gib": peak_now,
-                "device": a.device, "allocator": allocator_said, "batch_size": BATCH, "algo": "dpsgd", "topology": "ring",
+                "device": a.device, "batch_size": BATCH, "algo": "dpsgd", "topology": "ring",
                 "rows": rows, "epoch": epochs, "provenance": record.finish()}, indent=1) + "\n")
 
     for model in models:

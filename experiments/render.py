@@ -572,8 +572,6 @@ def _bench_sim(res: dict) -> str:
 
     where = (f"{res.get('gpu') or res['device']}, {res['threads']} thread(s), batch {res['batch_size']}, "
              f"{res['algo']} on a {res['topology']}")
-    if res.get("allocator"):  # recorded since gossip.allocator: whether glibc kept freed memory
-        where += ", freed memory kept by glibc" if res["allocator"] == "kept" else f", allocator {res['allocator']}"
     text = f"On {where}:\n\n{bench_sim.table(res['rows'])}"
     if res.get("epoch"):
         text += f"\n\n{bench_sim.epoch_table(res['epoch'])}"

@@ -4,8 +4,7 @@
     python -m gossip.train --simulate 8 --algo dcd --bits 4 --topology torus
 
 Thin by design: parse and validate the config, build the parts from their registries,
-run the loop in :mod:`gossip.loop`, and always tear the process group down. It asks
-glibc to keep freed memory for the next step (:mod:`gossip.allocator`). User errors
+run the loop in :mod:`gossip.loop`, and always tear the process group down. User errors
 print one line ``gossip.train: error: ...`` and exit 2 on every rank; under torchrun
 each rank's line starts with ``[rank K]``, and a rank stopped by a failure writes the
 full detail to ``error-rank<K>.log`` in the run directory.
@@ -48,13 +47,10 @@ def main(argv: list[str] | None = None) -> int:
 
     2: bad input; the run's own code when it fails; 130: interrupted; 143: stopped by
     SIGTERM."""
-    from gossip import allocator
     from gossip.config import ConfigError, parse_args
     from gossip.errors import one_line
     from gossip.loop import RunError, run
 
-    # every step allocates the same large blocks: keep them in the process between steps
-    allocator.keep_freed_memory()
     rank = int(os.environ.get("RANK", "0"))
     # under torchrun every rank may print its line at once: say whose each one is
     who = f"[rank {rank}] " if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""

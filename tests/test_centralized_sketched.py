@@ -212,3 +212,28 @@ def test_world_2_gloo_equals_simulation(name):
     for rank, (traj, sent) in enumerate(results):
         torch.testing.assert_close(traj, sim[:, rank], rtol=1e-9, atol=1e-12)
         assert sent == c.ledger.sent_by(rank)
+
+
+def test_heavymix_of_the_same_merged_sketch_is_computed_once_and_equals_every_rows_own():
+    """After round 1 every hosted node holds the same merged sketch: the candidates are
+    found once for all of them, the same as each node's own; rows that differ are each
+    searched on their own."""
+    from gossip.algorithms.sketched import _once_per_distinct_row
+
+    cs = CountSketch(NC, ROWS, COLS, key=11)
+    g = torch.Generator().manual_seed(3)
+    S = cs.sketch(torch.randn(1, NC, generator=g)).expand(4, -1).contiguous()
+    seen = []
+
+    def heavymix(rows):
+        seen.append(rows.shape[0])
+        return cs.heavymix(rows, P * K)
+
+    once = _once_per_distinct_row(heavymix, S)
+    assert seen == [1]
+    assert torch.equal(once, cs.heavymix(S, P * K))
+    assert all(torch.equal(once[i], cs.heavymix(S[i:i + 1], P * K)[0]) for i in range(4))
+    S[2, 0] += 1.0  # one row differs: every row is searched
+    seen.clear()
+    assert torch.equal(_once_per_distinct_row(heavymix, S), cs.heavymix(S, P * K))
+    assert seen == [4]

@@ -177,6 +177,16 @@ class CountSketch:
         return torch.topk(key, min(n, self.d), dim=1, sorted=True).indices
 
 
+def _once_per_distinct_row(fn, T: torch.Tensor) -> torch.Tensor:
+    """``fn(T)`` for a function of each row on its own: computed on one row and expanded
+    where every row of ``T`` is the same, as an all-reduce leaves the nodes of a
+    simulation (each would otherwise repeat the work of the others); row by row otherwise."""
+    if T.shape[0] > 1 and bool((T == T[:1]).all()):
+        out = fn(T[:1])
+        return out.expand(T.shape[0], *out.shape[1:])
+    return fn(T)
+
+
 @dataclass
 class TopKState:
     """``t`` counts steps from 1; ``lr`` is the step size last set (not used: the
@@ -313,8 +323,9 @@ class Sketched(_TopKFamily):
             buf = self.comm.all_reduce(buf, op="mean", record=False)
         with ledger.phase("compress"):
             S, unc = buf[:, : self.cs.size], buf[:, self.cs.size :]
-            # 4. HEAVYMIX: P k candidates, identical on every worker
-            cand = self.cs.heavymix(S, self.num_candidates)
+            # 4. HEAVYMIX: P k candidates, identical on every worker (computed once for
+            #    all the hosted nodes, which hold the same merged sketch)
+            cand = _once_per_distinct_row(lambda rows: self.cs.heavymix(rows, self.num_candidates), S)
             exact = torch.gather(V, 1, cand)
         with ledger.phase("communicate"):
             # 5. round 2: exact values at the candidates
@@ -343,7 +354,7 @@ class TrueTopK(_TopKFamily):
         with ledger.phase("compress"):
             n = V.shape[1]
             mean, unc = buf[:, :n], buf[:, n:]
-            sel = torch.topk(mean.abs(), self.k, dim=1, sorted=False).indices
+            sel = _once_per_distinct_row(lambda rows: torch.topk(rows.abs(), self.k, dim=1, sorted=False).indices, mean)
             vals = torch.gather(mean, 1, sel)
         return sel, vals, unc
 

@@ -21,7 +21,10 @@ modelled as ``gossip.crossover`` does for one step, summed over the steps so far
     T = compute + codec + overhead * 8 * bytes / B + L * (message rounds)
 
 (a ring all-reduce is 2(n - 1) rounds, an all-gather n - 1, each leg of a sharded
-exchange n - 1, a neighbour exchange 1).
+exchange n - 1, a neighbour exchange 1); compute is the forward and backward passes
+and the local optimizer's step (runs made before the step was charged to compute
+leave it out: MuLoCo's Muon step, 90 % of its computation on the 1-D CNN, was not in
+its modelled time).
 Compute, compression and communication are not overlapped; each node has its own
 link of rate B.
 

@@ -246,24 +246,30 @@ class GossipOptimizer:
         self.flat.check()  # a model moved or converted since would be silently left out
         # the step size the local optimizer is about to use (a user's scheduler included)
         algo.set_lr(float(self.optimizers[0].param_groups[0]["lr"]))
+        # the local optimizer's step is the node's computation: charged to "compute" with
+        # the forward and backward passes (the time model of the race and the benchmark
+        # reads it; Muon's step costs several times a small model's backward)
+        compute = algo.comm.ledger.phase("compute")
         if algo.acts_on == "gradient":
             G = self.flat.gather_grads()
             algo.reduce_gradients(G)
             self.flat.scatter_grads(G)
-            for opt in self.optimizers:
-                opt.step()
+            with compute:
+                for opt in self.optimizers:
+                    opt.step()
         else:
             X = self.flat.data
             with torch.no_grad():
-                # x_t and u_t in two buffers kept across steps (no allocation of size d)
-                if self._xt is None or self._xt.shape != X.shape or self._xt.dtype != X.dtype \
-                        or self._xt.device != X.device:
-                    self._xt, self._u = torch.empty_like(X), torch.empty_like(X)
-                x_t = self._xt.copy_(X)
-                for opt in self.optimizers:
-                    opt.step()
-                U = torch.sub(X, x_t, out=self._u)
-                X.copy_(x_t)
+                with compute:
+                    # x_t and u_t in two buffers kept across steps (no allocation of size d)
+                    if self._xt is None or self._xt.shape != X.shape or self._xt.dtype != X.dtype \
+                            or self._xt.device != X.device:
+                        self._xt, self._u = torch.empty_like(X), torch.empty_like(X)
+                    x_t = self._xt.copy_(X)
+                    for opt in self.optimizers:
+                        opt.step()
+                    U = torch.sub(X, x_t, out=self._u)
+                    X.copy_(x_t)
                 algo.step(X, U)
         self.steps += 1
         algo.on_step_end(self.steps)

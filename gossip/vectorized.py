@@ -449,7 +449,8 @@ class VectorizedOptimizer(GossipOptimizer):
         if self._u is None or self._u.shape != X.shape or self._u.dtype != X.dtype or self._u.device != X.device:
             self._u = torch.empty_like(X)
         with torch.no_grad():
-            self._sgd_update(opt, self._u)
+            with algo.comm.ledger.phase("compute"):  # the local step, as GossipOptimizer.step charges it
+                self._sgd_update(opt, self._u)
             algo.step(X, self._u)
         self.steps += 1
         algo.on_step_end(self.steps)

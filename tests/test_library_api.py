@@ -269,3 +269,36 @@ def test_the_layout_is_validated_and_recorded():
     c = comm.SimulatedCommunicator(world_size=2)
     with pytest.raises(ValueError, match=r"powersgd: the layout's tensors hold 484 values, the flat parameters 7"):
         algorithms.build("powersgd", c).setup(torch.zeros(2, 7), lay)
+
+
+class SlowSGD(torch.optim.SGD):
+    """The user's optimizer, whose step takes a known time (as Muon's orthogonalisation
+    does, several times a small model's backward)."""
+
+    def step(self, closure=None):
+        import time
+
+        time.sleep(0.02)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("name", ["allreduce", "dpsgd"])
+def test_the_local_optimizers_step_is_charged_to_compute(name):
+    """The time split's compute is the node's computation: its forward and backward
+    passes and its optimizer's step (the race's and the benchmark's time model reads it),
+    for an algorithm on gradients and one on the parameters."""
+    c = comm.SimulatedCommunicator(topologies.build("ring", 3))
+    models = [Net() for _ in range(3)]
+    opts = [SlowSGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    opt = GossipOptimizer(models, opts, algorithms.build(name, c))
+    g = torch.Generator().manual_seed(0)
+    steps = 3
+    for _ in range(steps):
+        opt.zero_grad()
+        for i, m in enumerate(models):
+            x, y = blobs(BATCH, node_classes(i), g)
+            F.cross_entropy(m(x), y).backward()
+        opt.step()
+    times = c.ledger.times
+    assert times["compute"] >= 0.02 * 3 * steps  # three nodes' steps, three times
+    assert times["compress"] + times["communicate"] < 0.02  # and not charged elsewhere

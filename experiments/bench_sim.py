@@ -193,7 +193,7 @@ def _run_record(argv: list[str]) -> dict:
     except OSError:
         pass
     return {
-        "command": " ".join(["python", "experiments/bench_sim.py", *argv]),
+        "command": " ".join(["python", "experiments/bench_sim.py", *map(_provenance.portable, argv)]),
         "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),

@@ -83,10 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    import _provenance
+    import bench_sim
+
+    record = _provenance.start(["gossip", "experiments/sim_gpu_check.py"],
+                               argv=["experiments/sim_gpu_check.py", *(argv if argv is not None else sys.argv[1:])])
     with tempfile.TemporaryDirectory() as tmp:
         rows = check_paths(Path(tmp))
-    (out / "paths.json").write_text(json.dumps(rows, indent=1) + "\n")
-    import bench_sim
+    _provenance.write(out / "paths.json", rows, record)
 
     bench = ["--device", "cuda", "--loop-max-nodes", "1024", "--loop-budget", "1", "--json", str(out / "bench_sim_cuda.json")]
     if a.quick:

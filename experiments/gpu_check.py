@@ -17,6 +17,9 @@ failed import in one is recorded and the next one runs):
   are the decoded values;
 - ``simulate_cuda``: a short ``gossip.train --simulate 4 --device cuda`` run (ECD at 8
   bits on a ring, one epoch);
+- ``simulate_paths``: ``experiments/sim_gpu_check.py --quick``: the loop and the
+  vectorized simulation paths on CUDA agree (D-PSGD and DCD at 8 bits), and
+  nodes x steps per second of both at 256 and 1,024 nodes (logreg, mlp);
 - ``nccl``: a one-process NCCL group: the communicator's all-reduce, all-gather and
   broadcast on CUDA tensors; ``torchrun --nproc_per_node 1`` of the training CLI
   (all-reduce, ``--device cuda``) and of the DDP-hook example (efsgd, powersgd).
@@ -50,7 +53,8 @@ __all__ = ["SECTIONS", "plan", "main"]
 BUDGET_S = 450
 #: files holding the CUDA/NCCL tests
 CUDA_TEST_FILES = ["tests/test_compress_backend.py", "tests/test_compress_bitpack.py", "tests/test_comm_dist.py"]
-SOURCES = ["gossip", "experiments/gpu_check.py", "experiments/bench_compress.py", "examples/ddp_hook.py"]
+SOURCES = ["gossip", "experiments/gpu_check.py", "experiments/bench_compress.py", "experiments/bench_sim.py",
+           "experiments/sim_gpu_check.py", "examples/ddp_hook.py"]
 SPEED_NUMEL = 1 << 24
 #: a section gets at least this long (within the budget), whatever its share
 MIN_SECTION_S = 15.0
@@ -216,6 +220,21 @@ def s_simulate_cuda(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def s_simulate_paths(args: argparse.Namespace) -> dict[str, Any]:
+    """sim_gpu_check --quick: both simulation paths on CUDA agree, and their speed"""
+    with tempfile.TemporaryDirectory() as tmp:
+        res = _run([*_py(), "experiments/sim_gpu_check.py", "--quick", "--out", tmp], args.section_timeout - 5)
+        res["command"] = res["command"].replace(tmp, "OUT")
+        paths, bench = Path(tmp) / "paths.json", Path(tmp) / "bench_sim_cuda.json"
+        if paths.is_file():
+            res["paths"] = json.loads(paths.read_text())["results"]
+        if bench.is_file():
+            doc = json.loads(bench.read_text())
+            res["bench"] = [{k: r.get(k) for k in ("model", "nodes", "loop_node_steps_per_s",
+                                                    "vectorized_node_steps_per_s", "ratio")} for r in doc["rows"]]
+    return res
+
+
 def _nccl_worker() -> dict[str, Any]:
     """In a torchrun rank (world 1): the communicator's collectives on CUDA over NCCL."""
     import torch
@@ -261,11 +280,12 @@ def s_nccl(args: argparse.Namespace) -> dict[str, Any]:
 SECTIONS: dict[str, tuple[Callable[[argparse.Namespace], dict[str, Any]], float]] = {
     # name: (function, share of the budget)
     "env": (s_env, 0.05),
-    "cuda_tests": (s_cuda_tests, 0.25),
-    "compress_speed": (s_compress_speed, 0.15),
+    "cuda_tests": (s_cuda_tests, 0.2),
+    "compress_speed": (s_compress_speed, 0.1),
     "bytes_cpu_vs_cuda": (s_bytes_cpu_vs_cuda, 0.1),
-    "simulate_cuda": (s_simulate_cuda, 0.15),
-    "nccl": (s_nccl, 0.3),
+    "simulate_cuda": (s_simulate_cuda, 0.1),
+    "simulate_paths": (s_simulate_paths, 0.2),
+    "nccl": (s_nccl, 0.25),
 }
 
 

@@ -299,6 +299,13 @@ def _gpu_summary(res: dict) -> str:
             what = "identical for every compressor" if not bad else f"identical except {', '.join(bad)}"
         elif name == "simulate_cuda":
             what = "ran (exit 0)" if r.get("exit") == 0 else f"failed (exit {r.get('exit')})"
+        elif name == "simulate_paths":
+            paths = r.get("paths") or []
+            what = ("; ".join(f"{p['algo']} loop = vectorized {'within' if p['ok'] else '**beyond**'} tolerance"
+                              for p in paths) or f"no path check (exit {r.get('exit')})")
+            fast = [f"{b['model']} {b['ratio']:.0f}x at {b['nodes']:,} nodes" for b in r.get("bench") or [] if b.get("ratio")]
+            if fast:
+                what += "; vectorized/loop node-steps per second: " + ", ".join(fast)
         else:
             parts = []
             for k, v in r.items():

@@ -25,7 +25,7 @@ def test_an_unknown_section_is_one_line_and_exit_2(capsys):
     assert gpu_check.main(["--dry-run", "--only", "env,warp"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == ("gpu_check: error: unknown section warp; sections: env, cuda_tests, compress_speed, "
-                   "bytes_cpu_vs_cuda, simulate_cuda, nccl")
+                   "bytes_cpu_vs_cuda, simulate_cuda, simulate_paths, nccl")
 
 
 def test_sections_run_apart_and_an_exhausted_budget_is_recorded(tmp_path):

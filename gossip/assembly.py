@@ -260,7 +260,8 @@ def local_optimizer(cfg: TrainConfig, model: torch.nn.Module | None, params=None
         from gossip.algorithms.muloco import muon_optimizer
 
         try:
-            return muon_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.optim.weight_decay)
+            return muon_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.optim.weight_decay,
+                                  precision=cfg.optim.muon_precision or "auto")
         except ValueError as e:
             raise RunError(f"--optimizer {e}") from None
     if cfg.local_optimizer == "adamw":

@@ -70,6 +70,8 @@ __all__ = [
 LR_SCHEDULES = ("constant", "cosine", "step")
 #: the local optimizers of ``--optimizer``
 OPTIMIZERS = ("sgd", "adamw", "muon")
+#: --muon-precision (gossip.algorithms.muloco.MUON_PRECISIONS, without importing torch here)
+MUON_PRECISIONS = ("auto", "bfloat16", "float32")
 #: --simulate-mode: how the in-process simulation runs the nodes (docs/simulation.md)
 SIMULATE_MODES = ("auto", "vectorized", "loop")
 #: the learning rate of each local optimizer when ``--lr`` is unset
@@ -378,12 +380,21 @@ class OptimSection:
         "algorithm that applies its own momentum refuses adamw with --beta1 > 0",
         choices=OPTIMIZERS,
     )
+    muon_precision: str | None = option(
+        None,
+        "dtype of Muon's Newton-Schulz iterations: auto (unset: bfloat16 on a GPU, as torch.optim.Muon; "
+        "float32 on a CPU, where bfloat16 products are emulated), bfloat16 or float32; muon only",
+        choices=MUON_PRECISIONS, role="fingerprint-if-set",
+    )
     beta1: float | None = option(None, "AdamW's first-moment decay, its momentum (unset: 0.9); adamw only")
     beta2: float | None = option(None, "AdamW's second-moment decay (unset: 0.999); adamw only")
 
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ConfigError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.muon_precision is not None and self.muon_precision not in MUON_PRECISIONS:
+            raise ConfigError(f"--muon-precision must be one of {', '.join(MUON_PRECISIONS)}, "
+                              f"got {self.muon_precision!r}")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         _check_number("lr", self.lr, strict=True, allow_none=True)
@@ -880,6 +891,9 @@ class TrainConfig:
             raise ConfigError(f"--momentum is the SGD optimizer's; {which} has --beta1 (its momentum) and --beta2 instead")
         if self.local_optimizer == "sgd" and (opt.beta1 is not None or opt.beta2 is not None):
             raise ConfigError("--beta1/--beta2 are AdamW's; give --optimizer adamw with them (SGD has --momentum)")
+        if opt.muon_precision is not None and self.local_optimizer != "muon":
+            raise ConfigError(f"--muon-precision is Muon's; the local optimizer here is {self.local_optimizer} "
+                              f"(give --optimizer muon, or --algo muloco)")
         if comm.simulate is not None and alg.decentralized and comm.simulate < 2:
             raise ConfigError(f"--simulate must be >= 2 for the decentralized --algo {alg.name}, got {comm.simulate}")
         if alg.merge is not None and alg.merge not in ("layer", "whole") and comm.simulate is not None and comm.simulate > 1:

@@ -58,10 +58,14 @@ def test_the_built_in_sections_give_the_keys_earlier_versions_fingerprinted_and_
     assert set(config.FINGERPRINT_KEYS) == fingerprint and len(config.FINGERPRINT_KEYS) == len(fingerprint)
     agree = fingerprint | {"max_steps", "checkpoint_every", "log_every", "emulate_latency", "device", "simulate",
                            "tensorboard", "local_optimizer", "betas", "model_options", "data_options",
-                           "node_eval"}  # agreed on, not fingerprinted: a checkpoint resumes with or without it
+                           "node_eval",  # agreed on, not fingerprinted: a checkpoint resumes with or without it
+                           "muon_precision"}  # fingerprinted where set, added since
     assert set(config.AGREE_KEYS) == agree and len(config.AGREE_KEYS) == len(agree)
     adamw = TrainConfig.from_flat(algo="diloco", model_options={}).to_dict()
     assert set(config.fingerprint_keys(adamw)) == fingerprint | {"local_optimizer", "betas"}
+    muloco = TrainConfig.from_flat(algo="muloco", muon_precision="float32").to_dict()
+    assert set(config.fingerprint_keys(muloco)) == fingerprint | {"local_optimizer", "betas", "muon_precision"}
+    assert "muon_precision" not in config.fingerprint_keys(TrainConfig.from_flat(algo="muloco").to_dict())
     text = TrainConfig.from_flat(data="text", data_options={"context": 64}).to_dict()
     assert set(config.fingerprint_keys({**text, "corpus_sha256": "ab"})) == fingerprint | {"data_options",
                                                                                         "corpus_sha256"}
@@ -71,8 +75,9 @@ def test_config_json_keeps_the_order_every_release_wrote():
     keys = list(TrainConfig().to_dict())
     assert keys[:5] == ["algo", "bits", "compressor", "topology", "degree"]
     assert keys[:len(config._RECORD_ORDER)] == list(config._RECORD_ORDER)  # ends with simulate_mode
-    # a field added since follows them (--no-node-eval's), then the recorded properties
-    assert keys[len(config._RECORD_ORDER):] == ["node_eval", "compressor_spec", "model_name", "local_momentum",
+    # fields added since follow them in the sections' order (--muon-precision's, --no-node-eval's),
+    # then the recorded properties
+    assert keys[len(config._RECORD_ORDER):] == ["muon_precision", "node_eval", "compressor_spec", "model_name", "local_momentum",
                                                 "local_optimizer", "betas"]
     assert json.loads(json.dumps(TrainConfig.from_flat(algo="diloco").to_dict()))["betas"] == [0.9, 0.999]
 

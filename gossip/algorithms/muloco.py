@@ -21,6 +21,7 @@ orthogonalise). Tensors of more than two dimensions (convolutions) go to AdamW, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -28,7 +29,14 @@ import torch
 
 from gossip.algorithms.localsgd import DiLoCo, DiLoCoConfig
 
-__all__ = ["MuLoCo", "MuLoCoConfig", "MuonAdamW", "muon_optimizer"]
+__all__ = ["MUON_PRECISIONS", "MuLoCo", "MuLoCoConfig", "MuonAdamW", "muon_optimizer", "newton_schulz"]
+
+#: --muon-precision: the dtype of Muon's Newton-Schulz iterations. ``auto`` is
+#: bfloat16 (torch.optim.Muon's own, and the Muon reference's) on a GPU, float32 on a
+#: CPU, where bfloat16 matrix products are emulated: about 11x slower than float32 on an
+#: AVX2 CPU for a 128 x 640 weight, which would charge MuLoCo for arithmetic no real
+#: deployment pays
+MUON_PRECISIONS = ("auto", "bfloat16", "float32")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,16 +47,58 @@ class MuLoCoConfig(DiLoCoConfig):
     error_feedback: bool = True
 
 
+def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Muon's orthogonalisation of ``g`` (a matrix, or a stack ``(..., A, B)`` of them,
+    each on its own): scaled to Frobenius norm 1, then ``steps`` quintic Newton-Schulz
+    iterations ``X <- a X + (b G + c G^2) X`` with ``G = X X^T`` on the wide
+    orientation, computed in ``dtype``. In bfloat16 on a matrix it is the arithmetic of
+    ``torch.optim.Muon`` (Jordan et al.'s Muon), operation for operation."""
+    a, b, c = coefficients
+    x = g.to(dtype)
+    tall = g.size(-2) > g.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm() if x.dim() == 2 else torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)).clamp(min=eps)
+    for _ in range(steps):
+        if x.dim() == 2:
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        else:
+            gram = x @ x.mT
+            x = torch.baddbmm(x.flatten(0, -3), torch.baddbmm(gram.flatten(0, -3), gram.flatten(0, -3),
+                                                             gram.flatten(0, -3), beta=b, alpha=c),
+                              x.flatten(0, -3), beta=a).view(x.shape)
+    return x.mT if tall else x
+
+
+def _resolve_precision(precision: str, device: torch.device) -> torch.dtype:
+    if precision not in MUON_PRECISIONS:
+        raise ValueError(f"muon: precision must be one of {', '.join(MUON_PRECISIONS)}, got {precision!r}")
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, precision)
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """Muon on the 2-D parameters, AdamW on the others, as one optimizer.
 
     ``param_groups`` is the Muon groups followed by the AdamW group, so a scheduler (or
     :class:`gossip.runtime.GossipOptimizer`, which reads ``param_groups[0]["lr"]``)
-    reaches both; ``state_dict`` holds both optimizers' states.
+    reaches both; ``state_dict`` holds both optimizers' states and the Newton-Schulz
+    dtype.
+
+    ``precision`` (:data:`MUON_PRECISIONS`) is the dtype of the Newton-Schulz
+    iterations; ``auto`` takes bfloat16 on a GPU and float32 on a CPU. In bfloat16 the
+    step is ``torch.optim.Muon``'s own; in float32 it is the same update (momentum,
+    Nesterov, orthogonalisation, learning rate adjusted by ``match_rms_adamw``,
+    decoupled weight decay) with the iterations in float32 (:func:`newton_schulz`).
+    A state dict saved before the dtype was recorded continues in bfloat16, as it was
+    made.
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float = 1e-3, weight_decay: float = 0.0,
-                 momentum: float = 0.95, betas: tuple[float, float] = (0.9, 0.999)) -> None:
+                 momentum: float = 0.95, betas: tuple[float, float] = (0.9, 0.999), precision: str = "auto") -> None:
         params = [p for p in params if p.requires_grad]
         mats = [p for p in params if p.dim() == 2]
         rest = [p for p in params if p.dim() != 2]
@@ -58,6 +108,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 f"muon: the model has no 2-D parameter (shapes {shapes}), and Muon orthogonalises weight "
                 f"matrices; use --optimizer adamw (or sgd)"
             )
+        self.ns_dtype = _resolve_precision(precision, mats[0].device)
         self.muon = torch.optim.Muon(mats, lr=lr, weight_decay=weight_decay, momentum=momentum,
                                      adjust_lr_fn="match_rms_adamw")
         self.adamw = torch.optim.AdamW(rest, lr=lr, betas=betas, weight_decay=weight_decay) if rest else None
@@ -70,10 +121,37 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.muon.step()
+        if self.ns_dtype == torch.bfloat16:
+            self.muon.step()
+        else:
+            self._muon_step()
         if self.adamw is not None:
             self.adamw.step()
         return loss
+
+    @torch.no_grad()
+    def _muon_step(self) -> None:
+        """``torch.optim.Muon``'s step on its own groups and state, with the
+        Newton-Schulz iterations in ``self.ns_dtype``."""
+        for group in self.muon.param_groups:
+            lr, wd, mom = float(group["lr"]), group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                state = self.muon.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(grad, 1 - mom)
+                update = grad.lerp(buf, mom) if group["nesterov"] else buf
+                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+                rows, cols = p.shape[-2:]
+                fn = group["adjust_lr_fn"]
+                ratio = (0.2 * math.sqrt(max(rows, cols)) if fn == "match_rms_adamw"
+                         else math.sqrt(max(1, rows / cols)) if fn in (None, "original") else 1.0)
+                p.mul_(1 - lr * wd)
+                p.add_(update, alpha=-lr * ratio)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.muon.zero_grad(set_to_none=set_to_none)
@@ -81,20 +159,26 @@ class MuonAdamW(torch.optim.Optimizer):
             self.adamw.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict() if self.adamw else None}
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict() if self.adamw else None,
+                "ns_dtype": str(self.ns_dtype).removeprefix("torch.")}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if set(state_dict) != {"muon", "adamw"}:
-            raise ValueError(f"MuonAdamW: a state dict has keys 'muon' and 'adamw', got {sorted(state_dict)}")
+        if not {"muon", "adamw"} <= set(state_dict) <= {"muon", "adamw", "ns_dtype"}:
+            raise ValueError(f"MuonAdamW: a state dict has keys 'muon' and 'adamw' (and 'ns_dtype'), "
+                             f"got {sorted(state_dict)}")
+        # saved before the dtype was recorded: torch.optim.Muon's bfloat16 made it
+        self.ns_dtype = _resolve_precision(state_dict.get("ns_dtype", "bfloat16"), torch.device("cpu"))
         self.muon.load_state_dict(state_dict["muon"])
         if self.adamw is not None:
             self.adamw.load_state_dict(state_dict["adamw"])
 
 
 def muon_optimizer(model: torch.nn.Module, *, lr: float = 1e-3, weight_decay: float = 0.0,
-                   momentum: float = 0.95, betas: tuple[float, float] = (0.9, 0.999)) -> MuonAdamW:
+                   momentum: float = 0.95, betas: tuple[float, float] = (0.9, 0.999),
+                   precision: str = "auto") -> MuonAdamW:
     """MuLoCo's inner optimizer for ``model``: :class:`MuonAdamW` over its parameters."""
-    return MuonAdamW(model.parameters(), lr=lr, weight_decay=weight_decay, momentum=momentum, betas=betas)
+    return MuonAdamW(model.parameters(), lr=lr, weight_decay=weight_decay, momentum=momentum, betas=betas,
+                     precision=precision)
 
 
 class MuLoCo(DiLoCo):

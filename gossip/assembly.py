@@ -220,8 +220,6 @@ def simulation_path(cfg: TrainConfig, env: Env, model: torch.nn.Module, dataset,
             why = "the data has a label per position (a sequence task); the batched path takes one label per example"
         if not why and not all(p.requires_grad for p in model.parameters()):
             why = "the model has frozen parameters, which the batched model does not leave out of X yet"
-        if not why and cfg.local_optimizer == "muon":
-            why = "--optimizer muon orthogonalises each node's matrices on their own, which is not batched yet"
     if not why:
         return "vectorized", ""
     if mode == "vectorized":
@@ -254,14 +252,18 @@ def local_optimizer(cfg: TrainConfig, model: torch.nn.Module | None, params=None
     """--optimizer: SGD with the local momentum, or AdamW with --beta1/--beta2 (decoupled
     weight decay); --lr and --weight-decay for both. ``params``, where given instead of
     ``model``: the vectorized path's stacked leaves (SGD and AdamW are element-wise;
-    Muon, which needs the model, takes the loop path)."""
+    Muon orthogonalises each node's matrices on their own, batched)."""
     params = model.parameters() if params is None else params
     if cfg.local_optimizer == "muon":
-        from gossip.algorithms.muloco import muon_optimizer
+        from gossip.algorithms.muloco import MuonAdamW, muon_optimizer
 
+        precision = cfg.optim.muon_precision or "auto"
         try:
+            if model is None:
+                return MuonAdamW(params, lr=cfg.learning_rate, weight_decay=cfg.optim.weight_decay,
+                                 precision=precision, stacked=True)
             return muon_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.optim.weight_decay,
-                                  precision=cfg.optim.muon_precision or "auto")
+                                  precision=precision)
         except ValueError as e:
             raise RunError(f"--optimizer {e}") from None
     if cfg.local_optimizer == "adamw":

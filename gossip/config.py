@@ -71,7 +71,7 @@ LR_SCHEDULES = ("constant", "cosine", "step")
 #: the local optimizers of ``--optimizer``
 OPTIMIZERS = ("sgd", "adamw", "muon")
 #: --muon-precision (gossip.algorithms.muloco.MUON_PRECISIONS, without importing torch here)
-MUON_PRECISIONS = ("auto", "bfloat16", "float32")
+MUON_PRECISIONS = ("auto", "bfloat16", "float32", "float64")
 #: --simulate-mode: how the in-process simulation runs the nodes (docs/simulation.md)
 SIMULATE_MODES = ("auto", "vectorized", "loop")
 #: the learning rate of each local optimizer when ``--lr`` is unset
@@ -383,7 +383,8 @@ class OptimSection:
     muon_precision: str | None = option(
         None,
         "dtype of Muon's Newton-Schulz iterations: auto (unset: bfloat16 on a GPU, as torch.optim.Muon; "
-        "float32 on a CPU, where bfloat16 products are emulated), bfloat16 or float32; muon only",
+        "on a CPU, where bfloat16 products are emulated, the model's dtype, at least float32), bfloat16, "
+        "float32 or float64; muon only",
         choices=MUON_PRECISIONS, role="fingerprint-if-set",
     )
     beta1: float | None = option(None, "AdamW's first-moment decay, its momentum (unset: 0.9); adamw only")

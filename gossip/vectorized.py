@@ -167,6 +167,15 @@ def _is_stacked(value: Any, n: int, shape: tuple[int, ...]) -> bool:
     return isinstance(value, Tensor) and tuple(value.shape) == (n, *shape)
 
 
+def _muon_adamw_parts(shapes: Sequence[tuple[int, ...]]) -> tuple[list, list]:
+    """The per-node shapes of a MuonAdamW's two optimizers (Muon's matrices, AdamW's rest)."""
+    return [s for s in shapes if len(s) == 2], [s for s in shapes if len(s) != 2]
+
+
+def _is_muon_adamw(sd: dict) -> bool:
+    return isinstance(sd, dict) and "muon" in sd and "adamw" in sd
+
+
 def split_optimizer_state(sd: dict, n: int, shapes: Sequence[tuple[int, ...]]) -> list[dict]:
     """One optimizer state dict over stacked ``(n, *shape)`` parameters as ``n`` state
     dicts, node i's being what an optimizer of node i's own tensors would hold.
@@ -175,7 +184,14 @@ def split_optimizer_state(sd: dict, n: int, shapes: Sequence[tuple[int, ...]]) -
     together stores the stacked tensor once); anything else, such as Adam's step
     count, is shared by all nodes and copied into each (tensors cloned, so that a
     loop-path optimizer that loads them does not advance one shared counter n times).
+    A MuLoCo ``MuonAdamW`` state (its Muon's and its AdamW's) is cut part by part.
     """
+    if _is_muon_adamw(sd):
+        mats, rest = _muon_adamw_parts(shapes)
+        mu = split_optimizer_state(sd["muon"], n, mats)
+        aw = split_optimizer_state(sd["adamw"], n, rest) if sd["adamw"] is not None else [None] * n
+        extra = {k: v for k, v in sd.items() if k not in ("muon", "adamw")}
+        return [{"muon": m, "adamw": a, **extra} for m, a in zip(mu, aw)]
     out = []
     for i in range(n):
         state = {}
@@ -195,6 +211,12 @@ def stack_optimizer_state(sds: Sequence[dict], shapes: Sequence[tuple[int, ...]]
     if not sds:
         raise ValueError("stack_optimizer_state: no per-node state dicts")
     first = sds[0]
+    if _is_muon_adamw(first):
+        mats, rest = _muon_adamw_parts([tuple(s) for s in shapes])
+        extra = {k: v for k, v in first.items() if k not in ("muon", "adamw")}
+        return {"muon": stack_optimizer_state([sd["muon"] for sd in sds], mats),
+                "adamw": None if first["adamw"] is None else stack_optimizer_state([sd["adamw"] for sd in sds], rest),
+                **extra}
     state: dict = {}
     for idx, st in first["state"].items():
         shape = tuple(shapes[int(idx)])

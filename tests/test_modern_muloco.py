@@ -163,5 +163,5 @@ def test_newton_schulz_orthogonalises_each_matrix_of_a_stack_on_its_own():
 
 
 def test_an_unknown_precision_is_one_line():
-    with pytest.raises(ValueError, match=r"muon: precision must be one of auto, bfloat16, float32, got 'fp8'"):
+    with pytest.raises(ValueError, match=r"muon: precision must be one of auto, bfloat16, float32, float64, got 'fp8'"):
         muon_optimizer(Net(), precision="fp8")

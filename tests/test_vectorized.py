@@ -60,8 +60,12 @@ def _loaders(x, y, n=N, batch=BATCH, sizes=None):
     return [data.ShardLoader(x, y, shards[i], batch, seed=1, node=i) for i in range(n)]
 
 
-def _optimizer(algo, name: str):
+def _optimizer(algo, name: str, stacked: bool = False):
     mom = 0.0 if algo.owns_momentum else 0.9
+    if name == "muon":  # MuLoCo's: Muon on the matrices (each node's on its own), AdamW on the rest
+        from gossip.algorithms.muloco import MuonAdamW
+
+        return lambda ps: MuonAdamW(ps, lr=0.01, weight_decay=0.01, stacked=stacked)
     if name == "adamw":
         beta1 = 0.0 if algo.owns_momentum else 0.9
         return lambda ps: torch.optim.AdamW(ps, lr=0.01, betas=(beta1, 0.99), weight_decay=0.01)
@@ -98,7 +102,7 @@ def _run_vectorized(name: str, opt_name: str, steps: int, dtype=torch.float64, s
     snapped = []
     c = comm.SimulatedCommunicator(topologies.build("ring", N))
     algo = algorithms.build(name, c, seed=5)
-    gopt = vectorized.VectorizedOptimizer((model or _model)(dtype), _optimizer(algo, opt_name), algo)
+    gopt = vectorized.VectorizedOptimizer((model or _model)(dtype), _optimizer(algo, opt_name, stacked=True), algo)
     loaders = _loaders(x, y)
     batches = vectorized.BatchedLoader(loaders)
     losses = []
@@ -145,6 +149,36 @@ def test_every_algorithm_agrees_across_paths_with_identical_ledgers(name):
     if name in CHAOTIC:  # the exception is the algorithm's, not the path's
         p, *_ = _run_loop(name, opt_name, STEPS, model=_perturbed)
         assert float((p.flat.data - a.flat.data).abs().max()) > 1e3 * RTOL * float(a.flat.data.abs().max())
+
+
+def test_muloco_with_its_muon_agrees_across_paths_and_its_checkpoints_move():
+    """Muon orthogonalises each node's matrices on their own: batched in the vectorized
+    path, one node after another in the loop path; the same numbers to reassociation
+    (in float64 Muon's iterations run in float64 on a CPU), the same 4-bit error-fed
+    bytes, and each path loads the other's optimizer state."""
+    a, ca, la, _, _ = _run_loop("muloco", "muon", STEPS)
+    b, cb, lb, _, _ = _run_vectorized("muloco", "muon", STEPS)
+    assert b.optimizers[0].stacked and b.optimizers[0].ns_dtype == torch.float64
+    assert float((a.flat.data - b.flat.data).abs().max()) <= RTOL * float(a.flat.data.abs().max())
+    assert torch.allclose(la, lb, rtol=RTOL, atol=RTOL)
+    assert _bytes(ca) == _bytes(cb) and ca.ledger.as_dict()["bytes"] == cb.ledger.as_dict()["bytes"]
+    sa, sb = a.state_dict(), b.state_dict()
+    per_node = vectorized.per_node_optimizer_states(sb["optimizers"], b.flat)
+    for oa, ob in zip(sa["optimizers"], per_node):  # the loop path's format, node by node
+        assert set(oa) == set(ob) == {"muon", "adamw", "ns_dtype"}
+        for part in ("muon", "adamw"):
+            assert oa[part]["param_groups"] == ob[part]["param_groups"]
+            for k, st in oa[part]["state"].items():
+                for key, v in st.items():
+                    assert torch.allclose(torch.as_tensor(v), torch.as_tensor(ob[part]["state"][k][key]),
+                                          rtol=1e-8, atol=1e-12), (part, k, key)
+    b2, *_ = _run_vectorized("muloco", "muon", 0)
+    b2.load_state_dict(sa)
+    a2, *_ = _run_loop("muloco", "muon", 0)
+    a2.load_state_dict({**sb, "optimizers": per_node})
+    assert torch.equal(b2.flat.data, a.flat.data) and torch.equal(a2.flat.data, b.flat.data)
+    buf = b2.optimizers[0].state_dict()["muon"]["state"][0]["momentum_buffer"]
+    assert torch.equal(buf, torch.stack([o["muon"]["state"][0]["momentum_buffer"] for o in sa["optimizers"]]))
 
 
 @pytest.mark.parametrize("name,opt_name", [("dpsgd", "sgd"), ("dpsgd", "adamw"), ("allreduce", "sgd")])
@@ -544,12 +578,12 @@ def test_cli_falls_back_or_refuses_a_model_with_running_statistics(tmp_path):
     assert "simulation path: loop (3 nodes one after another: the model keeps running statistics" in r.stdout
 
 
-def test_cli_takes_the_loop_path_for_muon(tmp_path):
+def test_cli_takes_the_vectorized_path_for_muon(tmp_path):
     from tests.test_train import train
 
     r = train(*CLI, "--optimizer", "muon", "--max-steps", "2", "--out", str(tmp_path / "m"))
     assert r.returncode == 0, r.stderr
-    assert "simulation path: loop (3 nodes one after another: --optimizer muon" in r.stdout
+    assert "simulation path: vectorized (3 nodes as one batched model)" in r.stdout
 
 
 def test_cli_refuses_an_unknown_simulate_mode():

@@ -32,11 +32,11 @@ from gossip.algorithms.localsgd import DiLoCo, DiLoCoConfig
 __all__ = ["MUON_PRECISIONS", "MuLoCo", "MuLoCoConfig", "MuonAdamW", "muon_optimizer", "newton_schulz"]
 
 #: --muon-precision: the dtype of Muon's Newton-Schulz iterations. ``auto`` is
-#: bfloat16 (torch.optim.Muon's own, and the Muon reference's) on a GPU, float32 on a
-#: CPU, where bfloat16 matrix products are emulated: about 11x slower than float32 on an
+#: bfloat16 (torch.optim.Muon's own, and the Muon reference's) on a GPU; on a CPU the
+#: parameters' dtype, at least float32 (float64 for a float64 model), since there bfloat16 matrix products are emulated: about 11x slower than float32 on an
 #: AVX2 CPU for a 128 x 640 weight, which would charge MuLoCo for arithmetic no real
 #: deployment pays
-MUON_PRECISIONS = ("auto", "bfloat16", "float32")
+MUON_PRECISIONS = ("auto", "bfloat16", "float32", "float64")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,11 +72,15 @@ def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], ste
     return x.mT if tall else x
 
 
-def _resolve_precision(precision: str, device: torch.device) -> torch.dtype:
+def _resolve_precision(precision: str, like: torch.Tensor | None) -> torch.dtype:
+    """The Newton-Schulz dtype: ``auto`` is bfloat16 on a GPU, and on a CPU the
+    parameters' own dtype, at least float32."""
     if precision not in MUON_PRECISIONS:
         raise ValueError(f"muon: precision must be one of {', '.join(MUON_PRECISIONS)}, got {precision!r}")
     if precision == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if like is not None and like.device.type == "cuda":
+            return torch.bfloat16
+        return torch.float64 if like is not None and like.dtype == torch.float64 else torch.float32
     return getattr(torch, precision)
 
 
@@ -89,28 +93,46 @@ class MuonAdamW(torch.optim.Optimizer):
     dtype.
 
     ``precision`` (:data:`MUON_PRECISIONS`) is the dtype of the Newton-Schulz
-    iterations; ``auto`` takes bfloat16 on a GPU and float32 on a CPU. In bfloat16 the
+    iterations; ``auto`` takes bfloat16 on a GPU and on a CPU the parameters' dtype, at
+    least float32. In bfloat16 the
     step is ``torch.optim.Muon``'s own; in float32 it is the same update (momentum,
     Nesterov, orthogonalisation, learning rate adjusted by ``match_rms_adamw``,
-    decoupled weight decay) with the iterations in float32 (:func:`newton_schulz`).
+    decoupled weight decay) with the iterations in that dtype (:func:`newton_schulz`).
     A state dict saved before the dtype was recorded continues in bfloat16, as it was
     made.
+
+    ``stacked=True`` takes the vectorized simulation's stacked tensors, ``(nodes,
+    *shape)``: Muon on the stacks of matrices, each node's orthogonalised on its own (one
+    batched Newton-Schulz iteration for all nodes), AdamW (element-wise) on the rest.
+    Its state is the stack of the per-node optimizers' states
+    (:func:`gossip.vectorized.split_optimizer_state` cuts it).
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float = 1e-3, weight_decay: float = 0.0,
-                 momentum: float = 0.95, betas: tuple[float, float] = (0.9, 0.999), precision: str = "auto") -> None:
+                 momentum: float = 0.95, betas: tuple[float, float] = (0.9, 0.999), precision: str = "auto",
+                 stacked: bool = False) -> None:
         params = [p for p in params if p.requires_grad]
-        mats = [p for p in params if p.dim() == 2]
-        rest = [p for p in params if p.dim() != 2]
+        lead = 1 if stacked else 0  # stacked: every tensor is (nodes, *its shape), each node's on its own
+        mats = [p for p in params if p.dim() == 2 + lead]
+        rest = [p for p in params if p.dim() != 2 + lead]
         if not mats:
-            shapes = sorted({tuple(p.shape) for p in params})
+            shapes = sorted({tuple(p.shape[lead:]) for p in params})
             raise ValueError(
                 f"muon: the model has no 2-D parameter (shapes {shapes}), and Muon orthogonalises weight "
                 f"matrices; use --optimizer adamw (or sgd)"
             )
-        self.ns_dtype = _resolve_precision(precision, mats[0].device)
-        self.muon = torch.optim.Muon(mats, lr=lr, weight_decay=weight_decay, momentum=momentum,
-                                     adjust_lr_fn="match_rms_adamw")
+        self.stacked = stacked
+        self.ns_dtype = _resolve_precision(precision, mats[0])
+        options = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, adjust_lr_fn="match_rms_adamw")
+        if stacked:
+            # torch.optim.Muon's groups, defaults and state (so each node's share is what its
+            # own torch.optim.Muon holds), over stacks of matrices, which its constructor
+            # refuses; :meth:`_muon_step` steps them
+            defaults = torch.optim.Muon([torch.nn.Parameter(torch.zeros(1, 1))], **options).defaults
+            self.muon = torch.optim.Muon.__new__(torch.optim.Muon)
+            torch.optim.Optimizer.__init__(self.muon, mats, defaults)
+        else:
+            self.muon = torch.optim.Muon(mats, **options)
         self.adamw = torch.optim.AdamW(rest, lr=lr, betas=betas, weight_decay=weight_decay) if rest else None
         super().__init__(params, {"lr": lr})
         self.param_groups = self.muon.param_groups + (self.adamw.param_groups if self.adamw else [])
@@ -121,7 +143,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.ns_dtype == torch.bfloat16:
+        if self.ns_dtype == torch.bfloat16 and not self.stacked:
             self.muon.step()
         else:
             self._muon_step()
@@ -167,7 +189,7 @@ class MuonAdamW(torch.optim.Optimizer):
             raise ValueError(f"MuonAdamW: a state dict has keys 'muon' and 'adamw' (and 'ns_dtype'), "
                              f"got {sorted(state_dict)}")
         # saved before the dtype was recorded: torch.optim.Muon's bfloat16 made it
-        self.ns_dtype = _resolve_precision(state_dict.get("ns_dtype", "bfloat16"), torch.device("cpu"))
+        self.ns_dtype = _resolve_precision(state_dict.get("ns_dtype", "bfloat16"), None)
         self.muon.load_state_dict(state_dict["muon"])
         if self.adamw is not None:
             self.adamw.load_state_dict(state_dict["adamw"])
@@ -176,7 +198,10 @@ class MuonAdamW(torch.optim.Optimizer):
 def muon_optimizer(model: torch.nn.Module, *, lr: float = 1e-3, weight_decay: float = 0.0,
                    momentum: float = 0.95, betas: tuple[float, float] = (0.9, 0.999),
                    precision: str = "auto") -> MuonAdamW:
-    """MuLoCo's inner optimizer for ``model``: :class:`MuonAdamW` over its parameters."""
+    """MuLoCo's inner optimizer for ``model``: :class:`MuonAdamW` over its parameters.
+    (The vectorized simulation builds one over all nodes' stacked tensors,
+    ``MuonAdamW(leaves, stacked=True)``: each node's matrices are orthogonalised on
+    their own, in one batched iteration.)"""
     return MuonAdamW(model.parameters(), lr=lr, weight_decay=weight_decay, momentum=momentum, betas=betas,
                      precision=precision)
 

@@ -162,6 +162,13 @@ def test_newton_schulz_orthogonalises_each_matrix_of_a_stack_on_its_own():
     assert newton_schulz(g, coeffs, 5, 1e-7, torch.float32).dtype == torch.float32
 
 
+def test_the_cli_offers_the_precisions_the_optimizer_takes():
+    from gossip import config
+    from gossip.algorithms.muloco import MUON_PRECISIONS
+
+    assert config.MUON_PRECISIONS == MUON_PRECISIONS  # config keeps its own copy, to import without torch
+
+
 def test_an_unknown_precision_is_one_line():
     with pytest.raises(ValueError, match=r"muon: precision must be one of auto, bfloat16, float32, float64, got 'fp8'"):
         muon_optimizer(Net(), precision="fp8")

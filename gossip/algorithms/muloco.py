@@ -33,9 +33,9 @@ __all__ = ["MUON_PRECISIONS", "MuLoCo", "MuLoCoConfig", "MuonAdamW", "muon_optim
 
 #: --muon-precision: the dtype of Muon's Newton-Schulz iterations. ``auto`` is
 #: bfloat16 (torch.optim.Muon's own, and the Muon reference's) on a GPU; on a CPU the
-#: parameters' dtype, at least float32, since a CPU without bfloat16 units emulates those
-#: products (about 11x slower than float32 on an AVX2 CPU for a 128 x 640 weight), which
-#: would charge MuLoCo for arithmetic no real deployment pays
+#: parameters' dtype, at least float32 (float64 for a float64 model), since there bfloat16 matrix products are emulated: about 11x slower than float32 on an
+#: AVX2 CPU for a 128 x 640 weight, which would charge MuLoCo for arithmetic no real
+#: deployment pays
 MUON_PRECISIONS = ("auto", "bfloat16", "float32", "float64")
 
 
@@ -59,19 +59,16 @@ def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], ste
     tall = g.size(-2) > g.size(-1)
     if tall:
         x = x.mT
-    if x.dim() == 2:  # torch's own operations, for its bits
-        x = x / x.norm().clamp(min=eps)
-        for _ in range(steps):
+    x = x / (x.norm() if x.dim() == 2 else torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)).clamp(min=eps)
+    for _ in range(steps):
+        if x.dim() == 2:
             gram = x @ x.T
             x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    else:  # a stack: the same per matrix, batched
-        shape = x.shape
-        x = x.reshape(-1, *shape[-2:])
-        x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
-        for _ in range(steps):
+        else:
             gram = x @ x.mT
-            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-        x = x.view(shape)
+            x = torch.baddbmm(x.flatten(0, -3), torch.baddbmm(gram.flatten(0, -3), gram.flatten(0, -3),
+                                                             gram.flatten(0, -3), beta=b, alpha=c),
+                              x.flatten(0, -3), beta=a).view(x.shape)
     return x.mT if tall else x
 
 
@@ -97,8 +94,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     ``precision`` (:data:`MUON_PRECISIONS`) is the dtype of the Newton-Schulz
     iterations; ``auto`` takes bfloat16 on a GPU and on a CPU the parameters' dtype, at
-    least float32. In bfloat16 the step is ``torch.optim.Muon``'s own; in another dtype
-    it is the same update (momentum,
+    least float32. In bfloat16 the
+    step is ``torch.optim.Muon``'s own; in float32 it is the same update (momentum,
     Nesterov, orthogonalisation, learning rate adjusted by ``match_rms_adamw``,
     decoupled weight decay) with the iterations in that dtype (:func:`newton_schulz`).
     A state dict saved before the dtype was recorded continues in bfloat16, as it was

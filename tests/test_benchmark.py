@@ -251,17 +251,19 @@ def test_bad_lm_specs_and_resume_files_are_one_line(tmp_path, capsys):
 
 def test_the_readme_verdict_table_is_rendered_from_the_results(bench):
     """experiments/render.py's benchmark_verdict (the README's headline: the MNIST-1D part
-    re-run at the current code, else the full run) and benchmark_verdict_full (the full
-    run, else the pilot): one row per workload, node count and bandwidth."""
+    re-run at the current code, else the full run; then the GPT part and the 64-node part,
+    each its own results file) and benchmark_verdict_full (the full run, else the pilot):
+    one row per workload, node count and bandwidth."""
     from experiments import render
     from gossip import leaderboard
 
     _, out, _ = bench
-    for key in ("benchmark_verdict", "benchmark_verdict_full"):
+    for key in ("benchmark_verdict", "benchmark_verdict_full", "benchmark_verdict_gpt", "benchmark_verdict_n64"):
         t = render.TABLES[key]
         assert t.path == (t.results if (render.REPO / t.results).exists() else t.fallback)
         assert t.render is render._benchmark_verdict
-    assert "README.md" in render.used_tables()["benchmark_verdict"]
+    for key in ("benchmark_verdict", "benchmark_verdict_gpt"):
+        assert "README.md" in render.used_tables()[key]
     res = json.loads((out / "benchmark.json").read_text())["results"]
     table = render._benchmark_verdict(res)
     assert table.startswith("Each method tuned on the same budget (2 learning rates, selection on a validation "

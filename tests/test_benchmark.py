@@ -262,7 +262,7 @@ def test_the_readme_verdict_table_is_rendered_from_the_results(bench):
         t = render.TABLES[key]
         assert t.path == (t.results if (render.REPO / t.results).exists() else t.fallback)
         assert t.render is render._benchmark_verdict
-    for key in ("benchmark_verdict", "benchmark_verdict_gpt"):
+    for key in ("benchmark_verdict", "benchmark_verdict_gpt", "benchmark_verdict_n64"):
         assert "README.md" in render.used_tables()[key]
     res = json.loads((out / "benchmark.json").read_text())["results"]
     table = render._benchmark_verdict(res)

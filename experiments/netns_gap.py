@@ -179,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(netns, dict) or not isinstance(netns.get("runs"), dict):
             raise GapError(f"--netns-results {a.netns_results}: not a results file of benchmark_netns.py "
                            "(no 'runs')")
-        prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/netns_gap.py", *argv],
-                                 measure_memcpy=False)
+        prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/netns_gap.py", *argv])
         res = analyse(netns, a.runs)
     except GapError as e:
         print(f"netns_gap: {e}", file=sys.stderr)

@@ -40,22 +40,23 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from experiments import _provenance  # noqa: E402
-from gossip.crossover import LINK_OVERHEAD  # noqa: E402
+from gossip import rundir  # noqa: E402
+from gossip.crossover import LINK_OVERHEAD, CrossoverError, parse_rate  # noqa: E402
 
-#: the code these figures come from: this reader and the link model's overhead factor
+#: the code these figures come from: this reader, the metrics reader and the link model
 #: (the runs it reads carry their own provenance)
-SOURCES = ["experiments/netns_gap.py", "gossip/crossover.py"]
+SOURCES = ["experiments/netns_gap.py", "gossip/crossover.py", "gossip/rundir.py"]
 
 
 class GapError(ValueError):
     """A bad argument, results file or run directory: one line."""
 
 
-def _rows(path: Path) -> list[dict]:
+def _rows(run_dir: Path) -> list[dict]:
     try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return rundir.read_metrics(rundir.metrics_path(run_dir, 0))
     except (OSError, ValueError) as e:
-        raise GapError(f"{path}: cannot read it as a metrics log ({e})") from None
+        raise GapError(f"{run_dir}: cannot read rank 0's metrics ({e})") from None
 
 
 def evaluations(rows: list[dict], until_step: int) -> list[dict]:
@@ -80,11 +81,10 @@ def allreduce_wire_s(params: int, world: int, rate_bps: float, count: int = 2) -
 
 
 def _rate(bandwidth: str) -> float:
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for u, f in units.items():
-        if bandwidth.endswith(u):
-            return float(bandwidth[: -len(u)]) * f
-    raise GapError(f"bandwidth {bandwidth!r}: expected a number and kbit, mbit or gbit")
+    try:
+        return parse_rate(bandwidth)
+    except CrossoverError as e:
+        raise GapError(str(e)) from None
 
 
 def _find(run_dir: str, roots: list[Path]) -> Path:
@@ -108,7 +108,7 @@ def analyse(netns: dict, roots: list[Path]) -> dict:
                 cfg = json.loads((d / "config.json").read_text())
             except (OSError, ValueError) as e:
                 raise GapError(f"{d / 'config.json'}: cannot read it ({e})") from None
-            evs = evaluations(_rows(d / "metrics-rank0.jsonl"), tt["step"])
+            evs = evaluations(_rows(d), tt["step"])
             total = sum(e["s"] for e in evs)
             t, model, sim = float(tt["time_s"]), float(tt["model_s"]), rec.get("simulated_time_s")
             less = t - total

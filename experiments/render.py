@@ -408,13 +408,26 @@ def _benchmark_verdict(res: dict) -> str:
 
     proto = res["protocol"]
     spec = res.get("spec") or {}
+    # a results file may hold part of the spec (run with --workloads/--nodes): name only the
+    # parts it holds, and do not count its trials against the whole spec's plan as if missing
+    held = {name: w for name, w in res["workloads"].items() if w["nodes"]} or res["workloads"]
     wls = "; ".join(f"{name}: {w['model']} on {w['data']}, nodes {', '.join(w['nodes']) or '-'}"
-                    for name, w in res["workloads"].items())
+                    for name, w in held.items())
+    whole = spec.get("workloads")
+    part = isinstance(whole, dict) and any(
+        sorted(str(n) for n in w.get("nodes", ())) != sorted(res["workloads"].get(name, {}).get("nodes", ()))
+        for name, w in whole.items())
     cov = res.get("coverage")
+    if not cov:
+        count = ""
+    elif part:
+        count = (f"; {cov['finished']} trials finished, {cov['cpu_s'] / 60:.0f} CPU minutes (this file holds part "
+                 f"of the spec, whose whole run plans {cov['planned']} trials)")
+    else:
+        count = f"; {cov['finished']} of {cov['planned']} planned trials finished, {cov['cpu_s'] / 60:.0f} CPU minutes"
     head = (f"Each method tuned on the same budget ({len(proto['lr_factors'])} learning rates, selection on a "
             f"validation carve), then {len(proto['seeds'])} seeds; {len(spec.get('methods', {})) or '?'} methods; "
-            f"{wls}" + (f"; {cov['finished']} of {cov['planned']} planned trials finished, {cov['cpu_s'] / 60:.0f} CPU "
-                           f"minutes" if cov else "") + ".")
+            f"{wls}{count}.")
     return head + _partial_line(res, len(spec.get("methods", {})), len(proto["seeds"])) + "\n\n" + \
         leaderboard.verdict_table(res)
 

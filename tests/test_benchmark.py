@@ -336,3 +336,21 @@ def test_verdicts_over_part_of_the_field_say_how_much_of_it(bench):
     assert "Incomplete" not in readme and "still to run" not in readme
     assert "a final run that failed, so without a full set of seeds: localsgd at 2 nodes (1 of 1 final seeds failed)" \
         in readme
+
+
+def test_a_results_file_of_part_of_the_spec_does_not_count_the_rest_as_missing(bench):
+    """A results file run with --workloads/--nodes holds part of the spec: the README's
+    header names the parts it holds and gives its trials without counting them against
+    the whole spec's plan as if the rest were missing."""
+    from experiments import render
+
+    _, out, _ = bench
+    res = json.loads((out / "benchmark.json").read_text())["results"]
+    cov = res["coverage"]
+    whole = render._benchmark_verdict(res)
+    assert f"; {cov['finished']} of {cov['planned']} planned trials finished, " in whole
+    res["spec"]["workloads"]["blobs"]["nodes"].append(64)  # the spec plans a node count this file lacks
+    part = render._benchmark_verdict(res)
+    assert "planned trials finished" not in part
+    assert (f"blobs: mlp on synthetic, nodes 2; {cov['finished']} trials finished, " in part
+            and f"(this file holds part of the spec, whose whole run plans {cov['planned']} trials)." in part)

@@ -606,6 +606,14 @@ def _bench_sim(res: dict) -> str:
     return text + (f"\n\nTargets on one CPU thread: {verdicts}." if verdicts else "")
 
 
+def _sim_epoch_profile(res: dict) -> str:
+    """experiments/sim_epoch_profile.py: a one-epoch run's wall time by phase."""
+    from experiments import sim_epoch_profile
+
+    where = f"{res.get('gpu') or res['device']}, {res['threads']} thread(s), dpsgd on a ring, batch 32, one epoch"
+    return f"On {where}:\n\n{sim_epoch_profile.table(res['rows'])}"
+
+
 #: the simulation's targets on one CPU thread: vectorized / loop node-steps per second
 #: at a node count, and the share of a one-epoch run at 1,024 nodes outside the steps
 _SIM_RATIO_TARGETS = {("logreg", 1024): 10.0, ("mlp", 1024): 10.0, ("cnn1d", 256): 1.5}
@@ -770,6 +778,9 @@ TABLES: dict[str, Table] = {
     "quant_parts": Table(f"{RESULTS}/quant_parts.json", _quant_parts),
     "bench_checksum": Table(f"{RESULTS}/bench_checksum.json", _bench_checksum),
     "bench_sim_cuda": Table(f"{RESULTS}/bench_sim_cuda.json", _bench_sim),
+    "sim_epoch_profile": Table(f"{RESULTS}/sim_epoch_profile.json", _sim_epoch_profile),
+    "sim_epoch_profile_cuda": Table(f"{RESULTS}/sim_epoch_profile_cuda.json", _sim_epoch_profile),
+    "sim_epoch_profile_cuda_16k": Table(f"{RESULTS}/sim_epoch_profile_cuda_16k.json", _sim_epoch_profile),
     "crossover_check": Table(f"{RESULTS}/crossover_check.json", _crossover_check, command=_CMD_CROSSOVER),
     "sgp_overlap": Table(f"{RESULTS}/sgp_overlap.json", _sgp_overlap, command=_CMD_SGP),
     "gossip_compare": Table(f"{RESULTS}/gossip_compare.json", _gossip_compare, command=_CMD_GOSSIP),

@@ -625,6 +625,50 @@ def test_bench_sim_runs_both_paths_and_writes_its_results(tmp_path):
     assert {"command", "commit", "dirty", "cpu", "memcpy_gbps", "load_avg_before", "load_avg_after"} <= set(r)
 
 
+def test_sim_epoch_profile_splits_an_epoch_into_phases_that_add_up(tmp_path):
+    """experiments/sim_epoch_profile.py, tiny: the phases add up to the run's wall time,
+    the steps are left out of the profile, and the results file has its provenance."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "experiments" / "sim_epoch_profile.py"
+    spec = importlib.util.spec_from_file_location("sim_epoch_profile", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    threads = torch.get_num_threads()
+    try:
+        assert mod.main(["--nodes", "4", "--models", "logreg", "--top", "5", "--json", str(tmp_path / "p.json"),
+                         "--pstats", str(tmp_path / "pst")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    r = json.loads((tmp_path / "p.json").read_text())
+    (row,) = r["rows"]
+    ph = row["phases_s"]
+    assert set(ph) == set(mod.PHASES) and all(v >= 0 for v in ph.values())
+    assert sum(ph.values()) == pytest.approx(row["total_s"], rel=1e-9)
+    assert ph["steps"] > 0 and ph["checkpoint"] > 0 and ph["evaluation"] > 0
+    assert row["outside_share"] == pytest.approx(1 - ph["steps"] / row["total_s"])
+    assert len(row["gossip"]) == 5 and all(t["in_gossip"] for t in row["gossip"])
+    assert not any("_local_step" in t["function"] or "loop.py:286(step)" in t["function"] for t in row["gossip"])
+    assert (tmp_path / "pst" / "logreg-4.pstats").stat().st_size > 0
+    assert {"command", "commit", "machine", "load_before", "load_after"} <= set(r["provenance"])
+    assert "| logreg | 4 |" in mod.table(r["rows"])
+
+
+def test_sim_epoch_profile_refuses_bad_input(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "experiments" / "sim_epoch_profile.py"
+    spec = importlib.util.spec_from_file_location("sim_epoch_profile", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--models", "resnet"])
+    assert e.value.code == 2 and "unknown resnet; accepted: logreg, mlp, cnn1d" in capsys.readouterr().err
+
+
 def test_docs_tables_are_rendered_from_the_results_files():
     """docs/simulation.md's tables go through experiments/render.py like every other
     (tests/test_render.py checks the whole docs against the render)."""

@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: setup demo topologies-demo test docs docs-serve results-tables clean
+.PHONY: setup demo topologies-demo test docs docs-serve results-tables results verify stale hooks clean
 
 setup: $(STAMP)
 
@@ -41,10 +41,28 @@ docs-serve: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --strict --dev-addr 127.0.0.1:8000
 
 # Re-render the README's and docs' results tables from experiments/results/*.json
-# (between <!-- results:NAME --> markers); `python -m experiments.render --stale`
-# lists the results whose code changed since they were made.
+# (between <!-- results:NAME --> markers) and the benchmark's report pages.
 results-tables: setup
-	$(PY) -m experiments.render
+	$(PY) -m experiments render
+
+# Freshness (docs/provenance.md): `make stale` lists the results not certified at HEAD;
+# `make verify` re-runs the training results' witnesses (minutes) and certifies what
+# still computes the same; `make results` re-runs what is left stale, CPU first, within
+# BUDGET minutes (resumable: run it again for the rest).
+stale: setup
+	$(PY) -m experiments stale
+
+verify: setup
+	$(PY) -m experiments verify
+
+BUDGET ?=
+results: setup
+	$(PY) -m experiments results $(if $(BUDGET),--budget $(BUDGET),)
+
+# The pre-commit hook that re-renders the tables a commit's results files change.
+hooks:
+	git config core.hooksPath .githooks
+	@echo "hooks: .githooks/pre-commit re-renders the tables on every commit that touches results or docs"
 
 clean:
 	rm -rf $(VENV) build site *.egg-info

@@ -63,6 +63,9 @@ __all__ = [
     "NOT_TRAINED",
     "package_except",
     "training_sources",
+    "record_config",
+    "recorded_configs",
+    "imported_sources",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -317,15 +320,28 @@ class Provenance:
     load_after: list[float] = field(default_factory=list)
     seconds: float | None = None
     schema: int = SCHEMA
+    #: the training configurations the results were made of (gossip.train arguments, a
+    #: torchrun run of N ranks as ``--simulate N``): what ``python -m experiments verify``
+    #: witnesses (experiments/witness.py); empty for a result made of no training run
+    configs: list[list[str]] = field(default_factory=list)
+    #: the repository modules the process had imported when it finished, with their git
+    #: blob ids: what a timing result measured (a change elsewhere leaves it certified)
+    imported: dict[str, str | None] = field(default_factory=dict)
     _t0: float = field(default=0.0, repr=False)
 
     def finish(self) -> dict[str, Any]:
-        """Record the load and duration at the end of the run; the record as a dict."""
+        """Record the load and duration at the end of the run, the training
+        configurations it recorded (:func:`record_config`) and the repository modules it
+        imported; the record as a dict."""
         if not self.load_after:
             self.load_after = _load()
             self.seconds = round(time.perf_counter() - self._t0, 1)
+            self.configs = [*self.configs, *(c for c in recorded_configs() if c not in self.configs)]
+            self.imported = imported_sources(self.commit or "HEAD")
         d = asdict(self)
         d.pop("_t0")
+        if not d["configs"]:
+            d.pop("configs")
         return d
 
     @property
@@ -333,6 +349,45 @@ class Provenance:
         """Whether the 1-minute load stayed below :data:`QUIET_LOAD` before and after."""
         loads = [x[0] for x in (self.load_before, self.load_after) if x]
         return bool(loads) and max(loads) < QUIET_LOAD
+
+
+_CONFIGS: list[list[str]] = []
+
+
+def record_config(argv: Sequence[str], *, ranks: int | None = None) -> None:
+    """Record that this experiment trained the configuration ``argv`` (``gossip.train``
+    arguments). A torchrun run of ``ranks`` processes is recorded as its simulation,
+    ``--simulate ranks``. The run directory, progress and checkpoint flags are dropped
+    (experiments/witness.py sets its own); duplicates are recorded once."""
+    from experiments import witness
+
+    args = witness.normalise([str(a) for a in argv])
+    if ranks is not None and "--simulate" not in args:
+        args = [*args, "--simulate", str(int(ranks))]
+    if args not in _CONFIGS:
+        _CONFIGS.append(args)
+
+
+def recorded_configs() -> list[list[str]]:
+    """The configurations recorded since :func:`start`, in order."""
+    return [list(c) for c in _CONFIGS]
+
+
+def imported_sources(rev: str = "HEAD") -> dict[str, str | None]:
+    """The repository's Python modules this process has imported (``sys.modules``,
+    files under the repository only), each with its git blob id at ``rev``."""
+    paths = set()
+    for mod in list(sys.modules.values()):
+        f = getattr(mod, "__file__", None)
+        if not f:
+            continue
+        try:
+            rel = Path(f).resolve().relative_to(REPO)
+        except (ValueError, OSError):
+            continue
+        if rel.suffix == ".py" and not rel.parts[0].startswith("."):
+            paths.add(str(rel))
+    return source_ids(sorted(paths), rev) if paths else {}
 
 
 def start(sources: Sequence[str], *, argv: Sequence[str] | None = None, measure_memcpy: bool = True) -> Provenance:
@@ -350,6 +405,7 @@ def start(sources: Sequence[str], *, argv: Sequence[str] | None = None, measure_
     load_before = _load()  # before our own memcpy adds to it
     import torch
 
+    _CONFIGS.clear()
     commit, dirty = git_commit()
     ids = source_ids(sources)
     changed = _git("diff", "--name-only", "HEAD", "--", *sources)

@@ -957,11 +957,21 @@ def estimate_section(spec: Spec, measured: dict, prov: dict, source: str, jobs: 
     return "\n".join(lines)
 
 
-def report(res: dict, md: Path, fig_dir: Path, title: str | None = None, extra: str = "") -> str:
+def figure_paths(res: dict, out: Path, prefix: str) -> list[Path]:
+    """The figures :func:`plots` draws, in its order, without drawing them."""
+    return [out / f"{prefix}-{wname}-n{n}.png" for wname, w in res["workloads"].items() for n in w["nodes"]]
+
+
+def report(res: dict, md: Path, fig_dir: Path, title: str | None = None, extra: str = "", *,
+           write: bool = True) -> str:
     """The Markdown page: protocol, verdict table, per-method tables, cost, figures,
-    provenance; ``extra`` (Markdown) goes before the figures."""
-    fig_dir.mkdir(parents=True, exist_ok=True)
-    figs = plots(res, fig_dir, md.stem)
+    provenance; ``extra`` (Markdown) goes before the figures. ``write=False``: the
+    page's text only (its figures those already drawn), nothing written."""
+    if write:
+        fig_dir.mkdir(parents=True, exist_ok=True)
+        figs = plots(res, fig_dir, md.stem)
+    else:
+        figs = [f for f in figure_paths(res, fig_dir, md.stem) if f.exists()]
     p = res.get("provenance", {})
     m = p.get("machine", {})
     proto = res["protocol"]
@@ -1030,8 +1040,9 @@ def report(res: dict, md: Path, fig_dir: Path, title: str | None = None, extra: 
         rel = os.path.relpath(fig_dir, md.parent)
         lines += [f"![{f.stem}]({rel}/{f.name})\n" for f in figs]
     text = "\n".join(lines) + "\n"
-    md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text(text, encoding="utf-8")
+    if write:
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(text, encoding="utf-8")
     return text
 
 

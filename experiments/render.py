@@ -15,10 +15,11 @@ A table lives in a Markdown file between two markers::
 and NAME is one of :data:`TABLES`: a results file (JSON with a provenance record,
 experiments/_provenance.py) and a function that turns its figures into Markdown.
 Under every table a line says where the figures come from: the command, the commit,
-the date, the machine and its load. A table whose sources changed after it was
-made (their git object ids at HEAD differ from those recorded) is marked **stale**
-with its date and commit until its command is re-run; ``--stale`` lists each with
-the commits that changed its sources since.
+the date, the machine and its load. Nothing rendered depends on HEAD, so a source
+change alone never makes ``--check`` fail; whether a result is still fresh is
+computed by experiments/freshness.py (``python -m experiments stale``, and the
+documentation site at build time). ``--stale`` lists the results that are not
+certified at HEAD.
 
 ``--narrow RESULTS PATH...`` narrows the sources a committed results file lists to
 the paths its figures really measure, without re-running: the git object ids of the
@@ -33,6 +34,7 @@ import json
 import os
 import re
 import sys
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -794,13 +796,61 @@ TABLES: dict[str, Table] = {
 }
 
 
+@dataclass(frozen=True)
+class Page:
+    """A whole page written from a results file: a part of the benchmark's report
+    (experiments/benchmark.py ``report``), with its title and the sections it adds:
+    ``netns`` (the netns check's results), ``estimate`` (a spec and the trials measured
+    for its cost), ``running`` (how to run it)."""
+
+    results: str
+    title: str | None = None
+    netns: str | None = None
+    estimate: tuple[str, str] | None = None
+    running: bool = False
+
+    def text(self, md: str, write_figures: bool = False) -> str:
+        from experiments import benchmark, benchmark_netns
+
+        results, prov = benchmark.read_benchmark_results(REPO / self.results)
+        extra = benchmark.RUNNING if self.running else ""
+        if self.estimate:
+            measured, mprov = benchmark._read_results(REPO / self.estimate[1])
+            extra += "\n\n### What the whole spec costs\n\n" + benchmark.estimate_section(
+                dataclasses.replace(benchmark.load_spec(REPO / self.estimate[0]), source=self.estimate[0]), measured,
+                mprov, self.estimate[1])
+        if self.netns:
+            measured, nprov = benchmark._read_results(REPO / self.netns)
+            extra = benchmark_netns.section(measured, nprov) + "\n\n" + extra
+        page = REPO / md
+        return benchmark.report({**results, "provenance": prov}, page, page.parent, title=self.title,
+                                extra=extra.strip(), write=write_figures)
+
+
+#: page -> how it is written: the benchmark's report pages, rendered and checked like the tables
+PAGES: dict[str, Page] = {
+    "docs/benchmark.md": Page(f"{RESULTS}/benchmark.json", netns=f"{RESULTS}/benchmark_netns.json",
+                              estimate=("experiments/benchmark.toml", f"{RESULTS}/benchmark-cost.json"), running=True),
+    "docs/benchmark-mnist1d-n4-n16.md": Page(f"{RESULTS}/benchmark-mnist1d-n4-n16.json",
+                                             title="The benchmark's MNIST-1D part at 4 and 16 nodes",
+                                             netns=f"{RESULTS}/benchmark_netns-mnist1d-n4.json"),
+    "docs/benchmark-mnist1d-n64.md": Page(f"{RESULTS}/benchmark-mnist1d-n64.json",
+                                          title="The benchmark's MNIST-1D part at 64 nodes"),
+    "docs/benchmark-gpt-n4.md": Page(f"{RESULTS}/benchmark-gpt-n4.json", title="The benchmark's GPT part at 4 nodes"),
+    "docs/benchmark-pilot.md": Page(f"{RESULTS}/benchmark-pilot.json",
+                                    title="The benchmark's pilot: twelve methods at 4 nodes on MNIST-1D"),
+}
+
+
 # ----------------------------------------------------------------------------- provenance line
 def _short(commit: str | None) -> str:
     return commit[:10] if commit else "unknown commit"
 
 
 def provenance_line(path: str, prov: dict[str, Any]) -> str:
-    """The line under a table: where its figures come from, and whether they are stale."""
+    """The line under a table: where its figures come from (command, commit, date,
+    machine, load). Whether they are still fresh is not said here (it depends on HEAD):
+    experiments/freshness.py computes it."""
     date = str(prov.get("date", "?"))[:10]
     tree = " (dirty tree)" if prov.get("dirty") else ""
     m = prov.get("machine") or {}
@@ -817,12 +867,9 @@ def provenance_line(path: str, prov: dict[str, Any]) -> str:
         parts.append(f"load {lb[0]:.2f} → {la[0]:.2f}")
     if prov.get("legacy"):
         parts.append(prov["legacy"])
-    line = f"<sub>Rendered from `{path}`: " + ", ".join(parts) + ".</sub>"
-    why = P.stale(prov)
-    if why:
-        line = (f"**Stale** (measured {date} at commit {_short(prov.get('commit'))}; {'; '.join(why)}): "
-                f"re-run the command below, then `make results-tables`.\n\n" + line)
-    return line
+    # nothing here depends on HEAD: freshness is computed where it cannot go out of date
+    # (`python -m experiments stale`, the documentation site), never committed
+    return f"<sub>Rendered from `{path}`: " + ", ".join(parts) + ".</sub>"
 
 
 #: how the line under a hand-written table (one awaiting its results file) begins
@@ -885,8 +932,16 @@ def _sub(m: re.Match) -> str:
 
 
 def render_all(write: bool) -> list[Path]:
-    """Re-render every file; returns those whose text changed (written if ``write``)."""
+    """Re-render every file (the marked tables, then the :data:`PAGES`); returns those
+    whose text changed (written if ``write``: a page with its figures redrawn)."""
     changed = []
+    for md, page in PAGES.items():
+        f = REPO / md
+        text = page.text(md)
+        if not f.exists() or f.read_text() != text:
+            changed.append(f)
+            if write:
+                page.text(md, write_figures=True)
     for f in _files():
         text = f.read_text()
         if "<!-- results:" not in text:
@@ -915,19 +970,19 @@ def pending_tables() -> dict[str, list[str]]:
 
 def stale_results() -> list[tuple[str, dict, list[str]]]:
     """``(results file, provenance, reasons)`` for every results file under
-    experiments/results/ and reports/ whose figures are stale or carry no provenance."""
-    paths = sorted({*REPO.glob(f"{RESULTS}/*.json"), *REPO.glob("reports/*/results.json")})
+    experiments/results/ and reports/ that is not certified at HEAD
+    (experiments/freshness.py: stale, unverified, or without provenance)."""
+    from experiments import freshness
+
     out = []
-    for p in paths:
-        rel = str(p.relative_to(REPO))
-        try:
-            _, prov = P.read(p)
-        except ValueError as e:
-            out.append((rel, {}, [str(e).split(": ", 1)[-1]]))
+    for st in freshness.all_statuses():
+        if st.state == "certified":
             continue
-        why = P.stale(prov)
-        if why:
-            out.append((rel, prov, why))
+        try:
+            _, prov = P.read(REPO / st.results)
+        except ValueError:
+            prov = {}
+        out.append((st.results, prov, [st.state, *st.reasons]))
     return out
 
 
@@ -984,7 +1039,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stale:
             found = stale_results()
             for rel, prov, why in found:
-                print(f"{rel}: stale ({'; '.join(why)})")
+                print(f"{rel}: {why[0]} ({'; '.join(why[1:])})")
                 if prov:
                     print(f"    made {str(prov.get('date'))[:10]} at commit {_short(prov.get('commit'))}: "
                           f"{prov.get('command')}")
@@ -998,7 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
                 t = TABLES[name]
                 print(f"{t.results}: not yet measured (the table {name} in {', '.join(files)} is hand-written); "
                       f"run: {t.command}")
-            print((f"{len(found)} stale results file(s)" if found else "nothing stale")
+            print((f"{len(found)} results file(s) not certified at HEAD" if found else "nothing stale")
                   + (f"; {len(pending)} table(s) awaiting their results file" if pending else ""))
             return 0
         changed = render_all(write=not args.check)

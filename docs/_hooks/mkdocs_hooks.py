@@ -19,10 +19,16 @@ Three things the plain configuration cannot do:
    when read on a forge; the hook copies each such file (and, for a Markdown file, its
    folder's figures) into the site under the same path and rewrites the link. A
    link to a file that does not exist is left alone, and MkDocs' strict mode fails on it.
+4. **Freshness is shown where it cannot go out of date.** Under every results table
+   (its ``Rendered from`` line) and at the top of every benchmark report page, the
+   site says whether the figures are certified at the commit it was built from,
+   unverified or stale (experiments/freshness.py), computed at build time: the
+   committed Markdown never carries it, so a source change never makes it wrong.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -249,4 +255,53 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files, **kwar
             return match.group(0)
         return f"]({'../' * depth}{uri}{match.group(2) or ''})"
 
-    return _outside_code(markdown, lambda text: _OUTSIDE.sub(rewrite, text))
+    markdown = _outside_code(markdown, lambda text: _OUTSIDE.sub(rewrite, text))
+    # 4. freshness at this build, under each table and atop each report page
+    return with_freshness(markdown, Path(src).relative_to(REPO).as_posix())
+
+
+_RENDERED = re.compile(r"^<sub>Rendered from `([^`]+)`:.*</sub>$", re.M)
+
+
+@functools.lru_cache(maxsize=1)
+def _statuses() -> tuple[dict[str, Any], str]:
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from experiments import _provenance, freshness
+
+    commit = (_provenance.git_commit()[0] or "unknown")[:10]
+    return {s.results: s for s in freshness.all_statuses()}, commit
+
+
+def freshness_note(results: str) -> str:
+    """One line on the freshness of ``results`` at the commit the site is built from."""
+    statuses, commit = _statuses()
+    st = statuses.get(results)
+    if st is None:
+        return ""
+    if st.state == "certified":
+        how = "verified by its witnesses" if st.kind == "training" else "the code it ran is unchanged"
+        return f"<sub>Certified at this build (commit {commit}): {how} since {str(st.since)[:10]}.</sub>"
+    why = "; ".join(st.reasons)
+    return (f"<sub>**{st.state.capitalize()}** at this build (commit {commit}): {why}. "
+            "`python -m experiments stale` lists it, `make results` re-runs it.</sub>")
+
+
+def with_freshness(markdown: str, rel: str) -> str:
+    """``markdown`` of the page ``rel`` with the freshness notes of its results."""
+    try:
+        if str(REPO) not in sys.path:
+            sys.path.insert(0, str(REPO))
+        from experiments.render import PAGES
+    except ImportError as e:  # the site still builds; it says why freshness is missing
+        log.warning("freshness not shown: %s", e)
+        return markdown
+    page = PAGES.get(rel)
+    if page is not None:
+        note = freshness_note(page.results)
+        lines = markdown.split("\n")
+        at = next((i for i, ln in enumerate(lines) if ln.startswith("Made by ")), 1)
+        lines.insert(at + 1, "\n" + note if note else "")
+        markdown = "\n".join(lines)
+    return _RENDERED.sub(lambda m: m.group(0) + ("\n" + freshness_note(m.group(1)) if freshness_note(m.group(1)) else ""),
+                         markdown)

@@ -1,0 +1,85 @@
+"""``python -m experiments``: one entry point for the results and what makes them.
+
+    python -m experiments list              # every study and benchmark, with the results it writes
+    python -m experiments stale [--json]    # results not certified at HEAD, and why
+    python -m experiments verify [FILE...]  # re-run the training results' witnesses at HEAD
+    python -m experiments render [--check]  # re-render the README's and docs' tables
+    python -m experiments results [--budget MINUTES]   # re-run what verify left stale (make results)
+
+docs/provenance.md says what each state means and what a witness cannot see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _stale(args: argparse.Namespace) -> int:
+    from experiments import freshness, render
+
+    statuses = freshness.all_statuses()
+    bad = [s for s in statuses if s.state != "certified"]
+    pending = render.pending_tables()
+    if args.json:
+        print(json.dumps([s.to_dict() for s in (statuses if args.all else bad)], indent=1))
+        return 0
+    for s in (statuses if args.all else bad):
+        print(s.line)
+    for name, files in pending.items():
+        t = render.TABLES[name]
+        print(f"{t.results}: not yet measured (the table {name} in {', '.join(files)} is hand-written); run: {t.command}")
+    by = {}
+    for s in statuses:
+        by[s.state] = by.get(s.state, 0) + 1
+    print(", ".join(f"{n} {k}" for k, n in sorted(by.items())) + f" of {len(statuses)} results files")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="every study and benchmark, with the results files it writes")
+    p = sub.add_parser("stale", help="results not certified at HEAD, and why")
+    p.add_argument("--json", action="store_true", help="as JSON: one object per results file")
+    p.add_argument("--all", action="store_true", help="every results file, certified ones too")
+    p = sub.add_parser("verify", help="re-run the witnesses of the training results at HEAD")
+    p.add_argument("files", nargs="*", help="results files (path, file name or stem; default: all)")
+    p.add_argument("--jobs", type=int, default=None, help="processes (default: 2, or 1 on one core)")
+    p.add_argument("--dry-run", action="store_true", help="compare only; write nothing")
+    p = sub.add_parser("render", help="re-render the tables between their markers")
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table differs from its render")
+    p = sub.add_parser("results", help="re-run the results verify left stale, CPU first, within a budget")
+    p.add_argument("--budget", type=float, default=None, metavar="MINUTES",
+                   help="stop starting new runs once this many minutes have passed (default: no limit)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated time; run nothing")
+    args = ap.parse_args(argv)
+    if args.cmd == "stale":
+        return _stale(args)
+    if args.cmd == "verify":
+        if args.jobs is not None and args.jobs < 1:
+            ap.error(f"--jobs must be a positive integer, got {args.jobs}")
+        from experiments import certify
+
+        return certify.verify(args.files or None, jobs=args.jobs, dry_run=args.dry_run)
+    if args.cmd == "render":
+        from experiments import render
+
+        return render.main(["--check"] if args.check else [])
+    if args.cmd == "results":
+        if args.budget is not None and args.budget <= 0:
+            ap.error(f"--budget must be a positive number of minutes, got {args.budget}")
+        from experiments import rerun
+
+        return rerun.main(budget_min=args.budget, dry_run=args.dry_run)
+    if args.cmd == "list":
+        from experiments import rerun
+
+        return rerun.list_all()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

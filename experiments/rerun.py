@@ -1,0 +1,176 @@
+"""``make results`` (``python -m experiments results``): re-run what is not certified.
+
+The plan: every results file that ``python -m experiments stale`` does not call
+certified, after ``verify`` has had its say (an *unverified* training result is
+verified first: a re-run is only for what a witness found changed). Its order:
+
+1. results this machine can re-run (CPU), then the netns cluster's when run as root;
+   GPU results are listed, never run here;
+2. within those, a file before any file whose command reads it (``--results``,
+   ``--netns-results``: the netns check reads the benchmark's file, the gap reads the
+   netns check's);
+3. the shortest first (the ``seconds`` their last run took), so a budget buys the most.
+
+Each command is the one its provenance records, run from the repository root with
+its scratch folders (``OUT/...``) under ``runs/``. After each run the file is
+re-certified (its witnesses recorded) and the tables re-rendered. ``--budget
+MINUTES`` stops starting new runs once that much time has passed; running it again
+resumes with what is left (a finished file is certified, so it is not run again).
+It prints what it ran, what is left, and the estimated time of the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from experiments import _provenance as P
+from experiments import freshness
+
+__all__ = ["plan", "main", "list_all", "command_of"]
+
+REPO = P.REPO
+
+
+def command_of(prov: dict) -> str:
+    """The recorded command as this checkout runs it: scratch folders under runs/."""
+    cmd = str(prov.get("command") or "")
+    cmd = re.sub(r"(?<![\w/])OUT/", "runs/", cmd)
+    if cmd.startswith("sudo ") and os.geteuid() == 0:
+        cmd = cmd[len("sudo "):]
+    return cmd
+
+
+def _reads(cmd: str) -> list[str]:
+    """The results files a command reads (its --results/--netns-results inputs that
+    are not what it writes)."""
+    try:
+        parts = shlex.split(cmd)
+    except ValueError:
+        return []
+    return [parts[i + 1] for i, a in enumerate(parts[:-1]) if a in ("--results", "--netns-results")
+            and parts[i + 1].endswith(".json")]
+
+
+def plan() -> list[freshness.Status]:
+    """The results to re-run, in order (see the module docstring)."""
+    todo = [s for s in freshness.all_statuses() if s.state in ("stale", "unverified", "missing") and s.command]
+    rank = {"cpu": 0, "netns": 1, "gpu": 2}
+    secs = {}
+    for s in todo:
+        try:
+            secs[s.results] = float(P.read(REPO / s.results)[1].get("seconds") or 0)
+        except ValueError:
+            secs[s.results] = 0.0
+    todo.sort(key=lambda s: (rank.get(s.needs, 3), secs[s.results]))
+    names = {s.results for s in todo}
+    ordered: list[freshness.Status] = []
+    placed: set[str] = set()
+
+    def place(s: freshness.Status, seen: frozenset = frozenset()) -> None:
+        if s.results in placed or s.results in seen:
+            return
+        for dep in _reads(command_of({"command": s.command})):
+            if dep != s.results and dep in names:
+                place(next(t for t in todo if t.results == dep), seen | {s.results})
+        placed.add(s.results)
+        ordered.append(s)
+
+    for s in todo:
+        place(s)
+    return ordered
+
+
+def _estimate(statuses: list[freshness.Status]) -> float:
+    total = 0.0
+    for s in statuses:
+        try:
+            total += float(P.read(REPO / s.results)[1].get("seconds") or 0)
+        except ValueError:
+            pass
+    return total
+
+
+def main(*, budget_min: float | None = None, dry_run: bool = False) -> int:
+    from experiments import certify
+
+    unverified = [s.results for s in freshness.all_statuses() if s.state == "unverified" and s.kind == "training"]
+    if unverified and not dry_run:
+        print(f"results: verifying {len(unverified)} unverified training results first")
+        certify.verify(unverified)
+    todo = plan()
+    root = os.geteuid() == 0
+    runnable = [s for s in todo if s.needs == "cpu" or (s.needs == "netns" and root)]
+    elsewhere = [s for s in todo if s not in runnable]
+    est = _estimate(runnable)
+    print(f"results: {len(runnable)} to re-run here (estimated {est / 60:.0f} min from their last runs)"
+          + (f", {len(elsewhere)} need another machine" if elsewhere else ""))
+    for s in elsewhere:
+        need = "a GPU" if s.needs == "gpu" else "root for the netns cluster"
+        print(f"  needs {need}: {s.results}: {command_of({'command': s.command})}")
+    if dry_run:
+        for s in runnable:
+            print(f"  would run: {s.results}: {command_of({'command': s.command})}")
+        return 0
+    t0 = time.perf_counter()
+    done: list[str] = []
+    for i, s in enumerate(runnable):
+        if budget_min is not None and time.perf_counter() - t0 > budget_min * 60:
+            left = runnable[i:]
+            print(f"results: budget of {budget_min:g} min spent; {len(left)} left (estimated "
+                  f"{_estimate(left) / 60:.0f} min): {', '.join(x.results for x in left)}; run again to resume")
+            break
+        cmd = command_of({"command": s.command})
+        print(f"results: [{i + 1}/{len(runnable)}] {s.results}: {cmd}", flush=True)
+        rc = subprocess.run(cmd, shell=True, cwd=REPO).returncode
+        if rc != 0:
+            print(f"results: {s.results}: the command exited {rc}; the file is left as it was")
+            continue
+        done.append(s.results)
+        if freshness.status(s.results, P.read(REPO / s.results)[1]).kind == "training":
+            certify.verify([s.results])  # records its witnesses for this run
+    from experiments import render
+
+    render.main([])
+    print(f"results: ran {len(done)}: {', '.join(done) or 'none'} in {(time.perf_counter() - t0) / 60:.1f} min")
+    return 0
+
+
+def list_all() -> int:
+    """Every experiment script and benchmark spec, with the results files made by it."""
+    made: dict[str, list[str]] = {}
+    for p in freshness.result_paths():
+        try:
+            cmd = str(P.read(p)[1].get("command") or "")
+        except ValueError:
+            continue
+        m = re.search(r"experiments/([\w.-]+\.(?:py|toml))", cmd)
+        for name in {m.group(1)} if m else set():
+            made.setdefault(name, []).append(str(p.relative_to(REPO)))
+        spec = re.search(r"--spec (experiments/[\w.-]+\.toml)", cmd)
+        if spec:
+            made.setdefault(Path(spec.group(1)).name, []).append(str(p.relative_to(REPO)))
+    here = Path(__file__).resolve().parent
+    for f in sorted([*here.glob("*.py"), *here.glob("*.toml")]):
+        if f.name.startswith("_") or f.name in ("__main__.py",):
+            continue
+        doc = ""
+        if f.suffix == ".py":
+            text = f.read_text()
+            m = re.search(r'^"""(.*?)(?:\n\n|""")', text, re.S)
+            doc = " ".join((m.group(1) if m else "").split())[:110]
+        else:
+            first = [ln for ln in f.read_text().splitlines() if ln.startswith("#")]
+            doc = first[0].lstrip("# ")[:110] if first else "benchmark spec"
+        res = made.get(f.name, [])
+        print(f"{f.name}: {doc}" + (f"\n    writes: {', '.join(sorted(set(res)))}" if res else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

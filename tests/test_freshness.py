@@ -1,0 +1,109 @@
+"""Results re-certified by behaviour: witnesses, verify, stale, and pages rendered like tables."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from experiments import _provenance as P
+from experiments import certify, freshness, render, witness
+
+TINY = ["--simulate", "4", "--algo", "dpsgd", "--model", "logreg", "--epochs", "1", "--batch-size", "64"]
+
+
+def test_a_witness_is_deterministic_and_names_the_first_step_that_differs(tmp_path):
+    a = witness.run(TINY, workdir=tmp_path / "a")
+    assert a["steps"] == 4 and a["resume_at"] == 2 and len(a["rows"]) == 4
+    assert witness.compare(a, witness.run(TINY, workdir=tmp_path / "b")) is None
+    other = witness.run([*TINY, "--lr", "0.01"], workdir=tmp_path / "c")
+    where = witness.compare(a, other)
+    assert where == "step 1: learning rate 0.05 != 0.01"
+
+
+def test_a_periodic_method_is_witnessed_past_its_first_outer_step():
+    assert witness.plan(["--simulate", "4", "--algo", "diloco", "--algo-opt", "local_steps=6"]) == (8, 4)
+    assert witness.plan(["--simulate", "4", "--algo", "ecd", "--bits", "8"]) == (4, 2)
+
+
+def test_the_flags_a_witness_sets_itself_are_dropped_from_a_config():
+    argv = ["--algo", "ecd", "--out", "runs/x", "--overwrite", "--max-steps=9", "--no-progress", "--bits", "8"]
+    assert witness.normalise(argv) == ["--algo", "ecd", "--bits", "8"]
+    assert witness.key(argv) == witness.key(["--algo", "ecd", "--bits", "8"])
+
+
+def test_a_comment_or_docstring_is_not_a_change_of_code():
+    blob = lambda text: subprocess.run(["git", "hash-object", "--stdin"], input=text, text=True,  # noqa: E731
+                                       capture_output=True, cwd=P.REPO, check=True).stdout.strip()
+    code = 'def f(x):\n    """Doc."""\n    y = x + 1\n    return y\n'
+    assert freshness._code_key(code) == freshness._code_key(code.replace("Doc.", "Other doc.") + "# a comment\n")
+    assert freshness._code_key(code) != freshness._code_key(code.replace("y", "z"))
+    assert blob(code)  # the ids compared are git's
+
+
+def test_a_timing_result_is_stale_only_when_code_it_imported_changed():
+    head = P.source_ids(["experiments/witness.py"])
+    prov = {"command": "python x", "commit": "0" * 40, "imported": head}
+    assert freshness.status("r.json", prov).state == "certified"
+    st = freshness.status("r.json", {**prov, "imported": {"experiments/witness.py": "1" * 40}})
+    assert st.state == "stale" and "experiments/witness.py" in st.reasons[0]
+
+
+def _results(tmp_path, configs):
+    prov = P.start(["gossip", "topologies"], argv=["python", "cmd"], measure_memcpy=False).finish()
+    prov.update(configs=configs, dirty_sources=[])
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"provenance": prov, "results": {"x": 1}}, indent=1) + "\n")
+    return path
+
+
+def test_verify_records_certifies_and_names_the_step_where_behaviour_changed(tmp_path, monkeypatch):
+    path = _results(tmp_path, [TINY])
+    rel = str(path)
+    monkeypatch.setattr(freshness, "result_paths", lambda: [path])
+    monkeypatch.setattr(certify, "store_path", lambda r: tmp_path / "store.json")
+    monkeypatch.setattr(certify, "_dirty_code", lambda: [])
+    lines: list[str] = []
+    # first verify: certified by its sources, so its witnesses are recorded
+    assert certify.verify(jobs=1, say=lines.append) == 0
+    assert any("witnesses recorded" in ln for ln in lines), lines
+    prov = json.loads(path.read_text())["provenance"]
+    assert prov["verified"]["witnesses"] == 1 and "witness_failed" not in prov
+    # a behaviour change: the recorded trace no longer matches at step 3
+    store = json.loads((tmp_path / "store.json").read_text())
+    (trace,) = store["machines"][witness.machine_kind()]["traces"].values()
+    trace["rows"][2] = "0" * 16
+    (tmp_path / "store.json").write_text(json.dumps(store))
+    lines.clear()
+    assert certify.verify(jobs=1, say=lines.append) == 1
+    assert any("stale" in ln and "step 3: another node's record" in ln for ln in lines), lines
+    prov = json.loads(path.read_text())["provenance"]
+    assert prov["witness_failed"]["where"].startswith("step 3")
+    st = freshness.status(rel, prov)
+    assert st.state == "stale" and "step 3" in st.reasons[0]
+
+
+def test_the_benchmark_pages_are_rendered_and_checked_like_the_tables():
+    for md, page in render.PAGES.items():
+        assert (render.REPO / md).read_text() == page.text(md), f"{md} differs from its render"
+
+
+def test_stale_lists_every_result_with_its_state_as_json():
+    out = subprocess.run([sys.executable, "-m", "experiments", "stale", "--json", "--all"], cwd=P.REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert {r["results"] for r in rows} >= {"experiments/results/low_precision.json"}
+    assert all(r["state"] in ("certified", "unverified", "stale", "missing") for r in rows)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["verify", "--jobs", "0"], "--jobs must be a positive integer, got 0"),
+    (["results", "--budget", "-1"], "--budget must be a positive number of minutes, got -1.0"),
+])
+def test_bad_arguments_are_one_line(argv, message):
+    out = subprocess.run([sys.executable, "-m", "experiments", *argv], cwd=P.REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr

@@ -54,7 +54,12 @@ from pathlib import Path
 from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
-import pandas as pd
+
+try:
+    import pandas as pd
+except ImportError:  # an optional extra: say how to get it, in one line
+    raise ImportError("gossip.analysis needs pandas: pip install 'gossip[analysis]' "
+                      "(pandas and matplotlib)") from None
 
 from gossip import rundir
 

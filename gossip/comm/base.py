@@ -7,6 +7,7 @@ every per-node value is a tensor whose first dimension is the hosted node.
 from __future__ import annotations
 
 import abc
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -473,3 +474,14 @@ def ring_allreduce_bytes(nbytes: int, n: int) -> int:
 def tensor_nbytes(X: torch.Tensor) -> int:
     """Bytes of one row of ``X``."""
     return int(X[0].numel() * X.element_size()) if X.shape[0] else 0
+
+
+def size_check_key(nbytes: int) -> str:
+    """The ledger's key (:meth:`Ledger.once`) of the size check of ``nbytes``-byte payloads."""
+    return f"size check {int(nbytes)}"
+
+
+def split_check_key(in_nbytes: Sequence[int], out_nbytes: Sequence[int]) -> str:
+    """The ledger's key (:meth:`Ledger.once`) of the check of one split of a sharded exchange."""
+    digest = zlib.crc32(np.asarray(list(in_nbytes) + list(out_nbytes), dtype=np.int64).tobytes())
+    return f"split check {len(in_nbytes)}:{digest:08x}"

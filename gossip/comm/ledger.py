@@ -23,6 +23,12 @@ Two one-off costs are kept apart from the per-step figures:
 - ``with ledger.warmup(): ...`` charges the time of every phase opened inside it to
   ``warmup`` instead: compilation and first-call costs (the training loop wraps each
   process's first step and the algorithm's setup in it).
+
+A cost that a run pays once, whatever processes it takes (the size check of a payload
+size), is charged under a key: ``if ledger.once(key): ledger.record(...)``. The keys
+charged are part of the state, so a run resumed from a checkpoint in a new process,
+which checks the size again, does not charge it twice: its byte counts equal an
+uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -180,6 +186,7 @@ class Ledger:
         self._setup_received = np.zeros(m, dtype=np.int64)
         self._setup_msgs = 0
         self._setup_control = [0, 0]  # of which control traffic: bytes sent, messages
+        self._once: set[str] = set()  # the keys of the one-off costs charged (see once())
 
     @property
     def nodes(self) -> tuple[int, ...]:
@@ -245,6 +252,18 @@ class Ledger:
         self._pending_len += keys.size
         if self._pending_len >= _CONSOLIDATE_AT:
             self._consolidate()
+
+    def once(self, key: str) -> bool:
+        """Whether the one-off cost named ``key`` is still to be charged: True the first
+        time over the run's life, then False. The keys are part of :meth:`state_dict`, so a
+        resumed run does not charge again what its checkpoint's ledger already holds (a
+        new process re-does the payload size check; the run paid for it once)."""
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"Ledger.once: `key` must be a non-empty str, got {key!r}")
+        if key in self._once:
+            return False
+        self._once.add(key)
+        return True
 
     def count(self, op: str, calls: int = 1) -> None:
         """Count ``calls`` invocations of ``op`` (one exchange is one call, many messages)."""
@@ -508,6 +527,7 @@ class Ledger:
             "node_received": self._node_received.tolist(),
             "pair_keys": self._pair_keys.tolist(),
             "pair_bytes": self._pair_bytes.tolist(),
+            "once": sorted(self._once),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -548,6 +568,9 @@ class Ledger:
         self._node_received = np.asarray(state["node_received"], dtype=np.int64)
         self._pair_keys = np.asarray(state["pair_keys"], dtype=np.int64)
         self._pair_bytes = np.asarray(state["pair_bytes"], dtype=np.int64)
+        # absent in states written before one-off costs were keyed: a resume from one of
+        # those charges its size checks again
+        self._once = {str(k) for k in state.get("once", ())}
 
     def __repr__(self) -> str:
         return (

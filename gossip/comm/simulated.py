@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Communicator, Handle, Received, Done, ring_allreduce_bytes, tensor_nbytes, is_time_varying
+from .base import (Communicator, Handle, Received, Done, ring_allreduce_bytes, tensor_nbytes, is_time_varying,
+                   size_check_key, split_check_key)
 from .ledger import Ledger
 
 _SIZE_MSG_BYTES = 16  # DistCommunicator's size check: two int64 each way
@@ -153,9 +154,10 @@ class SimulatedCommunicator(Communicator):
             edge_src, edge_dst = self._edge_src, self._edge_dst
         nbytes = int(P.shape[1])
         if self.check_sizes and nbytes not in self._agreed and edge_src.size:
-            # what the distributed size check sends (always recorded there too)
-            self.ledger.record(edge_src, edge_dst, _SIZE_MSG_BYTES, op="control")
-            self.ledger.count("control")
+            # what the distributed size check sends, charged once per run as there
+            if self.ledger.once(size_check_key(nbytes)):
+                self.ledger.record(edge_src, edge_dst, _SIZE_MSG_BYTES, op="control")
+                self.ledger.count("control")
             self._agreed.add(nbytes)
         if record:
             self.ledger.record(edge_src, edge_dst, nbytes, op="exchange")
@@ -193,8 +195,9 @@ class SimulatedCommunicator(Communicator):
         if self.check_sizes and self.world_size > 1:
             key = hash((tuple(ins), tuple(outs)))
             if key not in self._agreed_splits:
-                # what the distributed split check sends: one 16-byte all-gather
-                self._record_ring((self.world_size - 1) * _SIZE_MSG_BYTES, "control")
+                # what the distributed split check sends: one 16-byte all-gather, once per run
+                if self.ledger.once(split_check_key(ins, outs)):
+                    self._record_ring((self.world_size - 1) * _SIZE_MSG_BYTES, "control")
                 self._agreed_splits.add(key)
         if record:
             self._sharded_records(ins, outs)

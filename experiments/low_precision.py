@@ -47,16 +47,53 @@ def loss_grad(A, y, X):
     return loss, grad
 
 
-def final_loss(name: str, topo, A, y, steps: int, lr: float, **opts) -> float:
+def _train(name: str, topo, A, y, steps: int, lr: float, on_step=None, **opts) -> torch.Tensor:
+    """``steps`` steps of ``name`` from zero; the nodes' models. ``on_step(X, c)`` after
+    each step (``c``: the communicator, whose ledger counts the bytes)."""
     n, _, d = A.shape
-    alg = algorithms.build(name, comm.SimulatedCommunicator(topo), **opts)
+    c = comm.SimulatedCommunicator(topo)
+    alg = algorithms.build(name, c, **opts)
     X = torch.zeros(n, d)
     alg.setup(X)
     for _ in range(steps):
         alg.step(X, -lr * loss_grad(A, y, X)[1])
+        if on_step is not None:
+            on_step(X, c)
+    return X
+
+
+def _avg_loss(A, y, X) -> float:
+    """The loss of the averaged model (inf where it is not finite)."""
+    n, d = X.shape
     xbar = X.mean(0, keepdim=True).expand(n, d).contiguous()
     v = float(loss_grad(A, y, xbar)[0].mean())
     return v if math.isfinite(v) else float("inf")
+
+
+def final_loss(name: str, topo, A, y, steps: int, lr: float, **opts) -> float:
+    return _avg_loss(A, y, _train(name, topo, A, y, steps, lr, **opts))
+
+
+#: every row of the table: (algorithm, bits; 32 is D-PSGD's full precision)
+ROWS = [("dpsgd", 32)] + [(name, bits) for bits in (8, 4, 2, 1) for name in ("naive", "dcd", "ecd")]
+
+
+def witness(nodes: int = 8, lr: float = 0.5, steps: int = 20) -> dict:
+    """A short run of every row with the table's code (experiments/witness.py): per row
+    and step, the averaged model's loss and the bytes sent so far. Deterministic at one
+    thread; seconds."""
+    torch.set_num_threads(1)
+    topo = topologies.build("ring", nodes)
+    A, y = problem(nodes)
+    rows = []
+    for name, bits in ROWS:
+        opts = {} if bits == 32 else {"compressor": f"quant:bits={bits}"}
+        trace: list = []
+        _train(name, topo, A, y, steps, lr,
+               on_step=lambda X, c: trace.append([_avg_loss(A, y, X), int(c.ledger.bytes_sent)]), **opts)
+        rows += [{"algo": name, "bits": bits, "step": i + 1, "loss": v, "bytes_sent": b}
+                 for i, (v, b) in enumerate(trace)]
+    return {"rows": rows}
 
 
 def main(argv=None) -> int:

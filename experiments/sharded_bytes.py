@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
 
 from experiments import _provenance  # noqa: E402
 
-__all__ = ["CASES", "main", "measure", "table"]
+__all__ = ["CASES", "main", "measure", "table", "witness"]
 
 SOURCES = ["gossip/algorithms", "gossip/comm", "gossip/compress", "gossip/models.py", "experiments/sharded_bytes.py"]
 
@@ -89,6 +89,19 @@ def measure(nodes: list[int], model: str = "cnn1d") -> dict:
     finally:
         gc.set_backend(old)
     return {"model": model, "params": d, "nodes": nodes, "rows": rows}
+
+
+def witness(nodes: list[int] = (4, 16, 64), model: str = "cnn1d") -> dict:
+    """The figures' own measurement (:func:`measure`, one step per case and node count,
+    seconds) as a witness (experiments/witness.py): per case and node count, the payload
+    and the bytes per node per step. Deterministic at one thread."""
+    import torch
+
+    torch.set_num_threads(1)
+    res = measure(list(nodes), model)
+    return {"rows": [{"case": r["case"], "nodes": int(n), "payload_bytes": r["payload_bytes"],
+                      "bytes_per_node_per_step": v["bytes_per_node_per_step"]}
+                     for r in res["rows"] for n, v in r["per_n"].items()]}
 
 
 def table(res: dict) -> str:

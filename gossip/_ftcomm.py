@@ -272,6 +272,24 @@ class FTCommunicator(Communicator):
 
         return _FTHandle(self, works, "neighbor_exchange", finish, fallback)
 
+    def gather_group(self, X: torch.Tensor, size: int) -> torch.Tensor | None:
+        """Every member's ``X`` (a 1-D tensor, the same shape and dtype on every member),
+        by the member's rank in the re-formed group of ``size`` ranks: all of the quorum's
+        replicas, a duplicate replica id or a healing one included, which the live
+        membership (:meth:`reconfigure`) does not count. Not counted in the ledger (the
+        replicas' agreement, not the algorithm's traffic). None when it failed: the error
+        is reported and the group aborted, as for any operation."""
+        from torch._C._distributed_c10d import AllgatherOptions
+
+        X = X.contiguous()
+        out = [torch.empty_like(X) for _ in range(size)]
+        if size == 1:
+            return X.unsqueeze(0).clone()
+        works = self._post("agreement", lambda: [self.pg.allgather([out], [X], AllgatherOptions())])
+        if works is None or not self._wait(works, "agreement"):
+            return None
+        return torch.stack(out)
+
     def sharded_exchange_async(self, P, in_nbytes, out_nbytes, server, *, record: bool = True) -> Handle:
         raise NotImplementedError(
             "the sharded exchange is not carried under --fault-tolerance: its shards are owned by rank and a quorum "

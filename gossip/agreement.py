@@ -28,7 +28,8 @@ from gossip.assembly import Env
 from gossip.config import AGREE_KEYS, RESUME_AUTO, TrainConfig, agree_keys
 from gossip.errors import RunError
 
-__all__ = ["AGREE_KEYS", "agree_config", "agree_out_dir", "claim_out", "data_identity", "failing_ranks",
+__all__ = ["AGREE_KEYS", "agree_config", "agree_out_dir", "agreement_record", "claim_out", "data_identity",
+           "disagreement", "failing_ranks",
            "gathered", "gathered_max", "init_group"]
 
 
@@ -154,45 +155,65 @@ def data_identity(dataset) -> dict[str, str]:
             if isinstance(getattr(dataset, k, None), torch.Tensor)}
 
 
+def agreement_record(cfg: TrainConfig, dataset=None) -> dict:
+    """What a rank (or a ``--fault-tolerance`` replica) must share with every other: the
+    run-defining config (:func:`gossip.config.agree_keys`) and a digest of each of the data
+    set's arrays (keys ``data:<array>``), as JSON-able values."""
+    flat = cfg.to_dict()
+    mine = {k: flat.get(k) for k in agree_keys()}
+    mine["resume_auto"] = cfg.run.resume == RESUME_AUTO
+    if dataset is not None:
+        mine.update({f"data:{k}": v for k, v in data_identity(dataset).items()})
+    return mine
+
+
+def disagreement(cfg: TrainConfig, records: list[dict], ids: list[int], unit: str = "rank") -> str | None:
+    """One line naming what differs among ``records`` (each member's
+    :func:`agreement_record`, member ``ids[i]`` of its ``unit``: rank, replica), or None
+    when they agree: the config keys that differ with a member holding each value, else
+    the data arrays that differ and who holds other data than the first member."""
+    names = [f"{unit} {i}" for i in ids]
+    keys = list(dict.fromkeys(k for rec in records for k in rec))
+    diffs, data_diffs = [], []
+    for key in keys:
+        holders: dict[str, int] = {}
+        for r, theirs in enumerate(records):
+            holders.setdefault(json.dumps(theirs.get(key), sort_keys=True, default=str), r)
+        if len(holders) > 1:
+            if key.startswith("data:"):
+                data_diffs.append(f"{_DATA_PARTS.get(key[5:], key[5:])}: " + ", ".join(
+                    f"{json.loads(v)} on {names[r]}" for v, r in holders.items()))
+            else:
+                diffs.append(f"{key}: " + ", ".join(f"{v} on {names[r]}" for v, r in holders.items()))
+    if diffs:
+        return f"the {unit}s were started with different configs; {'; '.join(diffs)}"
+    if data_diffs:
+        odd = sorted({ids[r] for key in keys if key.startswith("data:")
+                      for r, theirs in enumerate(records) if theirs.get(key) != records[0].get(key)})
+        return (f"{unit}(s) {odd} hold other data than {names[0]} (--data {cfg.data.name}"
+                f"{' --data-dir ' + repr(cfg.data.data_dir) if cfg.data.data_dir else ''}): {'; '.join(data_diffs)}; "
+                f"give every {unit} the same data")
+    return None
+
+
 def agree_config(cfg: TrainConfig, env: Env, dataset=None, data_error: str | None = None) -> None:
     """Every rank compares the run-defining config, and a digest of its data set, with
     every other; on a mismatch all ranks stop with one line naming the differing keys
     (or arrays) and a rank holding each value."""
     import torch.distributed as dist
 
-    flat = cfg.to_dict()
-    mine = {k: flat.get(k) for k in agree_keys()}
-    mine["resume_auto"] = cfg.run.resume == RESUME_AUTO
-    data_keys = data_identity(dataset) if dataset is not None else {}
-    mine.update({f"data:{k}": v for k, v in data_keys.items()})
+    mine = agreement_record(cfg, dataset)
     everyone: list[dict] = [None] * env.world_size  # type: ignore[list-item]
     mine["data_error"] = data_error
     dist.all_gather_object(everyone, mine)
     failed = [(r, theirs["data_error"]) for r, theirs in enumerate(everyone) if theirs.get("data_error")]
     if failed:  # a rank that could not load its data stops every rank, named
         raise RunError(f"rank {failed[0][0]} cannot load its data: {failed[0][1]}")
-    del mine["data_error"]
-    diffs, data_diffs = [], []
-    for key in mine:
-        holders: dict[str, int] = {}
-        for r, theirs in enumerate(everyone):
-            holders.setdefault(json.dumps(theirs.get(key), sort_keys=True, default=str), r)
-        if len(holders) > 1:
-            if key.startswith("data:"):
-                data_diffs.append(f"{_DATA_PARTS[key[5:]]}: " + ", ".join(
-                    f"{json.loads(v)} on rank {r}" for v, r in holders.items()))
-            else:
-                diffs.append(f"{key}: " + ", ".join(f"{v} on rank {r}" for v, r in holders.items()))
-    if diffs:
-        raise RunError(f"the ranks were started with different configs; {'; '.join(diffs)}")
-    if data_diffs:
-        odd = sorted({r for key in data_keys for r, theirs in enumerate(everyone)
-                      if theirs.get(f"data:{key}") != everyone[0].get(f"data:{key}")})
-        raise RunError(
-            f"rank(s) {odd} hold other data than rank 0 (--data {cfg.data.name}"
-            f"{' --data-dir ' + repr(cfg.data.data_dir) if cfg.data.data_dir else ''}): {'; '.join(data_diffs)}; "
-            f"give every rank the same data"
-        )
+    for theirs in everyone:
+        del theirs["data_error"]
+    line = disagreement(cfg, everyone, list(range(env.world_size)))
+    if line is not None:
+        raise RunError(line)
 
 
 def init_group(cfg: TrainConfig, env: Env, device: torch.device) -> None:

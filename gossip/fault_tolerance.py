@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
+import hashlib
 import json
 import os
 import socket
@@ -57,7 +58,7 @@ from gossip._ftcomm import FTCommunicator
 from gossip.errors import say_line
 from gossip.comm.base import is_time_varying
 
-__all__ = ["FTCommunicator", "SUPPORTED_ALGORITHMS", "lighthouse_address", "live_topology", "run_fault_tolerant"]
+__all__ = ["FTCommunicator", "SUPPORTED_ALGORITHMS", "agreement_verdict", "lighthouse_address", "live_topology", "run_fault_tolerant"]
 
 #: the algorithms that run under ``--fault-tolerance`` (``Algorithm.fault_tolerant``)
 SUPPORTED_ALGORITHMS = tuple(n for n in algorithms.available() if algorithms.algorithm_class(n).fault_tolerant)
@@ -204,7 +205,8 @@ class _FTRun:
         self.out = Path(cfg.run.out)
         self.device = torch.device("cpu") if cfg.comm.device != "cuda" else torch.device("cuda")
         self.members: list[tuple[int, str]] = []
-        self.heal_bytes, self.heal_source, self.heal_reset = 0, -1, []
+        self.heal_bytes, self.heal_source, self.heal_reset, self.heal_mismatch = 0, -1, [], False
+        self.agreed_quorum: int | None = None  # the quorum whose replicas were last found to agree
         self.built_quorum: int | None = None  # the quorum the topology and replica state were built for
 
     # --- state a healing peer receives: model, local optimizer, algorithm -------------
@@ -212,9 +214,14 @@ class _FTRun:
         # a copy: the transport serves it while this replica trains on (torchft orders the
         # healing peer's fetch before this step's all-reduce completes, but the copy makes
         # that ordering irrelevant); called only when a peer needs healing
-        return copy.deepcopy({"gossip": self.gopt.state_dict(), "replica": self.replica})
+        return copy.deepcopy({"gossip": self.gopt.state_dict(), "replica": self.replica, "agree": self.agree_digest})
 
     def _load(self, sd: dict) -> None:
+        if sd.get("agree") != self.agree_digest:
+            # a peer of another config (or data): its state may not even fit this model. Nothing
+            # is loaded; the agreement right after this quorum names the difference and refuses
+            self.heal_source, self.heal_mismatch = int(sd.get("replica", -1)), True
+            return
         state, algo = sd["gossip"], self.algo
         if self.decentralized:
             # the replica state of a graph is rebuilt with the new neighbours right after the
@@ -250,6 +257,7 @@ class _FTRun:
     def run(self) -> dict | None:
         cfg, parts = self.cfg, self.parts
         self.dataset = parts.build_dataset(cfg)
+        self._agreement_record()
         torch.manual_seed(cfg.run.seed)  # x_1 identical on every replica
         self.model = parts.build_model(cfg, self.dataset, self.device)
         self.opt = parts.local_optimizer(cfg, self.model)
@@ -258,10 +266,6 @@ class _FTRun:
                                          seed=cfg.run.seed)
         except ValueError as e:
             raise self.RunError(f"--partition {cfg.data.partition} over {self.replicas} replicas: {e}") from None
-        self.out.mkdir(parents=True, exist_ok=True)
-        if self.replica == 0 and not rundir.config_path(self.out).exists():
-            record = {**cfg.to_dict(), "fault_tolerance_replicas": self.replicas}
-            rundir.write_json(rundir.config_path(self.out), record)
         # the algorithm is built (and refused, in one line) before anything connects
         self.comm = FTCommunicator(None, None, self.replica, self.replicas, self.timeout)
         self._build_optimizer()
@@ -318,6 +322,67 @@ class _FTRun:
                                 "by rank and would be re-assigned at every quorum change; add --algo-opt "
                                 "exchange=allgather")
 
+    # --- agreement: the replicas of a group share one config and one data set ---------
+    def _agreement_record(self) -> None:
+        """What every replica must share (the torchrun ranks' :func:`gossip.agreement.agreement_record`,
+        and the number of replicas and ``--min-replicas``), and its digest."""
+        from gossip import agreement
+
+        self.agree = {**agreement.agreement_record(self.cfg, self.dataset),
+                      REPLICAS_ENV: self.replicas, "min_replicas": self.min_replicas}
+        text = json.dumps(self.agree, sort_keys=True, default=str)
+        self.agree_digest = hashlib.sha256(text.encode()).hexdigest()
+
+    def _agree(self, step: int) -> None:
+        """At every re-formed group, before the algorithm exchanges anything: every member
+        of the group compares its :meth:`_agreement_record` and replica id with the others'
+        (one all-gather of a digest; of the records only when they differ).
+
+        At the start every replica of a group that differs stops with one line naming the
+        option and each value (as the torchrun ranks do); later, a replica that joins with
+        another config, or with the replica id of a live one, is refused (it stops with
+        that line) and the replicas that have trained go on without it, saying so."""
+        size = len(self.watch.replica_ids)
+        mine = json.dumps({"replica": self.replica, "veteran": self.stepped, "host": socket.gethostname(),
+                           "pid": os.getpid(), "record": self.agree}, sort_keys=True, default=str).encode()
+        head = torch.tensor([self.replica, int(self.stepped), len(mine)]
+                            + [int.from_bytes(bytes.fromhex(self.agree_digest)[i:i + 8], "big", signed=True)
+                               for i in range(0, 32, 8)], dtype=torch.int64)
+        heads = self.comm.gather_group(head, size)
+        if heads is None:  # a member failed: the step is discarded, the next group agrees again
+            return
+        ids = heads[:, 0].tolist()
+        if len(set(ids)) == len(ids) and bool((heads[:, 3:] == heads[0, 3:]).all()):
+            self.agreed_quorum = self.watch.quorum_id
+            return
+        longest = int(heads[:, 2].max())
+        buf = torch.zeros(longest, dtype=torch.uint8)
+        buf[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        rows = self.comm.gather_group(buf, size)
+        if rows is None:
+            return
+        entries = [json.loads(bytes(row[:int(n)].tolist()).decode()) for row, n in zip(rows, heads[:, 2].tolist())]
+        line, refused = agreement_verdict(self.cfg, entries, self.replicas)
+        me = self.watch.replica_rank
+        if me in refused:
+            raise self.RunError(line)
+        odd = sorted({entries[r]["replica"] for r in refused})
+        self._say(f"refused replica {', '.join(map(str, odd))} ({line}); going on without it")
+        self.manager.report_error(RuntimeError(f"replica {', '.join(map(str, odd))} was refused"))
+
+    def _open_run_files(self) -> None:
+        """Before this replica's first step, its group having agreed: the run directory, config.json (replica 0,
+        unless a restarted one finds it), and the metrics file, appended to (a restarted
+        replica writes on after its earlier records), with the records held until now."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.replica == 0 and not rundir.config_path(self.out).exists():
+            record = {**self.cfg.to_dict(), "fault_tolerance_replicas": self.replicas}
+            rundir.write_json(rundir.config_path(self.out), record)
+        held, self.metrics = self.metrics.records, rundir.MetricsWriter(rundir.metrics_path(self.out, self.replica),
+                                                                         keep_until=2**62)
+        for rec in held:
+            self.metrics.write(rec)
+
     # --- the topology over the live replicas ------------------------------------------
     def _topology(self, n: int) -> tuple[Any, str | None]:
         return live_topology(self.cfg, n)
@@ -362,7 +427,7 @@ class _FTRun:
         steps_per_epoch = len(self.shards[self.replica]) // cfg.data.batch_size or 1
         self.total = cfg.run.epochs * steps_per_epoch
         self.stop = self.total if cfg.run.max_steps is None else min(self.total, cfg.run.max_steps)
-        self.metrics = rundir.MetricsWriter(rundir.metrics_path(self.out, self.replica), keep_until=2**62)  # append
+        self.metrics: Any = _Pending()  # nothing is written before this replica's group has agreed
         self._position_loader(0)
         self.loader_step, self.t0, self.waiting_since, self.said_wait = 0, time.perf_counter(), None, False
         self.stepped = False  # has this process committed a step (a restarted one has not, before it heals)
@@ -370,14 +435,18 @@ class _FTRun:
             while (step := self.manager.current_step()) < self.stop:
                 step = self._quorum(step)
                 n = self._membership(step)
+                if self.watch.quorum_id != self.agreed_quorum and self.manager.errored() is None:
+                    self._agree(step)  # before anything of the algorithm is exchanged, waiting or not
                 if not self._enough(n, step):
                     continue
                 if self.watch.quorum_id != self.built_quorum and self.manager.errored() is None:
                     self._rebuild([k for k, _ in self.members], step, self.metrics)
                 if self.manager.errored() is not None:  # re-forming the group, healing or rebuilding failed
                     self.manager.should_commit()  # says no: the next quorum retries
-                    self._say(f"step {step + 1} skipped ({str(self.manager.errored())[:120]}); retrying")
+                    self._say(f"step {step + 1} skipped ({_first_line(self.manager.errored())[:120]}); retrying")
                     continue
+                if isinstance(self.metrics, _Pending):  # the first step of a group that agreed
+                    self._open_run_files()
                 self._step(step, n)
             return self._finish()
         finally:
@@ -393,7 +462,9 @@ class _FTRun:
                 f"--fault-tolerance {self.addr}: no quorum of --min-replicas {self.min_replicas} formed "
                 f"within 3 x --timeout ({3 * self.timeout:g} s) at step {step} ({first[:200]})") from None
         now = self.manager.current_step()
-        if now != step:  # healed from a live peer
+        if now != step and self.heal_mismatch:  # nothing was loaded: the agreement refuses this replica
+            self.heal_mismatch = False
+        elif now != step:  # healed from a live peer
             reset = f"; its own {', '.join(self.heal_reset)} started at zero" if self.heal_reset else ""
             self._say(f"healed from replica {self.heal_source} at step {now} (was at step {step}; "
                       f"{self.heal_bytes:,} bytes of state received{reset})")
@@ -494,6 +565,8 @@ class _FTRun:
                                 "setup_bytes_sent": int(self.comm.run_ledger.setup_bytes_sent)})
 
     def _finish(self) -> dict:
+        if isinstance(self.metrics, _Pending):  # no step to take (--max-steps 0): nothing was exchanged
+            self._open_run_files()
         end = {"event": "end", "step": self.manager.current_step(),
                **evaluation.test_metrics(self.model, self.dataset, self.device),
                "time": time.perf_counter() - self.t0, "aborted_groups": self.comm.aborts}
@@ -503,6 +576,59 @@ class _FTRun:
         if self.replica == 0:
             say_line(json.dumps(end), sys.stdout)
         return end
+
+
+class _Pending:
+    """A replica's metrics records before its group has agreed: held, and written only
+    once it has (a refused replica writes nothing, least of all into the file of the live
+    replica whose id it took)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def write(self, rec: dict) -> None:
+        self.records.append(rec)
+
+    def close(self) -> None:
+        pass
+
+
+def agreement_verdict(cfg: Any, entries: list[dict], replicas: int) -> tuple[str, set[int]]:
+    """What a group whose members differ does: one line, and the group ranks that stop.
+
+    ``entries`` are the members' ``{"replica", "veteran", "host", "pid", "record"}`` by
+    group rank; a veteran has committed a step of this run. Two members with one replica
+    id: the one that is not a veteran stops (both, and everyone, where neither or both
+    are). Members whose records differ: where veterans agree among themselves, the
+    others that differ from them stop; otherwise (the start of the run) every member does.
+    """
+    from gossip import agreement
+
+    everyone = set(range(len(entries)))
+    by_id: dict[int, list[int]] = {}
+    for r, e in enumerate(entries):
+        by_id.setdefault(int(e["replica"]), []).append(r)
+    for k, ranks in sorted(by_id.items()):
+        if len(ranks) > 1:
+            who = ", ".join(f"host {entries[r]['host']} pid {entries[r]['pid']}"
+                            + (" (training)" if entries[r]["veteran"] else "") for r in ranks)
+            line = (f"{REPLICA_ENV}={k} is given to {len(ranks)} workers ({who}): give each worker its own "
+                    f"{REPLICA_ENV} in 0 .. {replicas - 1}")
+            veterans = [r for r in ranks if entries[r]["veteran"]]
+            return line, (set(ranks) - set(veterans) if len(veterans) == 1 else everyone)
+    veterans = [r for r, e in enumerate(entries) if e["veteran"]]
+    records = [e["record"] for e in entries]
+    ids = [int(e["replica"]) for e in entries]
+    if veterans and all(records[r] == records[veterans[0]] for r in veterans):
+        ref = veterans[0]
+        odd = [r for r in everyone if records[r] != records[ref]]
+        line = agreement.disagreement(cfg, [records[ref]] + [records[r] for r in odd], [ids[ref]] + [ids[r] for r in odd],
+                                      unit="replica")
+        joiners = ", ".join(str(ids[r]) for r in odd)
+        return f"replica {joiners} cannot join the run: {line}", set(odd)
+    line = agreement.disagreement(cfg, [records[r] for r in sorted(everyone, key=lambda r: ids[r])],
+                                  sorted(ids), unit="replica")
+    return line or "the replicas' configs differ", everyone
 
 
 def live_topology(cfg: Any, n: int) -> tuple[Any, str | None]:
@@ -520,6 +646,13 @@ def live_topology(cfg: Any, n: int) -> tuple[Any, str | None]:
     except loop.RunError as e:
         fallback = "ring" if n >= 3 else "complete"
         return topologies.build(fallback, n), f"{e}; falling back to {fallback}"
+
+
+def _first_line(err: BaseException | None) -> str:
+    """The first line of an error torchft reported (its wrapper appends a traceback)."""
+    err = getattr(err, "original_exception", err)
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _replica_name(k: int) -> str:

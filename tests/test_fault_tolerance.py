@@ -90,13 +90,13 @@ sys.exit(gossip.train.main(sys.argv[2:]))
 
 
 def _start(replica: int, argv: list[str], tmp: Path, name: str, go: Path | None = None,
-           slow: Path | None = None) -> subprocess.Popen:
+           slow: Path | None = None, replicas: int = 4) -> subprocess.Popen:
     log = open(tmp / f"{name}.log", "w")
     if go is None:
         cmd = [sys.executable, "-m", "gossip.train", *argv]
     else:
         cmd = [sys.executable, "-c", _SPARE, str(go), *argv]
-    env = _env(replica)
+    env = _env(replica, replicas)
     if slow is not None:
         env["GOSSIP_TEST_SLOW"] = str(slow)
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
@@ -619,3 +619,130 @@ def test_each_replicas_line_reaches_stderr_in_one_write(monkeypatch):
     _FTRun._say(SimpleNamespace(replica=2), "quorum 3 -> 2 replicas")
     _FTRun._say(SimpleNamespace(replica=0), "rejoined")
     assert err.calls == ["[replica 2] quorum 3 -> 2 replicas\n", "[replica 0] rejoined\n"]
+
+
+# --------------------------------------------------------------------------------------
+# replicas agree or are refused
+# --------------------------------------------------------------------------------------
+#: a short run of the tiny model: the agreement happens at the first quorum
+SHORT = [*ARGS, "--model", "tests._ftmodel:mlp", "--max-steps", "3", "--timeout", "20", "--no-progress"]
+
+
+def _group(tmp: Path, argvs: list[list[str]], ids: list[int], replicas: int, lh_min: int = 1) -> list[tuple[int, str]]:
+    """Workers with replica ids ``ids`` and their own extra flags, on one Lighthouse; each
+    worker's (exit code, stderr)."""
+    lh = _Lighthouse(min_replicas=lh_min, tmp=tmp)
+    procs = []
+    try:
+        for i, (k, extra) in enumerate(zip(ids, argvs)):
+            log = open(tmp / f"p{i}.log", "w")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "gossip.train", *SHORT, "--fault-tolerance", lh.addr, "--out",
+                 str(tmp / "run"), *extra], env=_env(k, replicas), stdout=log, stderr=subprocess.STDOUT, cwd=tmp))
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lh.close()
+    return [(c, (tmp / f"p{i}.log").read_text()) for i, c in enumerate(codes)]
+
+
+def _error_lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if "gossip.train: error:" in ln]
+
+
+@pytest.mark.parametrize("extra, said", [
+    (["--lr", "0.1"], "lr: 0.05 on replica 0, 0.1 on replica 1"),
+    (["--seed", "1"], "seed: 0 on replica 0, 1 on replica 1"),
+    (["--model", "mlp"], 'model_name: "tests._ftmodel:mlp" on replica 0, "mlp" on replica 1'),
+    (["--algo", "powersgd"], 'algo: "allreduce" on replica 0, "powersgd" on replica 1'),
+], ids=["lr", "seed", "model", "algo"])
+def test_replicas_started_with_different_flags_are_refused_on_every_replica(tmp_path: Path, extra, said) -> None:
+    """Before anything of the algorithm is exchanged (a model of another size would abort
+    gloo; another algorithm would wait on exchanges the other never posts)."""
+    got = _group(tmp_path, [[], extra], [0, 1], 2)
+    want = f"gossip.train: error: the replicas were started with different configs; {said}"
+    for code, text in got:
+        assert code == 2, text[-3000:]
+        lines = _error_lines(text)  # (another algorithm also differs in what it implies: its momentum)
+        assert len(lines) == 1 and (lines[0] == want or lines[0].startswith(want + "; ")), text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+    # nothing written: the run directory holds no config and no metrics
+    assert not (tmp_path / "run" / "config.json").exists()
+    assert not list((tmp_path / "run").glob("metrics-rank*.jsonl")) if (tmp_path / "run").exists() else True
+
+
+def test_two_workers_with_one_replica_id_are_refused_naming_both(tmp_path: Path) -> None:
+    got = _group(tmp_path, [[], []], [0, 0], 2)
+    for code, text in got:
+        assert code == 2, text[-3000:]
+        lines = _error_lines(text)
+        assert len(lines) == 1 and re.search(
+            r"error: REPLICA_GROUP_ID=0 is given to 2 workers \(host \S+ pid \d+, host \S+ pid \d+\): give each worker "
+            r"its own REPLICA_GROUP_ID in 0 \.\. 1$", lines[0]), text[-3000:]
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_a_replica_joining_later_with_another_config_is_refused_and_the_others_go_on(tmp_path: Path) -> None:
+    """Replica 1 dies and is started again with another --lr: it stops with the line, the
+    replica that trained goes on without it (it says so) and ends normally."""
+    lh = _Lighthouse(min_replicas=1, tmp=tmp_path)
+    slow, go, out = tmp_path / "slow", tmp_path / "go", tmp_path / "run"
+    argv = [*ARGS, "--model", "tests._ftmodel:mlp", "--max-steps", "60", "--timeout", "20", "--no-progress",
+            "--fault-tolerance", lh.addr, "--out", str(out)]
+    procs: list[subprocess.Popen] = []
+    try:
+        procs = [_start(k, argv, tmp_path, f"w{k}", slow=slow, replicas=2) for k in range(2)]
+        # the restarted replica 1 with another --lr, warm (imported), waiting for its go-file
+        spare = _start(1, [*argv, "--lr", "0.1"], tmp_path, "w1-restarted", go=go, slow=slow, replicas=2)
+        procs.append(spare)
+        m = [out / f"metrics-rank{k}.jsonl" for k in range(2)]
+        _wait(lambda: _last_step(m[1]) >= 3, "replica 1 to reach step 3", procs)
+        slow.touch()  # the survivor cannot finish before the joiner has been seen
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait()
+        before = m[1].read_text()
+        go.touch()
+        assert spare.wait(timeout=180) == 2, (tmp_path / "w1-restarted.log").read_text()[-3000:]
+        slow.unlink()
+        assert procs[0].wait(timeout=180) == 0, (tmp_path / "w0.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lh.close()
+    joiner = (tmp_path / "w1-restarted.log").read_text()
+    assert _error_lines(joiner) == [
+        "gossip.train: error: replica 1 cannot join the run: the replicas were started with different configs; "
+        "lr: 0.05 on replica 0, 0.1 on replica 1"], joiner[-3000:]
+    survivor = (tmp_path / "w0.log").read_text()
+    assert re.search(r"\[replica 0\] refused replica 1 \(replica 1 cannot join the run: .*lr: 0\.05 on replica 0, "
+                     r"0\.1 on replica 1\); going on without it", survivor), survivor[-3000:]
+    assert m[1].read_text() == before  # the refused worker wrote nothing into replica 1's metrics
+    done = [r["step"] for r in _records(m[0]) if "event" not in r]
+    assert done == list(range(1, 61)), done
+
+
+def test_the_agreement_verdict_refuses_the_newcomer_or_everyone() -> None:
+    from gossip.fault_tolerance import agreement_verdict
+
+    cfg = parse_args(["--algo", "allreduce", "--fault-tolerance", "localhost:1"])
+
+    def entry(k, veteran, lr=0.05, pid=1):
+        return {"replica": k, "veteran": veteran, "host": "h", "pid": pid, "record": {"lr": lr, "seed": 0}}
+
+    # at the start (nobody has trained): everyone stops, naming each value
+    line, refused = agreement_verdict(cfg, [entry(0, False), entry(1, False, 0.1)], 2)
+    assert refused == {0, 1} and line == "the replicas were started with different configs; lr: 0.05 on replica 0, " \
+                                        "0.1 on replica 1"
+    # later: the newcomer that differs from the replicas that trained stops, alone
+    line, refused = agreement_verdict(cfg, [entry(0, True), entry(1, False, 0.1), entry(2, True)], 3)
+    assert refused == {1} and line.startswith("replica 1 cannot join the run: ") and "0.1 on replica 1" in line
+    # a second worker given a live replica's id: the newcomer stops; at the start, both
+    line, refused = agreement_verdict(cfg, [entry(0, True, pid=7), entry(0, False, pid=8), entry(1, True)], 2)
+    assert refused == {1} and "REPLICA_GROUP_ID=0 is given to 2 workers (host h pid 7 (training), host h pid 8)" in line
+    _, refused = agreement_verdict(cfg, [entry(0, False, pid=7), entry(0, False, pid=8)], 2)
+    assert refused == {0, 1}

@@ -401,6 +401,10 @@ def _check_identity(path: Path, header: Mapping[str, Any], expect_fingerprint: s
     stored_fp, stored_cfg = header.get("fingerprint"), header.get("config")
     diffs = _config_diff(stored_cfg, expect_config) if expect_config is not None and stored_cfg else []
     mismatch = expect_fingerprint is not None and stored_fp != expect_fingerprint
+    if mismatch and not diffs and expect_config is not None and stored_cfg is not None:
+        # then the keys this run fingerprints and the checkpoint does not (an option set
+        # now and unset then) differ: name them with their values
+        diffs = [f"{k} (absent) != {expect_config[k]!r}" for k in sorted(expect_config) if k not in stored_cfg]
     if mismatch or diffs:
         detail = ", ".join(diffs) if diffs else f"fingerprint {stored_fp} != {expect_fingerprint}"
         raise CheckpointError(f"checkpoint '{path}' was written with a different config: {detail}")

@@ -555,11 +555,26 @@ def _build_synthetic(
 
 
 def _text_options(context: Any, test_fraction: Any, max_test_bytes: Any) -> tuple[int, float, int]:
+    """The text options checked; ``max_test_bytes=None``: not given (its default then)."""
     context = _check_int("context", context, minimum=1)
     if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)) or not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be a number in (0, 1), got {test_fraction!r}")
-    max_test_bytes = _check_int("max_test_bytes", max_test_bytes, minimum=context + 1)
-    return context, float(test_fraction), max_test_bytes
+    if max_test_bytes is None:  # the default cap holds one held-out window only up to a context
+        default = textdata.DEFAULT_MAX_TEST_BYTES
+        if context + 1 > default:
+            raise ValueError(f"context {context} is too long for the held-out text: one window takes context + 1 = "
+                             f"{context + 1} bytes and the held-out text is capped at {default} bytes by default; "
+                             f"give a context of at most {default - 1}, or max_test_bytes >= {context + 1}")
+        return context, float(test_fraction), default
+    return context, float(test_fraction), _max_test_bytes(max_test_bytes, context)
+
+
+def _max_test_bytes(value: Any, context: int) -> int:
+    value = _check_int("max_test_bytes", value, minimum=1)
+    if value < context + 1:
+        raise ValueError(f"max_test_bytes must be >= {context + 1} (context + 1: one held-out window of "
+                         f"context {context}), got {value}")
+    return value
 
 
 def _lm_dataset(name: str, train: bytes, test: bytes, context: int, identity: Mapping[str, Any]) -> Dataset:
@@ -577,10 +592,11 @@ def _build_text(
     seed: int,
     context: int = textdata.DEFAULT_CONTEXT,
     test_fraction: float = textdata.DEFAULT_TEST_FRACTION,
-    max_test_bytes: int = textdata.DEFAULT_MAX_TEST_BYTES,
+    max_test_bytes: int | None = None,
 ) -> Dataset:
     """UTF-8 text as bytes: the user's file or folder, else the default corpus (the
-    standard library's sources); the held-out test set is the corpus's tail."""
+    standard library's sources); the held-out test set is the corpus's tail, at most
+    ``max_test_bytes`` (:data:`gossip.textdata.DEFAULT_MAX_TEST_BYTES` when not given)."""
     context, test_fraction, max_test_bytes = _text_options(context, test_fraction, max_test_bytes)
     if data_dir is None:
         text, extra = textdata.stdlib_corpus()
@@ -621,7 +637,7 @@ def _build_wikitext2(
     test = textdata.read_text(data_dir / "wiki.test.raw", min_bytes=context + 1)
     textdata.read_text(data_dir / "wiki.valid.raw", min_bytes=1)  # complete and UTF-8, as released
     if max_test_bytes is not None:
-        test = test[:_check_int("max_test_bytes", max_test_bytes, minimum=context + 1)]
+        test = test[:_max_test_bytes(max_test_bytes, context)]
     identity = textdata.corpus_identity("wikitext2", train, test)
     return _lm_dataset("wikitext2", train, test, context, identity)
 

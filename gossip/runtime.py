@@ -49,6 +49,19 @@ def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
+def _check_distinct(objs: Sequence[Any], what: str, kind: str) -> None:
+    """Refuse one object passed for several nodes (``[model] * n``): the nodes would share
+    it, each step writing over the others'."""
+    seen: dict[int, int] = {}
+    for r, obj in enumerate(objs):
+        first = seen.setdefault(id(obj), r)
+        if first != r:
+            fix = ("copy.deepcopy the model for every node, or build one per node" if what == "model"
+                   else "build one per node, over that node's model's parameters")
+            raise ValueError(f"{what}s {first} and {r} are one object (the same {kind} passed for two nodes): "
+                             f"each node needs {'an' if what[0] in 'aeiou' else 'a'} {what} of its own; {fix}")
+
+
 def _where(t: torch.Tensor) -> str:
     return f"{str(t.dtype).replace('torch.', '')} on {t.device}"
 
@@ -69,7 +82,17 @@ class FlatParams:
     def __init__(self, models: Sequence[nn.Module]) -> None:
         if not models:
             raise ValueError("FlatParams needs at least one model")
+        _check_distinct(models, "model", "nn.Module")
         named = [trainable_parameters(mdl) for mdl in models]
+        owner: dict[int, tuple[int, str]] = {}  # a tensor shared by two models' parameters
+        for r, nl in enumerate(named):
+            for n, p in nl:
+                first = owner.setdefault(id(p), (r, n))
+                if first[0] != r:
+                    raise ValueError(
+                        f"model {r}'s parameter {n!r} is one tensor with model {first[0]}'s {first[1]!r}: the nodes "
+                        f"share it, and each node needs a copy of its own (copy.deepcopy the model for every node, "
+                        f"or build one per node)")
         plists = [[p for _, p in nl] for nl in named]
         ref = [tuple(p.shape) for p in plists[0]]
         if not ref:
@@ -220,6 +243,8 @@ class GossipOptimizer:
                 f"the communicator hosts {m} node(s): pass {m} model(s) and optimizer(s), "
                 f"got {len(models)} and {len(optimizers)}"
             )
+        _check_distinct(models, "model", "nn.Module")
+        _check_distinct(optimizers, "optimizer", "torch.optim.Optimizer")
         check_momentum(algorithm.name, algorithm.own_momentum, optimizers)
         self.models = models
         self.optimizers = optimizers

@@ -3,14 +3,25 @@
 - A resumed run's byte counts equal an uninterrupted run's: the payload size check is
   charged once per run, not once per process (every family under torchrun:
   tests/test_restarts.py).
+- Refusals name their real cause: the option a resume changed and both its values (not
+  two fingerprints), the context that does not fit the held-out text (not an option
+  never set), one model object passed for every node (not "replaced").
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+
+import pytest
 import torch
+from torch import nn
 
 import topologies
-from gossip import comm
+from gossip import algorithms, checkpoint, comm
+from gossip import train as gossip_train
+from gossip.data import build_dataset
+from gossip.runtime import GossipOptimizer
 
 
 # ----------------------------------------------------------------------- byte counts
@@ -31,3 +42,73 @@ def test_the_size_check_is_charged_once_per_run_across_a_resume():
     _exchange_twice(resumed)
     assert resumed.ledger.as_dict()["ops"] == whole.ledger.as_dict()["ops"]
     assert resumed.ledger.bytes_sent == whole.ledger.bytes_sent == 4 * 2 * (4 * 40 + 16)
+
+
+# ----------------------------------------------------------------------- refusals that name their reason
+def _main(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = gossip_train.main(list(args))
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+    return rc, out.getvalue(), err.getvalue()
+
+
+MULOCO = ["--simulate", "2", "--algo", "muloco", "--data", "synthetic", "--model", "logreg", "--no-progress"]
+
+
+@pytest.mark.parametrize("before, after, said", [
+    ([], ["--muon-precision", "float32"], "muon_precision (absent) != 'float32'"),
+    (["--muon-precision", "bfloat16"], [], "muon_precision 'bfloat16' != (absent)"),
+    (["--muon-precision", "bfloat16"], ["--muon-precision", "float32"], "muon_precision 'bfloat16' != 'float32'"),
+])
+def test_a_resume_with_another_option_names_it_and_both_values(tmp_path, before, after, said):
+    out = tmp_path / "run"
+    rc, _, err = _main(*MULOCO, *before, "--max-steps", "2", "--out", str(out))
+    assert rc == 0, err
+    rc, _, err = _main(*MULOCO, *after, "--max-steps", "4", "--resume", str(out))
+    assert rc == 2
+    line = err.strip()
+    assert len(line.splitlines()) == 1 and line.endswith(f"was written with a different config: {said}"), line
+    assert "fingerprint" not in line
+
+
+def test_load_checkpoint_names_a_key_only_this_run_fingerprints(tmp_path):
+    path = tmp_path / "ckpt-step1-rank0.pt"
+    checkpoint.save_checkpoint(path, {"step": 1}, config={"lr": 0.1}, world_size=1)
+    mine = {"lr": 0.1, "muon_precision": "float32"}
+    with pytest.raises(checkpoint.CheckpointError, match=r"different config: muon_precision \(absent\) != 'float32'$"):
+        checkpoint.load_checkpoint(path, expect_fingerprint=checkpoint.config_fingerprint(mine), expect_config=mine)
+
+
+def test_a_context_too_long_for_the_default_held_out_text_names_the_context(tmp_path):
+    rc, _, err = _main("--simulate", "3", "--data", "text", "--data-opt", "context=10000000", "--no-progress",
+                       "--out", str(tmp_path / "run"))
+    assert rc == 2
+    assert err.strip() == (
+        "gossip.train: error: --data text: context 10000000 is too long for the held-out text: one window takes "
+        "context + 1 = 10000001 bytes and the held-out text is capped at 65536 bytes by default; give a context "
+        "of at most 65535, or max_test_bytes >= 10000001")
+    text = tmp_path / "a.txt"
+    text.write_text("abc " * 50)
+    with pytest.raises(ValueError, match=r"^max_test_bytes must be >= 17 \(context \+ 1: one held-out window of "
+                                         r"context 16\), got 4$"):  # the user's own max_test_bytes: named
+        build_dataset("text", data_dir=text, context=16, max_test_bytes=4)
+    assert build_dataset("text", data_dir=text, context=16).corpus["test_bytes"] == 20  # the default: unchanged
+
+
+def test_one_model_object_for_every_node_is_refused_as_such():
+    c = comm.SimulatedCommunicator(topologies.build("ring", 4))
+    model = nn.Linear(3, 2)
+    opts = [torch.optim.SGD(model.parameters(), lr=0.1) for _ in range(4)]
+    with pytest.raises(ValueError, match=r"^models 0 and 1 are one object \(the same nn.Module passed for two nodes\): "
+                                         r"each node needs a model of its own; copy.deepcopy the model"):
+        GossipOptimizer([model] * 4, opts, algorithms.build("allreduce", c))
+    shared = [nn.Sequential(model) for _ in range(4)]  # four wrappers around one layer
+    with pytest.raises(ValueError, match=r"^model 1's parameter '0.weight' is one tensor with model 0's '0.weight'"):
+        GossipOptimizer(shared, [torch.optim.SGD(m.parameters(), lr=0.1) for m in shared],
+                        algorithms.build("allreduce", c))
+    models = [nn.Linear(3, 2) for _ in range(4)]
+    with pytest.raises(ValueError, match=r"^optimizers 0 and 1 are one object"):
+        GossipOptimizer(models, [torch.optim.SGD(models[0].parameters(), lr=0.1)] * 4, algorithms.build("allreduce", c))

@@ -196,7 +196,15 @@ def _state_hash(path: Path) -> str:
 
 
 def _train(args: list[str]) -> None:
+    import sys
+
     from gossip import train
+
+    # the experiments' own data and model factories (``--data bench_data:NAME``) are
+    # imported by module name, as the benchmark's trials import them
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.append(here)
 
     buf = io.StringIO()
     with redirect_stdout(buf), redirect_stderr(buf):

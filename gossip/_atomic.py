@@ -1,13 +1,16 @@
 """Atomic file writes: a temporary file in the same directory, fsync, then rename.
 
 A crash or an error mid-write leaves the previous file intact and no temporary
-behind; ``os.replace`` is atomic on POSIX and Windows.
+behind; ``os.replace`` is atomic on POSIX and Windows. The file gets the mode any
+file the process creates gets (``0o666`` less the umask: 0644 under umask 022, 0600
+under 077), as the run directory's other files do; ``tempfile.mkstemp`` would make
+every one 0600 whatever the umask.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,8 +32,24 @@ def write_atomically(path: Path, write: Callable[[Any], None]) -> None:
         raise type(e)(e.errno, e.strerror, str(path)) from e
 
 
+_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) \
+    | getattr(os, "O_BINARY", 0)
+
+
+def _create_temp(path: Path) -> tuple[int, str]:
+    """A new file ``.<name>.<random>.tmp`` beside ``path``, created with mode 0o666 so that
+    the umask decides its permissions (as ``open(path, "w")`` does)."""
+    for _ in range(100):
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(tmp, _FLAGS, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no unused temporary name beside {path}")
+
+
 def _write(path: Path, write: Callable[[Any], None]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

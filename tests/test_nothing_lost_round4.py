@@ -6,12 +6,16 @@
 - Refusals name their real cause: the option a resume changed and both its values (not
   two fingerprints), the context that does not fit the held-out text (not an option
   never set), one model object passed for every node (not "replaced").
+- Every file of a run directory follows the umask, checkpoints and JSON files as the
+  metrics files.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
+import stat
 
 import pytest
 import torch
@@ -112,3 +116,19 @@ def test_one_model_object_for_every_node_is_refused_as_such():
     models = [nn.Linear(3, 2) for _ in range(4)]
     with pytest.raises(ValueError, match=r"^optimizers 0 and 1 are one object"):
         GossipOptimizer(models, [torch.optim.SGD(models[0].parameters(), lr=0.1)] * 4, algorithms.build("allreduce", c))
+
+
+# ----------------------------------------------------------------------- file modes
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_every_run_file_follows_the_umask(tmp_path, umask):
+    out = tmp_path / "run"
+    before = os.umask(umask)
+    try:
+        rc, _, err = _main("--simulate", "3", "--data", "synthetic", "--model", "logreg", "--algo", "ecd",
+                           "--no-progress", "--max-steps", "2", "--checkpoint-every", "1", "--out", str(out))
+    finally:
+        os.umask(before)
+    assert rc == 0, err
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert {"config.json", "summary.json", "metrics-rank0.jsonl", "ckpt-step1-rank0.pt", "ckpt-step2-rank0.pt"} <= set(modes)
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)

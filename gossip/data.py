@@ -66,6 +66,7 @@ __all__ = [
     "CLASSIFICATION",
     "LANGUAGE_MODEL",
     "TASKS",
+    "TOKEN_DTYPE",
     "CIFAR10_MEAN",
     "CIFAR10_STD",
     "PARTITION_SCHEMES",
@@ -84,6 +85,7 @@ __all__ = [
     "partition",
     "partition_dataset",
     "stack_next",
+    "token_ids",
 ]
 
 #: Per-channel mean and standard deviation of the CIFAR-10 training images (pixel
@@ -97,6 +99,19 @@ PARTITION_SCHEMES = ("iid", "sorted")
 CLASSIFICATION = "classification"
 LANGUAGE_MODEL = "lm"
 TASKS = (CLASSIFICATION, LANGUAGE_MODEL)
+
+#: the dtype token ids reach a model in, in training, in evaluation and in the check of
+#: a user's model: int64, the index dtype every PyTorch layer takes (``nn.Embedding``
+#: refuses uint8). Data sets keep theirs (byte-level text: uint8, one byte a token).
+TOKEN_DTYPE = torch.int64
+
+
+def token_ids(x: Tensor) -> Tensor:
+    """``x`` as a model receives it: integer ids (uint8, int32, ...) as :data:`TOKEN_DTYPE`;
+    float inputs (and int64 ones) unchanged."""
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype in (TOKEN_DTYPE, torch.bool):
+        return x
+    return x.to(TOKEN_DTYPE)
 
 # Stream numbers for derived generators: one per use, so streams never overlap.
 _STREAM_PARTITION = 1
@@ -875,6 +890,7 @@ class ShardLoader:
         x, y = self.x[rows], self.y[rows.to(self.y.device)]
         if self.device is not None:
             x, y = x.to(self.device), y.to(self.device)
+        x = token_ids(x)  # token ids as a model takes them; moved as they are stored (uint8: 1/8 of the bytes)
         if self.transform is not None:
             x = self.transform(x, self._transform_gen)
         return x, y

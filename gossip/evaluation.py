@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gossip.data import CLASSIFICATION, LANGUAGE_MODEL
+from gossip.data import CLASSIFICATION, LANGUAGE_MODEL, token_ids
 
 __all__ = ["METRICS", "PRIMARY", "evaluate", "evaluate_vectorized", "global_mean", "loss_fn", "lm_loss",
            "classification_loss", "mean_over_nodes", "test_metrics"]
@@ -71,7 +71,7 @@ def _scores(model, x: Tensor, y: Tensor, task: str, device) -> tuple[float, floa
     loss_sum, correct, count = 0.0, 0, 0
     batch = _EVAL_BATCH[task]
     for s in range(0, len(y), batch):
-        xb, yb = x[s:s + batch].to(device), y[s:s + batch].to(device)
+        xb, yb = token_ids(x[s:s + batch].to(device)), y[s:s + batch].to(device)
         logits = model(xb)
         if task == LANGUAGE_MODEL:
             loss_sum += float(lm_loss(logits, yb, reduction="sum"))

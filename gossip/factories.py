@@ -148,12 +148,14 @@ def check_model_output(model, spec: str, input_shape, num_classes: int, device, 
     language-model data set (``task="lm"``, token ids in), or one line saying so."""
     import torch
 
+    from gossip.data import TOKEN_DTYPE
+
     lm = task == "lm"
     training = model.training
     model.eval()  # no batch-norm statistics change: the check leaves x_1 as it was
     with torch.no_grad():
-        try:
-            zeros = torch.zeros(2, *input_shape, device=device, dtype=torch.int64 if lm else torch.float32)
+        try:  # token ids in the dtype training and evaluation give the model (gossip.data.token_ids)
+            zeros = torch.zeros(2, *input_shape, device=device, dtype=TOKEN_DTYPE if lm else torch.float32)
             out = model(zeros)
         except Exception as e:
             first = str(e).splitlines()[0] if str(e) else ""

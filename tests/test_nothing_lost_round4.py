@@ -8,14 +8,19 @@
   never set), one model object passed for every node (not "replaced").
 - Every file of a run directory follows the umask, checkpoints and JSON files as the
   metrics files.
+- A user's ordinary language model (``nn.Embedding``) trains on text: the up-front
+  check and training both give it int64 token ids.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
+import math
 import os
 import stat
+import sys
 
 import pytest
 import torch
@@ -24,8 +29,9 @@ from torch import nn
 import topologies
 from gossip import algorithms, checkpoint, comm
 from gossip import train as gossip_train
-from gossip.data import build_dataset
+from gossip.data import TOKEN_DTYPE, ShardLoader, build_dataset
 from gossip.runtime import GossipOptimizer
+from tests.conftest import run_process
 
 
 # ----------------------------------------------------------------------- byte counts
@@ -132,3 +138,55 @@ def test_every_run_file_follows_the_umask(tmp_path, umask):
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
     assert {"config.json", "summary.json", "metrics-rank0.jsonl", "ckpt-step1-rank0.pt", "ckpt-step2-rank0.pt"} <= set(modes)
     assert modes == dict.fromkeys(modes, 0o666 & ~umask)
+
+
+# ----------------------------------------------------------------------- the user's language model
+USER_LM = '''
+import torch.nn.functional as F
+from torch import nn
+
+
+class TinyLM(nn.Module):
+    """An ordinary next-byte model: an embedding, a one-hot skip, a linear head."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, 16), nn.Linear(16 + vocab, vocab)
+
+    def forward(self, idx):
+        return self.head(torch.cat([self.embed(idx), F.one_hot(idx, self.head.out_features).float()], -1))
+
+
+import torch
+
+
+def lm(input_shape, num_classes):
+    return TinyLM(num_classes)
+'''
+
+
+def test_an_ordinary_embedding_model_of_the_user_trains_on_text(tmp_path):
+    """The up-front check and training give the model token ids of one dtype (int64, which
+    nn.Embedding and F.one_hot take; the corpus stays bytes)."""
+    (tmp_path / "my_lm.py").write_text(USER_LM)
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 200)
+    r = run_process([sys.executable, "-m", "gossip.train", "--simulate", "3", "--data", "text", "--data-dir",
+                     "corpus.txt", "--data-opt", "context=16", "--model", "my_lm:lm", "--batch-size", "4",
+                     "--max-steps", "3", "--no-progress", "--out", "run"], timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["model"] == "my_lm:lm" and math.isfinite(summary["final_test_bpb"])
+
+
+def test_token_ids_reach_the_model_as_int64_and_the_data_set_keeps_its_bytes(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("abcdefgh" * 40)
+    ds = build_dataset("text", data_dir=text, context=8)
+    assert ds.x_train.dtype == torch.uint8  # the corpus as bytes, as before
+    x, y = ShardLoader(ds.x_train, ds.y_train, torch.arange(ds.num_train), 2, seed=0, node=0).next_batch()
+    assert x.dtype == TOKEN_DTYPE == torch.int64 and 0 <= int(x.min()) and int(x.max()) < 256
+    assert y.dtype == torch.uint8
+    floats = torch.randn(6, 3)  # a classification batch is served as it is
+    assert ShardLoader(floats, torch.zeros(6, dtype=torch.int64), torch.arange(6), 2, seed=0, node=0).next_batch()[0].dtype \
+        == torch.float32

@@ -87,6 +87,10 @@ __all__ = [
 ]
 
 HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:  # the repository: gossip.crossover reads every rate of the project
+    sys.path.insert(0, str(HERE.parent))
+from gossip.crossover import tc_rate  # noqa: E402
+
 TC_SHAPE = HERE / "tc_shape.sh"
 DEFAULT_PREFIX = "gsp"
 DEFAULT_SUBNET = "10.213.77.0/24"
@@ -99,9 +103,7 @@ _TORCHRUN_VARS = frozenset({
 })
 
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
-_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
 _TIME_RE = re.compile(r"^(\d+(?:\.\d+)?)(us|ms|s)$")
-_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
@@ -119,26 +121,24 @@ class _Terminated(BaseException):
 
 # ---------------------------------------------------------------------------- values
 def parse_rate(value: str | int | float | None) -> int | None:
-    """``"5mbit"`` -> 5_000_000 bits/s (tc's units: 1 kbit = 1000 bit). None stays None.
-
-    Accepted: a positive number and ``bit``, ``kbit``, ``mbit`` or ``gbit``; or a
-    number of bits per second.
+    """``"5mbit"`` -> 5_000_000 bits/s, ``"5mbps"`` -> 40_000_000: tc's units, read as tc
+    reads them (:func:`gossip.crossover.tc_rate`, the one reader of the project's rates;
+    its ``bps`` units are bytes per second). A number is bits per second; None stays None.
     """
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value >= 8:
-            return int(value)
+        bps = float(value)
     elif isinstance(value, str):
-        m = _RATE_RE.match(value.strip().lower())
-        if m:
-            bps = int(float(m.group(1)) * _RATE_UNITS[m.group(2)])
-            if bps >= 8:
-                return bps
-    raise VClusterError(
-        f"bad rate {value!r}: expected a positive number and a unit bit, kbit, mbit or gbit "
-        "(e.g. 5mbit, 1.4gbit, 200kbit)"
-    )
+        try:
+            bps = tc_rate(value.strip())
+        except ValueError as e:
+            raise VClusterError(f"bad rate {value!r}: {e}") from None
+    else:
+        bps = 0.0
+    if bps >= 8 and bps != float("inf"):
+        return int(round(bps))
+    raise VClusterError(f"bad rate {value!r}: expected at least 8 bit (one byte) per second, e.g. 5mbit or 1.4gbit")
 
 
 def parse_time(value: str | int | float | None, what: str = "delay") -> float | None:

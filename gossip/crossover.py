@@ -49,7 +49,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["Candidate", "Measured", "measure", "step_time", "crossover", "parse_rate", "parse_time", "main"]
+__all__ = ["Candidate", "Measured", "measure", "step_time", "crossover", "parse_rate", "parse_time", "tc_rate",
+           "TC_RATE_UNITS", "main"]
 
 BASELINES = ("allreduce", "dpsgd")
 DEFAULT_BANDWIDTHS = "10mbit,100mbit,1gbit,10gbit"
@@ -64,17 +65,49 @@ class CrossoverError(ValueError):
 
 
 # ------------------------------------------------------------------------------ units
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([kmgt]?)(bit|bps|b)?\s*$", re.I)
+#: the rate units of tc (tc(8), "RATES"), read as tc reads them, whatever the case: the
+#: ``bit`` units are bits per second, the ``bps`` units BYTES per second (10mbps is 80
+#: Mbit/s); the SI prefixes are powers of 1000, the IEC ones (ki, mi, gi, ti) of 1024. A
+#: bare number is bits per second, as in tc. Every rate of the project is read here.
+TC_RATE_UNITS: dict[str, float] = {
+    "": 1.0,
+    **{p + "bit": 1000.0 ** i for i, p in enumerate(("", "k", "m", "g", "t"))},
+    **{p + "bit": 1024.0 ** i for i, p in enumerate(("ki", "mi", "gi", "ti"), 1)},
+    **{p + "bps": 8 * 1000.0 ** i for i, p in enumerate(("", "k", "m", "g", "t"))},
+    **{p + "bps": 8 * 1024.0 ** i for i, p in enumerate(("ki", "mi", "gi", "ti"), 1)},
+}
+RATE_UNITS_TEXT = ("tc's units: bit, kbit, mbit, gbit, tbit (bits per second), bps, kbps, mbps, gbps, tbps (BYTES "
+                   "per second, as tc reads them), the IEC kibit, kibps and alike, or a bare number of bits per second")
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]*)\s*$", re.I)
 _TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*(us|ms|s)?\s*$", re.I)
+#: what ``100M``, ``100MB`` or ``100mb`` may mean: a prefix without saying bits or bytes
+_BITS_OR_BYTES = {p + b for p in ("", "k", "m", "g", "t", "ki", "mi", "gi", "ti") for b in ("", "b")} - {""}
+
+
+def tc_rate(text: str) -> float:
+    """``"100mbit"`` -> 1e8 bits per second, ``"100mbps"`` -> 8e8, in the units of
+    :data:`TC_RATE_UNITS`; ValueError saying what is accepted otherwise. A unit that
+    does not say bits or bytes (``100M``, ``100MB``, ``100mb``) is refused, not guessed."""
+    m = _RATE.match(str(text))
+    if m is None or not math.isfinite(float(m.group(1))) or float(m.group(1)) <= 0:
+        raise ValueError(f"expected a positive rate such as 10mbit or 1gbit, in {RATE_UNITS_TEXT}")
+    num, unit = m.group(1), m.group(2).lower()
+    if unit in _BITS_OR_BYTES:
+        p = unit.rstrip("b")
+        raise ValueError(f"{m.group(2)!r} does not say bits or bytes: write {num}{p}bit for bits or {num}{p}bps "
+                         f"for bytes per second (expected a positive rate in {RATE_UNITS_TEXT})")
+    if unit not in TC_RATE_UNITS:
+        raise ValueError(f"{m.group(2)!r} is not a unit tc reads (expected a positive rate in {RATE_UNITS_TEXT})")
+    return float(num) * TC_RATE_UNITS[unit]
 
 
 def parse_rate(text: str) -> float:
-    """``"100mbit"`` -> 1e8 bits per second (``tc``'s units: kbit, mbit, gbit, tbit;
-    a bare number is bits per second)."""
-    m = _RATE.match(str(text))
-    if not m or float(m.group(1)) <= 0:
-        raise CrossoverError(f"bandwidth {text!r}: expected a positive rate such as 10mbit, 1gbit or 2.5e9")
-    return float(m.group(1)) * 10 ** (3 * "_kmgt".index(m.group(2).lower() or "_"))
+    """``"100mbit"`` -> 1e8 bits per second (:func:`tc_rate`); CrossoverError naming the
+    bandwidth otherwise."""
+    try:
+        return tc_rate(text)
+    except ValueError as e:
+        raise CrossoverError(f"bandwidth {text!r}: {e}") from None
 
 
 def parse_time(text: str) -> float:

@@ -17,9 +17,19 @@ def _m(label, nbytes, codec=0.0, compute=0.0, rounds=None):
 
 
 @pytest.mark.parametrize("text, value", [("10mbit", 1e7), ("1gbit", 1e9), ("2.5e9", 2.5e9), ("100kbit", 1e5),
-                                         ("1Gbit", 1e9), ("1tbit", 1e12)])
+                                         ("1Gbit", 1e9), ("1tbit", 1e12), ("1kibit", 1024), ("2mibit", 2 * 2**20),
+                                         # tc's bps units are BYTES per second: 100mbps is 800 Mbit/s
+                                         ("100mbps", 8e8), ("100MBps", 8e8), ("1kbps", 8e3), ("1bps", 8),
+                                         ("1kibps", 8 * 1024), ("1gibps", 8 * 2**30)])
 def test_rates_in_tc_units(text, value):
     assert cx.parse_rate(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("bad", ["100MB", "100M", "100mb", "100Mb", "1b", "5kib"])
+def test_a_rate_that_does_not_say_bits_or_bytes_is_refused(bad):
+    """``100MB`` was read as 100 Mbit/s, where tc reads 100mbps as megabytes per second."""
+    with pytest.raises(cx.CrossoverError, match="does not say bits or bytes: write .*bit for bits or .*bps for bytes"):
+        cx.parse_rate(bad)
 
 
 @pytest.mark.parametrize("text, value", [("0", 0.0), ("5ms", 5e-3), ("500us", 5e-4), ("0.05s", 0.05)])

@@ -274,7 +274,7 @@ def test_refuses_without_rights(monkeypatch):
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"rate": "5mb"}, r"bad rate '5mb': expected .*bit, kbit, mbit or gbit \(e.g. 5mbit"),
+    ({"rate": "5mb"}, r"bad rate '5mb': 'mb' does not say bits or bytes: write 5mbit for bits or 5mbps for bytes"),
     ({"rate": "0mbit"}, r"bad rate '0mbit'"),
     ({"delay": "20"}, r"bad delay '20': expected .*us, ms or s \(e.g. 20ms"),
     ({"delay": "-1ms"}, r"bad delay '-1ms'"),
@@ -293,6 +293,8 @@ def test_value_parsing():
     assert vcl.parse_rate("5mbit") == 5_000_000
     assert vcl.parse_rate("1.4gbit") == 1_400_000_000
     assert vcl.parse_rate("200KBIT") == 200_000
+    assert vcl.parse_rate("5mbps") == 40_000_000  # tc's bps units are bytes per second (gossip.crossover.tc_rate)
+    assert vcl.parse_rate("1kibit") == 1024
     assert vcl.format_rate(1_400_000_000) == "1400mbit"
     assert vcl.parse_time("0.13ms") == pytest.approx(0.13e-3)
     assert vcl.parse_time("130us") == pytest.approx(0.13e-3)
@@ -303,10 +305,11 @@ def test_cli_bad_rate_is_one_line():
     p = subprocess.run([sys.executable, str(VCLUSTER), "--nodes", "2", "--rate", "5mb", "--", "true"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
-    assert p.stderr.strip().splitlines() == [
-        "vcluster: error: bad rate '5mb': expected a positive number and a unit bit, kbit, mbit or gbit "
-        "(e.g. 5mbit, 1.4gbit, 200kbit)"
-    ]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "vcluster: error: bad rate '5mb': 'mb' does not say bits or bytes: write 5mbit for bits or 5mbps for bytes "
+        "per second (expected a positive rate in tc's units: bit, kbit, mbit, gbit, tbit (bits per second), bps, "
+        "kbps, mbps, gbps, tbps (BYTES per second, as tc reads them)")
 
 
 def test_emulating_command():

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -739,6 +740,13 @@ SECTIONS: dict[str, type] = {
 }
 
 
+@functools.cache
+def _type_hints(section: type) -> dict[str, Any]:
+    """A section's field types, resolved once: ``typing.get_type_hints`` evaluates every
+    annotation again at each call, most of the time of building the parser."""
+    return typing.get_type_hints(section)
+
+
 class _Entry(NamedTuple):
     section: str
     field: dataclasses.Field
@@ -751,7 +759,7 @@ class _Entry(NamedTuple):
     @property
     def kinds(self) -> tuple:
         """The types the field's annotation allows (``int | None`` -> ``(int, NoneType)``)."""
-        return _kinds(typing.get_type_hints(SECTIONS[self.section])[self.field.name])
+        return _kinds(_type_hints(SECTIONS[self.section])[self.field.name])
 
     @property
     def is_table(self) -> bool:

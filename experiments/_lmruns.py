@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from experiments import _provenance  # noqa: E402,F401  (the scripts' provenance, through this module)
+from experiments import _provenance  # noqa: E402  (the scripts' provenance, through this module)
 
 
 def run_train(args: list[str], out: Path) -> dict:
@@ -31,6 +31,7 @@ def run_train(args: list[str], out: Path) -> dict:
     (``_provenance.portable``: relative to the repository, or ``OUT/...`` outside it), and
     the scripts give ``out`` as ``--out``'s folder joined with a run's name."""
     cmd = [sys.executable, "-m", "gossip.train", *args, "--out", str(out), "--overwrite", "--no-progress"]
+    _provenance.record_config(args)  # what `python -m experiments verify` witnesses
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()

@@ -1195,6 +1195,11 @@ def read_benchmark_results(path: Path) -> tuple[dict, dict]:
 
 def _write_results(spec: Spec, out: Path, path: Path, record, sessions: list, counts: dict | None) -> dict:
     trials = collect(spec, out)
+    # what `python -m experiments verify` witnesses: each group's final run of the first seed,
+    # at the selected learning rate (not the tuning trials, nor the other seeds)
+    for rec in trials:
+        if rec.get("stage") == "final" and rec.get("seed") == spec.seeds[0]:
+            _provenance.record_config(rec.get("args", []))
     res = analyse(spec, trials)
     res.update(spec=spec.raw, counts=counts, sessions=sessions, trials=trials)
     _provenance.write(path, res, record)

@@ -321,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.resume:
         _merge(res, earlier, list(selected))
     res["runs"] = {m: per for m, per in res["runs"].items() if per}
+    for per in res["runs"].values():  # every run the file holds (race.run_netns_args records those measured now)
+        for rec in per.values():
+            if rec.get("args") is not None:
+                _provenance.record_config(rec["args"], ranks=a.nodes)
     res["not_run"] = [m for m in selected if m not in res["runs"] and m not in res["unreached"]]
     _provenance.write(a.out / "benchmark_netns.json", res, record_)
     if a.netns_results is not None:

@@ -87,6 +87,13 @@ def _run(vc: VirtualCluster, args: argparse.Namespace, out: Path, churn: bool) -
             "--log-every", "1",
             "--timeout", str(args.timeout), "--device", "cpu", "--fault-tolerance", f"{h0}:{LIGHTHOUSE_PORT}",
             "--min-replicas", str(args.min_replicas), "--out", str(out)]
+    # what `python -m experiments verify` witnesses: the training as its simulation of the
+    # workers, without torchft's flags (the fault-tolerant path itself is not witnessed)
+    import _provenance
+
+    ft, train = ("--fault-tolerance", "--min-replicas"), argv[3:]
+    _provenance.record_config([x for i, x in enumerate(train) if x not in ft and (i == 0 or train[i - 1] not in ft)],
+                              ranks=args.workers)
 
     def start(k: int, tag: str) -> subprocess.Popen:
         host = vc.hosts[k % vc.n]

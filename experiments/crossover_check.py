@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     res = json.loads(pred.stdout)
     with open(args.out / "sweep" / "results.csv", newline="") as fh:
         measured = list(csv.DictReader(fh))
+    import sweep_network
+
+    sweep_network.record_cells(args.out / "sweep", measured)  # the sweep's runs, for `experiments verify`
     rows = compare(measured, res, labels)
     text = table(rows)
     print(text)

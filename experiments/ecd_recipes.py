@@ -90,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         epochs = max(1, round(epochs * a.epochs_scale))
         run_dir = out / name
         print(f"ecd_recipes: {name} ({epochs} epochs) ...", flush=True)
-        rc, err = race._train([*BASE, *flags, "--data", a.data, "--epochs", str(epochs), "--seed", "0",
-                               "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)])
+        args = [*BASE, *flags, "--data", a.data, "--epochs", str(epochs), "--seed", "0",
+                "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
+        _provenance.record_config(args)  # what `python -m experiments verify` witnesses
+        rc, err = race._train(args)
         if rc != 0:
             last = err.strip().splitlines()[-1] if err.strip() else ""
             print(f"ecd_recipes: {name} failed (exit {rc}): {last}", file=sys.stderr)

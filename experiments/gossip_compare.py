@@ -78,6 +78,7 @@ def run_method(name: str, out: Path, nodes: int, common: list[str]) -> Path:
     run_dir = out / name.replace(":", "-")
     args = ["--simulate", str(nodes), *RECIPE, *common, *METHODS[name],
             "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
+    _provenance.record_config(args)  # what `python -m experiments verify` witnesses
     rc, err = _train(args)
     if rc != 0:
         last = err.strip().splitlines()[-1] if err.strip() else ""

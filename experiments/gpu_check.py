@@ -211,11 +211,26 @@ def _train_cmd(out: str, *extra: str) -> list[str]:
             "--out", out, "--overwrite", *extra]
 
 
+#: the gossip.train runs of the sections that train: (flags on top of _train_cmd's, torchrun ranks)
+TRAINED = {"simulate_cuda": [(("--simulate", "4", "--algo", "ecd", "--bits", "8", "--topology", "ring"), None)],
+           "nccl": [(("--algo", "allreduce"), 1)]}
+
+
+def _record_trained(name: str) -> None:
+    """Record a section's training runs in the provenance, without ``--device cuda``: what
+    ``python -m experiments verify`` witnesses on the CPU (not the CUDA or NCCL paths)."""
+    from experiments import _provenance
+
+    for extra, ranks in TRAINED.get(name, []):
+        args = _train_cmd("OUT", *extra)[3:]
+        i = args.index("--device")
+        _provenance.record_config(args[:i] + args[i + 2:], ranks=ranks)
+
+
 def s_simulate_cuda(args: argparse.Namespace) -> dict[str, Any]:
     """gossip.train --simulate 4 --device cuda, ECD at 8 bits, one epoch"""
     with tempfile.TemporaryDirectory() as tmp:
-        res = _run(_train_cmd(f"{tmp}/sim", "--simulate", "4", "--algo", "ecd", "--bits", "8", "--topology", "ring"),
-                   args.section_timeout - 5)
+        res = _run(_train_cmd(f"{tmp}/sim", *TRAINED["simulate_cuda"][0][0]), args.section_timeout - 5)
     res["ran_on_cuda"] = res["exit"] == 0
     return res
 
@@ -270,8 +285,8 @@ def s_nccl(args: argparse.Namespace) -> dict[str, Any]:
         if Path(f"{tmp}/w.json").exists():
             r["result"] = json.loads(Path(f"{tmp}/w.json").read_text())
         res["communicator_collectives"] = r
-        res["train_allreduce"] = _run([*torchrun, "-m", "gossip.train", *_train_cmd(f"{tmp}/tr", "--algo",
-                                                                                      "allreduce")[3:]], per)
+        res["train_allreduce"] = _run([*torchrun, "-m", "gossip.train",
+                                       *_train_cmd(f"{tmp}/tr", *TRAINED["nccl"][0][0])[3:]], per)
         for algo, opt in (("efsgd", "compressor=quant:bits=8"), ("powersgd", "rank=2")):
             res[f"ddp_hook_{algo}"] = _run([*torchrun, "examples/ddp_hook.py", "--algo", algo, "--opt", opt], per)
     return res
@@ -427,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:
             sections[name] = {"status": "failed", "error": traceback.format_exc()[-2000:]}
         tmp.unlink(missing_ok=True)
+        if sections[name]["status"] == "ran":
+            _record_trained(name)
         sections[name]["seconds"] = round(time.perf_counter() - t, 1)
         print(f"[{name}] {sections[name]['status']} in {sections[name]['seconds']} s"
               + (f": {sections[name]['error']}" if sections[name].get("error") else ""), flush=True)

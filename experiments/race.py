@@ -156,6 +156,7 @@ def run_method(name: str, out: Path, nodes: int, common: list[str]) -> Path:
     run_dir = out / name.replace(":", "-")
     args = ["--simulate", str(nodes), *RECIPE, *common, *METHODS[name], *METHOD_RECIPE.get(name, []),
             "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
+    _provenance.record_config(args)  # what `python -m experiments verify` witnesses
     rc, err = _train(args)
     if rc != 0:
         raise SystemExit(f"race: {name} failed (exit {rc}): {err.strip().splitlines()[-1] if err.strip() else ''}")
@@ -330,6 +331,7 @@ def run_netns_args(vc, args: list[str], run_dir: Path, bandwidth: float, target:
     ``to_end``; its record (:func:`netns_record`). ``pythonpath``: folders the ranks
     import from besides the repository (a data factory's module)."""
     cmd = ["-m", "gossip.train", *args, "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
+    _provenance.record_config(args, ranks=len(vc.hosts))  # witnessed as its simulation
     metrics = rundir.metrics_path(run_dir, 0)
     # an earlier run's files in run_dir would be read as this run's: its evaluations by the
     # monitor (which would stop this run at once, "at the target"), its curve by the record

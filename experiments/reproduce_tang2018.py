@@ -916,6 +916,8 @@ def main(argv: list[str] | None = None) -> int:
         for st, spec in work:
             print(shlex.join(command(spec, st, out / "runs" / st.data / spec.name)))
         return 0
+    for st, spec in work:  # what `python -m experiments verify` witnesses
+        _provenance.record_config(command(spec, st, out / "runs" / st.data / spec.name)[3:])
     out.mkdir(parents=True, exist_ok=True)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "-"
     skipped = 0

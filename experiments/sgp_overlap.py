@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                            "--topology", "onepeer-exp", "--data", "sgp_overlap:make", "--model", "cnn1d",
                            "--batch-size", str(args.batch_size), "--epochs", "1", "--max-steps", str(args.steps),
                            "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
+                    _provenance.record_config(cmd[3:], ranks=args.nodes)  # witnessed as its simulation
                     res = vc.run(cmd, env=env, timeout=900, outdir=out / f"cluster-{tag}")
                     if not res.ok:
                         print(f"{rate}, overlap={overlap}, repeat {rep}: failed, see {res.outdir}", file=sys.stderr)

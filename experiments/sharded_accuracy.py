@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 flags += ["--max-steps", str(a.max_steps)]
             if a.data is not None:
                 flags += ["--data", a.data]
+            _provenance.record_config(flags)  # what `python -m experiments verify` witnesses
             todo.append((name, exchange, flags, str(run_dir)))
 
     rows: list[dict] = []

@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                        "--algo-opt", f"fragment_sync_delay={tau}", "--max-steps", str(a.steps),
                        "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
                 load = round(os.getloadavg()[0], 2)
+                _provenance.record_config(cmd[2:], ranks=a.nodes)  # witnessed as its simulation
                 res = vc.run_torchrun(cmd, 1, env=env, timeout=600, outdir=out / "cluster" / run_dir.name,
                                       cwd=str(REPO), run_id=f"sovl-{tau}-{rep}")
                 if not res.ok:

@@ -493,6 +493,19 @@ def _train_cmd(args: argparse.Namespace, cell: Cell, run_dir: Path, epochs: int,
     return [args.python, "-m", "gossip.train", *flags]
 
 
+def record_cells(out: Path, rows: list[dict]) -> None:
+    """Record each cell's ``gossip.train`` arguments (its ``command.txt`` under ``out``) in
+    the provenance (:func:`_provenance.record_config`), its ranks as ``--simulate N``:
+    what ``python -m experiments verify`` witnesses. Cells that differ only by the link's
+    rate (shaped outside gossip.train) are one configuration."""
+    for row in rows:
+        path = Path(out) / "cells" / str(row["cell"]) / "command.txt"
+        if path.is_file():
+            cmd = shlex.split(path.read_text())
+            i = cmd.index("gossip.train")
+            _provenance.record_config(cmd[i + 1:], ranks=int(row["nodes"]))
+
+
 # ---------------------------------------------------------------------------- outputs
 def _row_key(row: dict) -> tuple:
     return (row["algo"], row["bits"], row["nodes"], row["bandwidth_mbit"], row["latency_ms"])
@@ -837,6 +850,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_sweep(args, out, log, code=_code(prov))
         if args.dry_run:
             return 0
+        record_cells(out, rows)
         meta = {"command": prov.command, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "cpus": os.cpu_count(), "warmup": args.warmup, "steps": args.steps, "algos": args.algos,
                 "provenance": prov.finish()}

@@ -28,6 +28,10 @@ that every node count samples the same corpus.
 
 Every call records what it served in :data:`SERVED` (the role and a digest of the
 evaluation split), which the driver stores beside each trial and its test checks.
+
+Importing this module loads neither torch nor the training code (each function loads
+what it needs), so that the benchmark checks a spec's data sizes in a fraction of a
+second (:func:`train_size`).
 """
 
 from __future__ import annotations
@@ -36,15 +40,15 @@ import functools
 import hashlib
 import random
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from gossip import data as gdata
-from gossip import textdata
+    from gossip import data as gdata
 
-__all__ = ["VALIDATION_FRACTION", "TEXT_EVAL_BYTES", "TEXT_BASES", "SERVED", "digest", "build", "dataset_name"]
+__all__ = ["VALIDATION_FRACTION", "TEXT_EVAL_BYTES", "TEXT_BASES", "BASES", "SERVED", "digest", "build",
+           "dataset_name", "carve_size", "train_size"]
 
 #: share of the training set held out for tuning, and the seed of that carve (fixed, so
 #: every method is tuned on the same validation samples)
@@ -68,6 +72,8 @@ def dataset_name(base: str, num_train: int, role: str, context: int | None = Non
 
 def digest(x: torch.Tensor, y: torch.Tensor) -> str:
     """A content digest of one split (its inputs and labels)."""
+    import numpy as np
+
     h = hashlib.sha256()
     h.update(np.ascontiguousarray(x.numpy()).tobytes())
     h.update(np.ascontiguousarray(y.numpy()).tobytes())
@@ -75,6 +81,11 @@ def digest(x: torch.Tensor, y: torch.Tensor) -> str:
 
 
 def _mnist1d(num_train: int) -> gdata.Dataset:
+    import numpy as np
+    import torch
+
+    from gossip import data as gdata
+
     if num_train == 4000:  # the embedded default, through its cache
         return gdata.build_dataset("mnist1d", seed=0)
     cache = gdata.default_cache_dir() / f"bench-mnist1d-n{num_train}.npz"
@@ -105,6 +116,10 @@ def _mnist1d(num_train: int) -> gdata.Dataset:
 
 
 def _synthetic(num_train: int) -> gdata.Dataset:
+    import torch
+
+    from gossip import data as gdata
+
     g = torch.Generator().manual_seed(7)
     centres = 2.0 * torch.randn(4, 8, generator=g)
 
@@ -124,6 +139,8 @@ _BASES = {"mnist1d": _mnist1d, "synthetic": _synthetic}
 def _corpus(base: str) -> tuple[bytes, dict[str, Any]]:
     """The whole text of a text base and what it is (read once per process: the default
     corpus is some 30 MB in about 1,800 files)."""
+    from gossip import textdata
+
     if base == "text":
         return textdata.stdlib_corpus()
     # synthtext: sentences drawn from a small vocabulary by a fixed generator, enough
@@ -136,6 +153,8 @@ def _corpus(base: str) -> tuple[bytes, dict[str, Any]]:
 
 def _spread(x: torch.Tensor, y: torch.Tensor, k: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``k`` of the windows ``(x, y)``, evenly spaced (copied out of the corpus's views)."""
+    import torch
+
     if k > x.shape[0]:
         raise ValueError(f"bench_data: {where} holds {x.shape[0]} windows; {k} were asked for "
                          f"(lower samples_per_node or the context)")
@@ -144,6 +163,9 @@ def _spread(x: torch.Tensor, y: torch.Tensor, k: int, where: str) -> tuple[torch
 
 
 def _text(base: str, num_train: int, context: int, role: str) -> gdata.Dataset:
+    from gossip import data as gdata
+    from gossip import textdata
+
     text, info = _corpus(base)
     head, tail = textdata.split_tail(text, test_fraction=1.0, max_test_bytes=TEXT_EVAL_BYTES, context=context,
                                      where=f"the {base} corpus")
@@ -159,19 +181,35 @@ def _text(base: str, num_train: int, context: int, role: str) -> gdata.Dataset:
 
 #: the bases whose task is next-token language modelling (their names carry a context)
 TEXT_BASES = ("text", "synthtext")
+#: every base, classification first
+BASES = (*_BASES, *TEXT_BASES)
+
+
+def carve_size(num_train: int) -> int:
+    """Samples of the validation carve of a classification training set of ``num_train``."""
+    return max(1, int(round(VALIDATION_FRACTION * num_train)))
+
+
+def train_size(base: str, num_train: int, role: str) -> int:
+    """Training samples (text: windows) of the data set ``<base>_n<num_train>_<role>``:
+    a classifier's tuning set is less the validation carve; a text one keeps its
+    ``num_train`` windows (its carve is a block of text)."""
+    return num_train - carve_size(num_train) if role == "val" and base not in TEXT_BASES else num_train
 
 
 def carve(num_train: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices (kept, validation) of the tuning carve of a training set of ``num_train``."""
+    import torch
+
     perm = torch.randperm(num_train, generator=torch.Generator().manual_seed(_CARVE_SEED))
-    nval = max(1, int(round(VALIDATION_FRACTION * num_train)))
+    nval = carve_size(num_train)
     return perm[nval:].sort().values, perm[:nval].sort().values
 
 
 def build(base: str, num_train: int, role: str, context: int | None = None) -> gdata.Dataset:
     """The data set ``<base>_n<num_train>[_c<context>]_<role>`` (see the module's docstring)."""
-    if base not in _BASES and base not in TEXT_BASES:
-        raise ValueError(f"bench_data: unknown base data set {base!r}; known: {', '.join([*_BASES, *TEXT_BASES])}")
+    if base not in BASES:
+        raise ValueError(f"bench_data: unknown base data set {base!r}; known: {', '.join(BASES)}")
     if role not in ("val", "test"):
         raise ValueError(f"bench_data: role must be 'val' or 'test', got {role!r}")
     if (base in TEXT_BASES) != (context is not None):
@@ -188,6 +226,8 @@ def build(base: str, num_train: int, role: str, context: int | None = None) -> g
     if role == "test":
         ds = full
     else:
+        from gossip import data as gdata
+
         keep, val = carve(num_train)
         ds = gdata.Dataset(name=f"{full.name}-val", x_train=full.x_train[keep], y_train=full.y_train[keep],
                            x_test=full.x_train[val], y_test=full.y_train[val], num_classes=full.num_classes,

@@ -12,7 +12,9 @@ stopped, and widening the spec (another seed, another method) runs only what is 
 ``--resume RESULTS`` takes the trials of an earlier session's results file as finished,
 so a session on another machine continues from that file alone; ``--workloads``,
 ``--nodes`` and ``--methods`` run a part of the spec under the same protocol;
-``--stop-after`` and SIGTERM stop it with what finished kept.
+``--stop-after`` and SIGTERM stop it with what finished kept. The spec is checked whole
+before the first trial (``experiments/bench_spec.py``): a bad field is one line naming the
+file and the field, exit 2, nothing run.
 
 The protocol, fixed before any result is read (docs/benchmark.md states it too):
 
@@ -62,7 +64,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -72,157 +74,17 @@ for p in (str(REPO), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
 import _provenance  # noqa: E402
 import bench_data  # noqa: E402
-import race  # noqa: E402
+from bench_spec import METRICS, Method, Spec, SpecError, Workload, check_trials, load_spec  # noqa: E402
 from gossip import crossover, leaderboard, rundir  # noqa: E402
 
 __all__ = ["Spec", "Workload", "Method", "SOURCES", "METRICS", "load_spec", "plan", "run", "collect", "analyse",
            "report", "estimate", "main"]
 
 _TRIAL = "trial.json"
-
-
-class SpecError(ValueError):
-    """A benchmark spec that cannot be run; one line naming the key."""
-
-
-#: the metrics a workload may be judged on, per task, and whether higher is better
-METRICS = {"classification": {"test_acc": True, "test_loss": False},
-           "lm": {"test_bpb": False, "test_loss": False}}
-_DATA = ("mnist1d", "synthetic", *bench_data.TEXT_BASES)
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    data: str  # base of bench_data: mnist1d, synthetic, text or synthtext
-    model: str
-    samples_per_node: int  # training samples (text: windows of context + 1 bytes) per node
-    epochs: int
-    tune_epochs: int
-    batch_size: int
-    target: float
-    metric: str = "test_acc"
-    recipe: tuple[str, ...] = ()
-    nodes: tuple[int, ...] = (4,)
-    context: int | None = None  # text bases only: bytes of context per window
-
-    @property
-    def task(self) -> str:
-        return "lm" if self.data in bench_data.TEXT_BASES else "classification"
-
-    @property
-    def higher_is_better(self) -> bool:
-        return METRICS[self.task][self.metric]
-
-
-@dataclass(frozen=True)
-class Method:
-    name: str
-    flags: tuple[str, ...]
-    lr: float
-    #: node counts this method is run at (default: every node count of the workload);
-    #: methods whose per-node bytes grow with n leave out 64
-    max_nodes: int | None = None
-    source: str = ""
-
-
-@dataclass(frozen=True)
-class Spec:
-    workloads: tuple[Workload, ...]
-    methods: tuple[Method, ...]
-    seeds: tuple[int, ...] = (0, 1, 2)
-    tune_seed: int = 0
-    lr_factors: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
-    bandwidths: tuple[str, ...] = ("10mbit", "100mbit", "1gbit")
-    latencies: tuple[str, ...] = ("0", "10ms", "50ms")
-    source: str = ""
-    #: where every trial computes: the same for every method and session (``cpu``)
-    device: str = "cpu"
-    raw: dict = field(default_factory=dict, compare=False)
-
-
-def _need(table: dict, key: str, where: str, kind: type | tuple[type, ...]) -> Any:
-    if key not in table:
-        raise SpecError(f"{where}: missing key {key!r}")
-    v = table[key]
-    if not isinstance(v, kind) or isinstance(v, bool):
-        raise SpecError(f"{where}.{key} = {v!r}: expected {getattr(kind, '__name__', kind)}")
-    return v
-
-
-def load_spec(path: str | Path) -> Spec:
-    """Read and validate a TOML spec (see ``experiments/benchmark.toml``)."""
-    path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise SpecError(f"--spec {path}: cannot read it ({e.strerror or e})") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise SpecError(f"--spec {path}: not valid TOML ({e})") from None
-    wls = []
-    for name, t in (raw.get("workloads") or {}).items():
-        where = f"workloads.{name}"
-        nodes = tuple(_need(t, "nodes", where, list))
-        if not nodes or not all(isinstance(n, int) and n >= 1 for n in nodes):
-            raise SpecError(f"{where}.nodes = {nodes!r}: expected a list of positive integers")
-        data = t.get("data", "mnist1d")
-        if data not in _DATA:
-            raise SpecError(f"{where}.data = {data!r}: expected one of {', '.join(map(repr, _DATA))}")
-        text = data in bench_data.TEXT_BASES
-        context = t.get("context")
-        if text and (not isinstance(context, int) or isinstance(context, bool) or context < 1):
-            raise SpecError(f"{where}.context = {context!r}: a text workload needs a positive integer context")
-        if not text and context is not None:
-            raise SpecError(f"{where}.context = {context!r}: only the text data {', '.join(bench_data.TEXT_BASES)} "
-                            f"take a context")
-        task = "lm" if text else "classification"
-        metric = t.get("metric", "test_bpb" if text else "test_acc")
-        if metric not in METRICS[task]:
-            raise SpecError(f"{where}.metric = {metric!r}: a {task} workload is judged on one of "
-                            f"{', '.join(METRICS[task])}")
-        wl = Workload(name=name, data=data, model=_need(t, "model", where, str),
-                      samples_per_node=_need(t, "samples_per_node", where, int), epochs=_need(t, "epochs", where, int),
-                      tune_epochs=_need(t, "tune_epochs", where, int), batch_size=int(t.get("batch_size", 32)),
-                      target=float(_need(t, "target", where, (int, float))), metric=metric,
-                      recipe=tuple(str(x) for x in t.get("recipe", ())), nodes=nodes, context=context)
-        if not 1 <= wl.tune_epochs <= wl.epochs:
-            raise SpecError(f"{where}: tune_epochs = {wl.tune_epochs} must lie in [1, epochs = {wl.epochs}]")
-        if wl.samples_per_node < 1 or wl.batch_size < 1:
-            raise SpecError(f"{where}: samples_per_node and batch_size must be positive")
-        wls.append(wl)
-    if not wls:
-        raise SpecError(f"--spec {path}: no [workloads.NAME] table")
-    methods = []
-    for name, t in (raw.get("methods") or {}).items():
-        where = f"methods.{name}"
-        lr = float(_need(t, "lr", where, (int, float)))
-        if not lr > 0:
-            raise SpecError(f"{where}.lr = {lr}: must be positive")
-        methods.append(Method(name=name, flags=tuple(str(x) for x in _need(t, "flags", where, list)), lr=lr,
-                              max_nodes=t.get("max_nodes"), source=str(t.get("source", ""))))
-    if not methods:
-        raise SpecError(f"--spec {path}: no [methods.NAME] table")
-    seeds = tuple(raw.get("seeds", (0, 1, 2)))
-    factors = tuple(float(f) for f in raw.get("lr_factors", (0.25, 0.5, 1.0, 2.0, 4.0)))
-    if not seeds or not factors or any(f <= 0 for f in factors):
-        raise SpecError(f"--spec {path}: seeds and lr_factors must be non-empty (lr_factors positive)")
-    links = raw.get("links", {})
-    for label in links.get("bandwidth", ()):
-        crossover.parse_rate(label)
-    device = raw.get("device", "cpu")
-    if device not in ("cpu", "cuda"):
-        raise SpecError(f"--spec {path}: device = {device!r}: expected 'cpu' or 'cuda'")
-    return Spec(workloads=tuple(wls), methods=tuple(methods), seeds=seeds, tune_seed=int(raw.get("tune_seed", 0)),
-                lr_factors=factors, bandwidths=tuple(links.get("bandwidth", Spec.bandwidths)),
-                latencies=tuple(str(x) for x in links.get("latency", Spec.latencies)), source=str(path),
-                device=device, raw=raw)
+# ``race`` (the modelled time, the training runs) imports torch and the training code, seconds
+# of imports: the functions that use it import it, so that a spec is checked and refused first
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -275,6 +137,16 @@ def plan(spec: Spec, *, workloads: Sequence[str] | None = None, nodes: Sequence[
     return trials
 
 
+def _check_trials(spec: Spec, out: Path) -> None:
+    """Every method's trial arguments (a tuning trial's and a final one's) parsed by
+    gossip.train before the first trial (:func:`bench_spec.check_trials`)."""
+    def argvs(wl: Workload, n: int, m: Method):
+        for t in (Trial(wl, n, m, "tune", m.lr, spec.tune_seed), Trial(wl, n, m, "final", None, spec.seeds[0])):
+            yield _train_args(t, m.lr, t.run_dir(out), spec.device)
+
+    check_trials(spec, argvs)
+
+
 def _train_args(t: Trial, lr: float, run_dir: Path, device: str = "cpu") -> list[str]:
     wl = t.workload
     role = "val" if t.stage == "tune" else "test"
@@ -318,6 +190,8 @@ def _r(x: float | None, digits: int = 5) -> float | None:
 def _result(run_dir: Path, metric: str) -> dict:
     """A finished run's figures, compact: what the analysis and the report need, so
     that the results file stands without the run directories."""
+    import race
+
     c = race.curve(run_dir)
     summary = rundir.read_json(rundir.summary_path(run_dir))
     evals = {r["step"]: r for r in rundir.read_metrics(rundir.metrics_path(run_dir, 0)) if r["kind"] == "eval"}
@@ -356,6 +230,8 @@ def _finished(run_dir: Path, metric: str, args: Sequence[str] | None = None) -> 
 
 
 def _run_trial(t: Trial, lr: float, out: Path, device: str = "cpu") -> dict:
+    import race
+
     run_dir = t.run_dir(out)
     args = _train_args(t, lr, run_dir, device)
     served = len(bench_data.SERVED)
@@ -609,6 +485,8 @@ def _reached(value: float | None, target: float, higher: bool) -> bool:
 
 
 def _to_target(result: dict, wl: Workload, bw: float, lat: float) -> tuple[float | None, float | None]:
+    import race
+
     for p in _points(result):
         if _reached(p["metric"], wl.target, wl.higher_is_better):
             return race.modelled_time(p, result["calls_per_step"], result["world_size"], bw, lat), p["bytes"]
@@ -796,6 +674,8 @@ def verdict_table(res: dict) -> str:
 
 
 def method_tables(res: dict) -> str:
+    import race
+
     parts = []
     for wname, w in res["workloads"].items():
         for n, nd in w["nodes"].items():
@@ -816,12 +696,13 @@ def method_tables(res: dict) -> str:
                                                  f"{fmtm(fin['mean'])} [{fmtm(fin['lo'])}, {fmtm(fin['hi'])}]")
                 if r.get("seeds_failed"):
                     final += f" ({len(r['seeds_failed'])} seeds failed)"
-                first = r["links"][keys[0]]
+                first = r["links"][keys[0]] if keys else None  # the bytes to target are the same at every link
                 b = r["budget"]
                 if b["final"]["runs"] == 0:  # selected, final runs still to come: nothing is "not reached" yet
                     byts, times = "final runs not run yet", ["-"] * len(keys)
                 else:
-                    byts = "not reached" if first["bytes"] is None else race._fmt_bytes(first["bytes"]["mean"])
+                    byts = ("- (no link)" if first is None else "not reached" if first["bytes"] is None
+                            else race._fmt_bytes(first["bytes"]["mean"]))
                     times = [_fmt_ci(r["links"][k]["time_s"]) + ("" if r["links"][k]["all_reached"]
                                                                    else f" ({r['links'][k]['reached']} seeds)")
                              for k in keys]
@@ -850,6 +731,8 @@ def _first_curve(res: dict, r: dict) -> tuple[list[dict], dict] | None:
 def plots(res: dict, out: Path, prefix: str) -> list[Path]:
     """Per workload and node count: metric against bytes, and against modelled time per
     bandwidth (at the first latency); the first seed's curve of each method."""
+    import race
+
     try:
         import matplotlib
 
@@ -859,7 +742,7 @@ def plots(res: dict, out: Path, prefix: str) -> list[Path]:
         return []
     made = []
     bws = sorted({k.split("@")[0] for k in res["links"]}, key=crossover.parse_rate)
-    lat0 = res["links"][0].split("@")[1]
+    lat0 = res["links"][0].split("@")[1] if res["links"] else "0"  # no link: the bytes panel alone
     for wname, w in res["workloads"].items():
         for n, nd in w["nodes"].items():
             fig, axes = plt.subplots(1, 1 + len(bws), figsize=(4.5 * (1 + len(bws)), 3.6), squeeze=False)
@@ -1023,6 +906,8 @@ def report(res: dict, md: Path, fig_dir: Path, title: str | None = None, extra: 
         "",
         "## Verdict",
         "",
+        *([] if res["links"] else ["No link to model: the spec's links list no bandwidth or no latency, so no "
+                                   "time to target is modelled and no method is ranked.", ""]),
         verdict_table(res),
         "",
         "## Per method",
@@ -1081,6 +966,15 @@ python experiments/benchmark.py report --results runs/bench/benchmark.json --md 
 make results-tables                                   # the README's verdict table, from the results file
 ```
 
+- **Checked before anything runs.** `run` and `plan` read every field of the spec first: its
+  type and range, the methods' `--algo` and the workloads' models (gossip.train's), a batch that
+  each node's share of the data fills, rates in tc's units read as tc reads them (`100mbps` is
+  megabytes per second; `100M` and `100MB` are refused), and latencies with a unit. A method's
+  `flags` may not set what the workload gives every method alike (`--epochs`, `--max-steps`,
+  `--batch-size`, `--simulate`, the data and the model) nor what the protocol sets (`--lr`,
+  `--seed`, `--device`, `--out`, `--config`). Then every trial's arguments are parsed by
+  gossip.train itself. A bad field is one line naming the file and the field, e.g.
+  `spec.toml: methods.signum.flags: --epochs sets the workload's budget ...`; exit 2, nothing run.
 - **Resumable.** A trial whose run directory holds its record (`trial.json`, with the trial's
   figures) is never redone; an interrupted `run` goes on where it stopped, and widening the spec
   (a seed, a method) runs only what is new. A record counts only if it ran the arguments the
@@ -1256,6 +1150,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "plan":
             spec = load_spec(a.spec)
             trials = plan(spec, **_filters(a, spec))
+            _check_trials(spec, Path("OUT"))
             if a.estimate:
                 res, _ = _read_results(Path(a.estimate))
                 est = estimate(spec, res.get("trials", []), trials)
@@ -1271,9 +1166,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{len(trials)} trials")
             return 0
         if a.cmd == "run":
-            spec = load_spec(a.spec)
+            spec = load_spec(a.spec)  # every field checked, in a fraction of a second
             filters = _filters(a, spec)
             out = Path(a.out)
+            _check_trials(spec, out)  # every trial's arguments, as gossip.train reads them, before any runs
             path = Path(a.results) if a.results else out / "benchmark.json"
             record = _provenance.start(SOURCES, argv=["experiments/benchmark.py", *argv])
             sessions = _import_records([Path(x) for x in a.resume], out)

@@ -32,7 +32,8 @@ from torch import nn
 
 from gossip.algorithms.base import ParamLayout
 
-__all__ = ["FlatParams", "GossipOptimizer", "ModelMoved", "MomentumConflict", "check_momentum", "trainable_parameters"]
+__all__ = ["FlatParams", "GossipOptimizer", "ModelMoved", "MomentumConflict", "check_momentum", "sync_start",
+           "trainable_parameters"]
 
 
 class MomentumConflict(ValueError):
@@ -201,6 +202,60 @@ def check_momentum(name: str, momentum: float, optimizers: Sequence[torch.optim.
                 )
 
 
+def _other_state(model: nn.Module) -> list[torch.Tensor]:
+    """A model's state outside the flat buffer: its frozen parameters and its buffers."""
+    return [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@torch.no_grad()
+def sync_start(models: Sequence[nn.Module], X: torch.Tensor, comm: Any) -> bool:
+    """Make every node's weights node 0's, as DDP does at construction: ``X`` (the hosted
+    nodes' flat trainable parameters, one row each) and each model's frozen parameters
+    and buffers. The nodes are compared bit for bit first (a 16-byte digest per node,
+    gathered outside the ledger; rows compared directly where one process hosts every
+    node); only where any differs is node 0's state broadcast (setup traffic). Returns
+    whether it was."""
+    n, m = int(comm.world_size), len(models)
+    if n <= 1:
+        return False
+    others = [_other_state(mdl) for mdl in models]
+    if m == n:  # every node here: compare the rows themselves
+        ref = [_bytes(t) for t in [X[0], *others[0]]]
+        same = all(torch.equal(_bytes(a), b) for r in range(1, m) for a, b in zip([X[r], *others[r]], ref))
+    else:
+        import hashlib
+
+        import numpy as np
+
+        digests = []
+        for r in range(m):
+            h = hashlib.blake2b(digest_size=16)
+            for t in [X[r], *others[r]]:
+                h.update(_bytes(t).cpu().numpy().tobytes())
+            digests.append(np.frombuffer(h.digest(), dtype=np.int64))
+        mine = torch.as_tensor(np.stack(digests), device=X.device)
+        everyone = comm.all_gather(mine, record=False)
+        same = bool((everyone == everyone[:1]).all())
+    if same:
+        return False
+    with comm.ledger.setup():  # a one-off before the first step, as the x_1 exchanges
+        X.copy_(comm.broadcast(X, 0))
+        if others[0]:
+            rows = torch.stack([torch.cat([_bytes(t).to(X.device) for t in st]) for st in others])
+            got = comm.broadcast(rows, 0)
+            for r, st in enumerate(others):
+                offset = 0
+                for t in st:
+                    k = t.numel() * t.element_size()
+                    t.copy_(got[r, offset:offset + k].clone().view(t.dtype).reshape(t.shape))
+                    offset += k
+    return True
+
+
 def params_of(data: torch.Tensor, copy: bool) -> torch.Tensor:
     """The parameter matrix for a state dict: a copy, or (``copy=False``) the matrix
     itself where it owns its storage exactly (a view would save its whole storage)."""
@@ -225,6 +280,15 @@ class GossipOptimizer:
     calls ``set_lr`` with the local optimizer's first param group's ``lr`` (so a
     scheduler reaches algorithms that rescale their memories), the local and the
     algorithm's step, then ``on_step_end(steps)``.
+
+    The nodes start equal, as DDP's replicas do (``init_sync=True``): construction
+    compares every node's parameters (frozen ones included) and buffers, bit for bit
+    (one 16-byte digest per node, gathered outside the ledger), and where any node's
+    differ from node 0's, node 0's are broadcast to every node before the algorithm's
+    ``setup`` (setup traffic in the ledger); :attr:`init_broadcast` says whether that
+    happened. Nodes built alike (the same seed) exchange nothing but the digests.
+    ``init_sync=False`` keeps each node's own weights, for a study that starts the
+    nodes apart on purpose.
     """
 
     def __init__(
@@ -232,6 +296,8 @@ class GossipOptimizer:
         models: nn.Module | Sequence[nn.Module],
         optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         algorithm: Any,
+        *,
+        init_sync: bool = True,
     ) -> None:
         models = [models] if isinstance(models, nn.Module) else list(models)
         optimizers = (
@@ -254,6 +320,8 @@ class GossipOptimizer:
         self._xt: torch.Tensor | None = None  # step scratch: x_t and u_t (see step)
         self._u: torch.Tensor | None = None
         self.layout: ParamLayout = self.flat.layout
+        #: whether construction broadcast node 0's weights because the nodes differed
+        self.init_broadcast = sync_start(models, self.flat.data, algorithm.comm) if init_sync else False
         with algorithm.comm.ledger.setup():  # x_1 exchanges are one-off, not step traffic
             algorithm.setup(self.flat.data, self.layout)
         algorithm.attach(models)  # schedulers that work during backward (MergeComp)

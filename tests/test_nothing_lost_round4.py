@@ -10,6 +10,8 @@
   metrics files.
 - A user's ordinary language model (``nn.Embedding``) trains on text: the up-front
   check and training both give it int64 token ids.
+- The library starts every node from node 0's weights where they differ, as DDP does
+  (in the simulation and under a real gloo world), and sends nothing where they do not.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import topologies
@@ -31,6 +34,7 @@ from gossip import algorithms, checkpoint, comm
 from gossip import train as gossip_train
 from gossip.data import TOKEN_DTYPE, ShardLoader, build_dataset
 from gossip.runtime import GossipOptimizer
+from tests._dist import run_world
 from tests.conftest import run_process
 
 
@@ -190,3 +194,95 @@ def test_token_ids_reach_the_model_as_int64_and_the_data_set_keeps_its_bytes(tmp
     floats = torch.randn(6, 3)  # a classification batch is served as it is
     assert ShardLoader(floats, torch.zeros(6, dtype=torch.int64), torch.arange(6), 2, seed=0, node=0).next_batch()[0].dtype \
         == torch.float32
+
+
+# ----------------------------------------------------------------------- nodes start equal
+class _Net(nn.Module):
+    """A trainable layer, a frozen one and a BatchNorm (buffers): every kind of state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.norm, self.frozen, self.out = nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return self.out(self.frozen(self.norm(self.inp(x))))
+
+
+def _net(seed: int) -> _Net:
+    torch.manual_seed(seed)
+    net = _Net()
+    net.norm.running_mean.fill_(seed)  # buffers apart too
+    return net
+
+
+def _steps(models, opt, nodes, steps: int = 3) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        for node, model in zip(nodes, models):
+            x = torch.randn(8, 3, generator=torch.Generator().manual_seed(100 * node + opt.steps))
+            F.cross_entropy(model(x), (x[:, 0] > 0).long()).backward()  # each node's data differs
+        opt.step()
+
+
+def _state(model) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _equal_states(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_library_starts_every_simulated_node_from_node_0s_weights():
+    c = comm.SimulatedCommunicator(topologies.build("ring", 4))
+    models = [_net(seed) for seed in range(4)]  # built apart, as a user might
+    first = _state(models[0])
+    opt = GossipOptimizer(models, [torch.optim.SGD(m.parameters(), lr=0.1) for m in models],
+                          algorithms.build("allreduce", c))
+    assert opt.init_broadcast
+    assert all(_equal_states(_state(m), first) for m in models)  # trainable, frozen and buffers
+    assert c.ledger.setup_bytes_sent == c.ledger.as_dict()["ops"]["broadcast"]["sent"] > 0  # one-off, not step traffic
+    _steps(models, opt, range(4))
+    assert opt.consensus_distance() == 0.0  # all-reduce keeps them equal: it never agreed before
+
+    alike = [_net(0) for _ in range(4)]
+    c = comm.SimulatedCommunicator(topologies.build("ring", 4))
+    opt = GossipOptimizer(alike, [torch.optim.SGD(m.parameters(), lr=0.1) for m in alike],
+                          algorithms.build("allreduce", c))
+    assert not opt.init_broadcast and c.ledger.bytes_sent == 0  # nothing sent where they start equal
+
+    apart = [_net(seed) for seed in range(4)]
+    mine = [_state(m) for m in apart]
+    GossipOptimizer(apart, [torch.optim.SGD(m.parameters(), lr=0.1) for m in apart],
+                    algorithms.build("dpsgd", comm.SimulatedCommunicator(topologies.build("ring", 4))), init_sync=False)
+    assert all(_equal_states(_state(m), s) for m, s in zip(apart, mine))  # kept apart, as asked
+
+
+def _start_ranks() -> list[tuple]:
+    return [_start(seed_of_rank) for seed_of_rank in (True, False)]  # one world for both cases
+
+
+def _start(seed_of_rank: bool) -> tuple:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    c = comm.DistCommunicator(None)
+    model = _net(rank if seed_of_rank else 0)
+    first = _state(model)
+    opt = GossipOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), algorithms.build("allreduce", c))
+    synced = _state(model)
+    _steps([model], opt, [rank])
+    weights = {k: p.detach().clone() for k, p in model.named_parameters()}  # BatchNorm's statistics stay each rank's
+    return first, synced, weights, opt.init_broadcast, c.ledger.setup_bytes_sent, c.ledger.calls["broadcast"]
+
+
+def test_the_library_starts_every_rank_from_rank_0s_weights():
+    (apart0, alike0), (apart1, alike1) = run_world(2, _start_ranks)
+    (first0, synced0, end0, b0, setup0, calls0), (first1, synced1, end1, b1, setup1, _) = apart0, apart1
+    assert not _equal_states(first0, first1)
+    assert b0 and b1 and _equal_states(synced0, first0) and _equal_states(synced1, first0)  # rank 0's, as DDP
+    assert setup0 > 0 and setup1 == 0 and calls0 == 2  # rank 0 sent them (flat weights, the rest): setup traffic
+    assert _equal_states(end0, end1)  # and all-reduce keeps the ranks equal
+    (_, _, e0, b0, setup0, calls0), (_, _, e1, b1, setup1, calls1) = alike0, alike1
+    assert not b0 and not b1 and _equal_states(e0, e1)
+    assert setup0 == setup1 == calls0 == calls1 == 0  # started equal: nothing but the digests, unrecorded

@@ -270,7 +270,9 @@ def _latency(r: _Reader, v: Any, where: str) -> float:
     try:
         t = crossover.parse_time(v)
     except crossover.CrossoverError:
-        raise r.fail(where, f"{v!r}: expected a time >= 0 such as \"0\", \"500us\", \"10ms\" or \"0.05s\"") from None
+        t = math.inf
+    if not math.isfinite(t):
+        raise r.fail(where, f"{v!r}: expected a time >= 0 such as \"0\", \"500us\", \"10ms\" or \"0.05s\"")
     if t > 0 and not re.search(r"[a-z]\s*$", v.strip(), re.I):
         raise r.fail(where, f"{v!r} has no unit (tc reads a bare time as microseconds, the model as seconds): "
                             f"give us, ms or s, e.g. \"{v.strip()}ms\"")
@@ -295,7 +297,7 @@ def _workload(r: _Reader, name: str, t: Any) -> Workload:
     context = t.get("context")
     if text:
         if context is None:
-            raise r.fail(f"{where}.context", f"missing: a text workload needs a positive integer context")
+            raise r.fail(f"{where}.context", "missing: a text workload needs a positive integer context")
         r.integer(context, f"{where}.context", 1)
     elif context is not None:
         raise r.fail(f"{where}.context", f"{context!r}: only the text data {', '.join(bench_data.TEXT_BASES)} "
@@ -309,7 +311,7 @@ def _workload(r: _Reader, name: str, t: Any) -> Workload:
             raise r.fail(f"{where}.model", f"{model!r} is a {MODELS[model]} model; the data {data!r} is a {task} "
                                            f"task: use one of {', '.join(m for m, k in MODELS.items() if k == task)}")
     metric = t.get("metric", "test_bpb" if text else "test_acc")
-    if metric not in METRICS[task]:
+    if not isinstance(metric, str) or metric not in METRICS[task]:
         raise r.fail(f"{where}.metric", f"{metric!r}: a {task} workload is judged on one of {', '.join(METRICS[task])}")
     spn = r.integer(t["samples_per_node"], f"{where}.samples_per_node", 1)
     epochs = r.integer(t["epochs"], f"{where}.epochs", 1)

@@ -617,6 +617,11 @@ class CommSection:
         "with --fault-tolerance: the fewest live workers a step may average over",
         metavar="K",
     )
+    ft_verbose: bool = option(
+        False,
+        "with --fault-tolerance: also show torchft's own log (its Manager's INFO lines, several a step, and "
+        "its checkpoint server's requests), which is quiet otherwise",
+    )
     simulate_mode: str = option(
         "auto",
         "how --simulate N runs the nodes: auto (all nodes as one batched call where the model allows "
@@ -654,6 +659,8 @@ class CommSection:
                 lighthouse_address(self.fault_tolerance)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
+        if not isinstance(self.ft_verbose, bool):
+            raise ConfigError(f"--ft-verbose must be true or false, got {self.ft_verbose!r}")
         if _bad_int("min_replicas", self.min_replicas, 1):
             raise ConfigError(f"--min-replicas must be a positive integer, got {self.min_replicas!r}")
 

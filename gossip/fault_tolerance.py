@@ -113,16 +113,45 @@ class _QuorumWatch:
         return getattr(self._client, name)
 
 
-def _checkpoint_transport(host: str, timeout: _dt.timedelta) -> Any:
+def _checkpoint_transport(host: str, timeout: _dt.timedelta, verbose: bool = False) -> Any:
     """torchft's HTTP checkpoint transport, advertising ``host`` (torchft 0.2 advertises
-    the machine's host name, which need not reach it from another host or namespace)."""
+    the machine's host name, which need not reach it from another host or namespace);
+    its server's request lines only with ``--ft-verbose``."""
     from torchft.checkpointing import HTTPTransport
 
     class _Transport(HTTPTransport):
         def address(self) -> str:
             return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
-    return _Transport(timeout=timeout, num_chunks=0)
+    transport = _Transport(timeout=timeout, num_chunks=0)
+    if not verbose:
+        transport._server.RequestHandlerClass.log_message = lambda *args, **kwargs: None
+    return transport
+
+
+#: torchft's Python loggers (its Manager's, its checkpoint transports')
+_TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
+
+
+def _torchft_logging(verbose: bool) -> None:
+    """torchft's own log: quiet unless ``--ft-verbose`` (gossip says in its own lines what
+    the replica sees: quorums, heals, failures). Its Rust part reads ``RUST_LOG`` once,
+    when torchft is first imported: ``warn`` by default, ``info`` with ``--ft-verbose``;
+    a ``RUST_LOG`` set by the user is kept. Its Python loggers: silent, or INFO to
+    stderr with ``--ft-verbose``."""
+    import logging
+    import warnings
+
+    os.environ.setdefault("RUST_LOG", "info" if verbose else "warn")
+    for name in _TORCHFT_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO if verbose else logging.CRITICAL + 1)
+        if verbose and not logger.handlers and name == "torchft":
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            logger.addHandler(handler)
+    if not verbose:  # torch's loader of the state a healing peer sends (torchft's transport)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 def _incarnations(replica_ids: list[str]) -> list[tuple[int, str]]:
@@ -188,6 +217,8 @@ class _FTRun:
             raise self.RunError("--fault-tolerance needs --out DIR: a restarted worker writes on in the same directory")
         if cfg.run.resume is not None:
             raise self.RunError("--fault-tolerance heals a restarted worker from a live peer: drop --resume")
+        self.verbose = bool(cfg.comm.ft_verbose)
+        _torchft_logging(self.verbose)  # before torchft's first import: its Rust log reads RUST_LOG then
         try:
             import torchft  # noqa: F401
         except ImportError:
@@ -261,11 +292,12 @@ class _FTRun:
         torch.manual_seed(cfg.run.seed)  # x_1 identical on every replica
         self.model = parts.build_model(cfg, self.dataset, self.device)
         self.opt = parts.local_optimizer(cfg, self.model)
-        try:
-            self.shards = data.partition(self.dataset.y_train, self.replicas, scheme=cfg.data.partition,
-                                         seed=cfg.run.seed)
+        try:  # by the data set's task: a language model's windows of text, a classifier's labels
+            self.shards = data.partition_dataset(self.dataset, self.replicas, scheme=cfg.data.partition,
+                                                 seed=cfg.run.seed)
         except ValueError as e:
-            raise self.RunError(f"--partition {cfg.data.partition} over {self.replicas} replicas: {e}") from None
+            raise self.RunError(f"--partition {cfg.data.partition} over {self.replicas} replicas: {e}; "
+                                "use fewer replicas or more data") from None
         # the algorithm is built (and refused, in one line) before anything connects
         self.comm = FTCommunicator(None, None, self.replica, self.replicas, self.timeout)
         self._build_optimizer()
@@ -294,7 +326,7 @@ class _FTRun:
             timeout=td, quorum_timeout=3 * td, connect_timeout=td, rank=0, world_size=1,
             store_addr=host, store_port=self.store.port, lighthouse_addr=self.addr,
             replica_id=_replica_name(self.replica), hostname=host, init_sync=False,  # x_1 is identical by the seed
-            checkpoint_transport=_checkpoint_transport(host, td),
+            checkpoint_transport=_checkpoint_transport(host, td, self.verbose),
         )
         self.watch = self.manager._client = _QuorumWatch(self.manager._client)
         self.comm.attach(self.manager, self.pg)
@@ -377,6 +409,8 @@ class _FTRun:
         self.out.mkdir(parents=True, exist_ok=True)
         if self.replica == 0 and not rundir.config_path(self.out).exists():
             record = {**self.cfg.to_dict(), "fault_tolerance_replicas": self.replicas}
+            if (self.dataset.corpus or {}).get("sha256"):  # a text corpus's identity, as every mode records it
+                record["corpus_sha256"] = self.dataset.corpus["sha256"]
             rundir.write_json(rundir.config_path(self.out), record)
         held, self.metrics = self.metrics.records, rundir.MetricsWriter(rundir.metrics_path(self.out, self.replica),
                                                                          keep_until=2**62)
@@ -424,8 +458,15 @@ class _FTRun:
     # --- the steps --------------------------------------------------------------------
     def _train(self) -> dict | None:
         cfg = self.cfg
-        steps_per_epoch = len(self.shards[self.replica]) // cfg.data.batch_size or 1
+        self.steps_per_epoch = steps_per_epoch = len(self.shards[self.replica]) // cfg.data.batch_size or 1
         self.total = cfg.run.epochs * steps_per_epoch
+        self.epoch_losses: list[float] = []  # this replica's own steps' losses since the epoch began
+        from gossip import metrics
+
+        # full-precision D-PSGD's bytes per node per step on the configured graph over every replica: the
+        # epoch line's ratio, as in every mode
+        self.dpsgd_bytes = metrics.dpsgd_bytes(cfg, self._topology(self.replicas)[0] if self.decentralized else None,
+                                               self.replicas, self.gopt.flat.dim)
         self.stop = self.total if cfg.run.max_steps is None else min(self.total, cfg.run.max_steps)
         self.metrics: Any = _Pending()  # nothing is written before this replica's group has agreed
         self._position_loader(0)
@@ -558,11 +599,30 @@ class _FTRun:
             algo.on_step_end(self.gopt.steps)
         self.loader_step, self.stepped = step + 1, True
         done = self.manager.current_step()
+        self.epoch_losses.append(loss.item())
         if done % cfg.run.log_every == 0 or done == self.stop:
             self.metrics.write({"step": done, "loss": loss.item(), "lr": lr, "participants": n,
                                 "time": time.perf_counter() - self.t0,
                                 "bytes_sent": int(self.comm.run_ledger.bytes_sent),
                                 "setup_bytes_sent": int(self.comm.run_ledger.setup_bytes_sent)})
+        if done % self.steps_per_epoch == 0 or done == self.stop:
+            self._end_epoch(done)
+
+    def _end_epoch(self, step: int) -> None:
+        """After an epoch's last step: this replica's own model evaluated on the test set,
+        an ``eval`` record and the epoch line every mode prints (no collective: a peer's
+        death must not cost an epoch's evaluation; with a centralized algorithm every
+        replica's model is the group's). The train loss is the mean of this replica's own
+        steps in the epoch (steps it took by healing have none)."""
+        from gossip import metrics
+
+        ev = evaluation.test_metrics(self.model, self.dataset, self.device)
+        losses, self.epoch_losses = self.epoch_losses, []
+        ev = {"train_loss": sum(losses) / len(losses) if losses else float("nan"), **ev}
+        self.metrics.write({"kind": "eval", "step": step, "epoch": step / self.steps_per_epoch,
+                            "time": time.perf_counter() - self.t0, **ev})
+        self._say(metrics.epoch_line(step / self.steps_per_epoch, self.cfg.run.epochs, ev, self.comm.run_ledger,
+                                     self.dpsgd_bytes, step, self.dataset.task))
 
     def _finish(self) -> dict:
         if isinstance(self.metrics, _Pending):  # no step to take (--max-steps 0): nothing was exchanged

@@ -184,8 +184,9 @@ def header(cfg: TrainConfig, env, dim: int, algo) -> str:
 
 
 def epoch_line(epoch: float, epochs, ev, ledger, dpsgd, step, task: str = data.CLASSIFICATION) -> str:
-    """The line printed after an epoch: losses, accuracy (or bits per byte), consensus,
-    bytes per node per step against D-PSGD's, and the time split so far."""
+    """The line printed after an epoch: losses, accuracy (or bits per byte), consensus
+    (where ``ev`` has it: not under ``--fault-tolerance``, whose replicas evaluate their own
+    model), bytes per node per step against D-PSGD's, and the time split so far."""
     per_step = rundir.step_bytes_per_node(ledger, max(1, step))
     ratio = f" ({per_step / dpsgd:.3f}x D-PSGD)" if dpsgd else ""
     t = ledger.times
@@ -196,7 +197,8 @@ def epoch_line(epoch: float, epochs, ev, ledger, dpsgd, step, task: str = data.C
            if task == data.CLASSIFICATION else
            f"bpb {ev['test_bpb']:.3f} ppl {ev['test_ppl']:.3g}"
            + (f" [nodes {ev['node_bpb_min']:.3f}-{ev['node_bpb_max']:.3f}]" if "node_bpb_min" in ev else "") + "  ")
-        + f"consensus {ev['consensus_distance']:.3g}  sent/node/step {_fmt_bytes(per_step)}{ratio}  "
+        + (f"consensus {ev['consensus_distance']:.3g}  " if "consensus_distance" in ev else "")
+        + f"sent/node/step {_fmt_bytes(per_step)}{ratio}  "
         f"time compute {t.get('compute', 0):.1f}s compress {t.get('compress', 0):.1f}s "
         f"comm {t.get('communicate', 0):.1f}s wait {t.get('wait', 0):.1f}s"
         + (f" warm-up {t['warmup']:.1f}s" if t.get("warmup") else "")

@@ -75,10 +75,10 @@ def test_config_json_keeps_the_order_every_release_wrote():
     keys = list(TrainConfig().to_dict())
     assert keys[:5] == ["algo", "bits", "compressor", "topology", "degree"]
     assert keys[:len(config._RECORD_ORDER)] == list(config._RECORD_ORDER)  # ends with simulate_mode
-    # fields added since follow them in the sections' order (--muon-precision's, --no-node-eval's),
+    # fields added since follow them in the sections' order (--muon-precision's, --ft-verbose's, --no-node-eval's),
     # then the recorded properties
-    assert keys[len(config._RECORD_ORDER):] == ["muon_precision", "node_eval", "compressor_spec", "model_name", "local_momentum",
-                                                "local_optimizer", "betas"]
+    assert keys[len(config._RECORD_ORDER):] == ["muon_precision", "ft_verbose", "node_eval", "compressor_spec",
+                                                "model_name", "local_momentum", "local_optimizer", "betas"]
     assert json.loads(json.dumps(TrainConfig.from_flat(algo="diloco").to_dict()))["betas"] == [0.9, 0.999]
 
 

@@ -41,8 +41,8 @@ def _lighthouse_binary() -> str:
 
 
 def _env(replica: int | None = None, replicas: int = 4) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn",
-           "GOSSIP_FT_HOST": "localhost"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GOSSIP_FT_HOST": "localhost"}
+    env.pop("RUST_LOG", None)  # torchft's own log is quiet by default (--ft-verbose turns it on)
     if replica is not None:
         env.update(REPLICA_GROUP_ID=str(replica), NUM_REPLICA_GROUPS=str(replicas))
     return env
@@ -81,7 +81,8 @@ class _Lighthouse:
 #: a warm spare, so that the restart does not wait for Python and torch to load
 _SPARE = """
 import os, sys, time
-import gossip.train, gossip.loop, gossip.fault_tolerance, torchft  # noqa: the slow imports, before go
+import gossip.train, gossip.loop, gossip.fault_tolerance  # noqa: the slow imports, before go (torchft's own
+# import, which reads RUST_LOG once, is left to the run: it sets torchft's log level first)
 go = sys.argv[1]
 while not os.path.exists(go):
     time.sleep(0.02)
@@ -102,6 +103,11 @@ def _start(replica: int, argv: list[str], tmp: Path, name: str, go: Path | None 
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
 
 
+def _steps(records: list[dict]) -> list[dict]:
+    """The step records (not the events, not the epochs' eval records)."""
+    return [r for r in records if "event" not in r and r.get("kind") != "eval"]
+
+
 def _records(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -109,12 +115,12 @@ def _records(path: Path) -> list[dict]:
 
 
 def _last_step(path: Path) -> int:
-    steps = [r["step"] for r in _records(path) if "event" not in r]
+    steps = [r["step"] for r in _steps(_records(path))]
     return max(steps, default=0)
 
 
 def _last_participants(path: Path) -> int | None:
-    steps = [r for r in _records(path) if "event" not in r and r.get("participants") is not None]
+    steps = [r for r in _steps(_records(path)) if r.get("participants") is not None]
     return steps[-1]["participants"] if steps else None
 
 
@@ -170,7 +176,7 @@ def _churn(tmp: Path, algo: list[str], steps: int, kill_at: int = 15) -> dict:
         lh.close()
     records = {k: _records(m[k]) for k in range(4)}
     for k in range(3):  # every survivor's metrics show each step exactly once
-        done = [r["step"] for r in records[k] if "event" not in r]
+        done = [r["step"] for r in _steps(records[k])]
         assert done == list(range(1, steps + 1)), f"replica {k}: steps {done[:5]}...{done[-5:]}"
         quorum = [r for r in records[k] if r.get("event") == "quorum"]
         assert [r["left"] for r in quorum if r["left"] and r["step"] > 0] == [[3]], quorum  # nobody else left
@@ -181,13 +187,12 @@ def _churn(tmp: Path, algo: list[str], steps: int, kill_at: int = 15) -> dict:
     assert len(heals) == 1 and heals[0]["source"] in (0, 1, 2) and heals[0]["bytes"] > 0, heals
     heal = heals[0]
     assert heal["step"] > killed_at
-    done3 = [r["step"] for r in records[3] if "event" not in r]
+    done3 = [r["step"] for r in _steps(records[3])]
     assert done3 == list(range(1, killed_at + 1)) + list(range(heal["step"] + 1, steps + 1))
     log = (tmp / "w0.log").read_text()
     assert re.search(r"quorum at step \d+: 3 replicas \[0, 1, 2\] \(left: \[3\]; joined: none\)", log), log[-2000:]
     # the survivors kept stepping while replica 3 was away: steps averaged over 3 participants
-    between = [r for r in records[0] if "event" not in r and killed_at < r["step"] <= heal["step"]
-               and r["loss"] is not None]
+    between = [r for r in _steps(records[0]) if killed_at < r["step"] <= heal["step"] and r["loss"] is not None]
     # a step or two may still have completed with all 4 before the death was seen (the kill
     # lands between steps at an arbitrary point); from the first 3-participant step on, every
     # step until the heal is averaged over the 3 survivors
@@ -722,7 +727,7 @@ def test_a_replica_joining_later_with_another_config_is_refused_and_the_others_g
     assert re.search(r"\[replica 0\] refused replica 1 \(replica 1 cannot join the run: .*lr: 0\.05 on replica 0, "
                      r"0\.1 on replica 1\); going on without it", survivor), survivor[-3000:]
     assert m[1].read_text() == before  # the refused worker wrote nothing into replica 1's metrics
-    done = [r["step"] for r in _records(m[0]) if "event" not in r]
+    done = [r["step"] for r in _steps(_records(m[0]))]
     assert done == list(range(1, 61)), done
 
 
@@ -746,3 +751,60 @@ def test_the_agreement_verdict_refuses_the_newcomer_or_everyone() -> None:
     assert refused == {1} and "REPLICA_GROUP_ID=0 is given to 2 workers (host h pid 7 (training), host h pid 8)" in line
     _, refused = agreement_verdict(cfg, [entry(0, False, pid=7), entry(0, False, pid=8)], 2)
     assert refused == {0, 1}
+
+
+# --------------------------------------------------------------------------------------
+# fault tolerance you can follow
+# --------------------------------------------------------------------------------------
+def _ours(line: str) -> bool:
+    """A line gossip prints under --fault-tolerance: a replica's own, or replica 0's end record."""
+    return line.startswith("[replica ") or line.startswith('{"event": "end"')
+
+
+def test_torchfts_log_is_quiet_unless_asked_and_every_replica_prints_its_epoch_lines(tmp_path: Path) -> None:
+    """A 2-epoch run: each replica prints its quorum and its two epoch lines and nothing of
+    torchft's (whose Manager logs several INFO lines a step); --ft-verbose brings them back."""
+    mnist = [a for a in SHORT if a not in ("--max-steps", "3")]  # the whole 2 epochs: 2 x 62 steps of 32
+    mnist[mnist.index("--epochs") + 1] = "2"
+    lh = _Lighthouse(min_replicas=1, tmp=tmp_path)
+    procs = []
+    try:
+        for k, extra in ((0, []), (1, ["--ft-verbose"])):
+            log = open(tmp_path / f"p{k}.log", "w")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "gossip.train", *mnist, "--fault-tolerance", lh.addr, "--out",
+                 str(tmp_path / "run"), *extra], env=_env(k, 2), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lh.close()
+    quiet, verbose = ((tmp_path / f"p{k}.log").read_text() for k in range(2))
+    assert codes == [0, 0], quiet[-2000:] + verbose[-2000:]
+    lines = [ln for ln in quiet.splitlines() if ln.strip()]
+    assert all(_ours(ln) for ln in lines), [ln for ln in lines if not _ours(ln)][:5]
+    epochs = [ln for ln in lines if "] epoch " in ln]
+    assert len(epochs) == 2 and all(re.match(r"\[replica 0\] epoch +\d/2  train \d\.\d{4}  test \d\.\d{4}  acc "
+                                             r"\d+\.\d\d%  sent/node/step ", ln) for ln in epochs), epochs
+    assert re.search(r"\[INFO\] \[torchft::manager\]", verbose)  # the flag turns torchft's log on
+    assert len([ln for ln in verbose.splitlines() if "] epoch " in ln]) == 2
+    evals = [r for r in _records(tmp_path / "run" / "metrics-rank0.jsonl") if r.get("kind") == "eval"]
+    assert [r["step"] for r in evals] == [62, 124] and all("test_acc" in r and "train_loss" in r for r in evals)
+
+
+def test_a_language_model_trains_under_fault_tolerance(tmp_path: Path) -> None:
+    """The replicas' shards are windows of the text (a classifier's come from its labels)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def greet(name):\n    return f'Grüße, {name}! 🙂'\n\nclass Café:\n    naïve = True\n" * 60,
+                      encoding="utf-8")
+    tiny_lm = ["--data", "text", "--data-dir", str(corpus), "--model", "gpt", "--model-opt", "layers=1",
+               "--model-opt", "width=16", "--model-opt", "heads=2", "--data-opt", "context=16", "--batch-size", "4"]
+    got = _group(tmp_path, [tiny_lm, tiny_lm], [0, 1], 2)
+    for code, text in got:
+        assert code == 0, text[-3000:]
+        assert re.search(r"\] epoch [ .\d]+/50  train \d+\.\d{4}  test \d+\.\d{4}  bpb \d+\.\d{3} ppl ", text), text[-2000:]
+    end = [r for r in _records(tmp_path / "run" / "metrics-rank0.jsonl") if r.get("event") == "end"][-1]
+    assert end["step"] == 3 and end["test_bpb"] > 0
+    assert "corpus_sha256" in json.loads((tmp_path / "run" / "config.json").read_text())

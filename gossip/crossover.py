@@ -31,6 +31,18 @@ of each node's link (a switch, not a shared bus). The **crossover bandwidth** ag
 a baseline (fp32 all-reduce, fp32 D-PSGD) is where the two step times are equal:
 below it the candidate is faster when it sends fewer bytes.
 
+Every simulated node is a model in this process, so the measurement takes time and
+memory in proportion to the nodes (a sharded exchange's in their square): at most
+``--measure-nodes`` nodes (default 16) are simulated. A larger ``--world-size`` is
+modelled from that measurement: each call's bytes per node are scaled to ``n`` by its
+accounting (a ring all-reduce or a broadcast 2(n-1)/n, an all-gather n-1 payloads, a
+neighbour exchange the graph's mean degree at ``n``), and so are the rounds; the codec
+time is scaled by each node's fan-in where it grows (an all-gather's n-1 payloads, a
+graph whose degree grows), an upper bound since the encoding does not. A candidate
+whose bytes at ``n`` depend on more than that (the sharded exchange: its shards and
+their headers) is left out, with the reason. Up to :data:`MAX_WORLD_SIZE` nodes are
+modelled (the graph is built at ``n`` to count each node's neighbours).
+
 Timings are of this machine and its current load (the tool warns when the load
 average is above 0.3). ``--json`` prints the whole table for notebooks; ``--plot``
 draws step time against bandwidth with the crossovers marked.
@@ -45,6 +57,7 @@ import os
 import re
 import statistics
 import sys
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -55,6 +68,11 @@ __all__ = ["Candidate", "Measured", "measure", "step_time", "crossover", "parse_
 BASELINES = ("allreduce", "dpsgd")
 DEFAULT_BANDWIDTHS = "10mbit,100mbit,1gbit,10gbit"
 DEFAULT_LATENCIES = "0,5ms,50ms"
+#: the most nodes simulated to measure a candidate (``--measure-nodes``): each is a model in
+#: this process; at 256 nodes the measurement of every algorithm takes many minutes
+MEASURE_NODES = 16
+#: the largest ``--world-size`` modelled: the graph is built at that size (1 to 4 s at 100,000)
+MAX_WORLD_SIZE = 100_000
 #: input shape and classes of the data each built-in model is made for
 MODEL_INPUTS = {"cnn1d": ((1, 40), 10), "resnet20": ((3, 32, 32), 10), "mlp": ((32,), 10), "logreg": ((32,), 10)}
 _MLP_INPUT = 256  # --params N: an MLP 256 -> h -> 10 with about N parameters
@@ -162,6 +180,12 @@ class Measured:
     compute_s: float
     rounds: dict[str, float] = field(default_factory=dict)
     setup_bytes: float = 0.0
+    #: bytes per node and step of each kind of call (``bytes`` is their sum)
+    op_bytes: dict[str, float] = field(default_factory=dict)
+    #: the nodes simulated to measure it; when fewer than the world size, the factors
+    #: that scaled each call's bytes (and the codec time, ``"codec"``) to it
+    measured_nodes: int = 0
+    scaled: dict[str, float] = field(default_factory=dict)
 
 
 def rounds_of(op: str, n: int) -> int:
@@ -256,12 +280,48 @@ def measure(cand: Candidate, factory: Callable[[], Any], input_shape: Sequence[i
     per = world_size * steps
     sent = d["bytes"]["sent"] - d["ops"]["control"]["sent"]
     rounds = {op: v["calls"] / steps for op, v in d["ops"].items() if op != "control" and v["calls"]}
+    op_bytes = {op: v["sent"] / per for op, v in d["ops"].items() if op != "control" and v["calls"]}
     wire = algo.wire_format().label
     return Measured(
         label=cand.label, algo=cand.algo, decentralized=decentralized, wire=wire, bytes=sent / per,
         codec_s=d["time"]["compress"] / per, compute_s=d["time"]["compute"] / per, rounds=rounds,
-        setup_bytes=before["setup"]["sent"] / world_size,
+        setup_bytes=before["setup"]["sent"] / world_size, op_bytes=op_bytes, measured_nodes=world_size,
     )
+
+
+def mean_degree(topology: str, n: int, degree: int | None = None) -> float:
+    """Neighbours a node exchanges with per step, on the graph of ``n`` nodes."""
+    import numpy as np
+    import topologies
+
+    try:
+        graph = topologies.build(topology, n, **({"degree": degree} if degree else {}))
+    except (ValueError, TypeError) as e:
+        raise CrossoverError(f"--topology {topology} with --world-size {n}: {e}") from None
+    return float(np.mean(graph.degrees))
+
+
+def scale(m: Measured, n: int, degree_ratio: float = 1.0) -> Measured | str:
+    """``m``, measured on ``m.measured_nodes`` nodes, modelled on ``n``: each call's bytes
+    per node scaled by its accounting (``degree_ratio``: the graph's mean degree at ``n``
+    over the measured one's), the codec time by the largest growth of a node's fan-in.
+    A reason (text) instead where the bytes at ``n`` cannot be had this way."""
+    k = m.measured_nodes
+    if n == k:
+        return m
+    ring = ((n - 1) / n) / ((k - 1) / k)  # a ring all-reduce 2(n-1)/n x payload, a broadcast (n-1)/n
+    per_op = {"exchange": degree_ratio, "all_reduce": ring, "broadcast": ring, "all_gather": (n - 1) / (k - 1)}
+    unknown = [op for op in m.op_bytes if op not in per_op]
+    if unknown:
+        how = ("the sharded exchange's bytes depend on how its shards and their headers fall at each n"
+               if any(op.startswith("shard_") for op in unknown) else f"no scaling known for {', '.join(unknown)}")
+        return (f"{how}, so they are not modelled beyond the {k} nodes measured (--measure-nodes N measures on N "
+                f"nodes, in time that grows with N squared)")
+    factors = {op: per_op[op] for op in m.op_bytes}
+    fan_in = max([1.0] + [factors[op] for op in ("exchange", "all_gather") if op in factors])
+    return dataclasses.replace(m, bytes=sum(b * factors[op] for op, b in m.op_bytes.items()),
+                               op_bytes={op: b * factors[op] for op, b in m.op_bytes.items()},
+                               codec_s=m.codec_s * fan_in, scaled={**factors, "codec": fan_in})
 
 
 # ------------------------------------------------------------------------------ the model
@@ -322,7 +382,7 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--model", choices=list(MODEL_INPUTS), help="a built-in model (default: --params)")
     what.add_argument("--params", type=_count, help="an MLP with about this many parameters (default 1000000; "
                       "1e6 reads as 1000000)")
-    p.add_argument("--world-size", type=int, default=8, help="nodes (default 8)")
+    p.add_argument("--world-size", type=int, default=8, help=f"nodes (default 8; at most {MAX_WORLD_SIZE:,})")
     p.add_argument("--topology", default="ring", help="graph of the gossip algorithms (default ring)")
     p.add_argument("--degree", type=int, help="degree, for expander and the like")
     p.add_argument("--algos", help="comma-separated ALGO or ALGO@COMPRESSOR (default: every algorithm); "
@@ -332,6 +392,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--link-overhead", type=float, default=LINK_OVERHEAD,
                    help=f"bytes on the wire per payload byte (default {LINK_OVERHEAD}: TCP/IP framing)")
     p.add_argument("--batch-size", type=int, default=32, help="per node, for the compute time (default 32)")
+    p.add_argument("--measure-nodes", type=int, default=MEASURE_NODES, metavar="M",
+                   help=f"simulate at most M nodes to measure (default {MEASURE_NODES}); a larger --world-size is "
+                        "modelled from them, each call's bytes scaled to it (docs/crossover.md)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per candidate after one warm-up, rounded up to whole communication "
                    "cycles of the algorithms that communicate every H steps (default 3)")
     p.add_argument("--json", action="store_true", help="print the table as JSON instead")
@@ -344,9 +407,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name, lo in (("world_size", 2), ("batch_size", 1), ("steps", 1)):
+    for name, lo in (("world_size", 2), ("batch_size", 1), ("steps", 1), ("measure_nodes", 2)):
         if getattr(args, name) < lo:
             raise CrossoverError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least {lo}")
+    if args.world_size > MAX_WORLD_SIZE:
+        raise CrossoverError(f"--world-size {args.world_size:,}: at most {MAX_WORLD_SIZE:,} nodes are modelled (the "
+                             f"graph is built at that size to count each node's neighbours); at {MAX_WORLD_SIZE:,} a "
+                             f"ring all-reduce already takes 2(n-1) = {2 * (MAX_WORLD_SIZE - 1):,} latencies a step")
     if not 1.0 <= args.link_overhead <= 10.0:
         raise CrossoverError(f"--link-overhead {args.link_overhead}: expected 1 to 10 wire bytes per payload byte")
     if args.params is not None and not 300 <= args.params <= 2_000_000_000:
@@ -368,17 +435,31 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load > 0.3:
         say(f"warning: load average {load:.2f} > 0.3: timings of a busy machine overstate the codec costs")
+    n = args.world_size
+    k_nodes = min(n, args.measure_nodes)
+    degree_ratio = 1.0
+    if k_nodes < n:
+        say(f"measuring on {k_nodes} simulated nodes, modelling {n:,}: each call's bytes scaled to {n:,} nodes")
+        degree_ratio = (mean_degree(args.topology, n, args.degree) /
+                        mean_degree(args.topology, k_nodes, args.degree))
     measured: list[Measured] = []
+    left_out: dict[str, str] = {}
     for k, cand in enumerate(cands, 1):
         say(f"[{k}/{len(cands)}] measuring {cand.label} ...")
-        measured.append(measure(cand, factory, shape, classes, world_size=args.world_size, topology=args.topology,
-                                degree=args.degree, batch_size=args.batch_size, steps=args.steps))
+        m = measure(cand, factory, shape, classes, world_size=k_nodes, topology=args.topology,
+                    degree=args.degree, batch_size=args.batch_size, steps=args.steps)
+        got = scale(m, n, degree_ratio if m.decentralized else 1.0)
+        if isinstance(got, str):
+            left_out[cand.label] = got
+            say(f"  {cand.label} left out at {n:,} nodes: {got}")
+        else:
+            measured.append(got)
     # the model and batch are the same for every candidate: one compute time for all (the
     # median of the candidates' measurements), so that noise in it moves no crossover
     compute = statistics.median(m.compute_s for m in measured)
     for m in measured:
         m.compute_s = compute
-    n, ov = args.world_size, args.link_overhead
+    ov = args.link_overhead
     base = {m.label: m for m in measured if m.label in BASELINES}
     import torch
 
@@ -392,15 +473,24 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
     return {
         "machine": {"threads": torch.get_num_threads(), "load_average": load},
         "model": model_name,
-        "params": sum(p.numel() for p in factory().parameters()), "world_size": n,
+        "params": sum(p.numel() for p in factory().parameters()), "world_size": n, "measured_nodes": k_nodes,
         "topology": args.topology, "bandwidths": bws, "latencies": lats, "link_overhead": ov, "rows": rows,
+        "left_out": left_out,
     }
 
 
 def render(res: dict[str, Any]) -> str:
     bws, lats, n = res["bandwidths"], res["latencies"], res["world_size"]
-    out = [f"{res['model']}, {res['params']:,} params, {n} nodes, gossip on {res['topology']}; "
-           f"{res['machine']['threads']} thread(s), load {res['machine']['load_average']:.2f}", ""]
+    out = [f"{res['model']}, {res['params']:,} params, {n:,} nodes, gossip on {res['topology']}; "
+           f"{res['machine']['threads']} thread(s), load {res['machine']['load_average']:.2f}"]
+    k = res.get("measured_nodes", n)
+    if k < n:
+        grown = [f"{r['label']} x{r['scaled']['codec']:.3g}" for r in res["rows"] if r["scaled"].get("codec", 1) > 1]
+        out.append(f"measured on {k} simulated nodes; each call's bytes per node scaled to {n:,} (docs/crossover.md)"
+                   + (f"; codec time scaled by the fan-in, an upper bound: {', '.join(grown)}" if grown else ""))
+    for label, why in (res.get("left_out") or {}).items():
+        out.append(f"left out at {n:,} nodes: {label}: {why}")
+    out.append("")
     w = max(len(r["label"]) for r in res["rows"])
     fp32 = {r["label"]: r["bytes"] for r in res["rows"]}.get("allreduce") or 1.0
     out.append(f"{'algorithm':<{w}}  {'wire':<16} {'bytes/step/node':>15} {'vs fp32 AR':>10} {'codec ms':>9} "

@@ -99,6 +99,43 @@ def test_the_table_and_the_plot(tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_a_large_world_size_is_modelled_from_a_few_measured_nodes():
+    """Above --measure-nodes, each call's bytes are scaled by its accounting: the figures at
+    12 nodes modelled from 4 equal those measured at 12 (up to the ring's integer rounding),
+    on a ring and on a graph whose degree grows with n; the sharded exchange is left out."""
+    def rows(*extra):
+        a = cx._parser().parse_args(["--params", "2000", "--world-size", "12", "--steps", "2", *extra])
+        res = cx.run(a, say=lambda line: None)
+        return res, {r["label"]: r for r in res["rows"]}
+
+    for topo, algos in (("ring", "ecd,demo,powersgd,localsgd,efsgd"), ("exponential", "ecd,noloco")):
+        direct_res, direct = rows("--topology", topo, "--algos", algos)
+        res, scaled = rows("--topology", topo, "--algos", algos, "--measure-nodes", "4")
+        assert direct_res["measured_nodes"] == 12 and res["measured_nodes"] == 4 and res["world_size"] == 12
+        if "efsgd" in algos:
+            assert "efsgd" in direct and "efsgd" not in scaled and "sharded exchange" in res["left_out"]["efsgd"]
+        for label, row in scaled.items():
+            assert row["bytes"] == pytest.approx(direct[label]["bytes"], rel=1e-3), (topo, label)
+            assert row["rounds"] == direct[label]["rounds"]
+        if topo == "ring":
+            assert scaled["demo"]["scaled"]["codec"] == pytest.approx(11 / 3)  # it decodes n - 1 payloads
+            assert scaled["ecd"]["scaled"]["codec"] == 1.0  # a ring's degree is 2 at any n
+
+
+def test_a_huge_world_size_answers_within_a_timeout(tmp_path):
+    """--world-size 100000 used to simulate 100,000 nodes (minutes, stuck at 'measuring dpsgd')."""
+    r = run_process([sys.executable, "-m", "gossip.crossover", "--params", "2000", "--world-size", "100000",
+                     "--algos", "ecd", "--steps", "1", "--json"], timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert res["world_size"] == 100_000 and res["measured_nodes"] == cx.MEASURE_NODES
+    rows = {row["label"]: row for row in res["rows"]}
+    d = res["params"]
+    assert rows["allreduce"]["bytes"] == pytest.approx(2 * 4 * d * (100_000 - 1) / 100_000, rel=0.05)
+    assert rows["dpsgd"]["bytes"] == pytest.approx(2 * 4 * d, rel=0.05)  # a ring: 2 neighbours at any n
+    assert "measuring on 16 simulated nodes, modelling 100,000" in r.stderr
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--algos", "nope"], "unknown algorithm 'nope'"),
     (["--bandwidth", "fast"], "expected a positive rate"),
@@ -107,6 +144,8 @@ def test_the_table_and_the_plot(tmp_path):
     (["--params", "10"], "--params 10: expected 300"),
     (["--link-overhead", "0.5"], "--link-overhead 0.5: expected 1 to 10"),
     (["--topology", "torus", "--world-size", "7", "--algos", "ecd"], "--topology torus with --world-size 7"),
+    (["--world-size", "100001"], "--world-size 100,001: at most 100,000 nodes are modelled"),
+    (["--measure-nodes", "1"], "--measure-nodes 1: must be at least 2"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, needle):
     r = run_process([sys.executable, "-m", "gossip.crossover", "--params", "2000", *args], timeout=120, cwd=tmp_path)

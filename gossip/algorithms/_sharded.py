@@ -172,7 +172,7 @@ class ShardPlan:
 
     @staticmethod
     def _known_words(comp: Any, numel: int) -> torch.Tensor:
-        w0 = _wire._MAGIC_WORD0 | (comp.cid << 24) | (_wire.params_hash(comp.spec) << 32)
+        w0 = _wire.MAGIC_WORD0 | (comp.cid << 24) | (_wire.params_hash(comp.spec) << 32)
         return torch.tensor([_signed64(w0), numel], dtype=torch.int64)
 
     # ---------------------------------------------------------------- sizes

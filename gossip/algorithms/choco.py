@@ -47,7 +47,7 @@ import torch
 from gossip import compress as _compress
 from gossip.algorithms._common import check_int, step_tag
 from gossip.algorithms.base import ParamLayout
-from gossip.algorithms.decentralized import _Gossip
+from gossip.algorithms.decentralized import GossipBase
 
 __all__ = ["Choco", "ChocoConfig", "ChocoState"]
 
@@ -152,7 +152,7 @@ class _Scaled:
         return self.inner.decode(P, numel, tag=tag, out=out).mul_(self.factor)  # scaled in place: never a view
 
 
-class Choco(_Gossip):
+class Choco(GossipBase):
     """CHOCO-SGD, Koloskova et al. (2019) Algorithm 2; see the module docstring.
 
     Step 1:  x_i^{t+1/2} = x_i^t + u_i

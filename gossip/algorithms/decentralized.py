@@ -48,6 +48,7 @@ from gossip.comm.base import is_time_varying
 _BLOCK_VALUES = 1 << 17
 
 __all__ = [
+    "GossipBase",
     "DPSGD",
     "DPSGDConfig",
     "Naive",
@@ -185,8 +186,9 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-class _Gossip(Algorithm):
-    """Shared mechanics: self weights, compressing, exchanging, mixing."""
+class GossipBase(Algorithm):
+    """The base of the gossip family (D-PSGD, naive, DCD, ECD, and CHOCO-SGD and NoLoCo
+    elsewhere): self weights, compressing, exchanging, mixing."""
 
     uses_mix: ClassVar[bool] = False
     #: ECD holds an estimate of its own model, distinct from the model itself
@@ -348,7 +350,7 @@ class _Gossip(Algorithm):
         return float((self.state.mix - self.replica_sum(X)).abs().max())
 
 
-class DPSGD(_Gossip):
+class DPSGD(GossipBase):
     """D-PSGD (Lian et al. 2017; Tang et al. 2018 (arXiv:1803.06443) Sec. 3).
 
     Step I:   send x_i to every neighbour, receive x_j.
@@ -390,7 +392,7 @@ class DPSGD(_Gossip):
         self.state.t = t + 1
 
 
-class Naive(_Gossip):
+class Naive(GossipBase):
     """D-PSGD with naively compressed models (Tang et al. 2018, arXiv:1803.06443, Sec. 4, Fig. 1).
 
     Step I:   send C(x_i) to every neighbour, receive C(x_j).
@@ -411,7 +413,7 @@ class Naive(_Gossip):
         self.state.t = t + 1
 
 
-class DCD(_Gossip):
+class DCD(GossipBase):
     """DCD-PSGD, Tang et al. 2018 (arXiv:1803.06443) Algorithm 1 (difference compression).
 
     Every neighbour of node j keeps a replica xhat_j, equal to x_1 at the start, and
@@ -449,7 +451,7 @@ class DCD(_Gossip):
         s.t = t + 1
 
 
-class ECD(_Gossip):
+class ECD(GossipBase):
     """ECD-PSGD, Tang et al. 2018 (arXiv:1803.06443) Algorithm 2 (extrapolation compression), t = 1, 2, ...
 
     Every holder of node j (j itself included) keeps an estimate xtilde_j, equal to

@@ -261,7 +261,7 @@ class ChunkTopK:
         if P.dim() != 2 or P.shape[1] != self.nbytes:
             raise PayloadError(0, "size", f"expected {self.nbytes} bytes ({self.spec}), got {tuple(P.shape)}")
         f = _wire.header_fields(P)
-        word0 = _wire._MAGIC_WORD0 | (self.CID << 24)
+        word0 = _wire.MAGIC_WORD0 | (self.CID << 24)
         checks = (
             ((f["word0"] != word0) | (f["phash"] != self._phash) | (f["numel"] != self.dim), "format",
              lambda r: f"not a {self.spec} payload of {self.dim} values"),

@@ -61,6 +61,7 @@ from gossip.algorithms.base import Algorithm, ParamLayout, WireFormat
 from gossip.compress import wire as _wire
 
 __all__ = [
+    "PeriodicBase",
     "DiLoCo",
     "DiLoCoConfig",
     "DiLoCoState",
@@ -238,8 +239,9 @@ class DiLoCoState:
 # --------------------------------------------------------------------------------------
 # Algorithms
 # --------------------------------------------------------------------------------------
-class _Periodic(Algorithm):
-    """Local steps, then an all-reduce every ``local_steps`` steps."""
+class PeriodicBase(Algorithm):
+    """The base of the periodic family (local SGD, SlowMo, DiLoCo, and SparseLoCo
+    elsewhere): local steps, then an all-reduce every ``local_steps`` steps."""
 
     decentralized = False
 
@@ -269,7 +271,7 @@ class _Periodic(Algorithm):
             return self.comm.all_reduce(X, op="mean")
 
 
-class LocalSGD(_Periodic):
+class LocalSGD(PeriodicBase):
     """Local SGD: H local steps, then the exact average of the models.
 
     Step I:   x_i <- x_i + u_i.
@@ -293,7 +295,7 @@ class LocalSGD(_Periodic):
             X.copy_(self._average(X))  # Step II
 
 
-class SlowMo(_Periodic):
+class SlowMo(PeriodicBase):
     """SlowMo (Wang et al., ICLR 2020, Alg. 1) with an exact average as the base.
 
     Step I:   x_i <- x_i + u_i.
@@ -325,7 +327,7 @@ class SlowMo(_Periodic):
             st.start.copy_(X)
 
 
-class DiLoCo(ExchangeMixin, _Periodic):
+class DiLoCo(ExchangeMixin, PeriodicBase):
     """DiLoCo (Douillard et al. 2023, Alg. 1); Streaming DiLoCo with ``fragments`` > 1.
 
     For each fragment f (the whole model when F = 1), after every step t with

@@ -57,7 +57,7 @@ from gossip._checks import check_float
 from gossip.algorithms._centralized import check_fraction
 from gossip.algorithms._common import check_int
 from gossip.algorithms.base import ParamLayout, WireFormat
-from gossip.algorithms.decentralized import _Gossip
+from gossip.algorithms.decentralized import GossipBase
 
 __all__ = ["NoLoCo", "NoLoCoConfig", "NoLoCoState"]
 
@@ -104,7 +104,7 @@ class NoLoCoState:
     gamma: float
 
 
-class NoLoCo(_Gossip):
+class NoLoCo(GossipBase):
     """NoLoCo; the steps are numbered in the module docstring."""
 
     name = "noloco"

@@ -93,7 +93,7 @@ from gossip._checks import check_float
 from gossip.algorithms._common import check_int, step_tag
 from gossip.algorithms.base import ParamLayout, WireFormat
 from gossip.algorithms.demo import ChunkTopK
-from gossip.algorithms.localsgd import _Periodic
+from gossip.algorithms.localsgd import PeriodicBase
 
 __all__ = ["SparseLoCo", "SparseLoCoConfig", "SparseLoCoState"]
 
@@ -318,7 +318,7 @@ class QuantChunkTopK(ChunkTopK):
         return self.dequantize(codes[:, : self.K], side)
 
 
-class SparseLoCo(_Periodic):
+class SparseLoCo(PeriodicBase):
     """SparseLoCo; the steps are numbered in the module docstring."""
 
     name = "sparseloco"

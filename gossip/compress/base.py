@@ -72,7 +72,7 @@ class Compressor:
             raise TypeError(f"{self.name}: config must be a {self.Config.__name__}, got {type(config).__name__}")
         self.config = config
         self._phash = wire.params_hash(self.spec)
-        w0 = wire._MAGIC_WORD0 | (self.cid << 24) | (self._phash << 32)
+        w0 = wire.MAGIC_WORD0 | (self.cid << 24) | (self._phash << 32)
         self._word0 = w0 - (1 << 64) if w0 >= (1 << 63) else w0  # header bytes 0..7 as int64
         self._layouts: dict = {}
 
@@ -253,7 +253,7 @@ class Compressor:
         out.copy_(self._decode(views, numel, keys))
 
     def _check_header(self, h: dict, expected_numel: int | None) -> None:
-        word0 = wire._MAGIC_WORD0 | (self.cid << 24)
+        word0 = wire.MAGIC_WORD0 | (self.cid << 24)
         ok = (h["word0"] == word0) & (h["phash"] == self._phash)
         if expected_numel is not None:
             ok &= h["numel"] == expected_numel

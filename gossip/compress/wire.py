@@ -36,7 +36,7 @@ import torch
 
 from . import _kernels
 
-__all__ = ["PayloadError", "HEADER_NBYTES", "FORMAT_VERSION", "Layout"]
+__all__ = ["PayloadError", "HEADER_NBYTES", "FORMAT_VERSION", "MAGIC_WORD0", "Layout"]
 
 HEADER_NBYTES = 32
 FORMAT_VERSION = 5  # 2: quant's codes in planes, first rounding digits from hash24;
@@ -46,7 +46,8 @@ FORMAT_VERSION = 5  # 2: quant's codes in planes, first rounding digits from has
 # 5: sparseloco's values by default through the authors' statistical quantizer (codes,
 # then per tensor the mean and the bin means), no longer one max scale per chunk
 MAGIC = b"GZ"
-_MAGIC_WORD0 = MAGIC[0] | (MAGIC[1] << 8) | (FORMAT_VERSION << 16)  # + (id << 24)
+#: the first header word every payload starts with, less its compressor id (``| cid << 24``)
+MAGIC_WORD0 = MAGIC[0] | (MAGIC[1] << 8) | (FORMAT_VERSION << 16)  # + (id << 24)
 _CHECK_WORD = 7
 
 
@@ -148,7 +149,7 @@ def checksum(P: torch.Tensor) -> torch.Tensor:
 def write_header(P: torch.Tensor, cid: int, phash: int, numel: int, keys: torch.Tensor, tag: int) -> None:
     """Fill the 32-byte headers of ``P`` (body already written) and the checksums."""
     # the row-independent words in one small tensor: magic/version/id, hash, numel, tag
-    w0 = _MAGIC_WORD0 | (cid << 24) | (phash << 32)
+    w0 = MAGIC_WORD0 | (cid << 24) | (phash << 32)
     const = torch.tensor([w0 - (1 << 64) if w0 >= (1 << 63) else w0, numel, 0, tag], dtype=torch.int64)
     h = P.view(torch.int64)[:, :4]
     h.copy_(const.to(P.device).expand_as(h))

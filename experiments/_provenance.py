@@ -46,6 +46,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
+if __name__ != "experiments._provenance":  # a script imported it as `_provenance`: one module, one record
+    import importlib as _importlib
+
+    _root = str(Path(__file__).resolve().parents[1])
+    if _root not in sys.path:
+        sys.path.append(_root)
+    sys.modules[__name__] = _importlib.import_module("experiments._provenance")
+
 __all__ = [
     "QUIET_LOAD",
     "REPO",

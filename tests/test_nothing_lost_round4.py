@@ -276,6 +276,7 @@ def _start(seed_of_rank: bool) -> tuple:
     return first, synced, weights, opt.init_broadcast, c.ledger.setup_bytes_sent, c.ledger.calls["broadcast"]
 
 
+@pytest.mark.multiprocess
 def test_the_library_starts_every_rank_from_rank_0s_weights():
     (apart0, alike0), (apart1, alike1) = run_world(2, _start_ranks)
     (first0, synced0, end0, b0, setup0, calls0), (first1, synced1, end1, b1, setup1, _) = apart0, apart1

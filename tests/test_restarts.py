@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import topologies
@@ -173,6 +174,7 @@ def _same(a, b) -> bool:
     return a == b
 
 
+@pytest.mark.multiprocess
 def test_every_algorithm_resumes_with_the_bytes_of_an_uninterrupted_run(tmp_path):
     """Each family runs 6 steps on 2 ranks; then its final checkpoint and summary are
     taken away, as a kill -9 after the checkpoint of step 3 leaves the run directory, and

@@ -30,7 +30,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 import bench_data
 from gossip import config as _config
-from gossip import crossover
+from gossip import units
 
 __all__ = ["ALGORITHMS", "MODELS", "METRICS", "Method", "Spec", "SpecError", "Workload", "check_trials",
            "load_spec"]
@@ -257,7 +257,7 @@ def _rate(r: _Reader, v: Any, where: str) -> float:
     if not isinstance(v, str):
         raise r.fail(where, f"{v!r} is not text; expected a rate as tc writes it, e.g. \"10mbit\"")
     try:
-        return crossover.tc_rate(v)
+        return units.tc_rate(v)
     except ValueError as e:
         raise r.fail(where, f"{v!r}: {e}") from None
 
@@ -268,8 +268,8 @@ def _latency(r: _Reader, v: Any, where: str) -> float:
     if not isinstance(v, str):
         raise r.fail(where, f"{v!r} is not text; expected a time such as \"0\", \"500us\", \"10ms\" or \"0.05s\"")
     try:
-        t = crossover.parse_time(v)
-    except crossover.CrossoverError:
+        t = units.parse_time(v)
+    except units.UnitError:
         t = math.inf
     if not math.isfinite(t):
         raise r.fail(where, f"{v!r}: expected a time >= 0 such as \"0\", \"500us\", \"10ms\" or \"0.05s\"")

@@ -61,6 +61,7 @@ from torch import Tensor
 
 from gossip import textdata
 from gossip._atomic import write_atomically
+from gossip.errors import DataError
 
 __all__ = [
     "CLASSIFICATION",
@@ -123,8 +124,7 @@ _STREAM_SYNTHETIC = 4
 _MNIST1D_CACHE_FORMAT = 1
 
 
-class DataError(ValueError):
-    """A data set that is missing, incomplete or not in the expected format (one line)."""
+# DataError lives in gossip.errors (gossip.textdata raises it too); exported here as before
 
 
 # --------------------------------------------------------------------------- helpers

@@ -55,6 +55,7 @@ __all__ = [
     "one_line",
     "say_line",
     "NonFiniteError",
+    "DataError",
     "PayloadError",
     "PeerError",
     "PeerTimeoutError",
@@ -62,6 +63,10 @@ __all__ = [
     "PeerConnectionError",
     "format_peers",
 ]
+
+
+class DataError(ValueError):
+    """A data set that is missing, incomplete or not in the expected format (one line)."""
 
 
 class NonFiniteError(ValueError):

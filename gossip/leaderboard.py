@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from gossip.crossover import fmt_rate, parse_rate, parse_time
+from gossip.units import fmt_rate, parse_rate, parse_time
 
 __all__ = ["LeaderboardError", "load", "answer", "render", "fmt_metric", "verdict_table", "field_label"]
 

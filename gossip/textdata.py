@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gossip.errors import DataError
+
 __all__ = [
     "DEFAULT_CONTEXT",
     "DEFAULT_MAX_TEST_BYTES",
@@ -62,8 +64,6 @@ _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
 def _error(message: str) -> Exception:
-    from gossip.data import DataError  # data imports this module
-
     return DataError(message)
 
 

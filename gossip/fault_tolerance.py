@@ -42,6 +42,7 @@ import copy
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
 import socket
 import sys
@@ -57,8 +58,10 @@ from gossip import algorithms, data, evaluation, rundir
 from gossip._ftcomm import FTCommunicator
 from gossip.errors import say_line
 from gossip.comm.base import is_time_varying
+from gossip.config import RESUME_AUTO
 
-__all__ = ["FTCommunicator", "SUPPORTED_ALGORITHMS", "agreement_verdict", "lighthouse_address", "live_topology", "run_fault_tolerant"]
+__all__ = ["FT_CHECKPOINT_FORMAT", "FTCommunicator", "SUPPORTED_ALGORITHMS", "agreement_verdict", "ft_checkpoints",
+           "lighthouse_address", "live_topology", "probe_lighthouse", "run_fault_tolerant"]
 
 #: the algorithms that run under ``--fault-tolerance`` (``Algorithm.fault_tolerant``)
 SUPPORTED_ALGORITHMS = tuple(n for n in algorithms.available() if algorithms.algorithm_class(n).fault_tolerant)
@@ -96,8 +99,8 @@ class _QuorumWatch:
     the one that died), so the client is wrapped and every other call passes through.
     """
 
-    def __init__(self, client: Any) -> None:
-        self._client = client
+    def __init__(self, client: Any, manager: Any = None) -> None:
+        self._client, self._manager = client, manager
         self.replica_ids: list[str] = []
         self.max_step = 0  # the group's step: the highest step among the quorum's replicas
         self.quorum_id: int | None = None  # changes when the group is re-formed
@@ -107,10 +110,45 @@ class _QuorumWatch:
         quorum = self._client._quorum(*args, **kwargs)
         self.replica_ids, self.max_step = list(quorum.replica_ids), int(quorum.max_step)
         self.quorum_id, self.replica_rank = int(quorum.quorum_id), int(quorum.replica_rank)
+        if self._manager is not None and quorum.heal and self.quorum_id == self._manager._quorum_id:
+            # torchft re-forms the group only when the quorum id changes. A replica behind the group
+            # always meets a new id (its peers' commit went on without it), except where a
+            # Lighthouse restarted on the same address, counting ids from 1 again, reached the id
+            # this replica last had, while its peers re-formed their group without it: re-form it
+            self._manager._quorum_id = -1
         return quorum
+
+    @property
+    def key(self) -> tuple:
+        """The group: its quorum id and members. A Lighthouse restarted on the same address
+        counts quorum ids from 1 again, so an id alone may name an earlier group."""
+        return self.quorum_id, tuple(self.replica_ids)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
+
+
+def _quorum_retries(quorum_timeout: float) -> int:
+    """torchft's ``quorum_retries`` for a quorum that may take ``quorum_timeout`` seconds.
+    torchft's Manager server asks the Lighthouse again after a failed request (reconnecting
+    first), sleeping ``quorum_timeout / (retries + 1)`` in between: one retry a second."""
+    return max(1, math.ceil(quorum_timeout))
+
+
+def _process_group(base: type, timeout: _dt.timedelta, run: Any) -> Any:
+    """torchft's gloo group, whose store prefix also names the group's step.
+
+    torchft configures each quorum's group under the prefix ``torchft/<quorum id>`` of the
+    primary replica's store. A Lighthouse restarted on the same address counts quorum ids
+    from 1 again, and the store still holds the keys of the first Lighthouse's groups of
+    those ids (gloo's addresses of processes long gone): the group's step (the quorum's
+    ``max_step``, the same on every member) keeps the new prefixes apart from them."""
+
+    class _Gloo(base):  # type: ignore[misc, valid-type]
+        def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
+            return super().configure(f"{store_addr}/step{run.watch.max_step}", *args, **kwargs)
+
+    return _Gloo(timeout=timeout)
 
 
 def _checkpoint_transport(host: str, timeout: _dt.timedelta, verbose: bool = False) -> Any:
@@ -180,22 +218,59 @@ def _replica_env(run_error: type) -> tuple[int, int]:
     return k, n
 
 
-def _wait_for_lighthouse(addr: str, timeout: float, run_error: type) -> None:
-    """Fail in one line, within ``timeout`` seconds, when nothing listens at ``addr``."""
+#: the start command the messages suggest (the flags the documented figures were measured with)
+_LIGHTHOUSE_CMD = ("torchft_lighthouse --min_replicas K --bind [::]:PORT --join_timeout_ms 500 "
+                   "--heartbeat_timeout_ms 1000")
+
+
+def probe_lighthouse(addr: str, timeout: float) -> tuple[str, str]:
+    """What answers at ``addr`` (``http://HOST:PORT``): ``("lighthouse", "")``,
+    ``("nothing", why)`` when no connection is made, or ``("other", what)`` when
+    something that is not a torchft Lighthouse answers there.
+
+    The Lighthouse serves its dashboard (an HTML page titled "Lighthouse Dashboard")
+    over HTTP on the port of its gRPC service; anything else there, a web server or a
+    service that does not speak HTTP, is told apart from it by that page.
+    """
+    import http.client
+
     parts = urlsplit(addr)
+    try:
+        socket.create_connection((parts.hostname, parts.port), timeout=timeout).close()
+    except OSError as e:
+        return "nothing", e.strerror or type(e).__name__
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.request("GET", "/")
+        resp = conn.getresponse()
+        body = resp.read(1 << 16).decode("utf-8", "replace")
+    except (OSError, http.client.HTTPException) as e:
+        return "other", f"a service that does not answer HTTP as the Lighthouse does ({str(e) or type(e).__name__})"
+    finally:
+        conn.close()
+    if "Lighthouse" in body:
+        return "lighthouse", ""
+    server = resp.getheader("Server")
+    return "other", f"HTTP {resp.status} {resp.reason}{f' from {server}' if server else ''} without its dashboard"
+
+
+def _wait_for_lighthouse(addr: str, timeout: float, run_error: type) -> None:
+    """Fail in one line, within ``timeout`` seconds, when no Lighthouse answers at ``addr``;
+    at once when something else does."""
+    parts = urlsplit(addr)
+    where = f"--fault-tolerance {parts.hostname}:{parts.port}"
     deadline = time.monotonic() + timeout
-    last = "no answer"
     while True:
         left = deadline - time.monotonic()
-        try:
-            with socket.create_connection((parts.hostname, parts.port), timeout=max(0.1, min(2.0, left))):
-                return
-        except OSError as e:
-            last = e.strerror or type(e).__name__
+        kind, why = probe_lighthouse(addr, max(0.1, min(2.0, left)))
+        if kind == "lighthouse":
+            return
+        if kind == "other":
+            raise run_error(f"{where}: no torchft Lighthouse there: something else answers ({why}); give the "
+                            f"Lighthouse's address, or start one with `{_LIGHTHOUSE_CMD}`")
         if time.monotonic() + 0.2 >= deadline:
-            raise run_error(
-                f"--fault-tolerance {parts.hostname}:{parts.port}: no Lighthouse answers there within --timeout "
-                f"{timeout:g} s ({last}); start one with `torchft_lighthouse --min_replicas K --bind [::]:PORT`")
+            raise run_error(f"{where}: no Lighthouse answers there within --timeout {timeout:g} s ({why}); start one "
+                            f"with `{_LIGHTHOUSE_CMD}`")
         time.sleep(0.2)
 
 
@@ -213,10 +288,13 @@ class _FTRun:
                                 f"{algo} (see docs/fault-tolerance.md)")
         if cfg.comm.simulate is not None:
             raise self.RunError("--fault-tolerance runs one worker per process: do not combine it with --simulate")
-        if cfg.run.out is None:
-            raise self.RunError("--fault-tolerance needs --out DIR: a restarted worker writes on in the same directory")
-        if cfg.run.resume is not None:
-            raise self.RunError("--fault-tolerance heals a restarted worker from a live peer: drop --resume")
+        resume = cfg.run.resume
+        if cfg.run.out is None and resume in (None, RESUME_AUTO):
+            raise self.RunError("--fault-tolerance needs --out DIR: a restarted worker writes on in the same directory"
+                                + (" (--resume auto continues the run in --out)" if resume == RESUME_AUTO else ""))
+        if resume not in (None, RESUME_AUTO) and cfg.run.out is not None and Path(resume) != Path(cfg.run.out):
+            raise self.RunError(f"--resume {resume!r} continues the run in that directory: drop --out {cfg.run.out!r} "
+                                "or give the same directory")
         self.verbose = bool(cfg.comm.ft_verbose)
         _torchft_logging(self.verbose)  # before torchft's first import: its Rust log reads RUST_LOG then
         try:
@@ -233,12 +311,16 @@ class _FTRun:
         if self.decentralized and self.min_replicas < 2:
             raise self.RunError(f"--algo {algo} is decentralized: --min-replicas must be at least 2 (a graph needs "
                                 f"two live nodes), got {self.min_replicas}")
-        self.out = Path(cfg.run.out)
+        self.out = Path(cfg.run.out if resume in (None, RESUME_AUTO) else resume)
+        if resume not in (None, RESUME_AUTO) and not self.out.is_dir():
+            raise self.RunError(f"--resume {resume!r}: no such run directory")
+        self.resumed_step: int | None = None  # the step of the checkpoint this replica resumed from
+        self.group_resuming = False  # is this replica's group a run started again from its checkpoints
         self.device = torch.device("cpu") if cfg.comm.device != "cuda" else torch.device("cuda")
         self.members: list[tuple[int, str]] = []
         self.heal_bytes, self.heal_source, self.heal_reset, self.heal_mismatch = 0, -1, [], False
-        self.agreed_quorum: int | None = None  # the quorum whose replicas were last found to agree
-        self.built_quorum: int | None = None  # the quorum the topology and replica state were built for
+        self.agreed_quorum: tuple | None = None  # the group (_QuorumWatch.key) last found to agree
+        self.built_quorum: tuple | None = None  # the group the topology and replica state were built for
 
     # --- state a healing peer receives: model, local optimizer, algorithm -------------
     def _state(self) -> dict:
@@ -301,8 +383,11 @@ class _FTRun:
         # the algorithm is built (and refused, in one line) before anything connects
         self.comm = FTCommunicator(None, None, self.replica, self.replicas, self.timeout)
         self._build_optimizer()
+        resumed = self._resume() if cfg.run.resume is not None else None
         _wait_for_lighthouse(self.addr, self.timeout, self.RunError)
         self._start_manager()
+        if resumed is not None:  # the group's step: the quorum heals the replicas behind the most advanced one
+            self.manager.load_state_dict({"step": resumed["step"], "batches_committed": resumed["batches_committed"]})
         try:
             return self._train()
         finally:
@@ -317,18 +402,21 @@ class _FTRun:
         td = _dt.timedelta(seconds=self.timeout)
         # the replica group's own store (a group of one rank): torchft's Manager expects it started
         self.store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False, timeout=td)
-        self.pg = ProcessGroupGloo(timeout=td)  # re-configured by the Manager at every quorum change
+        self.pg = _process_group(ProcessGroupGloo, td, self)  # re-configured by the Manager at every quorum change
         self.manager = Manager(
             pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=self.min_replicas,
             use_async_quorum=False,  # heal before the forward pass: a restarted replica takes part at once
             # a survivor may spend up to --timeout stuck in a collective on a peer that died without
             # closing its connections before it asks for the next quorum: the others' wait must outlast that
             timeout=td, quorum_timeout=3 * td, connect_timeout=td, rank=0, world_size=1,
+            # a Lighthouse that stops answering is asked again about once a second, reconnecting, for as long
+            # as the quorum may take: one restarted on the same address is rejoined
+            quorum_retries=_quorum_retries(3 * self.timeout),
             store_addr=host, store_port=self.store.port, lighthouse_addr=self.addr,
             replica_id=_replica_name(self.replica), hostname=host, init_sync=False,  # x_1 is identical by the seed
             checkpoint_transport=_checkpoint_transport(host, td, self.verbose),
         )
-        self.watch = self.manager._client = _QuorumWatch(self.manager._client)
+        self.watch = self.manager._client = _QuorumWatch(self.manager._client, self.manager)
         self.comm.attach(self.manager, self.pg)
 
     def _build_optimizer(self) -> None:
@@ -362,6 +450,8 @@ class _FTRun:
 
         self.agree = {**agreement.agreement_record(self.cfg, self.dataset),
                       REPLICAS_ENV: self.replicas, "min_replicas": self.min_replicas}
+        # each replica resumes (or not) on its own; one behind the group heals from it
+        self.agree.pop("resume_auto", None)
         text = json.dumps(self.agree, sort_keys=True, default=str)
         self.agree_digest = hashlib.sha256(text.encode()).hexdigest()
 
@@ -377,15 +467,19 @@ class _FTRun:
         size = len(self.watch.replica_ids)
         mine = json.dumps({"replica": self.replica, "veteran": self.stepped, "host": socket.gethostname(),
                            "pid": os.getpid(), "record": self.agree}, sort_keys=True, default=str).encode()
-        head = torch.tensor([self.replica, int(self.stepped), len(mine)]
+        resuming = self.resumed_step is not None and not self.stepped
+        head = torch.tensor([self.replica, int(self.stepped), len(mine), int(resuming)]
                             + [int.from_bytes(bytes.fromhex(self.agree_digest)[i:i + 8], "big", signed=True)
                                for i in range(0, 32, 8)], dtype=torch.int64)
         heads = self.comm.gather_group(head, size)
         if heads is None:  # a member failed: the step is discarded, the next group agrees again
             return
+        # a group of replicas that all resumed from their checkpoints and none has stepped since: the
+        # whole run was started again, and its first step waits for every replica, as a fresh start does
+        self.group_resuming = bool(heads[:, 3].all())
         ids = heads[:, 0].tolist()
-        if len(set(ids)) == len(ids) and bool((heads[:, 3:] == heads[0, 3:]).all()):
-            self.agreed_quorum = self.watch.quorum_id
+        if len(set(ids)) == len(ids) and bool((heads[:, 4:] == heads[0, 4:]).all()):
+            self.agreed_quorum = self.watch.key
             return
         longest = int(heads[:, 2].max())
         buf = torch.zeros(longest, dtype=torch.uint8)
@@ -405,15 +499,17 @@ class _FTRun:
     def _open_run_files(self) -> None:
         """Before this replica's first step, its group having agreed: the run directory, config.json (replica 0,
         unless a restarted one finds it), and the metrics file, appended to (a restarted
-        replica writes on after its earlier records), with the records held until now."""
+        replica writes on after its earlier records; a resumed one after those up to its
+        checkpoint's step), with the records held until now."""
         self.out.mkdir(parents=True, exist_ok=True)
         if self.replica == 0 and not rundir.config_path(self.out).exists():
             record = {**self.cfg.to_dict(), "fault_tolerance_replicas": self.replicas}
             if (self.dataset.corpus or {}).get("sha256"):  # a text corpus's identity, as every mode records it
                 record["corpus_sha256"] = self.dataset.corpus["sha256"]
             rundir.write_json(rundir.config_path(self.out), record)
+        keep = 2**62 if self.resumed_step is None else self.resumed_step  # a resumed replica redoes what follows
         held, self.metrics = self.metrics.records, rundir.MetricsWriter(rundir.metrics_path(self.out, self.replica),
-                                                                         keep_until=2**62)
+                                                                         keep_until=keep)
         for rec in held:
             self.metrics.write(rec)
 
@@ -431,7 +527,7 @@ class _FTRun:
             return
         if not self.decentralized:
             self.comm.reconfigure(ids, None)
-            self.built_quorum = self.watch.quorum_id
+            self.built_quorum = self.watch.key
             return
         topo, why = self._topology(len(ids))
         if why is not None:
@@ -446,7 +542,7 @@ class _FTRun:
         self.algo = self.gopt.algorithm = algo
         if self.manager.errored() is not None:
             return  # the exchange failed: the step is discarded and the next quorum rebuilds again
-        self.built_quorum = self.watch.quorum_id
+        self.built_quorum = self.watch.key
         gap = _spectral_gap(topo)
         setup = self.comm.run_ledger.setup_bytes_sent - before
         self._say(f"topology at step {step}: {topo.name} over replicas {ids}"
@@ -476,11 +572,11 @@ class _FTRun:
             while (step := self.manager.current_step()) < self.stop:
                 step = self._quorum(step)
                 n = self._membership(step)
-                if self.watch.quorum_id != self.agreed_quorum and self.manager.errored() is None:
+                if self.watch.key != self.agreed_quorum and self.manager.errored() is None:
                     self._agree(step)  # before anything of the algorithm is exchanged, waiting or not
                 if not self._enough(n, step):
                     continue
-                if self.watch.quorum_id != self.built_quorum and self.manager.errored() is None:
+                if self.watch.key != self.built_quorum and self.manager.errored() is None:
                     self._rebuild([k for k, _ in self.members], step, self.metrics)
                 if self.manager.errored() is not None:  # re-forming the group, healing or rebuilding failed
                     self.manager.should_commit()  # says no: the next quorum retries
@@ -497,11 +593,8 @@ class _FTRun:
         """Step 1: join the step's quorum (healing inside it when the group is ahead); the step."""
         try:
             self.manager.start_quorum()
-        except Exception as e:  # the Lighthouse did not form a quorum within 3 x --timeout
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise self.RunError(
-                f"--fault-tolerance {self.addr}: no quorum of --min-replicas {self.min_replicas} formed "
-                f"within 3 x --timeout ({3 * self.timeout:g} s) at step {step} ({first[:200]})") from None
+        except Exception as e:  # no quorum within 3 x --timeout: say whether the Lighthouse is there
+            raise self.RunError(self._no_quorum(step, e)) from None
         now = self.manager.current_step()
         if now != step and self.heal_mismatch:  # nothing was loaded: the agreement refuses this replica
             self.heal_mismatch = False
@@ -521,6 +614,23 @@ class _FTRun:
             self._position_loader(now)
             self.loader_step = now
         return now
+
+    def _no_quorum(self, step: int, e: BaseException) -> str:
+        """Why no quorum was formed, in one line: the Lighthouse gone (or replaced by another
+        service) or, where it answers, a quorum it could not form."""
+        window = f"3 x --timeout ({3 * self.timeout:g} s)"
+        kind, why = probe_lighthouse(self.addr, min(5.0, self.timeout))
+        if kind == "nothing":
+            return (f"--fault-tolerance {self.addr}: the Lighthouse stopped answering ({why}) and no quorum was "
+                    f"formed within {window} at step {step}; restart it on that address (`{_LIGHTHOUSE_CMD}`): "
+                    f"workers still waiting rejoin it, and a stopped one continues from its checkpoint with "
+                    f"--resume auto")
+        if kind == "other":
+            return (f"--fault-tolerance {self.addr}: the Lighthouse is gone and something else answers there "
+                    f"({why}); no quorum was formed within {window} at step {step}")
+        return (f"--fault-tolerance {self.addr}: the Lighthouse answers but formed no quorum of --min-replicas "
+                f"{self.min_replicas} within {window} at step {step} ({_first_line(e)[:200]}); check its "
+                f"--min_replicas against the live workers")
 
     def _membership(self, step: int) -> int:
         """Step 2: say who left and who joined, once per change; the step's participants."""
@@ -544,7 +654,7 @@ class _FTRun:
         else:
             # (the group's step, not this worker's: a restarted worker whose healing failed
             # is at 0 while the group is not, and retries)
-            start = step == 0 and self.watch.max_step == 0
+            start = (step == 0 and self.watch.max_step == 0) or (self.group_resuming and not self.stepped)
             need, what = (self.replicas if start else n), f"all {REPLICAS_ENV}={self.replicas} to start"
         if n >= need:
             self.waiting_since, self.said_wait = None, False
@@ -607,6 +717,56 @@ class _FTRun:
                                 "setup_bytes_sent": int(self.comm.run_ledger.setup_bytes_sent)})
         if done % self.steps_per_epoch == 0 or done == self.stop:
             self._end_epoch(done)
+        every = cfg.run.checkpoint_every
+        if every and done % every == 0 and done != self.stop:  # the last step's is written at the end
+            self._checkpoint(done)
+
+    # --- checkpoints: each replica its own, so that a run outlives its Lighthouse -------
+    def _checkpoint(self, step: int) -> None:
+        """This replica's state at the committed ``step``: model, local optimizer and the
+        algorithm's whole state (its own error memories included), the group's step and
+        the ledger; written atomically, the two newest kept."""
+        state = {"format": FT_CHECKPOINT_FORMAT, "replica": self.replica, "replicas": self.replicas, "step": step,
+                 "batches_committed": int(self.manager.batches_committed()), "agree": self.agree,
+                 "gossip": self.gopt.state_dict(), "ledger": self.comm.run_ledger.state_dict()}
+        path = self.out / _FT_CHECKPOINT.format(step=step, replica=self.replica)
+        rundir.write_atomically(path, lambda f: torch.save(state, f))
+        kept = ft_checkpoints(self.out, self.replica)
+        for old in sorted(kept)[:-2]:
+            kept[old].unlink(missing_ok=True)
+
+    def _resume(self) -> dict | None:
+        """``--resume``: this replica's newest checkpoint in the run directory, loaded (None
+        where it has none: ``--resume auto`` then starts, and the quorum heals it from a
+        replica that resumed further). A checkpoint of another config is refused in one
+        line naming what differs."""
+        found = ft_checkpoints(self.out, self.replica)
+        if not found:
+            if self.cfg.run.resume != RESUME_AUTO:
+                raise self.RunError(f"--resume {str(self.out)!r}: no checkpoint of replica {self.replica} there "
+                                    f"({_FT_CHECKPOINT.format(step='N', replica=self.replica)}); --resume auto starts "
+                                    "a replica that has none")
+            return None
+        step = max(found)
+        try:
+            state = torch.load(found[step], map_location=self.device, weights_only=False)
+        except Exception as e:  # noqa: BLE001 - a damaged file: say which
+            raise self.RunError(f"--resume: cannot read {str(found[step])!r} ({_first_line(e)[:200]})") from None
+        if state.get("format") != FT_CHECKPOINT_FORMAT or int(state.get("replica", -1)) != self.replica:
+            raise self.RunError(f"--resume: {str(found[step])!r} is not a --fault-tolerance checkpoint of replica "
+                                f"{self.replica}")
+        theirs = state["agree"]
+        diffs = [f"{k}: {json.dumps(theirs.get(k), default=str)} in the checkpoint, "
+                 f"{json.dumps(self.agree.get(k), default=str)} now"
+                 for k in dict.fromkeys([*theirs, *self.agree]) if theirs.get(k) != self.agree.get(k)]
+        if diffs:
+            raise self.RunError(f"--resume: the checkpoint of replica {self.replica} at step {step} was written with "
+                                f"another config; {'; '.join(diffs)}")
+        self.gopt.load_state_dict(state["gossip"])
+        self.comm.run_ledger.load_state_dict(state["ledger"])
+        self.resumed_step = step
+        self._say(f"resumed from its checkpoint at step {step}")
+        return state
 
     def _end_epoch(self, step: int) -> None:
         """After an epoch's last step: this replica's own model evaluated on the test set,
@@ -631,11 +791,28 @@ class _FTRun:
                **evaluation.test_metrics(self.model, self.dataset, self.device),
                "time": time.perf_counter() - self.t0, "aborted_groups": self.comm.aborts}
         self.metrics.write(end)
+        self._checkpoint(end["step"])
         torch.save({"params": self.gopt.flat.data[0].detach().clone(), "step": end["step"]},
                    self.out / f"model-replica{self.replica}.pt")
         if self.replica == 0:
             say_line(json.dumps(end), sys.stdout)
         return end
+
+
+#: the format tag of a --fault-tolerance checkpoint, and its file name in the run directory
+FT_CHECKPOINT_FORMAT = "gossip-fault-tolerance-1"
+_FT_CHECKPOINT = "ckpt-step{step}-replica{replica}.pt"
+
+
+def ft_checkpoints(run_dir: str | Path, replica: int) -> dict[int, Path]:
+    """``{step: path}`` of replica ``replica``'s ``--fault-tolerance`` checkpoints in ``run_dir``."""
+    import re
+
+    pattern = re.compile(rf"^ckpt-step(\d+)-replica{int(replica)}\.pt$")
+    d = Path(run_dir)
+    if not d.is_dir():
+        return {}
+    return {int(m.group(1)): p for p in d.iterdir() if (m := pattern.match(p.name)) and p.is_file()}
 
 
 class _Pending:
@@ -682,8 +859,8 @@ def agreement_verdict(cfg: Any, entries: list[dict], replicas: int) -> tuple[str
     if veterans and all(records[r] == records[veterans[0]] for r in veterans):
         ref = veterans[0]
         odd = [r for r in everyone if records[r] != records[ref]]
-        line = agreement.disagreement(cfg, [records[ref]] + [records[r] for r in odd], [ids[ref]] + [ids[r] for r in odd],
-                                      unit="replica")
+        line = agreement.disagreement(cfg, [records[ref]] + [records[r] for r in odd],
+                                      [ids[ref]] + [ids[r] for r in odd], unit="replica")
         joiners = ", ".join(str(ids[r]) for r in odd)
         return f"replica {joiners} cannot join the run: {line}", set(odd)
     line = agreement.disagreement(cfg, [records[r] for r in sorted(everyone, key=lambda r: ids[r])],

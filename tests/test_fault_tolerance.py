@@ -49,31 +49,44 @@ def _env(replica: int | None = None, replicas: int = 4) -> dict:
 
 
 class _Lighthouse:
-    """``torchft_lighthouse`` on a free localhost port, as torchft documents starting it."""
+    """torchft's Lighthouse on a free localhost port, with the flags of torchft's
+    ``torchft_lighthouse`` (started by ``tests/_ftlighthouse.py``, which loads its
+    extension without importing torch); :meth:`kill` and :meth:`start` again on the same
+    port, as an operator would restart it."""
 
     def __init__(self, min_replicas: int, tmp: Path) -> None:
+        _lighthouse_binary()  # installed with torchft, as the docs start it
         with socket.socket() as s:
             s.bind(("localhost", 0))
-            port = s.getsockname()[1]
-        self.log = open(tmp / "lighthouse.log", "w")
+            self.port = s.getsockname()[1]
+        self.min_replicas, self.log = min_replicas, open(tmp / "lighthouse.log", "w")
+        self.addr = f"localhost:{self.port}"
+        self.start()
+
+    def start(self) -> None:
+        """Start it (again) on its port; return once it listens."""
         self.proc = subprocess.Popen(
-            [_lighthouse_binary(), "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
-             "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "50"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        self.addr = f"localhost:{port}"
+            [sys.executable, str(ROOT / "tests" / "_ftlighthouse.py"), "--min_replicas", str(self.min_replicas),
+             "--bind", f"[::]:{self.port}", "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "1000",
+             "--quorum_tick_ms", "50"], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                socket.create_connection(("localhost", port), timeout=1).close()
+                socket.create_connection(("localhost", self.port), timeout=1).close()
                 return
             except OSError:
+                if self.proc.poll() is not None:
+                    break
                 time.sleep(0.05)
         self.close()
-        pytest.fail("torchft_lighthouse did not start listening within 60 s")
+        pytest.fail("the Lighthouse did not start listening within 60 s")
 
-    def close(self) -> None:
+    def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+    def close(self) -> None:
+        self.kill()
         self.log.close()
 
 
@@ -804,7 +817,167 @@ def test_a_language_model_trains_under_fault_tolerance(tmp_path: Path) -> None:
     got = _group(tmp_path, [tiny_lm, tiny_lm], [0, 1], 2)
     for code, text in got:
         assert code == 0, text[-3000:]
-        assert re.search(r"\] epoch [ .\d]+/50  train \d+\.\d{4}  test \d+\.\d{4}  bpb \d+\.\d{3} ppl ", text), text[-2000:]
+        assert re.search(r"\] epoch [ .\d]+/50  train \d+\.\d{4}  test \d+\.\d{4}  bpb \d+\.\d{3} ppl ",
+                         text), text[-2000:]
     end = [r for r in _records(tmp_path / "run" / "metrics-rank0.jsonl") if r.get("event") == "end"][-1]
     assert end["step"] == 3 and end["test_bpb"] > 0
     assert "corpus_sha256" in json.loads((tmp_path / "run" / "config.json").read_text())
+
+
+# --------------------------------------------------------------------------------------
+# no single point of total loss: the Lighthouse
+# --------------------------------------------------------------------------------------
+def test_a_port_where_no_lighthouse_answers_is_named_as_such_at_once(tmp_path: Path) -> None:
+    """A web server on the port is not a Lighthouse: said before anything waits on it."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class _Hello(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"hello")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("localhost", 0), _Hello)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "gossip.train", *SHORT, "--timeout", "60", "--fault-tolerance",
+                            f"localhost:{port}", "--out", str(tmp_path / "o")],
+                           env=_env(0, 2), capture_output=True, text=True, timeout=180)
+        took = time.monotonic() - t0
+    finally:
+        server.shutdown()
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and re.fullmatch(
+        rf"gossip\.train: error: --fault-tolerance localhost:{port}: no torchft Lighthouse there: something else "
+        r"answers \(HTTP 200 OK from BaseHTTP/\S+ Python/\S+ without its dashboard\); give the Lighthouse's address, "
+        r"or start one with `torchft_lighthouse .*`", lines[0]), r.stderr
+    assert took < 60  # not --timeout: nothing to wait for
+
+
+def _two_workers(tmp: Path, lh: _Lighthouse, extra: list[str], slow: Path, names=("w0", "w1")) -> list:
+    argv = [*ARGS, "--model", "tests._ftmodel:mlp", "--no-progress", "--fault-tolerance", lh.addr,
+            "--out", str(tmp / "run"), *extra]
+    return [_start(k, argv, tmp, names[k], slow=slow, replicas=2) for k in range(2)]
+
+
+def test_when_the_lighthouse_dies_every_worker_names_it_and_the_run_resumes_from_its_checkpoints(
+        tmp_path: Path) -> None:
+    """The Lighthouse is killed and not restarted: every worker stops within 3 x --timeout
+    with a line naming it. Started again, with a Lighthouse, and --resume auto, each
+    replica continues from its own newest checkpoint: the steps after it are taken again,
+    with the same losses to the last bit, and every step is in the metrics exactly once."""
+    lh = _Lighthouse(min_replicas=1, tmp=tmp_path)
+    slow, out = tmp_path / "slow", tmp_path / "run"
+    flags = ["--timeout", "4", "--checkpoint-every", "4", "--max-steps", "24"]
+    procs: list[subprocess.Popen] = []
+    try:
+        slow.touch()  # the run cannot end before the Lighthouse is gone
+        procs = _two_workers(tmp_path, lh, flags, slow)
+        m = [out / f"metrics-rank{k}.jsonl" for k in range(2)]
+        _wait(lambda: min(_last_step(m[0]), _last_step(m[1])) >= 6, "both replicas to reach step 6", procs)
+        lh.kill()
+        t0 = time.monotonic()
+        codes = [p.wait(timeout=120) for p in procs]
+        took = time.monotonic() - t0
+        logs = [(tmp_path / f"w{k}.log").read_text() for k in range(2)]
+        assert codes == [2, 2], logs
+        for log in logs:
+            lines = _error_lines(log)
+            assert len(lines) == 1 and re.search(
+                rf"error: --fault-tolerance http://localhost:{lh.port}: the Lighthouse stopped answering \(Connection "
+                r"refused\) and no quorum was formed within 3 x --timeout \(12 s\) at step \d+; restart it on that "
+                r"address \(`torchft_lighthouse .*`\): workers still waiting rejoin it, and a stopped one continues "
+                r"from its checkpoint with --resume auto$", lines[0]), log[-3000:]
+        assert took < 60, took
+        before = {k: {r["step"]: r["loss"] for r in _steps(_records(m[k]))} for k in range(2)}
+        kept = {k: max(int(re.search(r"step(\d+)", p.name).group(1)) for p in out.glob(f"ckpt-step*-replica{k}.pt"))
+                for k in range(2)}
+        assert kept[0] == kept[1] >= 4 and max(before[0]) > kept[0], (kept, max(before[0]))
+        # the whole run, started again: a Lighthouse, and both workers with --resume auto
+        slow.unlink()
+        lh.start()
+        procs = _two_workers(tmp_path, lh, [*flags, "--resume", "auto"], slow, names=("r0", "r1"))
+        for k, p in enumerate(procs):
+            assert p.wait(timeout=180) == 0, (tmp_path / f"r{k}.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lh.close()
+    for k in range(2):
+        assert f"[replica {k}] resumed from its checkpoint at step {kept[k]}" in (tmp_path / f"r{k}.log").read_text()
+        steps = _steps(_records(m[k]))
+        assert [r["step"] for r in steps] == list(range(1, 25)), [r["step"] for r in steps]
+        redone = [r for r in steps if kept[k] < r["step"] <= max(before[k])]
+        assert redone and all(r["loss"] == before[k][r["step"]] for r in redone), (redone, before[k])
+    p0, p1 = (torch.load(out / f"model-replica{k}.pt")["params"] for k in range(2))
+    assert torch.equal(p0, p1)
+    # a checkpoint of another config is refused, naming the option, before anything connects
+    r = subprocess.run([sys.executable, "-m", "gossip.train", *ARGS, "--model", "tests._ftmodel:mlp", "--no-progress",
+                        "--fault-tolerance", "localhost:1", "--out", str(out), *flags, "--resume", "auto",
+                        "--lr", "0.1"],
+                       env=_env(0, 2), capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2 and _error_lines(r.stderr) == [
+        "gossip.train: error: --resume: the checkpoint of replica 0 at step 24 was written with another config; "
+        "lr: 0.05 in the checkpoint, 0.1 now"], r.stderr[-2000:]
+
+
+def test_a_lighthouse_that_answers_but_forms_no_quorum_says_so(tmp_path: Path) -> None:
+    lh = _Lighthouse(min_replicas=2, tmp=tmp_path)  # two replicas for a quorum; one worker comes
+    try:
+        r = subprocess.run([sys.executable, "-m", "gossip.train", *SHORT, "--timeout", "2", "--fault-tolerance",
+                            lh.addr, "--out", str(tmp_path / "o")], env=_env(0, 1), capture_output=True, text=True,
+                           timeout=180)
+    finally:
+        lh.close()
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert _error_lines(r.stderr) and re.search(
+        rf"error: --fault-tolerance http://localhost:{lh.port}: the Lighthouse answers but formed no quorum of "
+        r"--min-replicas 1 within 3 x --timeout \(6 s\) at step 0 \(.*\); check its --min_replicas against the live "
+        r"workers$", _error_lines(r.stderr)[0]), r.stderr[-2000:]
+
+
+def test_a_lighthouse_restarted_on_the_same_address_is_rejoined_and_the_run_goes_on(tmp_path: Path) -> None:
+    """Killed mid-run and started again on its port: the workers, which kept their state,
+    rejoin it and go on from their step (nothing is lost, no step is taken twice)."""
+    lh = _Lighthouse(min_replicas=1, tmp=tmp_path)
+    slow, out = tmp_path / "slow", tmp_path / "run"
+    procs: list[subprocess.Popen] = []
+    try:
+        slow.touch()
+        procs = _two_workers(tmp_path, lh, ["--timeout", "20", "--max-steps", "30"], slow)
+        m = [out / f"metrics-rank{k}.jsonl" for k in range(2)]
+        _wait(lambda: min(_last_step(m[0]), _last_step(m[1])) >= 5, "both replicas to reach step 5", procs)
+        lh.kill()
+        at_kill = [_last_step(m[k]) for k in range(2)]
+        time.sleep(1.0)  # the workers find it gone
+        lh.start()
+        listening = time.monotonic()
+        _wait(lambda: all(_last_step(m[k]) > at_kill[k] + 1 for k in range(2)), "both replicas to step again",
+              procs, timeout=120)
+        rejoined = time.monotonic() - listening
+        slow.unlink()
+        for k, p in enumerate(procs):
+            assert p.wait(timeout=180) == 0, (tmp_path / f"w{k}.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lh.close()
+    # the documented bound, about 2 s (a retry a second, the Lighthouse's join timeout), with room for a busy machine
+    assert rejoined < 15, rejoined
+    for k in range(2):
+        steps = [r["step"] for r in _steps(_records(m[k]))]
+        assert steps == list(range(1, 31)), steps
+        assert "error" not in (tmp_path / f"w{k}.log").read_text()
+    p0, p1 = (torch.load(out / f"model-replica{k}.pt")["params"] for k in range(2))
+    assert torch.equal(p0, p1)

@@ -171,3 +171,31 @@ def test_payload_bytes_with_ties_are_pinned(eager, spec, d):
     P = c.encode(X, keys, tag=3)
     Y = c.decode(P, d, tag=3)
     assert (_digest(P), _digest(Y)) == PINNED_TIES[(spec, d)]
+
+
+@pytest.mark.parametrize("chunk", [61, 1000, 1 << 24])
+@pytest.mark.parametrize("spec,d,seed", [k for k in sorted(PINNED) if k[1] == 5000 and k[0].split(":")[0] in
+                                         ("quant", "qsgd", "ternary")])
+def test_the_bytes_do_not_depend_on_the_eager_chunk_size(eager, monkeypatch, chunk, spec, d, seed):
+    """The eager forms work in chunks (_kernels.EAGER_CHUNK elements): pieces of a block,
+    runs of blocks of one row or runs of rows, whichever the shapes give; the chunk size
+    must not show in the bytes (at 1 << 24 the whole input is one chunk, as off the CPU)."""
+    monkeypatch.setattr(_kernels, "EAGER_CHUNK", chunk)
+    test_payload_bytes_are_pinned(None, spec, d, seed)
+
+
+@pytest.mark.parametrize("chunk", [61, 1000, 1 << 24])
+@pytest.mark.parametrize("spec,d", [k for k in sorted(PINNED_TIES) if k[1] == 5000])
+def test_ties_are_resolved_whatever_the_eager_chunk_size(eager, monkeypatch, chunk, spec, d):
+    resolved = []
+    real = _kernels.tie_levels
+
+    def spy(xs, *a, **kw):
+        resolved.append(xs.numel())
+        return real(xs, *a, **kw)
+
+    monkeypatch.setattr(_kernels, "tie_levels", spy)
+    monkeypatch.setattr(_kernels, "EAGER_CHUNK", chunk)
+    test_payload_bytes_with_ties_are_pinned(None, spec, d)
+    if spec in ("quant:bits=8", "quant:bits=4"):  # one block per row: the six ties placed in rows 0 and 2
+        assert sum(resolved) == 6, resolved

@@ -190,48 +190,45 @@ def test_rounding_probability_is_exact_for_simple_fractions():
         assert abs(float(p[i]) - want) <= Z * math.sqrt(want * (1 - want) / n) + 1e-12
 
 
-def test_ties_beyond_the_first_digit_are_resolved_exactly(monkeypatch):
-    """Force the first (24-bit) digit to equal floor(frac * 2**24): the element is a tie.
+_REM = 5 / 16  # the remainder of the tie elements below: F - u, exact in fp32 for u < 2**20
 
-    t = 5.3 * 2**-24 (fp32) rounds up with probability t; given the tie, with
-    probability F - 5 where F = t * 2**24, which the lazily drawn digits must honour.
+
+def _tie_rows(n: int):
+    """n keys and rows [0, t, 1] whose element 1 is a tie of quant:bits=1: t = (u + 5/16)
+    * 2**-24, u the element's first (24-bit) digit for the row's key, so F = t * 2**24
+    and floor(F) == u. Keys are kept whose digit is below 2**20, so that t is exact in
+    fp32 (at most 24 significant bits) and every row has the remainder F - u = 5/16."""
+    keys = torch.arange(1, 40 * n, dtype=torch.int64)  # 1 in 16 has a digit below 2**20
+    u = _kernels.block_digits(R.stream_seeds(keys, R.STREAM_ROUND), 1, 2, 0)[:, 0, 1]
+    keep = (u < (1 << 20)).nonzero()[:n, 0]
+    assert keep.numel() == n
+    keys, u = keys[keep], u[keep].to(torch.float64)
+    t = ((u + _REM) * 2.0**-24).to(torch.float32)
+    assert torch.equal(t.to(torch.float64) * 2.0**24 - u, torch.full_like(u, _REM))  # exact
+    X = torch.stack([torch.zeros(n), t, torch.ones(n)], 1)
+    return X, keys
+
+
+def test_ties_beyond_the_first_digit_are_resolved_exactly():
+    """Rows whose element 1 has a first (24-bit) digit equal to floor(frac * 2**24): a tie.
+
+    On [0, 1] with one bit, t = x rounds up with probability t; given the tie, with
+    probability F - u (5/16 here), which the lazily drawn digits must honour.
     """
-    t = torch.tensor(5.3 * 2.0**-24, dtype=torch.float32)
-    F = float(t.double() * 2.0**24)
-    rem = F - 5.0
-    x = torch.tensor([0.0, float(t), 1.0])
-    real = _kernels.block_digits
-
-    def forced(seeds, nb, n, w0):
-        d = real(seeds, nb, n, w0)
-        d[:, 0, 1] = 5  # the element with t = 5.3 * 2**-24
-        return d
-
-    monkeypatch.setattr(_kernels, "block_digits", forced)
-    c = gc.build("quant:bits=1")
     n = 20_000
-    X = x.expand(n, -1).contiguous()
-    keys = torch.arange(n, dtype=torch.int64)
+    X, keys = _tie_rows(n)
+    c = gc.build("quant:bits=1")
     P = c.encode(X, keys)
     codes = P[:, c.layout(3).offsets["codes"][0]].to(torch.int64)
     up = ((codes >> 1) & 1).double().mean().item()
-    assert abs(up - rem) <= Z * math.sqrt(rem * (1 - rem) / n), (up, rem)
+    assert abs(up - _REM) <= Z * math.sqrt(_REM * (1 - _REM) / n), (up, _REM)
     # the other elements are untouched by the tie path
     assert bool(((codes & 1) == 0).all()) and bool(((codes >> 2) & 1).all())
 
 
-def test_ties_are_deterministic_per_key(monkeypatch):
-    real = _kernels.block_digits
-
-    def forced(seeds, nb, n, w0):
-        d = real(seeds, nb, n, w0)
-        d[:, 0, 1] = 5
-        return d
-
-    monkeypatch.setattr(_kernels, "block_digits", forced)
+def test_ties_are_deterministic_per_key():
     c = gc.build("quant:bits=1")
-    x = torch.tensor([[0.0, 5.3 * 2.0**-24, 1.0]]).expand(50, -1).contiguous()
-    keys = torch.arange(50, dtype=torch.int64)
+    x, keys = _tie_rows(50)
     assert torch.equal(c.encode(x, keys), c.encode(x, keys))
     alone = torch.cat([c.encode(x[i:i + 1], keys[i:i + 1]) for i in range(50)])
     assert torch.equal(alone, c.encode(x, keys))

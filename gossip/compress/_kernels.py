@@ -46,7 +46,7 @@ import warnings
 
 import torch
 
-from . import _random as R
+from . import _random as R, _scratch
 
 R_ = R  # the _random module, under a name that the kernels' local `R` (a range) does not shadow
 
@@ -361,6 +361,324 @@ def _ties(x, a, s, seeds, start: int, L: float, mode: int, out) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------
+# The eager forms in cache-sized chunks.
+#
+# ATen runs one loop per operation, so an eager kernel makes one pass over its data per
+# operation: over a 16M-element tensor each of the rounding's ~20 operations streamed 64
+# MB through memory and allocated (and faulted in) a temporary of that size. These forms
+# cut the data into chunks of at most EAGER_CHUNK elements and run each chunk's fixed
+# sequence of operations in place in per-thread scratch buffers that stay in the cache
+# (gossip.compress._scratch): the input is read once and the output written once.
+#
+# The digits: hash24 starts with (i + s1) * M1 (mod 2**32), which for a run of
+# consecutive indices e0 + j is j * M1 + (e0 + s1) * M1: one add of a per-run constant
+# to a cached table of j * M1. The rest of hash24 follows, step by step and in place,
+# in the same wrapping int32 arithmetic. The rounding: D = F - u is taken as u - F in one
+# operation, torch.sub(u, frac, alpha=2**24) (frac * 2**24 is exact, so fused or not it
+# rounds once, and u - F rounds to -D exactly); "up" (D > 0) is u - F < 0 as fp32 0/1
+# (ATen's comparisons vectorise for an output of the input's dtype), and the level
+# floor(t) + up. A tie (0 < D < 1) needs t < 0.5, so a chunk whose smallest t is 0.5 or
+# more has none; in the others, frac(max(u - F, -1)) < 0 exactly at the ties, which are
+# then resolved (tie_levels) before the chunk's codes are stored. The same IEEE
+# operations on the same values as _sr_eager and the compiled kernels: the same bits.
+# --------------------------------------------------------------------------------------
+
+#: elements per chunk of the chunked eager forms on the CPU: their three scratch buffers
+#: of 4-byte values (384 KiB at 2**15) stay in a core's L2 cache, and a chunk is long
+#: enough that ATen's cost per call (a few microseconds) stays small against the work
+EAGER_CHUNK = 1 << 18
+#: elsewhere (a GPU pays per kernel launch, not per pass over memory): chunks this large
+EAGER_CHUNK_OTHER = 1 << 24
+_COUNTER_PRODUCTS: dict = {}
+
+
+def _wrap32(v: int) -> int:
+    """An integer modulo 2**32, as the int32 value with those bits."""
+    v &= R._MASK32
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def _as_int32(v: torch.Tensor) -> torch.Tensor:
+    """int64 values modulo 2**32, as int32."""
+    return (((v + (1 << 31)) & R._MASK32) - (1 << 31)).to(torch.int32)
+
+
+def _counter_products(n: int, device) -> torch.Tensor:
+    """(j * M1) mod 2**32 for j = 0 .. n - 1 (int32), kept per device."""
+    t = _COUNTER_PRODUCTS.get(device)
+    if t is None or t.numel() < n:
+        t = _COUNTER_PRODUCTS[device] = _as_int32(torch.arange(n, dtype=torch.int64, device=device) * R._H1)
+    return t[:n]
+
+
+def _chunk_size(device) -> int:
+    return EAGER_CHUNK if device.type == "cpu" else EAGER_CHUNK_OTHER
+
+
+def _plan(m: int, nb: int, J: int, N: int, CH: int):
+    """Chunks (r0, r1, b0, b1, i0, i1) of the columns [i0, i1) of J planes of N columns
+    in blocks [b0, b1) of rows [r0, r1): pieces of one block when a block holds a chunk
+    or more, else whole blocks of one row when a row does, else whole rows."""
+    B = J * N
+    if B >= CH:
+        n = max(1, CH // J)
+        for r in range(m):
+            for b in range(nb):
+                for i0 in range(0, N, n):
+                    yield r, r + 1, b, b + 1, i0, min(N, i0 + n)
+    elif nb * B >= CH:
+        kb = CH // B
+        for r in range(m):
+            for b0 in range(0, nb, kb):
+                yield r, r + 1, b0, min(nb, b0 + kb), 0, N
+    else:
+        rr = max(1, CH // (nb * B))
+        for r0 in range(0, m, rr):
+            yield r0, min(m, r0 + rr), 0, nb, 0, N
+
+
+def _run_bases(S1: list, plan: list, J: int, N: int, B: int, start: int, device) -> list:
+    """Per chunk of ``plan``: (e + s1) * M1 mod 2**32 (int32) of the first element e =
+    start + i0 + b B + j N of each of its runs (row r, block b, plane j), shaped (rr, kb,
+    J, 1) to broadcast against the chunk."""
+    m = len(S1)
+    single = [c for c in plan if c[1] - c[0] == 1 and c[3] - c[2] == 1]
+    res: dict = {}
+    if single:  # one block of one row per chunk (pieces of blocks): all in one go
+        e = torch.tensor([start + i0 + b0 * B + S1[r0] for r0, _, b0, _, i0, _ in single], dtype=torch.int64)
+        v = _as_int32((e.view(-1, 1) + torch.arange(J, dtype=torch.int64) * N) * R._H1).to(device)
+        for c, row in zip(single, v.view(-1, 1, 1, J, 1).unbind(0)):
+            res[c] = row
+    if len(single) < len(plan):  # runs of whole blocks (i0 = 0)
+        nb = max(c[3] for c in plan)
+        w = (torch.tensor(S1, dtype=torch.int64).view(m, 1, 1)
+             + (torch.arange(nb, dtype=torch.int64) * B + start).view(1, nb, 1)
+             + (torch.arange(J, dtype=torch.int64) * N).view(1, 1, J))
+        w = _as_int32(w * R._H1).to(device).unsqueeze(-1)
+        for c in plan:
+            if c not in res:
+                res[c] = w[c[0]:c[1], c[2]:c[3]]
+    return [res[c] for c in plan]
+
+
+_CONSTS: dict = {}
+
+
+def _consts(device) -> dict:
+    """0-d tensors of the chunked forms' constants, per device (a Python number operand
+    costs ATen a conversion to a tensor at every call)."""
+    c = _CONSTS.get(device)
+    if c is None:
+        i32 = {k: torch.tensor(v, dtype=torch.int32, device=device) for k, v in
+               (("m20", 0xFFFFF), ("m24", 0xFFFFFF), ("h2", R._H2), ("s12", 12), ("s8", 8), ("s15", 15))}
+        f32 = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in (("zero", 0.0), ("neg1", -1.0))}
+        c = _CONSTS[device] = {**i32, **f32}
+    return c
+
+
+def _digits_into(h, t, P, base, s2, K) -> None:
+    """hash24 of a chunk's elements into h (int32, (rr, kb, J, n)), given P = j * M1 for
+    the columns (n), the runs' bases and the seeds' high halves s2 (int32 (rr, 1, 1, 1));
+    t: int32 scratch of h's shape; K: :func:`_consts`. The steps of _random.hash32 and
+    hash24."""
+    torch.add(P, base, out=h)  # (i + s1) * M1
+    h.bitwise_xor_(s2)
+    torch.bitwise_right_shift(h, K["s12"], out=t)
+    t.bitwise_and_(K["m20"])  # the logical shift
+    h.bitwise_xor_(t)
+    h.mul_(K["h2"])
+    h.bitwise_right_shift_(K["s8"])
+    h.bitwise_and_(K["m24"])  # u, the top 24 bits
+    torch.bitwise_right_shift(h, K["s15"], out=t)
+    h.bitwise_xor_(t)  # u ^ (u >> 15)
+
+
+def _eager_round(x4, a, s, keys, seeds, start: int, L: float, mode: int, store) -> None:
+    """Stochastic rounding (as _sr_eager, ties resolved) of x4 (m, nb, J, N): J planes of
+    N columns per block, element j N + i of its block (a, s: (m, nb, 1)), chunk by chunk;
+    ``store(r0, r1, b0, b1, i0, i1, codes, scratch)`` takes each chunk's levels, fp32 (rr,
+    kb, J, n), with an int32 scratch buffer of their size."""
+    m, nb, J, N = x4.shape
+    B = J * N
+    dev = x4.device
+    CH = _chunk_size(dev)
+    K = _consts(dev)
+    s1, s2 = R.seeds32(seeds)
+    S1 = s1.tolist()
+    s2t = s2.to(dev).view(m, 1, 1, 1)
+    a4, s4 = a.view(m, nb, 1, 1), s.view(m, nb, 1, 1)
+    Lt = torch.tensor(L, dtype=torch.float32, device=dev)
+    P = _counter_products(min(N, max(1, CH // J)), dev)
+    f32 = torch.float32
+    plan = list(_plan(m, nb, J, N, CH))
+    bases = _run_bases(S1, plan, J, N, B, start, dev)
+    cmax = max(CH, J)
+    flat = (_scratch.buffer("eager.h", cmax, torch.int32, dev), _scratch.buffer("eager.t", cmax, torch.int32, dev),
+            _scratch.buffer("eager.f", cmax, f32, dev))
+    views: dict = {}  # per chunk shape: the buffers' views, made once (a call costs microseconds)
+    for (r0, r1, b0, b1, i0, i1), base in zip(plan, bases):
+        rr, kb, n = r1 - r0, b1 - b0, i1 - i0
+        shape = (rr, kb, J, n)
+        v = views.get(shape)
+        if v is None:
+            cnt = rr * kb * J * n
+            h, t, ff = (f[:cnt].view(shape) for f in flat)
+            v = views[shape] = (h, t, ff, t.view(f32), h.view(f32), P[:n].view(1, 1, 1, n))
+        h, t, ff, uf, tf, Pn = v
+        xc = x4[r0:r1, b0:b1, :, i0:i1]
+        _digits_into(h, t, Pn, base, s2t[r0:r1], K)
+        uf.copy_(h)  # the digits u in fp32 (exact: below 2**24); tf takes h's place
+        if mode == 0:
+            torch.sub(xc, a4[r0:r1, b0:b1], out=tf).mul_(s4[r0:r1, b0:b1])  # t <= L without a clamp: see _scaled
+        else:
+            torch.abs(xc, out=tf).mul_(s4[r0:r1, b0:b1])
+            torch.minimum(tf, Lt, out=tf)  # clamp(max=L)
+        low = tf.amin().item() < 0.5  # ties need t < 0.5
+        torch.floor(tf, out=ff)
+        tf.sub_(ff)  # frac(t)
+        torch.sub(uf, tf, alpha=_TWO24, out=uf)  # u - F = -D
+        tie = None
+        if low:
+            torch.maximum(uf, K["neg1"], out=tf)
+            if tf.frac_().amin().item() < 0:  # some -1 < u - F < 0: ties
+                tie = ((uf > -1) & (uf < 0)).nonzero()
+        torch.lt(uf, K["zero"], out=tf)  # up
+        ff.add_(tf)
+        if mode:
+            torch.lt(xc, K["zero"], out=tf)  # x < 0
+            if mode == 1:
+                torch.add(tf, ff, alpha=2, out=ff)  # 2 level + [x < 0]
+            else:
+                ff.addcmul_(ff, tf)  # level (1 + [x < 0])
+        if tie is not None:
+            rl, bl, jl, il = tie.unbind(1)
+            r, b = rl + r0, bl + b0
+            ff[rl, bl, jl, il] = tie_levels(xc[rl, bl, jl, il], a4[r, b, 0, 0], s4[r, b, 0, 0], keys[r],
+                                            b * B + jl * N + il + (start + i0), L, mode)
+        store(r0, r1, b0, b1, i0, i1, ff, h)
+
+
+def _store_codes(dst, codes, scratch) -> None:
+    """dst = codes (fp32 integers); scratch: an int32 buffer of at least codes' size. Into
+    uint8 through int32: ATen converts fp32 to int32 and int32 to uint8 in vector code,
+    fp32 to uint8 not (two passes in the cache took less than half the time of one)."""
+    if dst.dtype == torch.uint8:
+        i32 = scratch if scratch.shape == codes.shape else scratch.view(-1)[: codes.numel()].view(codes.shape)
+        i32.copy_(codes)
+        dst.copy_(i32)
+    else:
+        dst.copy_(codes)
+
+
+def _round_into(x, a, s, keys, seeds, start: int, L: float, mode: int, out) -> None:
+    """Round blocks x (m, nb, B) into the integer codes ``out`` (m, nb, B), chunk by chunk."""
+    o4 = out.unsqueeze(2)
+
+    def store(r0, r1, b0, b1, i0, i1, ff, scratch):
+        _store_codes(o4[r0:r1, b0:b1, :, i0:i1], ff, scratch)
+
+    _eager_round(x.unsqueeze(2), a, s, keys, seeds, start, float(L), mode, store)
+
+
+def quant_planar_encode_eager(x, keys, seeds, start: int, bits: int, out):
+    """The eager form of :func:`quant_planar_encode`: blocks x (m, nb, 8N) -> packed codes
+    out (m, nb, bits * N), rounding and packing chunk by chunk; returns (a, R, s)."""
+    m, nb, B = x.shape
+    N = B // 8
+    L = float((1 << bits) - 1)
+    a, R, s = _scales(x, L, 0)
+    if B % 8:  # a last, shorter block: its last column is padded (bitpack.pack_planes)
+        from .bitpack import pack_planes
+
+        codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+        _round_into(x, a, s, keys, seeds, start, L, 0, codes)
+        pack_planes(codes, bits, out)
+        return a, R, s
+    o4 = out.view(m, nb, bits, N)
+    dev = x.device
+    if 8 % bits == 0:
+        k = 8 // bits  # codes per byte: byte row q holds planes q k .. q k + k - 1
+
+        def store(r0, r1, b0, b1, i0, i1, ff, scratch):
+            f5 = ff.view(r1 - r0, b1 - b0, bits, k, i1 - i0)
+            acc = f5[:, :, :, 0]
+            for r in range(1, k):  # byte = sum of code << (bits r): exact in fp32
+                acc.add_(f5[:, :, :, r], alpha=1 << (bits * r))
+            _store_codes(o4[r0:r1, b0:b1, :, i0:i1], acc, scratch)
+    else:
+        def store(r0, r1, b0, b1, i0, i1, ff, scratch):
+            shape = (r1 - r0, b1 - b0, i1 - i0)
+            cnt = shape[0] * shape[1] * shape[2]
+            w = _scratch.buffer("eager.word", cnt, torch.int64, dev).view(shape)
+            tmp = _scratch.buffer("eager.wtmp", cnt, torch.int64, dev).view(shape)
+            w.copy_(ff[:, :, 0])
+            for j in range(1, 8):  # the column's 8 b-bit word
+                tmp.copy_(ff[:, :, j])
+                w.add_(tmp, alpha=1 << (bits * j))
+            for q in range(bits):
+                torch.bitwise_right_shift(w, 8 * q, out=tmp)
+                o4[r0:r1, b0:b1, q, i0:i1].copy_(tmp.bitwise_and_(0xFF))
+
+    _eager_round(x.unflatten(-1, (8, N)), a, s, keys, seeds, start, L, 0, store)
+    return a, R, s
+
+
+def quant_planar_decode_eager(p, a, step, bits: int, out) -> None:
+    """The eager form of :func:`quant_planar_decode`, chunk by chunk: packed codes p (m,
+    nb, bits * N) -> out (m, nb, 8N) fp32 = code * step + a."""
+    m, nb, nby = p.shape
+    N = nby // bits
+    if out.shape[2] != 8 * N:  # a last, shorter block: its last column is padded
+        from .bitpack import unpack_planes
+
+        _affine_chunks(unpack_planes(p, bits, out.shape[2]), a, step, out)
+        return
+    p4, o4 = p.view(m, nb, bits, N), out.view(m, nb, 8, N)
+    a4, s4 = a.view(m, nb, 1, 1), step.view(m, nb, 1, 1)
+    dev = p.device
+    mask = (1 << bits) - 1
+    k = 8 // bits
+    for r0, r1, b0, b1, i0, i1 in _plan(m, nb, 8, N, _chunk_size(dev)):
+        oc = o4[r0:r1, b0:b1, :, i0:i1]
+        shape = (r1 - r0, b1 - b0, i1 - i0)
+        cnt = shape[0] * shape[1] * shape[2]
+        if 8 % bits == 0:
+            u8 = _scratch.buffer("eager.bytes", cnt * bits, torch.uint8, dev).view(shape[0], shape[1], bits, shape[2])
+            pc = p4[r0:r1, b0:b1, :, i0:i1]
+            for r in range(k):  # the codes at bits [bits r, bits r + bits) of every byte row: planes r, r + k, ...
+                if r == 0:
+                    torch.bitwise_and(pc, mask, out=u8)
+                else:
+                    torch.bitwise_right_shift(pc, bits * r, out=u8)
+                    if r < k - 1:
+                        u8.bitwise_and_(mask)
+                oc[:, :, r::k].copy_(u8)
+        else:
+            w = _scratch.buffer("eager.word", cnt, torch.int64, dev).view(shape)
+            tmp = _scratch.buffer("eager.wtmp", cnt, torch.int64, dev).view(shape)
+            w.copy_(p4[r0:r1, b0:b1, 0, i0:i1])
+            for q in range(1, bits):
+                tmp.copy_(p4[r0:r1, b0:b1, q, i0:i1])
+                w.bitwise_or_(tmp.bitwise_left_shift_(8 * q))
+            for j in range(8):
+                torch.bitwise_right_shift(w, bits * j, out=tmp)
+                oc[:, :, j].copy_(tmp.bitwise_and_(mask))
+        oc.mul_(s4[r0:r1, b0:b1]).add_(a4[r0:r1, b0:b1])  # two roundings, as the compiled kernel
+
+
+def _affine_chunks(codes, a, step, out) -> None:
+    """out (m, nb, B) = codes * step + a, chunk by chunk (the codes convert to fp32
+    exactly, then one rounding for the product and one for the sum)."""
+    m, nb, B = out.shape
+    c4, o4 = codes.unsqueeze(2), out.unsqueeze(2)
+    a4, s4 = a.view(m, nb, 1, 1), step.view(m, nb, 1, 1)
+    for r0, r1, b0, b1, i0, i1 in _plan(m, nb, 1, B, _chunk_size(out.device)):
+        oc = o4[r0:r1, b0:b1, :, i0:i1]
+        oc.copy_(c4[r0:r1, b0:b1, :, i0:i1])
+        oc.mul_(s4[r0:r1, b0:b1]).add_(a4[r0:r1, b0:b1])
+
+
+# --------------------------------------------------------------------------------------
 # quant's rounding as two compiled loops, when a block splits into rows of C elements
 # (C a power of two from 256 to 4096): the block's [min, max] (one read of the input),
 # then the rounding of the rows, whose element indices are the row's first index (a
@@ -501,9 +819,7 @@ def scale_and_round(x, keys, seeds, start: int, L: float, mode: int, out):
             resolve_ties(out, flags.bool(), x, a, s, keys, start, float(L), mode)
     else:
         a, R, s = _scales(x, float(L), mode)
-        tie = _sr_eager(x, a, s, block_digits(seeds, nb, B, start), float(L), mode, out)
-        if bool(tie.any()):
-            resolve_ties(out, tie, x, a, s, keys, start, float(L), mode)
+        _round_into(x, a, s, keys, seeds, start, float(L), mode, out)
     return a, R, s
 
 
@@ -520,9 +836,7 @@ def stochastic_round(x, a, s, keys, seeds, start: int, L: float, mode: int, out)
         if bool(flags.any()):
             resolve_ties(out, flags.bool(), x, a, s, keys, start, float(L), mode)
     else:
-        tie = _sr_eager(x, a, s, block_digits(seeds, nb, B, start), float(L), mode, out)
-        if bool(tie.any()):
-            resolve_ties(out, tie, x, a, s, keys, start, float(L), mode)
+        _round_into(x, a, s, keys, seeds, start, float(L), mode, out)
 
 
 # --------------------------------------------------------------------------------------
@@ -737,9 +1051,14 @@ def resolve_ties(codes, tie, x, a, s, keys, start: int, L: float, mode: int) -> 
         return
     r, b, k = idx.unbind(1)
     B = x.shape[2]
-    i = b * B + k + start
-    xs = x[r, b, k]
-    t = _scaled(xs, a[r, b, 0], s[r, b, 0], L, mode)
+    codes[r, b, k] = tie_levels(x[r, b, k], a[r, b, 0], s[r, b, 0], keys[r], b * B + k + start, L,
+                                mode).to(codes.dtype)
+
+
+def tie_levels(xs, a, s, keys, i, L: float, mode: int) -> torch.Tensor:
+    """Levels (fp32) of tie elements: values ``xs`` with their block's offset ``a`` and
+    inverse step ``s``, their row's key and their index ``i`` in the row (1-D each)."""
+    t = _scaled(xs, a, s, L, mode)
     f = t.floor()
     F = (t - f) * _TWO24
     # a tie means the first digit equals floor(F): only F's fraction is still open
@@ -748,7 +1067,7 @@ def resolve_ties(codes, tie, x, a, s, keys, start: int, L: float, mode: int) -> 
     open_ = torch.ones_like(up)
     level = 0
     while bool(open_.any()):
-        seeds = R.stream_seeds(keys[r], R.STREAM_TIE + level)
+        seeds = R.stream_seeds(keys, R.STREAM_TIE + level)
         Rm = rem * _TWO32  # exact: rem has at most 24 significant bits
         ud = R.digits_at(seeds, i).to(torch.float64)
         Dn = Rm - ud
@@ -764,7 +1083,7 @@ def resolve_ties(codes, tie, x, a, s, keys, start: int, L: float, mode: int) -> 
         lvl = lvl * 2 + (xs < 0).to(torch.float32)
     elif mode == 2:
         lvl = lvl * (1 + (xs < 0).to(torch.float32))
-    codes[r, b, k] = lvl.to(codes.dtype)
+    return lvl
 
 
 # --------------------------------------------------------------------------------------
@@ -777,8 +1096,7 @@ def _affine_compiled(codes, a, step, out):
 
 
 def _affine_eager(codes, a, step, out):
-    torch.mul(codes, step, out=out)  # codes convert to fp32 exactly, one rounding for the product
-    out.add_(a)
+    _affine_chunks(codes, a, step, out)
 
 
 AFFINE = Kernel("affine_decode", _affine_eager, _affine_compiled)

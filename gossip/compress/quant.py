@@ -122,10 +122,8 @@ class Quant(Compressor):
                     lo, rng, _ = _blocks.scale_group(x3, keys, seeds, start, b0, B, L, 0, out)
                 elif _kernels.planar_wanted(bits, B, x3.numel(), X.device):
                     lo, rng, _ = _kernels.quant_planar_encode(x3, keys, seeds, start, bits, out)
-                else:
-                    codes = torch.empty(m, nb, B, dtype=torch.uint8, device=X.device)
-                    lo, rng, _ = _blocks.scale_group(x3, keys, seeds, start, b0, B, L, 0, codes)
-                    pack_planes(codes, bits, out)
+                else:  # rounding and packing chunk by chunk
+                    lo, rng, _ = _kernels.quant_planar_encode_eager(x3, keys, seeds, start, bits, out)
             self._check_finite(x3.reshape(m, -1), rng)  # NaN/inf show up in the range
             # the scales that travel
             v["lo"][:, b0: b0 + nb] = lo.view(m, nb)
@@ -151,9 +149,12 @@ class Quant(Compressor):
                 c3 = row[:, start: start + nb * B].view(m, nb, B)
             else:
                 p3 = v["codes"][:, off: off + nb * planar_nbytes(B, bits)].view(m, nb, -1)
-                if bits < 8 and _kernels.planar_wanted(bits, B, o3.numel(), out.device):
-                    _kernels.quant_planar_decode(p3, a, s, bits, o3)
+                if bits < 8:
+                    if _kernels.planar_wanted(bits, B, o3.numel(), out.device):
+                        _kernels.quant_planar_decode(p3, a, s, bits, o3)
+                    else:  # unpacking and the affine map chunk by chunk
+                        _kernels.quant_planar_decode_eager(p3, a, s, bits, o3)
                     continue
-                c3 = unpack_planes(p3, bits, B)
+                c3 = p3  # 8-bit codes are the payload bytes
             k = _kernels.AFFINE.variant((c3.dtype,))
             _kernels.run(k, c3.numel(), c3, a, s, o3)

@@ -173,20 +173,27 @@ def test_payload_bytes_with_ties_are_pinned(eager, spec, d):
     assert (_digest(P), _digest(Y)) == PINNED_TIES[(spec, d)]
 
 
-@pytest.mark.parametrize("chunk", [61, 1000, 1 << 24])
+# (chunk size, NumPy for the digits and the uint8 casts): 1 << 24 and torch's operations
+# alone is what runs off the CPU (one chunk, EAGER_CHUNK_OTHER)
+_CHUNKINGS = [(61, True), (1000, True), (1000, False), (1 << 24, False)]
+
+
+@pytest.mark.parametrize("chunk,use_numpy", _CHUNKINGS)
 @pytest.mark.parametrize("spec,d,seed", [k for k in sorted(PINNED) if k[1] == 5000 and k[0].split(":")[0] in
                                          ("quant", "qsgd", "ternary")])
-def test_the_bytes_do_not_depend_on_the_eager_chunk_size(eager, monkeypatch, chunk, spec, d, seed):
+def test_the_bytes_do_not_depend_on_the_eager_chunk_size(eager, monkeypatch, chunk, use_numpy, spec, d, seed):
     """The eager forms work in chunks (_kernels.EAGER_CHUNK elements): pieces of a block,
     runs of blocks of one row or runs of rows, whichever the shapes give; the chunk size
-    must not show in the bytes (at 1 << 24 the whole input is one chunk, as off the CPU)."""
+    must not show in the bytes, nor whether NumPy hashes the digits and casts the codes
+    (the CPU) or torch's operations do (other devices)."""
     monkeypatch.setattr(_kernels, "EAGER_CHUNK", chunk)
+    monkeypatch.setattr(_kernels, "USE_NUMPY", use_numpy)
     test_payload_bytes_are_pinned(None, spec, d, seed)
 
 
-@pytest.mark.parametrize("chunk", [61, 1000, 1 << 24])
+@pytest.mark.parametrize("chunk,use_numpy", _CHUNKINGS)
 @pytest.mark.parametrize("spec,d", [k for k in sorted(PINNED_TIES) if k[1] == 5000])
-def test_ties_are_resolved_whatever_the_eager_chunk_size(eager, monkeypatch, chunk, spec, d):
+def test_ties_are_resolved_whatever_the_eager_chunk_size(eager, monkeypatch, chunk, use_numpy, spec, d):
     resolved = []
     real = _kernels.tie_levels
 
@@ -196,6 +203,7 @@ def test_ties_are_resolved_whatever_the_eager_chunk_size(eager, monkeypatch, chu
 
     monkeypatch.setattr(_kernels, "tie_levels", spy)
     monkeypatch.setattr(_kernels, "EAGER_CHUNK", chunk)
+    monkeypatch.setattr(_kernels, "USE_NUMPY", use_numpy)
     test_payload_bytes_with_ties_are_pinned(None, spec, d)
     if spec in ("quant:bits=8", "quant:bits=4"):  # one block per row: the six ties placed in rows 0 and 2
         assert sum(resolved) == 6, resolved

@@ -44,6 +44,7 @@ import os
 import types
 import warnings
 
+import numpy as np
 import torch
 
 from . import _random as R, _scratch
@@ -493,6 +494,30 @@ def _digits_into(h, t, P, base, s2, K) -> None:
     h.bitwise_xor_(t)  # u ^ (u >> 15)
 
 
+#: on the CPU, NumPy hashes the digits with its unsigned 32-bit operations (its right
+#: shifts are logical: 8 operations instead of 10, and a call costs less; the same
+#: integers) and casts the 8-bit codes (ATen's fp32 to uint8 conversion has no vector
+#: code); False: torch's operations, as on other devices
+USE_NUMPY = True
+
+
+def _digits_into_np(h, t, P, base, s2) -> None:
+    """:func:`_digits_into` in NumPy on uint32 views of the same buffers (h, t, P: arrays;
+    base and s2: uint32 arrays or scalars)."""
+    np.add(P, base, out=h)  # (i + s1) * M1
+    np.bitwise_xor(h, s2, out=h)
+    np.right_shift(h, 12, out=t)
+    np.bitwise_xor(h, t, out=h)
+    np.multiply(h, np.uint32(R._H2), out=h)
+    np.right_shift(h, 8, out=h)  # u, the top 24 bits
+    np.right_shift(h, 15, out=t)
+    np.bitwise_xor(h, t, out=h)  # u ^ (u >> 15)
+
+
+def _u32(t: torch.Tensor):
+    return t.numpy().view(np.uint32)
+
+
 def _eager_round(x4, a, s, keys, seeds, start: int, L: float, mode: int, store) -> None:
     """Stochastic rounding (as _sr_eager, ties resolved) of x4 (m, nb, J, N): J planes of
     N columns per block, element j N + i of its block (a, s: (m, nb, 1)), chunk by chunk;
@@ -516,6 +541,10 @@ def _eager_round(x4, a, s, keys, seeds, start: int, L: float, mode: int, store) 
     flat = (_scratch.buffer("eager.h", cmax, torch.int32, dev), _scratch.buffer("eager.t", cmax, torch.int32, dev),
             _scratch.buffer("eager.f", cmax, f32, dev))
     views: dict = {}  # per chunk shape: the buffers' views, made once (a call costs microseconds)
+    use_np = USE_NUMPY and dev.type == "cpu"
+    if use_np:
+        S2n = _u32(s2.view(m, 1, 1, 1))
+        S2u = [np.uint32(v) for v in S2n.reshape(-1).tolist()]
     for (r0, r1, b0, b1, i0, i1), base in zip(plan, bases):
         rr, kb, n = r1 - r0, b1 - b0, i1 - i0
         shape = (rr, kb, J, n)
@@ -523,10 +552,15 @@ def _eager_round(x4, a, s, keys, seeds, start: int, L: float, mode: int, store) 
         if v is None:
             cnt = rr * kb * J * n
             h, t, ff = (f[:cnt].view(shape) for f in flat)
-            v = views[shape] = (h, t, ff, t.view(f32), h.view(f32), P[:n].view(1, 1, 1, n))
-        h, t, ff, uf, tf, Pn = v
+            Pn = P[:n].view(1, 1, 1, n)
+            v = views[shape] = (h, t, ff, t.view(f32), h.view(f32), Pn,
+                                (_u32(h), _u32(t), _u32(Pn)) if use_np else None)
+        h, t, ff, uf, tf, Pn, npv = v
         xc = x4[r0:r1, b0:b1, :, i0:i1]
-        _digits_into(h, t, Pn, base, s2t[r0:r1], K)
+        if npv is None:
+            _digits_into(h, t, Pn, base, s2t[r0:r1], K)
+        else:
+            _digits_into_np(*npv, _u32(base), S2u[r0] if r1 - r0 == 1 else S2n[r0:r1])
         uf.copy_(h)  # the digits u in fp32 (exact: below 2**24); tf takes h's place
         if mode == 0:
             torch.sub(xc, a4[r0:r1, b0:b1], out=tf).mul_(s4[r0:r1, b0:b1])  # t <= L without a clamp: see _scaled
@@ -559,15 +593,18 @@ def _eager_round(x4, a, s, keys, seeds, start: int, L: float, mode: int, store) 
 
 
 def _store_codes(dst, codes, scratch) -> None:
-    """dst = codes (fp32 integers); scratch: an int32 buffer of at least codes' size. Into
-    uint8 through int32: ATen converts fp32 to int32 and int32 to uint8 in vector code,
-    fp32 to uint8 not (two passes in the cache took less than half the time of one)."""
-    if dst.dtype == torch.uint8:
+    """dst = codes (fp32 integers); scratch: an int32 buffer of at least codes' size.
+
+    Into uint8, ATen's fp32 conversion has no vector code: on the CPU NumPy's cast (with
+    it) writes the bytes, elsewhere the codes go through int32 (two vectorised passes)."""
+    if dst.dtype != torch.uint8:
+        dst.copy_(codes)
+    elif USE_NUMPY and dst.device.type == "cpu":
+        np.copyto(dst.numpy(), codes.numpy(), casting="unsafe")
+    else:
         i32 = scratch if scratch.shape == codes.shape else scratch.view(-1)[: codes.numel()].view(codes.shape)
         i32.copy_(codes)
         dst.copy_(i32)
-    else:
-        dst.copy_(codes)
 
 
 def _round_into(x, a, s, keys, seeds, start: int, L: float, mode: int, out) -> None:

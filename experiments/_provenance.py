@@ -88,7 +88,7 @@ _ENV_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "TORC
 _ENV_PREFIX = "GOSSIP_"
 
 
-def _git(*args: str) -> str | None:
+def git(*args: str) -> str | None:
     try:
         out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
@@ -99,10 +99,10 @@ def _git(*args: str) -> str | None:
 def git_commit() -> tuple[str | None, bool | None]:
     """The checked-out commit and whether tracked files differ from it (``None`` for
     both outside a git checkout)."""
-    commit = _git("rev-parse", "HEAD")
+    commit = git("rev-parse", "HEAD")
     if commit is None:
         return None, None
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = git("status", "--porcelain", "--untracked-files=no")
     return commit, (bool(status) if status is not None else None)
 
 
@@ -110,11 +110,11 @@ def source_ids(sources: Sequence[str], rev: str = "HEAD") -> dict[str, str | Non
     """The git object id (blob or tree) of each source path at ``rev``; ``None`` for a
     path git does not track there."""
     sources = list(sources)
-    both = _git("rev-parse", *(f"{rev}:{s}" for s in sources)) if sources else ""
+    both = git("rev-parse", *(f"{rev}:{s}" for s in sources)) if sources else ""
     ids = (both or "").splitlines()
     if both is not None and len(ids) == len(sources):  # one call for all (a missing path fails it)
         return dict(zip(sources, ids))
-    return {s: _git("rev-parse", f"{rev}:{s}") for s in sources}
+    return {s: git("rev-parse", f"{rev}:{s}") for s in sources}
 
 
 def stale(prov: dict[str, Any]) -> list[str]:
@@ -149,7 +149,7 @@ def package_except(package: str, excluded: Sequence[str] = (), rev: str = "HEAD"
     ``package`` at ``rev``, less the names in ``excluded``: the sources of an experiment
     that runs most of a package. A module added later is listed from the next run on.
     Outside a git checkout, the folder's entries on disk (caches left out)."""
-    out = _git("ls-tree", "--name-only", rev, f"{package.rstrip('/')}/")
+    out = git("ls-tree", "--name-only", rev, f"{package.rstrip('/')}/")
     if out is None:
         names = sorted(f"{package}/{p.name}" for p in (REPO / package).iterdir()
                        if p.name != "__pycache__" and not p.name.endswith(".pyc"))
@@ -187,7 +187,7 @@ def narrow(prov: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
     commit = prov.get("commit")
     if not commit:
         raise ValueError("the record names no commit, so its sources cannot be looked up: re-run its command")
-    if _git("cat-file", "-e", f"{commit}^{{commit}}") is None:
+    if git("cat-file", "-e", f"{commit}^{{commit}}") is None:
         raise ValueError(f"the recorded commit {commit[:10]} is not in this repository's history "
                          "(fetch it, or unshallow the clone)")
     sources, ids = list(prov.get("sources") or []), dict(prov.get("source_ids") or {})
@@ -228,7 +228,7 @@ def narrow(prov: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
 def commits_since(date: str, sources: Sequence[str]) -> list[str]:
     """Commits on HEAD's history dated after ``date`` that touched ``sources``, newest
     first, each as 'abbrev date subject'."""
-    out = _git("log", "--format=%h %ad %s", "--date=short", f"--since={date}", "--", *sources)
+    out = git("log", "--format=%h %ad %s", "--date=short", f"--since={date}", "--", *sources)
     return [line[:120] for line in (out or "").splitlines() if line]
 
 
@@ -416,7 +416,7 @@ def start(sources: Sequence[str], *, argv: Sequence[str] | None = None, measure_
     _CONFIGS.clear()
     commit, dirty = git_commit()
     ids = source_ids(sources)
-    changed = _git("diff", "--name-only", "HEAD", "--", *sources)
+    changed = git("diff", "--name-only", "HEAD", "--", *sources)
     machine: dict[str, Any] = {
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),

@@ -165,7 +165,7 @@ def _timed_step_fn(fn, device: str) -> float:
     return time.perf_counter() - t0
 
 
-def _memcpy_gbps() -> float:
+def memcpy_gbps() -> float:
     x = torch.empty(1 << 24)
     y = torch.empty_like(x)
     best = min(_timed_copy(x, y) for _ in range(5))
@@ -197,7 +197,7 @@ def _run_record(argv: list[str]) -> dict:
         "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-        "memcpy_gbps": _memcpy_gbps(), "torch": torch.__version__,
+        "memcpy_gbps": memcpy_gbps(), "torch": torch.__version__,
     }
 
 

@@ -110,7 +110,7 @@ class Spec:
 def _train_flags() -> dict[str, str]:
     """Every long flag of gossip.train -> its config key (``--batch-size`` -> ``batch_size``),
     from gossip.config's schema (no torch), and ``--config``."""
-    flags = {_config._flag_of(e): e.key for e in _config._schema()}
+    flags = {_config.flag_of(e): e.key for e in _config.schema()}
     return {**flags, "--config": "config", "--help": "help"}
 
 
@@ -150,7 +150,7 @@ _NOT_A_RECIPES: dict[str, str] = {
     "simulate": "is the workload's nodes: set those",
     "data": "is the workload's data: set that",
     "model": "is the workload's model: set that",
-    **{e.key: "is a method's (methods.NAME.flags)" for e in _config._schema() if e.section == "algorithm"},
+    **{e.key: "is a method's (methods.NAME.flags)" for e in _config.schema() if e.section == "algorithm"},
 }
 _NUMBER = re.compile(r"^-\d|^-\.\d")
 

@@ -80,7 +80,7 @@ from bench_spec import METRICS, Method, Spec, SpecError, Workload, check_trials,
 from gossip import crossover, leaderboard, rundir  # noqa: E402
 
 __all__ = ["Spec", "Workload", "Method", "SOURCES", "METRICS", "load_spec", "plan", "run", "collect", "analyse",
-           "report", "estimate", "main"]
+           "report", "figure_paths", "read_results", "read_benchmark_results", "estimate", "main"]
 
 _TRIAL = "trial.json"
 # ``race`` (the modelled time, the training runs) imports torch and the training code, seconds
@@ -237,7 +237,7 @@ def _run_trial(t: Trial, lr: float, out: Path, device: str = "cpu") -> dict:
     served = len(bench_data.SERVED)
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    rc, err = race._train(args)
+    rc, err = race.train_in_process(args)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if rc in (130, 128 + 15):  # interrupted or SIGTERM: the trial did not fail, it was stopped; no record
@@ -702,7 +702,7 @@ def method_tables(res: dict) -> str:
                     byts, times = "final runs not run yet", ["-"] * len(keys)
                 else:
                     byts = ("- (no link)" if first is None else "not reached" if first["bytes"] is None
-                            else race._fmt_bytes(first["bytes"]["mean"]))
+                            else race.fmt_bytes(first["bytes"]["mean"]))
                     times = [_fmt_ci(r["links"][k]["time_s"]) + ("" if r["links"][k]["all_reached"]
                                                                    else f" ({r['links'][k]['reached']} seeds)")
                              for k in keys]
@@ -752,7 +752,7 @@ def plots(res: dict, out: Path, prefix: str) -> list[Path]:
                     continue
                 curve, calls = got
                 ys = [p["metric"] for p in curve]
-                style = race._style(i)
+                style = race.line_style(i)
                 axes[0][0].plot([max(1, p["bytes"]) for p in curve], ys, label=name, **style)
                 for ax, b in zip(axes[0][1:], bws):
                     rate, lat = crossover.parse_rate(b), crossover.parse_time(lat0)
@@ -1054,7 +1054,7 @@ def stamp(prov: dict, commit: str) -> dict:
     the record says it was stamped. Refused for a record that has a commit."""
     if prov.get("commit"):
         raise SpecError(f"stamp: the results already record commit {prov['commit'][:10]}; nothing to fill in")
-    full = _provenance._git("rev-parse", "--verify", f"{commit}^{{commit}}")
+    full = _provenance.git("rev-parse", "--verify", f"{commit}^{{commit}}")
     if full is None:
         raise SpecError(f"stamp: --commit {commit!r} is not a commit of this checkout")
     ids = _provenance.source_ids(prov.get("sources") or SOURCES, rev=full)
@@ -1064,7 +1064,7 @@ def stamp(prov: dict, commit: str) -> dict:
     return prov
 
 
-def _read_results(path: Path) -> tuple[dict, dict]:
+def read_results(path: Path) -> tuple[dict, dict]:
     try:
         return _provenance.read(path)
     except OSError as e:
@@ -1152,7 +1152,7 @@ def main(argv: list[str] | None = None) -> int:
             trials = plan(spec, **_filters(a, spec))
             _check_trials(spec, Path("OUT"))
             if a.estimate:
-                res, _ = _read_results(Path(a.estimate))
+                res, _ = read_results(Path(a.estimate))
                 est = estimate(spec, res.get("trials", []), trials)
                 for g, v in est["groups"].items():
                     print(f"{g}: {v['trials']} trials, {v['cpu_s'] / 60:.1f} CPU minutes")
@@ -1188,7 +1188,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if a.cmd == "stamp":
             path = Path(a.results)
-            results, prov = _read_results(path)
+            results, prov = read_results(path)
             stamp(prov, a.commit)
             _provenance.write(path, results, _Kept(prov))
             print(f"benchmark: {path} stamped with commit {prov['commit'][:10]}")
@@ -1198,7 +1198,7 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(a.out)
             path = Path(a.results) if a.results else out / "benchmark.json"
             if a.provenance_of:
-                _, old = _read_results(Path(a.provenance_of))
+                _, old = read_results(Path(a.provenance_of))
                 record = _Kept({**old, "converted": f"to the layout with trials by `experiments/benchmark.py "
                                                    f"{' '.join(argv)}`"})
             else:
@@ -1212,13 +1212,13 @@ def main(argv: list[str] | None = None) -> int:
         md = Path(a.md)
         extra = RUNNING if a.running else ""
         if a.estimate:
-            measured, mprov = _read_results(Path(a.estimate[1]))
+            measured, mprov = read_results(Path(a.estimate[1]))
             extra += "\n\n### What the whole spec costs\n\n" + estimate_section(
                 load_spec(a.estimate[0]), measured, mprov, a.estimate[1])
         if a.netns:
             import benchmark_netns
 
-            measured, nprov = _read_results(Path(a.netns))
+            measured, nprov = read_results(Path(a.netns))
             if not isinstance(measured, dict) or "runs" not in measured or "bandwidths" not in measured:
                 raise SpecError(f"--netns {a.netns}: not a results file of experiments/benchmark_netns.py")
             extra = benchmark_netns.section(measured, nprov) + "\n\n" + extra

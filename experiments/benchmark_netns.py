@@ -158,11 +158,11 @@ def table(res: dict) -> str:
             reached = t["time_s"] is not None
             how = "stopped at target" if run["stopped_at_target"] else ("last epoch" if run["ok"] else "failed")
             end = "-" if not run["points"] else (
-                f"{race._fmt_score(metric, run['last_score'])} (epoch {run['last_epoch']:.0f}, {how})")
+                f"{race.fmt_score(metric, run['last_score'])} (epoch {run['last_epoch']:.0f}, {how})")
             sim = run.get("simulated_time_s")
             lines.append("| " + " | ".join([
                 bw, name, f"{run['lr']:g}", (run.get("wire") or {}).get("label", "?"),
-                f"{t['epoch']:.0f}" if reached else "not reached", race._fmt_bytes(t["bytes"]),
+                f"{t['epoch']:.0f}" if reached else "not reached", race.fmt_bytes(t["bytes"]),
                 f"{t['time_s']:.1f} s" if reached else "-",
                 f"{t['model_s']:.1f} s ({_pct(t['model_error'])})" if reached else "-",
                 "-" if sim is None else f"{sim:.1f} s" + (f" ({_pct(run['simulated_error'])})" if reached else ""),
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     except vcluster.VClusterError as e:
         print(f"benchmark_netns: error: {e}", file=sys.stderr)
         return 2
-    except (KeyboardInterrupt, vcluster._Terminated) as e:
+    except (KeyboardInterrupt, vcluster.Terminated) as e:
         interrupted = "SIGINT" if isinstance(e, KeyboardInterrupt) else str(e).rsplit(" ", 1)[-1]
         res["interrupted"] = interrupted
     if a.resume:

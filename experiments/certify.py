@@ -55,9 +55,9 @@ def load_store(rel: str) -> dict[str, Any]:
 
 
 def _write_json(path: Path, data: Any, like: str | None = None) -> None:
-    from experiments.render import _dumps
+    from experiments.render import dumps_like
 
-    text = _dumps(data, like) if like is not None else json.dumps(data, indent=1) + "\n"
+    text = dumps_like(data, like) if like is not None else json.dumps(data, indent=1) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -80,7 +80,7 @@ def _work(config: list[str]) -> tuple[str, dict | None, str | None, float]:
 
 
 def _dirty_code() -> list[str]:
-    out = P._git("status", "--porcelain", "--untracked-files=no", "--", *_CODE) or ""
+    out = P.git("status", "--porcelain", "--untracked-files=no", "--", *_CODE) or ""
     return [ln[3:] for ln in out.splitlines() if ln.strip() and STORE not in ln and "/results/" not in ln]
 
 

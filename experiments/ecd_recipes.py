@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         args = [*BASE, *flags, "--data", a.data, "--epochs", str(epochs), "--seed", "0",
                 "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
         _provenance.record_config(args)  # what `python -m experiments verify` witnesses
-        rc, err = race._train(args)
+        rc, err = race.train_in_process(args)
         if rc != 0:
             last = err.strip().splitlines()[-1] if err.strip() else ""
             print(f"ecd_recipes: {name} failed (exit {rc}): {last}", file=sys.stderr)

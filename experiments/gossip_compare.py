@@ -71,7 +71,7 @@ RECIPE = ["--lr", "0.1", "--lr-schedule", "step", "--weight-decay", "1e-3", "--b
           "--partition", "sorted"]
 
 
-_train = race._train  # gossip.train in this process: its exit code and stderr
+_train = race.train_in_process  # gossip.train in this process: its exit code and stderr
 
 
 def run_method(name: str, out: Path, nodes: int, common: list[str]) -> Path:
@@ -93,7 +93,7 @@ def _setup_bytes(run_dir: Path) -> int:
 
 
 def _fmt_bytes(b: float | None) -> str:
-    return "-" if b is None else race._fmt_bytes(b)
+    return "-" if b is None else race.fmt_bytes(b)
 
 
 def table(results: dict, bw_labels: list[str]) -> str:

@@ -105,7 +105,7 @@ def _done(run_dir: Path, args: list[str]) -> dict | None:
 def run_trial(name: str, stage: str, lr: float, args: list[str], run_dir: Path) -> dict:
     """One gossip.train run in this process; its record (also written to ``trial.json``)."""
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    rc, err = race._train(args)
+    rc, err = race.train_in_process(args)
     stopped = rc != 0 and "stopped by SIG" in err
     rec = {"method": name, "stage": stage, "lr": lr, "args": args,
            "status": "ok" if rc == 0 else "interrupted" if stopped else "failed",
@@ -170,7 +170,7 @@ def table(results: dict) -> str:
         grid = ", ".join(f"{g['lr']:g}: {_pct(g['val_acc'])}" for g in r["grid"])
         lines.append("| " + " | ".join([
             name, r["wire"]["label"] if r.get("wire") else "-", grid, "-" if r["lr"] is None else f"{r['lr']:g}",
-            race._fmt_bytes(r.get("bytes_per_step")), "-" if ratio is None else f"{ratio:.4g}x",
+            race.fmt_bytes(r.get("bytes_per_step")), "-" if ratio is None else f"{ratio:.4g}x",
             _pct(r.get("final_test_acc")), _pct(r.get("best_test_acc")),
             "-" if margin is None else f"{100 * margin:+.2f} pt"]) + " |")
     return "\n".join(lines)

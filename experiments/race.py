@@ -92,7 +92,7 @@ def _reached(p: dict, target: float) -> bool:
     return p["score"] >= target if higher else p["score"] <= target
 
 
-def _fmt_score(metric: str, v: float | None) -> str:
+def fmt_score(metric: str, v: float | None) -> str:
     return "-" if v is None else (f"{v:.2%}" if metric == "test_acc" else f"{v:.3f} bpb")
 
 
@@ -128,7 +128,7 @@ RECIPE = ["--lr", "0.1", "--lr-schedule", "step", "--weight-decay", "1e-3", "--b
 METHOD_RECIPE = {"diloco": ["--lr", "0.003"], "diloco:4": ["--lr", "0.003"]}
 
 
-def _train(args: list[str]) -> tuple[int, str]:
+def train_in_process(args: list[str]) -> tuple[int, str]:
     """gossip.train in this process; its exit code and stderr."""
     from gossip import train
 
@@ -157,7 +157,7 @@ def run_method(name: str, out: Path, nodes: int, common: list[str]) -> Path:
     args = ["--simulate", str(nodes), *RECIPE, *common, *METHODS[name], *METHOD_RECIPE.get(name, []),
             "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
     _provenance.record_config(args)  # what `python -m experiments verify` witnesses
-    rc, err = _train(args)
+    rc, err = train_in_process(args)
     if rc != 0:
         raise SystemExit(f"race: {name} failed (exit {rc}): {err.strip().splitlines()[-1] if err.strip() else ''}")
     return run_dir
@@ -202,7 +202,7 @@ def to_target(c: dict, target: float, bandwidths: list[float], latency: float) -
     return {"step": None, "epoch": None, "bytes": None, "time_s": [None for _ in bandwidths]}
 
 
-def _fmt_bytes(b: float | None) -> str:
+def fmt_bytes(b: float | None) -> str:
     if b is None:
         return "-"
     for unit in ("B", "KB", "MB", "GB"):
@@ -227,8 +227,8 @@ def table(results: dict, target: float, bw_labels: list[str]) -> str:
         epoch = "not reached" if t["epoch"] is None else f"{t['epoch']:.0f}"
         metric = r.get("metric", "test_acc")
         final = r["final_test_acc"] if metric == "test_acc" else r.get("final_score")
-        lines.append("| " + " | ".join([name, r["wire"]["label"], epoch, _fmt_bytes(t["bytes"]), *times,
-                                         _fmt_score(metric, final)]) + " |")
+        lines.append("| " + " | ".join([name, r["wire"]["label"], epoch, fmt_bytes(t["bytes"]), *times,
+                                         fmt_score(metric, final)]) + " |")
     return "\n".join(lines)
 
 
@@ -236,7 +236,7 @@ def table(results: dict, target: float, bw_labels: list[str]) -> str:
 COLORS = [f"C{i}" for i in range(10)] + ["black", "gold"]
 
 
-def _style(i: int) -> dict:
+def line_style(i: int) -> dict:
     """Colour and marker of the i-th method's curve (markers differ after 12 methods)."""
     return {"color": COLORS[i % len(COLORS)], "marker": "." if i < len(COLORS) else "x"}
 
@@ -255,7 +255,7 @@ def plot(results: dict, bandwidths: list[float], bw_labels: list[str], latency: 
         for i, (name, r) in enumerate(results.items()):
             n = r["world_size"]
             xs = [modelled_time(p, r["calls_per_step"], n, b, latency) for p in r["points"]]
-            ax.plot(xs, [p["score"] for p in r["points"]], label=name, **_style(i))
+            ax.plot(xs, [p["score"] for p in r["points"]], label=name, **line_style(i))
         if target is not None:
             ax.axhline(target, color="grey", lw=0.8, ls="--")
         ax.set_xscale("log")
@@ -442,13 +442,13 @@ def netns_table(results: dict, target: float, bw_labels: list[str]) -> str:
                 end = last = "failed" if not run["ok"] else "-"
             else:
                 how = "stopped at target" if run["stopped_at_target"] else ("last epoch" if run["ok"] else "failed")
-                end = f"{_fmt_score(metric, run.get('last_score', run['last_test_acc']))} ({run['last_epoch']:.0f}, {how})"
+                end = f"{fmt_score(metric, run.get('last_score', run['last_test_acc']))} ({run['last_epoch']:.0f}, {how})"
                 q = pts[-1]
                 last = f"{q['time_s']:.1f} s / {q['model_s']:.1f} s ({_pct(q['model_s'] / q['time_s'] - 1)})"
             reached = t["time_s"] is not None
             lines.append("| " + " | ".join([
                 bw, name, run["wire"]["label"], f"{t['epoch']:.0f}" if reached else "not reached",
-                _fmt_bytes(t["bytes"]), f"{t['time_s']:.1f} s" if reached else "-",
+                fmt_bytes(t["bytes"]), f"{t['time_s']:.1f} s" if reached else "-",
                 f"{t['model_s']:.1f} s ({_pct(t['model_error'])})" if reached else "-",
                 f"{t['warmup_s']:.1f} s" if reached else "-", _pct(t.get("model_error_after_first_step")),
                 end, last, f"{run['load_average'][0]:.1f}→{run['load_average'][1]:.1f}", run["date"][:16]]) + " |")
@@ -469,7 +469,7 @@ def netns_plot(results: dict, bw_labels: list[str], path: Path, target: float | 
             pts = r["runs"].get(bw, {}).get("points") or []
             if not pts:
                 continue
-            style = _style(i)
+            style = line_style(i)
             acc = [p["score"] for p in pts]
             ax.plot([p["time_s"] for p in pts], acc, label=name, **style)
             ax.plot([p["model_s"] for p in pts], acc, ls="--", lw=0.8, color=style["color"])
@@ -547,7 +547,7 @@ def main_netns(a: argparse.Namespace, names: list[str], bw_labels: list[str], ba
                     reached = ("target not reached" if t["time_s"] is None else
                                f"{a.target:.0%} at epoch {t['epoch']:.0f} after {t['time_s']:.1f} s measured, "
                                f"{t['model_s']:.1f} s modelled ({_pct(t['model_error'])}), "
-                               f"{_fmt_bytes(t['bytes'])}/node")
+                               f"{fmt_bytes(t['bytes'])}/node")
                     print(f"race: {name} @ {bw}: {reached}; load {run['load_average'][0]:.1f} -> "
                           f"{run['load_average'][1]:.1f}", flush=True)
                     write_netns(out, results, a, bw_labels, cmd, names)

@@ -815,12 +815,12 @@ class Page:
         results, prov = benchmark.read_benchmark_results(REPO / self.results)
         extra = benchmark.RUNNING if self.running else ""
         if self.estimate:
-            measured, mprov = benchmark._read_results(REPO / self.estimate[1])
+            measured, mprov = benchmark.read_results(REPO / self.estimate[1])
             extra += "\n\n### What the whole spec costs\n\n" + benchmark.estimate_section(
                 dataclasses.replace(benchmark.load_spec(REPO / self.estimate[0]), source=self.estimate[0]), measured,
                 mprov, self.estimate[1])
         if self.netns:
-            measured, nprov = benchmark._read_results(REPO / self.netns)
+            measured, nprov = benchmark.read_results(REPO / self.netns)
             extra = benchmark_netns.section(measured, nprov) + "\n\n" + extra
         page = REPO / md
         return benchmark.report({**results, "provenance": prov}, page, page.parent, title=self.title,
@@ -986,7 +986,7 @@ def stale_results() -> list[tuple[str, dict, list[str]]]:
     return out
 
 
-def _dumps(data: Any, like: str) -> str:
+def dumps_like(data: Any, like: str) -> str:
     """``data`` as JSON laid out like the text ``like`` (its indent, its escaping and its
     final newline), so that narrowing a file changes only the lines it must."""
     old = json.loads(like)
@@ -1009,7 +1009,7 @@ def narrow_file(path: str | Path, paths: list[str]) -> dict[str, Any]:
     data = json.loads(text)
     data["provenance"] = P.narrow(data["provenance"], paths)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(_dumps(data, text))
+    tmp.write_text(dumps_like(data, text))
     os.replace(tmp, path)
     return data["provenance"]
 

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in evals:
             print(f"evaluation of {r['models_evaluated']} {r['model']} models, node_chunk 1 / 4 / 16: "
                   + " / ".join(f"{r[f'node_chunk_{c}_s']:.2f}" for c in (1, 4, 16)) + " s", flush=True)
-        memcpy = bench_sim._memcpy_gbps()
+        memcpy = bench_sim.memcpy_gbps()
         parts, bounds = [], []
         for spec in a.anatomy.split(",") if a.anatomy else []:
             model, nodes = spec.split(":")

@@ -872,7 +872,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("sweep_network.py: interrupted; the cells measured so far are kept", file=sys.stderr)
         return 130
-    except vcluster._Terminated as e:
+    except vcluster.Terminated as e:
         print(f"sweep_network.py: {e}; the cells measured so far are kept", file=sys.stderr)
         return 128 + e.signum
 

@@ -73,6 +73,7 @@ from typing import Any
 __all__ = [
     "VirtualCluster",
     "VClusterError",
+    "Terminated",
     "Host",
     "RankResult",
     "RunResult",
@@ -111,7 +112,7 @@ class VClusterError(RuntimeError):
     """A user-facing failure of the virtual cluster: one line, no traceback needed."""
 
 
-class _Terminated(BaseException):
+class Terminated(BaseException):
     """SIGTERM/SIGHUP turned into an exception so that ``finally`` blocks run."""
 
     def __init__(self, signum: int) -> None:
@@ -677,7 +678,7 @@ class VirtualCluster:
             return
 
         def handler(signum: int, frame: Any) -> None:
-            raise _Terminated(signum)
+            raise Terminated(signum)
 
         for sig in (signal.SIGTERM, signal.SIGHUP):
             try:
@@ -1225,7 +1226,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("vcluster: interrupted; torn down", file=sys.stderr)
         return 130
-    except _Terminated as e:
+    except Terminated as e:
         print(f"vcluster: {e}; torn down", file=sys.stderr)
         return 128 + e.signum
 

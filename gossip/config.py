@@ -45,6 +45,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 __all__ = [
     "AGREE_KEYS",
+    "schema",
+    "flag_of",
     "AlgorithmSection",
     "CommSection",
     "ConfigError",
@@ -775,7 +777,7 @@ class _Entry(NamedTuple):
         return any(typing.get_origin(k) is Mapping for k in self.kinds)
 
 
-def _schema() -> Iterator[_Entry]:
+def schema() -> Iterator[_Entry]:
     """Every field of every section with its Option, in the sections' declared order."""
     for sec, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
@@ -789,7 +791,7 @@ class _FlatKeys(Mapping):
     """Every flat key -> (section, field), read from :data:`SECTIONS` when asked."""
 
     def _table(self) -> dict[str, tuple[str, str]]:
-        return {e.key: (e.section, e.field.name) for e in _schema()}
+        return {e.key: (e.section, e.field.name) for e in schema()}
 
     def __getitem__(self, key: str) -> tuple[str, str]:
         return self._table()[key]
@@ -972,7 +974,7 @@ class TrainConfig:
     def flat(self) -> dict[str, Any]:
         """The flat keys and their values (no derived ones); tables as dicts."""
         return {e.key: (dict(v) if e.is_table else v)
-                for e in _schema() for v in [getattr(getattr(self, e.section), e.field.name)]}
+                for e in schema() for v in [getattr(getattr(self, e.section), e.field.name)]}
 
     def to_dict(self) -> dict[str, Any]:
         """config.json's keys: the flat keys (in the order every release wrote them, keys
@@ -1018,7 +1020,7 @@ RUN_FINGERPRINT_KEYS = ("corpus_sha256",)
 
 def _keys_of(*roles: str) -> tuple[str, ...]:
     """config.json's keys (fields and derived ones) of the given roles."""
-    return tuple(e.key for e in _schema() if e.option.role in roles) + tuple(
+    return tuple(e.key for e in schema() if e.option.role in roles) + tuple(
         key for key, _, role in _derived() if role in roles)
 
 
@@ -1057,7 +1059,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _flag_of(e: _Entry) -> str:
+def flag_of(e: _Entry) -> str:
     if e.option.flag is not None:
         return e.option.flag
     if e.field.default is True:  # a switch that is on unless given
@@ -1102,11 +1104,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", metavar="FILE", help="TOML file with the same keys as the flags; flags override it")
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for e in _schema():
+    for e in schema():
         if e.section not in groups:
             doc = (SECTIONS[e.section].__doc__ or "").strip().splitlines()[0].replace("``", "")
             groups[e.section] = p.add_argument_group(f"[{e.section}]", re.sub(r"^\[\w+\]:\s*", "", doc) or None)
-        groups[e.section].add_argument(_flag_of(e), **_argument(e, reg))
+        groups[e.section].add_argument(flag_of(e), **_argument(e, reg))
     return p
 
 
@@ -1153,7 +1155,7 @@ def _load_toml(path: str) -> dict[str, Any]:
     """The file's values as flat keys: top-level keys as the flags name them, or tables
     named after the sections (``[optim] lr = 0.1``, ``[algorithm.options] rank = 2``)."""
     raw = _read_toml(path)
-    entries = {e.key: e for e in _schema()}
+    entries = {e.key: e for e in schema()}
     by_field = {(e.section, e.field.name): e for e in entries.values()}
     out: dict[str, Any] = {}
 
@@ -1189,7 +1191,7 @@ def _load_toml(path: str) -> dict[str, Any]:
 def _merge_tables(values: dict[str, Any], ns: dict[str, Any], cfg_path: str | None) -> None:
     """The repeated ``--algo-opt KEY=VALUE`` flags (and alike) merged into the file's
     table of the same key, key by key, the flags winning."""
-    for e in _schema():
+    for e in schema():
         flags = ns.pop(e.key, None) if e.is_table else None
         if not flags:
             continue

@@ -2,8 +2,8 @@
 
 * :class:`ErrorFeedback` wraps any compressor: it sends ``C(x + s e)`` and keeps
   ``e <- (x + s e) - C(x + s e)``, so that ``sent + new error == to be sent``.
-* :class:`_Centralized` is the base of the algorithms that own their step size and
-  momentum: they get the current learning rate through :meth:`_Centralized.set_lr`
+* :class:`CentralizedBase` is the base of the algorithms that own their step size and
+  momentum: they get the current learning rate through :meth:`CentralizedBase.set_lr`
   and rewrite the gradient into the final *direction* ``D`` such that a plain SGD step
   ``x <- x - lr * D`` (user optimizer with momentum 0) performs the paper's update.
 * Config checks shared by their Configs.
@@ -20,7 +20,7 @@ from gossip import compress as _compress
 from gossip._checks import check_float
 from gossip.algorithms.base import Pending, Algorithm
 
-__all__: list[str] = []
+__all__ = ["CentralizedBase"]
 
 
 class ErrorFeedback:
@@ -63,7 +63,7 @@ class ErrorFeedback:
         return f"ErrorFeedback({self.compressor.spec})"
 
 
-class _Centralized(Algorithm):
+class CentralizedBase(Algorithm):
     """Gradient algorithms that own their step-size rescaling and momentum.
 
     ``set_lr(lr)`` must be called with the step size ``eta_t`` of the coming step

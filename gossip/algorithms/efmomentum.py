@@ -56,7 +56,7 @@ import torch
 
 from gossip.algorithms._centralized import (
     ErrorFeedback,
-    _Centralized,
+    CentralizedBase,
     check_fraction,
     check_spec,
 )
@@ -128,7 +128,7 @@ class _Block:
     kept: int  # fp32 values all-reduced (linear compressors)
 
 
-class EFMomentum(ExchangeMixin, _Centralized):
+class EFMomentum(ExchangeMixin, CentralizedBase):
     """Error-feedback SGD with momentum around a compared compressor; steps in the
     module docstring."""
 

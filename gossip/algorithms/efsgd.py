@@ -61,7 +61,7 @@ from gossip import compress as _compress
 from gossip.algorithms._centralized import (
     ErrorFeedback,
     Pending,
-    _Centralized,
+    CentralizedBase,
     check_fraction,
     check_spec,
 )
@@ -241,7 +241,7 @@ def ef_pull(feedback: ErrorFeedback, pushed: torch.Tensor, server_error: torch.T
 # --------------------------------------------------------------------------------------
 # Algorithms
 # --------------------------------------------------------------------------------------
-class _TwoWay(ExchangeMixin, _Centralized):
+class _TwoWay(ExchangeMixin, CentralizedBase):
     """The push/serve/pull skeleton of the two-way compressed algorithms, sharded or
     all-gathered (see the module docstring); subclasses supply the three pieces:
     ``_push(G)`` (worker side: the payload rows), ``_serve(j, Q, ctx)`` (the owner of

@@ -52,7 +52,7 @@ from typing import Any, Callable
 import torch
 
 from gossip import compress as _compress
-from gossip.algorithms._centralized import ErrorFeedback, _Centralized, check_fraction, check_spec
+from gossip.algorithms._centralized import ErrorFeedback, CentralizedBase, check_fraction, check_spec
 from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
 from gossip.algorithms.base import ParamLayout, WireFormat
 from gossip.algorithms.efsgd import ef_momentum, ef_pull, ef_push
@@ -117,7 +117,7 @@ class MergeCompState:
     search: dict = field(default_factory=dict)
 
 
-class MergeComp(_Centralized):
+class MergeComp(CentralizedBase):
     """dist-EF-SGD scheduled in groups overlapped with backward; see the module docstring."""
 
     name = "mergecomp"

@@ -63,7 +63,7 @@ from typing import Any
 import torch
 
 from gossip.algorithms.base import WireFormat
-from gossip.algorithms._centralized import _Centralized, check_fraction
+from gossip.algorithms._centralized import CentralizedBase, check_fraction
 from gossip.algorithms._common import check_int, shared_key
 
 __all__ = ["PowerSGD", "PowerSGDConfig", "PowerSGDState", "orthogonalize"]
@@ -183,7 +183,7 @@ def _runs(index: list[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
-class PowerSGD(_Centralized):
+class PowerSGD(CentralizedBase):
     """Rank-r PowerSGD with error feedback and momentum; steps in the module docstring."""
 
     name = "powersgd"

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from gossip.algorithms.base import ParamLayout, WireFormat
-from gossip.algorithms._centralized import _Centralized, check_fraction
+from gossip.algorithms._centralized import CentralizedBase, check_fraction
 from gossip.algorithms._common import check_int, shared_key
 
 __all__ = [
@@ -199,7 +199,7 @@ class TopKState:
     v: torch.Tensor
 
 
-class _TopKFamily(_Centralized):
+class _TopKFamily(CentralizedBase):
     fault_tolerant = True
     local_state = ("v",)  # the worker's own error accumulation: a healed worker starts it at zero
 

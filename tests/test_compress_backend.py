@@ -109,7 +109,8 @@ def test_failed_compile_falls_back_with_one_warning(backend, monkeypatch):
         assert torch.equal(_kernels.run(k, 3, x), torch.ones(3))  # no second warning
 
 
-def test_backend_selection(backend):
+def test_backend_selection(backend, monkeypatch):
+    monkeypatch.setattr(_kernels, "compile_cache", _EmptyCache())  # tests/test_compress_cache.py: a warm one
     k = _kernels.Kernel("probe", lambda x: x)
     cpu = torch.device("cpu")
     backend("eager")
@@ -244,6 +245,14 @@ def _dcd_run() -> torch.Tensor:
     return X
 
 
+class _EmptyCache:
+    def holds(self, name):
+        return False
+
+    def note(self, name):
+        pass
+
+
 def test_switching_from_eager_to_compiled_mid_run_keeps_the_bits(backend, monkeypatch):
     """auto runs a kernel eager until its eager budget is spent, then compiled, so a run
     (and a resumed run, which switches at another step) mixes the two forms: the
@@ -251,6 +260,7 @@ def test_switching_from_eager_to_compiled_mid_run_keeps_the_bits(backend, monkey
     backend("eager")
     ref = _dcd_run()
     backend("auto")
+    monkeypatch.setattr(_kernels, "compile_cache", _EmptyCache())  # a cache that holds them would compile at once
     monkeypatch.setattr(_kernels, "MIN_COMPILED_NUMEL", 1)
     monkeypatch.setattr(_kernels, "EAGER_BUDGET_NUMEL", 3 * 4 * (1 << 12))  # encode switches at step 3
     monkeypatch.setattr(_kernels, "LANES_MIN_NUMEL", 1)  # the lane kernels' pair switches too
@@ -259,6 +269,7 @@ def test_switching_from_eager_to_compiled_mid_run_keeps_the_bits(backend, monkey
     for k in kernels:  # fresh budgets for the kernels earlier tests used (their compiled code stays)
         monkeypatch.setattr(k, "budget_spent", False)
         monkeypatch.setattr(k, "eager_numel", 0)
+        monkeypatch.setattr(k, "cache_checked", False)
     got = _dcd_run()
     assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
     # rows of 4096 values take the lane kernels (min/max, then rounding), which switch together

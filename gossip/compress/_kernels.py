@@ -8,18 +8,30 @@ the floating-point steps are single IEEE operations in the same order
 
 Backend choice, from the environment variable ``GOSSIP_COMPRESS_BACKEND``:
 
-- ``auto`` (default), on CPU: eager below ``MIN_COMPILED_NUMEL`` elements per call;
-  above, a kernel runs eager until its eager calls have processed
-  ``EAGER_BUDGET_NUMEL`` elements in this process, then compiled. No call compiles
-  at once, however large: the first step of a run never waits for the compiler
-  (a large model's eager first step takes a fraction of a second per call where
-  compiling took 14 s on a fresh machine), and compiling happens in the step
-  during which the budget runs out, in the calling thread. Compiling a
-  kernel costs seconds (more on a loaded machine, each kernel is its own graph), and
-  the eager forms are a few times slower per element at most, so a short run of a
-  small model (the command line's MNIST-1D default) never pays a compilation, and a
-  long or large one pays it once it has spent about as much in the slower eager
-  form (the ski-rental rule). Eager on other devices;
+- ``auto`` (default), on CPU: eager below ``MIN_COMPILED_NUMEL`` elements per call.
+  Above, a kernel whose compiled form inductor's cache already holds (see "What the
+  compile cache holds" below) is compiled at its first such call: a warm compile
+  loads the compiled code instead of making it (on a 2-core AMD EPYC at load 6, the
+  first call of quant:bits=8 on 8M values took 7.9 s with a warm cache, importing
+  inductor included, and quant:bits=4's after it 3.0 s, against 28 s each with an
+  empty one). Any other kernel runs eager until its eager calls have processed
+  ``EAGER_BUDGET_NUMEL`` elements in this process, then compiled. So with an empty
+  cache no call compiles at once, however large: the first step of a run never waits
+  for a cold compilation (a large model's eager first step takes a fraction of a
+  second per call), and compiling happens in the step during which the budget runs
+  out, in the calling thread. The eager forms run in cache-sized chunks ("The eager
+  forms in cache-sized chunks" below): at 16M values on one thread of an AMD EPYC,
+  quant:bits=8's and quant:bits=4's eager round trips ran at 0.11 of a memcpy
+  (``experiments/bench_compress.py --backend eager``, load 2; the earlier eager forms,
+  a chain of full-size temporaries, ran at 0.008 in the same process), where the
+  compiled ones ran at 0.29 and 0.32 on a quiet machine: the eager forms are 2-4
+  times slower per element (1.7 and 0.9 times measured in one process at load 2,
+  which slows the compiled kernels' memory traffic more). Compiling a kernel costs
+  seconds (more on a loaded machine, each kernel is its own graph), so a short run of
+  a small model (the command line's MNIST-1D default) never pays a compilation; at
+  the 1-3 ns per element that compiling saves, the budget's 2**30 elements cost 1-3 s
+  more in eager form than compiled, less than a cold compilation. Eager on other
+  devices;
 - ``compile``: compiled on CPU whatever the size, from the first call;
 - ``eager``: never compile.
 
@@ -40,9 +52,14 @@ the rest of the process.
 from __future__ import annotations
 
 import functools
+import getpass
+import hashlib
 import os
+import re
+import tempfile
 import types
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -54,8 +71,9 @@ R_ = R  # the _random module, under a name that the kernels' local `R` (a range)
 __all__: list[str] = []
 
 MIN_COMPILED_NUMEL = 1 << 16
-#: auto: elements a kernel processes in eager form before it is compiled (at 10-40 ns
-#: per element saved by compiling, 10-40 s: about a cold compilation's cost)
+#: auto: elements a kernel processes in eager form before it is compiled, unless the
+#: compile cache holds it (at the 1-3 ns per element that compiling saves over the
+#: chunked eager forms, 1-3 s: less than a cold compilation, 14-28 s)
 EAGER_BUDGET_NUMEL = 1 << 30
 _BACKENDS = ("auto", "compile", "eager")
 #: ``Kernel.failure`` of a kernel whose compiled results differed from the eager form's
@@ -104,6 +122,11 @@ class Kernel:
         #: elements processed in eager form by calls that the budget kept from compiling
         self.eager_numel = 0
         self.budget_spent = False
+        #: whether auto has asked the compile cache about this kernel (at its first call)
+        self.cache_checked = False
+        #: kernels whose auto decision this one follows (:func:`_follow`): a verified
+        #: compile of this one vouches for them in the compile cache too
+        self.deciders: set = set()
 
     def compiled(self):
         if self._compiled is None:
@@ -122,20 +145,125 @@ class Kernel:
 
 
 def _want_compiled(k: Kernel, numel: int, device: torch.device) -> bool:
-    """Whether this call of ``k`` takes the compiled form; in ``auto`` mode an eager
-    call of at least ``MIN_COMPILED_NUMEL`` elements counts against the kernel's
-    eager budget (never compiled on its first call: the first step stays fast)."""
+    """Whether this call of ``k`` takes the compiled form. In ``auto`` mode, at its first
+    call of at least ``MIN_COMPILED_NUMEL`` elements a kernel whose compiled form is in
+    the compile cache (:data:`compile_cache`) compiles at once; otherwise an eager call
+    of at least ``MIN_COMPILED_NUMEL`` elements counts against the kernel's eager budget
+    (never compiled on its first call: the first step stays fast)."""
     if _backend == "eager" or k.failed or device.type != "cpu":
         return False
     if _backend == "compile" or k.budget_spent:
         return True
     if numel < MIN_COMPILED_NUMEL:
         return False
+    if not k.cache_checked:
+        k.cache_checked = True
+        if compile_cache.holds(k.name):  # a warm compile: seconds at most, so at once
+            k.budget_spent = True
+            return True
     k.eager_numel += numel
     if k.eager_numel >= EAGER_BUDGET_NUMEL:
         k.budget_spent = True
         return True
     return False
+
+
+def _follow(k: Kernel, decider: Kernel) -> None:
+    """``k`` runs on behalf of ``decider``, whose auto decision (budget or compile cache)
+    it shares: compiled once ``decider``'s is, and its verified compile marks ``decider``
+    as held by the compile cache."""
+    k.budget_spent |= decider.budget_spent
+    k.deciders.add(decider)
+
+
+# --------------------------------------------------------------------------------------
+# What the compile cache holds.
+#
+# A kernel's compiled form is written by inductor into its on-disk caches (the FX graph
+# cache, under TORCHINDUCTOR_CACHE_DIR); a later process that compiles the same graph
+# loads it from there in a fraction of a cold compilation's time. Whether an entry is
+# there cannot be asked of inductor without importing it (seconds) and tracing the
+# graph, so this module keeps its own record: after a compiled kernel has been verified
+# (its first compiled call gave the eager bits) and inductor reported a cache store or
+# hit for it (its counters, not a bypass), an empty marker file named after the kernel
+# is written in a folder inside inductor's cache folder, named after the torch version
+# and this module's sources (a change to either makes other graphs). The marker sits
+# with what it vouches for: deleting inductor's cache deletes the markers too, and a
+# fresh TORCHINDUCTOR_CACHE_DIR has none. Asking is one stat() per kernel and process.
+# With inductor's caches switched off (TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 or
+# TORCHINDUCTOR_FX_GRAPH_CACHE=0) nothing is held and nothing written.
+# --------------------------------------------------------------------------------------
+
+
+def inductor_cache_dir() -> str:
+    """The folder of inductor's caches, as torch._inductor.runtime.cache_dir_utils.cache_dir()
+    names it (``TORCHINDUCTOR_CACHE_DIR``, else ``torchinductor_<user>`` in the temporary
+    folder), without importing inductor or creating the folder."""
+    d = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if d is None:
+        try:
+            user = getpass.getuser()
+        except (KeyError, ModuleNotFoundError, OSError):
+            getuid = getattr(os, "getuid", None)
+            user = f"uid_{getuid()}" if callable(getuid) else "unknown_user"
+        d = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    return os.path.abspath(d)
+
+
+def _caches_off() -> bool:
+    env = os.environ
+    return (env.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "0") == "1"
+            or env.get("TORCH_COMPILE_FORCE_DISABLE_CACHES", "0") == "1"
+            or env.get("TORCHINDUCTOR_FX_GRAPH_CACHE", "1") == "0")
+
+
+@functools.lru_cache(maxsize=1)
+def _sources_tag() -> str:
+    """A short hash of the torch version and of the sources the kernels are made of."""
+    h = hashlib.sha256(torch.__version__.encode())
+    here = Path(__file__).resolve().parent
+    for name in ("_kernels.py", "_random.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+class MarkerCache:
+    """The record of compiled kernels in inductor's cache folder (see above)."""
+
+    def __init__(self):
+        self._written: set = set()
+
+    def folder(self) -> Path:
+        return Path(inductor_cache_dir()) / "gossip-compress" / _sources_tag()
+
+    def holds(self, name: str) -> bool:
+        """Whether a verified compiled form of kernel ``name`` is in the compile cache."""
+        return not _caches_off() and (self.folder() / name).is_file()
+
+    def note(self, name: str) -> None:
+        """Record that kernel ``name``'s compiled form is in the compile cache (once per
+        process; a folder that cannot be written is left alone)."""
+        if name in self._written or _caches_off():
+            return
+        self._written.add(name)
+        try:
+            f = self.folder()
+            f.mkdir(parents=True, exist_ok=True)
+            (f / name).touch()
+        except OSError:
+            pass
+
+
+#: what auto asks at a kernel's first call (tests put a fake in its place)
+compile_cache = MarkerCache()
+
+
+def _fx_cache_counts() -> tuple[int, int]:
+    """Inductor's FX graph cache events in this process: (stores or hits, bypasses)."""
+    from torch._dynamo.utils import counters
+
+    c = counters["inductor"]
+    return c["fxgraph_cache_miss"] + c["fxgraph_cache_hit"], c["fxgraph_cache_bypass"]
 
 
 def run(k: Kernel, numel: int, *args):
@@ -175,10 +303,16 @@ def _run_verified(k: Kernel, args):
     copies of the arguments and compare results and written outputs bit for bit. A
     mismatch (a miscompilation) disables the compiled form and keeps the eager result."""
     copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    res = k.compiled()(*args)
+    fn = k.compiled()
+    before = _fx_cache_counts()
+    res = fn(*args)
+    cached, bypassed = (x - y for x, y in zip(_fx_cache_counts(), before))
     ref = k.eager(*copies)
     if _same(res, ref) and all(_same(a, c) for a, c in zip(args, copies)):
         k.verified = True
+        if cached and not bypassed:  # inductor stored its graph (or found it): warm for later processes
+            for name in (k.name, *(d.name for d in k.deciders)):
+                compile_cache.note(name)
         return res
     for a, c in zip(args, copies):
         if isinstance(a, torch.Tensor) and not _same(a, c):
@@ -834,10 +968,10 @@ def scale_and_round(x, keys, seeds, start: int, L: float, mode: int, out):
         compiled = _want_compiled(kr, x.numel(), x.device)
         if compiled and not lanes_pay():
             # on this CPU the one-loop kernel is the faster form: it compiles now, as the pair would have
-            _variant("scale_and_round", _make_fused, (mode, int(L), out.dtype)).budget_spent |= kr.budget_spent
+            _follow(_variant("scale_and_round", _make_fused, (mode, int(L), out.dtype)), kr)
         elif compiled:
             km = _variant("quant_minmax", _make_minmax, (int(L),))
-            km.budget_spent |= kr.budget_spent  # the pair compiles together (auto's budget is kr's)
+            _follow(km, kr)  # the pair compiles together (auto's decision is kr's)
             a, R, s = run(km, x.numel(), x)
             s2, base = _seed_args(seeds, start)
             flag = run(kr, x.numel(), x.view(m, nb, B // C, C), a.view(m, nb, 1, 1), s.view(m, nb, 1, 1),
@@ -1051,8 +1185,8 @@ def quant_planar_encode(x, keys, seeds, start: int, bits: int, out):
         L = (1 << bits) - 1
         km = _variant("quant_minmax", _make_minmax, (L,))
         kl = _variant("quant_planar_lanes", _make_planar_lanes, (bits,))
-        km.budget_spent |= k.budget_spent  # the pair follows the planar encode's budget
-        kl.budget_spent |= k.budget_spent
+        _follow(km, k)  # the pair follows the planar encode's decision
+        _follow(kl, k)
         a, R, s = run(km, x.numel(), x)
         kk = 8 // bits
         x6 = x.view(m, nb, bits, kk, N // C, C)

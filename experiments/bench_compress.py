@@ -137,8 +137,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", metavar="SPECS", help="comma-free list of specs separated by ';'")
     ap.add_argument("--backend", choices=("auto", "compile", "eager"), default="compile",
                     help="kernel backend (default: compile, the steady state of a run: auto runs a kernel eagerly "
-                         "until it has processed 2**30 elements, more than this benchmark's repetitions, so auto "
-                         "here would time the eager start of a run instead)")
+                         "until it has processed 2**30 elements, more than this benchmark's repetitions, unless "
+                         "inductor's cache already holds it, so auto here would time the eager start of a run or, "
+                         "with a warm cache, the compiled kernels)")
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default 21 at 1M, 7 at 16M)")
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="statistic of the repetitions (default median; min shows the unloaded speed)")

@@ -1,27 +1,39 @@
 """What a compressor's first call costs in a fresh process: compiling, on an empty or a
 warm inductor cache.
 
-    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) OMP_NUM_THREADS=1 python experiments/cold_start.py \\
-        quant:bits=8 quant:bits=4 identity --results experiments/results/cold_start.json
+    OMP_NUM_THREADS=1 python experiments/cold_start.py quant:bits=8 quant:bits=4 identity \\
+        --caches empty,warm --results experiments/results/cold_start.json
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) OMP_NUM_THREADS=1 python experiments/cold_start.py quant:bits=8
     python experiments/cold_start.py --numel 1048576 quant:bits=8      # a smaller model
 
 For each spec: the time of the first ``encode`` + ``decode`` of one row of ``--numel``
-values (default 2**23: a model of 8M parameters) and of the second one, in this
-process, one thread. With the ``auto`` backend no call compiles on its first call,
-however large; ``GOSSIP_COMPRESS_BACKEND=compile`` shows what compiling at once costs.
-Run it twice with the same ``TORCHINDUCTOR_CACHE_DIR`` to see a warm cache's first call.
+values (default 2**23: a model of 8M parameters) and of the second one, one thread,
+and whether the first call ran compiled kernels. ``GOSSIP_COMPRESS_BACKEND=compile``
+shows what compiling at once costs.
+
+Without ``--caches`` the process measures itself, with the inductor cache it was given.
+``--caches empty,warm`` measures in child processes on a fresh cache folder of their
+own: ``empty``, the default backend (auto) on the empty folder (no kernel compiles in
+the first call); then ``GOSSIP_COMPRESS_BACKEND=compile`` on it (what compiling at once
+costs with an empty cache, and what fills it); then ``warm``, auto again on the filled
+folder, where a kernel held by the cache compiles in its first call
+(gossip/compress/_kernels.py, "What the compile cache holds").
 
 The target: the first encode+decode of an 8M-parameter model (the first step's
-compression) under :data:`FIRST_CALL_TARGET_S` seconds. ``--results``
-writes the times with their provenance (experiments/_provenance.py);
+compression) under :data:`FIRST_CALL_TARGET_S` seconds with an empty cache.
+``--results`` writes the times with their provenance (experiments/_provenance.py);
 ``python -m experiments.render`` turns them into the table in docs/compress.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,55 +59,123 @@ def _cache_state() -> str:
 
 
 def table(res: dict) -> str:
-    """The results as Markdown: each spec's first and second encode+decode against the
-    target, under a line saying how the process started."""
+    """The results as Markdown: each row's first and second encode+decode against the
+    target, under a line saying how the processes started."""
     n = res["numel"]
+    rows = res["rows"]
+    caches = "cache" in rows[0] if rows else False
     head = (f"| compressor ({n:,} values, {res['threads']} thread{'s' if res['threads'] != 1 else ''}) | "
-            f"first encode+decode | second | first under {FIRST_CALL_TARGET_S:g} s |")
-    lines = [head, "|---|---|---|---|"]
-    for r in res["rows"]:
+            + ("inductor cache | backend | compiled in the first call | " if caches else "")
+            + f"first encode+decode | second | first under {FIRST_CALL_TARGET_S:g} s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
         ok = "yes" if r["first_s"] < FIRST_CALL_TARGET_S else "**no**"
-        lines.append(f"| {r['compressor']} | {r['first_s']:.2f} s | {r['second_s']:.2f} s | {ok} |")
-    return (f"Backend `{res['backend']}`, inductor cache {res['inductor_cache']} at the start, "
-            f"torch {res['torch']}:\n\n" + "\n".join(lines))
+        mid = (f"{r['cache']} | `{r['backend']}` | {'yes' if r['compiled_first'] else 'no'} | " if caches else "")
+        lines.append(f"| {r['compressor']} | {mid}{r['first_s']:.2f} s | {r['second_s']:.2f} s | {ok} |")
+    if caches:
+        intro = (f"Each row in a fresh process on a cache folder of its own (`--caches`), torch {res['torch']}; "
+                 f"the target applies to the empty cache:")
+    else:
+        intro = (f"Backend `{res['backend']}`, inductor cache {res['inductor_cache']} at the start, "
+                 f"torch {res['torch']}:")
+    return intro + "\n\n" + "\n".join(lines)
+
+
+def measure(specs: list[str], numel: int) -> list[dict]:
+    """First and second encode+decode of each spec in this process, one thread; and
+    whether the first call ran compiled kernels (kernels verified by then)."""
+    x = torch.randn(1, numel, generator=torch.Generator().manual_seed(0))
+    keys = torch.tensor([1])
+    rows = []
+    for spec in specs:
+        c = gc.build(spec)
+        times, compiled = [], []
+        for i in range(2):
+            real = _kernels._want_compiled
+            if i == 0:  # which kernels the first call runs compiled
+                def spy(k, n, device, real=real):
+                    want = real(k, n, device)
+                    if want:
+                        compiled.append(k.name)
+                    return want
+
+                _kernels._want_compiled = spy
+            try:
+                t0 = time.perf_counter()
+                c.decode(c.encode(x, keys), numel)
+                times.append(time.perf_counter() - t0)
+            finally:
+                _kernels._want_compiled = real
+        print(f"{spec:24s} first encode+decode {times[0]:7.2f} s (compiled: {'yes' if compiled else 'no'}), "
+              f"second {times[1]:.3f} s", flush=True)
+        rows.append({"compressor": spec, "first_s": times[0], "second_s": times[1], "compiled_first": bool(compiled)})
+    return rows
+
+
+#: ``--caches``: (row label, backend, cache folder) of each child process, in order
+_STEPS = {"empty": [("empty", "auto", "fresh")],
+          "warm": [("empty", "compile", "fresh"), ("warm", "auto", "same")]}
+
+
+def _children(specs: list[str], numel: int, caches: list[str]) -> list[dict]:
+    """The measurement in child processes on a fresh inductor cache folder (see the module)."""
+    folder = tempfile.mkdtemp(prefix="cold-start-inductor-")
+    steps = [st for c in caches for st in _STEPS[c]]
+    rows = []
+    try:
+        for label, backend, _ in steps:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=folder, GOSSIP_COMPRESS_BACKEND=backend,
+                       OMP_NUM_THREADS="1")
+            for v in ("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCH_COMPILE_FORCE_DISABLE_CACHES",
+                      "TORCHINDUCTOR_FX_GRAPH_CACHE"):
+                env.pop(v, None)
+            print(f"-- inductor cache {label}, backend {backend}", flush=True)
+            r = subprocess.run([sys.executable, os.path.abspath(__file__), *specs, "--numel", str(numel), "--child"],
+                               env=env, stdout=subprocess.PIPE, text=True, check=True)
+            out = r.stdout.strip().splitlines()
+            print("\n".join(out[:-1]), flush=True)
+            for row in json.loads(out[-1]):
+                rows.append({**row, "cache": label, "backend": backend})
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("specs", nargs="+", help="compressor specs, e.g. quant:bits=8")
     p.add_argument("--numel", type=int, default=1 << 23, help="values in the row (default 2**23)")
+    p.add_argument("--caches", metavar="LIST",
+                   help="measure in child processes on a fresh inductor cache folder: empty, warm or empty,warm "
+                        "(warm: first filled by a process with GOSSIP_COMPRESS_BACKEND=compile)")
     p.add_argument("--results", "--json", dest="results", metavar="PATH",
                    help="also write the times, with their provenance, as JSON (experiments/results/cold_start.json)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.numel < 1:
         p.error(f"--numel must be positive, got {args.numel}")
-    compressors = []
+    caches = [c.strip() for c in args.caches.split(",")] if args.caches else []
+    if any(c not in _STEPS for c in caches) or len(set(caches)) != len(caches):
+        p.error(f"--caches takes empty, warm or empty,warm, got {args.caches!r}")
     for spec in args.specs:  # every spec checked before anything is timed
         try:
-            compressors.append(gc.build(spec))
+            gc.build(spec)
         except ValueError as e:
             p.error(str(e))
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _provenance
-
-    cache = _cache_state()  # before anything here compiles
-    prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/cold_start.py", *argv])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the caller's count is restored below (main may be called from Python)
     try:
+        if args.child:
+            print(json.dumps(measure(args.specs, args.numel)))
+            return 0
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import _provenance
+
+        cache = "per row" if caches else _cache_state()  # before anything here compiles
+        prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/cold_start.py", *argv])
         print(f"torch {torch.__version__}, 1 thread, {args.numel} values, backend {_kernels.get_backend()}, "
               f"inductor cache {cache} at the start, load average (1 min) {os.getloadavg()[0]:.2f}")
-        x = torch.randn(1, args.numel, generator=torch.Generator().manual_seed(0))
-        keys = torch.tensor([1])
-        rows = []
-        for spec, c in zip(args.specs, compressors):
-            times = []
-            for _ in range(2):
-                t0 = time.perf_counter()
-                c.decode(c.encode(x, keys), args.numel)
-                times.append(time.perf_counter() - t0)
-            print(f"{spec:24s} first encode+decode {times[0]:7.2f} s, second {times[1]:.3f} s")
-            rows.append({"compressor": spec, "first_s": times[0], "second_s": times[1]})
+        rows = _children(args.specs, args.numel, caches) if caches else measure(args.specs, args.numel)
     finally:
         torch.set_num_threads(threads)
     res = {"numel": args.numel, "threads": 1, "backend": _kernels.get_backend(),
@@ -103,6 +183,9 @@ def main(argv=None) -> int:
            "rows": rows}
     if args.results:
         _provenance.write(args.results, res, prov)
+    if caches:
+        print()
+        print(table(res))
     return 0
 
 

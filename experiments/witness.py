@@ -90,7 +90,8 @@ def key(argv: Sequence[str]) -> str:
 
 
 def machine_kind() -> str:
-    """The kind of machine a trace is bit-identical on: CPU model and torch version."""
+    """The kind of machine a trace is bit-identical on: CPU model, the vector
+    instructions torch dispatches to, and torch's version."""
     import platform
 
     import torch
@@ -104,7 +105,11 @@ def machine_kind() -> str:
                     break
     except OSError:
         pass
-    return f"{cpu or platform.machine()} | torch {torch.__version__}"
+    try:  # the vector instructions torch's kernels dispatch to: AVX2 and AVX-512 sum in other orders
+        isa = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        isa = "unknown ISA"
+    return f"{cpu or platform.machine()} | {isa} | torch {torch.__version__}"
 
 
 def _h(obj: Any) -> str:

@@ -244,3 +244,22 @@ def test_the_cold_start_table_has_a_row_per_cache_state():
     assert lines[4] == "| quant:bits=8 | empty | `auto` | no | 0.81 s | 0.12 s | yes |"
     assert lines[5] == "| quant:bits=8 | empty | `compile` | yes | 13.90 s | 0.05 s | **no** |"
     assert lines[6] == "| quant:bits=8 | warm | `auto` | yes | 2.10 s | 0.05 s | yes |"
+
+
+def test_cold_start_measures_each_cache_state_in_a_child_process(tmp_path, monkeypatch, capsys):
+    from experiments import _provenance, cold_start
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the children get a folder of their own
+    path = tmp_path / "cold.json"
+    assert cold_start.main(["quant:bits=8", "identity", "--numel", "4096", "--caches", "empty",
+                            "--results", str(path)]) == 0
+    res, _ = _provenance.read(path)
+    assert res["inductor_cache"] == "per row"
+    assert [(r["compressor"], r["cache"], r["backend"], r["compiled_first"]) for r in res["rows"]] == [
+        ("quant:bits=8", "empty", "auto", False), ("identity", "empty", "auto", False)]
+    assert not (tmp_path / "mine").exists()
+    out = capsys.readouterr().out
+    assert "| quant:bits=8 | empty | `auto` | no |" in out
+    with pytest.raises(SystemExit) as e:
+        cold_start.main(["identity", "--caches", "hot"])
+    assert e.value.code == 2 and "--caches takes empty, warm or empty,warm, got 'hot'" in capsys.readouterr().err

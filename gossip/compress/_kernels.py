@@ -11,27 +11,28 @@ Backend choice, from the environment variable ``GOSSIP_COMPRESS_BACKEND``:
 - ``auto`` (default), on CPU: eager below ``MIN_COMPILED_NUMEL`` elements per call.
   Above, a kernel whose compiled form inductor's cache already holds (see "What the
   compile cache holds" below) is compiled at its first such call: a warm compile
-  loads the compiled code instead of making it (on a 2-core AMD EPYC at load 6, the
-  first call of quant:bits=8 on 8M values took 7.9 s with a warm cache, importing
-  inductor included, and quant:bits=4's after it 3.0 s, against 28 s each with an
-  empty one). Any other kernel runs eager until its eager calls have processed
+  loads the compiled code instead of making it (on a 2-core AMD EPYC at load 0.7,
+  the first call of quant:bits=8 on 8M values took 5.3 s with a warm cache,
+  importing inductor included, and quant:bits=4's after it 2.0 s, against 16.0 s and
+  8.0 s with an empty one; ``experiments/cold_start.py --caches empty,warm``). Any
+  other kernel runs eager until its eager calls have processed
   ``EAGER_BUDGET_NUMEL`` elements in this process, then compiled. So with an empty
   cache no call compiles at once, however large: the first step of a run never waits
   for a cold compilation (a large model's eager first step takes a fraction of a
   second per call), and compiling happens in the step during which the budget runs
   out, in the calling thread. The eager forms run in cache-sized chunks ("The eager
   forms in cache-sized chunks" below): at 16M values on one thread of an AMD EPYC,
-  quant:bits=8's and quant:bits=4's eager round trips ran at 0.11 of a memcpy
-  (``experiments/bench_compress.py --backend eager``, load 2; the earlier eager forms,
-  a chain of full-size temporaries, ran at 0.008 in the same process), where the
-  compiled ones ran at 0.29 and 0.32 on a quiet machine: the eager forms are 2-4
-  times slower per element (1.7 and 0.9 times measured in one process at load 2,
-  which slows the compiled kernels' memory traffic more). Compiling a kernel costs
-  seconds (more on a loaded machine, each kernel is its own graph), so a short run of
-  a small model (the command line's MNIST-1D default) never pays a compilation; at
-  the 1-3 ns per element that compiling saves, the budget's 2**30 elements cost 1-3 s
-  more in eager form than compiled, less than a cold compilation. Eager on other
-  devices;
+  quant:bits=8's and quant:bits=4's eager round trips ran at 0.13 of a memcpy
+  (``experiments/bench_compress.py --backend eager``, load 0.8), 14 times the speed
+  of the earlier eager forms (a chain of full-size temporaries, 0.008 of a memcpy,
+  timed in the same process), where the compiled ones ran at 0.29 and 0.32 on a
+  quiet machine: the eager forms are 2-3 times slower per element (1.3 and 0.9 times
+  timed in one process at load 1.3, which slowed the compiled kernels' memory
+  traffic more). Compiling a kernel costs seconds (more on a loaded machine, each
+  kernel is its own graph), so a short run of a small model (the command line's
+  MNIST-1D default) never pays a compilation; at the 1-3 ns per element that
+  compiling saves, the budget's 2**30 elements cost 1-3 s more in eager form than
+  compiled, less than a cold compilation. Eager on other devices;
 - ``compile``: compiled on CPU whatever the size, from the first call;
 - ``eager``: never compile.
 
@@ -507,8 +508,8 @@ def _ties(x, a, s, seeds, start: int, L: float, mode: int, out) -> torch.Tensor:
 #
 # The digits: hash24 starts with (i + s1) * M1 (mod 2**32), which for a run of
 # consecutive indices e0 + j is j * M1 + (e0 + s1) * M1: one add of a per-run constant
-# to a cached table of j * M1. The rest of hash24 follows, step by step and in place,
-# in the same wrapping int32 arithmetic. The rounding: D = F - u is taken as u - F in one
+# to a cached table of j * M1. The rest of hash24 follows, step by step and in place, in
+# the same wrapping 32-bit arithmetic (NumPy's uint32 on the CPU, USE_NUMPY). The rounding: D = F - u is taken as u - F in one
 # operation, torch.sub(u, frac, alpha=2**24) (frac * 2**24 is exact, so fused or not it
 # rounds once, and u - F rounds to -D exactly); "up" (D > 0) is u - F < 0 as fp32 0/1
 # (ATen's comparisons vectorise for an output of the input's dtype), and the level
@@ -519,8 +520,11 @@ def _ties(x, a, s, seeds, start: int, L: float, mode: int, out) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 #: elements per chunk of the chunked eager forms on the CPU: their three scratch buffers
-#: of 4-byte values (384 KiB at 2**15) stay in a core's L2 cache, and a chunk is long
-#: enough that ATen's cost per call (a few microseconds) stays small against the work
+#: of 4-byte values (3 MiB) stay in the caches, and a chunk is long enough that the cost
+#: of a call (a few microseconds in ATen, ~40 calls a chunk) stays small against the
+#: work. On an AMD EPYC (1 thread, 16M values) the 8-bit round trip took 1.5-2 times as
+#: long in chunks of 2**15, whose buffers fit a core's L2 cache, and about the same in
+#: chunks of 2**17 to 2**19
 EAGER_CHUNK = 1 << 18
 #: elsewhere (a GPU pays per kernel launch, not per pass over memory): chunks this large
 EAGER_CHUNK_OTHER = 1 << 24

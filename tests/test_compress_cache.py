@@ -145,7 +145,8 @@ def test_a_miscompiled_kernel_is_not_noted(auto):
 
 def test_the_record_lives_in_inductors_cache_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a"))
-    for v in ("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCH_COMPILE_FORCE_DISABLE_CACHES", "TORCHINDUCTOR_FX_GRAPH_CACHE"):
+    for v in ("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCH_COMPILE_FORCE_DISABLE_CACHES",
+              "TORCHINDUCTOR_FX_GRAPH_CACHE"):
         monkeypatch.delenv(v, raising=False)
     c = _kernels.MarkerCache()
     assert not c.holds("k")

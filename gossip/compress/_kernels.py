@@ -508,15 +508,16 @@ def _ties(x, a, s, seeds, start: int, L: float, mode: int, out) -> torch.Tensor:
 #
 # The digits: hash24 starts with (i + s1) * M1 (mod 2**32), which for a run of
 # consecutive indices e0 + j is j * M1 + (e0 + s1) * M1: one add of a per-run constant
-# to a cached table of j * M1. The rest of hash24 follows, step by step and in place, in
-# the same wrapping 32-bit arithmetic (NumPy's uint32 on the CPU, USE_NUMPY). The rounding: D = F - u is taken as u - F in one
-# operation, torch.sub(u, frac, alpha=2**24) (frac * 2**24 is exact, so fused or not it
-# rounds once, and u - F rounds to -D exactly); "up" (D > 0) is u - F < 0 as fp32 0/1
-# (ATen's comparisons vectorise for an output of the input's dtype), and the level
-# floor(t) + up. A tie (0 < D < 1) needs t < 0.5, so a chunk whose smallest t is 0.5 or
-# more has none; in the others, frac(max(u - F, -1)) < 0 exactly at the ties, which are
-# then resolved (tie_levels) before the chunk's codes are stored. The same IEEE
-# operations on the same values as _sr_eager and the compiled kernels: the same bits.
+# to a cached table of j * M1. The rest of hash24 follows, step by step and in place,
+# in the same wrapping 32-bit arithmetic (NumPy's uint32 on the CPU, USE_NUMPY). The
+# rounding: D = F - u is taken as u - F in one operation, torch.sub(u, frac,
+# alpha=2**24) (frac * 2**24 is exact, so fused or not it rounds once, and u - F
+# rounds to -D exactly); "up" (D > 0) is u - F < 0 as fp32 0/1 (ATen's comparisons
+# vectorise for an output of the input's dtype), and the level floor(t) + up. A tie
+# (0 < D < 1) needs t < 0.5, so a chunk whose smallest t is 0.5 or more has none; in the
+# others, frac(max(u - F, -1)) < 0 exactly at the ties, which are then resolved
+# (tie_levels) before the chunk's codes are stored. The same IEEE operations on the
+# same values as _sr_eager and the compiled kernels: the same bits.
 # --------------------------------------------------------------------------------------
 
 #: elements per chunk of the chunked eager forms on the CPU: their three scratch buffers

@@ -5,8 +5,9 @@ Three kinds of results file, three rules (docs/provenance.md):
 - **training** (its provenance lists ``configs``, the training configurations it ran):
   *certified* at the commit that made it, or at the last commit where
   ``python -m experiments verify`` found every witness bit-identical
-  (experiments/witness.py); still *certified* at HEAD when none of its sources changed
-  since; *unverified* when they did and no verify has run since (run it: minutes);
+  (experiments/witness.py); still *certified* at HEAD when the code of none of its
+  sources changed since (comments and docstrings aside); *unverified* when it did and
+  no verify has run since (run it: minutes);
   *stale* when a witness differed (the record names the configuration and step).
 - **timing** (no configs): certified while the code it ran is unchanged. What it ran
   is the repository modules its process imported (``imported``, recorded by
@@ -170,7 +171,8 @@ def status(rel: str, prov: dict[str, Any], head: dict[str, str | None] | None = 
             return st
         ids = prov.get("source_ids") if since == prov.get("commit") else _ids_at(since, sources)
         now = head if head is not None else P.source_ids(sources)
-        changed = [s for s in sources if (ids or {}).get(s) != now.get(s)]
+        changed = [f for s in sources if (ids or {}).get(s) != now.get(s)
+                   for f in code_changed(s, (ids or {}).get(s), now.get(s))]
         if prov.get("dirty_sources") and since == prov.get("commit"):
             st.state = "unverified"
             st.reasons = [f"made with uncommitted changes to {', '.join(prov['dirty_sources'])}"]

@@ -107,3 +107,22 @@ def test_bad_arguments_are_one_line(argv, message):
     out = subprocess.run([sys.executable, "-m", "experiments", *argv], cwd=P.REPO, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def _blob(text: str) -> str:
+    """Write ``text`` into the repository's object store (as git would hold an older
+    version of a file); its blob id."""
+    return subprocess.run(["git", "hash-object", "-w", "--stdin"], input=text, text=True, capture_output=True,
+                          cwd=P.REPO, check=True).stdout.strip()
+
+
+def test_a_comment_never_unverifies_a_training_result_but_a_rename_does():
+    path = "experiments/witness.py"
+    now = (P.REPO / path).read_text()
+    commit, _ = P.git_commit()
+    prov = {"command": "python x", "commit": commit, "configs": [TINY], "sources": [path], "dirty_sources": []}
+    commented = _blob(now + "\n# a comment appended later\n")
+    assert freshness.status("r.json", {**prov, "source_ids": {path: commented}}).state == "certified"
+    renamed = _blob(now.replace("def _clean(rec", "def _tidy(rec").replace("_clean(rec)", "_tidy(rec)"))
+    st = freshness.status("r.json", {**prov, "source_ids": {path: renamed}})
+    assert st.state == "unverified" and path in st.reasons[0] and "experiments verify" in st.reasons[0]

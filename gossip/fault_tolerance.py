@@ -770,7 +770,7 @@ class _FTRun:
 
     def _end_epoch(self, step: int) -> None:
         """After an epoch's last step: this replica's own model evaluated on the test set,
-        an ``eval`` record and the epoch line every mode prints (no collective: a peer's
+        an eval record and the epoch line every mode prints (no collective: a peer's
         death must not cost an epoch's evaluation; with a centralized algorithm every
         replica's model is the group's). The train loss is the mean of this replica's own
         steps in the epoch (steps it took by healing have none)."""
@@ -779,7 +779,9 @@ class _FTRun:
         ev = evaluation.test_metrics(self.model, self.dataset, self.device)
         losses, self.epoch_losses = self.epoch_losses, []
         ev = {"train_loss": sum(losses) / len(losses) if losses else float("nan"), **ev}
-        self.metrics.write({"kind": "eval", "step": step, "epoch": step / self.steps_per_epoch,
+        # kind: the eval record of every mode (gossip.analysis); event: as every record of this file
+        # that is not a step's (quorum, heal, topology, end), so that a reader of steps passes it by
+        self.metrics.write({"event": "eval", "kind": "eval", "step": step, "epoch": step / self.steps_per_epoch,
                             "time": time.perf_counter() - self.t0, **ev})
         self._say(metrics.epoch_line(step / self.steps_per_epoch, self.cfg.run.epochs, ev, self.comm.run_ledger,
                                      self.dpsgd_bytes, step, self.dataset.task))

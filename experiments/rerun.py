@@ -104,6 +104,10 @@ def main(*, budget_min: float | None = None, dry_run: bool = False) -> int:
         print(f"results: verifying {len(unverified)} unverified training results first")
         certify.verify(unverified)
     todo = plan()
+    if dry_run and unverified:  # verify decides which of them need a re-run: not planned here
+        print(f"results: {len(unverified)} unverified training results would be verified first "
+              f"(python -m experiments verify); those a witness finds changed are then re-run")
+        todo = [s for s in todo if s.results not in unverified]
     root = os.geteuid() == 0
     runnable = [s for s in todo if s.needs == "cpu" or (s.needs == "netns" and root)]
     elsewhere = [s for s in todo if s not in runnable]

@@ -739,7 +739,8 @@ def _store_codes(dst, codes, scratch) -> None:
     if dst.dtype != torch.uint8:
         dst.copy_(codes)
     elif USE_NUMPY and dst.device.type == "cpu":
-        np.copyto(dst.numpy(), codes.numpy(), casting="unsafe")
+        with np.errstate(invalid="ignore"):  # NaN codes of non-finite input, which encode then refuses
+            np.copyto(dst.numpy(), codes.numpy(), casting="unsafe")
     else:
         i32 = scratch if scratch.shape == codes.shape else scratch.view(-1)[: codes.numel()].view(codes.shape)
         i32.copy_(codes)

@@ -1060,6 +1060,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def flag_of(e: _Entry) -> str:
+    """The command-line flag of a schema entry (:func:`schema`): its Option's own flag,
+    else ``--no-NAME`` for a switch that is on by default, else ``--name-with-dashes``."""
     if e.option.flag is not None:
         return e.option.flag
     if e.field.default is True:  # a switch that is on unless given

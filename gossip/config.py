@@ -39,12 +39,14 @@ import re
 import tomllib
 import types
 import typing
+from urllib.parse import urlsplit
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
 __all__ = [
     "AGREE_KEYS",
+    "lighthouse_address",
     "schema",
     "flag_of",
     "AlgorithmSection",
@@ -573,6 +575,26 @@ class AlgorithmSection:
         return None
 
 
+def lighthouse_address(value: str) -> str:
+    """``HOST:PORT`` or ``http://HOST:PORT`` as torchft's clients take it (``http://...``).
+
+    Raises:
+        ValueError: naming what is accepted, for anything else.
+    """
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"--fault-tolerance must be the Lighthouse's HOST:PORT, got {value!r}")
+    text = value.strip()
+    parts = urlsplit(text if "://" in text else f"http://{text}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise ValueError(f"--fault-tolerance must be the Lighthouse's HOST:PORT (or http://HOST:PORT), got {value!r}")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"http://{host}:{port}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class CommSection:
     """``[comm]``: the graph, the device and transport, and how nodes are hosted."""
@@ -655,8 +677,6 @@ class CommSection:
         if e is not None and e > 60_000:
             raise ConfigError(f"--emulate-latency must be at most 60000 ms (one minute per message round), got {e!r}")
         if self.fault_tolerance is not None:
-            from gossip.fault_tolerance import lighthouse_address
-
             try:
                 lighthouse_address(self.fault_tolerance)
             except ValueError as err:

@@ -58,7 +58,7 @@ from gossip import algorithms, data, evaluation, rundir
 from gossip._ftcomm import FTCommunicator
 from gossip.errors import say_line
 from gossip.comm.base import is_time_varying
-from gossip.config import RESUME_AUTO
+from gossip.config import RESUME_AUTO, lighthouse_address
 
 __all__ = ["FT_CHECKPOINT_FORMAT", "FTCommunicator", "SUPPORTED_ALGORITHMS", "agreement_verdict", "ft_checkpoints",
            "lighthouse_address", "live_topology", "probe_lighthouse", "run_fault_tolerant"]
@@ -69,26 +69,6 @@ SUPPORTED_ALGORITHMS = tuple(n for n in algorithms.available() if algorithms.alg
 REPLICA_ENV, REPLICAS_ENV = "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"
 #: the address this worker advertises to its peers (default: its host name)
 HOST_ENV = "GOSSIP_FT_HOST"
-
-
-def lighthouse_address(value: str) -> str:
-    """``HOST:PORT`` or ``http://HOST:PORT`` as torchft's clients take it (``http://...``).
-
-    Raises:
-        ValueError: naming what is accepted, for anything else.
-    """
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"--fault-tolerance must be the Lighthouse's HOST:PORT, got {value!r}")
-    text = value.strip()
-    parts = urlsplit(text if "://" in text else f"http://{text}")
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme != "http" or not parts.hostname or port is None or parts.path not in ("", "/"):
-        raise ValueError(f"--fault-tolerance must be the Lighthouse's HOST:PORT (or http://HOST:PORT), got {value!r}")
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"http://{host}:{port}"
 
 
 class _QuorumWatch:

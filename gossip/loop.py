@@ -41,11 +41,12 @@ __all__ = ["CheckpointRecord", "Diverged", "Finished", "FINGERPRINT_KEYS", "Prog
 # the run
 # --------------------------------------------------------------------------------------
 def run(cfg: TrainConfig) -> dict | None:
-    """Train as configured; returns the summary on rank 0 (None elsewhere)."""
-    if cfg.comm.fault_tolerance is not None:  # one torchft replica per process: its own loop
-        from gossip.fault_tolerance import run_fault_tolerant
-
-        return run_fault_tolerant(cfg)
+    """Train as configured; returns the summary on rank 0 (None elsewhere). A
+    fault-tolerant run (``--fault-tolerance``) is :func:`gossip.train.run`'s: the
+    fault-tolerant loop sits on top of this one, which never imports it."""
+    if cfg.comm.fault_tolerance is not None:
+        raise RunError("--fault-tolerance runs through gossip.train.run (or python -m gossip.train), "
+                       "which hands it to gossip.fault_tolerance; gossip.loop.run runs the other modes")
     env = assembly.detect_env(cfg)
     topo = assembly.build_topology(cfg, env.world_size)  # pure: fails the same way on every rank
     device = assembly.choose_device(cfg, env)

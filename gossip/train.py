@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 
 #: what a rank says on SIGTERM: torchrun sends it when another rank failed (that rank's
@@ -42,6 +42,19 @@ def _say(line: str) -> None:
     say_line(line)
 
 
+def run(cfg):
+    """Train as configured: under ``--fault-tolerance`` one torchft replica per process
+    (:func:`gossip.fault_tolerance.run_fault_tolerant`), else :func:`gossip.loop.run`.
+    Returns the summary on rank 0 (None elsewhere)."""
+    if cfg.comm.fault_tolerance is not None:
+        from gossip.fault_tolerance import run_fault_tolerant
+
+        return run_fault_tolerant(cfg)
+    from gossip.loop import run as run_loop
+
+    return run_loop(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m gossip.train``: parse the flags, run, and return the exit code.
 
@@ -49,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     SIGTERM."""
     from gossip.config import ConfigError, parse_args
     from gossip.errors import one_line
-    from gossip.loop import RunError, run
+    from gossip.errors import RunError
 
     rank = int(os.environ.get("RANK", "0"))
     # under torchrun every rank may print its line at once: say whose each one is

@@ -316,7 +316,8 @@ def test_min_replicas_must_be_positive() -> None:
 
 def test_unsupported_algorithms_and_bad_settings_are_one_line_before_anything_connects(tmp_path: Path,
                                                                                       monkeypatch) -> None:
-    from gossip.loop import RunError, run
+    from gossip.errors import RunError
+    from gossip.train import run
 
     cfg = parse_args(["--algo", "sgp", "--fault-tolerance", "localhost:1", "--out", str(tmp_path)])
     with pytest.raises(RunError, match=r"--fault-tolerance supports --algo allreduce, dpsgd, .*choco, efsgd, .*powersgd, "

@@ -657,6 +657,36 @@ def _u32(t: torch.Tensor):
     return t.numpy().view(np.uint32)
 
 
+def _chunk_levels(xc, h, ff, uf, tf, a4c, s4c, Lt, K, mode: int):
+    """One chunk of :func:`_eager_round`: its levels into ``ff`` (fp32) from its digits
+    ``h``, ``uf`` and ``tf`` the fp32 views of the scratch; the positions of its ties
+    (``nonzero`` rows), or None when it has none."""
+    uf.copy_(h)  # the digits u in fp32 (exact: below 2**24); tf takes h's place
+    if mode == 0:
+        torch.sub(xc, a4c, out=tf).mul_(s4c)  # t <= L without a clamp: see _scaled
+    else:
+        torch.abs(xc, out=tf).mul_(s4c)
+        torch.minimum(tf, Lt, out=tf)  # clamp(max=L)
+    low = tf.amin().item() < 0.5  # ties need t < 0.5
+    torch.floor(tf, out=ff)
+    tf.sub_(ff)  # frac(t)
+    torch.sub(uf, tf, alpha=_TWO24, out=uf)  # u - F = -D
+    tie = None
+    if low:
+        torch.maximum(uf, K["neg1"], out=tf)
+        if tf.frac_().amin().item() < 0:  # some -1 < u - F < 0: ties
+            tie = ((uf > -1) & (uf < 0)).nonzero()
+    torch.lt(uf, K["zero"], out=tf)  # up
+    ff.add_(tf)
+    if mode:
+        torch.lt(xc, K["zero"], out=tf)  # x < 0
+        if mode == 1:
+            torch.add(tf, ff, alpha=2, out=ff)  # 2 level + [x < 0]
+        else:
+            ff.addcmul_(ff, tf)  # level (1 + [x < 0])
+    return tie
+
+
 def _eager_round(x4, a, s, keys, seeds, start: int, L: float, mode: int, store) -> None:
     """Stochastic rounding (as _sr_eager, ties resolved) of x4 (m, nb, J, N): J planes of
     N columns per block, element j N + i of its block (a, s: (m, nb, 1)), chunk by chunk;
@@ -700,29 +730,7 @@ def _eager_round(x4, a, s, keys, seeds, start: int, L: float, mode: int, store) 
             _digits_into(h, t, Pn, base, s2t[r0:r1], K)
         else:
             _digits_into_np(*npv, _u32(base), S2u[r0] if r1 - r0 == 1 else S2n[r0:r1])
-        uf.copy_(h)  # the digits u in fp32 (exact: below 2**24); tf takes h's place
-        if mode == 0:
-            torch.sub(xc, a4[r0:r1, b0:b1], out=tf).mul_(s4[r0:r1, b0:b1])  # t <= L without a clamp: see _scaled
-        else:
-            torch.abs(xc, out=tf).mul_(s4[r0:r1, b0:b1])
-            torch.minimum(tf, Lt, out=tf)  # clamp(max=L)
-        low = tf.amin().item() < 0.5  # ties need t < 0.5
-        torch.floor(tf, out=ff)
-        tf.sub_(ff)  # frac(t)
-        torch.sub(uf, tf, alpha=_TWO24, out=uf)  # u - F = -D
-        tie = None
-        if low:
-            torch.maximum(uf, K["neg1"], out=tf)
-            if tf.frac_().amin().item() < 0:  # some -1 < u - F < 0: ties
-                tie = ((uf > -1) & (uf < 0)).nonzero()
-        torch.lt(uf, K["zero"], out=tf)  # up
-        ff.add_(tf)
-        if mode:
-            torch.lt(xc, K["zero"], out=tf)  # x < 0
-            if mode == 1:
-                torch.add(tf, ff, alpha=2, out=ff)  # 2 level + [x < 0]
-            else:
-                ff.addcmul_(ff, tf)  # level (1 + [x < 0])
+        tie = _chunk_levels(xc, h, ff, uf, tf, a4[r0:r1, b0:b1], s4[r0:r1, b0:b1], Lt, K, mode)
         if tie is not None:
             rl, bl, jl, il = tie.unbind(1)
             r, b = rl + r0, bl + b0

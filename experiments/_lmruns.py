@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from experiments import _provenance  # noqa: E402  (the scripts' provenance, through this module)
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -45,14 +46,6 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
-
-if __name__ != "experiments._provenance":  # a script imported it as `_provenance`: one module, one record
-    import importlib as _importlib
-
-    _root = str(Path(__file__).resolve().parents[1])
-    if _root not in sys.path:
-        sys.path.append(_root)
-    sys.modules[__name__] = _importlib.import_module("experiments._provenance")
 
 __all__ = [
     "QUIET_LOAD",
@@ -74,6 +67,7 @@ __all__ = [
     "record_config",
     "recorded_configs",
     "imported_sources",
+    "as_module",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -280,10 +274,20 @@ def _command(argv: Sequence[str] | None) -> str:
             argv[0] = str(p.resolve().relative_to(REPO))
         except (ValueError, OSError):
             argv[0] = p.name
+        script = re.fullmatch(r"experiments/(\w+)\.py", argv[0])
+        if script:  # an experiment runs as a module of the package
+            head, argv = ["python", "-m", f"experiments.{script.group(1)}"], argv[1:]
     # a path in the environment is this machine's own (a cache folder): named, not spelled out
     env = [f"{k}={'PATH' if os.path.isabs(os.environ[k]) else os.environ[k]}" for k in sorted(os.environ)
            if k in _ENV_KEYS or k.startswith(_ENV_PREFIX)]
     return shlex.join([*env, *head, *map(portable, argv)])
+
+
+def as_module(cmd: str) -> str:
+    """A recorded command as this checkout runs it: the old form of an experiment,
+    ``python experiments/NAME.py ...`` (a script started by its path), becomes
+    ``python -m experiments.NAME ...``; any other command is returned as it is."""
+    return re.sub(r"(?<![\w/.-])(python3?) experiments/(\w+)\.py(?![\w.])", r"\1 -m experiments.\2", cmd)
 
 
 def portable(arg: str) -> str:

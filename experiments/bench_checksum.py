@@ -29,8 +29,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import min_interleaved  # noqa: E402
+from experiments._timing import min_interleaved
 
 from gossip.compress import _kernels as K
 from gossip.compress import wire
@@ -94,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error(f"--reps must be at least 1, got {args.reps}")
-    import _provenance
+    from experiments import _provenance
 
     prov = _provenance.start(["gossip/compress/_kernels.py", "gossip/compress/wire.py",
                               "experiments/bench_checksum.py", "experiments/_timing.py"],

@@ -32,7 +32,7 @@ from gossip.compress import _kernels
 if __package__:  # imported as experiments.bench_compress
     from . import _provenance
 else:  # run as a script, or imported with experiments/ on the path (bench_step)
-    import _provenance
+    from experiments import _provenance
 
 #: the code these figures measure (for `python -m experiments.render --stale`)
 SOURCES = ["gossip/compress", "experiments/bench_compress.py"]

@@ -43,10 +43,10 @@ import sys
 import time
 from pathlib import Path
 
+from experiments import _cli
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 MODES = ("efsgd_overlap", "efsgd_inline", "torch_equal_bytes", "torch_fp32")
 #: the code the step times measure: the hooks, the exchange they run, the codec
 SOURCES = ["gossip/ddp.py", "gossip/runtime.py", "gossip/algorithms", "gossip/comm", "gossip/compress",
@@ -140,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"need --steps >= 1, --repeats >= 1 and --warmup >= 0, got --steps {args.steps} "
                 f"--repeats {args.repeats} --warmup {args.warmup}")
 
-    sys.path.insert(0, str(HERE))
-    from vcluster import VirtualCluster
+    from experiments.vcluster import VirtualCluster
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     with VirtualCluster(2, rate=args.rate, prefix=args.prefix) as vc:
         for rep in range(args.repeats):
             for mode in modes:
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, *passthrough]
+                cmd = [*_cli.module_command("bench_ddp_overlap"), "--worker", mode, *passthrough]
                 res = vc.run(cmd, env=env, timeout=900, outdir=out / f"{mode}-{rep}")
                 if not res.ok:
                     print(f"{mode} repeat {rep} failed: {res.tail(res.failed[0].rank)}", file=sys.stderr)

@@ -35,8 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import _provenance
-from _benchlib import markdown_table, run_spawned_world
+from experiments import _provenance
+from experiments._benchlib import markdown_table, run_spawned_world
 from gossip import comm
 from gossip.models import build_model
 from gossip.runtime import GossipOptimizer

@@ -28,9 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import _provenance  # noqa: E402
+from experiments import _provenance
 from gossip import algorithms, comm  # noqa: E402
 
 #: the code these figures measure (for `python -m experiments.render --stale`)

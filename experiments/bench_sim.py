@@ -40,8 +40,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _provenance  # noqa: E402
+from experiments import _provenance
 
 from gossip import comm as gcomm
 from gossip import assembly, data, loop
@@ -193,7 +192,7 @@ def _run_record(argv: list[str]) -> dict:
     except OSError:
         pass
     return {
-        "command": " ".join(["python", "experiments/bench_sim.py", *map(_provenance.portable, argv)]),
+        "command": " ".join(["python", "-m", "experiments.bench_sim", *map(_provenance.portable, argv)]),
         "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
@@ -249,9 +248,6 @@ def scale_data(seed: int) -> data.Dataset:
 
 def update_docs() -> None:
     """Re-render docs/simulation.md's tables (every marked table, as ``make results-tables``)."""
-    repo = str(Path(__file__).resolve().parents[1])
-    if repo not in sys.path:  # run as a script: experiments/ is on the path, the repository is not
-        sys.path.insert(0, repo)
     from experiments import render as _render
 
     _render.render_all(write=True)

@@ -28,7 +28,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-import bench_data
+from experiments import bench_data
 from gossip import config as _config
 from gossip import units
 

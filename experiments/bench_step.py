@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import topologies
-import _provenance
-from _benchlib import markdown_table, run_spawned_world
-from bench_compress import bench as bench_codec
+from experiments import _provenance
+from experiments._benchlib import markdown_table, run_spawned_world
+from experiments.bench_compress import bench as bench_codec
 from gossip import algorithms, comm
 from gossip.runtime import GossipOptimizer
 

@@ -70,13 +70,10 @@ from typing import Any, Sequence
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-for p in (str(REPO), str(HERE)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
-import _provenance  # noqa: E402
-import bench_data  # noqa: E402
-from bench_spec import METRICS, Method, Spec, SpecError, Workload, check_trials, load_spec  # noqa: E402
+from experiments import _provenance
+from experiments import bench_data
+from experiments.bench_spec import METRICS, Method, Spec, SpecError, Workload, check_trials, load_spec
 from gossip import crossover, leaderboard, rundir  # noqa: E402
 
 __all__ = ["Spec", "Workload", "Method", "SOURCES", "METRICS", "load_spec", "plan", "run", "collect", "analyse",
@@ -190,7 +187,7 @@ def _r(x: float | None, digits: int = 5) -> float | None:
 def _result(run_dir: Path, metric: str) -> dict:
     """A finished run's figures, compact: what the analysis and the report need, so
     that the results file stands without the run directories."""
-    import race
+    from experiments import race
 
     c = race.curve(run_dir)
     summary = rundir.read_json(rundir.summary_path(run_dir))
@@ -230,7 +227,7 @@ def _finished(run_dir: Path, metric: str, args: Sequence[str] | None = None) -> 
 
 
 def _run_trial(t: Trial, lr: float, out: Path, device: str = "cpu") -> dict:
-    import race
+    from experiments import race
 
     run_dir = t.run_dir(out)
     args = _train_args(t, lr, run_dir, device)
@@ -485,7 +482,7 @@ def _reached(value: float | None, target: float, higher: bool) -> bool:
 
 
 def _to_target(result: dict, wl: Workload, bw: float, lat: float) -> tuple[float | None, float | None]:
-    import race
+    from experiments import race
 
     for p in _points(result):
         if _reached(p["metric"], wl.target, wl.higher_is_better):
@@ -674,7 +671,7 @@ def verdict_table(res: dict) -> str:
 
 
 def method_tables(res: dict) -> str:
-    import race
+    from experiments import race
 
     parts = []
     for wname, w in res["workloads"].items():
@@ -731,7 +728,7 @@ def _first_curve(res: dict, r: dict) -> tuple[list[dict], dict] | None:
 def plots(res: dict, out: Path, prefix: str) -> list[Path]:
     """Per workload and node count: metric against bytes, and against modelled time per
     bandwidth (at the first latency); the first seed's curve of each method."""
-    import race
+    from experiments import race
 
     try:
         import matplotlib
@@ -1216,7 +1213,7 @@ def main(argv: list[str] | None = None) -> int:
             extra += "\n\n### What the whole spec costs\n\n" + estimate_section(
                 load_spec(a.estimate[0]), measured, mprov, a.estimate[1])
         if a.netns:
-            import benchmark_netns
+            from experiments import benchmark_netns
 
             measured, nprov = read_results(Path(a.netns))
             if not isinstance(measured, dict) or "runs" not in measured or "bandwidths" not in measured:

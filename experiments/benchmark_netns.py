@@ -47,13 +47,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
-for _p in (str(REPO), str(HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
-import benchmark  # noqa: E402
-import race  # noqa: E402
-import vcluster  # noqa: E402
+from experiments import benchmark
+from experiments import race
+from experiments import vcluster
 from experiments import _provenance  # noqa: E402
 from gossip import crossover  # noqa: E402
 

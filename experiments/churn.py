@@ -38,10 +38,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "experiments"))
-sys.path.insert(0, str(REPO))
 
-from vcluster import VirtualCluster, VClusterError  # noqa: E402
+from experiments.vcluster import VirtualCluster, VClusterError
 
 LIGHTHOUSE_PORT = 29510
 
@@ -89,7 +87,7 @@ def _run(vc: VirtualCluster, args: argparse.Namespace, out: Path, churn: bool) -
             "--min-replicas", str(args.min_replicas), "--out", str(out)]
     # what `python -m experiments verify` witnesses: the training as its simulation of the
     # workers, without torchft's flags (the fault-tolerant path itself is not witnessed)
-    import _provenance
+    from experiments import _provenance
 
     ft, train = ("--fault-tolerance", "--min-replicas"), argv[3:]
     _provenance.record_config([x for i, x in enumerate(train) if x not in ft and (i == 0 or train[i - 1] not in ft)],
@@ -232,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         a.min_replicas = max(1, a.workers - 1)
     if not 2 <= a.workers or not 1 <= a.hosts <= a.workers or a.kill_every < 1 or a.steps <= a.kill_every:
         p.error("need --workers >= 2, 1 <= --hosts <= --workers and --steps > --kill-every >= 1")
-    import _provenance
+    from experiments import _provenance
 
     record = _provenance.start(["experiments/churn.py", "gossip"],
                                argv=["experiments/churn.py", *(argv if argv is not None else sys.argv[1:])])

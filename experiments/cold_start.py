@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 import gossip.compress as gc
+from experiments import _cli
 from gossip.compress import _kernels
 
 #: the code these figures measure (for `python -m experiments.render --stale`)
@@ -130,8 +131,8 @@ def _children(specs: list[str], numel: int, caches: list[str]) -> list[dict]:
                       "TORCHINDUCTOR_FX_GRAPH_CACHE"):
                 env.pop(v, None)
             print(f"-- inductor cache {label}, backend {backend}", flush=True)
-            r = subprocess.run([sys.executable, os.path.abspath(__file__), *specs, "--numel", str(numel), "--child"],
-                               env=env, stdout=subprocess.PIPE, text=True, check=True)
+            r = subprocess.run([*_cli.module_command("cold_start"), *specs, "--numel", str(numel), "--child"],
+                               env=_cli.module_env(env), stdout=subprocess.PIPE, text=True, check=True)
             out = r.stdout.strip().splitlines()
             print("\n".join(out[:-1]), flush=True)
             for row in json.loads(out[-1]):
@@ -168,8 +169,7 @@ def main(argv=None) -> int:
         if args.child:
             print(json.dumps(measure(args.specs, args.numel)))
             return 0
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import _provenance
+        from experiments import _provenance
 
         cache = "per row" if caches else _cache_state()  # before anything here compiles
         prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/cold_start.py", *argv])

@@ -30,6 +30,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from experiments import _cli
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -89,20 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=Path, default=None,
                    help="also write check.json here (experiments/results/crossover_check.json: docs/crossover.md's table)")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _provenance
+    from experiments import _provenance
 
     prov = _provenance.start(_provenance.training_sources(  # the model's prediction and the sweep's runs
         "gossip/crossover.py", "experiments/crossover_check.py", "experiments/sweep_network.py",
         "experiments/vcluster.py"),
                              argv=None if argv is None else ["experiments/crossover_check.py", *argv])
     args.out.mkdir(parents=True, exist_ok=True)
-    sweep = [sys.executable, str(HERE / "sweep_network.py"), "--nodes", str(args.nodes), "--algos", args.algos,
+    sweep = [*_cli.module_command("sweep_network"), "--nodes", str(args.nodes), "--algos", args.algos,
              "--bandwidth", args.bandwidth, "--latency", args.latency, "--steps", str(args.steps),
              "--warmup", str(args.warmup), "--model", args.model, "--data", "synthetic", "--prefix", "gxc",
              "--out", str(args.out / "sweep")] + (["--force"] if args.force else [])
     print("measuring:", " ".join(sweep), flush=True)
-    if subprocess.run(sweep).returncode != 0:
+    if subprocess.run(sweep, env=_cli.module_env()).returncode != 0:
         print("crossover_check: the sweep failed", file=sys.stderr)
         return 1
     labels = {a: _crossover_label(a) for a in args.algos.split(",")}
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     res = json.loads(pred.stdout)
     with open(args.out / "sweep" / "results.csv", newline="") as fh:
         measured = list(csv.DictReader(fh))
-    import sweep_network
+    from experiments import sweep_network
 
     sweep_network.record_cells(args.out / "sweep", measured)  # the sweep's runs, for `experiments verify`
     rows = compare(measured, res, labels)

@@ -67,11 +67,11 @@ _NEEDS = {"cpu": "this machine", "netns": "the netns cluster (root, tc)", "gpu":
 
 def needs(prov: dict[str, Any]) -> str:
     """The machine a re-run of this record's command needs."""
-    cmd = str(prov.get("command") or "")
+    cmd = P.as_module(str(prov.get("command") or ""))
     if (prov.get("machine") or {}).get("gpu") or "--device cuda" in cmd or "gpu_check" in cmd or "sim_gpu" in cmd:
         return "gpu"
     if cmd.startswith("sudo ") or "--mode netns" in cmd or any(
-            s in cmd for s in ("benchmark_netns", "sweep_network", "crossover_check", "sgp_overlap", "churn.py",
+            s in cmd for s in ("benchmark_netns", "sweep_network", "crossover_check", "sgp_overlap", "experiments.churn",
                                "netns_gap", "streaming_overlap", "bench_ddp_overlap")):
         return "netns"
     return "cpu"

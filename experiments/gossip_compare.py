@@ -47,13 +47,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-for p in (str(REPO), str(HERE)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
-import _cli  # noqa: E402
-import _provenance  # noqa: E402
-import race  # noqa: E402  (experiments/ is not a package: the curve reader and the time model)
+from experiments import _cli
+from experiments import _provenance
+from experiments import race
 from gossip import crossover, rundir  # noqa: E402
 
 #: name -> the gossip.train flags that make the method (on top of the recipe)
@@ -185,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = c
     load.append(os.getloadavg()[0])
     md = table(results, bw_labels)
-    cmd = "python experiments/gossip_compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m experiments.gossip_compare " + " ".join(argv if argv is not None else sys.argv[1:])
     (out / "compare.md").write_text(
         f"{md}\n\nMade with `{cmd}` (simulated time, {a.nodes} nodes, sorted shards, {a.epochs} epochs; "
         f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, on {os.cpu_count()} cores).\n")

@@ -44,8 +44,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 __all__ = ["SECTIONS", "plan", "main"]
 
@@ -281,7 +279,7 @@ def s_nccl(args: argparse.Namespace) -> dict[str, Any]:
     per = max(20.0, (args.section_timeout - 10) / 4)
     res: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        r = _run([*torchrun, str(Path(__file__).resolve()), "--nccl-worker", f"{tmp}/w.json"], per)
+        r = _run([*torchrun, "-m", "experiments.gpu_check", "--nccl-worker", f"{tmp}/w.json"], per)
         if Path(f"{tmp}/w.json").exists():
             r["result"] = json.loads(Path(f"{tmp}/w.json").read_text())
         res["communicator_collectives"] = r
@@ -427,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t = time.perf_counter()
         tmp = out / f".{name}.json"
-        cmd = [*_py(), str(Path(__file__).resolve()), "--section", name, "--section-out", str(tmp),
+        cmd = [*_py(), "-m", "experiments.gpu_check", "--section", name, "--section-out", str(tmp),
                "--section-timeout", str(limit), "--numel", str(args.numel), "--reps", str(args.reps)]
         print(f"[{name}] up to {limit:.0f} s", flush=True)
         try:

@@ -19,9 +19,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _lmruns import REPO, _provenance, run_train  # noqa: E402
+from experiments import _provenance
+from experiments._lmruns import REPO, run_train
 
 #: the code the figures measure (the results go stale when one changes): each recipe is a
 #: `gossip.train` run, so the training path (experiments/_provenance.py's training_sources:

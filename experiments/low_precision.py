@@ -24,8 +24,7 @@ import torch.nn.functional as F
 import topologies
 from gossip import algorithms, comm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _provenance  # noqa: E402
+from experiments import _provenance
 
 #: the code these figures measure (for `python -m experiments.render --stale`)
 SOURCES = ["gossip/algorithms", "gossip/compress", "gossip/comm", "topologies", "experiments/low_precision.py"]

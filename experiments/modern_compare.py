@@ -51,14 +51,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-for p in (str(REPO), str(HERE)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
-import _cli  # noqa: E402
-import _provenance  # noqa: E402
-import bench_data  # noqa: E402
-import race  # noqa: E402  (experiments/ is not a package: the curve reader)
+from experiments import _cli
+from experiments import _provenance
+from experiments import bench_data
+from experiments import race
 from gossip import rundir  # noqa: E402
 
 H = "8"

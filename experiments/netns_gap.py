@@ -36,8 +36,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from experiments import _provenance  # noqa: E402
 from gossip import rundir  # noqa: E402

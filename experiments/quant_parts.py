@@ -48,8 +48,7 @@ import types
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import min_interleaved  # noqa: E402
+from experiments._timing import min_interleaved
 
 import gossip.compress as gc
 from gossip.compress import _kernels as K
@@ -105,7 +104,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.numel < 1 or args.reps < 1:
         p.error(f"--numel and --reps must be at least 1, got {args.numel} and {args.reps}")
-    import _provenance
+    from experiments import _provenance
 
     prov = _provenance.start(["gossip/compress", "experiments/quant_parts.py", "experiments/_timing.py"],
                              argv=None if argv is None else ["experiments/quant_parts.py", *argv])

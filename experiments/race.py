@@ -70,8 +70,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from experiments import _cli, _provenance  # noqa: E402
 from gossip import checkpoint, crossover, rundir  # noqa: E402
@@ -520,11 +518,7 @@ def write_netns(out: Path, results: dict, a: argparse.Namespace, bw_labels: list
 
 def main_netns(a: argparse.Namespace, names: list[str], bw_labels: list[str], bandwidths: list[float],
                out: Path, cmd: str) -> int:
-    sys.path.insert(0, str(REPO / "experiments"))
-    try:
-        import vcluster
-    finally:
-        sys.path.remove(str(REPO / "experiments"))
+    from experiments import vcluster
     try:
         vcluster.check_rights()
     except vcluster.VClusterError as e:

@@ -39,8 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-if __package__ in (None, ""):  # run as a script: python experiments/render.py
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments import _provenance as P  # noqa: E402
 
 __all__ = ["TABLES", "Table", "render_file", "render_all", "stale_results", "narrow_file", "main"]

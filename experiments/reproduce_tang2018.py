@@ -48,8 +48,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 __all__ = ["FIGURES", "SPECS", "Spec", "main", "plan"]
 
@@ -968,7 +966,7 @@ def main(argv: list[str] | None = None) -> int:
     code += (f", with uncommitted changes to {', '.join(changed)} at the time"
              if changed else " with no uncommitted changes to `gossip/` or `topologies/`") + "."
     given = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--report-only", "--force")]
-    argv_shown = ["python", "experiments/reproduce_tang2018.py", *given]
+    argv_shown = ["python", "-m", "experiments.reproduce_tang2018", *given]
     meta = {
         "command": shlex.join(argv_shown),
         "date": _dt.date.today().isoformat(),

@@ -38,8 +38,9 @@ REPO = P.REPO
 
 
 def command_of(prov: dict) -> str:
-    """The recorded command as this checkout runs it: scratch folders under runs/."""
-    cmd = str(prov.get("command") or "")
+    """The recorded command as this checkout runs it: scratch folders under runs/, an
+    experiment started by its path (the old form) started as a module."""
+    cmd = P.as_module(str(prov.get("command") or ""))
     cmd = re.sub(r"(?<![\w/])OUT/", "runs/", cmd)
     if cmd.startswith("sudo ") and os.geteuid() == 0:
         cmd = cmd[len("sudo "):]
@@ -153,8 +154,8 @@ def list_all() -> int:
             cmd = str(P.read(p)[1].get("command") or "")
         except ValueError:
             continue
-        m = re.search(r"experiments/([\w.-]+\.(?:py|toml))", cmd)
-        for name in {m.group(1)} if m else set():
+        m = re.search(r"-m experiments\.(\w+)", P.as_module(cmd))
+        for name in {f"{m.group(1)}.py"} if m else set():
             made.setdefault(name, []).append(str(p.relative_to(REPO)))
         spec = re.search(r"--spec (experiments/[\w.-]+\.toml)", cmd)
         if spec:

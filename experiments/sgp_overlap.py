@@ -32,9 +32,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-import _provenance  # noqa: E402
+from experiments import _provenance
 
 
 def make(seed: int):
@@ -111,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         "experiments/sgp_overlap.py", "experiments/vcluster.py", "experiments/sweep_network.py"),
                              argv=None if argv is None else ["experiments/sgp_overlap.py", *argv])
 
-    import sweep_network as sw
-    from vcluster import VirtualCluster
+    from experiments import sweep_network as sw
+    from experiments.vcluster import VirtualCluster
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -39,9 +39,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _provenance  # noqa: E402
-import bench_sim  # noqa: E402
+from experiments import _provenance
+from experiments import bench_sim
 
 from gossip import evaluation  # noqa: E402
 

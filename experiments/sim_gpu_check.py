@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _train(args: list[str]) -> tuple[int, str, str]:
@@ -86,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    import _provenance
-    import bench_sim
+    from experiments import _provenance
+    from experiments import bench_sim
 
     record = _provenance.start(["gossip", "experiments/sim_gpu_check.py"],
                                argv=["experiments/sim_gpu_check.py", *(argv if argv is not None else sys.argv[1:])])

@@ -44,9 +44,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_sim  # noqa: E402
-from _timing import min_interleaved  # noqa: E402
+from experiments import bench_sim
+from experiments._timing import min_interleaved
 
 from gossip import _batched, vectorized  # noqa: E402
 
@@ -313,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.json:
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
             Path(a.json).write_text(json.dumps({
-                "command": " ".join(["python", "experiments/sim_kernels.py", *(argv if argv is not None else sys.argv[1:])]),
+                "command": " ".join(["python", "-m", "experiments.sim_kernels", *(argv if argv is not None else sys.argv[1:])]),
                 "cpu_threads": 1, "load_avg_before": load0, "load_avg_after": load1, "peak_gflops": peak,
                 "memcpy_gbps": memcpy, "mlp": mlp, "conv": convs, "cross_entropy": ce, "evaluation": evals,
                 "anatomy": parts, "roofline": bounds}, indent=1) + "\n")

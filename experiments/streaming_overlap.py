@@ -54,11 +54,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-for p in (str(REPO), str(HERE)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
-import _provenance  # noqa: E402
+from experiments import _provenance
 from gossip import rundir  # noqa: E402
 
 
@@ -124,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--taus: give 0 (the baseline) and at least one tau > 0, got {a.taus!r}")
     if a.steps <= a.local_steps:
         p.error(f"--steps must exceed --local-steps (the first round is left out), got {a.steps} <= {a.local_steps}")
-    import vcluster
+    from experiments import vcluster
 
     try:
         vcluster.check_rights()
@@ -139,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     prov = vars(record)  # the record as started (command, commit, load before, machine), for the note below
     env = {"OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(q for q in (str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")) if q)}
-    import bench_data
+    from experiments import bench_data
 
     samples = train_samples(a.nodes, a.batch_size, a.steps)
     data = bench_data.dataset_name("mnist1d", samples, "test")

@@ -48,13 +48,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+from experiments import _provenance
+from experiments import vcluster
+from experiments.vcluster import VClusterError, format_rate, parse_rate, parse_time
 
-import _provenance  # noqa: E402
-import vcluster  # noqa: E402  (experiments/ is not a package)
-from vcluster import VClusterError, format_rate, parse_rate, parse_time  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 __all__ = ["Cell", "measure_run", "parse_algos", "plot_fig3", "write_results", "main"]
 
@@ -830,7 +828,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = Path(args.out)
     log = lambda msg: print(f"sweep: {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    cmdline = shlex.join(["python", "experiments/sweep_network.py", *(argv if argv is not None else sys.argv[1:])])
+    cmdline = shlex.join(["python", "-m", "experiments.sweep_network", *(argv if argv is not None else sys.argv[1:])])
     # the record of this invocation (a --plot-only redraw records its own); the cells' own
     # times and loads are in each cell's cell.json
     prov = _provenance.start(SOURCES, argv=shlex.split(cmdline), measure_memcpy=not args.dry_run)

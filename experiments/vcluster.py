@@ -88,8 +88,6 @@ __all__ = [
 ]
 
 HERE = Path(__file__).resolve().parent
-if str(HERE.parent) not in sys.path:  # the repository: gossip.crossover reads every rate of the project
-    sys.path.insert(0, str(HERE.parent))
 from gossip.units import tc_rate  # noqa: E402
 
 TC_SHAPE = HERE / "tc_shape.sh"

@@ -205,11 +205,11 @@ def _train(args: list[str]) -> None:
 
     from gossip import train
 
+    from experiments import bench_data
+
     # the experiments' own data and model factories (``--data bench_data:NAME``) are
-    # imported by module name, as the benchmark's trials import them
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.append(here)
+    # imported by module name, as the benchmark's trials import them: that name is this module
+    sys.modules.setdefault("bench_data", bench_data)
 
     buf = io.StringIO()
     with redirect_stdout(buf), redirect_stderr(buf):

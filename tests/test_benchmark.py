@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "experiments"))
-
-import bench_data  # noqa: E402
-import benchmark  # noqa: E402
+from experiments import bench_data
+from experiments import benchmark
 
 from gossip import textdata  # noqa: E402
 
@@ -73,7 +71,7 @@ def test_the_report_has_the_verdict_and_method_tables(bench):
         assert v["separated"] is None  # one seed: no interval, no claim
     for k in ("command", "commit", "dirty", "date", "machine", "load_before", "load_after", "torch", "source_ids"):
         assert k in prov
-    assert "python experiments/benchmark.py run --spec" in prov["command"]
+    assert "python -m experiments.benchmark run --spec" in prov["command"]
     md = (tmp / "docs" / "benchmark.md").read_text()
     assert "## Verdict" in md and "## Per method" in md and "| blobs | 2 | 10mbit@0 |" in md
     assert "![benchmark-blobs-n2](./benchmark-blobs-n2.png)" in md

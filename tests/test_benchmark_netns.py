@@ -12,11 +12,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "experiments"))
-
-import bench_data  # noqa: E402
-import benchmark  # noqa: E402
-import benchmark_netns  # noqa: E402
+from experiments import bench_data
+from experiments import benchmark
+from experiments import benchmark_netns
 
 from tests.test_benchmark import SPEC  # noqa: E402
 from tests.test_race import _netns_reason  # noqa: E402
@@ -106,7 +104,7 @@ def test_the_methods_run_on_shaped_links_and_the_report_shows_them(bench, capsys
                                  str(tmp / "bn1.json"), "--netns-results", str(tmp / "bn.json")]) == 0
     saved = json.loads((tmp / "bn.json").read_text())
     res = saved["results"]
-    assert "python experiments/benchmark_netns.py --results" in saved["provenance"]["command"]
+    assert "python -m experiments.benchmark_netns --results" in saved["provenance"]["command"]
     assert list(res["runs"]) == ["allreduce", "localsgd"] and res["bandwidths"] == ["10mbit"]  # the spec's order
     assert res["runs"]["allreduce"] == first["runs"]["allreduce"] and res["not_run"] == []
     assert [x["command"] for x in res["sessions"]] == [json.loads((tmp / "bn1.json").read_text())["provenance"]["command"]]

@@ -4,6 +4,7 @@ refused in one line naming the file and the field, exit 2, nothing run."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "experiments"))
-
-import benchmark  # noqa: E402
+from experiments import benchmark
 
 SPEC = """
 seeds = [0]
@@ -186,7 +185,7 @@ def test_the_committed_specs_pass(capsys):
 
 def test_the_names_match_gossips_registries():
     """bench_spec keeps torch-free copies of gossip.train's algorithms and models."""
-    import bench_spec
+    from experiments import bench_spec
 
     from gossip import algorithms, models
 
@@ -201,11 +200,11 @@ def test_a_spec_is_checked_without_torch(tmp_path):
     code = ("import runpy, sys\n"
             "sys.argv = sys.argv[1:]\n"
             "try:\n"
-            "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
             "except SystemExit as e:\n"
             "    print(e.code, 'torch' in sys.modules)\n")
-    r = subprocess.run([sys.executable, "-c", code, str(REPO / "experiments" / "benchmark.py"), "run", "--spec",
+    r = subprocess.run([sys.executable, "-c", code, "experiments.benchmark", "run", "--spec",
                         str(spec), "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
-                       cwd=tmp_path)
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.stdout.split() == ["2", "False"], r.stdout + r.stderr
     assert "--epochs sets the workload's budget" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -528,18 +528,14 @@ def test_declared_guarantees_are_reached(spec, row, expect):
 def test_bench_checksum_runs_and_writes_its_figures(tmp_path, capsys):
     """experiments/bench_checksum.py, tiny: each form's sums are checked against the
     kernel's before timing, and every printed ratio is in the results file."""
-    import importlib.util
+    import importlib
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "experiments" / "bench_checksum.py"
-    spec = importlib.util.spec_from_file_location("bench_checksum", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("experiments.bench_checksum")
     assert mod.main(["--small", "--reps", "1", "--json", str(tmp_path / "c.json")]) == 0
     out = capsys.readouterr().out
     r = json.loads((tmp_path / "c.json").read_text())
-    assert "python experiments/bench_checksum.py --small --reps 1" in r["provenance"]["command"]
+    assert "python -m experiments.bench_checksum --small --reps 1" in r["provenance"]["command"]
     rows = r["results"]["rows"]
     assert [(x["rows"], x["words"]) for x in rows] == [(4, 300), (1, 5000)]
     for x in rows:
@@ -553,18 +549,14 @@ def test_bench_checksum_runs_and_writes_its_figures(tmp_path, capsys):
 def test_quant_parts_runs_and_writes_its_figures(tmp_path, capsys):
     """experiments/quant_parts.py, tiny: the one-loop and one-call forms give the same
     payloads as the kernels, and the printed round-trip ratios are the file's."""
-    import importlib.util
+    import importlib
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "experiments" / "quant_parts.py"
-    spec = importlib.util.spec_from_file_location("quant_parts", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("experiments.quant_parts")
     assert mod.main(["--numel", "65536", "--reps", "1", "--json", str(tmp_path / "q.json")]) == 0
     out = capsys.readouterr().out
     r = json.loads((tmp_path / "q.json").read_text())
-    assert "python experiments/quant_parts.py --numel 65536 --reps 1" in r["provenance"]["command"]
+    assert "python -m experiments.quant_parts --numel 65536 --reps 1" in r["provenance"]["command"]
     res = r["results"]
     assert res["same_bytes"] and res["same_bytes_4"]
     assert all(v > 0 for v in res["seconds"].values())

@@ -17,11 +17,7 @@ EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
 
 def _script(name: str):
-    sys.path.insert(0, str(EXPERIMENTS))  # the scripts import their siblings by name
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
+    return importlib.import_module(f"experiments.{name}")
 
 
 def test_methods_keeps_the_order_and_refuses_unknown_or_no_names(capsys):

@@ -29,7 +29,7 @@ def test_an_unknown_section_is_one_line_and_exit_2(capsys):
 
 
 def test_sections_run_apart_and_an_exhausted_budget_is_recorded(tmp_path):
-    r = run_process([sys.executable, "experiments/gpu_check.py", "--only", "env", "--budget", "40",
+    r = run_process([sys.executable, "-m", "experiments.gpu_check", "--only", "env", "--budget", "40",
                      "--out", str(tmp_path / "a")], cwd=REPO, timeout=150)
     assert r.returncode == 0, r.stderr
     doc = json.loads((tmp_path / "a" / "gpu_check.json").read_text())
@@ -37,7 +37,7 @@ def test_sections_run_apart_and_an_exhausted_budget_is_recorded(tmp_path):
     env = doc["results"]["sections"]["env"]
     assert env["status"] == "ran" and env["result"]["torch"] and "cuda_available" in env["result"]
     assert "- **env**: ran in" in (tmp_path / "a" / "gpu_check.md").read_text()
-    r = run_process([sys.executable, "experiments/gpu_check.py", "--only", "env", "--budget", "1",
+    r = run_process([sys.executable, "-m", "experiments.gpu_check", "--only", "env", "--budget", "1",
                      "--out", str(tmp_path / "b")], cwd=REPO, timeout=60)
     assert r.returncode == 1
     sec = json.loads((tmp_path / "b" / "gpu_check.json").read_text())["results"]["sections"]["env"]

@@ -237,11 +237,7 @@ def test_the_race_runs_language_models_to_a_bits_per_byte_target(text_file, tmp_
 
     from tests.conftest import REPO
 
-    sys.path.insert(0, str(REPO / "experiments"))
-    try:
-        import race
-    finally:
-        sys.path.remove(str(REPO / "experiments"))
+    from experiments import race
     out = tmp_path / "race"
     flags = f"--data-dir {text_file} --model-opt layers=1 --model-opt width=16 --model-opt heads=2 --data-opt " \
             f"context=16 --batch-size 8 --lr 0.5"

@@ -3,6 +3,7 @@ run end to end on a small text, write their figures with provenance, and render.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 
@@ -16,11 +17,7 @@ TEXT = "def mean(xs):\n    return sum(xs) / len(xs)  # Grüße\n" * 600  # 31 KB
 
 
 def _script(name: str):
-    sys.path.insert(0, str(REPO / "experiments"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(str(REPO / "experiments"))
+    return importlib.import_module(f"experiments.{name}")
 
 
 @pytest.fixture
@@ -42,7 +39,7 @@ def test_recipes_run_and_render(corpus, tmp_path, monkeypatch):
     # the thread count is in the command; torch's inductor may have put its cache folder in the
     # environment earlier in the process, which the command then names as PATH
     cmd = prov["command"]
-    assert cmd.startswith("OMP_NUM_THREADS=1 ") and " python experiments/lm_recipes.py --recipes lstm " in cmd
+    assert cmd.startswith("OMP_NUM_THREADS=1 ") and " python -m experiments.lm_recipes --recipes lstm " in cmd
     assert "gossip/textdata.py" in prov["sources"]
     # the run directory named as the command names --out: no path of the machine it ran on
     assert " --out OUT/runs " in cmd and r["out"] == "OUT/runs/lstm"

@@ -139,19 +139,15 @@ def test_modern_compare_smoke(tmp_path):
 
     from tests.conftest import REPO
 
-    sys.path.insert(0, str(REPO / "experiments"))
-    try:
-        import bench_data
-        import modern_compare
-    finally:
-        sys.path.remove(str(REPO / "experiments"))
+    from experiments import bench_data
+    from experiments import modern_compare
     served = len(bench_data.SERVED)
     rc = modern_compare.main(["--epochs", "1", "--tune-epochs", "1", "--lr-factors", "1,3", "--data", "synthetic",
                               "--samples", "256", "--nodes", "2", "--methods", "allreduce,sparseloco",
                               "--max-steps", "16", "--out", str(tmp_path)])
     assert rc == 0
     res = json.loads((tmp_path / "modern.json").read_text())
-    assert "python experiments/modern_compare.py --epochs 1" in res["provenance"]["command"]
+    assert "python -m experiments.modern_compare --epochs 1" in res["provenance"]["command"]
     sl = res["results"]["sparseloco"]
     assert [g["lr"] for g in sl["grid"]] == [0.003, 0.009]
     assert sl["lr"] == modern_compare.select(sl["grid"]) in (0.003, 0.009)
@@ -176,11 +172,7 @@ def test_modern_compare_selection_ties_go_to_the_smaller_rate():
 
     from tests.conftest import REPO
 
-    sys.path.insert(0, str(REPO / "experiments"))
-    try:
-        import modern_compare
-    finally:
-        sys.path.remove(str(REPO / "experiments"))
+    from experiments import modern_compare
     grid = [{"lr": 0.01, "val_acc": 0.5}, {"lr": 0.001, "val_acc": 0.5}, {"lr": 0.1, "val_acc": None}]
     assert modern_compare.select(grid) == 0.001
     assert modern_compare.select([{"lr": 0.1, "val_acc": None}]) is None
@@ -192,11 +184,7 @@ def test_modern_compare_reruns_an_interrupted_trial_not_a_failed_one(tmp_path):
     from gossip import rundir
     from tests.conftest import REPO
 
-    sys.path.insert(0, str(REPO / "experiments"))
-    try:
-        import modern_compare
-    finally:
-        sys.path.remove(str(REPO / "experiments"))
+    from experiments import modern_compare
     args = ["--lr", "0.1"]
     for status, done in (("ok", True), ("failed", True), ("interrupted", False)):
         rundir.write_json(tmp_path / "trial.json", {"args": args, "status": status})
@@ -211,12 +199,8 @@ def test_docs_tables_come_from_the_results_files():
 
     from tests.conftest import REPO
 
-    sys.path.insert(0, str(REPO / "experiments"))
-    try:
-        import modern_compare
-        import streaming_overlap
-    finally:
-        sys.path.remove(str(REPO / "experiments"))
+    from experiments import modern_compare
+    from experiments import streaming_overlap
     doc = (REPO / "docs" / "modern.md").read_text(encoding="utf-8")
     res = json.loads((REPO / "experiments" / "results" / "modern_compare.json").read_text())
     assert modern_compare.table(res["results"]) in doc
@@ -236,11 +220,7 @@ def test_streaming_overlap_times_the_steps_and_refuses_an_evaluation_inside(tmp_
 
     from tests.conftest import REPO
 
-    sys.path.insert(0, str(REPO / "experiments"))
-    try:
-        import streaming_overlap
-    finally:
-        sys.path.remove(str(REPO / "experiments"))
+    from experiments import streaming_overlap
 
     def write(run: Path, eval_at: int) -> Path:
         recs = [{"kind": "train", "step": s, "time": 0.5 * s, "wait_s": 0.1 * s} for s in range(1, 13)]

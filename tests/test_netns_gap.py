@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
-sys.path.insert(0, str(EXPERIMENTS))
-
-import netns_gap  # noqa: E402
+from experiments import netns_gap
 
 
 def _run_dir(root: Path, name: str, records: list[dict], params: int = 1000, world: int = 4) -> None:

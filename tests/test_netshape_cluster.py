@@ -22,18 +22,9 @@ import pytest
 
 from tests.conftest import REPO, default_sigint
 
-VCLUSTER = REPO / "experiments" / "vcluster.py"
+from experiments import vcluster as vcl  # noqa: E402
 
-
-def _load_vcluster():
-    spec = importlib.util.spec_from_file_location("vcluster", VCLUSTER)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("vcluster", mod)
-    spec.loader.exec_module(mod)
-    return sys.modules["vcluster"]
-
-
-vcl = _load_vcluster()
+VCLUSTER = ["-m", "experiments.vcluster"]
 
 
 def _netns_reason() -> str | None:
@@ -229,9 +220,9 @@ def test_teardown_on_exception_and_idempotent(prefix):
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 128 + signal.SIGTERM)])
 def test_cli_tears_down_on_signal(tmp_path, prefix, sig, code):
     p = subprocess.Popen(
-        [sys.executable, str(VCLUSTER), "--nodes", "2", "--prefix", prefix, "--out", str(tmp_path),
+        [sys.executable, *VCLUSTER, "--nodes", "2", "--prefix", prefix, "--out", str(tmp_path),
          "--", "sleep", "30"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint, cwd=REPO,
     )
     try:
         deadline = time.monotonic() + 15
@@ -256,8 +247,8 @@ def test_refuses_existing_prefix(prefix):
             with vcl.VirtualCluster(2, prefix=prefix):
                 pass
         assert _ours(prefix) == [f"{prefix}-h0"]  # the refusal touched nothing
-        p = subprocess.run([sys.executable, str(VCLUSTER), "--nodes", "2", "--prefix", prefix, "--", "true"],
-                           capture_output=True, text=True, timeout=60)
+        p = subprocess.run([sys.executable, *VCLUSTER, "--nodes", "2", "--prefix", prefix, "--", "true"],
+                           capture_output=True, text=True, timeout=60, cwd=REPO)
         assert p.returncode == 2
         assert len(p.stderr.strip().splitlines()) == 1 and "already exist" in p.stderr
     finally:
@@ -302,8 +293,8 @@ def test_value_parsing():
 
 
 def test_cli_bad_rate_is_one_line():
-    p = subprocess.run([sys.executable, str(VCLUSTER), "--nodes", "2", "--rate", "5mb", "--", "true"],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, *VCLUSTER, "--nodes", "2", "--rate", "5mb", "--", "true"],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(

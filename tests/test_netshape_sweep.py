@@ -18,10 +18,7 @@ import pytest
 
 from tests.conftest import REPO
 
-sys.path.insert(0, str(REPO / "experiments"))
-import sweep_network as sw  # noqa: E402
-
-sys.path.remove(str(REPO / "experiments"))
+from experiments import sweep_network as sw  # noqa: E402
 
 
 def _write_metrics(run_dir: Path, ranks: int, steps: int, step_s: float, bytes_per_step: int,
@@ -278,8 +275,8 @@ def test_failed_cell_is_reported_and_retried(tmp_path, fake, monkeypatch):
     (["--steps", "3", "--warmup", "5"], "need --steps >= 2 and 0 <= --warmup < --steps - 1"),
 ])
 def test_bad_arguments_one_line(tmp_path, flags, match):
-    p = subprocess.run([sys.executable, str(REPO / "experiments" / "sweep_network.py"), "--out", str(tmp_path),
-                        *flags], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "experiments.sweep_network", "--out", str(tmp_path),
+                        *flags], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and match in lines[0], p.stderr

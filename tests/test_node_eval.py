@@ -14,9 +14,7 @@ import torch
 from gossip import train
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "experiments"))
-
-import benchmark  # noqa: E402
+from experiments import benchmark
 
 #: wall-clock timings differ between any two runs; everything else must not
 TIMINGS = {"time", "warmup_s", "compute_s", "compress_s", "comm_s", "wait_s", "time_split_s", "wall_time_s"}

@@ -76,11 +76,7 @@ def test_convergence_notebook(small_runs, kernel_env):
 
 
 def test_convergence_notebook_reads_a_race(kernel_env, tmp_path):
-    sys.path.insert(0, str(REPO / "experiments"))
-    try:
-        import race
-    finally:
-        sys.path.remove(str(REPO / "experiments"))
+    from experiments import race
     runs = tmp_path / "runs"
     assert race.main(["--methods", "allreduce,localsgd", "--nodes", "2", "--epochs", "1", "--data", "synthetic",
                       "--target", "0", "--bandwidth", "10mbit,100mbit", "--out", str(runs / "race")]) == 0
@@ -116,11 +112,7 @@ def test_convergence_notebook_reads_a_race(kernel_env, tmp_path):
 def test_decentralized_notebook_reads_a_comparison(kernel_env, tmp_path):
     """experiments/gossip_compare.py at a tiny size (synthetic data, one epoch of 8 nodes),
     then the notebook on its run directories and compare.json."""
-    sys.path.insert(0, str(REPO / "experiments"))
-    try:
-        import gossip_compare
-    finally:
-        sys.path.remove(str(REPO / "experiments"))
+    from experiments import gossip_compare
     runs = tmp_path / "runs"
     out = runs / "cmp"
     assert gossip_compare.main(["--epochs", "1", "--data", "synthetic", "--out", str(out),

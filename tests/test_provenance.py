@@ -22,7 +22,7 @@ def test_a_record_says_what_made_the_results_where_and_from_which_code(tmp_path)
     path = P.write(tmp_path / "r.json", [{"a": 1.5}], prov)
     results, rec = P.read(path)
     assert results == [{"a": 1.5}]
-    assert rec["command"].endswith("python experiments/x.py --steps 3")
+    assert rec["command"].endswith("python -m experiments.x --steps 3")
     assert rec["commit"] == _head() and isinstance(rec["dirty"], bool)
     assert rec["date"].endswith("+00:00") and rec["seconds"] >= 0
     assert rec["machine"]["cores"] >= 1 and rec["machine"]["memcpy_gbps"] > 0 and rec["machine"]["cpu"]
@@ -37,7 +37,7 @@ def test_paths_in_the_command_are_portable(tmp_path):
     cmd = P.start(["gossip"], argv=["experiments/x.py", "--out", str(tmp_path / "run"),
                                     f"--json={REPO / 'experiments' / 'results' / 'x.json'}", "plain"],
                   measure_memcpy=False).command
-    assert cmd.endswith("python experiments/x.py --out OUT/run --json=experiments/results/x.json plain")
+    assert cmd.endswith("python -m experiments.x --out OUT/run --json=experiments/results/x.json plain")
 
 
 def test_bad_sources_and_files_without_provenance_are_refused(tmp_path):
@@ -80,5 +80,5 @@ def test_an_experiment_script_writes_its_provenance(tmp_path):
     rows, rec = P.read(out)
     assert {r["algo"] for r in rows} == {"dpsgd", "naive", "dcd", "ecd"}
     # a path outside the repository is written OUT/<name>: the record names no folder of this machine
-    assert rec["command"].endswith("python experiments/low_precision.py --nodes 4 --steps 3 --json OUT/lp.json")
+    assert rec["command"].endswith("python -m experiments.low_precision --nodes 4 --steps 3 --json OUT/lp.json")
     assert "experiments/low_precision.py" in rec["sources"]

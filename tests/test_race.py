@@ -9,10 +9,7 @@ import pytest
 
 from tests.conftest import REPO
 
-sys.path.insert(0, str(REPO / "experiments"))
-import race  # noqa: E402
-
-sys.path.remove(str(REPO / "experiments"))
+from experiments import race  # noqa: E402
 
 
 def test_race_smoke(tmp_path, capsys):
@@ -58,11 +55,7 @@ def test_race_refuses_an_unknown_method(tmp_path, capsys):
 
 
 def _vcluster():
-    sys.path.insert(0, str(REPO / "experiments"))
-    try:
-        import vcluster
-    finally:
-        sys.path.remove(str(REPO / "experiments"))
+    from experiments import vcluster
     return vcluster
 
 

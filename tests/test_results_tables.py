@@ -85,7 +85,7 @@ def test_ecd_recipes_writes_last_and_best_accuracy(tmp_path, capsys):
     assert ecd_recipes.main(["--recipes", "demo,lr0.1", "--epochs-scale", "0.1", "--data", "synthetic",
                              "--out", str(tmp_path / "runs"), "--results", str(path)]) == 0
     res, prov = P.read(path)
-    assert "python experiments/ecd_recipes.py --recipes demo,lr0.1 " in prov["command"]
+    assert "python -m experiments.ecd_recipes --recipes demo,lr0.1 " in prov["command"]
     demo = res["runs"]["demo"]
     assert demo["epochs"] == 2 and [p["epoch"] for p in demo["points"]] == [1, 2]
     assert demo["final_test_acc"] == demo["points"][-1]["test_acc"]  # the averaged model at the last epoch
@@ -125,7 +125,7 @@ def test_cold_start_writes_its_results_and_the_table(tmp_path, monkeypatch, caps
     res, prov = P.read(path)
     assert prov["sources"] == ["gossip/compress", "experiments/cold_start.py"]
     assert "TORCHINDUCTOR_CACHE_DIR=PATH " in prov["command"]  # the cache folder is named, not spelled out
-    assert "python experiments/cold_start.py quant:bits=8 identity --numel 4096 --results" in prov["command"]
+    assert "python -m experiments.cold_start quant:bits=8 identity --numel 4096 --results" in prov["command"]
     assert res["numel"] == 4096 and res["threads"] == 1 and res["inductor_cache"] == "empty"
     assert [r["compressor"] for r in res["rows"]] == ["quant:bits=8", "identity"]
     assert all(0 < r["first_s"] < 60 and 0 < r["second_s"] < 60 for r in res["rows"])

@@ -281,18 +281,14 @@ def test_sharded_accuracy_smoke(tmp_path, capsys):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-    try:
-        import sharded_accuracy
-    finally:
-        sys.path.pop(0)
+    from experiments import sharded_accuracy
     res = tmp_path / "res.json"
     assert sharded_accuracy.main(["--nodes", "2", "--epochs", "1", "--max-steps", "1", "--data", "synthetic",
                                   "--methods", "allreduce,signum", "--out", str(tmp_path), "--json", str(res)]) == 0
     from experiments import _provenance, render
 
     results, prov = _provenance.read(res)
-    assert "python experiments/sharded_accuracy.py --nodes 2" in prov["command"]
+    assert "python -m experiments.sharded_accuracy --nodes 2" in prov["command"]
     assert prov["sources"] == sharded_accuracy.SOURCES and prov["load_before"]
     rows = results["rows"]
     assert [(r["method"], r["exchange"]) for r in rows] == [("allreduce", "fp32"), ("signum", "sharded"),

@@ -600,10 +600,7 @@ def _bench_sim():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "experiments" / "bench_sim.py"
-    spec = importlib.util.spec_from_file_location("bench_sim", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("experiments.bench_sim")
     return mod
 
 
@@ -632,10 +629,7 @@ def test_sim_epoch_profile_splits_an_epoch_into_phases_that_add_up(tmp_path):
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "experiments" / "sim_epoch_profile.py"
-    spec = importlib.util.spec_from_file_location("sim_epoch_profile", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("experiments.sim_epoch_profile")
     threads = torch.get_num_threads()
     try:
         assert mod.main(["--nodes", "4", "--models", "logreg", "--top", "5", "--json", str(tmp_path / "p.json"),
@@ -660,10 +654,7 @@ def test_sim_epoch_profile_refuses_bad_input(capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "experiments" / "sim_epoch_profile.py"
-    spec = importlib.util.spec_from_file_location("sim_epoch_profile", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("experiments.sim_epoch_profile")
     with pytest.raises(SystemExit) as e:
         mod.main(["--models", "resnet"])
     assert e.value.code == 2 and "unknown resnet; accepted: logreg, mlp, cnn1d" in capsys.readouterr().err
@@ -688,10 +679,7 @@ def test_sim_kernels_runs_and_writes_its_figures(tmp_path):
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "experiments" / "sim_kernels.py"
-    spec = importlib.util.spec_from_file_location("sim_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("experiments.sim_kernels")
     assert mod.main(["--nodes", "4", "--groups", "2", "--repeats", "1", "--eval-models", "2", "--anatomy", "mlp:4",
                      "--json", str(tmp_path / "k.json")]) == 0
     r = json.loads((tmp_path / "k.json").read_text())

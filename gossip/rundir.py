@@ -1,6 +1,6 @@
 """The run directory's schema: file names, keys and versions, in one place.
 
-``python -m gossip.train --out DIR`` writes, and :mod:`gossip.analysis` reads:
+``python -m gossip.train --out DIR`` writes, and :mod:`gossip.tools.analysis` reads:
 
 ``config.json``
     Written once at the start: the flat keys of :class:`gossip.config.TrainConfig`

@@ -1,4 +1,4 @@
-"""``gossip.analysis``: loading run directories and sweeps, curves, plots, errors.
+"""``gossip.tools.analysis``: loading run directories and sweeps, curves, plots, errors.
 
 The runs come from the real CLI (``gossip.train --simulate 3 --data synthetic``), made
 once per test session by the ``small_runs`` fixture of tests/conftest.py (the notebook
@@ -22,7 +22,7 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
 import topologies  # noqa: E402
-from gossip import analysis as ga  # noqa: E402
+from gossip.tools import analysis as ga  # noqa: E402
 
 from tests.conftest import SMALL_RUNS as RUNS  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""``python -m gossip.crossover``: measured figures, the link model and its crossovers."""
+"""``python -m gossip.tools.crossover``: measured figures, the link model and its crossovers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gossip import crossover as cx
+from gossip.tools import crossover as cx
 from tests.conftest import run_process
 
 
@@ -66,7 +66,7 @@ def test_latency_counts_the_rounds_of_each_call():
 
 
 def test_the_cli_measures_every_candidate_and_prints_json(tmp_path):
-    r = run_process([sys.executable, "-m", "gossip.crossover", "--params", "2000", "--world-size", "4",
+    r = run_process([sys.executable, "-m", "gossip.tools.crossover", "--params", "2000", "--world-size", "4",
                      "--algos", "ecd,dcd@quant:bits=4,efsgd@topk:p=0.05,signsgd", "--bandwidth", "10mbit,1gbit",
                      "--latency", "0,5ms", "--steps", "2", "--json"], timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -92,7 +92,7 @@ def test_the_cli_measures_every_candidate_and_prints_json(tmp_path):
 def test_the_table_and_the_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "x.png"
-    r = run_process([sys.executable, "-m", "gossip.crossover", "--params", "2000", "--world-size", "4",
+    r = run_process([sys.executable, "-m", "gossip.tools.crossover", "--params", "2000", "--world-size", "4",
                      "--algos", "ecd", "--steps", "1", "--plot", str(png)], timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "crossover against fp32 allreduce" in r.stdout and "modelled step time" in r.stdout
@@ -124,7 +124,7 @@ def test_a_large_world_size_is_modelled_from_a_few_measured_nodes():
 
 def test_a_huge_world_size_answers_within_a_timeout(tmp_path):
     """--world-size 100000 used to simulate 100,000 nodes (minutes, stuck at 'measuring dpsgd')."""
-    r = run_process([sys.executable, "-m", "gossip.crossover", "--params", "2000", "--world-size", "100000",
+    r = run_process([sys.executable, "-m", "gossip.tools.crossover", "--params", "2000", "--world-size", "100000",
                      "--algos", "ecd", "--steps", "1", "--json"], timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
@@ -148,8 +148,8 @@ def test_a_huge_world_size_answers_within_a_timeout(tmp_path):
     (["--measure-nodes", "1"], "--measure-nodes 1: must be at least 2"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, needle):
-    r = run_process([sys.executable, "-m", "gossip.crossover", "--params", "2000", *args], timeout=120, cwd=tmp_path)
+    r = run_process([sys.executable, "-m", "gossip.tools.crossover", "--params", "2000", *args], timeout=120, cwd=tmp_path)
     assert r.returncode == 2
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("gossip.crossover: error:")]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("gossip.tools.crossover: error:")]
     assert len(lines) == 1 and needle in lines[0], r.stderr
     assert "Traceback" not in r.stderr

@@ -1,10 +1,12 @@
 """Dependencies point one way: no import circle in gossip/ or topologies/, counting the
 imports inside functions, except the compressor registry's loading of its families;
-the config schema never imports the fault-tolerant loop."""
+the config schema never imports the fault-tolerant loop; the library never imports
+the tools (gossip.tools); no module uses another module's private names."""
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -108,3 +110,143 @@ def test_the_config_schema_never_imports_fault_tolerance():
     graph = import_graph()
     assert "gossip.fault_tolerance" not in graph["gossip.config"]
     assert "gossip.fault_tolerance" not in graph["gossip.loop"]
+
+
+# ------------------------------------------------------------------ the library and the tools
+#: the application behind ``python -m gossip.train``: the library's user, as the tools are
+APPLICATION = {"gossip.config", "gossip.loop", "gossip.assembly", "gossip.agreement", "gossip.checkpoint",
+               "gossip.metrics", "gossip.evaluation", "gossip.fault_tolerance", "gossip._ftcomm", "gossip.train"}
+_MOVED = re.compile(r"^__moved_to__ = ", re.M)
+
+
+def moved_paths() -> set[str]:
+    """The modules kept at an old path that only re-export the module they moved to."""
+    return {m for m, p in _modules().items() if _MOVED.search(p.read_text(encoding="utf-8"))}
+
+
+def library() -> set[str]:
+    """gossip's modules less the tools, the application and the old paths kept for one release."""
+    tools = {m for m in _modules() if m == "gossip.tools" or m.startswith("gossip.tools.")}
+    return {m for m in _modules() if m.split(".")[0] == "gossip"} - tools - APPLICATION - moved_paths()
+
+
+def test_the_library_never_imports_the_tools():
+    graph = import_graph()
+    lib = library()
+    assert {"gossip.runtime", "gossip.data", "gossip.compress", "gossip.rundir"} <= lib
+    assert not lib & {"gossip.tools.crossover", "gossip.crossover", "gossip.loop"}
+    found = {m: sorted(t for t in graph[m] if t == "gossip.tools" or t.startswith("gossip.tools."))
+             for m in sorted(lib)}
+    assert not {m: ts for m, ts in found.items() if ts}, "the library imports the tools (imports inside functions count)"
+
+
+def test_the_old_paths_only_re_export_what_moved():
+    """A module left at an old path imports the one it moved to and nothing else of the project."""
+    graph = import_graph()
+    for m in moved_paths():
+        text = _modules()[m].read_text(encoding="utf-8")
+        target = re.search(r'^__moved_to__ = "([\w.]+)"', text, re.M).group(1)
+        assert graph[m] <= {target, target.rsplit(".", 1)[0]}, (m, graph[m])
+
+
+# ------------------------------------------------------------------ private names
+def _owner(module: str, is_package: bool, name: str) -> str:
+    """The package that owns the private ``name`` reached as ``module.name``: a package owns
+    its private submodules and the private names of its ``__init__``; a module of a
+    subpackage shares its private names with that subpackage; a module directly under
+    gossip/ or topologies/ keeps them to itself (those top-level modules are components
+    that talk through public names)."""
+    if is_package:
+        return module
+    parent = module.rsplit(".", 1)[0]
+    return parent if "." in parent else module
+
+
+def private_uses(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """Uses of a private name outside the package that owns it, in ``{module: (source,
+    is_package)}``: ``from X import _name``, ``import X._name``, ``from X._m import ...``
+    and ``X._name`` where ``X`` is bound to a project module by an import."""
+    roots = {m.split(".")[0] for m in sources}
+    found: list[str] = []
+
+    def private(part: str) -> bool:
+        return part.startswith("_") and not part.startswith("__")
+
+    def check(user: str, module: str, name: str, how: str) -> None:
+        if module not in sources:
+            return
+        owner = _owner(module, sources[module][1], name)
+        if user != owner and not user.startswith(owner + "."):
+            found.append(f"{user}: {how} (private to {owner})")
+
+    def check_path(user: str, dotted: str, how: str) -> None:
+        parts = dotted.split(".")
+        for k in range(1, len(parts)):
+            if private(parts[k]):
+                check(user, ".".join(parts[:k]), parts[k], how)
+
+    for user, (text, is_pkg) in sorted(sources.items()):
+        pkg = user if is_pkg else user.rsplit(".", 1)[0]
+        bound: dict[str, str] = {}  # a local name -> the project module it is bound to
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] in roots:
+                        check_path(user, a.name, f"import {a.name}")
+                        bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    head = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                    base = ".".join(head + ([node.module] if node.module else []))
+                if base.split(".")[0] not in roots:
+                    continue
+                check_path(user, base, f"from {base} import ...")
+                for a in node.names:
+                    if private(a.name):
+                        check(user, base, a.name, f"from {base} import {a.name}")
+                    if f"{base}.{a.name}" in sources:
+                        bound[a.asname or a.name] = f"{base}.{a.name}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and private(node.attr):
+                chain, inner = [], node.value
+                while isinstance(inner, ast.Attribute):
+                    chain.append(inner.attr)
+                    inner = inner.value
+                if isinstance(inner, ast.Name) and inner.id in bound:
+                    target = ".".join([bound[inner.id], *reversed(chain)])
+                    check(user, target, node.attr, f"{target}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    """A private name (``_name``: a function, class, constant or module) may be used only
+    inside the package that defines it, in gossip/ and topologies/ (tests aside):
+    gossip/compress/ may use its own ``_kernels`` and ``_random._H1``, every gossip module
+    ``gossip._checks``, but no module the private names of ``gossip.compress._kernels``
+    from outside gossip/compress/, and no module those of a top-level module such as
+    ``gossip.runtime`` (each module directly under gossip/ or topologies/ keeps its private
+    names to itself)."""
+    sources = {m: (p.read_text(encoding="utf-8"), p.name == "__init__.py") for m, p in _modules().items()}
+    assert private_uses(sources) == []
+
+
+def test_the_private_name_checker_sees_each_form():
+    lib = {"p": ("", True), "p.a": ("_x = 1\n", False), "p._h": ("", False), "p.sub": ("", True),
+           "p.sub._k": ("_y = 1\n", False), "p.sub.m": ("", False), "q": ("", True)}
+    uses = {
+        "p.b": "from p.a import _x",  # a top-level module's private name
+        "p.c": "from p import a\ndef f():\n    return a._x",  # the same, as an attribute
+        "p.d": "import p.sub._k",  # a subpackage's private module, from outside it
+        "p.e": "from p.sub._k import y",
+        "p.f": "import p.sub._k as k\nk._y",
+        "q.g": "from p import _h",  # a package's private module, from another package
+    }
+    fine = {
+        "p.sub.m": "from p.sub._k import _y\nfrom . import _k\n_k._y",  # inside the subpackage
+        "p.h": "from p import _h\nimport p._h",  # the package's own private module
+        "p.i": "from p.a import x\nimport os\nos._exit",  # public names; not the project's
+    }
+    found = private_uses({**lib, **{m: (code, False) for m, code in {**uses, **fine}.items()}})
+    assert sorted({f.split(":")[0] for f in found}) == sorted(uses), found

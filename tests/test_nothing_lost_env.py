@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossip import analysis, crossover, rundir
+from gossip import rundir
+from gossip.tools import analysis, crossover
 from gossip import train as gossip_train
 from tests.test_nothing_lost import SIM, _digest, _main
 
@@ -166,7 +167,8 @@ def test_crossover_json_into_a_closed_or_full_stdout(kind, monkeypatch):
         rc = crossover.main(["--params", "1e6", "--json"])
     assert seen["params"] == 1_000_000  # 1e6 names a count
     assert rc == 1
-    assert err.getvalue() == f"gossip.crossover: error: cannot write the results to standard output ({CAUSE[kind]})\n"
+    assert err.getvalue() == (f"gossip.tools.crossover: error: cannot write the results to standard output "
+                              f"({CAUSE[kind]})\n")
 
 
 @pytest.mark.parametrize("args, needle", [

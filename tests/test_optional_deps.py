@@ -1,5 +1,6 @@
 """pandas is an optional extra (``gossip[analysis]``): the library and the training CLI
-never need it, and gossip.analysis says in one line how to get it."""
+never need it, and gossip.tools.analysis says in one line how to get it (at its old
+path, gossip.analysis, too)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ def _py(code: str) -> subprocess.CompletedProcess:
 
 
 def test_the_library_and_the_cli_import_without_pandas():
-    out = _py("import gossip, gossip.runtime, gossip.train, gossip.loop, gossip.ddp, gossip.crossover; print('ok')")
+    out = _py("import gossip, gossip.runtime, gossip.train, gossip.loop, gossip.ddp, gossip.data, gossip.tools, "
+              "gossip.tools.crossover, gossip.tools.leaderboard; print('ok')")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 def test_analysis_without_pandas_says_how_to_install_it():
-    out = _py("import gossip.analysis")
-    assert out.returncode == 1
-    assert "ImportError: gossip.analysis needs pandas: pip install 'gossip[analysis]'" in out.stderr
+    for module in ("gossip.tools.analysis", "gossip.analysis"):
+        out = _py(f"import {module}")
+        assert out.returncode == 1
+        assert "ImportError: gossip.tools.analysis needs pandas: pip install 'gossip[analysis]'" in out.stderr

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossip import analysis, checkpoint, rundir
+from gossip import checkpoint, rundir
+from gossip.tools import analysis
 from tests.conftest import REPO, run_process
 
 FIXTURE = REPO / "tests" / "data" / "schema1-efblocksgd"

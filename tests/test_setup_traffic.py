@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from gossip import analysis, compress
+from gossip import compress
+from gossip.tools import analysis
 from tests.conftest import REPO, child_env, run_process
 
 SIZE_CHECK_BYTES = 16  # docs/comm.md: the size check, each way per neighbour, once per payload size

@@ -156,7 +156,7 @@ def test_cli_sgp_overlap_resumes_bit_identically(tmp_path):
     assert torch.equal(final_params(full), final_params(part))
     s = json.loads((full / "summary.json").read_text())
     assert s["algo"] == "sgp" and s["topology"] == "onepeer-exp"
-    from gossip import analysis
+    from gossip.tools import analysis
 
     runs, _ = analysis.load_runs(full)
     assert runs["label"].tolist() == ["sgp/fp32/onepeer-exp"]

@@ -135,7 +135,7 @@ def test_cli_onepeer_exp_json(tmp_path):
 
 
 def test_analysis_rows_for_time_varying_graphs():
-    from gossip import analysis
+    from gossip.tools import analysis
 
     gaps = analysis.spectral_gaps([8, 12], names=("ring", "onepeer-exp", "matching"))
     one = gaps[gaps.topology == "onepeer-exp"].set_index("n")

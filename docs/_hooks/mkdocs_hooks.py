@@ -9,7 +9,8 @@ Three things the plain configuration cannot do:
    defines it (``obj.__module__``) or, when that module is private, on the page of the
    deepest public module that exports it; the other modules that export it list it
    with a link there. A new module or a new ``__all__`` entry appears with no edit
-   here. The nav entry ``reference/index.md`` of mkdocs.yml becomes the whole
+   here; a module kept at an old path to re-export the one it moved to (it sets
+   ``__moved_to__``) has no page. The nav entry ``reference/index.md`` of mkdocs.yml becomes the whole
    "API reference" section.
 2. **Pages nobody put in the nav still appear.** A Markdown page under docs/ that the
    nav of mkdocs.yml does not list is added under "More" (sorted by file name), so a
@@ -45,6 +46,8 @@ REFERENCE = "reference/index.md"
 MORE = "More"
 _OUTSIDE = re.compile(r"\]\((\.\./[^)#\s]+)(#[^)\s]*)?\)")
 _FIGURES = {".png", ".svg", ".jpg", ".jpeg", ".gif"}
+#: a module kept at an old path to re-export the one it moved to (``__moved_to__ = "..."``)
+_MOVED = re.compile(r"^__moved_to__ = ", re.M)
 
 log = logging.getLogger("mkdocs.hooks.gossip")
 
@@ -58,6 +61,8 @@ def public_modules() -> list[str]:
             if parts[-1] == "__init__":
                 parts.pop()
             if parts[-1] == "__main__" or any(p.startswith("_") for p in parts):
+                continue
+            if _MOVED.search(path.read_text(encoding="utf-8")):  # a deprecated path: documented where it moved
                 continue
             names.append(".".join(parts))
     return sorted(set(names), key=lambda n: n.split("."))

@@ -1,0 +1,52 @@
+"""Modules that moved keep their old paths for one release: importing one warns once
+with a DeprecationWarning naming the new path, and gives the same objects; the old
+``python -m gossip.crossover`` still runs the tool."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+
+import pytest
+
+from tests.conftest import REPO, child_env, run_process
+
+#: old path -> where it moved
+MOVED = {
+    "gossip.analysis": "gossip.tools.analysis",
+    "gossip.crossover": "gossip.tools.crossover",
+    "gossip.leaderboard": "gossip.tools.leaderboard",
+    "gossip.units": "gossip.tools.units",
+}
+
+
+@pytest.mark.parametrize("old, new", sorted(MOVED.items()))
+def test_an_old_path_warns_once_and_re_exports_the_public_names(old, new):
+    if old == "gossip.analysis":
+        pytest.importorskip("pandas")
+    code = ("import warnings, sys; warnings.simplefilter('always')\n"
+            f"with warnings.catch_warnings(record=True) as seen:\n"
+            f"    warnings.simplefilter('always')\n"
+            f"    import {old}\n"
+            f"    import {old}\n"
+            f"    from {old} import *\n"
+            "print([str(w.message) for w in seen if w.category is DeprecationWarning])\n")
+    r = run_process([sys.executable, "-c", code], timeout=120, cwd=REPO, env=child_env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    messages = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 - our own child's list of strings
+    assert len(messages) == 1 and new in messages[0] and old in messages[0], messages
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        old_mod, new_mod = importlib.import_module(old), importlib.import_module(new)
+    public = [n for n in vars(new_mod) if not n.startswith("_")]
+    assert public and all(getattr(old_mod, n) is getattr(new_mod, n) for n in public)
+    assert old_mod.__all__ == new_mod.__all__
+
+
+def test_the_old_crossover_command_still_runs_the_tool(tmp_path):
+    r = run_process([sys.executable, "-m", "gossip.crossover", "--params", "1e6x"], timeout=120, cwd=tmp_path)
+    assert r.returncode == 2
+    assert "DeprecationWarning: gossip.crossover is deprecated: it moved to gossip.tools.crossover" in r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("gossip.tools.crossover: error:")]
+    assert errors == ["gossip.tools.crossover: error: argument --params: '1e6x' is not a number (see --help)"]

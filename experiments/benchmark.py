@@ -2,7 +2,7 @@
 """The neutral benchmark: every method tuned on the same budget, several seeds, per link and node count.
 
     python experiments/benchmark.py run --spec experiments/benchmark.toml --out runs/bench --jobs 2
-    python experiments/benchmark.py report --results runs/bench/benchmark.json --md docs/benchmark.md
+    python experiments/benchmark.py report --results runs/bench/benchmark.json --md runs/bench/report.md
     python experiments/benchmark.py plan --spec experiments/benchmark.toml      # what would run
     python experiments/benchmark.py collect --spec S --out DIR                  # results from run dirs only
 
@@ -16,7 +16,7 @@ so a session on another machine continues from that file alone; ``--workloads``,
 before the first trial (``experiments/bench_spec.py``): a bad field is one line naming the
 file and the field, exit 2, nothing run.
 
-The protocol, fixed before any result is read (docs/benchmark.md states it too):
+The protocol, fixed before any result is read (each report page states it too):
 
 1. **Tuning, the same budget for everyone.** Each method gets the same number of trial
    runs: its learning rate on a grid of ``lr_factors`` times its paper's (or the
@@ -959,7 +959,7 @@ RUNNING = """## Running it
 ```
 python experiments/benchmark.py plan --spec experiments/benchmark.toml            # the trials, one a line
 python experiments/benchmark.py run --spec experiments/benchmark.toml --out runs/bench --jobs 2
-python experiments/benchmark.py report --results runs/bench/benchmark.json --md docs/benchmark.md
+python experiments/benchmark.py report --results runs/bench/benchmark.json --md runs/bench/report.md
 make results-tables                                   # the README's verdict table, from the results file
 ```
 
@@ -1134,7 +1134,7 @@ def main(argv: list[str] | None = None) -> int:
     src = rp.add_mutually_exclusive_group(required=True)
     src.add_argument("--results", help="the results file (its trials and analysis; no run directory needed)")
     src.add_argument("--out", help="a benchmark's directory holding benchmark.json")
-    rp.add_argument("--md", default="docs/benchmark.md")
+    rp.add_argument("--md", default=None, help="the page to write (default: report.md beside the results file)")
     rp.add_argument("--figures", default=None, help="folder of the figures (default: beside --md)")
     rp.add_argument("--title", default=None, help="the page's title")
     rp.add_argument("--estimate", nargs=2, default=None, metavar=("SPEC", "RESULTS"),
@@ -1206,7 +1206,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         results, prov = read_benchmark_results(Path(a.results) if a.results else Path(a.out) / "benchmark.json")
         res = {**results, "provenance": prov}
-        md = Path(a.md)
+        md = Path(a.md) if a.md else (Path(a.results).parent if a.results else Path(a.out)) / "report.md"
         extra = RUNNING if a.running else ""
         if a.estimate:
             measured, mprov = read_results(Path(a.estimate[1]))

@@ -249,16 +249,16 @@ def test_bad_lm_specs_and_resume_files_are_one_line(tmp_path, capsys):
 
 def test_the_readme_verdict_table_is_rendered_from_the_results(bench):
     """experiments/render.py's benchmark_verdict (the README's headline: the MNIST-1D part
-    re-run at the current code, else the full run; then the GPT part and the 64-node part,
-    each its own results file) and benchmark_verdict_full (the full run, else the pilot):
-    one row per workload, node count and bandwidth."""
+    at 4 and 16 nodes), then the GPT part and the 64-node part, each its own results file:
+    one row per workload, node count and bandwidth. The retired full run has no table."""
     from experiments import render
     from gossip import leaderboard
 
     _, out, _ = bench
-    for key in ("benchmark_verdict", "benchmark_verdict_full", "benchmark_verdict_gpt", "benchmark_verdict_n64"):
+    assert "benchmark_verdict_full" not in render.TABLES
+    for key in ("benchmark_verdict", "benchmark_verdict_gpt", "benchmark_verdict_n64"):
         t = render.TABLES[key]
-        assert t.path == (t.results if (render.REPO / t.results).exists() else t.fallback)
+        assert t.path == t.results and (render.REPO / t.results).exists()
         assert t.render is render._benchmark_verdict
     assert "README.md" in render.used_tables()["benchmark_verdict"]  # the front page's one headline table
     for key in ("benchmark_verdict", "benchmark_verdict_gpt", "benchmark_verdict_n64"):

@@ -302,7 +302,7 @@ def with_freshness(markdown: str, rel: str) -> str:
         log.warning("freshness not shown: %s", e)
         return markdown
     page = PAGES.get(rel)
-    if page is not None:
+    if getattr(page, "results", None):  # a report page (the overview has no results file of its own)
         note = freshness_note(page.results)
         lines = markdown.split("\n")
         at = next((i for i, ln in enumerate(lines) if ln.startswith("Made by ")), 1)

@@ -1,6 +1,7 @@
 """``python -m experiments``: one entry point for the results and what makes them.
 
     python -m experiments list              # every study and benchmark, with the results it writes
+    python -m experiments run NAME [OPTIONS]   # run one by its module name (run NAME --help: its options)
     python -m experiments stale [--json]    # results not certified at HEAD, and why
     python -m experiments verify [FILE...]  # re-run the training results' witnesses at HEAD
     python -m experiments render [--check]  # re-render the README's and docs' tables
@@ -37,11 +38,24 @@ def _stale(args: argparse.Namespace) -> int:
     return 0
 
 
+def runnable() -> list[str]:
+    """The studies and benchmarks ``run`` starts: the modules of this package that
+    declare their options (``options(p)``) beside their ``main``."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    return sorted(f.stem for f in here.glob("*.py")
+                  if not f.name.startswith("_") and "\ndef options(" in f.read_text() and "\ndef main(" in f.read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="every study and benchmark, with the results files it writes")
+    p = sub.add_parser("run", help="run a study or benchmark by its module name (run NAME --help: its options)")
+    p.add_argument("name", help="the module name, as `list` prints it without .py (e.g. bench_compress)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its options")
     p = sub.add_parser("stale", help="results not certified at HEAD, and why")
     p.add_argument("--json", action="store_true", help="as JSON: one object per results file")
     p.add_argument("--all", action="store_true", help="every results file, certified ones too")
@@ -74,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         from experiments import rerun
 
         return rerun.main(budget_min=args.budget, dry_run=args.dry_run)
+    if args.cmd == "run":
+        names = runnable()
+        if args.name not in names:
+            ap.error(f"run: unknown study or benchmark {args.name!r}; known: {', '.join(names)}")
+        import importlib
+
+        rc = importlib.import_module(f"experiments.{args.name}").main(args.args)
+        return int(rc or 0)
     if args.cmd == "list":
         from experiments import rerun
 

@@ -29,6 +29,7 @@ from experiments._benchlib import markdown_table, run_spawned_world
 from gossip import algorithms, comm
 from gossip.models import build_model
 from gossip.runtime import GossipOptimizer
+from experiments import _cli
 
 WORLD = 4
 ALGOS = [
@@ -138,13 +139,16 @@ SOURCES = ["gossip/algorithms", "gossip/comm", "gossip/compress", "gossip/models
            "experiments/bench_centralized.py"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run bench_centralized``."""
     p.add_argument("--json", metavar="PATH", help="also write the results as a JSON list")
     p.add_argument("--steps", type=int, default=10, help="timed steps per algorithm (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--quick", action="store_true", help="3 timed steps after 1 warm-up, for a fast look")
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, a = _cli.parse(argv, options, __doc__, "bench_centralized")
     if a.quick:
         a.steps, a.warmup = 3, 1
     prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/bench_centralized.py", *argv])

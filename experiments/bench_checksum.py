@@ -33,6 +33,7 @@ from experiments._timing import min_interleaved
 
 from gossip.compress import _kernels as K
 from gossip.compress import wire
+from experiments import _cli
 
 #: (name, rows, 32-bit words per row), the 8-word header included
 SHAPES = [
@@ -85,12 +86,15 @@ def measure(shapes, reps: int) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run bench_checksum``."""
     p.add_argument("--reps", type=int, default=7, help="interleaved repeats; the minimum is kept (default 7)")
     p.add_argument("--small", action="store_true", help="tiny shapes only (a smoke run)")
     p.add_argument("--json", metavar="PATH", help="also write the figures, with their provenance, as JSON")
-    args = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = _cli.parse(argv, options, __doc__, "bench_checksum")
     if args.reps < 1:
         p.error(f"--reps must be at least 1, got {args.reps}")
     from experiments import _provenance

@@ -28,6 +28,7 @@ import torch
 
 import gossip.compress as gc
 from gossip.compress import _kernels
+from experiments import _cli
 
 if __package__:  # imported as experiments.bench_compress
     from . import _provenance
@@ -129,8 +130,8 @@ def _load_check(when: str) -> float:
     return load
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(ap: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run bench_compress``."""
     ap.add_argument("--quick", action="store_true", help="1M elements only")
     ap.add_argument("--numel", type=int, default=0, help="one size only (elements per row)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
@@ -143,7 +144,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default 21 at 1M, 7 at 16M)")
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="statistic of the repetitions (default median; min shows the unloaded speed)")
-    args = ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    ap, args = _cli.parse(argv, options, __doc__, "bench_compress")
     prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/bench_compress.py", *argv])
     torch.set_num_threads(1)
     _kernels.set_backend(args.backend)

@@ -112,8 +112,8 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------ the driver
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run bench_ddp_overlap``."""
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -130,10 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/bench_ddp_overlap", help="directory for the ranks' logs")
     p.add_argument("--json", default=None, help="results file (default OUT/results.json)")
     p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)  # one rank, inside the cluster
-    args = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = _cli.parse(argv, options, __doc__, "bench_ddp_overlap")
     if args.worker:
         return _worker(args)
-    from experiments import _cli, _provenance
+    from experiments import _provenance
 
     modes = _cli.methods(p, args.modes, MODES, flag="--modes")
     if min(args.steps, args.repeats) < 1 or args.warmup < 0:

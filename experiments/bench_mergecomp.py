@@ -42,6 +42,7 @@ from gossip.models import build_model
 from gossip.runtime import GossipOptimizer
 from gossip.algorithms.mergecomp import MergeComp, MergeCompConfig
 from gossip.schedule import Partition
+from experiments import _cli
 
 WORLD = 4
 BATCH = 8
@@ -214,12 +215,15 @@ SOURCES = ["gossip/algorithms", "gossip/schedule", "gossip/comm", "gossip/compre
            "experiments/bench_mergecomp.py"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run bench_mergecomp``."""
     p.add_argument("--json", metavar="PATH", help="also write the results as a JSON list")
     p.add_argument("--steps", type=int, default=10, help="timed steps per cell after the search (default 10)")
     p.add_argument("--quick", action="store_true", help="3 timed steps, ResNet-20 with fp16 and topk only")
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, a = _cli.parse(argv, options, __doc__, "bench_mergecomp")
     models = [m for m, _ in _models()]
     comps = list(COMPRESSORS)
     if a.quick:

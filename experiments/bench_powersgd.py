@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 from experiments import _provenance
 from gossip import algorithms, comm  # noqa: E402
+from experiments import _cli
 
 #: the code these figures measure (for `python -m experiments.render --stale`)
 SOURCES = ["gossip/algorithms", "gossip/comm", "gossip/ddp.py", "experiments/bench_powersgd.py"]
@@ -154,13 +155,16 @@ def _worker(rank_id, store_path, steps, warmup, rank, out_path):
     dist.destroy_process_group()
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(ap: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run bench_powersgd``."""
     ap.add_argument("--json", help="write the figures to this JSON file")
     ap.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     ap.add_argument("--rank", type=int, default=2)
-    args = ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    ap, args = _cli.parse(argv, options, __doc__, "bench_powersgd")
     if args.steps < 1 or args.warmup < 0 or args.rank < 1:
         ap.error("--steps and --rank must be >= 1, --warmup >= 0")
     prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/bench_powersgd.py", *argv])

@@ -45,6 +45,7 @@ from experiments import _provenance
 from gossip import comm as gcomm
 from gossip import assembly, data, loop
 from gossip.config import parse_args
+from experiments import _cli
 
 FEATURES, CLASSES, BATCH = 40, 10, 32
 MIN_TRAIN = 131_072
@@ -253,9 +254,8 @@ def update_docs() -> None:
     _render.render_all(write=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(ap: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run bench_sim``."""
     ap.add_argument("--nodes", default="16,256,1024,16384")
     ap.add_argument("--models", default="logreg,mlp,cnn1d")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per path (after one warm-up)")
@@ -268,7 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     ap.add_argument("--update-docs", action="store_true",
                     help="only re-render the docs' tables from experiments/results/*.json (make results-tables)")
-    a = ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap, a = _cli.parse(argv, options, __doc__, "bench_sim")
     if a.update_docs:
         update_docs()
         return 0

@@ -40,6 +40,7 @@ from experiments._benchlib import markdown_table, run_spawned_world
 from experiments.bench_compress import bench as bench_codec
 from gossip import algorithms, comm
 from gossip.runtime import GossipOptimizer
+from experiments import _cli
 
 WORLD = 4
 ALGOS = [
@@ -180,14 +181,17 @@ SOURCES = ["gossip/algorithms", "gossip/comm", "gossip/compress", "gossip/runtim
            "experiments/bench_compress.py", "experiments/_benchlib.py"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run bench_step``."""
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--steps", type=int, default=20, help="timed steps per algorithm (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--sim-steps", type=int, default=100, help="timed simulation steps (default 100)")
     p.add_argument("--quick", action="store_true", help="fewer steps, for a fast look")
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, a = _cli.parse(argv, options, __doc__, "bench_step")
     if a.quick:
         a.steps, a.warmup, a.sim_steps = 5, 1, 20
     prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/bench_step.py", *argv])

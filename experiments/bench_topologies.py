@@ -35,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 from experiments import _provenance  # noqa: E402
+from experiments import _cli
 
 __all__ = ["CASES", "main", "measure", "table"]
 
@@ -48,7 +49,7 @@ CASES: dict[str, tuple[list[str], dict]] = {
 }
 
 
-def _cli(args: list[str]) -> tuple[float, float, dict | None]:
+def _topologies_cli(args: list[str]) -> tuple[float, float, dict | None]:
     """Wall and child user CPU seconds of ``python -m topologies ARGS``, and its JSON."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
@@ -74,7 +75,7 @@ def measure(n: int, repeats: int) -> dict:
                             for k, v in cmds.items()}
     for _ in range(repeats):
         for label, args in cmds.items():
-            wall, user, js = _cli(args)
+            wall, user, js = _topologies_cli(args)
             cli[label]["wall_s"].append(wall)
             cli[label]["user_s"].append(user)
             if js is not None:
@@ -111,12 +112,15 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run bench_topologies``."""
     p.add_argument("--n", type=int, default=100_000, help="nodes of each graph (default 100000)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each command (default 3)")
     p.add_argument("--results", type=Path, default=None, help="results JSON (experiments/results/...)")
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, a = _cli.parse(argv, options, __doc__, "bench_topologies")
     if a.n < 5 or a.repeats < 1:
         p.error(f"need --n >= 5 (a 4-regular expander) and --repeats >= 1, got --n {a.n} --repeats {a.repeats}")
     prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/bench_topologies.py", *argv])

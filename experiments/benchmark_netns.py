@@ -53,6 +53,7 @@ from experiments import race
 from experiments import vcluster
 from experiments import _provenance  # noqa: E402
 from gossip import crossover  # noqa: E402
+from experiments import _cli
 
 #: the code these figures measure: training runs, the race's netns runner, the cluster
 SOURCES = _provenance.training_sources("gossip/crossover.py", "experiments/race.py", "experiments/vcluster.py",
@@ -251,9 +252,8 @@ def _merge(res: dict, earlier: dict, selected: list[str]) -> None:
     res["runs"] = dict(sorted(res["runs"].items(), key=lambda kv: order.get(kv[0], len(order))))
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run benchmark_netns``."""
     p.add_argument("--results", required=True, type=Path, help="the benchmark's results file")
     p.add_argument("--out", required=True, type=Path, help="directory of the run directories and the results")
     p.add_argument("--workload", default="mnist1d")
@@ -270,7 +270,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="also measure a method at a link where its simulated trial did not reach the target")
     p.add_argument("--resume", type=Path, default=None, metavar="FILE",
                    help="keep the runs of this earlier results file that this run does not measure again")
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p, a = _cli.parse(argv, options, __doc__, "benchmark_netns")
     try:
         bw_labels = [b.strip() for b in a.bandwidth.split(",") if b.strip()]
         if not bw_labels:

@@ -20,6 +20,7 @@ import torch
 import topologies
 from gossip import algorithms
 from gossip.comm import SimulatedCommunicator
+from experiments import _cli
 
 
 def logistic_problem(n: int, d: int, per_node: int, seed: int = 0):
@@ -51,15 +52,18 @@ def train(name: str, F, y, steps: int, lr: float, **opts) -> tuple[float, int, f
     return loss, c.ledger.bytes_sent, float(((X - xbar) ** 2).sum(1).mean())
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run choco_gamma``."""
     p.add_argument("--compressors", default="topk:p=0.01,sign,quant:bits=4,block=256")
     p.add_argument("--gammas", default="0.02,0.05,0.1,0.2,0.5,1.0")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--dim", type=int, default=800)
     p.add_argument("--per-node", type=int, default=384)
-    a = p.parse_args()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p, a = _cli.parse(argv, options, __doc__, "choco_gamma")
     torch.set_num_threads(1)
     F, y = logistic_problem(8, a.dim, a.per_node)
     base, base_bytes, base_cd = train("dpsgd", F, y, a.steps, a.lr)

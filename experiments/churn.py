@@ -40,6 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 from experiments.vcluster import VirtualCluster, VClusterError
+from experiments import _cli
 
 LIGHTHOUSE_PORT = 29510
 
@@ -202,8 +203,8 @@ def _pauses(records: list[dict], kills: list[int], heals: list[int | None], work
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run churn``."""
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--steps", type=int, default=1600)
@@ -223,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="results JSON (default experiments/results/churn-W<w>-H<h>[-<algo>].json)")
     p.add_argument("--work", default="/tmp/gossip-churn", help="run directories")
     p.add_argument("--quick", action="store_true", help="4 workers on 2 hosts, 150 steps, a kill every 50")
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, a = _cli.parse(argv, options, __doc__, "churn")
     if a.quick:
         a.workers, a.hosts, a.steps, a.kill_every = 4, 2, 150, 50
     if a.min_replicas is None:

@@ -142,8 +142,8 @@ def _children(specs: list[str], numel: int, caches: list[str]) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run cold_start``."""
     p.add_argument("specs", nargs="+", help="compressor specs, e.g. quant:bits=8")
     p.add_argument("--numel", type=int, default=1 << 23, help="values in the row (default 2**23)")
     p.add_argument("--caches", metavar="LIST",
@@ -152,7 +152,10 @@ def main(argv=None) -> int:
     p.add_argument("--results", "--json", dest="results", metavar="PATH",
                    help="also write the times, with their provenance, as JSON (experiments/results/cold_start.json)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    p, args = _cli.parse(argv, options, __doc__, "cold_start")
     if args.numel < 1:
         p.error(f"--numel must be positive, got {args.numel}")
     caches = [c.strip() for c in args.caches.split(",")] if args.caches else []

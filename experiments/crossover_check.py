@@ -77,8 +77,8 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run crossover_check``."""
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--algos", default="dpsgd,ecd:8", help="sweep_network.py names: name or name:bits")
     p.add_argument("--bandwidth", default="5mbit,50mbit")
@@ -90,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="re-measure cells already measured")
     p.add_argument("--results", type=Path, default=None,
                    help="also write check.json here (experiments/results/crossover_check.json: docs/crossover.md's table)")
-    args = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = _cli.parse(argv, options, __doc__, "crossover_check")
     from experiments import _provenance
 
     prov = _provenance.start(_provenance.training_sources(  # the model's prediction and the sweep's runs

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 from experiments import _provenance  # noqa: E402
 from experiments import race  # noqa: E402
+from experiments import _cli
 
 __all__ = ["BASE", "RECIPES", "main", "table"]
 
@@ -65,15 +66,18 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run ecd_recipes``."""
     p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma list of {', '.join(RECIPES)} (default all)")
     p.add_argument("--data", default="mnist1d")
     p.add_argument("--epochs-scale", type=float, default=1.0,
                    help="multiply every recipe's epochs (at least 1), for a quick look; 1 for the table")
     p.add_argument("--out", required=True, help="directory for the run directories")
     p.add_argument("--results", type=Path, default=None, help="results JSON (experiments/results/ecd_recipes.json)")
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, a = _cli.parse(argv, options, __doc__, "ecd_recipes")
     names = [n.strip() for n in a.recipes.split(",") if n.strip()]
     bad = [n for n in names if n not in RECIPES]
     if bad or not names:

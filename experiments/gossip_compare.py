@@ -134,8 +134,8 @@ def plot(results: dict, bw_label: str, path: Path) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run gossip_compare``."""
     _cli.add_methods(p, METHODS)
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--epochs", type=int, default=30)
@@ -146,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="directory for the run directories and the results")
     p.add_argument("--results", default=None,
                    help="also write compare.json here (experiments/results/gossip_compare.json: docs/decentralized.md's table)")
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, a = _cli.parse(argv, options, __doc__, "gossip_compare")
     names = _cli.methods(p, a.methods, METHODS)
     if a.nodes < 2 or a.epochs < 1:
         p.error(f"need --nodes >= 2 and --epochs >= 1, got --nodes {a.nodes} --epochs {a.epochs}")

@@ -42,6 +42,7 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
+from experiments import _cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -371,8 +372,8 @@ def _summary(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python experiments/gpu_check.py", description=__doc__.split("\n\n")[0])
+def options(ap: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run gpu_check``."""
     ap.add_argument("--out", default="runs/gpu-check", help="output folder (default runs/gpu-check)")
     ap.add_argument("--dry-run", action="store_true", help="list and validate the plan; run nothing")
     ap.add_argument("--only", help="comma-separated sections (default: all)")
@@ -383,7 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--section-out", help=argparse.SUPPRESS)
     ap.add_argument("--section-timeout", type=float, default=60.0, help=argparse.SUPPRESS)
     ap.add_argument("--nccl-worker", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap, args = _cli.parse(argv, options, __doc__, "gpu_check")
     if args.nccl_worker:
         Path(args.nccl_worker).write_text(json.dumps(_nccl_worker()))
         return 0

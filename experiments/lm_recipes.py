@@ -22,6 +22,7 @@ from pathlib import Path
 
 from experiments import _provenance
 from experiments._lmruns import REPO, run_train
+from experiments import _cli
 
 #: the code the figures measure (the results go stale when one changes): each recipe is a
 #: `gossip.train` run, so the training path (experiments/_provenance.py's training_sources:
@@ -41,15 +42,18 @@ RECIPES = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run lm_recipes``."""
     p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of {', '.join(RECIPES)}")
     p.add_argument("--steps", type=int, default=None, help="override every recipe's --max-steps (a reduced run)")
     p.add_argument("--data-dir", default=None, help="train on this text (file or folder) instead of the default corpus")
     p.add_argument("--jobs", type=int, default=1, help="recipes run at once, each in its own process (default 1)")
     p.add_argument("--out", default="runs/lm-recipes", help="directory of the run directories")
     p.add_argument("--json", default=str(REPO / "experiments" / "results" / "lm_recipes.json"))
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, a = _cli.parse(argv, options, __doc__, "lm_recipes")
     prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/lm_recipes.py", *argv])
     names = [n.strip() for n in a.recipes.split(",") if n.strip()]
     unknown = [n for n in names if n not in RECIPES]

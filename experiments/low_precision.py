@@ -25,6 +25,7 @@ import topologies
 from gossip import algorithms, comm
 
 from experiments import _provenance
+from experiments import _cli
 
 #: the code these figures measure (for `python -m experiments.render --stale`)
 SOURCES = ["gossip/algorithms", "gossip/compress", "gossip/comm", "topologies", "experiments/low_precision.py"]
@@ -95,13 +96,16 @@ def witness(nodes: int = 8, lr: float = 0.5, steps: int = 20) -> dict:
     return {"rows": rows}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run low_precision``."""
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--json", metavar="PATH")
-    a = p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    p, a = _cli.parse(argv, options, __doc__, "low_precision")
     prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/low_precision.py", *argv])
     topo = topologies.build("ring", a.nodes)
     A, y = problem(a.nodes)

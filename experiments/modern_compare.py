@@ -173,8 +173,8 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run modern_compare``."""
     _cli.add_methods(p, METHODS)
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--epochs", type=int, default=30, help="the final run's epochs (default 30)")
@@ -189,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=None, help="stop every run after this many steps (a smoke run)")
     p.add_argument("--out", required=True, help="directory for the run directories and the results")
     p.add_argument("--results", default=None, help="also write the results JSON here (experiments/results/...)")
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, a = _cli.parse(argv, options, __doc__, "modern_compare")
     names = _cli.methods(p, a.methods, METHODS)
     if a.nodes < 2 or a.epochs < 1 or a.tune_epochs < 1 or a.jobs < 1:
         p.error(f"need --nodes >= 2, --epochs >= 1, --tune-epochs >= 1 and --jobs >= 1, got --nodes {a.nodes} "

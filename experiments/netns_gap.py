@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 from experiments import _provenance  # noqa: E402
 from gossip import rundir  # noqa: E402
 from gossip.crossover import LINK_OVERHEAD, CrossoverError, parse_rate  # noqa: E402
+from experiments import _cli
 
 #: the code these figures come from: this reader, the metrics reader and the link model
 #: (the runs it reads carry their own provenance)
@@ -159,15 +160,17 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="netns_gap.py", description=__doc__.split("\n\n")[2].strip(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run netns_gap``."""
     p.add_argument("--netns-results", required=True, type=Path,
                    help="a results file of experiments/benchmark_netns.py")
     p.add_argument("--runs", required=True, type=Path, nargs="+",
                    help="the folders its runs wrote (benchmark_netns.py --out), one or more")
     p.add_argument("--json", type=Path, default=None, help="write the results here (with provenance)")
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, a = _cli.parse(argv, options, __doc__, "netns_gap")
     try:
         try:
             netns = json.loads(a.netns_results.read_text())

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from experiments import _provenance
 from experiments._lmruns import REPO, run_train
+from experiments import _cli
 
 #: the code the figures measure (the results go stale when one changes): each method is a
 #: `gossip.train` run, so the training path (experiments/_provenance.py's training_sources:
@@ -56,8 +57,8 @@ def steps_per_epoch(run_dir: Path) -> float | None:
     return last["step"] / last["epoch"] if last else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run powersgd_lstm``."""
     p.add_argument("--data", default="text", choices=("text", "wikitext2"))
     p.add_argument("--data-dir", default=None)
     p.add_argument("--steps", type=int, default=300, help="steps of every run (default 300)")
@@ -66,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process (default 1)")
     p.add_argument("--out", default="runs/powersgd-lstm")
     p.add_argument("--json", default=str(REPO / "experiments" / "results" / "powersgd_lstm.json"))
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, a = _cli.parse(argv, options, __doc__, "powersgd_lstm")
     if a.jobs < 1 or a.steps < 1:
         p.error(f"--jobs and --steps must be at least 1, got {a.jobs} and {a.steps}")
     prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/powersgd_lstm.py", *argv])

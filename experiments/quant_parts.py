@@ -54,6 +54,7 @@ import gossip.compress as gc
 from gossip.compress import _kernels as K
 from gossip.compress import _random as R
 from gossip.compress import wire
+from experiments import _cli
 
 
 
@@ -96,12 +97,15 @@ def _parts4(x3: torch.Tensor, keys: torch.Tensor) -> dict:
             "4-bit round+pack, digit given": lambda: round_pack(given)}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run quant_parts``."""
     p.add_argument("--numel", type=int, default=1 << 24)
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--json", metavar="PATH", help="also write the figures, with their provenance, as JSON")
-    args = p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    p, args = _cli.parse(argv, options, __doc__, "quant_parts")
     if args.numel < 1 or args.reps < 1:
         p.error(f"--numel and --reps must be at least 1, got {args.numel} and {args.reps}")
     from experiments import _provenance

@@ -566,8 +566,8 @@ def _copy_results(src: Path, dst: Path | None) -> None:
     os.replace(tmp, dst)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run race``."""
     _cli.add_methods(p, METHODS)
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--epochs", type=int, default=30)
@@ -594,7 +594,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=Path, default=None,
                    help="when the race is done, also write race.json here (experiments/results/race*.json, "
                         "the figures docs/race.md renders)")
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, a = _cli.parse(argv, options, __doc__, "race")
     names = _cli.methods(p, a.methods, METHODS)
     if a.lr is not None and not a.lr > 0:
         p.error(f"--lr must be > 0, got {a.lr:g}")

@@ -34,6 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 from experiments import _provenance
+from experiments import _cli
 
 
 def make(seed: int):
@@ -87,8 +88,8 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run sgp_overlap``."""
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--rate", default="10mbit", help="link rates, a comma list (one cluster each; default 10mbit)")
     p.add_argument("--steps", type=int, default=30)
@@ -99,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/sgp_overlap")
     p.add_argument("--results", default=None,
                    help="also write results.json here (experiments/results/sgp_overlap.json: docs/decentralized.md's table)")
-    args = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = _cli.parse(argv, options, __doc__, "sgp_overlap")
     rates = [r.strip() for r in args.rate.split(",") if r.strip()]
     if not rates:
         p.error(f"--rate must name at least one rate, e.g. 10mbit, got {args.rate!r}")

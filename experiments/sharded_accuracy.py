@@ -107,8 +107,8 @@ def _run_in_child(name: str, exchange: str, flags: list[str], run_dir: str) -> d
     return _run_one(name, exchange, flags, run_dir)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run sharded_accuracy``."""
     _cli.add_methods(p, METHODS)
     p.add_argument("--nodes", type=int, default=16)
     p.add_argument("--epochs", type=int, default=30)
@@ -121,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(default 1: one after another in this process)")
     p.add_argument("--out", default="runs/sharded-accuracy", help="directory for the run directories")
     p.add_argument("--json", default=None, help="results file (default OUT/results.json)")
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, a = _cli.parse(argv, options, __doc__, "sharded_accuracy")
     names = _cli.methods(p, a.methods, METHODS)
     exchanges = [e.strip() for e in a.exchanges.split(",") if e.strip()]
     if not exchanges or any(e not in EXCHANGES for e in exchanges):

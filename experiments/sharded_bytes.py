@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 from experiments import _provenance  # noqa: E402
+from experiments import _cli
 
 __all__ = ["CASES", "main", "measure", "table", "witness"]
 
@@ -115,12 +116,15 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run sharded_bytes``."""
     p.add_argument("--nodes", default="4,16,64", help="node counts, a comma list (default 4,16,64)")
     p.add_argument("--model", default="cnn1d", help="the model whose layout is exchanged (default cnn1d)")
     p.add_argument("--results", type=Path, default=None, help="results JSON (experiments/results/sharded_bytes.json)")
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, a = _cli.parse(argv, options, __doc__, "sharded_bytes")
     try:
         nodes = [int(v) for v in a.nodes.split(",") if v.strip()]
     except ValueError:

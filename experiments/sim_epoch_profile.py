@@ -43,6 +43,7 @@ from experiments import _provenance
 from experiments import bench_sim
 
 from gossip import evaluation  # noqa: E402
+from experiments import _cli
 
 PHASES = ("setup", "steps", "evaluation", "records", "checkpoint", "summary", "rest")
 
@@ -164,9 +165,8 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(ap: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run sim_epoch_profile``."""
     ap.add_argument("--nodes", type=int, default=1024)
     ap.add_argument("--models", default="logreg,mlp,cnn1d")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -174,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=12, help="functions listed per model")
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     ap.add_argument("--pstats", metavar="DIR", help="keep each model's cProfile stats here")
-    a = ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap, a = _cli.parse(argv, options, __doc__, "sim_epoch_profile")
     if a.nodes < 2:
         ap.error(f"--nodes must be at least 2, got {a.nodes}")
     models = [m for m in a.models.split(",") if m]

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from experiments import _cli
 
 
 
@@ -74,11 +75,14 @@ def check_paths(tmp: Path) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(ap: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run sim_gpu_check``."""
     ap.add_argument("--out", default="runs/sim_gpu_check")
     ap.add_argument("--quick", action="store_true", help="the path check and a 256/1024-node logreg/mlp bench only")
-    a = ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap, a = _cli.parse(argv, options, __doc__, "sim_gpu_check")
     if not torch.cuda.is_available():
         print("sim_gpu_check: no CUDA device", file=sys.stderr)
         return 2

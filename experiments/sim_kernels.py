@@ -48,6 +48,7 @@ from experiments import bench_sim
 from experiments._timing import min_interleaved
 
 from gossip import _batched, vectorized  # noqa: E402
+from experiments import _cli
 
 
 
@@ -253,8 +254,8 @@ def evaluation(chunks: list[int], repeats: int, models: tuple[str, ...] = ("logr
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(ap: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run sim_kernels``."""
     ap.add_argument("--nodes", type=int, default=1024, help="nodes of the mlp step and of the cross-entropy rows")
     ap.add_argument("--groups", default="64,256", help="node counts of the grouped convolutions")
     ap.add_argument("--repeats", type=int, default=5)
@@ -263,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--anatomy", default="mlp:1024,cnn1d:256",
                     help="model:nodes pairs whose step is timed in parts on both paths, with the roofline ('' skips)")
     ap.add_argument("--json", metavar="PATH")
-    a = ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap, a = _cli.parse(argv, options, __doc__, "sim_kernels")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

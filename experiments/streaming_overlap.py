@@ -57,6 +57,7 @@ REPO = HERE.parent
 
 from experiments import _provenance
 from gossip import rundir  # noqa: E402
+from experiments import _cli
 
 
 def step_time(run_dir: Path, first: int) -> float:
@@ -102,8 +103,8 @@ def table(runs: dict[str, list[float]], waits: dict[str, list[float]] | None = N
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run streaming_overlap``."""
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--rate", default="10mbit")
     p.add_argument("--local-steps", type=int, default=8, help="H (default 8)")
@@ -115,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default="sovl")
     p.add_argument("--out", required=True)
     p.add_argument("--results", default=None, help="also write the results JSON here (experiments/results/...)")
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, a = _cli.parse(argv, options, __doc__, "streaming_overlap")
     taus = [int(t) for t in a.taus.split(",") if t.strip()]
     if len(taus) < 2 or taus[0] != 0:
         p.error(f"--taus: give 0 (the baseline) and at least one tau > 0, got {a.taus!r}")

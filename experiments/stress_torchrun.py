@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from experiments import _cli
 
 ABORT_TEXT = "terminate called without an active exception"
 QUICK = ["--data", "synthetic", "--epochs", "2", "--batch-size", "64", "--no-progress"]
@@ -115,8 +116,8 @@ def one_run(name: str, nproc: int, args: list[str], work: Path, env: dict, cores
     return kind, rc, str(run_dir)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run stress_torchrun``."""
     p.add_argument("--job", choices=("suite", "logreg"), default="suite", help="what each run runs (default suite)")
     p.add_argument("--runs", type=int, default=0, help="stop after this many runs (0: use --minutes)")
     p.add_argument("--minutes", type=float, default=10.0, help="stop after this long (default 10)")
@@ -130,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one torchrun run may take (default 300)")
     p.add_argument("--pythonpath", default=None, help="checkout to run instead of this one")
     p.add_argument("--out", type=Path, default=Path("runs/stress"), help="where failing runs' logs stay")
-    args = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = _cli.parse(argv, options, __doc__, "stress_torchrun")
     if args.runs <= 0 and args.minutes <= 0:
         p.error("give --runs N or --minutes M")
     sizes = [int(x) for x in args.nproc.split(",")]

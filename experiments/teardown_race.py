@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from experiments import _cli
 
 ABORT_TEXT = "terminate called without an active exception"
 
@@ -90,14 +91,17 @@ def one_run(k: int, teardown: str, stall: bool, out: Path, env: dict) -> tuple[b
     return aborted, rc, str(work)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m experiments run teardown_race``."""
     p.add_argument("--teardown", choices=("destroy", "shutdown"), required=True,
                    help="destroy: dist.destroy_process_group(); shutdown: gossip.comm.shutdown()")
     p.add_argument("--runs", type=int, default=8, help="torchrun runs (default 8)")
     p.add_argument("--no-stall", action="store_true", help="do not stop rank 0 with a gdb attach")
     p.add_argument("--out", type=Path, default=Path("runs/teardown_race"), help="where failing runs stay")
-    args = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = _cli.parse(argv, options, __doc__, "teardown_race")
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[1])

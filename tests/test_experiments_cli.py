@@ -44,3 +44,28 @@ def test_every_script_refuses_an_unknown_name_in_one_line(name, flag, tmp_path, 
     assert e.value.code == 2
     assert err[-1].endswith(f"error: {flag}: unknown nosuch; known: {', '.join(known)}")
     assert not (tmp_path / "out").exists()  # refused before any work
+
+
+def test_one_entry_point_runs_every_study_by_name(capsys):
+    """``python -m experiments run NAME``: its options from the module's ``options(p)``,
+    an unknown name refused in one line; no script builds its own parser or edits
+    ``sys.path``."""
+    from experiments.__main__ import main, runnable
+
+    assert {"bench_compress", "race", "cold_start", "bench_topologies"} <= set(runnable())
+    with pytest.raises(SystemExit) as e:
+        main(["run", "bench_topologies", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m experiments run bench_topologies") and "--repeats" in out
+    with pytest.raises(SystemExit) as e:
+        main(["run", "nosuch"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "unknown study or benchmark 'nosuch'" in err[-1]
+    with pytest.raises(SystemExit) as e:
+        main(["run", "bench_topologies", "--n", "3"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: need --n >= 5 (a 4-regular expander) and --repeats >= 1, got --n 3 --repeats 3")
+    texts = [f.read_text() for f in EXPERIMENTS.glob("*.py")]
+    assert sum(t.count("ArgumentParser(") for t in texts) <= 8
+    assert not any("sys.path.insert" in t or "sys.path.append" in t for t in texts)

@@ -114,7 +114,7 @@ def test_the_data_set_declares_the_model_a_run_trains_without_model(monkeypatch)
     assert parse_args(["--data", "mnist1d"]).model_name == "cnn1d"
     assert parse_args(["--data", "synthetic"]).model_name == "logreg"
     assert parse_args(["--data", "text"]).model_name == "gpt"
-    monkeypatch.setitem(data._DEFAULT_MODELS, "mnist1d", "mlp")  # what the registration says is what is used
+    monkeypatch.setitem(data.datasets._DEFAULT_MODELS, "mnist1d", "mlp")  # what the registration says is what is used
     assert parse_args(["--data", "mnist1d"]).model_name == "mlp"
     assert parse_args(["--data", "mnist1d", "--model", "logreg"]).model_name == "logreg"
     assert data.default_model("not-registered") == data.FALLBACK_MODEL

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gossip import data
-from gossip.data import DataError, RandomCropFlip, ShardLoader, build_dataset, partition
+from gossip.data import DataError, RandomCropFlip, ShardLoader, build_dataset, datasets, partition
 
 # --------------------------------------------------------------------------- registry
 
@@ -91,7 +91,7 @@ def test_mnist1d_cache_is_written_atomically_and_reused(mnist1d_cache, monkeypat
     def no_generation():
         raise AssertionError("the cache should have been used")
 
-    monkeypatch.setattr(data, "_generate_mnist1d", no_generation)
+    monkeypatch.setattr(datasets, "_generate_mnist1d", no_generation)
     again = build_dataset("mnist1d", cache_dir=cache)
     for split in _SPLITS:
         assert torch.equal(getattr(again, split), getattr(ds, split))
@@ -148,7 +148,7 @@ def test_other_cache_damage_is_detected(mnist1d_cache, tmp_path, monkeypatch, da
         blob[len(blob) // 2] ^= 0xFF
         path.write_bytes(bytes(blob))
     calls = []
-    monkeypatch.setattr(data, "_generate_mnist1d", lambda: calls.append(1) or _arrays_of(ds))
+    monkeypatch.setattr(datasets, "_generate_mnist1d", lambda: calls.append(1) or _arrays_of(ds))
     with pytest.warns(UserWarning, match="is damaged"):
         again = build_dataset("mnist1d", cache_dir=path.parent)
     assert calls == [1]
@@ -157,7 +157,7 @@ def test_other_cache_damage_is_detected(mnist1d_cache, tmp_path, monkeypatch, da
 
 def test_unwritable_cache_warns_and_still_returns_data(mnist1d_cache, tmp_path, monkeypatch):
     _, ds, _ = mnist1d_cache
-    monkeypatch.setattr(data, "_generate_mnist1d", lambda: _arrays_of(ds))
+    monkeypatch.setattr(datasets, "_generate_mnist1d", lambda: _arrays_of(ds))
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.warns(UserWarning, match="could not write the mnist1d cache"):

@@ -116,7 +116,7 @@ def test_one_registry_mechanism_for_every_family():
     from gossip.compress import registry as comp_registry
 
     for reg in (algorithms._REGISTRY, comp_registry._REGISTRY, topo_registry._REGISTRY, models._MODELS,
-                data._DATASETS):
+                data.datasets._DATASETS):
         assert isinstance(reg, Registry)
     for call, needle in [
         (lambda: algorithms.build("nope", None), "unknown algorithm 'nope'; known: allreduce, dpsgd"),

@@ -1,6 +1,7 @@
 """Modules that moved keep their old paths for one release: importing one warns once
 with a DeprecationWarning naming the new path, and gives the same objects; the old
-``python -m gossip.crossover`` still runs the tool."""
+``python -m gossip.crossover`` still runs the tool. ``gossip.data``, now a package,
+keeps its names without a warning."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ MOVED = {
     "gossip.crossover": "gossip.tools.crossover",
     "gossip.leaderboard": "gossip.tools.leaderboard",
     "gossip.units": "gossip.tools.units",
+    "gossip.textdata": "gossip.data.text",
 }
 
 
@@ -50,3 +52,20 @@ def test_the_old_crossover_command_still_runs_the_tool(tmp_path):
     assert "DeprecationWarning: gossip.crossover is deprecated: it moved to gossip.tools.crossover" in r.stderr
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("gossip.tools.crossover: error:")]
     assert errors == ["gossip.tools.crossover: error: argument --params: '1e6x' is not a number (see --help)"]
+
+
+def test_gossip_data_became_a_package_with_the_same_names_and_no_warning():
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "import gossip.data\n"
+            "from gossip import data\n"
+            "from gossip.data import DataError, Dataset, ShardLoader, build_dataset, partition, token_ids\n"
+            "import gossip.errors\n"
+            "assert DataError is gossip.errors.DataError\n"
+            "print(sorted(data.__all__))\n")
+    r = run_process([sys.executable, "-c", code], timeout=120, cwd=REPO, env=child_env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert eval(r.stdout.strip().splitlines()[-1]) == sorted([  # noqa: S307 - our own child's list
+        "CLASSIFICATION", "LANGUAGE_MODEL", "TASKS", "TOKEN_DTYPE", "CIFAR10_MEAN", "CIFAR10_STD",
+        "PARTITION_SCHEMES", "DataError", "Dataset", "RandomCropFlip", "ShardLoader", "available_datasets",
+        "register_dataset", "default_model", "FALLBACK_MODEL", "build_dataset", "build_loaders", "dataset_options",
+        "default_cache_dir", "partition", "partition_dataset", "stack_next", "token_ids"])

@@ -8,7 +8,8 @@ import hashlib
 import pytest
 import torch
 
-from gossip import data, textdata
+from gossip import data
+from gossip.data import text as textdata
 from gossip.data import DataError, build_dataset, partition_dataset
 
 TEXT = "Grüße, 世界! naïve café – 🙂\r\nline two\r\n" * 40  # multi-byte UTF-8 and CRLF

@@ -40,7 +40,7 @@ def test_recipes_run_and_render(corpus, tmp_path, monkeypatch):
     # environment earlier in the process, which the command then names as PATH
     cmd = prov["command"]
     assert cmd.startswith("OMP_NUM_THREADS=1 ") and " python -m experiments.lm_recipes --recipes lstm " in cmd
-    assert "gossip/textdata.py" in prov["sources"]
+    assert "gossip/data" in prov["sources"]  # the text data sets (gossip/data/text.py)
     # the run directory named as the command names --out: no path of the machine it ran on
     assert " --out OUT/runs " in cmd and r["out"] == "OUT/runs/lstm"
     md = render.TABLES["lm_recipes"].render(res)

@@ -49,7 +49,7 @@ def test_crossover_check_pairs_each_measured_cell_with_the_nearest_prediction():
         {"algo": "ecd", "bits": "8", "bandwidth_mbit": "50", "latency_ms": "0.13", "latency_mode": "emulated",
          "step_s": "", "bytes_per_step": "", "iface_bytes_per_step": "", "ok": "False"},  # a failed cell: left out
     ]
-    pred = {"rows": [  # python -m gossip.crossover --json
+    pred = {"rows": [  # python -m gossip.tools.crossover --json
         {"label": "dpsgd", "bytes": 630_000, "step_s": [{"bandwidth": 5e6, "latency": 1.3e-4, "seconds": 1.0},
                                                         {"bandwidth": 5e7, "latency": 1.3e-4, "seconds": 0.105}]},
         {"label": "ecd@quant:bits=8", "bytes": 157_000, "step_s": [{"bandwidth": 5e6, "latency": 1.3e-4, "seconds": 0.27},

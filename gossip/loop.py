@@ -228,7 +228,36 @@ class Run:
 
     # --- the whole run -----------------------------------------------------------------
     def train(self) -> dict | None:
-        """The run from its first (or resumed) step to its summary."""
+        """The run from its first (or resumed) step to its summary: :meth:`begin`, then
+        :meth:`step` until the end (:meth:`end_epoch` after an epoch's last step, a
+        :meth:`checkpoint` every ``--checkpoint-every`` steps), the last checkpoint and
+        :meth:`finish`."""
+        cfg = self.cfg
+        self.begin()
+        try:
+            while self.progress.step < self.stop:
+                before = self.progress.step
+                self.step()
+                step = self.progress.step
+                if step == before:  # no step committed (a fault-tolerant replica's discarded step)
+                    continue
+                if step % self.steps_per_epoch == 0 or step == self.stop:
+                    self.end_epoch()
+                if cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0 and step < self.stop:
+                    self.checkpoint()
+        except Diverged as e:
+            if self.is_main:
+                rundir.write_json(rundir.summary_path(self.out), metrics.diverged_record(
+                    self.facts(), e, steps=self.progress.step, wall_time_s=self.elapsed()))
+            raise
+        finally:
+            self.log.close()
+        self.checkpoint()
+        return self.finish()
+
+    def begin(self) -> None:
+        """Before the first step: the resume (with ``--resume``), config.json, the metrics
+        files, the header line and the progress bar, the clock."""
         cfg = self.cfg
         self.algo.set_event_sink(self.log.say if self.is_main else None)  # MergeComp's decisions
         resumed = False
@@ -238,7 +267,8 @@ class Run:
             resumed = restored is not None
             self.progress = restored or self.progress
         if self.is_main and self.progress.step == 0:
-            rundir.write_json(rundir.config_path(self.out), metrics.config_record(self))
+            rundir.write_json(rundir.config_path(self.out), metrics.config_record(
+                self.facts(), cfg_dict=self.cfg_dict, layout=self.gopt.layout, corpus=self.dataset.corpus))
         self.log.open(keep=self.progress.step if resumed else None)
         self.log.say(metrics.header(cfg, self.env, self.dim, self.algo))
         if self.sim_path is not None:
@@ -246,22 +276,6 @@ class Run:
         self.log.start_bar(self.progress.step, self.stop)
         self._t0 = time.perf_counter() - self.progress.elapsed_s  # wall time across resumes
         self._first_step = self.progress.step  # this process's first step is its warm-up
-        try:
-            while self.progress.step < self.stop:
-                self.step()
-                step = self.progress.step
-                if step % self.steps_per_epoch == 0 or step == self.stop:
-                    self.end_epoch()
-                if cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0 and step < self.stop:
-                    self.checkpoint()
-        except Diverged as e:
-            if self.is_main:
-                rundir.write_json(rundir.summary_path(self.out), metrics.diverged_record(self, e))
-            raise
-        finally:
-            self.log.close()
-        self.checkpoint()
-        return self.finish()
 
     def log_failure(self, exc: BaseException) -> Path | None:
         """Append the full detail of what stopped this rank to ``error-rank<k>.log`` in
@@ -327,6 +341,13 @@ class Run:
             raise Diverged(f"training diverged at step {p.step + 1}: {e}") from None
         return losses
 
+    def facts(self) -> metrics.RunFacts:
+        """What config.json and summary.json say about this run."""
+        return metrics.RunFacts(
+            cfg=self.cfg, algo=self.algo, world_size=self.env.world_size, mode=self.env.mode,
+            hosts=assembly.hosts_of(self.env), dim=self.dim, task=self.task,
+            topology=self.cfg.comm.topology if self.topo is not None else None, pooled=self.env.distributed)
+
     def elapsed(self) -> float:
         """Wall time of the run so far, across resumes."""
         return time.perf_counter() - self._t0
@@ -357,7 +378,9 @@ class Run:
     # --- the end -------------------------------------------------------------------------
     def finish(self) -> dict | None:
         """summary.json on rank 0; returns it there (None elsewhere)."""
-        summary = metrics.summary_record(self)  # a collective: every rank
+        summary = metrics.summary_record(  # a collective: every rank
+            self.facts(), steps=self.progress.step, ledger=self.ledger, comm=self.comm, last_eval=self.last_eval,
+            dpsgd_bytes=self.dpsgd_bytes, wall_time_s=self.elapsed())
         if not self.is_main:
             return None
         rundir.write_json(rundir.summary_path(self.out), summary)

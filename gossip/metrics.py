@@ -4,7 +4,9 @@ the records of config.json and summary.json.
 :class:`RunLog` owns the per-node ``metrics-rank<k>.jsonl`` writers, the TensorBoard
 writer (rank 0, ``--tensorboard``), the progress bar and the lines rank 0 prints;
 :func:`config_record`, :func:`summary_record` and :func:`diverged_record` build the
-run directory's two JSON files (their keys: :mod:`gossip.rundir`). The byte figures
+run directory's two JSON files (their keys: :mod:`gossip.rundir`) from the values a
+run hands them (:class:`RunFacts` and keyword arguments), so that every kind of run,
+the fault-tolerant one included, writes the same records. The byte figures
 come from the run's :class:`~gossip.comm.Ledger` through :mod:`gossip.rundir`'s
 accounting functions; the ones that pool every rank are means over the ranks.
 """
@@ -12,6 +14,7 @@ accounting functions; the ones that pool every rank are means over the ranks.
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,6 @@ import torch
 
 import topologies
 from gossip import algorithms, compress, data, evaluation, rundir
-from gossip.assembly import hosts_of
 from gossip.config import TrainConfig
 from gossip.errors import RunError
 
@@ -56,7 +58,7 @@ def keep_files_open(nodes: int) -> bool:
         return False
     return True
 
-__all__ = ["RunLog", "config_record", "diverged_record", "dpsgd_bytes", "epoch_line", "header", "summary_record"]
+__all__ = ["RunFacts", "RunLog", "config_record", "diverged_record", "dpsgd_bytes", "epoch_line", "header", "summary_record"]
 
 
 class RunLog:
@@ -66,9 +68,12 @@ class RunLog:
     ``step``/``train``/``eval`` log, ``say`` prints a line past the bar on rank 0,
     ``close`` ends them."""
 
-    def __init__(self, cfg: TrainConfig, env, comm, out: Path, steps_per_epoch: int) -> None:
+    def __init__(self, cfg: TrainConfig, env, comm, out: Path, steps_per_epoch: int,
+                 nodes: list[int] | None = None) -> None:
         self.cfg, self.env, self.comm, self.out = cfg, env, comm, Path(out)
-        self.nodes = [int(i) for i in comm.nodes]
+        #: the hosted nodes whose files this log writes: the communicator's, unless given
+        #: (a fault-tolerant replica writes under its replica id, whatever its rank in the quorum)
+        self.nodes = [int(i) for i in (comm.nodes if nodes is None else nodes)]
         self.is_main = env.rank == 0
         self.steps_per_epoch = steps_per_epoch
         self.bar = None
@@ -130,6 +135,12 @@ class RunLog:
             w.write({"kind": "eval", "step": step, "epoch": step / self.steps_per_epoch, "time": elapsed, **ev})
         if self.tb is not None:
             self.tb.write({"kind": "eval", "step": step, **ev})
+
+    def record(self, rec: dict) -> None:
+        """A record of its own (a fault-tolerant replica's step, quorum, heal and end
+        records) to the file of every hosted node."""
+        for w in self.writers:
+            w.write(rec)
 
     def close(self) -> None:
         """Close the bar and every writer."""
@@ -205,91 +216,115 @@ def epoch_line(epoch: float, epochs, ev, ledger, dpsgd, step, task: str = data.C
     )
 
 
-def _identity(run) -> dict:
+@dataclass(frozen=True)
+class RunFacts:
+    """What the records of config.json and summary.json say about a run, given by the run
+    (:class:`gossip.loop.Run`, :class:`gossip.fault_tolerance.FaultTolerantRun`) rather
+    than read off it.
+
+    ``algo`` is the built algorithm (its wire format, payload compressor, report and
+    summary fields); ``topology`` the configured graph's name where the run has one;
+    ``pooled``: whether the byte figures are means over the ranks (a collective on
+    every rank); ``hosts``: :func:`gossip.assembly.hosts_of`'s ``hosts`` and
+    ``procs_per_host``."""
+
+    cfg: TrainConfig
+    algo: Any
+    world_size: int
+    mode: str
+    hosts: dict
+    dim: int
+    task: str
+    topology: str | None
+    pooled: bool = False
+
+
+def _identity(facts: RunFacts) -> dict:
     """The keys that say what ran, first in config.json's extras and every summary."""
-    wire = run.algo.wire_format()
+    wire = facts.algo.wire_format()
     return {
         "schema": rundir.SCHEMA_VERSION,
-        "algo": run.cfg.algorithm.name,
-        "topology": run.cfg.comm.topology if run.topo is not None else None,
-        "world_size": run.env.world_size,
-        **hosts_of(run.env),
+        "algo": facts.cfg.algorithm.name,
+        "topology": facts.topology,
+        "world_size": facts.world_size,
+        **facts.hosts,
         "compressor": wire.label,
         "bits": wire.bits_per_coord,
         "wire": wire.to_dict(),
     }
 
 
-def _task_summary(run) -> dict:
+def _task_summary(facts: RunFacts, last_eval: dict) -> dict:
     """The task, and for a language model its held-out bits per byte and perplexity
     (its final_test_loss is in nats per token; it has no accuracy)."""
-    if run.task == data.CLASSIFICATION:
-        return {"task": run.task}
-    return {"task": run.task, "final_test_bpb": run.last_eval.get("test_bpb"),
-            "final_test_ppl": run.last_eval.get("test_ppl")}
+    if facts.task == data.CLASSIFICATION:
+        return {"task": facts.task}
+    return {"task": facts.task, "final_test_bpb": last_eval.get("test_bpb"),
+            "final_test_ppl": last_eval.get("test_ppl")}
 
 
-def config_record(run) -> dict:
-    """config.json: the config's flat keys, then what the run found (world size,
-    parameters, mode, host, torch, wire format, layout, task, corpus)."""
-    wire, c = run.algo.wire_format(), run.algo.payload_compressor
+def config_record(facts: RunFacts, *, cfg_dict: dict, layout, corpus: dict | None) -> dict:
+    """config.json: the config's flat keys (``cfg_dict``), then what the run found (world
+    size, parameters, mode, host, torch, wire format, ``layout``, task, ``corpus``)."""
+    wire, c = facts.algo.wire_format(), facts.algo.payload_compressor
     return {
-        **run.cfg_dict, "schema": rundir.SCHEMA_VERSION, "world_size": run.env.world_size,
-        "params": run.dim, "mode": run.env.mode, "hostname": socket.gethostname(),
+        **cfg_dict, "schema": rundir.SCHEMA_VERSION, "world_size": facts.world_size,
+        "params": facts.dim, "mode": facts.mode, "hostname": socket.gethostname(),
         "torch": torch.__version__, "wire": wire.to_dict(),
-        "compressor_payload_bytes": None if c is None else int(c.payload_nbytes(run.dim)),
-        "layout": run.gopt.layout.to_dict(), "task": run.task,
-        **({"corpus": dict(run.dataset.corpus)} if run.dataset.corpus is not None else {}),
+        "compressor_payload_bytes": None if c is None else int(c.payload_nbytes(facts.dim)),
+        "layout": layout.to_dict(), "task": facts.task,
+        **({"corpus": dict(corpus)} if corpus is not None else {}),
     }
 
 
-def _measured_bits(run) -> float | None:
+def _measured_bits(facts: RunFacts, ledger, comm) -> float | None:
     """Bits per coordinate per message as the ledger saw them: bytes sent / coordinates /
     messages, all ranks pooled (control messages, e.g. size checks, left out)."""
-    traffic = rundir.payload_traffic(run.ledger)
-    if traffic is None or run.dim == 0:
+    traffic = rundir.payload_traffic(ledger)
+    if traffic is None or facts.dim == 0:
         return None
     sent, count = traffic
-    if run.env.distributed:
-        t = run.comm.all_reduce(torch.tensor([[sent, count]], dtype=torch.float64), op="mean", record=False)
+    if facts.pooled:
+        t = comm.all_reduce(torch.tensor([[sent, count]], dtype=torch.float64), op="mean", record=False)
         sent, count = float(t[0, 0]), float(t[0, 1])
-    return 8.0 * sent / (run.dim * count) if count else None
+    return 8.0 * sent / (facts.dim * count) if count else None
 
 
-def summary_record(run) -> dict:
-    """summary.json of a run that ended: final figures, bytes, wire, time split (its
-    byte figures are means over the ranks: a collective, called on every rank)."""
-    p, ledger, hosted, dist = run.progress, run.ledger, len(run.ledger.nodes), run.env.distributed
-    per_step = evaluation.global_mean(run.comm, rundir.step_bytes_per_node(ledger, p.step), dist)
-    setup = evaluation.global_mean(run.comm, ledger.setup_bytes_sent / hosted, dist)
-    total = evaluation.global_mean(run.comm, ledger.bytes_sent / hosted, dist)
-    times, ev = ledger.times, run.last_eval
+def summary_record(facts: RunFacts, *, steps: int, ledger, comm, last_eval: dict, dpsgd_bytes: float,
+                   wall_time_s: float) -> dict:
+    """summary.json of a run that ended at ``steps``: final figures (``last_eval``), bytes
+    (``ledger``), wire, time split (with ``facts.pooled`` its byte figures are means over
+    the ranks: a collective over ``comm``, called on every rank)."""
+    hosted, dist, cfg = len(ledger.nodes), facts.pooled, facts.cfg
+    per_step = evaluation.global_mean(comm, rundir.step_bytes_per_node(ledger, steps), dist)
+    setup = evaluation.global_mean(comm, ledger.setup_bytes_sent / hosted, dist)
+    total = evaluation.global_mean(comm, ledger.bytes_sent / hosted, dist)
+    times, ev = ledger.times, last_eval
     summary = {
-        **_identity(run), "model": run.cfg.model_name, "data": run.cfg.data.name, "params": run.dim,
-        "epochs": run.cfg.run.epochs, "steps": p.step, "final_train_loss": ev.get("train_loss"),
-        "final_test_loss": ev.get("test_loss"), "final_test_acc": ev.get("test_acc"), **_task_summary(run),
+        **_identity(facts), "model": cfg.model_name, "data": cfg.data.name, "params": facts.dim,
+        "epochs": cfg.run.epochs, "steps": steps, "final_train_loss": ev.get("train_loss"),
+        "final_test_loss": ev.get("test_loss"), "final_test_acc": ev.get("test_acc"), **_task_summary(facts, ev),
         "consensus_distance": ev.get("consensus_distance"),
         "bytes_sent_per_node_per_step": per_step,
-        "bytes_ratio_to_dpsgd": (per_step / run.dpsgd_bytes) if run.dpsgd_bytes else None,
+        "bytes_ratio_to_dpsgd": (per_step / dpsgd_bytes) if dpsgd_bytes else None,
         "setup_bytes_per_node": setup if ledger.setup_known else None,
         "bytes_sent_per_node_total": total,
-        "bits_per_coord": run.algo.wire_format().bits_per_coord,
-        "bits_per_coord_measured": _measured_bits(run),
+        "bits_per_coord": facts.algo.wire_format().bits_per_coord,
+        "bits_per_coord_measured": _measured_bits(facts, ledger, comm),
         "time_split_s": {k: times.get(k, 0.0) for k in ("compute", "compress", "communicate", "wait")},
-        "warmup_s": times.get("warmup", 0.0), "wall_time_s": run.elapsed(), "mode": run.env.mode,
-        "diverged": False, "latency_ms": run.cfg.comm.emulate_latency,
-        "latency_mode": "emulated" if run.cfg.comm.emulate_latency else None, "report": run.algo.report(),
+        "warmup_s": times.get("warmup", 0.0), "wall_time_s": wall_time_s, "mode": facts.mode,
+        "diverged": False, "latency_ms": cfg.comm.emulate_latency,
+        "latency_mode": "emulated" if cfg.comm.emulate_latency else None, "report": facts.algo.report(),
     }
-    summary.update(run.algo.summary_fields())
+    summary.update(facts.algo.summary_fields())
     return summary
 
 
-def diverged_record(run, e: Exception) -> dict:
-    """summary.json of a run that diverged: what ran, where it stopped and why."""
+def diverged_record(facts: RunFacts, e: Exception, *, steps: int, wall_time_s: float) -> dict:
+    """summary.json of a run that diverged at ``steps``: what ran, where it stopped and why."""
     return {
-        **_identity(run), "epochs": run.cfg.run.epochs, "steps": run.progress.step, "diverged": True,
+        **_identity(facts), "epochs": facts.cfg.run.epochs, "steps": steps, "diverged": True,
         "reason": str(e), "final_train_loss": None, "final_test_loss": None, "final_test_acc": None,
-        **{k: None for k in _task_summary(run) if k != "task"}, "task": run.task,
-        "consensus_distance": None, "wall_time_s": run.elapsed(),
+        **{k: None for k in _task_summary(facts, {}) if k != "task"}, "task": facts.task,
+        "consensus_distance": None, "wall_time_s": wall_time_s,
     }
-

@@ -939,6 +939,27 @@ class TrainConfig:
                 f"--merge {alg.merge} times the backward pass of one node per process: run it under torchrun "
                 f"(or --simulate 1); --merge layer and whole work with --simulate {comm.simulate}"
             )
+        if comm.fault_tolerance is not None:
+            self._check_fault_tolerance()
+
+    def _check_fault_tolerance(self) -> None:
+        """``--fault-tolerance``'s rules across the sections (the environment's, the number
+        of replicas, are checked by the run: gossip.fault_tolerance)."""
+        from gossip import algorithms as _alg
+
+        alg, comm, run = self.algorithm, self.comm, self.run
+        supported = [n for n in _alg.available() if _alg.algorithm_class(n).fault_tolerant]
+        if alg.name not in supported:
+            raise ConfigError(f"--fault-tolerance supports --algo {', '.join(supported)}, got --algo {alg.name} "
+                              "(see docs/fault-tolerance.md)")
+        if comm.simulate is not None:
+            raise ConfigError("--fault-tolerance runs one worker per process: do not combine it with --simulate")
+        if run.out is None and run.resume in (None, RESUME_AUTO):
+            raise ConfigError("--fault-tolerance needs --out DIR: a restarted worker writes on in the same directory"
+                              + (" (--resume auto continues the run in --out)" if run.resume == RESUME_AUTO else ""))
+        if alg.decentralized and comm.min_replicas < 2:
+            raise ConfigError(f"--algo {alg.name} is decentralized: --min-replicas must be at least 2 (a graph needs "
+                              f"two live nodes), got {comm.min_replicas}")
 
     # --- derived: config.json records them after the flat keys ----------------------------
     @_recorded("lr")

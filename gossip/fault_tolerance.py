@@ -6,7 +6,9 @@ re-forms a reconfigurable gloo process group over the live replicas at every ste
 averages the step's all-reduce over that step's participants, and heals a replica that
 (re)joins behind the group by sending it a live peer's state over its HTTP checkpoint
 transport: no file on disk is read. See docs/fault-tolerance.md for the design, what
-torchft carries and what it does not.
+torchft carries and what it does not. Each worker is a :class:`FaultTolerantRun`, a
+:class:`gossip.loop.Run` whose step is the one below; it writes the records every run
+writes (config.json, metrics, summary.json).
 
 One step of replica ``k`` (``Manager`` calls in brackets):
 
@@ -54,17 +56,23 @@ from urllib.parse import urlsplit
 import torch
 
 import topologies
-from gossip import algorithms, data, evaluation, rundir
+from gossip import algorithms, assembly, data, evaluation, metrics, rundir
 from gossip._ftcomm import FTCommunicator
-from gossip.errors import say_line
+from gossip.assembly import Env
+from gossip.checkpoint import Progress
 from gossip.comm.base import is_time_varying
 from gossip.config import RESUME_AUTO, lighthouse_address
+from gossip.errors import RunError, say_line
+from gossip.loop import Run
 
-__all__ = ["FT_CHECKPOINT_FORMAT", "FTCommunicator", "SUPPORTED_ALGORITHMS", "agreement_verdict", "ft_checkpoints",
-           "lighthouse_address", "live_topology", "probe_lighthouse", "run_fault_tolerant"]
+__all__ = ["FT_CHECKPOINT_FORMAT", "FTCommunicator", "FaultTolerantRun", "MODE", "SUPPORTED_ALGORITHMS",
+           "agreement_verdict", "ft_checkpoints", "lighthouse_address", "live_topology", "probe_lighthouse",
+           "run_fault_tolerant"]
 
 #: the algorithms that run under ``--fault-tolerance`` (``Algorithm.fault_tolerant``)
 SUPPORTED_ALGORITHMS = tuple(n for n in algorithms.available() if algorithms.algorithm_class(n).fault_tolerant)
+#: the ``mode`` of a fault-tolerant run's config.json and summary.json (the others': simulate, torchrun)
+MODE = "fault-tolerance"
 #: the environment torchft's examples give each replica group
 REPLICA_ENV, REPLICAS_ENV = "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"
 #: the address this worker advertises to its peers (default: its host name)
@@ -184,14 +192,14 @@ def _incarnations(replica_ids: list[str]) -> list[tuple[int, str]]:
 # --------------------------------------------------------------------------------------
 # the run
 # --------------------------------------------------------------------------------------
-def _replica_env(run_error: type) -> tuple[int, int]:
+def _replica_env() -> tuple[int, int]:
     got = {k: os.environ.get(k) for k in (REPLICA_ENV, REPLICAS_ENV)}
     try:
         k, n = int(got[REPLICA_ENV]), int(got[REPLICAS_ENV])  # type: ignore[arg-type]
         if n < 1 or not 0 <= k < n:
             raise ValueError
     except (TypeError, ValueError):
-        raise run_error(
+        raise RunError(
             f"--fault-tolerance: set {REPLICA_ENV}=K and {REPLICAS_ENV}=N for each worker (0 <= K < N; K is its "
             f"data shard, kept across restarts), got {REPLICA_ENV}={got[REPLICA_ENV]!r} "
             f"{REPLICAS_ENV}={got[REPLICAS_ENV]!r}") from None
@@ -234,7 +242,7 @@ def probe_lighthouse(addr: str, timeout: float) -> tuple[str, str]:
     return "other", f"HTTP {resp.status} {resp.reason}{f' from {server}' if server else ''} without its dashboard"
 
 
-def _wait_for_lighthouse(addr: str, timeout: float, run_error: type) -> None:
+def _wait_for_lighthouse(addr: str, timeout: float) -> None:
     """Fail in one line, within ``timeout`` seconds, when no Lighthouse answers at ``addr``;
     at once when something else does."""
     parts = urlsplit(addr)
@@ -246,63 +254,168 @@ def _wait_for_lighthouse(addr: str, timeout: float, run_error: type) -> None:
         if kind == "lighthouse":
             return
         if kind == "other":
-            raise run_error(f"{where}: no torchft Lighthouse there: something else answers ({why}); give the "
+            raise RunError(f"{where}: no torchft Lighthouse there: something else answers ({why}); give the "
                             f"Lighthouse's address, or start one with `{_LIGHTHOUSE_CMD}`")
         if time.monotonic() + 0.2 >= deadline:
-            raise run_error(f"{where}: no Lighthouse answers there within --timeout {timeout:g} s ({why}); start one "
+            raise RunError(f"{where}: no Lighthouse answers there within --timeout {timeout:g} s ({why}); start one "
                             f"with `{_LIGHTHOUSE_CMD}`")
         time.sleep(0.2)
 
 
-class _FTRun:
-    """One replica's run (see the module's steps)."""
+class FaultTolerantRun(Run):
+    """One replica of a ``--fault-tolerance`` run: :class:`gossip.loop.Run`'s training
+    story (its :meth:`~gossip.loop.Run.train`: begin, step until the end, an epoch's end,
+    checkpoints, finish) with the module's steps 1-5 as its :meth:`step`.
 
-    def __init__(self, cfg: Any) -> None:
-        from gossip import assembly, loop
+    It records what every run records: its step, quorum, heal and end records through the
+    run's :class:`~gossip.metrics.RunLog`, ``config.json`` and ``summary.json`` (the same
+    keys as any run's, plus a ``fault_tolerance`` object: replica, quorums, heals,
+    discarded steps, aborted groups) from :mod:`gossip.metrics`' records; its device by
+    :func:`gossip.assembly.choose_device`. What it does its own way, and why:
 
-        self.cfg, self.parts, self.RunError = cfg, assembly, loop.RunError
-        algo = cfg.algorithm.name
-        self.decentralized = algorithms.is_decentralized(algo)
-        if algo not in SUPPORTED_ALGORITHMS:
-            raise self.RunError(f"--fault-tolerance supports --algo {', '.join(SUPPORTED_ALGORITHMS)}, got --algo "
-                                f"{algo} (see docs/fault-tolerance.md)")
-        if cfg.comm.simulate is not None:
-            raise self.RunError("--fault-tolerance runs one worker per process: do not combine it with --simulate")
-        resume = cfg.run.resume
-        if cfg.run.out is None and resume in (None, RESUME_AUTO):
-            raise self.RunError("--fault-tolerance needs --out DIR: a restarted worker writes on in the same directory"
-                                + (" (--resume auto continues the run in --out)" if resume == RESUME_AUTO else ""))
-        if resume not in (None, RESUME_AUTO) and cfg.run.out is not None and Path(resume) != Path(cfg.run.out):
-            raise self.RunError(f"--resume {resume!r} continues the run in that directory: drop --out {cfg.run.out!r} "
-                                "or give the same directory")
+    - construction and :meth:`begin`: nothing is exchanged before the first quorum (the
+      group forms again at every step), and nothing is written before the replica's
+      group has agreed (a refused replica writes nothing, least of all into the file of
+      the live replica whose id it took);
+    - :meth:`end_epoch`: the replica's own model, no collective (a peer's death must not
+      cost an epoch's evaluation);
+    - :meth:`checkpoint`: one file per replica (``ckpt-step<N>-replica<k>.pt``), read
+      back by the replica alone: the run's :class:`~gossip.checkpoint.CheckpointManager`
+      resumes the step every rank agrees on through collectives, which a replica cannot
+      take part in before it has a quorum (each replica resumes on its own and the
+      quorum heals those behind the most advanced one).
+    """
+
+    def __init__(self, cfg: Any) -> None:  # noqa: PLR0915 - not Run's: no collective before the first quorum
+        self.cfg = cfg
+        self.decentralized = algorithms.is_decentralized(cfg.algorithm.name)
         self.verbose = bool(cfg.comm.ft_verbose)
         _torchft_logging(self.verbose)  # before torchft's first import: its Rust log reads RUST_LOG then
         try:
             import torchft  # noqa: F401
         except ImportError:
-            raise self.RunError("--fault-tolerance needs torchft: pip install 'gossip[ft]' (torchft>=0.2)") from None
+            raise RunError("--fault-tolerance needs torchft: pip install 'gossip[ft]' (torchft>=0.2)") from None
+        # the cross-flag rules (--algo, --simulate, --out, --min-replicas of a graph) are the config's
         self.addr = lighthouse_address(cfg.comm.fault_tolerance)
         self.min_replicas = cfg.comm.min_replicas
         self.timeout = float(cfg.comm.timeout)
-        self.replica, self.replicas = _replica_env(self.RunError)
+        self.replica, self.replicas = _replica_env()
         if self.min_replicas > self.replicas:
-            raise self.RunError(f"--min-replicas {self.min_replicas} exceeds the {self.replicas} replicas of "
-                                f"{REPLICAS_ENV}; accepted: 1 .. {self.replicas}")
-        if self.decentralized and self.min_replicas < 2:
-            raise self.RunError(f"--algo {algo} is decentralized: --min-replicas must be at least 2 (a graph needs "
-                                f"two live nodes), got {self.min_replicas}")
+            raise RunError(f"--min-replicas {self.min_replicas} exceeds the {self.replicas} replicas of "
+                           f"{REPLICAS_ENV}; accepted: 1 .. {self.replicas}")
+        resume = cfg.run.resume
         self.out = Path(cfg.run.out if resume in (None, RESUME_AUTO) else resume)
         if resume not in (None, RESUME_AUTO) and not self.out.is_dir():
-            raise self.RunError(f"--resume {resume!r}: no such run directory")
+            raise RunError(f"--resume {resume!r}: no such run directory")
+        # replica k of N, each in its own process, outside any torchrun group
+        self.env = Env(world_size=self.replicas, distributed=False, rank=self.replica)
+        self.device = assembly.choose_device(cfg, self.env)
+        self.is_main, self.nodes = self.replica == 0, [self.replica]
         self.resumed_step: int | None = None  # the step of the checkpoint this replica resumed from
         self.group_resuming = False  # is this replica's group a run started again from its checkpoints
-        self.device = torch.device("cpu") if cfg.comm.device != "cuda" else torch.device("cuda")
         self.members: list[tuple[int, str]] = []
         self.heal_bytes, self.heal_source, self.heal_reset, self.heal_mismatch = 0, -1, [], False
         self.agreed_quorum: tuple | None = None  # the group (_QuorumWatch.key) last found to agree
         self.built_quorum: tuple | None = None  # the group the topology and replica state were built for
+        self.quorums = self.heals = self.discarded = 0  # for the summary's fault_tolerance object
+        self.manager: Any = None
+        self._build()
 
-    # --- state a healing peer receives: model, local optimizer, algorithm -------------
+    def _build(self) -> None:
+        """The data set, the agreement record, x_1, the shards and the algorithm: all refused
+        (in one line) before anything connects."""
+        cfg = self.cfg
+        self.dataset = assembly.build_dataset(cfg)
+        self.task = self.dataset.task
+        self.cfg_dict = cfg.to_dict()
+        if (self.dataset.corpus or {}).get("sha256"):  # a text corpus's identity, as every mode records it
+            self.cfg_dict["corpus_sha256"] = self.dataset.corpus["sha256"]
+        self._agreement_record()
+        torch.manual_seed(cfg.run.seed)  # x_1 identical on every replica
+        self.model = assembly.build_model(cfg, self.dataset, self.device)
+        self.opt = assembly.local_optimizer(cfg, self.model)
+        self.models, self.opts = [self.model], [self.opt]
+        try:  # by the data set's task: a language model's windows of text, a classifier's labels
+            self.shards = data.partition_dataset(self.dataset, self.replicas, scheme=cfg.data.partition,
+                                                 seed=cfg.run.seed)
+        except ValueError as e:
+            raise RunError(f"--partition {cfg.data.partition} over {self.replicas} replicas: {e}; "
+                           "use fewer replicas or more data") from None
+        self.comm = FTCommunicator(None, None, self.replica, self.replicas, self.timeout)
+        self._build_optimizer()
+        self.dim = self.gopt.flat.dim
+        self.ledger = self.comm.run_ledger
+        self.steps_per_epoch = len(self.shards[self.replica]) // cfg.data.batch_size or 1
+        self.total = cfg.run.epochs * self.steps_per_epoch
+        self.stop = self.total if cfg.run.max_steps is None else min(self.total, cfg.run.max_steps)
+        # the configured graph over every replica: the records' topology and, as in every mode, the
+        # epoch line's ratio to full-precision D-PSGD's bytes per node per step on it
+        self.topo = self._topology(self.replicas)[0] if self.decentralized else None
+        self.dpsgd_bytes = metrics.dpsgd_bytes(cfg, self.topo, self.replicas, self.dim)
+        self.progress = Progress.fresh(1)
+        self.last_eval: dict[str, Any] = {}
+        self.log = metrics.RunLog(cfg, self.env, self.comm, self.out, self.steps_per_epoch, nodes=[self.replica])
+        #: records held until this replica's group has agreed (None once the run's files are open)
+        self.pending: list[dict] | None = []
+        self._t0 = time.perf_counter()
+
+    def _record(self, rec: dict) -> None:
+        if self.pending is not None:
+            self.pending.append(rec)
+        else:
+            self.log.record(rec)
+
+    def facts(self) -> metrics.RunFacts:
+        """What config.json and summary.json say about this run (one process per replica,
+        on hosts the run does not know)."""
+        return metrics.RunFacts(cfg=self.cfg, algo=self.algo, world_size=self.replicas, mode=MODE,
+                                hosts={"hosts": None, "procs_per_host": 1}, dim=self.dim, task=self.task,
+                                topology=self.cfg.comm.topology if self.topo is not None else None, pooled=False)
+
+    # --- the whole run: Run.train, within the Manager's lifetime ------------------------
+    def train(self) -> dict | None:
+        """:meth:`gossip.loop.Run.train`, the torchft Manager shut down at its end however
+        it ends; the summary on replica 0 (None elsewhere)."""
+        try:
+            return super().train()
+        finally:
+            if self.manager is not None:
+                self.manager.shutdown(wait=False)
+
+    def begin(self) -> None:
+        """Before the first step: this replica's own checkpoint (``--resume``), the
+        Lighthouse, the Manager (with the resumed step: the quorum heals the replicas
+        behind the most advanced one), this replica's loader, the clock."""
+        resumed = self._resume() if self.cfg.run.resume is not None else None
+        _wait_for_lighthouse(self.addr, self.timeout)
+        self._start_manager()
+        if resumed is not None:
+            self.manager.load_state_dict({"step": resumed["step"], "batches_committed": resumed["batches_committed"]})
+            self.progress.step = resumed["step"]
+        self._position_loader(0)
+        self.loader_step, self.waiting_since, self.said_wait = 0, None, False
+        self.stepped = False  # has this process committed a step (a restarted one has not, before it heals)
+        self._t0 = time.perf_counter()
+
+    def step(self) -> None:
+        """The module's steps 1-5 for the group's next step: ``progress.step`` moves on only
+        when the step is committed (a heal moves it past the steps the group took)."""
+        step = self._quorum(self.manager.current_step())
+        n = self._membership(step)
+        if self.watch.key != self.agreed_quorum and self.manager.errored() is None:
+            self._agree(step)  # before anything of the algorithm is exchanged, waiting or not
+        if not self._enough(n, step):
+            return
+        if self.watch.key != self.built_quorum and self.manager.errored() is None:
+            self._rebuild([k for k, _ in self.members], step)
+        if self.manager.errored() is not None:  # re-forming the group, healing or rebuilding failed
+            self.manager.should_commit()  # says no: the next quorum retries
+            self._say(f"step {step + 1} skipped ({_first_line(self.manager.errored())[:120]}); retrying")
+            return
+        if self.pending is not None:  # the first step of a group that agreed
+            self._open_run_files()
+        self._step(step, n)
+
     def _state(self) -> dict:
         # a copy: the transport serves it while this replica trains on (torchft orders the
         # healing peer's fetch before this step's all-reduce completes, but the copy makes
@@ -346,33 +459,6 @@ class _FTRun:
     def _say(self, line: str) -> None:
         say_line(f"[replica {self.replica}] {line}")  # the replicas share one stderr
 
-    # --- construction ---------------------------------------------------------------
-    def run(self) -> dict | None:
-        cfg, parts = self.cfg, self.parts
-        self.dataset = parts.build_dataset(cfg)
-        self._agreement_record()
-        torch.manual_seed(cfg.run.seed)  # x_1 identical on every replica
-        self.model = parts.build_model(cfg, self.dataset, self.device)
-        self.opt = parts.local_optimizer(cfg, self.model)
-        try:  # by the data set's task: a language model's windows of text, a classifier's labels
-            self.shards = data.partition_dataset(self.dataset, self.replicas, scheme=cfg.data.partition,
-                                                 seed=cfg.run.seed)
-        except ValueError as e:
-            raise self.RunError(f"--partition {cfg.data.partition} over {self.replicas} replicas: {e}; "
-                                "use fewer replicas or more data") from None
-        # the algorithm is built (and refused, in one line) before anything connects
-        self.comm = FTCommunicator(None, None, self.replica, self.replicas, self.timeout)
-        self._build_optimizer()
-        resumed = self._resume() if cfg.run.resume is not None else None
-        _wait_for_lighthouse(self.addr, self.timeout, self.RunError)
-        self._start_manager()
-        if resumed is not None:  # the group's step: the quorum heals the replicas behind the most advanced one
-            self.manager.load_state_dict({"step": resumed["step"], "batches_committed": resumed["batches_committed"]})
-        try:
-            return self._train()
-        finally:
-            self.manager.shutdown(wait=False)
-
     def _start_manager(self) -> None:
         from torch.distributed import TCPStore
         from torchft import Manager
@@ -406,18 +492,18 @@ class _FTRun:
         # a placeholder membership (all replicas) until the first quorum
         self.comm.reconfigure(list(range(self.replicas)),
                               self._topology(self.replicas)[0] if self.decentralized else None)
-        self.algo = self.parts.build_algorithm(cfg, self.comm)
+        self.algo = assembly.build_algorithm(cfg, self.comm)
         try:
             with self.comm.offline():  # the replica state is built with the first quorum's neighbours
                 self.gopt = GossipOptimizer([self.model], [self.opt], self.algo)
         except (ValueError, TypeError) as e:
-            raise self.RunError(f"--algo {cfg.algorithm.name}: {e}") from None
+            raise RunError(f"--algo {cfg.algorithm.name}: {e}") from None
         if not type(self.algo).fault_tolerant:  # e.g. MergeComp's schedule of the EF family (--merge)
-            raise self.RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} as configured builds "
+            raise RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} as configured builds "
                                 f"{type(self.algo).__name__}, which does not run under --fault-tolerance; supported: "
                                 f"{', '.join(SUPPORTED_ALGORITHMS)} (without --merge)")
         if getattr(self.algo.state, "exchange", None) == "sharded":
-            raise self.RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} with --compressor "
+            raise RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} with --compressor "
                                 f"{cfg.algorithm.compressor_spec} uses the sharded exchange, whose shards are owned "
                                 "by rank and would be re-assigned at every quorum change; add --algo-opt "
                                 "exchange=allgather")
@@ -471,33 +557,30 @@ class _FTRun:
         line, refused = agreement_verdict(self.cfg, entries, self.replicas)
         me = self.watch.replica_rank
         if me in refused:
-            raise self.RunError(line)
+            raise RunError(line)
         odd = sorted({entries[r]["replica"] for r in refused})
         self._say(f"refused replica {', '.join(map(str, odd))} ({line}); going on without it")
         self.manager.report_error(RuntimeError(f"replica {', '.join(map(str, odd))} was refused"))
 
     def _open_run_files(self) -> None:
-        """Before this replica's first step, its group having agreed: the run directory, config.json (replica 0,
-        unless a restarted one finds it), and the metrics file, appended to (a restarted
-        replica writes on after its earlier records; a resumed one after those up to its
-        checkpoint's step), with the records held until now."""
+        """Before this replica's first step, its group having agreed: the run directory,
+        config.json (replica 0, unless a restarted one finds it), and the metrics file,
+        appended to (a restarted replica writes on after its earlier records; a resumed
+        one after those up to its checkpoint's step), with the records held until now."""
         self.out.mkdir(parents=True, exist_ok=True)
         if self.replica == 0 and not rundir.config_path(self.out).exists():
-            record = {**self.cfg.to_dict(), "fault_tolerance_replicas": self.replicas}
-            if (self.dataset.corpus or {}).get("sha256"):  # a text corpus's identity, as every mode records it
-                record["corpus_sha256"] = self.dataset.corpus["sha256"]
-            rundir.write_json(rundir.config_path(self.out), record)
-        keep = 2**62 if self.resumed_step is None else self.resumed_step  # a resumed replica redoes what follows
-        held, self.metrics = self.metrics.records, rundir.MetricsWriter(rundir.metrics_path(self.out, self.replica),
-                                                                         keep_until=keep)
+            record = metrics.config_record(self.facts(), cfg_dict=self.cfg_dict, layout=self.gopt.layout,
+                                           corpus=self.dataset.corpus)
+            rundir.write_json(rundir.config_path(self.out), {**record, "fault_tolerance_replicas": self.replicas})
+        self.log.open(keep=2**62 if self.resumed_step is None else self.resumed_step)  # resumed: redo what follows
+        held, self.pending = self.pending or [], None
         for rec in held:
-            self.metrics.write(rec)
+            self.log.record(rec)
 
-    # --- the topology over the live replicas ------------------------------------------
     def _topology(self, n: int) -> tuple[Any, str | None]:
         return live_topology(self.cfg, n)
 
-    def _rebuild(self, ids: list[int], step: int, metrics: Any) -> None:
+    def _rebuild(self, ids: list[int], step: int) -> None:
         """Every quorum: the communicator's live members; for a decentralized algorithm the
         graph over them and the replica state (DCD/ECD replicas, CHOCO's x-hat) re-established
         with the new neighbours by a full-precision exchange, counted as setup traffic."""
@@ -514,7 +597,7 @@ class _FTRun:
             self._say(f"--topology {self.cfg.comm.topology} cannot be built on the {len(ids)} live replicas: {why}")
         self.comm.reconfigure(ids, topo)
         t = self.algo.state.t
-        algo = self.parts.build_algorithm(self.cfg, self.comm)
+        algo = assembly.build_algorithm(self.cfg, self.comm)
         before = self.comm.run_ledger.setup_bytes_sent
         with self.comm.ledger.setup():
             algo.setup(self.gopt.flat.data, self.gopt.layout)
@@ -528,68 +611,32 @@ class _FTRun:
         self._say(f"topology at step {step}: {topo.name} over replicas {ids}"
                   + (f", spectral gap {gap:.4g}" if gap is not None else "")
                   + f"; replica state re-established ({setup:,} bytes sent, setup traffic)")
-        metrics.write({"event": "topology", "step": step, "replicas": ids, "topology": topo.name,
-                       "spectral_gap": gap, "fallback": why, "setup_bytes_sent": setup})
+        self._record({"event": "topology", "step": step, "replicas": ids, "topology": topo.name,
+                      "spectral_gap": gap, "fallback": why, "setup_bytes_sent": setup})
 
-    # --- the steps --------------------------------------------------------------------
-    def _train(self) -> dict | None:
-        cfg = self.cfg
-        self.steps_per_epoch = steps_per_epoch = len(self.shards[self.replica]) // cfg.data.batch_size or 1
-        self.total = cfg.run.epochs * steps_per_epoch
-        self.epoch_losses: list[float] = []  # this replica's own steps' losses since the epoch began
-        from gossip import metrics
-
-        # full-precision D-PSGD's bytes per node per step on the configured graph over every replica: the
-        # epoch line's ratio, as in every mode
-        self.dpsgd_bytes = metrics.dpsgd_bytes(cfg, self._topology(self.replicas)[0] if self.decentralized else None,
-                                               self.replicas, self.gopt.flat.dim)
-        self.stop = self.total if cfg.run.max_steps is None else min(self.total, cfg.run.max_steps)
-        self.metrics: Any = _Pending()  # nothing is written before this replica's group has agreed
-        self._position_loader(0)
-        self.loader_step, self.t0, self.waiting_since, self.said_wait = 0, time.perf_counter(), None, False
-        self.stepped = False  # has this process committed a step (a restarted one has not, before it heals)
-        try:
-            while (step := self.manager.current_step()) < self.stop:
-                step = self._quorum(step)
-                n = self._membership(step)
-                if self.watch.key != self.agreed_quorum and self.manager.errored() is None:
-                    self._agree(step)  # before anything of the algorithm is exchanged, waiting or not
-                if not self._enough(n, step):
-                    continue
-                if self.watch.key != self.built_quorum and self.manager.errored() is None:
-                    self._rebuild([k for k, _ in self.members], step, self.metrics)
-                if self.manager.errored() is not None:  # re-forming the group, healing or rebuilding failed
-                    self.manager.should_commit()  # says no: the next quorum retries
-                    self._say(f"step {step + 1} skipped ({_first_line(self.manager.errored())[:120]}); retrying")
-                    continue
-                if isinstance(self.metrics, _Pending):  # the first step of a group that agreed
-                    self._open_run_files()
-                self._step(step, n)
-            return self._finish()
-        finally:
-            self.metrics.close()
-
+    # --- the step ---------------------------------------------------------------------
     def _quorum(self, step: int) -> int:
         """Step 1: join the step's quorum (healing inside it when the group is ahead); the step."""
         try:
             self.manager.start_quorum()
         except Exception as e:  # no quorum within 3 x --timeout: say whether the Lighthouse is there
-            raise self.RunError(self._no_quorum(step, e)) from None
+            raise RunError(self._no_quorum(step, e)) from None
         now = self.manager.current_step()
         if now != step and self.heal_mismatch:  # nothing was loaded: the agreement refuses this replica
             self.heal_mismatch = False
         elif now != step:  # healed from a live peer
             reset = f"; its own {', '.join(self.heal_reset)} started at zero" if self.heal_reset else ""
+            self.heals += 1
             self._say(f"healed from replica {self.heal_source} at step {now} (was at step {step}; "
                       f"{self.heal_bytes:,} bytes of state received{reset})")
-            self.metrics.write({"event": "heal", "step": now, "from_step": step, "source": self.heal_source,
-                                "bytes": self.heal_bytes, "reset": self.heal_reset})
+            self._record({"event": "heal", "step": now, "from_step": step, "source": self.heal_source,
+                          "bytes": self.heal_bytes, "reset": self.heal_reset})
             if self.stepped:  # a live worker that fell behind (its vote said no where others' said yes):
                 # the steps it took by healing are recorded once, as healed, with no loss of its own
                 for s_ in range(step + 1, now + 1):
                     if s_ % self.cfg.run.log_every == 0 or s_ == self.stop:
-                        self.metrics.write({"step": s_, "loss": None, "healed_from": self.heal_source,
-                                            "participants": None, "time": time.perf_counter() - self.t0})
+                        self._record({"step": s_, "loss": None, "healed_from": self.heal_source,
+                                      "participants": None, "time": self.elapsed()})
         if self.loader_step != now:
             self._position_loader(now)
             self.loader_step = now
@@ -621,8 +668,9 @@ class _FTRun:
             ids = [k for k, _ in members]
             self._say(f"quorum at step {step}: {len(ids)} replicas {ids}"
                       f" (left: {left or 'none'}; joined: {joined or 'none'})")
-            self.metrics.write({"event": "quorum", "step": step, "replicas": ids, "left": left, "joined": joined})
+            self._record({"event": "quorum", "step": step, "replicas": ids, "left": left, "joined": joined})
             self.members = members
+            self.quorums += 1
         return self.manager.num_participants()
 
     def _enough(self, n: int, step: int) -> bool:
@@ -644,7 +692,7 @@ class _FTRun:
             self._say(f"waiting: the quorum has {n} of {need} replicas ({what})")
             self.said_wait = True
         if time.monotonic() - self.waiting_since > self.timeout:
-            raise self.RunError(
+            raise RunError(
                 f"{what}: only {n} replica(s) in the quorum for --timeout {self.timeout:g} s at step {step}; start "
                 f"more workers" + (" or lower --min-replicas" if need == self.min_replicas else ""))
         # no step: the commit vote says no (it would otherwise count a step not taken)
@@ -659,7 +707,7 @@ class _FTRun:
         cfg, algo = self.cfg, self.algo
         saved = self.loader.state_dict()
         x, y = self.loader.next_batch()
-        lr = self.parts.lr_at(cfg, step, self.total)
+        lr = assembly.lr_at(cfg, step, self.total)
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.model.train()
@@ -680,6 +728,7 @@ class _FTRun:
             else:
                 algo.load_state_dict(snapshot["algorithm"])
             self.loader.load_state_dict(saved)  # the batch is retried in the next quorum
+            self.discarded += 1
             self._say(f"step {step + 1} discarded (a participant failed); retrying with a new quorum")
             return
         if algo.acts_on == "gradient":
@@ -689,31 +738,13 @@ class _FTRun:
             algo.on_step_end(self.gopt.steps)
         self.loader_step, self.stepped = step + 1, True
         done = self.manager.current_step()
-        self.epoch_losses.append(loss.item())
+        self.progress.step = done  # committed: Run.train ends the epoch and checkpoints after it
+        self.progress.epoch_losses[0].append(loss.item())
         if done % cfg.run.log_every == 0 or done == self.stop:
-            self.metrics.write({"step": done, "loss": loss.item(), "lr": lr, "participants": n,
-                                "time": time.perf_counter() - self.t0,
-                                "bytes_sent": int(self.comm.run_ledger.bytes_sent),
-                                "setup_bytes_sent": int(self.comm.run_ledger.setup_bytes_sent)})
-        if done % self.steps_per_epoch == 0 or done == self.stop:
-            self._end_epoch(done)
-        every = cfg.run.checkpoint_every
-        if every and done % every == 0 and done != self.stop:  # the last step's is written at the end
-            self._checkpoint(done)
-
-    # --- checkpoints: each replica its own, so that a run outlives its Lighthouse -------
-    def _checkpoint(self, step: int) -> None:
-        """This replica's state at the committed ``step``: model, local optimizer and the
-        algorithm's whole state (its own error memories included), the group's step and
-        the ledger; written atomically, the two newest kept."""
-        state = {"format": FT_CHECKPOINT_FORMAT, "replica": self.replica, "replicas": self.replicas, "step": step,
-                 "batches_committed": int(self.manager.batches_committed()), "agree": self.agree,
-                 "gossip": self.gopt.state_dict(), "ledger": self.comm.run_ledger.state_dict()}
-        path = self.out / _FT_CHECKPOINT.format(step=step, replica=self.replica)
-        rundir.write_atomically(path, lambda f: torch.save(state, f))
-        kept = ft_checkpoints(self.out, self.replica)
-        for old in sorted(kept)[:-2]:
-            kept[old].unlink(missing_ok=True)
+            self._record({"step": done, "loss": loss.item(), "lr": lr, "participants": n,
+                          "time": self.elapsed(),
+                          "bytes_sent": int(self.comm.run_ledger.bytes_sent),
+                          "setup_bytes_sent": int(self.comm.run_ledger.setup_bytes_sent)})
 
     def _resume(self) -> dict | None:
         """``--resume``: this replica's newest checkpoint in the run directory, loaded (None
@@ -723,7 +754,7 @@ class _FTRun:
         found = ft_checkpoints(self.out, self.replica)
         if not found:
             if self.cfg.run.resume != RESUME_AUTO:
-                raise self.RunError(f"--resume {str(self.out)!r}: no checkpoint of replica {self.replica} there "
+                raise RunError(f"--resume {str(self.out)!r}: no checkpoint of replica {self.replica} there "
                                     f"({_FT_CHECKPOINT.format(step='N', replica=self.replica)}); --resume auto starts "
                                     "a replica that has none")
             return None
@@ -731,16 +762,16 @@ class _FTRun:
         try:
             state = torch.load(found[step], map_location=self.device, weights_only=False)
         except Exception as e:  # noqa: BLE001 - a damaged file: say which
-            raise self.RunError(f"--resume: cannot read {str(found[step])!r} ({_first_line(e)[:200]})") from None
+            raise RunError(f"--resume: cannot read {str(found[step])!r} ({_first_line(e)[:200]})") from None
         if state.get("format") != FT_CHECKPOINT_FORMAT or int(state.get("replica", -1)) != self.replica:
-            raise self.RunError(f"--resume: {str(found[step])!r} is not a --fault-tolerance checkpoint of replica "
+            raise RunError(f"--resume: {str(found[step])!r} is not a --fault-tolerance checkpoint of replica "
                                 f"{self.replica}")
         theirs = state["agree"]
         diffs = [f"{k}: {json.dumps(theirs.get(k), default=str)} in the checkpoint, "
                  f"{json.dumps(self.agree.get(k), default=str)} now"
                  for k in dict.fromkeys([*theirs, *self.agree]) if theirs.get(k) != self.agree.get(k)]
         if diffs:
-            raise self.RunError(f"--resume: the checkpoint of replica {self.replica} at step {step} was written with "
+            raise RunError(f"--resume: the checkpoint of replica {self.replica} at step {step} was written with "
                                 f"another config; {'; '.join(diffs)}")
         self.gopt.load_state_dict(state["gossip"])
         self.comm.run_ledger.load_state_dict(state["ledger"])
@@ -748,37 +779,69 @@ class _FTRun:
         self._say(f"resumed from its checkpoint at step {step}")
         return state
 
-    def _end_epoch(self, step: int) -> None:
+    # --- an epoch's end, checkpoints, the end -------------------------------------------
+    def end_epoch(self) -> None:
         """After an epoch's last step: this replica's own model evaluated on the test set,
         an eval record and the epoch line every mode prints (no collective: a peer's
         death must not cost an epoch's evaluation; with a centralized algorithm every
         replica's model is the group's). The train loss is the mean of this replica's own
         steps in the epoch (steps it took by healing have none)."""
-        from gossip import metrics
-
+        step = self.progress.step
         ev = evaluation.test_metrics(self.model, self.dataset, self.device)
-        losses, self.epoch_losses = self.epoch_losses, []
+        losses, self.progress.epoch_losses = self.progress.epoch_losses[0], [[]]
         ev = {"train_loss": sum(losses) / len(losses) if losses else float("nan"), **ev}
         # kind: the eval record of every mode (gossip.analysis); event: as every record of this file
         # that is not a step's (quorum, heal, topology, end), so that a reader of steps passes it by
-        self.metrics.write({"event": "eval", "kind": "eval", "step": step, "epoch": step / self.steps_per_epoch,
-                            "time": time.perf_counter() - self.t0, **ev})
+        self._record({"event": "eval", "kind": "eval", "step": step, "epoch": step / self.steps_per_epoch,
+                      "time": self.elapsed(), **ev})
+        self.last_eval = ev
         self._say(metrics.epoch_line(step / self.steps_per_epoch, self.cfg.run.epochs, ev, self.comm.run_ledger,
                                      self.dpsgd_bytes, step, self.dataset.task))
 
-    def _finish(self) -> dict:
-        if isinstance(self.metrics, _Pending):  # no step to take (--max-steps 0): nothing was exchanged
+    def checkpoint(self) -> None:
+        """This replica's state at the group's committed step: model, local optimizer and
+        the algorithm's whole state (its own error memories included), the group's step
+        and the ledger; written atomically, the two newest kept. Each replica its own, so
+        that a run outlives its Lighthouse."""
+        if self.pending is not None:  # no step was taken (--max-steps 0): nothing was exchanged
             self._open_run_files()
-        end = {"event": "end", "step": self.manager.current_step(),
-               **evaluation.test_metrics(self.model, self.dataset, self.device),
-               "time": time.perf_counter() - self.t0, "aborted_groups": self.comm.aborts}
-        self.metrics.write(end)
-        self._checkpoint(end["step"])
-        torch.save({"params": self.gopt.flat.data[0].detach().clone(), "step": end["step"]},
+            self.log.close()  # (Run.train closed the run's writers before its last checkpoint)
+        step = self.manager.current_step()
+        state = {"format": FT_CHECKPOINT_FORMAT, "replica": self.replica, "replicas": self.replicas, "step": step,
+                 "batches_committed": int(self.manager.batches_committed()), "agree": self.agree,
+                 "gossip": self.gopt.state_dict(), "ledger": self.comm.run_ledger.state_dict()}
+        path = self.out / _FT_CHECKPOINT.format(step=step, replica=self.replica)
+        rundir.write_atomically(path, lambda f: torch.save(state, f))
+        kept = ft_checkpoints(self.out, self.replica)
+        for old in sorted(kept)[:-2]:
+            kept[old].unlink(missing_ok=True)
+
+    def finish(self) -> dict | None:
+        """The end record (this replica's model on the test set), its final parameters in
+        ``model-replica<k>.pt``, and on replica 0 summary.json (its own figures: no
+        collective at the end either); returns the summary on replica 0 (None elsewhere)."""
+        step = self.manager.current_step()
+        end = {"event": "end", "step": step, **evaluation.test_metrics(self.model, self.dataset, self.device),
+               "time": self.elapsed(), "aborted_groups": self.comm.aborts}
+        # the run's writers are closed (Run.train closes them before its last checkpoint): appended
+        writer = rundir.MetricsWriter(rundir.metrics_path(self.out, self.replica), keep_until=2**62)
+        writer.write(end)
+        writer.close()
+        torch.save({"params": self.gopt.flat.data[0].detach().clone(), "step": step},
                    self.out / f"model-replica{self.replica}.pt")
-        if self.replica == 0:
-            say_line(json.dumps(end), sys.stdout)
-        return end
+        if not self.is_main:
+            return None
+        say_line(json.dumps(end), sys.stdout)
+        summary = metrics.summary_record(self.facts(), steps=step, ledger=self.comm.run_ledger, comm=self.comm,
+                                         last_eval=self.last_eval, dpsgd_bytes=self.dpsgd_bytes,
+                                         wall_time_s=self.elapsed())
+        summary["fault_tolerance"] = {
+            "replica": self.replica, "replicas": self.replicas, "min_replicas": self.min_replicas,
+            "lighthouse": self.addr, "quorums": self.quorums, "heals": self.heals,
+            "discarded_steps": self.discarded, "aborted_groups": self.comm.aborts,
+            "resumed_from_step": self.resumed_step}
+        rundir.write_json(rundir.summary_path(self.out), summary)
+        return summary
 
 
 #: the format tag of a --fault-tolerance checkpoint, and its file name in the run directory
@@ -795,21 +858,6 @@ def ft_checkpoints(run_dir: str | Path, replica: int) -> dict[int, Path]:
     if not d.is_dir():
         return {}
     return {int(m.group(1)): p for p in d.iterdir() if (m := pattern.match(p.name)) and p.is_file()}
-
-
-class _Pending:
-    """A replica's metrics records before its group has agreed: held, and written only
-    once it has (a refused replica writes nothing, least of all into the file of the live
-    replica whose id it took)."""
-
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-
-    def write(self, rec: dict) -> None:
-        self.records.append(rec)
-
-    def close(self) -> None:
-        pass
 
 
 def agreement_verdict(cfg: Any, entries: list[dict], replicas: int) -> tuple[str, set[int]]:
@@ -858,11 +906,9 @@ def live_topology(cfg: Any, n: int) -> tuple[Any, str | None]:
     an expander is re-drawn with the run's seed over the live count, and a time-varying
     graph (``onepeer-exp``, ``matching``) is built over the live set.
     """
-    from gossip import assembly, loop
-
     try:
         return assembly.build_topology(cfg, n), None
-    except loop.RunError as e:
+    except RunError as e:
         fallback = "ring" if n >= 3 else "complete"
         return topologies.build(fallback, n), f"{e}; falling back to {fallback}"
 
@@ -900,11 +946,12 @@ def _tensors(obj: Any):
 
 
 def run_fault_tolerant(cfg: Any) -> dict | None:
-    """Run one replica of a ``--fault-tolerance`` run (see the module); its end record.
+    """Run one replica of a ``--fault-tolerance`` run (:class:`FaultTolerantRun`); its
+    summary on replica 0, None elsewhere.
 
     Raises:
-        gossip.loop.RunError: one line for every failure the user can act on (torchft
-            missing, an unsupported ``--algo``, no Lighthouse at the address, a quorum
-            below ``--min-replicas`` for ``--timeout``).
+        gossip.errors.RunError: one line for every failure the user can act on (torchft
+            missing, a replica environment or ``--algo`` setting that cannot run, no
+            Lighthouse at the address, a quorum below ``--min-replicas`` for ``--timeout``).
     """
-    return _FTRun(cfg).run()
+    return FaultTolerantRun(cfg).train()

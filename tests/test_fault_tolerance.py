@@ -1,7 +1,9 @@
 """``--fault-tolerance``: workers die and rejoin while the others keep stepping (torchft).
 
-Real processes: torchft's ``torchft_lighthouse`` binary on localhost and four
-``python -m gossip.train`` workers, one torchft replica group each, over gloo.
+Real processes: torchft's Lighthouse on localhost and ``python -m gossip.train`` workers,
+one torchft replica group each, over gloo. The workers are forked from one process that
+has imported gossip's CLI (``tests/_ftzygote.py``), so that starting one costs a fork,
+not an import of torch; each then runs the CLI's ``main`` as ``python -m gossip.train``.
 """
 
 from __future__ import annotations
@@ -90,30 +92,99 @@ class _Lighthouse:
         self.log.close()
 
 
-#: a worker started ahead of time (imports done), launched into gossip.train.main when its go-file appears:
-#: a warm spare, so that the restart does not wait for Python and torch to load
-_SPARE = """
-import os, sys, time
-import gossip.train, gossip.loop, gossip.fault_tolerance  # noqa: the slow imports, before go (torchft's own
-# import, which reads RUST_LOG once, is left to the run: it sets torchft's log level first)
-go = sys.argv[1]
-while not os.path.exists(go):
-    time.sleep(0.02)
-sys.exit(gossip.train.main(sys.argv[2:]))
-"""
+class _Worker:
+    """A worker forked by the zygote (``tests/_ftzygote.py``): what the tests ask of a
+    :class:`subprocess.Popen` (its exit code comes through a file, once the zygote has
+    reaped it)."""
+
+    def __init__(self, pid: int, rc: Path) -> None:
+        self.pid, self.rc, self.returncode = pid, rc, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.rc.exists():
+            self.returncode = int(self.rc.read_text())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # not reaped yet: the pid is still this worker's
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
-def _start(replica: int, argv: list[str], tmp: Path, name: str, go: Path | None = None,
-           slow: Path | None = None, replicas: int = 4) -> subprocess.Popen:
-    log = open(tmp / f"{name}.log", "w")
-    if go is None:
-        cmd = [sys.executable, "-m", "gossip.train", *argv]
-    else:
-        cmd = [sys.executable, "-c", _SPARE, str(go), *argv]
+class _Zygote:
+    """``tests/_ftzygote.py``: gossip's CLI imported once, a forked worker per :meth:`start`
+    (a worker starts in a fraction of a second instead of importing torch again)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_ftzygote.py")], env=_env(),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT)
+        self.count = 0
+
+    def start(self, argv: list[str], env: dict, cwd: Path, out: Path, err: Path | None = None) -> _Worker:
+        """``python -m gossip.train ARGV`` in ``cwd`` with ``env``: stdout to ``out``, stderr
+        to ``err`` (or ``out``)."""
+        self.count += 1
+        rc = Path(out).parent / f".{Path(out).name}.rc{self.count}"
+        req = {"argv": [str(a) for a in argv], "env": env, "cwd": str(cwd), "out": str(out),
+               "err": None if err is None else str(err), "rc": str(rc)}
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer.strip():
+            pytest.fail(f"the zygote (tests/_ftzygote.py) stopped with {self.proc.wait()}")
+        return _Worker(int(answer), rc)
+
+    def close(self) -> None:
+        """Stop it (its workers are on their own: each test stops its own)."""
+        self.proc.kill()
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+
+_ZYGOTE: list[_Zygote] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _zygote_closed():
+    yield
+    while _ZYGOTE:
+        _ZYGOTE.pop().close()
+
+
+def _fork(argv: list[str], env: dict, cwd: Path, out: Path, err: Path | None = None) -> _Worker:
+    if not _ZYGOTE:
+        _ZYGOTE.append(_Zygote())
+    return _ZYGOTE[0].start(argv, env, cwd, out, err)
+
+
+def _start(replica: int, argv: list[str], tmp: Path, name: str, slow: Path | None = None,
+           replicas: int = 4) -> _Worker:
+    """Replica ``replica`` of ``replicas``: stdout and stderr to ``tmp/<name>.log``."""
     env = _env(replica, replicas)
     if slow is not None:
         env["GOSSIP_TEST_SLOW"] = str(slow)
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+    return _fork(argv, env, tmp, tmp / f"{name}.log")
+
+
+def _run(argv: list[str], env: dict, tmp: Path, name: str, timeout: float = 300) -> tuple[int, str, str]:
+    """``python -m gossip.train ARGV`` to its end: exit code, stdout, stderr."""
+    out, err = tmp / f"{name}.out", tmp / f"{name}.err"
+    code = _fork(argv, env, tmp, out, err).wait(timeout=timeout)
+    return code, out.read_text(), err.read_text()
 
 
 def _steps(records: list[dict]) -> list[dict]:
@@ -137,7 +208,7 @@ def _last_participants(path: Path) -> int | None:
     return steps[-1]["participants"] if steps else None
 
 
-def _wait(cond, what: str, procs: list[subprocess.Popen], timeout: float = 300.0) -> None:
+def _wait(cond, what: str, procs: list[_Worker], timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
@@ -149,6 +220,30 @@ def _wait(cond, what: str, procs: list[subprocess.Popen], timeout: float = 300.0
     pytest.fail(f"timed out waiting for {what}")
 
 
+def _standing_still(paths: list[Path], quiet_s: float = 1.5):
+    """A condition for :func:`_wait`: no new step in any of the metrics files ``paths`` for
+    ``quiet_s`` seconds (from the first poll on)."""
+    seen: dict[str, Any] = {"steps": None, "since": time.monotonic()}
+
+    def cond() -> bool:
+        now = [_last_step(p) for p in paths]
+        if now != seen["steps"]:
+            seen["steps"], seen["since"] = now, time.monotonic()
+        return time.monotonic() - seen["since"] >= quiet_s
+
+    return cond
+
+
+def _stop(procs: list[_Worker], lighthouse: _Lighthouse | None = None) -> None:
+    """Teardown: every worker still running killed (and reaped), then the Lighthouse."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    if lighthouse is not None:
+        lighthouse.close()
+
+
 def _churn(tmp: Path, algo: list[str], steps: int, kill_at: int = 15) -> dict:
     """Four workers; replica 3 is SIGKILLed at step ``kill_at`` and, once the survivors
     have stepped on without it, started again; the run goes on to ``steps``.
@@ -158,14 +253,12 @@ def _churn(tmp: Path, algo: list[str], steps: int, kill_at: int = 15) -> dict:
     the machine is; nothing waits for a step count it does not control.
     """
     lh = _Lighthouse(min_replicas=3, tmp=tmp)
-    procs: list[subprocess.Popen] = []
-    slow, go, out = tmp / "slow", tmp / "go", tmp / "churn"
+    procs: list[_Worker] = []
+    slow, out = tmp / "slow", tmp / "churn"
     try:
         argv = [*ARGS, *algo, "--model", "tests._ftmodel:mlp", "--fault-tolerance", lh.addr, "--min-replicas", "3",
                 "--max-steps", str(steps), "--out", str(out)]
         procs = [_start(k, argv, tmp, f"w{k}", slow=slow) for k in range(4)]
-        spare = _start(3, argv, tmp, "w3-restarted", go=go, slow=slow)  # warm: imported, waiting for go
-        procs.append(spare)
         m = [out / f"metrics-rank{k}.jsonl" for k in range(4)]
         _wait(lambda: _last_step(m[3]) >= kill_at, f"replica 3 to reach step {kill_at}", procs)
         procs[3].send_signal(signal.SIGKILL)
@@ -176,17 +269,14 @@ def _churn(tmp: Path, algo: list[str], steps: int, kill_at: int = 15) -> dict:
               "the survivors to step on without replica 3", procs[:3])
         assert all(p.poll() is None for p in procs[:3]), "a survivor stopped"
         slow.touch()
-        go.touch()  # restart replica 3
+        spare = _start(3, argv, tmp, "w3-restarted", slow=slow)  # restart replica 3
+        procs.append(spare)
         _wait(lambda: any(r.get("event") == "heal" for r in _records(m[3])), "replica 3 to heal", [spare, *procs[:3]])
         slow.unlink()
         for p in procs[:3] + [spare]:
             assert p.wait(timeout=300) == 0, (tmp / "w0.log").read_text()[-3000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        lh.close()
+        _stop(procs, lh)
     records = {k: _records(m[k]) for k in range(4)}
     for k in range(3):  # every survivor's metrics show each step exactly once
         done = [r["step"] for r in _steps(records[k])]
@@ -229,6 +319,12 @@ def test_kill_one_worker_the_others_keep_stepping_and_it_heals_from_a_peer(tmp_p
     comes from the peer, its own error memory restarts at zero."""
     steps = 300
     algo = ["--algo", "powersgd"]
+    # the undisturbed run (below), started at once: it needs nothing of the churned one
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    ref = _fork([*ARGS, *algo, "--model", "tests._ftmodel:mlp", "--simulate", "4", "--max-steps", str(steps),
+                 "--no-progress", "--out", str(ref_dir / "run")], _env(), ref_dir, ref_dir / "out.log",
+                ref_dir / "err.log")
     got = _churn(tmp_path, algo, steps)
     assert got["heal"]["reset"] == ["error"], got["heal"]
     assert "its own error started at zero" in (tmp_path / "w3-restarted.log").read_text()
@@ -239,11 +335,8 @@ def test_kill_one_worker_the_others_keep_stepping_and_it_heals_from_a_peer(tmp_p
     # process): the same test accuracy within 5 points. The churned run averaged 3 gradients
     # instead of 4 while replica 3 was away and restarted its error memory; MNIST-1D runs that
     # differ only in their seed differ by about 2 points at this length.
-    ref = subprocess.run([sys.executable, "-m", "gossip.train", *ARGS, *algo, "--model", "tests._ftmodel:mlp",
-                          "--simulate", "4", "--max-steps", str(steps), "--no-progress", "--out", str(tmp_path / "ref")],
-                         env=_env(), capture_output=True, text=True, timeout=300)
-    assert ref.returncode == 0, ref.stderr[-2000:]
-    ref_acc = json.loads((tmp_path / "ref" / "summary.json").read_text())["final_test_acc"]
+    assert ref.wait(timeout=300) == 0, (ref_dir / "err.log").read_text()[-2000:]
+    ref_acc = json.loads((ref_dir / "run" / "summary.json").read_text())["final_test_acc"]
     end = [r for r in got["records"][0] if r.get("event") == "end"][-1]
     assert abs(end["test_acc"] - ref_acc) <= 0.05, (end, ref_acc)
 
@@ -269,36 +362,6 @@ def test_decentralized_rebuilds_the_ring_over_the_survivors_and_after_the_rejoin
     assert _consensus(got["params"]) < 0.05, _consensus(got["params"])
 
 
-def test_unreachable_lighthouse_is_one_line_naming_it_within_the_timeout(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]  # nothing listens here once the socket is closed
-    t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "gossip.train", *ARGS, "--timeout", "2", "--max-steps", "5",
-                        "--fault-tolerance", f"localhost:{port}", "--out", str(tmp_path / "o")],
-                       env=_env(0, 2), capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and re.search(rf"--fault-tolerance localhost:{port}: no Lighthouse answers there within "
-                                         r"--timeout 2 s", lines[0]), r.stderr
-    assert time.monotonic() - t0 < 60
-
-
-def test_a_quorum_below_min_replicas_waits_says_so_once_then_fails_at_the_timeout(tmp_path: Path) -> None:
-    lh = _Lighthouse(min_replicas=1, tmp=tmp_path)
-    try:
-        r = subprocess.run([sys.executable, "-m", "gossip.train", *ARGS, "--timeout", "3", "--max-steps", "5",
-                            "--fault-tolerance", lh.addr, "--min-replicas", "2", "--out", str(tmp_path / "o")],
-                           env=_env(0, 2), capture_output=True, text=True, timeout=120)
-    finally:
-        lh.close()
-    assert r.returncode == 2, r.stderr[-2000:]
-    ours = [ln for ln in r.stderr.splitlines() if "replica 0]" in ln or "gossip.train" in ln]
-    assert sum("waiting: the quorum has 1 of 2 replicas (--min-replicas 2)" in ln for ln in ours) == 1, ours
-    assert re.search(r"gossip\.train: error: --min-replicas 2: only 1 replica\(s\) in the quorum for --timeout 3 s",
-                     ours[-1]), ours
-
-
 @pytest.mark.parametrize("value, match", [
     ("nohost", r"--fault-tolerance must be the Lighthouse's HOST:PORT"),
     ("localhost:notaport", r"--fault-tolerance must be the Lighthouse's HOST:PORT"),
@@ -319,18 +382,27 @@ def test_unsupported_algorithms_and_bad_settings_are_one_line_before_anything_co
     from gossip.errors import RunError
     from gossip.train import run
 
-    cfg = parse_args(["--algo", "sgp", "--fault-tolerance", "localhost:1", "--out", str(tmp_path)])
-    with pytest.raises(RunError, match=r"--fault-tolerance supports --algo allreduce, dpsgd, .*choco, efsgd, .*powersgd, "
-                                       r".*sketched, .*diloco, got --algo sgp"):
-        run(cfg)
+    # the rules across flags are the config's: refused as the flags are read
+    with pytest.raises(ConfigError, match=r"--fault-tolerance supports --algo allreduce, dpsgd, .*choco, efsgd, "
+                                          r".*powersgd, .*sketched, .*diloco, got --algo sgp"):
+        parse_args(["--algo", "sgp", "--fault-tolerance", "localhost:1", "--out", str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"--algo ecd is decentralized: --min-replicas must be at least 2 .*got 1"):
+        parse_args(["--algo", "ecd", "--fault-tolerance", "localhost:1", "--min-replicas", "1", "--out", str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"--fault-tolerance runs one worker per process: do not combine it with "
+                                          r"--simulate"):
+        parse_args(["--algo", "allreduce", "--fault-tolerance", "localhost:1", "--simulate", "2", "--out", str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"--fault-tolerance needs --out DIR"):
+        parse_args(["--algo", "allreduce", "--fault-tolerance", "localhost:1"])
+    # the environment's, by the run
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
     cfg = parse_args(["--algo", "allreduce", "--fault-tolerance", "localhost:1", "--out", str(tmp_path)])
     with pytest.raises(RunError, match=r"set REPLICA_GROUP_ID=K and NUM_REPLICA_GROUPS=N"):
         run(cfg)
     monkeypatch.setenv("REPLICA_GROUP_ID", "0")
     monkeypatch.setenv("NUM_REPLICA_GROUPS", "4")
-    cfg = parse_args(["--algo", "ecd", "--fault-tolerance", "localhost:1", "--min-replicas", "1", "--out", str(tmp_path)])
-    with pytest.raises(RunError, match=r"--algo ecd is decentralized: --min-replicas must be at least 2 .*got 1"):
+    cfg = parse_args(["--algo", "allreduce", "--fault-tolerance", "localhost:1", "--min-replicas", "5",
+                      "--out", str(tmp_path)])
+    with pytest.raises(RunError, match=r"--min-replicas 5 exceeds the 4 replicas of NUM_REPLICA_GROUPS"):
         run(cfg)
     # shards owned by rank cannot follow the quorum: refused before the Lighthouse is even looked for
     # (nothing listens at localhost:1)
@@ -344,17 +416,17 @@ def test_the_topology_over_the_live_replicas_falls_back_to_a_ring_and_says_why()
     import topologies
     from gossip.fault_tolerance import live_topology
 
-    cfg = parse_args(["--algo", "dpsgd", "--topology", "torus", "--fault-tolerance", "localhost:1"])
+    ft = ["--fault-tolerance", "localhost:1", "--min-replicas", "2", "--out", "run"]
+    cfg = parse_args(["--algo", "dpsgd", "--topology", "torus", *ft])
     topo, why = live_topology(cfg, 9)
     assert topo.name == "torus" and why is None
     topo, why = live_topology(cfg, 7)  # a torus of 7 cannot be built
     assert topo.name == "ring" and topo.n == 7
     assert re.fullmatch(r"--topology torus with world size 7: .*; falling back to ring", why), why
-    topo, why = live_topology(parse_args(["--algo", "dpsgd", "--fault-tolerance", "localhost:1"]), 2)
+    topo, why = live_topology(parse_args(["--algo", "dpsgd", *ft]), 2)
     assert topo.name == "complete" and "falling back to complete" in why
     # an expander is re-drawn with the run's seed over the live count: every survivor draws the same graph
-    cfg = parse_args(["--algo", "dpsgd", "--topology", "expander", "--degree", "3", "--seed", "5",
-                      "--fault-tolerance", "localhost:1"])
+    cfg = parse_args(["--algo", "dpsgd", "--topology", "expander", "--degree", "3", "--seed", "5", *ft])
     a, b = live_topology(cfg, 6)[0], live_topology(cfg, 6)[0]
     assert a.n == 6 and (a.to_dense() == b.to_dense()).all()
     assert (a.to_dense() == topologies.build("expander", 6, degree=3, seed=5).to_dense()).all()
@@ -631,12 +703,12 @@ def test_each_replicas_line_reaches_stderr_in_one_write(monkeypatch):
     # under python -u, and another replica's line could land between the two
     from types import SimpleNamespace
 
-    from gossip.fault_tolerance import _FTRun
+    from gossip.fault_tolerance import FaultTolerantRun
 
     err = _Writes()
     monkeypatch.setattr(sys, "stderr", err)
-    _FTRun._say(SimpleNamespace(replica=2), "quorum 3 -> 2 replicas")
-    _FTRun._say(SimpleNamespace(replica=0), "rejoined")
+    FaultTolerantRun._say(SimpleNamespace(replica=2), "quorum 3 -> 2 replicas")
+    FaultTolerantRun._say(SimpleNamespace(replica=0), "rejoined")
     assert err.calls == ["[replica 2] quorum 3 -> 2 replicas\n", "[replica 0] rejoined\n"]
 
 
@@ -654,17 +726,11 @@ def _group(tmp: Path, argvs: list[list[str]], ids: list[int], replicas: int, lh_
     procs = []
     try:
         for i, (k, extra) in enumerate(zip(ids, argvs)):
-            log = open(tmp / f"p{i}.log", "w")
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "gossip.train", *SHORT, "--fault-tolerance", lh.addr, "--out",
-                 str(tmp / "run"), *extra], env=_env(k, replicas), stdout=log, stderr=subprocess.STDOUT, cwd=tmp))
+            procs.append(_fork([*SHORT, "--fault-tolerance", lh.addr, "--out", str(tmp / "run"), *extra],
+                               _env(k, replicas), tmp, tmp / f"p{i}.log"))
         codes = [p.wait(timeout=180) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        lh.close()
+        _stop(procs, lh)
     return [(c, (tmp / f"p{i}.log").read_text()) for i, c in enumerate(codes)]
 
 
@@ -672,21 +738,132 @@ def _error_lines(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if "gossip.train: error:" in ln]
 
 
-@pytest.mark.parametrize("extra, said", [
+class _Lone:
+    """A lone worker's run: exit code, stdout, stderr, seconds from start to exit."""
+
+    def __init__(self, proc: _Worker, out: Path, err: Path) -> None:
+        self.proc, self.out, self.err, self.t0 = proc, out, err, time.monotonic()
+
+    def finish(self) -> None:
+        self.returncode = self.proc.wait(timeout=180)
+        self.took = time.monotonic() - self.t0
+        self.stdout, self.stderr = self.out.read_text(), self.err.read_text()
+
+
+@pytest.fixture(scope="module")
+def lone(tmp_path_factory) -> dict[str, Any]:
+    """The one-line failures of a worker on its own, started at once (each waits on its own
+    --timeout, so together they take the longest one's time, not the sum): no Lighthouse at
+    the address, a web server there, a Lighthouse that forms no quorum, a quorum below
+    --min-replicas. ``{case: _Lone}``, and the ports under ``"port:<case>"``."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class _Hello(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"hello")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    tmp = tmp_path_factory.mktemp("lone")
+    server = ThreadingHTTPServer(("localhost", 0), _Hello)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        free = s.getsockname()[1]  # nothing listens here once the socket is closed
+    (tmp / "two").mkdir()
+    (tmp / "one").mkdir()
+    lh_two = _Lighthouse(min_replicas=2, tmp=tmp / "two")  # two replicas for a quorum; one worker comes
+    lh_one = _Lighthouse(min_replicas=1, tmp=tmp / "one")
+    cases = {
+        "unreachable": ([*ARGS, "--timeout", "2", "--max-steps", "5", "--fault-tolerance", f"localhost:{free}"],
+                        _env(0, 2), free),
+        "web": ([*SHORT, "--timeout", "60", "--fault-tolerance", f"localhost:{server.server_address[1]}"], _env(0, 2),
+                server.server_address[1]),
+        "no_quorum": ([*SHORT, "--timeout", "2", "--fault-tolerance", lh_two.addr], _env(0, 1), lh_two.port),
+        "below_min": ([*ARGS, "--timeout", "3", "--max-steps", "5", "--fault-tolerance", lh_one.addr,
+                       "--min-replicas", "2"], _env(0, 2), lh_one.port),
+    }
+    got: dict[str, Any] = {}
+    try:
+        for case, (argv, env, port) in cases.items():
+            out, err = tmp / f"{case}.out", tmp / f"{case}.err"
+            proc = _fork([*argv, "--out", str(tmp / case)], env, tmp, out, err)
+            got[case], got[f"port:{case}"] = _Lone(proc, out, err), port
+        for case in cases:
+            got[case].finish()
+    finally:
+        _stop([got[c].proc for c in cases if c in got], lh_two)
+        lh_one.close()
+        server.shutdown()
+    return got
+
+
+def test_unreachable_lighthouse_is_one_line_naming_it_within_the_timeout(lone) -> None:
+    r, port = lone["unreachable"], lone["port:unreachable"]
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and re.search(rf"--fault-tolerance localhost:{port}: no Lighthouse answers there within "
+                                         r"--timeout 2 s", lines[0]), r.stderr
+    assert r.took < 60
+
+
+def test_a_port_where_no_lighthouse_answers_is_named_as_such_at_once(lone) -> None:
+    """A web server on the port is not a Lighthouse: said before anything waits on it."""
+    r, port = lone["web"], lone["port:web"]
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and re.fullmatch(
+        rf"gossip\.train: error: --fault-tolerance localhost:{port}: no torchft Lighthouse there: something else "
+        r"answers \(HTTP 200 OK from BaseHTTP/\S+ Python/\S+ without its dashboard\); give the Lighthouse's address, "
+        r"or start one with `torchft_lighthouse .*`", lines[0]), r.stderr
+    assert r.took < 60  # not --timeout: nothing to wait for
+
+
+def test_a_lighthouse_that_answers_but_forms_no_quorum_says_so(lone) -> None:
+    r, port = lone["no_quorum"], lone["port:no_quorum"]
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert _error_lines(r.stderr) and re.search(
+        rf"error: --fault-tolerance http://localhost:{port}: the Lighthouse answers but formed no quorum of "
+        r"--min-replicas 1 within 3 x --timeout \(6 s\) at step 0 \(.*\); check its --min_replicas against the live "
+        r"workers$", _error_lines(r.stderr)[0]), r.stderr[-2000:]
+
+
+def test_a_quorum_below_min_replicas_waits_says_so_once_then_fails_at_the_timeout(lone) -> None:
+    r = lone["below_min"]
+    assert r.returncode == 2, r.stderr[-2000:]
+    ours = [ln for ln in r.stderr.splitlines() if "replica 0]" in ln or "gossip.train" in ln]
+    assert sum("waiting: the quorum has 1 of 2 replicas (--min-replicas 2)" in ln for ln in ours) == 1, ours
+    assert re.search(r"gossip\.train: error: --min-replicas 2: only 1 replica\(s\) in the quorum for --timeout 3 s",
+                     ours[-1]), ours
+
+
+#: a flag each of replicas 1-4 gives another value, and what the agreement says of it
+MISMATCHES = [
     (["--lr", "0.1"], "lr: 0.05 on replica 0, 0.1 on replica 1"),
-    (["--seed", "1"], "seed: 0 on replica 0, 1 on replica 1"),
-    (["--model", "mlp"], 'model_name: "tests._ftmodel:mlp" on replica 0, "mlp" on replica 1'),
-    (["--algo", "powersgd"], 'algo: "allreduce" on replica 0, "powersgd" on replica 1'),
-], ids=["lr", "seed", "model", "algo"])
-def test_replicas_started_with_different_flags_are_refused_on_every_replica(tmp_path: Path, extra, said) -> None:
+    (["--seed", "1"], "seed: 0 on replica 0, 1 on replica 2"),
+    (["--model", "mlp"], 'model_name: "tests._ftmodel:mlp" on replica 0, "mlp" on replica 3'),
+    (["--algo", "powersgd"], 'algo: "allreduce" on replica 0, "powersgd" on replica 4'),
+]
+
+
+def test_replicas_started_with_different_flags_are_refused_on_every_replica(tmp_path: Path) -> None:
     """Before anything of the algorithm is exchanged (a model of another size would abort
-    gloo; another algorithm would wait on exchanges the other never posts)."""
-    got = _group(tmp_path, [[], extra], [0, 1], 2)
-    want = f"gossip.train: error: the replicas were started with different configs; {said}"
+    gloo; another algorithm would wait on exchanges the other never posts). Five workers,
+    four of them each with one flag of its own, in one group (the Lighthouse forms the
+    first quorum with all five): every one stops with the line naming each flag and value."""
+    got = _group(tmp_path, [[], *(extra for extra, _ in MISMATCHES)], list(range(5)), 5, lh_min=5)
+    want = "gossip.train: error: the replicas were started with different configs; "
     for code, text in got:
         assert code == 2, text[-3000:]
-        lines = _error_lines(text)  # (another algorithm also differs in what it implies: its momentum)
-        assert len(lines) == 1 and (lines[0] == want or lines[0].startswith(want + "; ")), text[-3000:]
+        lines = _error_lines(text)
+        assert len(lines) == 1 and lines[0].startswith(want), text[-3000:]
+        # (another algorithm also differs in what it implies: its momentum)
+        parts = lines[0][len(want):].split("; ")
+        assert all(said in parts for _, said in MISMATCHES), lines[0]
         assert "Traceback" not in text, text[-3000:]
     # nothing written: the run directory holds no config and no metrics
     assert not (tmp_path / "run" / "config.json").exists()
@@ -708,31 +885,26 @@ def test_a_replica_joining_later_with_another_config_is_refused_and_the_others_g
     """Replica 1 dies and is started again with another --lr: it stops with the line, the
     replica that trained goes on without it (it says so) and ends normally."""
     lh = _Lighthouse(min_replicas=1, tmp=tmp_path)
-    slow, go, out = tmp_path / "slow", tmp_path / "go", tmp_path / "run"
+    slow, out = tmp_path / "slow", tmp_path / "run"
     argv = [*ARGS, "--model", "tests._ftmodel:mlp", "--max-steps", "60", "--timeout", "20", "--no-progress",
             "--fault-tolerance", lh.addr, "--out", str(out)]
-    procs: list[subprocess.Popen] = []
+    procs: list[_Worker] = []
     try:
         procs = [_start(k, argv, tmp_path, f"w{k}", slow=slow, replicas=2) for k in range(2)]
-        # the restarted replica 1 with another --lr, warm (imported), waiting for its go-file
-        spare = _start(1, [*argv, "--lr", "0.1"], tmp_path, "w1-restarted", go=go, slow=slow, replicas=2)
-        procs.append(spare)
         m = [out / f"metrics-rank{k}.jsonl" for k in range(2)]
         _wait(lambda: _last_step(m[1]) >= 3, "replica 1 to reach step 3", procs)
         slow.touch()  # the survivor cannot finish before the joiner has been seen
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait()
         before = m[1].read_text()
-        go.touch()
+        # replica 1 started again, with another --lr
+        spare = _start(1, [*argv, "--lr", "0.1"], tmp_path, "w1-restarted", slow=slow, replicas=2)
+        procs.append(spare)
         assert spare.wait(timeout=180) == 2, (tmp_path / "w1-restarted.log").read_text()[-3000:]
         slow.unlink()
         assert procs[0].wait(timeout=180) == 0, (tmp_path / "w0.log").read_text()[-3000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        lh.close()
+        _stop(procs, lh)
     joiner = (tmp_path / "w1-restarted.log").read_text()
     assert _error_lines(joiner) == [
         "gossip.train: error: replica 1 cannot join the run: the replicas were started with different configs; "
@@ -748,7 +920,7 @@ def test_a_replica_joining_later_with_another_config_is_refused_and_the_others_g
 def test_the_agreement_verdict_refuses_the_newcomer_or_everyone() -> None:
     from gossip.fault_tolerance import agreement_verdict
 
-    cfg = parse_args(["--algo", "allreduce", "--fault-tolerance", "localhost:1"])
+    cfg = parse_args(["--algo", "allreduce", "--fault-tolerance", "localhost:1", "--out", "run"])
 
     def entry(k, veteran, lr=0.05, pid=1):
         return {"replica": k, "veteran": veteran, "host": "h", "pid": pid, "record": {"lr": lr, "seed": 0}}
@@ -775,26 +947,29 @@ def _ours(line: str) -> bool:
     return line.startswith("[replica ") or line.startswith('{"event": "end"')
 
 
-def test_torchfts_log_is_quiet_unless_asked_and_every_replica_prints_its_epoch_lines(tmp_path: Path) -> None:
-    """A 2-epoch run: each replica prints its quorum and its two epoch lines and nothing of
-    torchft's (whose Manager logs several INFO lines a step); --ft-verbose brings them back."""
-    mnist = [a for a in SHORT if a not in ("--max-steps", "3")]  # the whole 2 epochs: 2 x 62 steps of 32
+@pytest.fixture(scope="module")
+def two_epochs(tmp_path_factory) -> tuple[Path, list[int]]:
+    """A whole 2-epoch run of two replicas (2 x 62 steps of 32), replica 1 with
+    --ft-verbose: its folder (logs p0.log, p1.log; run directory run/) and exit codes."""
+    tmp = tmp_path_factory.mktemp("two_epochs")
+    mnist = [a for a in SHORT if a not in ("--max-steps", "3")]
     mnist[mnist.index("--epochs") + 1] = "2"
-    lh = _Lighthouse(min_replicas=1, tmp=tmp_path)
+    lh = _Lighthouse(min_replicas=1, tmp=tmp)
     procs = []
     try:
         for k, extra in ((0, []), (1, ["--ft-verbose"])):
-            log = open(tmp_path / f"p{k}.log", "w")
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "gossip.train", *mnist, "--fault-tolerance", lh.addr, "--out",
-                 str(tmp_path / "run"), *extra], env=_env(k, 2), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
+            procs.append(_fork([*mnist, "--fault-tolerance", lh.addr, "--out", str(tmp / "run"), *extra],
+                               _env(k, 2), tmp, tmp / f"p{k}.log"))
         codes = [p.wait(timeout=180) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        lh.close()
+        _stop(procs, lh)
+    return tmp, codes
+
+
+def test_torchfts_log_is_quiet_unless_asked_and_every_replica_prints_its_epoch_lines(two_epochs) -> None:
+    """A 2-epoch run: each replica prints its quorum and its two epoch lines and nothing of
+    torchft's (whose Manager logs several INFO lines a step); --ft-verbose brings them back."""
+    tmp_path, codes = two_epochs
     quiet, verbose = ((tmp_path / f"p{k}.log").read_text() for k in range(2))
     assert codes == [0, 0], quiet[-2000:] + verbose[-2000:]
     lines = [ln for ln in quiet.splitlines() if ln.strip()]
@@ -807,6 +982,29 @@ def test_torchfts_log_is_quiet_unless_asked_and_every_replica_prints_its_epoch_l
     evals = [r for r in _records(tmp_path / "run" / "metrics-rank0.jsonl") if r.get("kind") == "eval"]
     assert [r["step"] for r in evals] == [62, 124] and all("test_acc" in r and "train_loss" in r for r in evals)
     assert all(r["event"] == "eval" for r in evals)  # not a step's record: readers of steps pass it by
+
+
+def test_a_fault_tolerant_run_writes_the_records_of_every_run(two_epochs, tmp_path: Path) -> None:
+    """summary.json and config.json with the keys of a plain run's (one of the same algorithm
+    in one process here), plus fault tolerance's own: its ``fault_tolerance`` object and
+    ``fault_tolerance_replicas``."""
+    from gossip.loop import run as run_plain
+
+    ft_dir, codes = two_epochs
+    assert codes == [0, 0]
+    plain = tmp_path / "plain"
+    run_plain(parse_args(["--algo", "allreduce", "--data", "mnist1d", "--model", "mlp", "--batch-size", "32",
+                          "--max-steps", "2", "--simulate", "2", "--no-progress", "--device", "cpu",
+                          "--out", str(plain)]))
+    ft, ref = (json.loads((d / "summary.json").read_text()) for d in (ft_dir / "run", plain))
+    assert [k for k in ft if k != "fault_tolerance"] == list(ref), (sorted(set(ft) ^ set(ref)))
+    assert ft["mode"] == "fault-tolerance" and ft["world_size"] == 2 and ft["steps"] == 124 and not ft["diverged"]
+    assert ft["final_test_acc"] is not None and ft["bytes_sent_per_node_per_step"] > 0
+    assert ft["fault_tolerance"]["replica"] == 0 and ft["fault_tolerance"]["replicas"] == 2
+    assert ft["fault_tolerance"]["quorums"] >= 1 and ft["fault_tolerance"]["heals"] == 0
+    ft_cfg, ref_cfg = (json.loads((d / "config.json").read_text()) for d in (ft_dir / "run", plain))
+    assert set(ft_cfg) == set(ref_cfg) | {"fault_tolerance_replicas"}, sorted(set(ft_cfg) ^ set(ref_cfg))
+    assert ft_cfg["mode"] == "fault-tolerance" and ft_cfg["fault_tolerance_replicas"] == 2
 
 
 def test_a_language_model_trains_under_fault_tolerance(tmp_path: Path) -> None:
@@ -829,40 +1027,6 @@ def test_a_language_model_trains_under_fault_tolerance(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------
 # no single point of total loss: the Lighthouse
 # --------------------------------------------------------------------------------------
-def test_a_port_where_no_lighthouse_answers_is_named_as_such_at_once(tmp_path: Path) -> None:
-    """A web server on the port is not a Lighthouse: said before anything waits on it."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class _Hello(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"hello")
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("localhost", 0), _Hello)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    port = server.server_address[1]
-    try:
-        t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "gossip.train", *SHORT, "--timeout", "60", "--fault-tolerance",
-                            f"localhost:{port}", "--out", str(tmp_path / "o")],
-                           env=_env(0, 2), capture_output=True, text=True, timeout=180)
-        took = time.monotonic() - t0
-    finally:
-        server.shutdown()
-    assert r.returncode == 2, r.stderr[-3000:]
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and re.fullmatch(
-        rf"gossip\.train: error: --fault-tolerance localhost:{port}: no torchft Lighthouse there: something else "
-        r"answers \(HTTP 200 OK from BaseHTTP/\S+ Python/\S+ without its dashboard\); give the Lighthouse's address, "
-        r"or start one with `torchft_lighthouse .*`", lines[0]), r.stderr
-    assert took < 60  # not --timeout: nothing to wait for
-
-
 def _two_workers(tmp: Path, lh: _Lighthouse, extra: list[str], slow: Path, names=("w0", "w1")) -> list:
     argv = [*ARGS, "--model", "tests._ftmodel:mlp", "--no-progress", "--fault-tolerance", lh.addr,
             "--out", str(tmp / "run"), *extra]
@@ -878,7 +1042,7 @@ def test_when_the_lighthouse_dies_every_worker_names_it_and_the_run_resumes_from
     lh = _Lighthouse(min_replicas=1, tmp=tmp_path)
     slow, out = tmp_path / "slow", tmp_path / "run"
     flags = ["--timeout", "4", "--checkpoint-every", "4", "--max-steps", "24"]
-    procs: list[subprocess.Popen] = []
+    procs: list[_Worker] = []
     try:
         slow.touch()  # the run cannot end before the Lighthouse is gone
         procs = _two_workers(tmp_path, lh, flags, slow)
@@ -909,11 +1073,7 @@ def test_when_the_lighthouse_dies_every_worker_names_it_and_the_run_resumes_from
         for k, p in enumerate(procs):
             assert p.wait(timeout=180) == 0, (tmp_path / f"r{k}.log").read_text()[-3000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        lh.close()
+        _stop(procs, lh)
     for k in range(2):
         assert f"[replica {k}] resumed from its checkpoint at step {kept[k]}" in (tmp_path / f"r{k}.log").read_text()
         steps = _steps(_records(m[k]))
@@ -923,28 +1083,11 @@ def test_when_the_lighthouse_dies_every_worker_names_it_and_the_run_resumes_from
     p0, p1 = (torch.load(out / f"model-replica{k}.pt")["params"] for k in range(2))
     assert torch.equal(p0, p1)
     # a checkpoint of another config is refused, naming the option, before anything connects
-    r = subprocess.run([sys.executable, "-m", "gossip.train", *ARGS, "--model", "tests._ftmodel:mlp", "--no-progress",
-                        "--fault-tolerance", "localhost:1", "--out", str(out), *flags, "--resume", "auto",
-                        "--lr", "0.1"],
-                       env=_env(0, 2), capture_output=True, text=True, timeout=180)
-    assert r.returncode == 2 and _error_lines(r.stderr) == [
+    code, _, err = _run([*ARGS, "--model", "tests._ftmodel:mlp", "--no-progress", "--fault-tolerance", "localhost:1",
+                         "--out", str(out), *flags, "--resume", "auto", "--lr", "0.1"], _env(0, 2), tmp_path, "refused")
+    assert code == 2 and _error_lines(err) == [
         "gossip.train: error: --resume: the checkpoint of replica 0 at step 24 was written with another config; "
-        "lr: 0.05 in the checkpoint, 0.1 now"], r.stderr[-2000:]
-
-
-def test_a_lighthouse_that_answers_but_forms_no_quorum_says_so(tmp_path: Path) -> None:
-    lh = _Lighthouse(min_replicas=2, tmp=tmp_path)  # two replicas for a quorum; one worker comes
-    try:
-        r = subprocess.run([sys.executable, "-m", "gossip.train", *SHORT, "--timeout", "2", "--fault-tolerance",
-                            lh.addr, "--out", str(tmp_path / "o")], env=_env(0, 1), capture_output=True, text=True,
-                           timeout=180)
-    finally:
-        lh.close()
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert _error_lines(r.stderr) and re.search(
-        rf"error: --fault-tolerance http://localhost:{lh.port}: the Lighthouse answers but formed no quorum of "
-        r"--min-replicas 1 within 3 x --timeout \(6 s\) at step 0 \(.*\); check its --min_replicas against the live "
-        r"workers$", _error_lines(r.stderr)[0]), r.stderr[-2000:]
+        "lr: 0.05 in the checkpoint, 0.1 now"], err[-2000:]
 
 
 def test_a_lighthouse_restarted_on_the_same_address_is_rejoined_and_the_run_goes_on(tmp_path: Path) -> None:
@@ -952,34 +1095,36 @@ def test_a_lighthouse_restarted_on_the_same_address_is_rejoined_and_the_run_goes
     rejoin it and go on from their step (nothing is lost, no step is taken twice)."""
     lh = _Lighthouse(min_replicas=1, tmp=tmp_path)
     slow, out = tmp_path / "slow", tmp_path / "run"
-    procs: list[subprocess.Popen] = []
+    procs: list[_Worker] = []
     try:
         slow.touch()
-        procs = _two_workers(tmp_path, lh, ["--timeout", "20", "--max-steps", "30"], slow)
+        # --timeout bounds the wait of a worker whose peer rejoined the new Lighthouse later (the
+        # first group after the restart may be re-formed once more): seconds, not minutes
+        procs = _two_workers(tmp_path, lh, ["--timeout", "10", "--max-steps", "30"], slow)
         m = [out / f"metrics-rank{k}.jsonl" for k in range(2)]
         _wait(lambda: min(_last_step(m[0]), _last_step(m[1])) >= 5, "both replicas to reach step 5", procs)
         lh.kill()
+        # the workers find it gone: no step without a quorum, so their steps stand still (a step
+        # already in its commit may still land); polled, however loaded the machine
+        _wait(_standing_still(m), "both replicas to stop stepping without the Lighthouse", procs, timeout=120)
         at_kill = [_last_step(m[k]) for k in range(2)]
-        time.sleep(1.0)  # the workers find it gone
         lh.start()
         listening = time.monotonic()
-        _wait(lambda: all(_last_step(m[k]) > at_kill[k] + 1 for k in range(2)), "both replicas to step again",
-              procs, timeout=120)
+        _wait(lambda: all(_last_step(m[k]) > at_kill[k] for k in range(2)), "both replicas to step again",
+              procs, timeout=180)
         rejoined = time.monotonic() - listening
         slow.unlink()
         for k, p in enumerate(procs):
             assert p.wait(timeout=180) == 0, (tmp_path / f"w{k}.log").read_text()[-3000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        lh.close()
-    # the documented bound, about 2 s (a retry a second, the Lighthouse's join timeout), with room for a busy machine
-    assert rejoined < 15, rejoined
+        _stop(procs, lh)
+    # the documented bound, about 2 s (a retry a second, the Lighthouse's join timeout), with room for a
+    # machine loaded by a whole test suite
+    assert rejoined < 30, rejoined
     for k in range(2):
         steps = [r["step"] for r in _steps(_records(m[k]))]
         assert steps == list(range(1, 31)), steps
-        assert "error" not in (tmp_path / f"w{k}.log").read_text()
+        log = (tmp_path / f"w{k}.log").read_text()
+        assert not _error_lines(log) and "Traceback" not in log, log[-3000:]
     p0, p1 = (torch.load(out / f"model-replica{k}.pt")["params"] for k in range(2))
     assert torch.equal(p0, p1)

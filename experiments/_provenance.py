@@ -132,10 +132,12 @@ def stale(prov: dict[str, Any]) -> list[str]:
 #: the entries of the gossip package that a training run (``gossip.train``, simulated or
 #: under torchrun, without fault tolerance or MergeComp) never imports: an experiment
 #: made of such runs lists the rest (:func:`training_sources`), so that a change to the
-#: DDP hooks, the leaderboard or the fault-tolerant loop does not mark its figures stale.
+#: DDP hooks, the tools (gossip/tools, and the deprecated modules left at their old
+#: paths: analysis, crossover, leaderboard, units, textdata) or the fault-tolerant loop
+#: does not mark its figures stale.
 #: tests/test_render.py runs a training step and checks that none of these is imported.
 NOT_TRAINED = ("_ftcomm.py", "analysis.py", "crossover.py", "ddp.py", "fault_tolerance.py", "leaderboard.py",
-               "schedule")
+               "schedule", "textdata.py", "tools", "units.py")
 
 
 def package_except(package: str, excluded: Sequence[str] = (), rev: str = "HEAD") -> list[str]:
@@ -156,7 +158,7 @@ def training_sources(*also: str, rev: str = "HEAD") -> list[str]:
     """The sources of an experiment whose figures come from training runs: the gossip
     package less :data:`NOT_TRAINED`, the topologies package (the graphs), then
     ``also`` (the experiment's scripts and helpers, and any excluded module it imports
-    itself, e.g. ``gossip/crossover.py`` for a modelled time)."""
+    itself, e.g. ``gossip/tools/crossover.py`` for a modelled time)."""
     return [*package_except("gossip", NOT_TRAINED, rev), "topologies", *also]
 
 

@@ -7,7 +7,7 @@ A name is ``<base>_n<N>_<role>`` (classification) or ``<base>_n<N>_c<C>_<role>``
   templates with ``N / 0.8`` samples, the package's own 80/20 train/test split; N = 4000
   is exactly the embedded default data set), ``synthetic`` (Gaussian blobs, for tests),
   ``text`` (the default text corpus of ``gossip.train --data text``, the Python
-  standard library's sources as bytes, see :mod:`gossip.textdata`) or ``synthtext``
+  standard library's sources as bytes, see :mod:`gossip.data.text`) or ``synthtext``
   (a small generated text, for tests).
 - ``N``: the number of training samples (windows of ``C + 1`` bytes for text). The
   benchmark gives every node the same amount of data whatever the node count
@@ -19,7 +19,7 @@ A name is ``<base>_n<N>_<role>`` (classification) or ``<base>_n<N>_c<C>_<role>``
   not even handed to the run.
 
 The carve. Classification: 10 % of the training samples, drawn with a fixed seed.
-Text: the held-out test split is the corpus's tail (:func:`gossip.textdata.split_tail`,
+Text: the held-out test split is the corpus's tail (:func:`gossip.data.text.split_tail`,
 at most :data:`TEXT_EVAL_BYTES`); the validation carve is the block of the same size
 just before it, the tail of the training text, so that it is text no tuning run
 trained on rather than windows interleaved with the training ones. The ``N`` training
@@ -40,6 +40,7 @@ import functools
 import hashlib
 import random
 import re
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -60,6 +61,11 @@ TEXT_EVAL_BYTES = 16384
 _NAME = re.compile(r"^(?P<base>[a-z0-9]+)_n(?P<n>\d+)(?:_c(?P<context>\d+))?_(?P<role>val|test)$")
 #: what each call served: {"name", "role", "num_train", "num_eval", "eval_digest"}
 SERVED: list[dict[str, Any]] = []
+
+# gossip.train imports a --data factory by its module name, ``bench_data`` (as the
+# benchmark's trials and the witnesses' recorded configurations name it): imported as
+# experiments.bench_data, this module answers to that name too, in this process
+sys.modules.setdefault("bench_data", sys.modules[__name__])
 
 
 def dataset_name(base: str, num_train: int, role: str, context: int | None = None) -> str:
@@ -139,7 +145,7 @@ _BASES = {"mnist1d": _mnist1d, "synthetic": _synthetic}
 def _corpus(base: str) -> tuple[bytes, dict[str, Any]]:
     """The whole text of a text base and what it is (read once per process: the default
     corpus is some 30 MB in about 1,800 files)."""
-    from gossip import textdata
+    from gossip.data import text as textdata
 
     if base == "text":
         return textdata.stdlib_corpus()
@@ -164,7 +170,7 @@ def _spread(x: torch.Tensor, y: torch.Tensor, k: int, where: str) -> tuple[torch
 
 def _text(base: str, num_train: int, context: int, role: str) -> gdata.Dataset:
     from gossip import data as gdata
-    from gossip import textdata
+    from gossip.data import text as textdata
 
     text, info = _corpus(base)
     head, tail = textdata.split_tail(text, test_fraction=1.0, max_test_bytes=TEXT_EVAL_BYTES, context=context,

@@ -30,7 +30,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from experiments import bench_data
 from gossip import config as _config
-from gossip import units
+from gossip.tools import units
 
 __all__ = ["ALGORITHMS", "MODELS", "METRICS", "Method", "Spec", "SpecError", "Workload", "check_trials",
            "load_spec"]

@@ -74,7 +74,8 @@ REPO = HERE.parent
 from experiments import _provenance
 from experiments import bench_data
 from experiments.bench_spec import METRICS, Method, Spec, SpecError, Workload, check_trials, load_spec
-from gossip import crossover, leaderboard, rundir  # noqa: E402
+from gossip import rundir  # noqa: E402
+from gossip.tools import crossover, leaderboard  # noqa: E402
 
 __all__ = ["Spec", "Workload", "Method", "SOURCES", "METRICS", "load_spec", "plan", "run", "collect", "analyse",
            "report", "figure_paths", "read_results", "read_benchmark_results", "estimate", "main"]

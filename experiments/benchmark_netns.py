@@ -52,11 +52,11 @@ from experiments import benchmark
 from experiments import race
 from experiments import vcluster
 from experiments import _provenance  # noqa: E402
-from gossip import crossover  # noqa: E402
+from gossip.tools import crossover  # noqa: E402
 from experiments import _cli
 
 #: the code these figures measure: training runs, the race's netns runner, the cluster
-SOURCES = _provenance.training_sources("gossip/crossover.py", "experiments/race.py", "experiments/vcluster.py",
+SOURCES = _provenance.training_sources("gossip/tools/crossover.py", "experiments/race.py", "experiments/vcluster.py",
                                        "experiments/benchmark_netns.py", "experiments/bench_data.py")
 
 

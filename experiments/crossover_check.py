@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Check ``gossip.crossover``'s link model against shaped links of the virtual cluster.
+"""Check ``gossip.tools.crossover``'s link model against shaped links of the virtual cluster.
 
     python experiments/crossover_check.py --nodes 4 --algos dpsgd,ecd:8 \\
         --bandwidth 5mbit,50mbit --steps 30 --out runs/crossover-check
@@ -8,7 +8,7 @@
    virtual cluster (one network namespace per rank, links shaped with tc ``tbf``/
    ``htb``; latency with netem where the kernel has it, else emulated in the
    communicator) and takes the median measured step time.
-2. ``python -m gossip.crossover`` measures the same algorithms, model, world size and
+2. ``python -m gossip.tools.crossover`` measures the same algorithms, model, world size and
    topology on this machine and predicts the step time at the same bandwidths and
    latency.
 3. The table puts prediction and measurement side by side with their ratio.
@@ -42,7 +42,7 @@ def _crossover_label(algo: str) -> str:
 
 def compare(measured: list[dict], prediction: dict, labels: dict[str, str]) -> list[dict]:
     """One row per measured cell that succeeded: ``sweep_network.py``'s row (``measured``,
-    from its results.csv) beside ``gossip.crossover``'s prediction at the nearest
+    from its results.csv) beside ``gossip.tools.crossover``'s prediction at the nearest
     bandwidth and latency (``prediction``: its ``--json``; ``labels``: sweep name ->
     crossover label)."""
     rows_pred = {r["label"]: r for r in prediction["rows"]}
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     from experiments import _provenance
 
     prov = _provenance.start(_provenance.training_sources(  # the model's prediction and the sweep's runs
-        "gossip/crossover.py", "experiments/crossover_check.py", "experiments/sweep_network.py",
+        "gossip/tools/crossover.py", "experiments/crossover_check.py", "experiments/sweep_network.py",
         "experiments/vcluster.py"),
                              argv=None if argv is None else ["experiments/crossover_check.py", *argv])
     args.out.mkdir(parents=True, exist_ok=True)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         print("crossover_check: the sweep failed", file=sys.stderr)
         return 1
     labels = {a: _crossover_label(a) for a in args.algos.split(",")}
-    cx = [sys.executable, "-m", "gossip.crossover", "--model", args.model, "--world-size", str(args.nodes),
+    cx = [sys.executable, "-m", "gossip.tools.crossover", "--model", args.model, "--world-size", str(args.nodes),
           "--algos", ",".join(labels.values()), "--bandwidth", args.bandwidth, "--latency", args.latency,
           "--steps", "5", "--json"]
     print("predicting:", " ".join(cx), flush=True)

@@ -31,7 +31,7 @@ __all__ = ["BASE", "RECIPES", "main", "table"]
 
 #: the code the figures measure: training runs (the gossip package less what they never
 #: import, experiments/_provenance.py's NOT_TRAINED), through race.py's runner
-SOURCES = _provenance.training_sources("gossip/crossover.py", "experiments/ecd_recipes.py", "experiments/race.py",
+SOURCES = _provenance.training_sources("gossip/tools/crossover.py", "experiments/ecd_recipes.py", "experiments/race.py",
                                        "experiments/_cli.py")
 
 #: what every recipe trains: the demo's algorithm, 4 simulated nodes, seed 0

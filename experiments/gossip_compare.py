@@ -24,7 +24,7 @@ is in ``METHODS``:
 At every evaluation (each epoch's end) the script reads node 0's test accuracy, bytes
 sent (the setup exchange of x_1 by dcd, ecd and choco included) and measured compute
 and codec seconds, and models the wall-clock time at each
-``--bandwidth`` exactly as ``experiments/race.py`` does (``gossip.crossover``'s link
+``--bandwidth`` exactly as ``experiments/race.py`` does (``gossip.tools.crossover``'s link
 model: compute + codec + 1.05 * 8 * bytes / B + latency * message rounds; every node
 has its own link, nothing overlapped). Nothing runs over a real shaped network.
 
@@ -51,7 +51,8 @@ REPO = HERE.parent
 from experiments import _cli
 from experiments import _provenance
 from experiments import race
-from gossip import crossover, rundir  # noqa: E402
+from gossip import rundir  # noqa: E402
+from gossip.tools import crossover  # noqa: E402
 
 #: name -> the gossip.train flags that make the method (on top of the recipe)
 METHODS: dict[str, list[str]] = {
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.nodes < 2 or a.epochs < 1:
         p.error(f"need --nodes >= 2 and --epochs >= 1, got --nodes {a.nodes} --epochs {a.epochs}")
     prov = _provenance.start(_provenance.training_sources(  # training runs, the race's time model and curves
-        "gossip/crossover.py", "experiments/gossip_compare.py", "experiments/race.py", "experiments/_cli.py"),
+        "gossip/tools/crossover.py", "experiments/gossip_compare.py", "experiments/race.py", "experiments/_cli.py"),
                              argv=None if argv is None else ["experiments/gossip_compare.py", *argv])
     try:
         bw_labels = [b.strip() for b in a.bandwidth.split(",") if b.strip()]

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     argv = list(argv if argv is not None else sys.argv[1:])
     record = _provenance.start(_provenance.training_sources(  # training runs, read back through race.py
-        "gossip/crossover.py", "experiments/modern_compare.py", "experiments/bench_data.py", "experiments/race.py",
+        "gossip/tools/crossover.py", "experiments/modern_compare.py", "experiments/bench_data.py", "experiments/race.py",
         "experiments/_cli.py"),
                                argv=["experiments/modern_compare.py", *argv])
     # bench_data's factories are not the registry's mnist1d, whose default model is cnn1d: name it

@@ -39,12 +39,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 from experiments import _provenance  # noqa: E402
 from gossip import rundir  # noqa: E402
-from gossip.crossover import LINK_OVERHEAD, CrossoverError, parse_rate  # noqa: E402
+from gossip.tools.crossover import LINK_OVERHEAD, CrossoverError, parse_rate  # noqa: E402
 from experiments import _cli
 
 #: the code these figures come from: this reader, the metrics reader and the link model
 #: (the runs it reads carry their own provenance)
-SOURCES = ["experiments/netns_gap.py", "gossip/crossover.py", "gossip/rundir.py"]
+SOURCES = ["experiments/netns_gap.py", "gossip/tools/crossover.py", "gossip/rundir.py"]
 
 
 class GapError(ValueError):

@@ -16,7 +16,7 @@ each run's per-node metrics it reads, at every evaluation (each epoch's end): th
 accuracy, the bytes the node has sent, and the compute and compression time it has
 spent on this machine; from the run's last checkpoint, the communication calls per
 step by kind. The wall-clock time at a bandwidth B and one-way latency L is then
-modelled as ``gossip.crossover`` does for one step, summed over the steps so far:
+modelled as ``gossip.tools.crossover`` does for one step, summed over the steps so far:
 
     T = compute + codec + overhead * 8 * bytes / B + L * (message rounds)
 
@@ -48,7 +48,7 @@ written to PATH once the race is done, e.g. ``experiments/results/race_modelled.
 which ``make results-tables`` renders into docs/race.md), ``race.md``
 (method, bytes to target, time to target at each bandwidth, final accuracy) and, with
 matplotlib, ``race.png`` (test accuracy against modelled time, one panel per
-bandwidth). The run directories are ordinary ones: ``gossip.analysis.load_runs(out)``
+bandwidth). The run directories are ordinary ones: ``gossip.tools.analysis.load_runs(out)``
 reads them. In netns mode they are ``<method>@<bandwidth>`` (``:`` written ``-``), the
 torchrun agents' outputs go to ``cluster/`` under ``--out``, ``race.json`` holds each
 run's curve (measured and modelled time per evaluation) under
@@ -72,7 +72,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 from experiments import _cli, _provenance  # noqa: E402
-from gossip import checkpoint, crossover, rundir  # noqa: E402
+from gossip import checkpoint, rundir  # noqa: E402
+from gossip.tools import crossover  # noqa: E402
 from gossip.evaluation import PRIMARY  # noqa: E402
 
 #: the figure the race is run to, per task: test accuracy (up to the target) for a
@@ -101,7 +102,7 @@ def _point(r: dict) -> dict:
 
 #: the code a race's figures measure (for `python -m experiments.render --stale`): training
 #: runs (experiments/_provenance.py's training_sources), the time model, the netns cluster
-SOURCES = _provenance.training_sources("gossip/crossover.py", "experiments/race.py", "experiments/_cli.py",
+SOURCES = _provenance.training_sources("gossip/tools/crossover.py", "experiments/race.py", "experiments/_cli.py",
                                        "experiments/vcluster.py")
 
 #: name -> the gossip.train flags that make the method (on top of the recipe)

@@ -403,8 +403,8 @@ def _tang2018(res: dict) -> str:
 
 
 def _benchmark_verdict(res: dict) -> str:
-    """The benchmark's verdicts (gossip.leaderboard), headed by what was run."""
-    from gossip import leaderboard
+    """The benchmark's verdicts (gossip.tools.leaderboard), headed by what was run."""
+    from gossip.tools import leaderboard
 
     proto = res["protocol"]
     spec = res.get("spec") or {}
@@ -650,7 +650,7 @@ def _sharded_bytes(res: dict) -> str:
 
 
 def _crossover_check(res: dict) -> str:
-    """experiments/crossover_check.py: gossip.crossover's predicted step beside the step
+    """experiments/crossover_check.py: gossip.tools.crossover's predicted step beside the step
     measured on shaped links."""
     from experiments import crossover_check
 

@@ -53,7 +53,7 @@ __all__ = ["FIGURES", "SPECS", "Spec", "main", "plan"]
 
 #: the code the report's figures measure (for `python -m experiments.render --stale`), besides
 #: the training runs' (experiments/_provenance.py's training_sources)
-SOURCES = ["gossip/analysis.py", "experiments/reproduce_tang2018.py"]
+SOURCES = ["gossip/tools/analysis.py", "experiments/reproduce_tang2018.py"]
 
 
 # --------------------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def _f(v: Any) -> float | None:
 
 def collect(runs_dir: Path, specs: dict[str, Spec]) -> dict[str, dict]:
     """Per run: status and the figures the report needs, from the run directory."""
-    from gossip import analysis as ga
+    from gossip.tools import analysis as ga
 
     res: dict[str, dict] = {}
     for name, spec in specs.items():
@@ -340,7 +340,7 @@ def draw(spec: dict[str, Any], runs_dir: Path, res: dict[str, dict], path: Path,
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    from gossip import analysis as ga
+    from gossip.tools import analysis as ga
 
     frames = []
     for name in spec["runs"]:
@@ -836,7 +836,7 @@ def write_report(out: Path, settings: list[Setting], results: dict[str, dict[str
             if r.get("command"):
                 w(shlex.join(r["command"]))
         w("```\n")
-    w(f"The runs can be explored with `gossip.analysis` (`ga.load_runs('{_rel(out)}/runs/mnist1d')`) or with "
+    w(f"The runs can be explored with `gossip.tools.analysis` (`ga.load_runs('{_rel(out)}/runs/mnist1d')`) or with "
       f"`notebooks/convergence.ipynb` opened in Jupyter with `GOSSIP_RUNS={_rel(out)}/runs/mnist1d` set.\n")
     path = out / "REPORT.md"
     path.write_text("\n".join(lines))

@@ -610,7 +610,7 @@ def ratio_table(res: dict) -> str:
 
 def plot_fig3(rows: list[dict], path: Path) -> Path | None:
     """The four panels of Tang et al.'s Fig. 3 (arXiv:1803.06443), drawn by
-    ``gossip.analysis.plot_sweep`` as for a sweep read back later; None when no cell
+    ``gossip.tools.analysis.plot_sweep`` as for a sweep read back later; None when no cell
     was measured."""
     import matplotlib
 
@@ -618,7 +618,7 @@ def plot_fig3(rows: list[dict], path: Path) -> Path | None:
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    from gossip import analysis
+    from gossip.tools import analysis
 
     ok = [r for r in rows if r["ok"]]
     if not ok:
@@ -820,7 +820,7 @@ def _run_cell(args, launcher, cell: Cell, out: Path, epochs: int, spe: int, mode
 
 #: the code a sweep's figures measure (for `python -m experiments.render --stale`)
 #: the code the figures measure: training runs (gossip less experiments/_provenance.py's
-#: NOT_TRAINED; gossip.analysis only draws the figure) on the virtual cluster
+#: NOT_TRAINED; gossip.tools.analysis only draws the figure) on the virtual cluster
 SOURCES = _provenance.training_sources("experiments/sweep_network.py", "experiments/vcluster.py")
 
 

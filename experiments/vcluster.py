@@ -88,7 +88,7 @@ __all__ = [
 ]
 
 HERE = Path(__file__).resolve().parent
-from gossip.units import tc_rate  # noqa: E402
+from gossip.tools.units import tc_rate  # noqa: E402
 
 TC_SHAPE = HERE / "tc_shape.sh"
 DEFAULT_PREFIX = "gsp"
@@ -121,7 +121,7 @@ class Terminated(BaseException):
 # ---------------------------------------------------------------------------- values
 def parse_rate(value: str | int | float | None) -> int | None:
     """``"5mbit"`` -> 5_000_000 bits/s, ``"5mbps"`` -> 40_000_000: tc's units, read as tc
-    reads them (:func:`gossip.units.tc_rate`, the one reader of the project's rates;
+    reads them (:func:`gossip.tools.units.tc_rate`, the one reader of the project's rates;
     its ``bps`` units are bytes per second). A number is bits per second; None stays None.
     """
     if value is None:

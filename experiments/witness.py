@@ -201,15 +201,12 @@ def _state_hash(path: Path) -> str:
 
 
 def _train(args: list[str]) -> None:
-    import sys
-
     from gossip import train
 
-    from experiments import bench_data
-
     # the experiments' own data and model factories (``--data bench_data:NAME``) are
-    # imported by module name, as the benchmark's trials import them: that name is this module
-    sys.modules.setdefault("bench_data", bench_data)
+    # imported by module name, as the benchmark's trials import them: importing
+    # experiments.bench_data makes that name resolve to it
+    from experiments import bench_data  # noqa: F401
 
     buf = io.StringIO()
     with redirect_stdout(buf), redirect_stderr(buf):

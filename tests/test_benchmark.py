@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 from experiments import bench_data
 from experiments import benchmark
 
-from gossip import textdata  # noqa: E402
+from gossip.data import text as textdata  # noqa: E402
 
 SPEC = """
 seeds = [0]
@@ -114,9 +114,9 @@ def test_a_bad_spec_is_one_line(tmp_path, capsys):
 
 
 def test_crossover_answers_from_the_benchmark(bench, capsys):
-    """``gossip.crossover --benchmark``: the fastest methods at the nearest benchmarked point,
+    """``gossip.tools.crossover --benchmark``: the fastest methods at the nearest benchmarked point,
     in the benchmark's own order, and how far the user's model is from the benchmarked one."""
-    from gossip import crossover, leaderboard
+    from gossip.tools import crossover, leaderboard
 
     _, out, _ = bench
     res = leaderboard.load(out / "benchmark.json")
@@ -252,7 +252,7 @@ def test_the_readme_verdict_table_is_rendered_from_the_results(bench):
     at 4 and 16 nodes), then the GPT part and the 64-node part, each its own results file:
     one row per workload, node count and bandwidth. The retired full run has no table."""
     from experiments import render
-    from gossip import leaderboard
+    from gossip.tools import leaderboard
 
     _, out, _ = bench
     assert "benchmark_verdict_full" not in render.TABLES
@@ -310,7 +310,7 @@ def test_verdicts_over_part_of_the_field_say_how_much_of_it(bench):
     """While some methods' final runs are still to run, the verdict tables (the report's
     and the README's) give the node count with the part of the field they rank."""
     from experiments import render
-    from gossip import leaderboard
+    from gossip.tools import leaderboard
 
     tmp, out, _ = bench
     spec = benchmark.load_spec(tmp / "spec.toml")

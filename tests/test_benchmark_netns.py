@@ -121,7 +121,7 @@ def test_the_methods_run_on_shaped_links_and_the_report_shows_them(bench, capsys
     text = capsys.readouterr().out
     assert "## Measured in the netns cluster (2 nodes)" in text and "\n| 10mbit | allreduce |" in text
     resumed = text[text.index("it resumed 1 earlier session(s) (`"):]
-    assert "benchmark_netns.py --results" in resumed and "--methods allreduce" in resumed.split(";")[0]
+    assert "python -m experiments.benchmark_netns --results" in resumed and "--methods allreduce" in resumed.split(";")[0]
     md = tmp / "docs" / "b.md"
     assert benchmark.main(["report", "--results", str(path), "--netns", str(tmp / "bn.json"), "--md", str(md)]) == 0
     page = md.read_text()

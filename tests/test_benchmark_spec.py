@@ -144,7 +144,7 @@ def test_a_rate_in_bytes_is_read_as_tc_reads_it():
     spec = benchmark.Spec(workloads=(), methods=(), bandwidths=("100mbps",), latencies=("0",))
     res = benchmark.analyse(spec, [])
     assert res["links"] == ["100mbps@0"]
-    from gossip import crossover
+    from gossip.tools import crossover
 
     assert crossover.parse_rate("100mbps") == 8e8 and crossover.parse_rate("100mbit") == 1e8
 

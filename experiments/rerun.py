@@ -38,10 +38,16 @@ REPO = P.REPO
 
 
 def command_of(prov: dict) -> str:
-    """The recorded command as this checkout runs it: scratch folders under runs/, an
-    experiment started by its path (the old form) started as a module."""
+    """The recorded command as this checkout runs it (in a shell): scratch folders under
+    runs/, an environment folder recorded as ``PATH`` a fresh temporary one, an experiment
+    started by its path (the old form) started as a module, by this interpreter."""
     cmd = P.as_module(str(prov.get("command") or ""))
     cmd = re.sub(r"(?<![\w/])OUT/", "runs/", cmd)
+    # an absolute path in the recorder's environment is written PATH: a fresh, empty
+    # folder here (a cache folder named PATH in the checkout would carry over between runs)
+    cmd = re.sub(r"(?:(?<=^)|(?<=\s))([A-Z_][A-Z0-9_]*)=PATH(?=\s)", r'\1="$(mktemp -d)"', cmd)
+    # the interpreter running this, not whichever python the shell finds first
+    cmd = re.sub(r"(?:(?<=^)|(?<=\s))python3?(?=\s)", lambda m: shlex.quote(sys.executable), cmd, count=1)
     if cmd.startswith("sudo ") and os.geteuid() == 0:
         cmd = cmd[len("sudo "):]
     return cmd

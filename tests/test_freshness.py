@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import subprocess
 import sys
 
@@ -126,3 +128,22 @@ def test_a_comment_never_unverifies_a_training_result_but_a_rename_does():
     renamed = _blob(now.replace("def _clean(rec", "def _tidy(rec").replace("_clean(rec)", "_tidy(rec)"))
     st = freshness.status("r.json", {**prov, "source_ids": {path: renamed}})
     assert st.state == "unverified" and path in st.reasons[0] and "experiments verify" in st.reasons[0]
+
+
+def test_a_rerun_gets_a_fresh_folder_for_a_recorded_path_and_this_interpreter():
+    """A recorded ``X=PATH`` (an absolute folder on the recording machine) becomes a new
+    empty folder, never a folder named PATH in the checkout; ``python`` becomes the
+    interpreter that runs ``make results``; the old ``python experiments/X.py`` form
+    starts the module."""
+    from experiments import rerun
+
+    cmd = rerun.command_of({"command": "OMP_NUM_THREADS=1 TORCHINDUCTOR_CACHE_DIR=PATH python "
+                                       "experiments/cold_start.py identity --results OUT/c.json"})
+    assert cmd == (f'OMP_NUM_THREADS=1 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" {shlex.quote(sys.executable)} '
+                   "-m experiments.cold_start identity --results runs/c.json")
+    out = subprocess.run(rerun.command_of({"command": "TORCHINDUCTOR_CACHE_DIR=PATH python -c "
+                                                      "'import os, sys; print(os.environ[\"TORCHINDUCTOR_CACHE_DIR\"], sys.executable)'"}),
+                         shell=True, capture_output=True, text=True, timeout=60)
+    folder, exe = out.stdout.split()
+    assert os.path.isabs(folder) and os.path.isdir(folder) and not os.listdir(folder) and exe == sys.executable
+    assert rerun.command_of({"command": "python x.py --name PATH"}).endswith("x.py --name PATH")

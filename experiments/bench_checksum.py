@@ -31,8 +31,7 @@ import torch
 
 from experiments._timing import min_interleaved
 
-from gossip.compress import _kernels as K
-from gossip.compress import wire
+from gossip.compress import kernels as K
 from experiments import _cli
 
 #: (name, rows, 32-bit words per row), the 8-word header included
@@ -59,12 +58,12 @@ def _chunked(words: torch.Tensor, w: torch.Tensor, chunk: int = 1 << 14) -> torc
 
 
 def measure(shapes, reps: int) -> list[dict]:
-    compiled = torch.compile(K._checksum, dynamic=True, fullgraph=True)
+    compiled = torch.compile(K.checksum_expression, dynamic=True, fullgraph=True)
     rows = []
     for name, m, n in shapes:
         g = torch.Generator().manual_seed(m * n)
         words = torch.randint(-(1 << 31), 1 << 31, (m, n), dtype=torch.int32, generator=g)
-        w = wire._weights_cached(n, words.device)
+        w = K.checksum_weights(n, words.device)
         dst = torch.empty_like(words)
         fns = {"memcpy": lambda: dst.copy_(words), "mv": lambda: K.checksum(words, w),
                "compiled": lambda: compiled(words, w), "chunked": lambda: _chunked(words, w)}

@@ -27,7 +27,6 @@ import time
 import torch
 
 import gossip.compress as gc
-from gossip.compress import _kernels
 from experiments import _cli
 
 if __package__:  # imported as experiments.bench_compress
@@ -150,7 +149,7 @@ def main(argv=None) -> int:
     ap, args = _cli.parse(argv, options, __doc__, "bench_compress")
     prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/bench_compress.py", *argv])
     torch.set_num_threads(1)
-    _kernels.set_backend(args.backend)
+    gc.set_backend(args.backend)
     specs = [s.strip() for s in args.only.split(";")] if args.only else SPECS
     for s in specs:
         try:

@@ -28,6 +28,7 @@ compression) under :data:`FIRST_CALL_TARGET_S` seconds with an empty cache.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -41,7 +42,7 @@ import torch
 
 import gossip.compress as gc
 from experiments import _cli
-from gossip.compress import _kernels
+from gossip.compress import kernels
 
 #: the code these figures measure (for `python -m experiments.render --stale`)
 SOURCES = ["gossip/compress", "experiments/cold_start.py"]
@@ -92,21 +93,12 @@ def measure(specs: list[str], numel: int) -> list[dict]:
         c = gc.build(spec)
         times, compiled = [], []
         for i in range(2):
-            real = _kernels._want_compiled
-            if i == 0:  # which kernels the first call runs compiled
-                def spy(k, n, device, real=real):
-                    want = real(k, n, device)
-                    if want:
-                        compiled.append(k.name)
-                    return want
-
-                _kernels._want_compiled = spy
-            try:
+            # which kernels the first call runs compiled
+            with kernels.watch_compiled() if i == 0 else contextlib.nullcontext([]) as seen:
                 t0 = time.perf_counter()
                 c.decode(c.encode(x, keys), numel)
                 times.append(time.perf_counter() - t0)
-            finally:
-                _kernels._want_compiled = real
+            compiled += seen
         print(f"{spec:24s} first encode+decode {times[0]:7.2f} s (compiled: {'yes' if compiled else 'no'}), "
               f"second {times[1]:.3f} s", flush=True)
         rows.append({"compressor": spec, "first_s": times[0], "second_s": times[1], "compiled_first": bool(compiled)})
@@ -176,12 +168,12 @@ def main(argv=None) -> int:
 
         cache = "per row" if caches else _cache_state()  # before anything here compiles
         prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/cold_start.py", *argv])
-        print(f"torch {torch.__version__}, 1 thread, {args.numel} values, backend {_kernels.get_backend()}, "
+        print(f"torch {torch.__version__}, 1 thread, {args.numel} values, backend {kernels.get_backend()}, "
               f"inductor cache {cache} at the start, load average (1 min) {os.getloadavg()[0]:.2f}")
         rows = _children(args.specs, args.numel, caches) if caches else measure(args.specs, args.numel)
     finally:
         torch.set_num_threads(threads)
-    res = {"numel": args.numel, "threads": 1, "backend": _kernels.get_backend(),
+    res = {"numel": args.numel, "threads": 1, "backend": kernels.get_backend(),
            "inductor_cache": cache, "torch": torch.__version__, "target_first_s": FIRST_CALL_TARGET_S,
            "rows": rows}
     if args.results:

@@ -51,8 +51,7 @@ import torch
 from experiments._timing import min_interleaved
 
 import gossip.compress as gc
-from gossip.compress import _kernels as K
-from gossip.compress import _random as R
+from gossip.compress import kernels as K
 from gossip.compress import wire
 from experiments import _cli
 
@@ -68,21 +67,21 @@ def _parts4(x3: torch.Tensor, keys: torch.Tensor) -> dict:
     if not C or n < K.LANES_MIN_NUMEL:
         print(f"(no 4-bit parts: {n} values do not take the 4-bit lane kernels)")
         return {}
-    km = K._variant("quant_minmax", K._make_minmax, (15,))
-    kl = K._variant("quant_planar_lanes", K._make_planar_lanes, (4,))
-    a, _, s = K._scales(x3, 15.0, 0)
-    seeds = R.stream_seeds(keys, R.STREAM_ROUND)
-    s2 = K._seed_args(seeds, 0)[0]
-    bases = [K._seed_args(seeds, q * 2 * N)[1] for q in range(4)]  # each byte row's first hash input
+    km = K.variant("quant_minmax", K.make_minmax, (15,))
+    kl = K.variant("quant_planar_lanes", K.make_planar_lanes, (4,))
+    a, _, s = K.scales(x3, 15.0, 0)
+    seeds = K.stream_seeds(keys, K.STREAM_ROUND)
+    s2 = K.seed_args(seeds, 0)[0]
+    bases = [K.seed_args(seeds, q * 2 * N)[1] for q in range(4)]  # each byte row's first hash input
     x6 = x3.view(1, 1, 4, 2, N // C, C)
     out5 = torch.empty(1, 1, 4, N // C, C, dtype=torch.uint8)
     rest = (a.view(1, 1, 1, 1), s.view(1, 1, 1, 1), s2)
-    ramp = K._ramp(C, x3.device)
+    ramp = K.ramp(C, x3.device)
     # the same kernel code, its hash replaced by a constant digit; the digit still reads the
     # index (i & 0), so the kernel keeps its loop shape (without the ramp's load inductor
     # merged the lane rows and split the kernel into loops over buffers of the input's size)
-    f = K._make_planar_lanes(4)
-    given = types.FunctionType(f.__code__, {**vars(K), "R_": types.SimpleNamespace(
+    f = K.make_planar_lanes(4)
+    given = types.FunctionType(f.__code__, {**f.__globals__, "R_": types.SimpleNamespace(
                                    hash24=lambda i, s1, s2: (i & 0) | 5_000_000)},
                                f.__name__, f.__defaults__, f.__closure__)
     given = torch.compile(given, dynamic=True, fullgraph=True)
@@ -128,24 +127,17 @@ def main(argv=None) -> int:
     P = c.encode(x, keys)
     P4 = c4.encode(x, keys)
     Y = torch.empty_like(x)
-    lane_width = K.lane_width
 
     def one_loop(c, P):
         """Encode with the one-loop kernels (no row splits into lanes)."""
-        K.lane_width = lambda B: 0
-        try:
+        with K.one_loop():
             c.encode(x, keys, out=P)
-        finally:
-            K.lane_width = lane_width
 
     def lanes(c, P):
         """Encode with the 8-bit lane kernels, on any CPU (``K.lanes_pay`` keeps them to
         512-bit vector code)."""
-        before, K.LANES = K.LANES, True
-        try:
+        with K.lanes_forced(True):
             c.encode(x, keys, out=P)
-        finally:
-            K.LANES = before
 
     Q = P.clone()
     one_loop(c, Q)  # compiles the one-loop kernel; the same bytes
@@ -158,14 +150,14 @@ def main(argv=None) -> int:
     same4 = torch.equal(Q4, P4)
     codes = torch.empty(1, 1, n, dtype=torch.uint8)
     L = float(c.levels)
-    a, _, s = K._scales(x3, L, 0)
-    s1, s2 = (v.view(1, 1, 1) for v in R.seeds32(torch.tensor([7])))
+    a, _, s = K.scales(x3, L, 0)
+    s1, s2 = (v.view(1, 1, 1) for v in K.seeds32(torch.tensor([7])))
     base = torch.tensor(0, dtype=torch.int32)
     u0 = torch.full((1, 1, 1), 5_000_000, dtype=torch.int32)
 
     def round_(x, a, s, s1, s2, base, out, hashed: bool, flag: bool):
-        u = R.hash24(K._index(x, base), s1, s2) if hashed else u0
-        lvl, tie = K._round_half(x, a, s, u, 255.0, 0)
+        u = K.hash24(K.element_index(x, base), s1, s2) if hashed else u0
+        lvl, tie = K.round_half(x, a, s, u, 255.0, 0)
         out.copy_(lvl)
         return tie.amax() if flag else None
 

@@ -12,10 +12,10 @@ minimum of each):
    convolution (``groups = n``). Forward and backward of each of the model's three
    convolutions, per node: one node's own convolution (the loop path) against the
    grouped one and the vectorized path's im2col + ``bmm`` kernel
-   (``gossip._batched``) over ``--groups`` nodes, with the FLOP rates.
+   (``gossip.vectorized.batched_conv1d``) over ``--groups`` nodes, with the FLOP rates.
 3. **logreg**: the batched cross-entropy of 1024 x 32 rows of 10 classes, torch's
    ``F.cross_entropy`` against the classes-major log-softmax the vectorized path
-   uses (``gossip.vectorized._cross_entropy_rows``), forward and backward.
+   uses (``gossip.vectorized.cross_entropy_rows``), forward and backward.
 
 4. **evaluation**: ``gossip.vectorized.node_accuracies`` of 33 models (xbar's and the
    32 sampled nodes') over bench_sim's 2,048 test examples, ``node_chunk`` models per
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from experiments import bench_sim
 from experiments._timing import min_interleaved
 
-from gossip import _batched, vectorized  # noqa: E402
+from gossip import vectorized  # noqa: E402
 from experiments import _cli
 
 
@@ -107,13 +107,13 @@ def conv_per_node(groups: list[int], repeats: int, batch: int = bench_sim.BATCH)
                 F.conv1d(x, w, stride=stride, padding=2, groups=g).sum().backward()
             return f
         def make_bmm(g: int):
-            # the vectorized path's kernel: im2col and one bmm per node (gossip._batched)
+            # the vectorized path's kernel: im2col and one bmm per node (gossip.vectorized.batched_conv1d)
             x = torch.randn(g, batch, cin, length, requires_grad=cin > 1)
             w = torch.randn(g, cout, cin, 5, requires_grad=True)
 
             def f() -> None:
                 x.grad = w.grad = None
-                _batched._Conv1d.apply(x, w, None, stride, 2, None, ("w", "b"), False).sum().backward()
+                vectorized.batched_conv1d(x, w, None, stride, 2).sum().backward()
             return f
         for g in (1, *groups):
             fns[g], per[g] = make(g), g
@@ -227,7 +227,7 @@ def cross_entropy(nodes: int, repeats: int, batch: int = bench_sim.BATCH, classe
             fn(z, y).sum().backward()
         return f
     best = min_interleaved({"torch": run(lambda a, b: F.cross_entropy(a, b, reduction="none")),
-                             "classes_major": run(vectorized._cross_entropy_rows)}, repeats)
+                             "classes_major": run(vectorized.cross_entropy_rows)}, repeats)
     return {"rows": nodes * batch, "torch_ms": 1e3 * best["torch"], "classes_major_ms": 1e3 * best["classes_major"],
             "ratio": best["torch"] / best["classes_major"]}
 

@@ -189,6 +189,15 @@ class _Conv1d(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None
 
 
+def conv1d(x: Tensor, w: Tensor, b: Tensor | None, stride: int, padding: int,
+           grads: GradBuffers | None = None, names: tuple[str, str] = ("w", "b"), relu: bool = False) -> Tensor:
+    """Every node's 1-d convolution at once, as the vectorized path runs it (im2col and
+    one batched product per node): x (n, B, C, L), w (n, C_out, C, k), b (n, C_out) or
+    None -> (n, B, C_out, L_out), differentiable; ``grads`` and ``names`` say where the
+    backward may write the weights' gradients, ``relu`` applies a ReLU after."""
+    return _Conv1d.apply(x, w, b, stride, padding, grads, names, relu)
+
+
 def _chunk_nodes(like: Tensor, per_node: int, n: int) -> int:
     """Nodes per chunk: ``per_node`` values each within :data:`_CONV_CHUNK_VALUES` on
     the CPU; all ``n`` on a GPU (chunks would only add kernel launches)."""

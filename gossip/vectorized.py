@@ -54,7 +54,9 @@ __all__ = [
     "BatchedLoader",
     "StackedParams",
     "VectorizedOptimizer",
+    "batched_conv1d",
     "clip_grad_norm_per_node",
+    "cross_entropy_rows",
     "eval_nodes",
     "node_accuracies",
     "per_node_optimizer_states",
@@ -307,6 +309,20 @@ def _cross_entropy_rows(z: Tensor, y: Tensor) -> Tensor:
         return F.cross_entropy(z, y, reduction="none")  # its own message for a bad label
     logp = F.log_softmax(z.t().contiguous(), dim=0)
     return -logp.gather(0, y.unsqueeze(0)).squeeze(0)
+
+
+def cross_entropy_rows(z: Tensor, y: Tensor) -> Tensor:
+    """Per-row cross-entropy of ``(rows, classes)`` logits ``z`` and labels ``y``, as the
+    vectorized path computes its losses (``F.cross_entropy(z, y, reduction="none")``,
+    the classes-major form on the CPU)."""
+    return _cross_entropy_rows(z, y)
+
+
+def batched_conv1d(x: Tensor, w: Tensor, b: Tensor | None, stride: int, padding: int) -> Tensor:
+    """Every node's 1-d convolution at once, as the vectorized path runs a Conv1d layer
+    (im2col and one batched product per node): x (n, B, C, L), w (n, C_out, C, k), b
+    (n, C_out) or None -> (n, B, C_out, L_out), differentiable."""
+    return _batched.conv1d(x, w, b, stride, padding)
 
 
 def why_not_vectorized(model: nn.Module, x: Tensor, y: Tensor,

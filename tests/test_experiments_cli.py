@@ -69,3 +69,61 @@ def test_one_entry_point_runs_every_study_by_name(capsys):
     texts = [f.read_text() for f in EXPERIMENTS.glob("*.py")]
     assert sum(t.count("ArgumentParser(") for t in texts) <= 8
     assert not any("sys.path.insert" in t or "sys.path.append" in t for t in texts)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_uses(path: Path, own: set[str]) -> list[str]:
+    """Where ``path`` uses a private name of another of the project's modules: imports
+    ``_name`` from it (a function, or a private module such as ``gossip._batched``) or
+    reads ``module._name``. The package's own helper modules (``own``:
+    experiments/_provenance.py and the like) are its to import; their private names are not."""
+    import ast
+
+    ours = ("gossip", "topologies", "experiments")
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found, modules = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                if parts[0] in ours:
+                    if any(_private(p) for p in parts) and not (parts[0] == "experiments" and parts[1:] in ([p] for p in own)):
+                        found.append(f"{path.name}:{node.lineno}: import {a.name}")
+                    modules[a.asname or parts[0]] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            parts = (node.module or "").split(".") if node.module else []
+            package = bool(node.level) and not parts or parts == ["experiments"]
+            helper = bool(node.level) and len(parts) == 1 or parts[:1] == ["experiments"] and len(parts) == 2
+            if not node.level and parts[:1] and parts[0] not in ours:
+                continue
+            if any(_private(p) for p in parts) and not (helper and parts[-1] in own):
+                found.append(f"{path.name}:{node.lineno}: from {node.module} import ...")
+            for a in node.names:
+                if _private(a.name) and not (package and a.name in own):
+                    found.append(f"{path.name}:{node.lineno}: from {node.module or '.'} import {a.name}")
+                modules[a.asname or a.name] = a.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
+                and node.value.id in modules):
+            found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_experiment_uses_another_modules_private_names(tmp_path):
+    """The experiments use the library's public names (and their own helper modules),
+    never a private function, class or module of another module."""
+    own = {p.stem for p in EXPERIMENTS.glob("_*.py")} - {"__init__", "__main__"}
+    assert {"_provenance", "_cli"} <= own
+    found = [u for f in sorted(EXPERIMENTS.glob("*.py")) for u in _private_uses(f, own)]
+    assert found == []
+    # the check sees each way of reaching a private name
+    probe = tmp_path / "probe.py"
+    probe.write_text("from gossip.compress import _kernels\nfrom gossip import vectorized\nimport gossip._batched\n"
+                     "from experiments.gpu_check import _portable\nfrom experiments import _provenance, render\n"
+                     "import os\nvectorized._cross_entropy_rows\nrender._bench_sim_targets\nos._exit\n")
+    assert [u.split(": ", 1)[1] for u in _private_uses(probe, own)] == [
+        "from gossip.compress import _kernels", "import gossip._batched", "from experiments.gpu_check import _portable",
+        "vectorized._cross_entropy_rows", "render._bench_sim_targets"]

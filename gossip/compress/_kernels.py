@@ -52,6 +52,7 @@ the rest of the process.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import getpass
 import hashlib
@@ -98,6 +99,7 @@ def set_backend(name: str) -> str:
 
 
 def get_backend() -> str:
+    """The kernel backend in use: 'auto', 'compile' or 'eager' (see :func:`set_backend`)."""
     return _backend
 
 
@@ -268,6 +270,8 @@ def _fx_cache_counts() -> tuple[int, int]:
 
 
 def run(k: Kernel, numel: int, *args):
+    """Call kernel ``k`` on ``args`` (``numel`` elements), compiled or eager as the
+    backend decides; a compiled form that fails or miscompiles falls back to the eager."""
     dev = next(a.device for a in args if isinstance(a, torch.Tensor))
     if _want_compiled(k, numel, dev):
         try:
@@ -1349,3 +1353,107 @@ def checksum(words, w):
         b = min(n, a + _CHECKSUM_CHUNK)
         acc += (words[:, a:b] * w[a:b]).sum(dim=1, dtype=torch.int32)
     return acc & 0xFFFFFFFF
+
+
+# --------------------------------------------------------------------------------------
+# The parts a micro-benchmark times or watches on its own, under public names
+# (gossip.compress.kernels exports them); each is the function the encoders call.
+# --------------------------------------------------------------------------------------
+
+def variant(name: str, factory, key) -> Kernel:
+    """The kernel ``name`` specialised for ``key``: ``factory(*key)``, made once per
+    process, with a compiled form of its own."""
+    return _variant(name, factory, key)
+
+
+def make_minmax(levels: int):
+    """The 4-bit encoder's first compiled call: each block's offset, range and inverse
+    step for ``levels`` levels (a new function: compile it, or run it through a
+    ``variant``)."""
+    return _make_minmax(levels)
+
+
+def make_planar_lanes(bits: int):
+    """The planar encoder's rounding and packing of one byte row, the row split into
+    lanes, at ``bits`` bits (a new function, as ``make_minmax``)."""
+    return _make_planar_lanes(bits)
+
+
+def scales(x, L: float, mode: int):
+    """Per block: offset a, range R and inverse step s, each (m, nb, 1), for ``L``
+    levels in quantizer mode ``mode`` (0 affine, 1 signed, 2 ternary)."""
+    return _scales(x, L, mode)
+
+
+def seed_args(seeds: torch.Tensor, start: int):
+    """The compiled kernels' seed arguments for rows with ``seeds`` whose first element
+    has index ``start``: the seed's high half, and the first hash input."""
+    return _seed_args(seeds, start)
+
+
+def ramp(C: int, device) -> torch.Tensor:
+    """The lane offsets 0, 1, ... (int32) that the lane kernels add to a row's first index."""
+    return _ramp(C, device)
+
+
+def element_index(x, base):
+    """The index of every element of blocks ``x`` in its row, from ``base`` (int32), as
+    the stochastic rounding hashes it."""
+    return _index(x, base)
+
+
+def round_half(x, a, s, u, L: float, mode: int):
+    """Stochastic rounding's codes and tie flags from the elements' first digits ``u``
+    (the offset ``a`` and inverse step ``s`` of ``scales``)."""
+    return _round_half(x, a, s, u, L, mode)
+
+
+def checksum_expression(words, w):
+    """The checksums of the rows of ``words`` (int32) with weights ``w``, as one
+    expression that torch.compile takes whole; ``checksum`` is what the wire uses."""
+    return _checksum(words, w)
+
+
+@contextlib.contextmanager
+def watch_compiled():
+    """Within the block, the names of the kernels whose calls take the compiled form, in
+    the order of the calls: a list, yielded, that grows as they run."""
+    global _want_compiled
+    real, seen = _want_compiled, []
+
+    def spy(k: Kernel, numel: int, device: torch.device) -> bool:
+        want = real(k, numel, device)
+        if want:
+            seen.append(k.name)
+        return want
+
+    _want_compiled = spy
+    try:
+        yield seen
+    finally:
+        _want_compiled = real
+
+
+@contextlib.contextmanager
+def lanes_forced(on: bool | None = True):
+    """Within the block, ``LANES`` is ``on``: True takes the lane kernels on any CPU
+    (``lanes_pay`` keeps them to 512-bit vector code), None asks the CPU again."""
+    global LANES
+    before, LANES = LANES, on
+    try:
+        yield
+    finally:
+        LANES = before
+
+
+@contextlib.contextmanager
+def one_loop():
+    """Within the block no row splits into lanes (``lane_width`` answers 0): the
+    encoders take their one-loop kernels."""
+    global lane_width
+    real = lane_width
+    lane_width = lambda B: 0  # noqa: E731
+    try:
+        yield
+    finally:
+        lane_width = real

@@ -133,6 +133,12 @@ def _weights_cached(nwords: int, device) -> torch.Tensor:
     return w
 
 
+def checksum_weights(nwords: int, device) -> torch.Tensor:
+    """The checksum weights of payload rows of ``nwords`` int32 words on ``device``
+    (cached per size and device), as ``checksum`` uses them."""
+    return _weights_cached(nwords, device)
+
+
 def _checksum_words(words: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # int32 products wrap modulo 2**32; the int64 row sum is then exact modulo 2**32
     return (words * w).sum(dim=1, dtype=torch.int64) & 0xFFFFFFFF

@@ -282,21 +282,34 @@ def test_variants_match_dense_reference(approximator, iterations, lam, nesterov,
     torch.testing.assert_close(got, want.unsqueeze(1).expand_as(got), rtol=1e-4, atol=1e-5)
 
 
-def _mean_after_one_step(approximator, steps, seed=0):
-    """Decompressed aggregates of ``steps`` independent draws of the same gradients
-    (no error feedback, no momentum: each step is one draw of C(mean M))."""
+#: copies of SHAPES in the layout of the unbiasedness test: a step's shared draw is one
+#: stream over all the matrices, so each copy gets its own U and one step gives COPIES
+#: independent trials (a step of 50 copies costs a few times one of a single copy)
+COPIES = 50
+
+
+def _trials(approximator, trials, seed=0):
+    """``trials`` independent decompressed aggregates C(M) of the same gradients, as
+    rows of D values (no error feedback, no momentum, no warm start: each copy of
+    SHAPES in each step is one draw), and the mean M they estimate."""
     g = torch.Generator().manual_seed(11)
     grads = torch.randn(N, D, generator=g) + torch.randn(1, D, generator=g)
     c = comm.SimulatedCommunicator(world_size=N)
     a = algorithms.build("powersgd", c, rank=RANK, momentum=0.0, error_feedback=False,
                          warm_start=False, seed=seed, approximator=approximator)
-    a.setup(torch.zeros(N, D), LAYOUT)
-    outs = torch.empty(steps, D, dtype=torch.float64)
-    for t in range(steps):
-        G = grads.clone()
-        a.reduce_gradients(G)
-        outs[t] = G[0].double()
-    return outs, grads.double().mean(0)
+    a.setup(torch.zeros(N, COPIES * D), ParamLayout(tuple(SHAPES) * COPIES))
+    steps = -(-trials // COPIES)
+    outs = torch.empty(steps, COPIES, D, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small matrices: more threads only contend (many times slower on a busy machine)
+    try:
+        for t in range(steps):
+            G = grads.repeat(1, COPIES)
+            a.reduce_gradients(G)
+            outs[t] = G[0].double().view(COPIES, D)
+    finally:
+        torch.set_num_threads(threads)
+    return outs.view(steps * COPIES, D)[:trials], grads.double().mean(0)
 
 
 def _z_scores(outs, target):
@@ -306,15 +319,31 @@ def _z_scores(outs, target):
 
 
 def test_unbiased_approximator_is_unbiased():
+    """E[C(M)] = M for the unbiased approximator (U = Z / sqrt(r), E[U U^T] = I).
+
+    Statistic: over S = 4000 independent draws, each compressed coordinate's
+    z = (sample mean - M) / (sample std / sqrt(S)); under unbiasedness z is
+    t-distributed with 3999 degrees of freedom, about N(0, 1), and P(|z| >= 5) is
+    5.7e-7, so over the 408 compressed coordinates a false failure has probability at
+    most 2.3e-4 (union bound). Second check: the sample mean is within 10% of M in
+    norm (its relative error is about sqrt(sum of variances / S) / |M| = 0.05 here, its
+    square a sum of about 190 effective chi-square terms: twice that is far rarer than
+    the first check's false alarm). Power: the same statistic on a biased
+    scale (E = r M) exceeds 15 and on the biased PowerSGD approximator exceeds 20 (with
+    400 draws): a biased approximator passes with negligible probability. The draws come
+    50 to a step (:data:`COPIES`); their distribution, hence the test's, is that of
+    4000 steps of one copy.
+    """
     S = 4000
-    outs, Mbar = _mean_after_one_step("unbiased", S)
+    outs, Mbar = _trials("unbiased", S)
     comp = torch.zeros(D, dtype=torch.bool)
     for off, sh, numel in _blocks():
         comp[off : off + numel] = _compressed(sh)
+    assert int(comp.sum()) == 408
     # uncompressed values are the exact mean every time
     torch.testing.assert_close(outs[:, ~comp], Mbar[~comp].expand(S, -1), rtol=1e-5, atol=1e-6)
-    # every compressed coordinate: |z| < 5 (408 coordinates: a false alarm has
-    # probability ~2e-4); and the mean is within 10% of M in norm
+    # the copies of one step are distinct draws, not one draw repeated
+    assert not torch.equal(outs[0, comp], outs[1, comp])
     z = _z_scores(outs[:, comp], Mbar[comp])
     assert float(z.abs().max()) < 5.0, float(z.abs().max())
     rel = float((outs[:, comp].mean(0) - Mbar[comp]).norm() / Mbar[comp].norm())
@@ -322,7 +351,7 @@ def test_unbiased_approximator_is_unbiased():
     # the test has power: a biased scale (U without 1/sqrt(r), E = r M) and the biased
     # PowerSGD approximator both fail it by far
     assert float(_z_scores(outs[:, comp] * RANK, Mbar[comp]).abs().max()) > 15
-    powered, _ = _mean_after_one_step("power", 400)
+    powered, _ = _trials("power", 400)
     assert float(_z_scores(powered[:, comp], Mbar[comp]).abs().max()) > 20
 
 

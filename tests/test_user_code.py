@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 import pytest
 import torch
@@ -74,42 +75,87 @@ def _train(tmp_path, *args):
     return run_process([sys.executable, "-m", "gossip.train", "--no-progress", *args], timeout=300, cwd=tmp_path)
 
 
+def _main_in_process(tmp_path, capsys, monkeypatch, *args):
+    """``python -m gossip.train --no-progress *args`` run in this process through the
+    same entry point (:func:`gossip.train.main`): ``(exit code, what it wrote to stderr)``.
+    Warnings the interpreter would show on stderr count as written there; torch's
+    global generator is left as it was."""
+    from gossip.train import main
+
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as seen, torch.random.fork_rng(devices=[]):
+        warnings.simplefilter("always")
+        try:
+            rc = main(["--no-progress", *args])
+        except SystemExit as e:  # argparse's way out
+            rc = e.code
+    err = capsys.readouterr().err
+    hidden = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)  # by default
+    err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
+                   for w in seen if not issubclass(w.category, hidden))
+    return rc, err
+
+
 HERE = "tests.test_user_code"
 
+#: runs of the user's code by the real CLI, all in one child interpreter (torch imported once)
+_OWN_RUNS = {
+    "own": ["--simulate", "4", "--algo", "ecd", "--topology", "ring", "--data", f"{HERE}:blobs",
+            "--model", f"{HERE}:small_net", "--epochs", "6", "--batch-size", "16", "--lr", "0.1"],
+    "blobs": ["--simulate", "2", "--algo", "allreduce", "--data", f"{HERE}:blobs", "--model",
+              f"{HERE}:small_net", "--max-steps", "5"],
+    "blob_sets": ["--simulate", "2", "--algo", "allreduce", "--data", f"{HERE}:blob_sets", "--model",
+                  f"{HERE}:small_net", "--max-steps", "5"],
+    "built_in_model": ["--simulate", "2", "--algo", "allreduce", "--data", f"{HERE}:blobs", "--model", "mlp",
+                       "--max-steps", "3"],
+}
 
-def test_own_model_and_data_train_and_are_recorded(tmp_path):
-    out = tmp_path / "run"
-    r = _train(tmp_path, "--simulate", "4", "--algo", "ecd", "--topology", "ring", "--data", f"{HERE}:blobs",
-               "--model", f"{HERE}:small_net", "--epochs", "6", "--batch-size", "16", "--lr", "0.1",
-               "--out", str(out))
+_MAKE_OWN_RUNS = """
+import json, sys
+from gossip.train import main
+root = sys.argv[2]
+for name, argv in json.loads(sys.argv[1]).items():
+    rc = main(["--no-progress", *argv, "--out", root + "/" + name])
+    if rc:
+        sys.exit(f"run {name}: exit {rc}")
+"""
+
+
+@pytest.fixture(scope="module")
+def own_runs(tmp_path_factory):
+    """The runs of :data:`_OWN_RUNS`, each ``gossip.train.main`` as ``python -m
+    gossip.train`` calls it, one after the other in one child interpreter."""
+    root = tmp_path_factory.mktemp("own-runs")
+    r = run_process([sys.executable, "-c", _MAKE_OWN_RUNS, json.dumps(_OWN_RUNS), str(root)], timeout=300,
+                    cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+    return root
+
+
+def test_own_model_and_data_train_and_are_recorded(own_runs):
+    summary = json.loads((own_runs / "own" / "summary.json").read_text())
     assert summary["model"] == f"{HERE}:small_net" and summary["data"] == f"{HERE}:blobs"
     assert summary["params"] == 6 * 16 + 16 + 16 * 3 + 3
     assert summary["final_test_acc"] > 0.9  # well separated blobs
 
 
-def test_own_torch_datasets(tmp_path):
+def test_own_torch_datasets(own_runs):
     """A pair of torch Datasets of (x, label) is read into memory: the same data, the
     same run as the tensor pair."""
-    runs = []
-    for fn in ("blobs", "blob_sets"):
-        out = tmp_path / fn
-        r = _train(tmp_path, "--simulate", "2", "--algo", "allreduce", "--data", f"{HERE}:{fn}", "--model",
-                   f"{HERE}:small_net", "--max-steps", "5", "--out", str(out))
-        assert r.returncode == 0, r.stderr[-3000:]
-        runs.append(json.loads((out / "summary.json").read_text()))
+    runs = [json.loads((own_runs / fn / "summary.json").read_text()) for fn in ("blobs", "blob_sets")]
     assert runs[1]["data"] == f"{HERE}:blob_sets"
     assert runs[0]["final_test_acc"] is not None and runs[0]["final_test_acc"] == runs[1]["final_test_acc"]
     assert runs[0]["final_test_loss"] == runs[1]["final_test_loss"]
 
 
-def test_own_data_with_a_built_in_model(tmp_path):
-    r = _train(tmp_path, "--simulate", "2", "--algo", "allreduce", "--data", f"{HERE}:blobs", "--model", "mlp",
-               "--max-steps", "3", "--out", str(tmp_path / "run"))
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_own_data_with_a_built_in_model(own_runs):
+    summary = json.loads((own_runs / "built_in_model" / "summary.json").read_text())
+    assert summary["model"] == "mlp" and summary["data"] == f"{HERE}:blobs"
 
 
+# the first case runs the real CLI (its exit code and its whole stderr, as a user sees
+# them); the others run its entry point in this process (seconds of torch import less each)
 @pytest.mark.parametrize("args, needles", [
     (["--data", "no_such_module_xyz:make"], ["--data 'no_such_module_xyz:make'", "cannot import", "PYTHONPATH"]),
     (["--data", f"{HERE}:nothing_here"], ["has no 'nothing_here'", "fn(seed)"]),
@@ -122,14 +168,19 @@ def test_own_data_with_a_built_in_model(tmp_path):
     (["--data", "not a spec"], ["unknown --data 'not a spec'", "module.path:function"]),
     (["--model", "nope"], ["unknown --model 'nope'", "module.path:function"]),
 ])
-def test_a_factory_that_cannot_be_used_is_one_line(tmp_path, args, needles):
-    r = _train(tmp_path, "--simulate", "2", "--algo", "allreduce", "--max-steps", "1", *args,
-               "--out", str(tmp_path / "run"))
-    assert r.returncode == 2, r.stderr[-2000:]
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+def test_a_factory_that_cannot_be_used_is_one_line(tmp_path, capsys, monkeypatch, args, needles):
+    argv = ["--simulate", "2", "--algo", "allreduce", "--max-steps", "1", *args, "--out", str(tmp_path / "run")]
+    if args[1] == "no_such_module_xyz:make":
+        r = _train(tmp_path, *argv)
+        rc, err = r.returncode, r.stderr
+    else:
+        rc, err = _main_in_process(tmp_path, capsys, monkeypatch, *argv)
+    assert rc == 2, err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
     for n in needles:
         assert n in lines[0], lines[0]
+    assert not (tmp_path / "run").exists()  # nothing written
 
 
 # ---------------------------------------------------------------------- TensorBoard
@@ -158,20 +209,15 @@ def test_tensorboard_scalars_read_back(tmp_path):
     assert [e.value for e in acc.Scalars("eval/test_acc")] == pytest.approx([m["test_acc"] for m in evals], rel=1e-6)
 
 
-def test_tensorboard_missing_says_how_to_install(tmp_path):
-    """Where tensorboard is not installed the flag fails in one line naming the extra."""
-    stub = tmp_path / "stub"
-    (stub / "tensorboard").mkdir(parents=True)
-    (stub / "tensorboard" / "__init__.py").write_text("raise ImportError('No module named tensorboard')\n")
-    from tests.conftest import REPO, child_env
-
-    env = child_env(extra={"PYTHONPATH": f"{stub}:{REPO}"})
-    r = run_process([sys.executable, "-m", "gossip.train", "--simulate", "2", "--algo", "allreduce", "--data",
-                     "synthetic", "--max-steps", "2", "--tensorboard", "--no-progress", "--out",
-                     str(tmp_path / "run")], timeout=300, cwd=tmp_path, env=env)
-    assert r.returncode == 2, r.stderr[-2000:]
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "gossip[tensorboard]" in lines[0] and "Traceback" not in r.stderr
+def test_tensorboard_missing_says_how_to_install(tmp_path, capsys, monkeypatch):
+    """Where tensorboard is not installed the flag fails in one line naming the extra
+    (run in this process, with torch's TensorBoard module made unimportable)."""
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
+    rc, err = _main_in_process(tmp_path, capsys, monkeypatch, "--simulate", "2", "--algo", "allreduce", "--data",
+                               "synthetic", "--max-steps", "2", "--tensorboard", "--out", str(tmp_path / "run"))
+    assert rc == 2, err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "gossip[tensorboard]" in lines[0] and "Traceback" not in err, err
 
 
 def test_the_cli_guide_example_runs_as_written(tmp_path):

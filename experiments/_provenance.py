@@ -133,11 +133,14 @@ def stale(prov: dict[str, Any]) -> list[str]:
 #: under torchrun, without fault tolerance or MergeComp) never imports: an experiment
 #: made of such runs lists the rest (:func:`training_sources`), so that a change to the
 #: DDP hooks, the tools (gossip/tools, and the deprecated modules left at their old
-#: paths: analysis, crossover, leaderboard, units, textdata) or the fault-tolerant loop
-#: does not mark its figures stale.
+#: paths: analysis, crossover, leaderboard, units, textdata, and the application's
+#: config, loop, assembly, agreement, metrics, evaluation, fault_tolerance) or the
+#: fault-tolerant loop (gossip/train/fault_tolerance.py, gossip/train/_ftcomm.py) does
+#: not mark its figures stale. An entry ``folder/name`` leaves out one entry of a folder.
 #: tests/test_render.py runs a training step and checks that none of these is imported.
-NOT_TRAINED = ("_ftcomm.py", "analysis.py", "crossover.py", "ddp.py", "fault_tolerance.py", "leaderboard.py",
-               "schedule", "textdata.py", "tools", "units.py")
+NOT_TRAINED = ("agreement.py", "analysis.py", "assembly.py", "config.py", "crossover.py", "ddp.py", "evaluation.py",
+               "fault_tolerance.py", "leaderboard.py", "loop.py", "metrics.py", "schedule", "textdata.py", "tools",
+               "train/_ftcomm.py", "train/fault_tolerance.py", "units.py")
 
 
 def package_except(package: str, excluded: Sequence[str] = (), rev: str = "HEAD") -> list[str]:
@@ -158,8 +161,18 @@ def training_sources(*also: str, rev: str = "HEAD") -> list[str]:
     """The sources of an experiment whose figures come from training runs: the gossip
     package less :data:`NOT_TRAINED`, the topologies package (the graphs), then
     ``also`` (the experiment's scripts and helpers, and any excluded module it imports
-    itself, e.g. ``gossip/tools/crossover.py`` for a modelled time)."""
-    return [*package_except("gossip", NOT_TRAINED, rev), "topologies", *also]
+    itself, e.g. ``gossip/tools/crossover.py`` for a modelled time). A folder with an
+    entry left out (``train/fault_tolerance.py``) is listed by its other entries."""
+    inner: dict[str, list[str]] = {}
+    for name in NOT_TRAINED:
+        if "/" in name:
+            folder, entry = name.split("/", 1)
+            inner.setdefault(folder, []).append(entry)
+    out: list[str] = []
+    for path in package_except("gossip", [n for n in NOT_TRAINED if "/" not in n], rev):
+        folder = path.rsplit("/", 1)[-1]
+        out += package_except(path, inner[folder], rev) if folder in inner else [path]
+    return [*out, "topologies", *also]
 
 
 def inside(path: str, source: str) -> bool:

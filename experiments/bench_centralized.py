@@ -1,6 +1,6 @@
 """Benchmark one training step of every centralized (compressed all-reduce) algorithm.
 
-    python experiments/bench_centralized.py [--json PATH] [--steps N] [--quick]
+    python -m experiments run bench_centralized [--json PATH] [--steps N] [--quick]
 
 World 4 on loopback gloo (real processes, torch.distributed over a FileStore, one
 thread each), two models: ResNet-20 (gossip.models, CIFAR-10 shapes, ~0.27M

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """DDP step time with gossip's efsgd hook, overlapped and inline, against torch's all-reduce.
 
-    sudo python experiments/bench_ddp_overlap.py --rate 100mbit --steps 20 --repeats 3
+    sudo python -m experiments run bench_ddp_overlap --rate 100mbit --steps 20 --repeats 3
 
 Two ranks, each in its own network namespace of ``experiments/vcluster.py`` (links
 shaped with tc to ``--rate`` both ways), train the same DistributedDataParallel MLP

@@ -1,6 +1,6 @@
 """Benchmark MergeComp (Wang et al. 2021, arXiv:2103.15195): layer-wise, whole-model and searched partitions.
 
-    python experiments/bench_mergecomp.py [--json PATH] [--steps N] [--quick]
+    python -m experiments run bench_mergecomp [--json PATH] [--steps N] [--quick]
 
 World 4 on loopback gloo (real processes, one thread each). Two models with many
 tensors: ResNet-20 (gossip.models, 65 tensors, CIFAR-10 shapes) and a ResNet-50-shaped

@@ -1,6 +1,6 @@
 """Benchmark one PowerSGD step: ours against PyTorch's ``powerSGD_hook``, same run.
 
-    python experiments/bench_powersgd.py [--json PATH] [--steps N] [--warmup N] [--rank R]
+    python -m experiments run bench_powersgd [--json PATH] [--steps N] [--warmup N] [--rank R]
 
 World 2 on loopback gloo (real processes, one thread each), the parameter tensors of a
 ResNet-18 (ImageNet head, 11.7M values), rank 2 by default, error feedback and warm

@@ -1,6 +1,6 @@
 """The in-process simulation at scale: nodes x steps per second, loop path vs vectorized.
 
-    python experiments/bench_sim.py [--json PATH] [--quick] [--nodes 16,256,1024,16384]
+    python -m experiments run bench_sim [--json PATH] [--quick] [--nodes 16,256,1024,16384]
                                     [--models logreg,mlp,cnn1d] [--steps K] [--device cpu|cuda]
 
 For each model and node count, both paths of ``gossip.train --simulate N`` are built

@@ -1,6 +1,6 @@
 """Benchmark one training step of each decentralized algorithm, and the simulator.
 
-    python experiments/bench_step.py [--json PATH] [--steps N] [--quick]
+    python -m experiments run bench_step [--json PATH] [--steps N] [--quick]
 
 Part 1: world 4 on loopback gloo (real processes, torch.distributed), a model of about
 1M parameters, each algorithm measured in the same run: median step time split into

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """How long ``python -m topologies`` takes on a large graph: a ring and an expander.
 
-    python experiments/bench_topologies.py --results experiments/results/bench_topologies.json
-    python experiments/bench_topologies.py --n 1000 --repeats 1          # a quick look
+    python -m experiments run bench_topologies --results experiments/results/bench_topologies.json
+    python -m experiments run bench_topologies --n 1000 --repeats 1          # a quick look
 
 1. For each graph (a ring, and a random 4-regular expander with seed 0, of ``--n``
    nodes) and for ``python -m topologies --list`` (start-up and imports only, the

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """The benchmark's methods measured on shaped links: torchrun ranks in network namespaces.
 
-    sudo python experiments/benchmark_netns.py --results experiments/results/benchmark.json \\
+    sudo python -m experiments run benchmark_netns --results experiments/results/benchmark.json \\
         --out runs/bench-netns --bandwidth 10mbit,100mbit \\
         --netns-results experiments/results/benchmark_netns.json
-    python experiments/benchmark.py report --results experiments/results/benchmark.json \\
+    python -m experiments.benchmark report --results experiments/results/benchmark.json \\
         --netns experiments/results/benchmark_netns.json --md docs/benchmark.md
 
 The benchmark (``experiments/benchmark.py``) models every method's time to target per

@@ -7,8 +7,8 @@ after the last step, its ratio to D-PSGD's, the bytes sent relative to D-PSGD's
 (setup traffic included) and the final consensus distance mean_i ||x_i - xbar||^2.
 The same problem is tests/test_choco.py's.
 
-    python experiments/choco_gamma.py
-    python experiments/choco_gamma.py --compressors topk:p=0.01,sign --gammas 0.05,0.1,0.2 --steps 600
+    python -m experiments run choco_gamma
+    python -m experiments run choco_gamma --compressors topk:p=0.01,sign --gammas 0.05,0.1,0.2 --steps 600
 """
 
 from __future__ import annotations

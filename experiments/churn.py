@@ -20,9 +20,9 @@ discarded (a step a worker died in is retried by all); for each restart the time
 from its start to its heal record and the bytes of state it received; and the steps
 each killed worker missed while it was away.
 
-    sudo python experiments/churn.py --workers 8 --hosts 4 --steps 1600 --kill-every 320 --delay 3 --timeout 15
-    sudo python experiments/churn.py --quick       # 4 workers on 2 hosts, 150 steps
-    sudo python experiments/churn.py --algo dpsgd  # a decentralized run: the ring is rebuilt over the live workers
+    sudo python -m experiments run churn --workers 8 --hosts 4 --steps 1600 --kill-every 320 --delay 3 --timeout 15
+    sudo python -m experiments run churn --quick       # 4 workers on 2 hosts, 150 steps
+    sudo python -m experiments run churn --algo dpsgd  # a decentralized run: the ring is rebuilt over the live workers
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Check ``gossip.tools.crossover``'s link model against shaped links of the virtual cluster.
 
-    python experiments/crossover_check.py --nodes 4 --algos dpsgd,ecd:8 \\
+    python -m experiments run crossover_check --nodes 4 --algos dpsgd,ecd:8 \\
         --bandwidth 5mbit,50mbit --steps 30 --out runs/crossover-check
 
 1. ``experiments/sweep_network.py`` runs each algorithm at each bandwidth on the

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Which training recipe suits the demo's algorithm (ECD at 8 bits on a ring of 4)?
 
-    python experiments/ecd_recipes.py --out runs/ecd-recipes --results experiments/results/ecd_recipes.json
-    python experiments/ecd_recipes.py --recipes demo --epochs-scale 0.05 --data synthetic --out runs/ecd-smoke
+    python -m experiments run ecd_recipes --out runs/ecd-recipes --results experiments/results/ecd_recipes.json
+    python -m experiments run ecd_recipes --recipes demo --epochs-scale 0.05 --data synthetic --out runs/ecd-smoke
 
 Every recipe in ``RECIPES`` trains ``gossip.train --simulate 4 --algo ecd --bits 8
 --topology ring --seed 0`` (MNIST-1D, the data set's default model ``cnn1d``, batch 32

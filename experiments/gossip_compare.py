@@ -2,8 +2,8 @@
 """Decentralized algorithms side by side on non-iid data: accuracy against bytes sent
 and against simulated wall-clock time.
 
-    python experiments/gossip_compare.py --out runs/gossip-compare          # MNIST-1D, 8 nodes, sorted shards
-    python experiments/gossip_compare.py --methods dpsgd,choco-sign --epochs 1 --data synthetic --out runs/gc-smoke
+    python -m experiments run gossip_compare --out runs/gossip-compare          # MNIST-1D, 8 nodes, sorted shards
+    python -m experiments run gossip_compare --methods dpsgd,choco-sign --epochs 1 --data synthetic --out runs/gc-smoke
 
 D-PSGD, DCD-PSGD, ECD-PSGD, CHOCO-SGD and SGP train the same CNN on MNIST-1D, the
 training set label-sorted and cut into contiguous shards (``--partition sorted``: each

@@ -1,7 +1,7 @@
 """Everything this project can only check on a GPU, in one run of under 8 minutes.
 
-    python experiments/gpu_check.py --out runs/gpu-check            # on a CUDA machine
-    python experiments/gpu_check.py --dry-run                        # anywhere: list and validate the plan
+    python -m experiments run gpu_check --out runs/gpu-check            # on a CUDA machine
+    python -m experiments run gpu_check --dry-run                        # anywhere: list and validate the plan
 
 Sections, each in a process of its own with its own time limit (a crash, a hang or a
 failed import in one is recorded and the next one runs):
@@ -237,7 +237,7 @@ def s_simulate_cuda(args: argparse.Namespace) -> dict[str, Any]:
 def s_simulate_paths(args: argparse.Namespace) -> dict[str, Any]:
     """sim_gpu_check --quick: both simulation paths on CUDA agree, and their speed"""
     with tempfile.TemporaryDirectory() as tmp:
-        res = _run([*_py(), "experiments/sim_gpu_check.py", "--quick", "--out", tmp], args.section_timeout - 5)
+        res = _run([*_py(), "-m", "experiments.sim_gpu_check", "--quick", "--out", tmp], args.section_timeout - 5)
         res["command"] = res["command"].replace(tmp, "OUT")
         paths, bench = Path(tmp) / "paths.json", Path(tmp) / "bench_sim_cuda.json"
         if paths.is_file():

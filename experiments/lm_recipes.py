@@ -1,7 +1,7 @@
 """Language-model recipes: a ~1M-parameter GPT and LSTM on 4 simulated nodes with all-reduce.
 
-    python experiments/lm_recipes.py                       # both recipes, as documented
-    python experiments/lm_recipes.py --recipes gpt --steps 50 --json /tmp/lm.json   # a quick check
+    python -m experiments run lm_recipes                       # both recipes, as documented
+    python -m experiments run lm_recipes --recipes gpt --steps 50 --json /tmp/lm.json   # a quick check
 
 Each recipe is one ``gossip.train`` command on the default corpus (the Python standard
 library's sources, byte-level, see docs/language-models.md), run in a process of its

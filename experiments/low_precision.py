@@ -1,6 +1,6 @@
 """How naive compression, DCD-PSGD and ECD-PSGD behave as the bits go down.
 
-    python experiments/low_precision.py [--nodes 8] [--steps 300] [--json PATH]
+    python -m experiments run low_precision [--nodes 8] [--steps 300] [--json PATH]
 
 ``--json`` writes the rows with a provenance record (experiments/_provenance.py);
 the README's table is rendered from experiments/results/low_precision.json.

@@ -2,9 +2,9 @@
 """The 2024-2026 methods against all-reduce on MNIST-1D, each tuned on the same budget:
 final accuracy at their bytes.
 
-    python experiments/modern_compare.py --jobs 2 --out runs/modern-compare \\
+    python -m experiments run modern_compare --jobs 2 --out runs/modern-compare \\
         --results experiments/results/modern_compare.json                     # 8 nodes, 30 epochs
-    python experiments/modern_compare.py --epochs 1 --tune-epochs 1 --data synthetic --samples 256 \\
+    python -m experiments run modern_compare --epochs 1 --tune-epochs 1 --data synthetic --samples 256 \\
         --nodes 2 --out runs/mc-smoke                                           # a smoke run
 
 Every method trains the same model on the same iid shards with 8 nodes simulated in

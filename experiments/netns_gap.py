@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the measured and the modelled times to target part: the evaluations' share.
 
-    python experiments/netns_gap.py \\
+    python -m experiments run netns_gap \\
         --netns-results experiments/results/benchmark_netns-mnist1d-n4.json \\
         --runs runs/bnet100 runs/bnet10 --json experiments/results/netns_gap-mnist1d-n4.json
 

@@ -1,8 +1,8 @@
 """PowerSGD's Table 3 in shape: an LSTM language model with SGD and with rank-1/2/4 PowerSGD.
 
-    python experiments/powersgd_lstm.py                        # the default corpus
-    python experiments/powersgd_lstm.py --data wikitext2 --data-dir DIR   # the paper's corpus, as bytes
-    python experiments/powersgd_lstm.py --steps 20 --json /tmp/t3.json    # a quick check
+    python -m experiments run powersgd_lstm                        # the default corpus
+    python -m experiments run powersgd_lstm --data wikitext2 --data-dir DIR   # the paper's corpus, as bytes
+    python -m experiments run powersgd_lstm --steps 20 --json /tmp/t3.json    # a quick check
 
 Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
 Optimization" (arXiv:1905.13727), Table 3, train a 3-layer LSTM on WikiText-2 with 16

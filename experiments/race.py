@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """The race: bytes and time (modelled, or measured on shaped links) to a target test accuracy, per method.
 
-    python experiments/race.py --out runs/race                       # MNIST-1D CNN, 4 nodes
-    python experiments/race.py --nodes 16 --bandwidth 10mbit,100mbit --latency 5ms --out runs/race16
-    python experiments/race.py --methods allreduce,localsgd --epochs 1 --data synthetic --out runs/race-smoke
-    sudo python experiments/race.py --mode netns --bandwidth 100mbit,10mbit --out runs/race-netns
+    python -m experiments run race --out runs/race                       # MNIST-1D CNN, 4 nodes
+    python -m experiments run race --nodes 16 --bandwidth 10mbit,100mbit --latency 5ms --out runs/race16
+    python -m experiments run race --methods allreduce,localsgd --epochs 1 --data synthetic --out runs/race-smoke
+    sudo python -m experiments run race --mode netns --bandwidth 100mbit,10mbit --out runs/race-netns
 
 Two modes: ``--mode simulated`` (the default) models the time, ``--mode netns``
 measures it on real shaped links (below).

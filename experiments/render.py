@@ -712,25 +712,25 @@ def _cold_start(res: dict) -> str:
 
 
 #: the commands that make the tables still awaiting their results file (docs/provenance.md)
-_CMD_CROSSOVER = ("sudo python experiments/crossover_check.py --nodes 4 --algos dpsgd,ecd:8 --bandwidth 5mbit,50mbit "
+_CMD_CROSSOVER = ("sudo python -m experiments run crossover_check --nodes 4 --algos dpsgd,ecd:8 --bandwidth 5mbit,50mbit "
                   f"--steps 20 --out runs/crossover-check --results {RESULTS}/crossover_check.json")
-_CMD_SGP = ("sudo python experiments/sgp_overlap.py --nodes 4 --rate 100mbit,10mbit --steps 30 --repeats 2 "
+_CMD_SGP = ("sudo python -m experiments run sgp_overlap --nodes 4 --rate 100mbit,10mbit --steps 30 --repeats 2 "
             f"--out runs/sgp-overlap --results {RESULTS}/sgp_overlap.json")
-_CMD_GOSSIP = ("OMP_NUM_THREADS=1 python experiments/gossip_compare.py --epochs 40 --out runs/gossip-compare "
+_CMD_GOSSIP = ("OMP_NUM_THREADS=1 python -m experiments run gossip_compare --epochs 40 --out runs/gossip-compare "
                f"--results {RESULTS}/gossip_compare.json")
-_CMD_SWEEP = ("sudo python experiments/sweep_network.py --nodes 4 --algos allreduce,dcd:8,ecd:8,dpsgd "
+_CMD_SWEEP = ("sudo python -m experiments.sweep_network --nodes 4 --algos allreduce,dcd:8,ecd:8,dpsgd "
               "--bandwidth 20mbit,5mbit --latency 0.13ms,5ms,20ms --steps 25 --warmup 5 --out runs/netsweep4 "
               f"--results {RESULTS}/sweep_network.json")
-_CMD_COLD = ("TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) OMP_NUM_THREADS=1 python experiments/cold_start.py quant:bits=8 "
+_CMD_COLD = ("TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) OMP_NUM_THREADS=1 python -m experiments run cold_start quant:bits=8 "
              f"quant:bits=4 identity --results {RESULTS}/cold_start.json")
-_CMD_TOPO = f"python experiments/bench_topologies.py --results {RESULTS}/bench_topologies.json"
-_CMD_ECD = f"OMP_NUM_THREADS=1 python experiments/ecd_recipes.py --out runs/ecd-recipes --results {RESULTS}/ecd_recipes.json"
-_CMD_RACE = ("OMP_NUM_THREADS=1 python experiments/race.py --out runs/race --bandwidth 10mbit,100mbit --latency 0 "
+_CMD_TOPO = f"python -m experiments run bench_topologies --results {RESULTS}/bench_topologies.json"
+_CMD_ECD = f"OMP_NUM_THREADS=1 python -m experiments run ecd_recipes --out runs/ecd-recipes --results {RESULTS}/ecd_recipes.json"
+_CMD_RACE = ("OMP_NUM_THREADS=1 python -m experiments run race --out runs/race --bandwidth 10mbit,100mbit --latency 0 "
              f"--results {RESULTS}/race_modelled.json")
-_CMD_RACE16 = ("OMP_NUM_THREADS=1 python experiments/race.py --nodes 16 --methods "
+_CMD_RACE16 = ("OMP_NUM_THREADS=1 python -m experiments run race --nodes 16 --methods "
                "allreduce,localsgd,dcd:4,choco-top1,sgp,diloco:4 --target 0.55 --out runs/race16-55 "
                f"--results {RESULTS}/race16_target55.json")
-_CMD_NETNS = ("sudo python experiments/race.py --mode netns --methods allreduce,localsgd,dcd:4,ecd:8,dpsgd,diloco,"
+_CMD_NETNS = ("sudo python -m experiments run race --mode netns --methods allreduce,localsgd,dcd:4,ecd:8,dpsgd,diloco,"
               "diloco:4,powersgd:2,efsgd-sign,choco-top1,sgp --bandwidth 100mbit,10mbit --timeout 1200 "
               f"--out runs/race-netns-quiet --results {RESULTS}/race_netns.json")
 
@@ -905,12 +905,14 @@ def _short(commit: str | None) -> str:
 
 def provenance_line(path: str, prov: dict[str, Any]) -> str:
     """The line under a table: where its figures come from (command, commit, date,
-    machine, load). Whether they are still fresh is not said here (it depends on HEAD):
-    experiments/freshness.py computes it."""
+    machine, load). The command is the recorded one as this checkout runs it (an
+    experiment recorded as ``python experiments/NAME.py`` reads ``python -m
+    experiments.NAME``). Whether they are still fresh is not said here (it depends on
+    HEAD): experiments/freshness.py computes it."""
     date = str(prov.get("date", "?"))[:10]
     tree = " (dirty tree)" if prov.get("dirty") else ""
     m = prov.get("machine") or {}
-    parts = [f"`{prov.get('command', '?')}`", f"commit {_short(prov.get('commit'))}{tree}", date]
+    parts = [f"`{P.as_module(prov.get('command', '?'))}`", f"commit {_short(prov.get('commit'))}{tree}", date]
     if m:
         mach = f"{m.get('cores', '?')} cores" + (f" ({m['cpu']})" if m.get("cpu") else "")
         if m.get("memcpy_gbps"):

@@ -2,8 +2,8 @@
 """Reproduce the convergence experiments of Tang, Gan, Zhang, Zhang and Liu, "Communication
 Compression for Decentralized Training" (NeurIPS 2018, arXiv:1803.06443) at small scale.
 
-    python experiments/reproduce_tang2018.py --out reports/tang2018
-    python experiments/reproduce_tang2018.py --out reports/tang2018 --data-dir data/cifar-10-batches-py
+    python -m experiments.reproduce_tang2018 --out reports/tang2018
+    python -m experiments.reproduce_tang2018 --out reports/tang2018 --data-dir data/cifar-10-batches-py
 
 Runs ``python -m gossip.train --simulate N`` (all nodes in one process) for
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Step time of SGP with and without overlap on a shaped virtual cluster.
 
-    sudo python experiments/sgp_overlap.py --nodes 4 --rate 100mbit,10mbit --steps 30 --repeats 2 \\
+    sudo python -m experiments run sgp_overlap --nodes 4 --rate 100mbit,10mbit --steps 30 --repeats 2 \\
         --results experiments/results/sgp_overlap.json
 
 Runs ``gossip.train --algo sgp --topology onepeer-exp --algo-opt overlap=0|1`` on

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Accuracy of the sharded two-way exchange against the all-gathered form, same recipe.
 
-    python experiments/sharded_accuracy.py --nodes 16 --epochs 30 --jobs 2 --out runs/sharded-accuracy \\
+    python -m experiments run sharded_accuracy --nodes 16 --epochs 30 --jobs 2 --out runs/sharded-accuracy \\
         --json experiments/results/sharded_accuracy.json
 
 Trains each method on MNIST-1D with ``cnn1d``, all ``--nodes`` nodes simulated (the

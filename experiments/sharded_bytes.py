@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Bytes per node per step of the sharded two-way compressed exchange, from the ledger.
 
-    python experiments/sharded_bytes.py --results experiments/results/sharded_bytes.json
+    python -m experiments run sharded_bytes --results experiments/results/sharded_bytes.json
 
 For each case in ``CASES`` (an algorithm, its options and the compressor spec that
 sets its payload) and each node count in ``--nodes``:

@@ -1,6 +1,6 @@
 """Where a one-epoch vectorized simulation spends the time outside its steps.
 
-    python experiments/sim_epoch_profile.py [--nodes 1024] [--models logreg,mlp,cnn1d]
+    python -m experiments run sim_epoch_profile [--nodes 1024] [--models logreg,mlp,cnn1d]
                                             [--device cpu|cuda] [--json PATH] [--pstats DIR]
 
 ``experiments/bench_sim.py`` reports the share of a one-epoch run at 1,024 nodes that

@@ -1,6 +1,6 @@
 """The simulation on a GPU, with the code that runs on the CPU: a check, then figures.
 
-    python experiments/sim_gpu_check.py [--out DIR] [--quick]
+    python -m experiments run sim_gpu_check [--out DIR] [--quick]
 
 1. ``gossip.train --simulate 8 --device cuda`` on both paths (D-PSGD, DCD at 8 bits
    and MuLoCo with its Muon, mlp, 20 steps): each completes, says which path it took,

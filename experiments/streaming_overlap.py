@@ -2,8 +2,8 @@
 """Streaming DiLoCo's overlap on shaped links: step time with ``fragment_sync_delay`` tau
 against tau = 0 (no overlap), on a virtual cluster of network namespaces.
 
-    sudo python experiments/streaming_overlap.py --out runs/streaming-overlap        # 4 hosts, 10 Mbit/s
-    sudo python experiments/streaming_overlap.py --repeats 1 --steps 12 --out runs/so-smoke
+    sudo python -m experiments run streaming_overlap --out runs/streaming-overlap        # 4 hosts, 10 Mbit/s
+    sudo python -m experiments run streaming_overlap --repeats 1 --steps 12 --out runs/so-smoke
 
 Each host of ``experiments/vcluster.py`` (4 by default, links shaped to ``--rate`` with
 tbf on both ends) runs one torchrun rank of ``gossip.train --algo diloco`` with
@@ -40,7 +40,7 @@ date, machine, load) and ``overlap.md``; with ``--results`` the same JSON at tha
 (``experiments/results/streaming_overlap.json``), from which ``make results-tables``
 renders docs/modern.md. The quiet re-run, as root on an idle machine::
 
-    python experiments/streaming_overlap.py --repeats 3 \
+    python -m experiments run streaming_overlap --repeats 3 \
         --out runs/streaming-overlap --results experiments/results/streaming_overlap.json
 """
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Run gossip.train under torchrun again and again; count the workers that abort.
 
-    python experiments/stress_torchrun.py --minutes 20 --load 1 --cache empty
-    python experiments/stress_torchrun.py --runs 40 --job suite --pythonpath /path/to/other/checkout
+    python -m experiments run stress_torchrun --minutes 20 --load 1 --cache empty
+    python -m experiments run stress_torchrun --runs 40 --job suite --pythonpath /path/to/other/checkout
 
 Jobs (``--job``):
 

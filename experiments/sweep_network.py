@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time training steps under tc-shaped bandwidth and latency (Tang et al. 2018, arXiv:1803.06443, Fig. 3).
 
-    python experiments/sweep_network.py --nodes 8 --algos allreduce,dpsgd,dcd:8,ecd:8 \\
+    python -m experiments.sweep_network --nodes 8 --algos allreduce,dpsgd,dcd:8,ecd:8 \\
         --bandwidth 1400mbit,200mbit,50mbit,20mbit,5mbit --latency 0.13ms,5ms,20ms \\
         --steps 50 --out runs/sweep
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A gloo collective that finishes on the worker thread while the interpreter exits.
 
-    python experiments/teardown_race.py --teardown destroy --runs 8    # aborts now and then
-    python experiments/teardown_race.py --teardown shutdown --runs 12  # gossip.comm.shutdown: none
+    python -m experiments run teardown_race --teardown destroy --runs 8    # aborts now and then
+    python -m experiments run teardown_race --teardown shutdown --runs 12  # gossip.comm.shutdown: none
 
 Each run is a world of 2 under torchrun. Both ranks import ``torch.distributed.nn.functional``
 after ``init_process_group`` (as torch._dynamo does on a first compiled call), so that

@@ -31,10 +31,10 @@ As a library::
 
 As a CLI::
 
-    python experiments/vcluster.py --nodes 4 --rate 20mbit -- python -m gossip.train --algo dcd --bits 8
-    python experiments/vcluster.py --cleanup --prefix gsp    # remove what a crashed run left
-    python experiments/vcluster.py --probe                   # which qdiscs this kernel has
-    python experiments/vcluster.py torchrun --hosts 2 --nproc-per-node 2 --rate 100mbit -- \
+    python -m experiments.vcluster --nodes 4 --rate 20mbit -- python -m gossip.train --algo dcd --bits 8
+    python -m experiments.vcluster --cleanup --prefix gsp    # remove what a crashed run left
+    python -m experiments.vcluster --probe                   # which qdiscs this kernel has
+    python -m experiments.vcluster torchrun --hosts 2 --nproc-per-node 2 --rate 100mbit -- \
         -m gossip.train --algo ecd --bits 8 --topology ring
 
 By default each rank runs inside its namespace with torchrun's variables (RANK,
@@ -538,7 +538,7 @@ class VirtualCluster:
             raise VClusterError(
                 f"namespaces or links with prefix '{self.prefix}' already exist ({shown}): another "
                 f"virtual cluster is running or a crashed one left them; remove them with "
-                f"`python experiments/vcluster.py --cleanup --prefix {self.prefix}` or choose another --prefix"
+                f"`python -m experiments.vcluster --cleanup --prefix {self.prefix}` or choose another --prefix"
             )
         self._up = True
         try:
@@ -1040,7 +1040,7 @@ def _parser() -> argparse.ArgumentParser:
                     "tc-shaped links (rate with tbf; delay with netem or, where netem is missing, "
                     "emulated by the command itself). `vcluster.py torchrun --help`: one torchrun "
                     "per host instead, as across real machines.",
-        epilog="example: python experiments/vcluster.py --nodes 4 --rate 20mbit -- "
+        epilog="example: python -m experiments.vcluster --nodes 4 --rate 20mbit -- "
                "python -m gossip.train --algo dcd --bits 8 --data mnist1d --epochs 1",
     )
     p.add_argument("--nodes", type=int, default=2, metavar="N", help="number of hosts (default 2)")
@@ -1060,7 +1060,7 @@ def _torchrun_parser() -> argparse.ArgumentParser:
                     "starting --nproc-per-node workers, the agents meeting at a rendezvous on host 0. "
                     "Prints each host's interface and loopback bytes and, for a gossip.train run, "
                     "what the ledgers recorded between hosts and within each.",
-        epilog="example: python experiments/vcluster.py torchrun --hosts 2 --nproc-per-node 2 "
+        epilog="example: python -m experiments.vcluster torchrun --hosts 2 --nproc-per-node 2 "
                "--rate 100mbit -- -m gossip.train --algo ecd --bits 8 --topology ring",
     )
     p.add_argument("--hosts", type=int, default=2, metavar="H", help="number of hosts (default 2)")

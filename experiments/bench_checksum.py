@@ -1,6 +1,6 @@
 """The payload checksum on the CPU: the integer matrix-vector product against the forms it replaced.
 
-    OMP_NUM_THREADS=1 python experiments/bench_checksum.py [--reps 7] [--json PATH]
+    OMP_NUM_THREADS=1 python -m experiments run bench_checksum [--reps 7] [--json PATH]
 
 Every payload row carries ``sum_j (2 j + 1) w_j mod 2**32`` over its 32-bit words
 (``gossip.compress.wire``): the encoder writes it and the decoder checks it, so every

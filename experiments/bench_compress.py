@@ -1,6 +1,6 @@
 """Throughput of every compressor against a plain memcpy, on one CPU thread.
 
-    python experiments/bench_compress.py [--quick] [--json PATH] [--only SPEC,SPEC] [--backend compile]
+    python -m experiments run bench_compress [--quick] [--json PATH] [--only SPEC,SPEC] [--backend compile]
 
 For each compressor and size (1M and 16M fp32 elements; 1M only with --quick) it
 reports encode and decode throughput in GB/s of fp32 input, the throughput of a

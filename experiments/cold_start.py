@@ -1,10 +1,10 @@
 """What a compressor's first call costs in a fresh process: compiling, on an empty or a
 warm inductor cache.
 
-    OMP_NUM_THREADS=1 python experiments/cold_start.py quant:bits=8 quant:bits=4 identity \\
+    OMP_NUM_THREADS=1 python -m experiments run cold_start quant:bits=8 quant:bits=4 identity \\
         --caches empty,warm --results experiments/results/cold_start.json
-    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) OMP_NUM_THREADS=1 python experiments/cold_start.py quant:bits=8
-    python experiments/cold_start.py --numel 1048576 quant:bits=8      # a smaller model
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) OMP_NUM_THREADS=1 python -m experiments run cold_start quant:bits=8
+    python -m experiments run cold_start --numel 1048576 quant:bits=8      # a smaller model
 
 For each spec: the time of the first ``encode`` + ``decode`` of one row of ``--numel``
 values (default 2**23: a model of 8M parameters) and of the second one, one thread,

@@ -1,6 +1,6 @@
 """Where the time of quant's 8-bit and 4-bit round trips goes, and the bound of the 8-bit design.
 
-    python experiments/quant_parts.py [--numel 16777216] [--reps 9]
+    python -m experiments run quant_parts [--numel 16777216] [--reps 9]
 
 One thread, one row of standard normal fp32 values, minimum of interleaved repeats;
 every figure is also given as a fraction of a memcpy of the same tensor timed in the

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gossip import ddp, evaluation
+from gossip import ddp
+from gossip.train import evaluation
 from gossip.data import build_dataset, partition_dataset
 from gossip.models import build_model
 

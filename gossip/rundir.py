@@ -3,7 +3,7 @@
 ``python -m gossip.train --out DIR`` writes, and :mod:`gossip.tools.analysis` reads:
 
 ``config.json``
-    Written once at the start: the flat keys of :class:`gossip.config.TrainConfig`
+    Written once at the start: the flat keys of :class:`gossip.train.config.TrainConfig`
     (``algo``, ``lr`` ...), the derived ``compressor_spec``/``model_name``/
     ``local_momentum``, and what the run found: ``world_size``, ``params``, ``mode``,
     ``hostname``, ``torch``, the parameter ``layout`` and the algorithm's ``wire``
@@ -147,7 +147,7 @@ _TB_TAGS = {
     "eval": {"test_loss": "eval/test_loss", "test_acc": "eval/test_acc", "train_loss": "eval/train_loss",
              "consensus_distance": "eval/consensus_distance", "node_acc_min": "eval/node_acc_min",
              "node_acc_max": "eval/node_acc_max",
-             # language models (gossip.evaluation): bits per byte and perplexity, no accuracy
+             # language models (gossip.train.evaluation): bits per byte and perplexity, no accuracy
              "test_bpb": "eval/test_bpb", "test_ppl": "eval/test_ppl", "node_bpb_min": "eval/node_bpb_min",
              "node_bpb_max": "eval/node_bpb_max"},
 }

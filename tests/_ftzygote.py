@@ -29,8 +29,8 @@ import torch._dynamo  # noqa: F401 - what a torch optimizer imports when it is f
 import torch.distributed  # noqa: F401
 
 import gossip.comm  # noqa: F401
-import gossip.fault_tolerance  # noqa: F401 - the slow imports, once, before any fork
-import gossip.loop  # noqa: F401
+import gossip.train.fault_tolerance  # noqa: F401 - the slow imports, once, before any fork
+import gossip.train.loop  # noqa: F401
 import gossip.train
 
 torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # the rest of its lazy imports

@@ -1,4 +1,5 @@
-"""Tests of gossip.checkpoint: atomic saves, verified loads, fingerprints, run directories."""
+"""Tests of gossip.checkpoint (the file format) and gossip.train.checkpoint (the run's
+manager): atomic saves, verified loads, fingerprints, run directories."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from gossip import checkpoint as ck
+from gossip.train import checkpoint as manager
 from gossip.checkpoint import CheckpointError, config_fingerprint, load_checkpoint, save_checkpoint
 from gossip.data import ShardLoader
 
@@ -559,11 +561,11 @@ def test_loader_states_are_saved_stacked_and_read_back_per_node():
     for ld in loaders[1:]:
         next(iter(ld))
     states = [ld.state_dict() for ld in loaders]
-    stacked = ck._stack_loader_states(states)
+    stacked = manager._stack_loader_states(states)
     assert stacked["stacked_nodes"] == 4
     assert {k: tuple(t.shape)[0] for k, t in stacked["tensors"].items()} == {"shuffle_generator": 4,
                                                                            "transform_generator": 4}
-    back = ck._unstack_loader_states(stacked, "f")
+    back = manager._unstack_loader_states(stacked, "f")
     assert len(back) == 4 and all(set(b) == set(s) for b, s in zip(back, states))
     for b, s in zip(back, states):
         for k in s:
@@ -573,8 +575,8 @@ def test_loader_states_are_saved_stacked_and_read_back_per_node():
     for ld, st, orig in zip(fresh, back, loaders):
         ld.load_state_dict(st)
         assert all(torch.equal(a, b) for a, b in zip(next(iter(ld)), next(iter(orig))))
-    assert ck._unstack_loader_states(states, "f") == states  # a list, as saved before stacking
-    assert ck._stack_loader_states(states[:1]) == states[:1]
+    assert manager._unstack_loader_states(states, "f") == states  # a list, as saved before stacking
+    assert manager._stack_loader_states(states[:1]) == states[:1]
 
 
 @pytest.mark.parametrize("damage", [lambda s: s.pop("values"), lambda s: s.update(stacked_nodes=5),
@@ -583,9 +585,9 @@ def test_damaged_stacked_loader_states_are_one_line(damage):
     from gossip.data import ShardLoader
 
     x, y = torch.randn(16, 3), torch.arange(16) % 4
-    stacked = ck._stack_loader_states([ShardLoader(x, y, torch.arange(8 * r, 8 * r + 8), 2, seed=0, node=r).state_dict()
+    stacked = manager._stack_loader_states([ShardLoader(x, y, torch.arange(8 * r, 8 * r + 8), 2, seed=0, node=r).state_dict()
                                        for r in range(2)])
     damage(stacked)
     with pytest.raises(CheckpointError, match=r"^checkpoint 'f' is damaged: its data-loader states do not unpack") as e:
-        ck._unstack_loader_states(stacked, "f")
+        manager._unstack_loader_states(stacked, "f")
     assert "\n" not in str(e.value)

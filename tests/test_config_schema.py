@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from gossip import config
-from gossip.config import ConfigError, TrainConfig, build_parser, option, parse_args
+from gossip.train import config
+from gossip.train.config import ConfigError, TrainConfig, build_parser, option, parse_args
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from gossip.config import (
+from gossip.train.config import (
     FLAT_KEYS,
     SECTIONS,
     AlgorithmSection,

@@ -12,7 +12,7 @@ from torch import nn
 
 import gossip
 from gossip import algorithms, compress, ddp
-from gossip.config import ConfigError, parse_args
+from gossip.train.config import ConfigError, parse_args
 from gossip.runtime import MomentumConflict
 
 ROOT = pathlib.Path(gossip.__file__).resolve().parent

@@ -25,7 +25,7 @@ import torch
 
 pytest.importorskip("torchft", reason="the [ft] extra (torchft) is part of the dev install")
 
-from gossip.config import ConfigError, parse_args  # noqa: E402
+from gossip.train.config import ConfigError, parse_args  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -414,7 +414,7 @@ def test_unsupported_algorithms_and_bad_settings_are_one_line_before_anything_co
 
 def test_the_topology_over_the_live_replicas_falls_back_to_a_ring_and_says_why() -> None:
     import topologies
-    from gossip.fault_tolerance import live_topology
+    from gossip.train.fault_tolerance import live_topology
 
     ft = ["--fault-tolerance", "localhost:1", "--min-replicas", "2", "--out", "run"]
     cfg = parse_args(["--algo", "dpsgd", "--topology", "torus", *ft])
@@ -461,7 +461,7 @@ class _DeadPeerGroup:
 
 
 def test_a_failed_collective_is_reported_and_aborts_the_group_so_every_peer_leaves_it() -> None:
-    from gossip.fault_tolerance import FTCommunicator
+    from gossip.train.fault_tolerance import FTCommunicator
 
     manager, pg = _Manager(), _DeadPeerGroup()
     comm = FTCommunicator(manager, pg, replica=2, replicas=4, timeout=5)
@@ -485,14 +485,14 @@ def test_a_failed_collective_is_reported_and_aborts_the_group_so_every_peer_leav
 
 
 def test_lighthouse_address_is_normalised_and_incarnations_are_told_apart() -> None:
-    from gossip.fault_tolerance import _incarnations, lighthouse_address
+    from gossip.train.fault_tolerance import _incarnations, lighthouse_address
 
     assert lighthouse_address("lh:29510") == "http://lh:29510"
     assert lighthouse_address("http://10.0.0.1:29510/") == "http://10.0.0.1:29510"
     # a restarted worker keeps its number and gets a new uuid from torchft
     assert _incarnations(["gossip_3:b", "gossip_0:a", "gossip_12:c"]) == [(0, "a"), (3, "b"), (12, "c")]
     # zero-padded names: torchft ranks a quorum's replicas by name, which is then their number
-    from gossip.fault_tolerance import _replica_name
+    from gossip.train.fault_tolerance import _replica_name
 
     names = [_replica_name(k) for k in (12, 3, 100, 0)]
     assert [k for k, _ in _incarnations(sorted(n + ":u" for n in names))] == [0, 3, 12, 100]
@@ -554,7 +554,7 @@ def test_the_neighbour_exchange_over_the_quorum_gives_the_simulations_numbers(al
     import topologies
     from gossip import algorithms
     from gossip.comm.simulated import SimulatedCommunicator
-    from gossip.fault_tolerance import FTCommunicator
+    from gossip.train.fault_tolerance import FTCommunicator
 
     n, d, steps = 3, 10, 4
     topo = topologies.build(topology, n)
@@ -661,7 +661,7 @@ def test_the_centralized_exchanges_over_the_quorum_give_the_simulations_numbers(
     coll, members, got = _Collectives(n), [1, 3, 4], {}
 
     def node(i: int) -> None:
-        from gossip.fault_tolerance import FTCommunicator
+        from gossip.train.fault_tolerance import FTCommunicator
 
         comm = FTCommunicator(_Manager(), coll.group(i), replica=members[i], replicas=5, timeout=30)
         comm.reconfigure(members, None)
@@ -703,7 +703,7 @@ def test_each_replicas_line_reaches_stderr_in_one_write(monkeypatch):
     # under python -u, and another replica's line could land between the two
     from types import SimpleNamespace
 
-    from gossip.fault_tolerance import FaultTolerantRun
+    from gossip.train.fault_tolerance import FaultTolerantRun
 
     err = _Writes()
     monkeypatch.setattr(sys, "stderr", err)
@@ -918,7 +918,7 @@ def test_a_replica_joining_later_with_another_config_is_refused_and_the_others_g
 
 
 def test_the_agreement_verdict_refuses_the_newcomer_or_everyone() -> None:
-    from gossip.fault_tolerance import agreement_verdict
+    from gossip.train.fault_tolerance import agreement_verdict
 
     cfg = parse_args(["--algo", "allreduce", "--fault-tolerance", "localhost:1", "--out", "run"])
 
@@ -988,7 +988,7 @@ def test_a_fault_tolerant_run_writes_the_records_of_every_run(two_epochs, tmp_pa
     """summary.json and config.json with the keys of a plain run's (one of the same algorithm
     in one process here), plus fault tolerance's own: its ``fault_tolerance`` object and
     ``fault_tolerance_replicas``."""
-    from gossip.loop import run as run_plain
+    from gossip.train.loop import run as run_plain
 
     ft_dir, codes = two_epochs
     assert codes == [0, 0]

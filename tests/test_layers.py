@@ -1,7 +1,8 @@
 """Dependencies point one way: no import circle in gossip/ or topologies/, counting the
 imports inside functions, except the compressor registry's loading of its families;
 the config schema never imports the fault-tolerant loop; the library never imports
-the tools (gossip.tools); no module uses another module's private names."""
+the application (gossip.train) or the tools (gossip.tools); no module uses another
+module's private names."""
 
 from __future__ import annotations
 
@@ -107,15 +108,29 @@ def test_the_checker_sees_a_circle_through_a_function_level_import():
 
 
 def test_the_config_schema_never_imports_fault_tolerance():
+    """The schema (gossip/train/config*) and the loop never import the fault-tolerant
+    run, directly or through another module: gossip.train.run hands a
+    --fault-tolerance run to it."""
     graph = import_graph()
-    assert "gossip.fault_tolerance" not in graph["gossip.config"]
-    assert "gossip.fault_tolerance" not in graph["gossip.loop"]
+    ft = {"gossip.train.fault_tolerance", "gossip.train._ftcomm"}
+    schema = {m for m in graph if m.startswith("gossip.train.config")}
+    assert "gossip.train.config" in schema
+    for m in sorted(schema | {"gossip.train.loop"}):
+        assert not reachable(graph, m) & ft, m
+    assert "gossip.train.fault_tolerance" in graph["gossip.train"]  # the dispatcher, checked to be seen
 
 
-# ------------------------------------------------------------------ the library and the tools
-#: the application behind ``python -m gossip.train``: the library's user, as the tools are
-APPLICATION = {"gossip.config", "gossip.loop", "gossip.assembly", "gossip.agreement", "gossip.checkpoint",
-               "gossip.metrics", "gossip.evaluation", "gossip.fault_tolerance", "gossip._ftcomm", "gossip.train"}
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for t in graph[todo.pop()] - seen:
+            seen.add(t)
+            todo.append(t)
+    return seen
+
+
+# ------------------------------------------------------------------ the library, the application, the tools
 _MOVED = re.compile(r"^__moved_to__ = ", re.M)
 
 
@@ -124,20 +139,27 @@ def moved_paths() -> set[str]:
     return {m for m, p in _modules().items() if _MOVED.search(p.read_text(encoding="utf-8"))}
 
 
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
 def library() -> set[str]:
-    """gossip's modules less the tools, the application and the old paths kept for one release."""
-    tools = {m for m in _modules() if m == "gossip.tools" or m.startswith("gossip.tools.")}
-    return {m for m in _modules() if m.split(".")[0] == "gossip"} - tools - APPLICATION - moved_paths()
+    """gossip's modules less the tools, the application behind ``python -m gossip.train``
+    (gossip/train/) and the old paths kept for one release."""
+    return {m for m in _modules() if m.split(".")[0] == "gossip" and not _under(m, "gossip.tools")
+            and not _under(m, "gossip.train")} - moved_paths()
 
 
-def test_the_library_never_imports_the_tools():
+def test_the_library_never_imports_the_tools_or_the_application():
     graph = import_graph()
     lib = library()
-    assert {"gossip.runtime", "gossip.data", "gossip.compress", "gossip.rundir"} <= lib
-    assert not lib & {"gossip.tools.crossover", "gossip.crossover", "gossip.loop"}
-    found = {m: sorted(t for t in graph[m] if t == "gossip.tools" or t.startswith("gossip.tools."))
-             for m in sorted(lib)}
-    assert not {m: ts for m, ts in found.items() if ts}, "the library imports the tools (imports inside functions count)"
+    assert {"gossip.runtime", "gossip.data", "gossip.compress", "gossip.rundir", "gossip.checkpoint"} <= lib
+    assert not lib & {"gossip.tools.crossover", "gossip.crossover", "gossip.loop", "gossip.train",
+                      "gossip.train.loop", "gossip.config"}
+    found = {m: sorted(t for t in graph[m] if _under(t, "gossip.tools") or _under(t, "gossip.train")
+                       or t in moved_paths()) for m in sorted(lib)}
+    assert not {m: ts for m, ts in found.items() if ts}, \
+        "the library imports the tools or the application (imports inside functions count)"
 
 
 def test_the_old_paths_only_re_export_what_moved():

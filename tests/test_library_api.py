@@ -237,7 +237,7 @@ def test_the_loop_uses_the_contract_only():
     probing of algorithms, no reading of Config fields, no reading of an algorithm's State."""
     import inspect
 
-    from gossip import agreement, assembly, checkpoint, evaluation, loop, metrics
+    from gossip.train import agreement, assembly, checkpoint, evaluation, loop, metrics
 
     for module in (loop, assembly, agreement, checkpoint, metrics, evaluation):
         src = inspect.getsource(module)

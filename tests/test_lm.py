@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from gossip import algorithms, checkpoint, data, evaluation, models
+from gossip import algorithms, checkpoint, data, models
+from gossip.train import evaluation
 from gossip import train as gossip_train
 from tests.conftest import torchrun as _torchrun
 from tests.conftest import why

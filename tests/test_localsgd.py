@@ -18,7 +18,7 @@ from torch import nn
 import topologies
 from gossip.algorithms._sharded import ShardPlan
 from gossip import algorithms, checkpoint, comm, compress
-from gossip.config import ConfigError, TrainConfig
+from gossip.train.config import ConfigError, TrainConfig
 from gossip.runtime import GossipOptimizer, MomentumConflict
 from tests.test_train import QUICK, _one_error_line, final_params, torchrun, train, train_process, why
 
@@ -233,7 +233,7 @@ def test_optimizer_defaults_and_refusals():
 
 
 def test_optimizer_from_a_toml_file(tmp_path):
-    from gossip.config import parse_args
+    from gossip.train.config import parse_args
 
     f = tmp_path / "run.toml"
     f.write_text('algo = "localsgd"\n[optim]\noptimizer = "adamw"\nbeta1 = 0.8\nweight-decay = 0.1\n'

@@ -163,7 +163,7 @@ def test_newton_schulz_orthogonalises_each_matrix_of_a_stack_on_its_own():
 
 
 def test_the_cli_offers_the_precisions_the_optimizer_takes():
-    from gossip import config
+    from gossip.train import config
     from gossip.algorithms.muloco import MUON_PRECISIONS
 
     assert config.MUON_PRECISIONS == MUON_PRECISIONS  # config keeps its own copy, to import without torch

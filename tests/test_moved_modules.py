@@ -20,6 +20,13 @@ MOVED = {
     "gossip.leaderboard": "gossip.tools.leaderboard",
     "gossip.units": "gossip.tools.units",
     "gossip.textdata": "gossip.data.text",
+    "gossip.config": "gossip.train.config",
+    "gossip.loop": "gossip.train.loop",
+    "gossip.assembly": "gossip.train.assembly",
+    "gossip.agreement": "gossip.train.agreement",
+    "gossip.metrics": "gossip.train.metrics",
+    "gossip.evaluation": "gossip.train.evaluation",
+    "gossip.fault_tolerance": "gossip.train.fault_tolerance",
 }
 
 
@@ -69,3 +76,18 @@ def test_gossip_data_became_a_package_with_the_same_names_and_no_warning():
         "PARTITION_SCHEMES", "DataError", "Dataset", "RandomCropFlip", "ShardLoader", "available_datasets",
         "register_dataset", "default_model", "FALLBACK_MODEL", "build_dataset", "build_loaders", "dataset_options",
         "default_cache_dir", "partition", "partition_dataset", "stack_next", "token_ids"])
+
+
+def test_gossip_train_became_a_package_with_the_same_names_and_command(tmp_path):
+    """gossip/train.py is the package gossip/train/ (the application): the same public
+    names, and python -m gossip.train is the same command."""
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "import gossip.train as t\n"
+            "from gossip.train import STOPPED, Terminated, main, run\n"
+            "print(sorted(t.__all__))\n")
+    r = run_process([sys.executable, "-c", code], timeout=120, cwd=REPO, env=child_env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert eval(r.stdout.strip().splitlines()[-1]) == ["main", "run"]  # noqa: S307 - our own child's list
+    r = run_process([sys.executable, "-m", "gossip.train", "--simulate", "2", "--epochs", "0"], timeout=120,
+                    cwd=tmp_path, env=child_env())
+    assert r.returncode == 2 and r.stderr.strip().startswith("gossip.train: error: "), r.stderr[-2000:]

@@ -17,7 +17,7 @@ def _py(code: str) -> subprocess.CompletedProcess:
 
 
 def test_the_library_and_the_cli_import_without_pandas():
-    out = _py("import gossip, gossip.runtime, gossip.train, gossip.loop, gossip.ddp, gossip.data, gossip.tools, "
+    out = _py("import gossip, gossip.runtime, gossip.train, gossip.train.loop, gossip.ddp, gossip.data, gossip.tools, "
               "gossip.tools.crossover, gossip.tools.leaderboard; print('ok')")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 

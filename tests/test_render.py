@@ -213,7 +213,9 @@ def test_a_training_run_imports_none_of_the_modules_its_sources_leave_out(tmp_pa
     srcs = P.training_sources("experiments/race.py")
     assert {"gossip/runtime.py", "gossip/algorithms", "gossip/compress", "topologies", "experiments/race.py"} <= set(srcs)
     assert not {"gossip/ddp.py", "gossip/leaderboard.py", "gossip/fault_tolerance.py", "gossip/schedule",
-                "gossip/tools"} & set(srcs)
+                "gossip/tools", "gossip/train", "gossip/train/fault_tolerance.py", "gossip/train/_ftcomm.py",
+                "gossip/loop.py", "gossip/config.py"} & set(srcs)
+    assert {"gossip/train/__init__.py", "gossip/train/loop.py", "gossip/train/config.py"} <= set(srcs)
     assert all((P.REPO / s).exists() for s in srcs)
     code = ("import runpy, sys\n"
             "sys.argv = ['gossip.train', '--simulate', '4', '--algo', 'dcd', '--bits', '8', '--data', 'synthetic',\n"
@@ -229,6 +231,7 @@ def test_a_training_run_imports_none_of_the_modules_its_sources_leave_out(tmp_pa
                          cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     loaded = out.stdout.strip().splitlines()[-1].split()
-    assert "gossip.runtime" in loaded and "gossip.loop" in loaded
+    assert "gossip.runtime" in loaded and "gossip.train.loop" in loaded
     left_out = {m.removesuffix(".py") for m in P.NOT_TRAINED}
-    assert [m for m in loaded if m.count(".") and m.split(".")[1] in left_out] == []
+    parts = [m.split(".")[1:] for m in loaded]
+    assert [p for p in parts if any("/".join(p[:k]) in left_out for k in range(1, len(p) + 1))] == []

@@ -105,7 +105,7 @@ def test_a_simulation_of_more_nodes_than_files_a_process_may_open_runs(tmp_path,
     systems set) raises its soft limit where the hard one allows, and otherwise opens a
     node's file for each record. Here the child's soft limit (and with ``hard`` its hard
     limit too) is 96 and it simulates 160 nodes; every node's records are written."""
-    from gossip import metrics
+    from gossip.train import metrics
 
     nodes, limit = 160, 96
     assert metrics.OPEN_WRITERS_MAX < limit < nodes

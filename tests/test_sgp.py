@@ -163,7 +163,7 @@ def test_cli_sgp_overlap_resumes_bit_identically(tmp_path):
 
 
 def test_sgp_defaults_to_onepeer_exp_and_a_given_topology_wins():
-    from gossip.config import TrainConfig
+    from gossip.train.config import TrainConfig
 
     assert TrainConfig.from_flat(algo="sgp", simulate=4).comm.topology == "onepeer-exp"
     assert TrainConfig(algorithm={"name": "sgp"}, comm={"simulate": 4}).comm.topology == "onepeer-exp"  # TOML tables

@@ -227,7 +227,7 @@ class Algorithm:
     #: True where MergeComp (``merge=``) can schedule the algorithm group by group: the
     #: error-feedback family whose Config MergeComp's own mirrors
     mergeable: ClassVar[bool] = False
-    #: True where the algorithm runs under ``--fault-tolerance`` (gossip.fault_tolerance): its
+    #: True where the algorithm runs under ``--fault-tolerance`` (gossip.train.fault_tolerance): its
     #: exchanges are all-reduces or all-gathers over the live replicas, or (decentralized)
     #: neighbour exchanges on a topology rebuilt over them, whose replica state ``setup``
     #: re-establishes from the models; a rank-owned sharded exchange is not carried

@@ -1,20 +1,28 @@
-"""``gossip.train``: the training CLI.
+"""``gossip.train``: the training application and its CLI.
 
     torchrun --nproc_per_node 8 -m gossip.train --algo ecd --bits 8 --topology ring
     python -m gossip.train --simulate 8 --algo dcd --bits 4 --topology torus
 
 Thin by design: parse and validate the config, build the parts from their registries,
-run the loop in :mod:`gossip.loop`, and always tear the process group down. User errors
+run the loop in :mod:`gossip.train.loop`, and always tear the process group down. User errors
 print one line ``gossip.train: error: ...`` and exit 2 on every rank; under torchrun
 each rank's line starts with ``[rank K]``, and a rank stopped by a failure writes the
 full detail to ``error-rank<K>.log`` in the run directory.
+
+The application's parts, each a module of this package: :mod:`~gossip.train.config`
+(the flags, TOML sections, help and fingerprint), :mod:`~gossip.train.assembly` (the
+parts built from the config), :mod:`~gossip.train.agreement` (what the ranks agree on
+before anything is written), :mod:`~gossip.train.loop` (:class:`~gossip.train.loop.Run`),
+:mod:`~gossip.train.checkpoint` (the checkpoint manager; the file format is the
+library's :mod:`gossip.checkpoint`), :mod:`~gossip.train.metrics` (the records),
+:mod:`~gossip.train.evaluation` and :mod:`~gossip.train.fault_tolerance`
+(``FaultTolerantRun(Run)``). Importing this package is cheap: they load when used.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
 
 __all__ = ["main", "run"]
 
@@ -44,13 +52,13 @@ def _say(line: str) -> None:
 
 def run(cfg):
     """Train as configured: under ``--fault-tolerance`` one torchft replica per process
-    (:func:`gossip.fault_tolerance.run_fault_tolerant`), else :func:`gossip.loop.run`.
+    (:func:`gossip.train.fault_tolerance.run_fault_tolerant`), else :func:`gossip.train.loop.run`.
     Returns the summary on rank 0 (None elsewhere)."""
     if cfg.comm.fault_tolerance is not None:
-        from gossip.fault_tolerance import run_fault_tolerant
+        from gossip.train.fault_tolerance import run_fault_tolerant
 
         return run_fault_tolerant(cfg)
-    from gossip.loop import run as run_loop
+    from gossip.train.loop import run as run_loop
 
     return run_loop(cfg)
 
@@ -60,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
     2: bad input; the run's own code when it fails; 130: interrupted; 143: stopped by
     SIGTERM."""
-    from gossip.config import ConfigError, parse_args
+    from gossip.train.config import ConfigError, parse_args
     from gossip.errors import one_line
     from gossip.errors import RunError
 
@@ -94,7 +102,3 @@ def main(argv: list[str] | None = None) -> int:
 
         shutdown()  # on every path: no native thread of the process group outlives main()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

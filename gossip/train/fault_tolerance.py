@@ -1,0 +1,958 @@
+"""Training that keeps going when a node dies: live membership on torchft.
+
+``--fault-tolerance HOST:PORT`` runs each worker as one torchft *replica group* of one
+rank. torchft's Lighthouse (at ``HOST:PORT``) keeps the quorum; its ``Manager``
+re-forms a reconfigurable gloo process group over the live replicas at every step,
+averages the step's all-reduce over that step's participants, and heals a replica that
+(re)joins behind the group by sending it a live peer's state over its HTTP checkpoint
+transport: no file on disk is read. See docs/fault-tolerance.md for the design, what
+torchft carries and what it does not. Each worker is a :class:`FaultTolerantRun`, a
+:class:`gossip.train.loop.Run` whose step is the one below; it writes the records every run
+writes (config.json, metrics, summary.json).
+
+One step of replica ``k`` (``Manager`` calls in brackets):
+
+1. Join the quorum [``start_quorum``, synchronous]. If the group is ahead (a restart),
+   load a live peer's model, local optimizer and algorithm state (less the worker's own
+   error-feedback residuals, ``Algorithm.local_state``, which start at zero) and continue
+   from the group's step; the data loader is re-positioned on ``k``'s own shard.
+2. If the participants changed, say who left and who joined in one line and in the
+   metrics. Fewer than ``--min-replicas`` participants: wait (said once), and fail in
+   one line when ``--timeout`` passes without enough of them.
+3. When the group was re-formed, take the live replicas as the communicator's members;
+   a decentralized algorithm also rebuilds its graph over them (``--topology`` over the
+   live count, validated; a ring where it cannot be built) and re-establishes its
+   replica state with the new neighbours by a full-precision exchange (setup traffic).
+4. Forward and backward on ``k``'s next batch; the algorithm's exchanges run through
+   :class:`FTCommunicator` over the quorum's process group (all-reduce means are over
+   the step's participants). A failure is reported to the Manager and aborts the group
+   at once, so that every survivor leaves the failed collective.
+5. Commit [``should_commit``]: every participant agrees that nobody failed during
+   the step; only then does the local optimizer step and the metrics record it. A
+   step that fails is put back (model, optimizers, algorithm state, loader) and
+   retried with the new quorum.
+
+Workers are started one by one (``python -m gossip.train`` or ``torchrun
+--nproc_per_node 1``) with ``REPLICA_GROUP_ID`` (0 .. N-1, the worker's data shard)
+and ``NUM_REPLICA_GROUPS`` (N) in their environment, as torchft's own examples do; a
+restarted worker is started again with the same ``REPLICA_GROUP_ID``.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch
+
+import topologies
+from gossip import algorithms, data, rundir
+from gossip.train import assembly, evaluation, metrics
+from gossip.train._ftcomm import FTCommunicator
+from gossip.train.assembly import Env
+from gossip.train.checkpoint import Progress
+from gossip.comm.base import is_time_varying
+from gossip.train.config import RESUME_AUTO, lighthouse_address
+from gossip.errors import RunError, say_line
+from gossip.train.loop import Run
+
+__all__ = ["FT_CHECKPOINT_FORMAT", "FTCommunicator", "FaultTolerantRun", "MODE", "SUPPORTED_ALGORITHMS",
+           "agreement_verdict", "ft_checkpoints", "lighthouse_address", "live_topology", "probe_lighthouse",
+           "run_fault_tolerant"]
+
+#: the algorithms that run under ``--fault-tolerance`` (``Algorithm.fault_tolerant``)
+SUPPORTED_ALGORITHMS = tuple(n for n in algorithms.available() if algorithms.algorithm_class(n).fault_tolerant)
+#: the ``mode`` of a fault-tolerant run's config.json and summary.json (the others': simulate, torchrun)
+MODE = "fault-tolerance"
+#: the environment torchft's examples give each replica group
+REPLICA_ENV, REPLICAS_ENV = "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"
+#: the address this worker advertises to its peers (default: its host name)
+HOST_ENV = "GOSSIP_FT_HOST"
+
+
+class _QuorumWatch:
+    """torchft's ``ManagerClient``, remembering the replica ids of the latest quorum.
+
+    torchft 0.2's Manager keeps a quorum's members to itself; its client's ``_quorum``
+    result carries them (``gossip_<k>:<uuid>``: the uuid tells a restarted worker from
+    the one that died), so the client is wrapped and every other call passes through.
+    """
+
+    def __init__(self, client: Any, manager: Any = None) -> None:
+        self._client, self._manager = client, manager
+        self.replica_ids: list[str] = []
+        self.max_step = 0  # the group's step: the highest step among the quorum's replicas
+        self.quorum_id: int | None = None  # changes when the group is re-formed
+        self.replica_rank = -1  # this replica's rank in the re-formed group
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        self.replica_ids, self.max_step = list(quorum.replica_ids), int(quorum.max_step)
+        self.quorum_id, self.replica_rank = int(quorum.quorum_id), int(quorum.replica_rank)
+        if self._manager is not None and quorum.heal and self.quorum_id == self._manager._quorum_id:
+            # torchft re-forms the group only when the quorum id changes. A replica behind the group
+            # always meets a new id (its peers' commit went on without it), except where a
+            # Lighthouse restarted on the same address, counting ids from 1 again, reached the id
+            # this replica last had, while its peers re-formed their group without it: re-form it
+            self._manager._quorum_id = -1
+        return quorum
+
+    @property
+    def key(self) -> tuple:
+        """The group: its quorum id and members. A Lighthouse restarted on the same address
+        counts quorum ids from 1 again, so an id alone may name an earlier group."""
+        return self.quorum_id, tuple(self.replica_ids)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def _quorum_retries(quorum_timeout: float) -> int:
+    """torchft's ``quorum_retries`` for a quorum that may take ``quorum_timeout`` seconds.
+    torchft's Manager server asks the Lighthouse again after a failed request (reconnecting
+    first), sleeping ``quorum_timeout / (retries + 1)`` in between: one retry a second."""
+    return max(1, math.ceil(quorum_timeout))
+
+
+def _process_group(base: type, timeout: _dt.timedelta, run: Any) -> Any:
+    """torchft's gloo group, whose store prefix also names the group's step.
+
+    torchft configures each quorum's group under the prefix ``torchft/<quorum id>`` of the
+    primary replica's store. A Lighthouse restarted on the same address counts quorum ids
+    from 1 again, and the store still holds the keys of the first Lighthouse's groups of
+    those ids (gloo's addresses of processes long gone): the group's step (the quorum's
+    ``max_step``, the same on every member) keeps the new prefixes apart from them."""
+
+    class _Gloo(base):  # type: ignore[misc, valid-type]
+        def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
+            return super().configure(f"{store_addr}/step{run.watch.max_step}", *args, **kwargs)
+
+    return _Gloo(timeout=timeout)
+
+
+def _checkpoint_transport(host: str, timeout: _dt.timedelta, verbose: bool = False) -> Any:
+    """torchft's HTTP checkpoint transport, advertising ``host`` (torchft 0.2 advertises
+    the machine's host name, which need not reach it from another host or namespace);
+    its server's request lines only with ``--ft-verbose``."""
+    from torchft.checkpointing import HTTPTransport
+
+    class _Transport(HTTPTransport):
+        def address(self) -> str:
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    transport = _Transport(timeout=timeout, num_chunks=0)
+    if not verbose:
+        transport._server.RequestHandlerClass.log_message = lambda *args, **kwargs: None
+    return transport
+
+
+#: torchft's Python loggers (its Manager's, its checkpoint transports')
+_TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
+
+
+def _torchft_logging(verbose: bool) -> None:
+    """torchft's own log: quiet unless ``--ft-verbose`` (gossip says in its own lines what
+    the replica sees: quorums, heals, failures). Its Rust part reads ``RUST_LOG`` once,
+    when torchft is first imported: ``warn`` by default, ``info`` with ``--ft-verbose``;
+    a ``RUST_LOG`` set by the user is kept. Its Python loggers: silent, or INFO to
+    stderr with ``--ft-verbose``."""
+    import logging
+    import warnings
+
+    os.environ.setdefault("RUST_LOG", "info" if verbose else "warn")
+    for name in _TORCHFT_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO if verbose else logging.CRITICAL + 1)
+        if verbose and not logger.handlers and name == "torchft":
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            logger.addHandler(handler)
+    if not verbose:  # torch's loader of the state a healing peer sends (torchft's transport)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+def _incarnations(replica_ids: list[str]) -> list[tuple[int, str]]:
+    """``[(k, uuid)]`` of ``gossip_<k>:<uuid>`` ids, by k."""
+    out = []
+    for rid in replica_ids:
+        name, _, uid = rid.partition(":")
+        out.append((int(name.rpartition("_")[2]), uid))
+    return sorted(out)
+
+
+# --------------------------------------------------------------------------------------
+# the run
+# --------------------------------------------------------------------------------------
+def _replica_env() -> tuple[int, int]:
+    got = {k: os.environ.get(k) for k in (REPLICA_ENV, REPLICAS_ENV)}
+    try:
+        k, n = int(got[REPLICA_ENV]), int(got[REPLICAS_ENV])  # type: ignore[arg-type]
+        if n < 1 or not 0 <= k < n:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise RunError(
+            f"--fault-tolerance: set {REPLICA_ENV}=K and {REPLICAS_ENV}=N for each worker (0 <= K < N; K is its "
+            f"data shard, kept across restarts), got {REPLICA_ENV}={got[REPLICA_ENV]!r} "
+            f"{REPLICAS_ENV}={got[REPLICAS_ENV]!r}") from None
+    return k, n
+
+
+#: the start command the messages suggest (the flags the documented figures were measured with)
+_LIGHTHOUSE_CMD = ("torchft_lighthouse --min_replicas K --bind [::]:PORT --join_timeout_ms 500 "
+                   "--heartbeat_timeout_ms 1000")
+
+
+def probe_lighthouse(addr: str, timeout: float) -> tuple[str, str]:
+    """What answers at ``addr`` (``http://HOST:PORT``): ``("lighthouse", "")``,
+    ``("nothing", why)`` when no connection is made, or ``("other", what)`` when
+    something that is not a torchft Lighthouse answers there.
+
+    The Lighthouse serves its dashboard (an HTML page titled "Lighthouse Dashboard")
+    over HTTP on the port of its gRPC service; anything else there, a web server or a
+    service that does not speak HTTP, is told apart from it by that page.
+    """
+    import http.client
+
+    parts = urlsplit(addr)
+    try:
+        socket.create_connection((parts.hostname, parts.port), timeout=timeout).close()
+    except OSError as e:
+        return "nothing", e.strerror or type(e).__name__
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.request("GET", "/")
+        resp = conn.getresponse()
+        body = resp.read(1 << 16).decode("utf-8", "replace")
+    except (OSError, http.client.HTTPException) as e:
+        return "other", f"a service that does not answer HTTP as the Lighthouse does ({str(e) or type(e).__name__})"
+    finally:
+        conn.close()
+    if "Lighthouse" in body:
+        return "lighthouse", ""
+    server = resp.getheader("Server")
+    return "other", f"HTTP {resp.status} {resp.reason}{f' from {server}' if server else ''} without its dashboard"
+
+
+def _wait_for_lighthouse(addr: str, timeout: float) -> None:
+    """Fail in one line, within ``timeout`` seconds, when no Lighthouse answers at ``addr``;
+    at once when something else does."""
+    parts = urlsplit(addr)
+    where = f"--fault-tolerance {parts.hostname}:{parts.port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        kind, why = probe_lighthouse(addr, max(0.1, min(2.0, left)))
+        if kind == "lighthouse":
+            return
+        if kind == "other":
+            raise RunError(f"{where}: no torchft Lighthouse there: something else answers ({why}); give the "
+                            f"Lighthouse's address, or start one with `{_LIGHTHOUSE_CMD}`")
+        if time.monotonic() + 0.2 >= deadline:
+            raise RunError(f"{where}: no Lighthouse answers there within --timeout {timeout:g} s ({why}); start one "
+                            f"with `{_LIGHTHOUSE_CMD}`")
+        time.sleep(0.2)
+
+
+class FaultTolerantRun(Run):
+    """One replica of a ``--fault-tolerance`` run: :class:`gossip.train.loop.Run`'s training
+    story (its :meth:`~gossip.train.loop.Run.train`: begin, step until the end, an epoch's end,
+    checkpoints, finish) with the module's steps 1-5 as its :meth:`step`.
+
+    It records what every run records: its step, quorum, heal and end records through the
+    run's :class:`~gossip.train.metrics.RunLog`, ``config.json`` and ``summary.json`` (the same
+    keys as any run's, plus a ``fault_tolerance`` object: replica, quorums, heals,
+    discarded steps, aborted groups) from :mod:`gossip.train.metrics`' records; its device by
+    :func:`gossip.train.assembly.choose_device`. What it does its own way, and why:
+
+    - construction and :meth:`begin`: nothing is exchanged before the first quorum (the
+      group forms again at every step), and nothing is written before the replica's
+      group has agreed (a refused replica writes nothing, least of all into the file of
+      the live replica whose id it took);
+    - :meth:`end_epoch`: the replica's own model, no collective (a peer's death must not
+      cost an epoch's evaluation);
+    - :meth:`checkpoint`: one file per replica (``ckpt-step<N>-replica<k>.pt``), read
+      back by the replica alone: the run's :class:`~gossip.train.checkpoint.CheckpointManager`
+      resumes the step every rank agrees on through collectives, which a replica cannot
+      take part in before it has a quorum (each replica resumes on its own and the
+      quorum heals those behind the most advanced one).
+    """
+
+    def __init__(self, cfg: Any) -> None:  # noqa: PLR0915 - not Run's: no collective before the first quorum
+        self.cfg = cfg
+        self.decentralized = algorithms.is_decentralized(cfg.algorithm.name)
+        self.verbose = bool(cfg.comm.ft_verbose)
+        _torchft_logging(self.verbose)  # before torchft's first import: its Rust log reads RUST_LOG then
+        try:
+            import torchft  # noqa: F401
+        except ImportError:
+            raise RunError("--fault-tolerance needs torchft: pip install 'gossip[ft]' (torchft>=0.2)") from None
+        # the cross-flag rules (--algo, --simulate, --out, --min-replicas of a graph) are the config's
+        self.addr = lighthouse_address(cfg.comm.fault_tolerance)
+        self.min_replicas = cfg.comm.min_replicas
+        self.timeout = float(cfg.comm.timeout)
+        self.replica, self.replicas = _replica_env()
+        if self.min_replicas > self.replicas:
+            raise RunError(f"--min-replicas {self.min_replicas} exceeds the {self.replicas} replicas of "
+                           f"{REPLICAS_ENV}; accepted: 1 .. {self.replicas}")
+        resume = cfg.run.resume
+        self.out = Path(cfg.run.out if resume in (None, RESUME_AUTO) else resume)
+        if resume not in (None, RESUME_AUTO) and not self.out.is_dir():
+            raise RunError(f"--resume {resume!r}: no such run directory")
+        # replica k of N, each in its own process, outside any torchrun group
+        self.env = Env(world_size=self.replicas, distributed=False, rank=self.replica)
+        self.device = assembly.choose_device(cfg, self.env)
+        self.is_main, self.nodes = self.replica == 0, [self.replica]
+        self.resumed_step: int | None = None  # the step of the checkpoint this replica resumed from
+        self.group_resuming = False  # is this replica's group a run started again from its checkpoints
+        self.members: list[tuple[int, str]] = []
+        self.heal_bytes, self.heal_source, self.heal_reset, self.heal_mismatch = 0, -1, [], False
+        self.agreed_quorum: tuple | None = None  # the group (_QuorumWatch.key) last found to agree
+        self.built_quorum: tuple | None = None  # the group the topology and replica state were built for
+        self.quorums = self.heals = self.discarded = 0  # for the summary's fault_tolerance object
+        self.manager: Any = None
+        self._build()
+
+    def _build(self) -> None:
+        """The data set, the agreement record, x_1, the shards and the algorithm: all refused
+        (in one line) before anything connects."""
+        cfg = self.cfg
+        self.dataset = assembly.build_dataset(cfg)
+        self.task = self.dataset.task
+        self.cfg_dict = cfg.to_dict()
+        if (self.dataset.corpus or {}).get("sha256"):  # a text corpus's identity, as every mode records it
+            self.cfg_dict["corpus_sha256"] = self.dataset.corpus["sha256"]
+        self._agreement_record()
+        torch.manual_seed(cfg.run.seed)  # x_1 identical on every replica
+        self.model = assembly.build_model(cfg, self.dataset, self.device)
+        self.opt = assembly.local_optimizer(cfg, self.model)
+        self.models, self.opts = [self.model], [self.opt]
+        try:  # by the data set's task: a language model's windows of text, a classifier's labels
+            self.shards = data.partition_dataset(self.dataset, self.replicas, scheme=cfg.data.partition,
+                                                 seed=cfg.run.seed)
+        except ValueError as e:
+            raise RunError(f"--partition {cfg.data.partition} over {self.replicas} replicas: {e}; "
+                           "use fewer replicas or more data") from None
+        self.comm = FTCommunicator(None, None, self.replica, self.replicas, self.timeout)
+        self._build_optimizer()
+        self.dim = self.gopt.flat.dim
+        self.ledger = self.comm.run_ledger
+        self.steps_per_epoch = len(self.shards[self.replica]) // cfg.data.batch_size or 1
+        self.total = cfg.run.epochs * self.steps_per_epoch
+        self.stop = self.total if cfg.run.max_steps is None else min(self.total, cfg.run.max_steps)
+        # the configured graph over every replica: the records' topology and, as in every mode, the
+        # epoch line's ratio to full-precision D-PSGD's bytes per node per step on it
+        self.topo = self._topology(self.replicas)[0] if self.decentralized else None
+        self.dpsgd_bytes = metrics.dpsgd_bytes(cfg, self.topo, self.replicas, self.dim)
+        self.progress = Progress.fresh(1)
+        self.last_eval: dict[str, Any] = {}
+        self.log = metrics.RunLog(cfg, self.env, self.comm, self.out, self.steps_per_epoch, nodes=[self.replica])
+        #: records held until this replica's group has agreed (None once the run's files are open)
+        self.pending: list[dict] | None = []
+        self._t0 = time.perf_counter()
+
+    def _record(self, rec: dict) -> None:
+        if self.pending is not None:
+            self.pending.append(rec)
+        else:
+            self.log.record(rec)
+
+    def facts(self) -> metrics.RunFacts:
+        """What config.json and summary.json say about this run (one process per replica,
+        on hosts the run does not know)."""
+        return metrics.RunFacts(cfg=self.cfg, algo=self.algo, world_size=self.replicas, mode=MODE,
+                                hosts={"hosts": None, "procs_per_host": 1}, dim=self.dim, task=self.task,
+                                topology=self.cfg.comm.topology if self.topo is not None else None, pooled=False)
+
+    # --- the whole run: Run.train, within the Manager's lifetime ------------------------
+    def train(self) -> dict | None:
+        """:meth:`gossip.train.loop.Run.train`, the torchft Manager shut down at its end however
+        it ends; the summary on replica 0 (None elsewhere)."""
+        try:
+            return super().train()
+        finally:
+            if self.manager is not None:
+                self.manager.shutdown(wait=False)
+
+    def begin(self) -> None:
+        """Before the first step: this replica's own checkpoint (``--resume``), the
+        Lighthouse, the Manager (with the resumed step: the quorum heals the replicas
+        behind the most advanced one), this replica's loader, the clock."""
+        resumed = self._resume() if self.cfg.run.resume is not None else None
+        _wait_for_lighthouse(self.addr, self.timeout)
+        self._start_manager()
+        if resumed is not None:
+            self.manager.load_state_dict({"step": resumed["step"], "batches_committed": resumed["batches_committed"]})
+            self.progress.step = resumed["step"]
+        self._position_loader(0)
+        self.loader_step, self.waiting_since, self.said_wait = 0, None, False
+        self.stepped = False  # has this process committed a step (a restarted one has not, before it heals)
+        self._t0 = time.perf_counter()
+
+    def step(self) -> None:
+        """The module's steps 1-5 for the group's next step: ``progress.step`` moves on only
+        when the step is committed (a heal moves it past the steps the group took)."""
+        step = self._quorum(self.manager.current_step())
+        n = self._membership(step)
+        if self.watch.key != self.agreed_quorum and self.manager.errored() is None:
+            self._agree(step)  # before anything of the algorithm is exchanged, waiting or not
+        if not self._enough(n, step):
+            return
+        if self.watch.key != self.built_quorum and self.manager.errored() is None:
+            self._rebuild([k for k, _ in self.members], step)
+        if self.manager.errored() is not None:  # re-forming the group, healing or rebuilding failed
+            self.manager.should_commit()  # says no: the next quorum retries
+            self._say(f"step {step + 1} skipped ({_first_line(self.manager.errored())[:120]}); retrying")
+            return
+        if self.pending is not None:  # the first step of a group that agreed
+            self._open_run_files()
+        self._step(step, n)
+
+    def _state(self) -> dict:
+        # a copy: the transport serves it while this replica trains on (torchft orders the
+        # healing peer's fetch before this step's all-reduce completes, but the copy makes
+        # that ordering irrelevant); called only when a peer needs healing
+        return copy.deepcopy({"gossip": self.gopt.state_dict(), "replica": self.replica, "agree": self.agree_digest})
+
+    def _load(self, sd: dict) -> None:
+        if sd.get("agree") != self.agree_digest:
+            # a peer of another config (or data): its state may not even fit this model. Nothing
+            # is loaded; the agreement right after this quorum names the difference and refuses
+            self.heal_source, self.heal_mismatch = int(sd.get("replica", -1)), True
+            return
+        state, algo = sd["gossip"], self.algo
+        if self.decentralized:
+            # the replica state of a graph is rebuilt with the new neighbours right after the
+            # quorum (a full-precision exchange); from the peer: its model, local optimizer,
+            # step counters and the algorithm's iteration t
+            with torch.no_grad():
+                self.gopt.flat.data.copy_(state["params"])
+            for opt, osd in zip(self.gopt.optimizers, state["optimizers"]):
+                opt.load_state_dict(osd)
+            self.gopt.steps = int(state["steps"])
+            algo.state.t = int(state["algorithm"]["t"])
+            self.built_quorum = None
+        else:
+            self.gopt.load_state_dict(state)
+            for name in algo.local_state:  # this worker's own residual died with it
+                getattr(algo.state, name).zero_()
+        self.heal_reset = list(algo.local_state)
+        self.heal_bytes = sum(int(t.numel() * t.element_size()) for t in _tensors(sd))
+        self.heal_source = int(sd["replica"])
+
+    def _position_loader(self, step: int) -> None:
+        """The loader of this replica's own shard, just before the batch of ``step``."""
+        self.loader = data.ShardLoader(self.dataset.x_train, self.dataset.y_train, self.shards[self.replica],
+                                       self.cfg.data.batch_size, seed=self.cfg.run.seed, node=self.replica,
+                                       device=self.device)
+        for _ in range(step):  # the loader's order is a function of (seed, node, step)
+            self.loader.next_batch()
+
+    def _say(self, line: str) -> None:
+        say_line(f"[replica {self.replica}] {line}")  # the replicas share one stderr
+
+    def _start_manager(self) -> None:
+        from torch.distributed import TCPStore
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        host = os.environ.get(HOST_ENV) or socket.gethostname()
+        td = _dt.timedelta(seconds=self.timeout)
+        # the replica group's own store (a group of one rank): torchft's Manager expects it started
+        self.store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False, timeout=td)
+        self.pg = _process_group(ProcessGroupGloo, td, self)  # re-configured by the Manager at every quorum change
+        self.manager = Manager(
+            pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=self.min_replicas,
+            use_async_quorum=False,  # heal before the forward pass: a restarted replica takes part at once
+            # a survivor may spend up to --timeout stuck in a collective on a peer that died without
+            # closing its connections before it asks for the next quorum: the others' wait must outlast that
+            timeout=td, quorum_timeout=3 * td, connect_timeout=td, rank=0, world_size=1,
+            # a Lighthouse that stops answering is asked again about once a second, reconnecting, for as long
+            # as the quorum may take: one restarted on the same address is rejoined
+            quorum_retries=_quorum_retries(3 * self.timeout),
+            store_addr=host, store_port=self.store.port, lighthouse_addr=self.addr,
+            replica_id=_replica_name(self.replica), hostname=host, init_sync=False,  # x_1 is identical by the seed
+            checkpoint_transport=_checkpoint_transport(host, td, self.verbose),
+        )
+        self.watch = self.manager._client = _QuorumWatch(self.manager._client, self.manager)
+        self.comm.attach(self.manager, self.pg)
+
+    def _build_optimizer(self) -> None:
+        from gossip.runtime import GossipOptimizer
+
+        cfg = self.cfg
+        # a placeholder membership (all replicas) until the first quorum
+        self.comm.reconfigure(list(range(self.replicas)),
+                              self._topology(self.replicas)[0] if self.decentralized else None)
+        self.algo = assembly.build_algorithm(cfg, self.comm)
+        try:
+            with self.comm.offline():  # the replica state is built with the first quorum's neighbours
+                self.gopt = GossipOptimizer([self.model], [self.opt], self.algo)
+        except (ValueError, TypeError) as e:
+            raise RunError(f"--algo {cfg.algorithm.name}: {e}") from None
+        if not type(self.algo).fault_tolerant:  # e.g. MergeComp's schedule of the EF family (--merge)
+            raise RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} as configured builds "
+                                f"{type(self.algo).__name__}, which does not run under --fault-tolerance; supported: "
+                                f"{', '.join(SUPPORTED_ALGORITHMS)} (without --merge)")
+        if getattr(self.algo.state, "exchange", None) == "sharded":
+            raise RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} with --compressor "
+                                f"{cfg.algorithm.compressor_spec} uses the sharded exchange, whose shards are owned "
+                                "by rank and would be re-assigned at every quorum change; add --algo-opt "
+                                "exchange=allgather")
+
+    # --- agreement: the replicas of a group share one config and one data set ---------
+    def _agreement_record(self) -> None:
+        """What every replica must share (the torchrun ranks' :func:`gossip.train.agreement.agreement_record`,
+        and the number of replicas and ``--min-replicas``), and its digest."""
+        from gossip.train import agreement
+
+        self.agree = {**agreement.agreement_record(self.cfg, self.dataset),
+                      REPLICAS_ENV: self.replicas, "min_replicas": self.min_replicas}
+        # each replica resumes (or not) on its own; one behind the group heals from it
+        self.agree.pop("resume_auto", None)
+        text = json.dumps(self.agree, sort_keys=True, default=str)
+        self.agree_digest = hashlib.sha256(text.encode()).hexdigest()
+
+    def _agree(self, step: int) -> None:
+        """At every re-formed group, before the algorithm exchanges anything: every member
+        of the group compares its :meth:`_agreement_record` and replica id with the others'
+        (one all-gather of a digest; of the records only when they differ).
+
+        At the start every replica of a group that differs stops with one line naming the
+        option and each value (as the torchrun ranks do); later, a replica that joins with
+        another config, or with the replica id of a live one, is refused (it stops with
+        that line) and the replicas that have trained go on without it, saying so."""
+        size = len(self.watch.replica_ids)
+        mine = json.dumps({"replica": self.replica, "veteran": self.stepped, "host": socket.gethostname(),
+                           "pid": os.getpid(), "record": self.agree}, sort_keys=True, default=str).encode()
+        resuming = self.resumed_step is not None and not self.stepped
+        head = torch.tensor([self.replica, int(self.stepped), len(mine), int(resuming)]
+                            + [int.from_bytes(bytes.fromhex(self.agree_digest)[i:i + 8], "big", signed=True)
+                               for i in range(0, 32, 8)], dtype=torch.int64)
+        heads = self.comm.gather_group(head, size)
+        if heads is None:  # a member failed: the step is discarded, the next group agrees again
+            return
+        # a group of replicas that all resumed from their checkpoints and none has stepped since: the
+        # whole run was started again, and its first step waits for every replica, as a fresh start does
+        self.group_resuming = bool(heads[:, 3].all())
+        ids = heads[:, 0].tolist()
+        if len(set(ids)) == len(ids) and bool((heads[:, 4:] == heads[0, 4:]).all()):
+            self.agreed_quorum = self.watch.key
+            return
+        longest = int(heads[:, 2].max())
+        buf = torch.zeros(longest, dtype=torch.uint8)
+        buf[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        rows = self.comm.gather_group(buf, size)
+        if rows is None:
+            return
+        entries = [json.loads(bytes(row[:int(n)].tolist()).decode()) for row, n in zip(rows, heads[:, 2].tolist())]
+        line, refused = agreement_verdict(self.cfg, entries, self.replicas)
+        me = self.watch.replica_rank
+        if me in refused:
+            raise RunError(line)
+        odd = sorted({entries[r]["replica"] for r in refused})
+        self._say(f"refused replica {', '.join(map(str, odd))} ({line}); going on without it")
+        self.manager.report_error(RuntimeError(f"replica {', '.join(map(str, odd))} was refused"))
+
+    def _open_run_files(self) -> None:
+        """Before this replica's first step, its group having agreed: the run directory,
+        config.json (replica 0, unless a restarted one finds it), and the metrics file,
+        appended to (a restarted replica writes on after its earlier records; a resumed
+        one after those up to its checkpoint's step), with the records held until now."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.replica == 0 and not rundir.config_path(self.out).exists():
+            record = metrics.config_record(self.facts(), cfg_dict=self.cfg_dict, layout=self.gopt.layout,
+                                           corpus=self.dataset.corpus)
+            rundir.write_json(rundir.config_path(self.out), {**record, "fault_tolerance_replicas": self.replicas})
+        self.log.open(keep=2**62 if self.resumed_step is None else self.resumed_step)  # resumed: redo what follows
+        held, self.pending = self.pending or [], None
+        for rec in held:
+            self.log.record(rec)
+
+    def _topology(self, n: int) -> tuple[Any, str | None]:
+        return live_topology(self.cfg, n)
+
+    def _rebuild(self, ids: list[int], step: int) -> None:
+        """Every quorum: the communicator's live members; for a decentralized algorithm the
+        graph over them and the replica state (DCD/ECD replicas, CHOCO's x-hat) re-established
+        with the new neighbours by a full-precision exchange, counted as setup traffic."""
+        if ids.index(self.replica) != self.watch.replica_rank:  # torchft's order of ranks is not ours
+            self.manager.report_error(RuntimeError(f"replica {self.replica} is rank {self.watch.replica_rank} of the "
+                                                   f"group, expected {ids.index(self.replica)} of {ids}"))
+            return
+        if not self.decentralized:
+            self.comm.reconfigure(ids, None)
+            self.built_quorum = self.watch.key
+            return
+        topo, why = self._topology(len(ids))
+        if why is not None:
+            self._say(f"--topology {self.cfg.comm.topology} cannot be built on the {len(ids)} live replicas: {why}")
+        self.comm.reconfigure(ids, topo)
+        t = self.algo.state.t
+        algo = assembly.build_algorithm(self.cfg, self.comm)
+        before = self.comm.run_ledger.setup_bytes_sent
+        with self.comm.ledger.setup():
+            algo.setup(self.gopt.flat.data, self.gopt.layout)
+        algo.state.t = t
+        self.algo = self.gopt.algorithm = algo
+        if self.manager.errored() is not None:
+            return  # the exchange failed: the step is discarded and the next quorum rebuilds again
+        self.built_quorum = self.watch.key
+        gap = _spectral_gap(topo)
+        setup = self.comm.run_ledger.setup_bytes_sent - before
+        self._say(f"topology at step {step}: {topo.name} over replicas {ids}"
+                  + (f", spectral gap {gap:.4g}" if gap is not None else "")
+                  + f"; replica state re-established ({setup:,} bytes sent, setup traffic)")
+        self._record({"event": "topology", "step": step, "replicas": ids, "topology": topo.name,
+                      "spectral_gap": gap, "fallback": why, "setup_bytes_sent": setup})
+
+    # --- the step ---------------------------------------------------------------------
+    def _quorum(self, step: int) -> int:
+        """Step 1: join the step's quorum (healing inside it when the group is ahead); the step."""
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # no quorum within 3 x --timeout: say whether the Lighthouse is there
+            raise RunError(self._no_quorum(step, e)) from None
+        now = self.manager.current_step()
+        if now != step and self.heal_mismatch:  # nothing was loaded: the agreement refuses this replica
+            self.heal_mismatch = False
+        elif now != step:  # healed from a live peer
+            reset = f"; its own {', '.join(self.heal_reset)} started at zero" if self.heal_reset else ""
+            self.heals += 1
+            self._say(f"healed from replica {self.heal_source} at step {now} (was at step {step}; "
+                      f"{self.heal_bytes:,} bytes of state received{reset})")
+            self._record({"event": "heal", "step": now, "from_step": step, "source": self.heal_source,
+                          "bytes": self.heal_bytes, "reset": self.heal_reset})
+            if self.stepped:  # a live worker that fell behind (its vote said no where others' said yes):
+                # the steps it took by healing are recorded once, as healed, with no loss of its own
+                for s_ in range(step + 1, now + 1):
+                    if s_ % self.cfg.run.log_every == 0 or s_ == self.stop:
+                        self._record({"step": s_, "loss": None, "healed_from": self.heal_source,
+                                      "participants": None, "time": self.elapsed()})
+        if self.loader_step != now:
+            self._position_loader(now)
+            self.loader_step = now
+        return now
+
+    def _no_quorum(self, step: int, e: BaseException) -> str:
+        """Why no quorum was formed, in one line: the Lighthouse gone (or replaced by another
+        service) or, where it answers, a quorum it could not form."""
+        window = f"3 x --timeout ({3 * self.timeout:g} s)"
+        kind, why = probe_lighthouse(self.addr, min(5.0, self.timeout))
+        if kind == "nothing":
+            return (f"--fault-tolerance {self.addr}: the Lighthouse stopped answering ({why}) and no quorum was "
+                    f"formed within {window} at step {step}; restart it on that address (`{_LIGHTHOUSE_CMD}`): "
+                    f"workers still waiting rejoin it, and a stopped one continues from its checkpoint with "
+                    f"--resume auto")
+        if kind == "other":
+            return (f"--fault-tolerance {self.addr}: the Lighthouse is gone and something else answers there "
+                    f"({why}); no quorum was formed within {window} at step {step}")
+        return (f"--fault-tolerance {self.addr}: the Lighthouse answers but formed no quorum of --min-replicas "
+                f"{self.min_replicas} within {window} at step {step} ({_first_line(e)[:200]}); check its "
+                f"--min_replicas against the live workers")
+
+    def _membership(self, step: int) -> int:
+        """Step 2: say who left and who joined, once per change; the step's participants."""
+        members = _incarnations(self.watch.replica_ids)
+        if members != self.members:  # a restarted worker is a new incarnation: left and joined
+            left = sorted(k for k, u in self.members if (k, u) not in members)
+            joined = sorted(k for k, u in members if (k, u) not in self.members) if self.members else []
+            ids = [k for k, _ in members]
+            self._say(f"quorum at step {step}: {len(ids)} replicas {ids}"
+                      f" (left: {left or 'none'}; joined: {joined or 'none'})")
+            self._record({"event": "quorum", "step": step, "replicas": ids, "left": left, "joined": joined})
+            self.members = members
+            self.quorums += 1
+        return self.manager.num_participants()
+
+    def _enough(self, n: int, step: int) -> bool:
+        """Fewer participants than needed: vote no, wait (said once), fail at --timeout."""
+        # the first step waits for every configured worker (as a torchrun rendezvous would);
+        # later steps go on with --min-replicas of them
+        if n < self.min_replicas:
+            need, what = self.min_replicas, f"--min-replicas {self.min_replicas}"
+        else:
+            # (the group's step, not this worker's: a restarted worker whose healing failed
+            # is at 0 while the group is not, and retries)
+            start = (step == 0 and self.watch.max_step == 0) or (self.group_resuming and not self.stepped)
+            need, what = (self.replicas if start else n), f"all {REPLICAS_ENV}={self.replicas} to start"
+        if n >= need:
+            self.waiting_since, self.said_wait = None, False
+            return True
+        self.waiting_since = self.waiting_since or time.monotonic()
+        if not self.said_wait:
+            self._say(f"waiting: the quorum has {n} of {need} replicas ({what})")
+            self.said_wait = True
+        if time.monotonic() - self.waiting_since > self.timeout:
+            raise RunError(
+                f"{what}: only {n} replica(s) in the quorum for --timeout {self.timeout:g} s at step {step}; start "
+                f"more workers" + (" or lower --min-replicas" if need == self.min_replicas else ""))
+        # no step: the commit vote says no (it would otherwise count a step not taken)
+        self.manager.report_error(RuntimeError("waiting for replicas"))
+        self.manager.should_commit()
+        time.sleep(0.2)
+        return False
+
+    def _step(self, step: int, n: int) -> None:
+        """Steps 3 and 4: the local gradient, the algorithm's exchange over the step's
+        participants, and the commit; a step that fails anywhere is put back entirely."""
+        cfg, algo = self.cfg, self.algo
+        saved = self.loader.state_dict()
+        x, y = self.loader.next_batch()
+        lr = assembly.lr_at(cfg, step, self.total)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.model.train()
+        self.opt.zero_grad(set_to_none=False)
+        loss = evaluation.loss_fn(self.dataset.task)(self.model(x), y)
+        loss.backward()
+        algo.set_lr(lr)
+        if algo.acts_on == "gradient":  # its memories (error feedback, Q) change: keep what to go back to
+            snapshot = {"algorithm": algo.state_dict()}
+            G = self.gopt.flat.gather_grads()
+            algo.reduce_gradients(G)
+        else:  # the algorithm changes the model in its step
+            snapshot = copy.deepcopy(self.gopt.state_dict())
+            self.gopt.step()
+        if not self.manager.should_commit():
+            if "params" in snapshot:
+                self.gopt.load_state_dict(snapshot)
+            else:
+                algo.load_state_dict(snapshot["algorithm"])
+            self.loader.load_state_dict(saved)  # the batch is retried in the next quorum
+            self.discarded += 1
+            self._say(f"step {step + 1} discarded (a participant failed); retrying with a new quorum")
+            return
+        if algo.acts_on == "gradient":
+            self.gopt.flat.scatter_grads(G)
+            self.opt.step()
+            self.gopt.steps += 1
+            algo.on_step_end(self.gopt.steps)
+        self.loader_step, self.stepped = step + 1, True
+        done = self.manager.current_step()
+        self.progress.step = done  # committed: Run.train ends the epoch and checkpoints after it
+        self.progress.epoch_losses[0].append(loss.item())
+        if done % cfg.run.log_every == 0 or done == self.stop:
+            self._record({"step": done, "loss": loss.item(), "lr": lr, "participants": n,
+                          "time": self.elapsed(),
+                          "bytes_sent": int(self.comm.run_ledger.bytes_sent),
+                          "setup_bytes_sent": int(self.comm.run_ledger.setup_bytes_sent)})
+
+    def _resume(self) -> dict | None:
+        """``--resume``: this replica's newest checkpoint in the run directory, loaded (None
+        where it has none: ``--resume auto`` then starts, and the quorum heals it from a
+        replica that resumed further). A checkpoint of another config is refused in one
+        line naming what differs."""
+        found = ft_checkpoints(self.out, self.replica)
+        if not found:
+            if self.cfg.run.resume != RESUME_AUTO:
+                raise RunError(f"--resume {str(self.out)!r}: no checkpoint of replica {self.replica} there "
+                                    f"({_FT_CHECKPOINT.format(step='N', replica=self.replica)}); --resume auto starts "
+                                    "a replica that has none")
+            return None
+        step = max(found)
+        try:
+            state = torch.load(found[step], map_location=self.device, weights_only=False)
+        except Exception as e:  # noqa: BLE001 - a damaged file: say which
+            raise RunError(f"--resume: cannot read {str(found[step])!r} ({_first_line(e)[:200]})") from None
+        if state.get("format") != FT_CHECKPOINT_FORMAT or int(state.get("replica", -1)) != self.replica:
+            raise RunError(f"--resume: {str(found[step])!r} is not a --fault-tolerance checkpoint of replica "
+                                f"{self.replica}")
+        theirs = state["agree"]
+        diffs = [f"{k}: {json.dumps(theirs.get(k), default=str)} in the checkpoint, "
+                 f"{json.dumps(self.agree.get(k), default=str)} now"
+                 for k in dict.fromkeys([*theirs, *self.agree]) if theirs.get(k) != self.agree.get(k)]
+        if diffs:
+            raise RunError(f"--resume: the checkpoint of replica {self.replica} at step {step} was written with "
+                                f"another config; {'; '.join(diffs)}")
+        self.gopt.load_state_dict(state["gossip"])
+        self.comm.run_ledger.load_state_dict(state["ledger"])
+        self.resumed_step = step
+        self._say(f"resumed from its checkpoint at step {step}")
+        return state
+
+    # --- an epoch's end, checkpoints, the end -------------------------------------------
+    def end_epoch(self) -> None:
+        """After an epoch's last step: this replica's own model evaluated on the test set,
+        an eval record and the epoch line every mode prints (no collective: a peer's
+        death must not cost an epoch's evaluation; with a centralized algorithm every
+        replica's model is the group's). The train loss is the mean of this replica's own
+        steps in the epoch (steps it took by healing have none)."""
+        step = self.progress.step
+        ev = evaluation.test_metrics(self.model, self.dataset, self.device)
+        losses, self.progress.epoch_losses = self.progress.epoch_losses[0], [[]]
+        ev = {"train_loss": sum(losses) / len(losses) if losses else float("nan"), **ev}
+        # kind: the eval record of every mode (gossip.analysis); event: as every record of this file
+        # that is not a step's (quorum, heal, topology, end), so that a reader of steps passes it by
+        self._record({"event": "eval", "kind": "eval", "step": step, "epoch": step / self.steps_per_epoch,
+                      "time": self.elapsed(), **ev})
+        self.last_eval = ev
+        self._say(metrics.epoch_line(step / self.steps_per_epoch, self.cfg.run.epochs, ev, self.comm.run_ledger,
+                                     self.dpsgd_bytes, step, self.dataset.task))
+
+    def checkpoint(self) -> None:
+        """This replica's state at the group's committed step: model, local optimizer and
+        the algorithm's whole state (its own error memories included), the group's step
+        and the ledger; written atomically, the two newest kept. Each replica its own, so
+        that a run outlives its Lighthouse."""
+        if self.pending is not None:  # no step was taken (--max-steps 0): nothing was exchanged
+            self._open_run_files()
+            self.log.close()  # (Run.train closed the run's writers before its last checkpoint)
+        step = self.manager.current_step()
+        state = {"format": FT_CHECKPOINT_FORMAT, "replica": self.replica, "replicas": self.replicas, "step": step,
+                 "batches_committed": int(self.manager.batches_committed()), "agree": self.agree,
+                 "gossip": self.gopt.state_dict(), "ledger": self.comm.run_ledger.state_dict()}
+        path = self.out / _FT_CHECKPOINT.format(step=step, replica=self.replica)
+        rundir.write_atomically(path, lambda f: torch.save(state, f))
+        kept = ft_checkpoints(self.out, self.replica)
+        for old in sorted(kept)[:-2]:
+            kept[old].unlink(missing_ok=True)
+
+    def finish(self) -> dict | None:
+        """The end record (this replica's model on the test set), its final parameters in
+        ``model-replica<k>.pt``, and on replica 0 summary.json (its own figures: no
+        collective at the end either); returns the summary on replica 0 (None elsewhere)."""
+        step = self.manager.current_step()
+        end = {"event": "end", "step": step, **evaluation.test_metrics(self.model, self.dataset, self.device),
+               "time": self.elapsed(), "aborted_groups": self.comm.aborts}
+        # the run's writers are closed (Run.train closes them before its last checkpoint): appended
+        writer = rundir.MetricsWriter(rundir.metrics_path(self.out, self.replica), keep_until=2**62)
+        writer.write(end)
+        writer.close()
+        torch.save({"params": self.gopt.flat.data[0].detach().clone(), "step": step},
+                   self.out / f"model-replica{self.replica}.pt")
+        if not self.is_main:
+            return None
+        say_line(json.dumps(end), sys.stdout)
+        summary = metrics.summary_record(self.facts(), steps=step, ledger=self.comm.run_ledger, comm=self.comm,
+                                         last_eval=self.last_eval, dpsgd_bytes=self.dpsgd_bytes,
+                                         wall_time_s=self.elapsed())
+        summary["fault_tolerance"] = {
+            "replica": self.replica, "replicas": self.replicas, "min_replicas": self.min_replicas,
+            "lighthouse": self.addr, "quorums": self.quorums, "heals": self.heals,
+            "discarded_steps": self.discarded, "aborted_groups": self.comm.aborts,
+            "resumed_from_step": self.resumed_step}
+        rundir.write_json(rundir.summary_path(self.out), summary)
+        return summary
+
+
+#: the format tag of a --fault-tolerance checkpoint, and its file name in the run directory
+FT_CHECKPOINT_FORMAT = "gossip-fault-tolerance-1"
+_FT_CHECKPOINT = "ckpt-step{step}-replica{replica}.pt"
+
+
+def ft_checkpoints(run_dir: str | Path, replica: int) -> dict[int, Path]:
+    """``{step: path}`` of replica ``replica``'s ``--fault-tolerance`` checkpoints in ``run_dir``."""
+    import re
+
+    pattern = re.compile(rf"^ckpt-step(\d+)-replica{int(replica)}\.pt$")
+    d = Path(run_dir)
+    if not d.is_dir():
+        return {}
+    return {int(m.group(1)): p for p in d.iterdir() if (m := pattern.match(p.name)) and p.is_file()}
+
+
+def agreement_verdict(cfg: Any, entries: list[dict], replicas: int) -> tuple[str, set[int]]:
+    """What a group whose members differ does: one line, and the group ranks that stop.
+
+    ``entries`` are the members' ``{"replica", "veteran", "host", "pid", "record"}`` by
+    group rank; a veteran has committed a step of this run. Two members with one replica
+    id: the one that is not a veteran stops (both, and everyone, where neither or both
+    are). Members whose records differ: where veterans agree among themselves, the
+    others that differ from them stop; otherwise (the start of the run) every member does.
+    """
+    from gossip.train import agreement
+
+    everyone = set(range(len(entries)))
+    by_id: dict[int, list[int]] = {}
+    for r, e in enumerate(entries):
+        by_id.setdefault(int(e["replica"]), []).append(r)
+    for k, ranks in sorted(by_id.items()):
+        if len(ranks) > 1:
+            who = ", ".join(f"host {entries[r]['host']} pid {entries[r]['pid']}"
+                            + (" (training)" if entries[r]["veteran"] else "") for r in ranks)
+            line = (f"{REPLICA_ENV}={k} is given to {len(ranks)} workers ({who}): give each worker its own "
+                    f"{REPLICA_ENV} in 0 .. {replicas - 1}")
+            veterans = [r for r in ranks if entries[r]["veteran"]]
+            return line, (set(ranks) - set(veterans) if len(veterans) == 1 else everyone)
+    veterans = [r for r, e in enumerate(entries) if e["veteran"]]
+    records = [e["record"] for e in entries]
+    ids = [int(e["replica"]) for e in entries]
+    if veterans and all(records[r] == records[veterans[0]] for r in veterans):
+        ref = veterans[0]
+        odd = [r for r in everyone if records[r] != records[ref]]
+        line = agreement.disagreement(cfg, [records[ref]] + [records[r] for r in odd],
+                                      [ids[ref]] + [ids[r] for r in odd], unit="replica")
+        joiners = ", ".join(str(ids[r]) for r in odd)
+        return f"replica {joiners} cannot join the run: {line}", set(odd)
+    line = agreement.disagreement(cfg, [records[r] for r in sorted(everyone, key=lambda r: ids[r])],
+                                  sorted(ids), unit="replica")
+    return line or "the replicas' configs differ", everyone
+
+
+def live_topology(cfg: Any, n: int) -> tuple[Any, str | None]:
+    """The run's ``--topology`` over ``n`` live replicas, and None; or, where it cannot be
+    built on ``n`` nodes (a torus of 7), a ring (of two nodes: the complete graph) and why.
+
+    The builders validate W (symmetric, doubly stochastic, connected) before it is used;
+    an expander is re-drawn with the run's seed over the live count, and a time-varying
+    graph (``onepeer-exp``, ``matching``) is built over the live set.
+    """
+    try:
+        return assembly.build_topology(cfg, n), None
+    except RunError as e:
+        fallback = "ring" if n >= 3 else "complete"
+        return topologies.build(fallback, n), f"{e}; falling back to {fallback}"
+
+
+def _first_line(err: BaseException | None) -> str:
+    """The first line of an error torchft reported (its wrapper appends a traceback)."""
+    err = getattr(err, "original_exception", err)
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _replica_name(k: int) -> str:
+    """torchft's replica id of replica ``k``: zero-padded, so that torchft's order of the
+    group's ranks (by replica id, as strings) is the numeric order of ``k``."""
+    return f"gossip_{k:05d}"
+
+
+def _spectral_gap(topo: Any) -> float | None:
+    """1 - rho of a static graph; None for a time-varying one (no single W)."""
+    try:
+        return None if is_time_varying(topo) else float(topo.spectral_gap)
+    except Exception:  # noqa: BLE001 - a figure for the log, never a reason to stop
+        return None
+
+
+def _tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def run_fault_tolerant(cfg: Any) -> dict | None:
+    """Run one replica of a ``--fault-tolerance`` run (:class:`FaultTolerantRun`); its
+    summary on replica 0, None elsewhere.
+
+    Raises:
+        gossip.errors.RunError: one line for every failure the user can act on (torchft
+            missing, a replica environment or ``--algo`` setting that cannot run, no
+            Lighthouse at the address, a quorum below ``--min-replicas`` for ``--timeout``).
+    """
+    return FaultTolerantRun(cfg).train()

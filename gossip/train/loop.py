@@ -1,0 +1,391 @@
+"""The training run behind ``gossip.train``: build, train, evaluate, log, checkpoint.
+
+One code path serves both modes: under torchrun a process hosts its own rank
+(``m = 1``); with ``--simulate N`` one process hosts all N nodes (``m = N``). Either way
+the hosted nodes' parameters are the rows of one ``(m, d)`` buffer and every node
+trains on its own shard.
+
+:class:`Run` tells the training story and leaves each job to one component:
+:mod:`gossip.train.assembly` builds the parts from the config, :mod:`gossip.train.agreement`
+makes the ranks agree before anything is written, :class:`gossip.train.checkpoint.CheckpointManager`
+saves and resumes, :class:`gossip.train.metrics.RunLog` records and prints, and
+:mod:`gossip.train.evaluation` evaluates. Files written to the run directory (see
+docs/run-directory.md): ``config.json`` at the start, ``metrics-rank<k>.jsonl`` (one
+per node), checkpoints, and ``summary.json`` at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import math
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gossip import checkpoint, data, rundir, vectorized
+from gossip.train import agreement, assembly, evaluation, metrics
+from gossip.train.assembly import Env
+from gossip.train.checkpoint import CheckpointManager, CheckpointRecord, Progress
+from gossip.train.config import FINGERPRINT_KEYS, RESUME_AUTO, TrainConfig, fingerprint_keys
+from gossip.errors import Diverged, Finished, NonFiniteError, RunError
+from gossip.runtime import GossipOptimizer
+
+__all__ = ["CheckpointRecord", "Diverged", "Finished", "FINGERPRINT_KEYS", "Progress", "Run", "RunError", "fingerprint_keys", "run"]
+
+
+
+# --------------------------------------------------------------------------------------
+# the run
+# --------------------------------------------------------------------------------------
+def run(cfg: TrainConfig) -> dict | None:
+    """Train as configured; returns the summary on rank 0 (None elsewhere). A
+    fault-tolerant run (``--fault-tolerance``) is :func:`gossip.train.run`'s: the
+    fault-tolerant loop sits on top of this one, which never imports it."""
+    if cfg.comm.fault_tolerance is not None:
+        raise RunError("--fault-tolerance runs through gossip.train.run (or python -m gossip.train), "
+                       "which hands it to gossip.train.fault_tolerance; gossip.train.loop.run runs the other modes")
+    env = assembly.detect_env(cfg)
+    topo = assembly.build_topology(cfg, env.world_size)  # pure: fails the same way on every rank
+    device = assembly.choose_device(cfg, env)
+    _check_resume_dir(cfg)
+    try:
+        dataset, data_error = assembly.build_dataset(cfg), None
+    except RunError as e:
+        if not env.distributed:
+            raise
+        dataset, data_error = None, str(e)  # said on every rank once they have met, not a hang
+
+    from gossip import comm as gcomm
+
+    runner: Run | None = None
+    try:
+        comm = _communicator(cfg, env, topo, device, dataset, data_error)
+        runner = Run(cfg, env, topo, device, dataset, comm)
+        return runner.train()
+    except gcomm.PeerError as e:
+        log = runner.log_failure(e) if runner is not None else None
+        raise RunError(str(e) + (f"; details in {log}" if log is not None else "")) from None
+    except RunError:  # the user's to act on, whole in its one line; a refused resume writes nothing
+        raise
+    except rundir.RunDirError as e:  # a file of the run directory that cannot be read
+        raise RunError(str(e)) from None
+    except OSError as e:
+        if e.filename is None:  # not a file's: the detail to the rank's log, as for any failure
+            if runner is not None:
+                runner.log_failure(e)
+            raise
+        log = runner.log_failure(e) if runner is not None else None
+        raise RunError(_os_error_line(e, runner) + (f"; details in {log}" if log is not None else "")) from None
+    except BaseException as e:  # an interrupt, SIGTERM, a bug: the detail to the rank's log
+        if runner is not None:
+            runner.log_failure(e)
+        raise
+    finally:
+        if env.distributed:
+            gcomm.shutdown()  # gloo's threads joined before the interpreter exits
+
+
+def _check_resume_dir(cfg: TrainConfig) -> None:
+    if cfg.run.resume in (None, RESUME_AUTO):
+        return
+    try:
+        is_dir = Path(cfg.run.resume).is_dir()
+    except OSError as e:  # a name too long for the file system, a loop of links
+        raise RunError(f"--resume {cfg.run.resume!r}: {e.strerror or e}") from None
+    if not is_dir:
+        raise RunError(f"--resume {cfg.run.resume!r}: no such run directory")
+
+
+def _communicator(cfg: TrainConfig, env: Env, topo, device, dataset, data_error: str | None):
+    """The process group and a communicator over it (the ranks agree on the config and
+    the data before anything is exchanged or written), or the simulated one."""
+    from gossip import comm as gcomm
+
+    if env.distributed:
+        agreement.init_group(cfg, env, device)
+        agreement.agree_config(cfg, env, dataset, data_error)
+        comm = gcomm.DistCommunicator(topo, device=device, timeout=cfg.comm.timeout)
+    else:
+        comm = gcomm.SimulatedCommunicator(topo, world_size=env.world_size, device=device)
+    if cfg.comm.emulate_latency:
+        from gossip.comm.latency import LatencyCommunicator
+
+        comm = LatencyCommunicator(comm, cfg.comm.emulate_latency / 1000.0)
+    return comm
+
+
+#: what to do about a file system's refusal, by errno
+_OS_HINTS = {"ENOSPC": "free some space", "EDQUOT": "free some space (disk quota)",
+             "EACCES": "make the run directory writable", "EPERM": "make the run directory writable",
+             "EROFS": "the file system is read-only: give another --out",
+             "ENAMETOOLONG": "give a shorter --out"}
+
+
+def _os_error_line(e: OSError, runner: Run | None) -> str:
+    """One line for a refusal of the file system: the file, the cause, what was kept."""
+    name = errno.errorcode.get(e.errno or 0, "")
+    line = f"{e.filename}: {e.strerror or e}" + (f" ({name})" if name else "")
+    if runner is not None:
+        kept = sorted(checkpoint.list_checkpoints(runner.out)) if runner.out.is_dir() else []
+        line += (f"; the run stopped at step {runner.progress.step}; "
+                 + (f"its checkpoints (newest: step {kept[-1]}) are intact" if kept else "no checkpoint was written"))
+        hint = _OS_HINTS.get(name)
+        if hint:
+            line += f": {hint}" + (f", then --resume {str(runner.out)!r}" if kept else "")
+    elif _OS_HINTS.get(name):
+        line += f": {_OS_HINTS[name]}"
+    return line
+
+
+class Run:
+    """One training run: built from its parts, then stepped, evaluated, checkpointed.
+
+    ``train()`` is the whole of it: a resume (with ``--resume``), then :meth:`step`
+    until the end, :meth:`end_epoch` after each epoch's last step, a checkpoint every
+    ``--checkpoint-every`` steps, and :meth:`finish`. The jobs are the components':
+    ``self.ckpt`` (:class:`~gossip.train.checkpoint.CheckpointManager`) saves and resumes,
+    ``self.log`` (:class:`~gossip.train.metrics.RunLog`) records and prints.
+    """
+
+    def __init__(self, cfg: TrainConfig, env: Env, topo, device, dataset, comm) -> None:
+        self.cfg, self.env, self.topo, self.device, self.dataset, self.comm = cfg, env, topo, device, dataset, comm
+        self._mem0 = assembly.peak_memory(device)  # for the memory line at the end: what the nodes add to it
+        self.nodes = [int(i) for i in comm.nodes]
+        self.is_main = env.rank == 0
+        self.out = agreement.agree_out_dir(cfg, env)
+        self.cfg_dict = cfg.to_dict()
+        if dataset.corpus is not None and dataset.corpus.get("sha256"):
+            self.cfg_dict["corpus_sha256"] = dataset.corpus["sha256"]
+        # Step 1: the algorithm, then identical x_1 on every node with its local optimizer
+        self.algo = assembly.build_algorithm(cfg, comm)
+        self.copies = assembly.state_copies(cfg)  # of the parameters, per node: for the memory check
+        self._build_nodes()
+        self.dim = self.gopt.flat.dim
+        # Step 2: each node's shard of the training data
+        self._build_loaders()
+        agreement.claim_out(cfg, self.out, env.distributed, self.is_main, comm)  # after every check above
+        self.task = dataset.task
+        self.loss = evaluation.loss_fn(dataset.task)
+        self.steps_per_epoch = self.loaders[0].steps_per_epoch
+        self.total = cfg.run.epochs * self.steps_per_epoch  # the schedule spans the whole run
+        self.stop = self.total if cfg.run.max_steps is None else min(self.total, cfg.run.max_steps)
+        self.lr_at = assembly.lr_schedule(cfg, self.total)
+        self.ledger = comm.ledger
+        self.progress = Progress.fresh(len(self.nodes))
+        # full-precision D-PSGD's bytes per node per step on this topology, for the ratio
+        self.dpsgd_bytes = metrics.dpsgd_bytes(cfg, topo, env.world_size, self.dim)
+        self.last_eval: dict[str, Any] = {}
+        self.log = metrics.RunLog(cfg, env, comm, self.out, self.steps_per_epoch)
+        self.ckpt = CheckpointManager(
+            self.out, env, comm, cfg, self.cfg_dict, gopt=self.gopt, loaders=self.loaders, batches=self.batches,
+            ledger=self.ledger, corpus=(dataset.corpus or {}).get("corpus", cfg.data.name), say=self.log.say)
+        self._t0 = 0.0
+        self._first_step = 0
+
+    def _build_nodes(self) -> None:
+        """The hosted nodes' models (one batched model on the vectorized path), their local
+        optimizers and the optimizer that couples them with the algorithm."""
+        cfg, device = self.cfg, self.device
+        torch.manual_seed(cfg.run.seed)
+        first = assembly.build_model(cfg, self.dataset, device)
+        # before m copies exist: will they fit?
+        assembly.check_memory(self.copies, len(self.nodes),
+                              sum(p.numel() for p in first.parameters() if p.requires_grad), device)
+        #: the simulation's path: "vectorized" (all nodes one batched model) or "loop"; None under torchrun
+        self.sim_path, self.sim_why = assembly.simulation_path(cfg, self.env, first, self.dataset, device)
+        try:  # the algorithm's setup meets the model here (its layout, the local momentum)
+            if self.sim_path == "vectorized":
+                self.gopt = vectorized.VectorizedOptimizer(
+                    first, lambda ps: assembly.local_optimizer(cfg, None, ps), self.algo)
+                self.models, self.opts = self.gopt.models, self.gopt.optimizers
+                return
+            self.models = [first]
+            for _ in self.nodes[1:]:
+                torch.manual_seed(cfg.run.seed)
+                self.models.append(assembly.build_model(cfg, self.dataset, device))
+            self.opts = [assembly.local_optimizer(cfg, m) for m in self.models]
+            self.gopt = GossipOptimizer(self.models, self.opts, self.algo)
+        except (ValueError, TypeError) as e:
+            raise RunError(str(e) if str(e).startswith("--") else f"--algo {cfg.algorithm.name}: {e}") from None
+
+    def _build_loaders(self) -> None:
+        cfg, env, dataset = self.cfg, self.env, self.dataset
+        try:
+            shards = data.partition_dataset(dataset, env.world_size, scheme=cfg.data.partition, seed=cfg.run.seed)
+        except ValueError as e:
+            raise RunError(f"--partition {cfg.data.partition} over {env.world_size} nodes: {e}; "
+                           "use fewer nodes or more data") from None
+        try:
+            self.loaders = [data.ShardLoader(dataset.x_train, dataset.y_train, shards[i], cfg.data.batch_size,
+                                             seed=cfg.run.seed, node=i, device=self.device) for i in self.nodes]
+        except ValueError as e:
+            raise RunError(f"--batch-size {cfg.data.batch_size}: {e}") from None
+        # the vectorized path gathers every node's batch in one call, from the same loaders
+        self.batches = vectorized.BatchedLoader(self.loaders, self.device) if self.sim_path == "vectorized" else None
+
+    # --- the whole run -----------------------------------------------------------------
+    def train(self) -> dict | None:
+        """The run from its first (or resumed) step to its summary: :meth:`begin`, then
+        :meth:`step` until the end (:meth:`end_epoch` after an epoch's last step, a
+        :meth:`checkpoint` every ``--checkpoint-every`` steps), the last checkpoint and
+        :meth:`finish`."""
+        cfg = self.cfg
+        self.begin()
+        try:
+            while self.progress.step < self.stop:
+                before = self.progress.step
+                self.step()
+                step = self.progress.step
+                if step == before:  # no step committed (a fault-tolerant replica's discarded step)
+                    continue
+                if step % self.steps_per_epoch == 0 or step == self.stop:
+                    self.end_epoch()
+                if cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0 and step < self.stop:
+                    self.checkpoint()
+        except Diverged as e:
+            if self.is_main:
+                rundir.write_json(rundir.summary_path(self.out), metrics.diverged_record(
+                    self.facts(), e, steps=self.progress.step, wall_time_s=self.elapsed()))
+            raise
+        finally:
+            self.log.close()
+        self.checkpoint()
+        return self.finish()
+
+    def begin(self) -> None:
+        """Before the first step: the resume (with ``--resume``), config.json, the metrics
+        files, the header line and the progress bar, the clock."""
+        cfg = self.cfg
+        self.algo.set_event_sink(self.log.say if self.is_main else None)  # MergeComp's decisions
+        resumed = False
+        if cfg.run.resume is not None:
+            self.ckpt.check_finished(self.stop, self.total)
+            restored = self.ckpt.resume(auto=cfg.run.resume == RESUME_AUTO)
+            resumed = restored is not None
+            self.progress = restored or self.progress
+        if self.is_main and self.progress.step == 0:
+            rundir.write_json(rundir.config_path(self.out), metrics.config_record(
+                self.facts(), cfg_dict=self.cfg_dict, layout=self.gopt.layout, corpus=self.dataset.corpus))
+        self.log.open(keep=self.progress.step if resumed else None)
+        self.log.say(metrics.header(cfg, self.env, self.dim, self.algo))
+        if self.sim_path is not None:
+            self.log.say(assembly.path_line(self.env.world_size, self.sim_path, self.sim_why))
+        self.log.start_bar(self.progress.step, self.stop)
+        self._t0 = time.perf_counter() - self.progress.elapsed_s  # wall time across resumes
+        self._first_step = self.progress.step  # this process's first step is its warm-up
+
+    def log_failure(self, exc: BaseException) -> Path | None:
+        """Append the full detail of what stopped this rank to ``error-rank<k>.log`` in
+        the run directory (the rank prints one line); its path, or None if it cannot be
+        written (the run directory is gone or read-only: the line still says what failed)."""
+        import traceback
+
+        path = rundir.error_log_path(self.out, self.env.rank)
+        lines = [f"{time.strftime('%Y-%m-%d %H:%M:%S')} rank {self.env.rank} of {self.env.world_size} "
+                 f"on {socket.gethostname()}, at step {self.progress.step}: {type(exc).__name__}: {exc}"]
+        detail = getattr(exc, "detail", "")
+        if detail:
+            lines.append(f"backend: {detail}")
+        lines.append("".join(traceback.format_exception(exc)).rstrip())
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n\n")
+        except OSError:
+            return None
+        return path
+
+    # --- one step ----------------------------------------------------------------------
+    def step(self) -> None:
+        """Local gradients of every hosted node, then the optimizer and algorithm step."""
+        p, ledger = self.progress, self.ledger
+        lr = self.lr_at(p.step)
+        for o in self.opts:
+            for g in o.param_groups:
+                g["lr"] = lr
+        warm = ledger.warmup() if p.step == self._first_step else contextlib.nullcontext()
+        with warm:  # this process's first step: compilation and first calls
+            losses = self._local_step()
+        ledger.step()
+        p.step += 1
+        for r, v in enumerate(losses):
+            p.log_losses[r].append(v)
+            p.epoch_losses[r].append(v)
+        self.log.step(losses)
+        if p.step % self.cfg.run.log_every == 0 or p.step == self.stop:
+            self.log.train(p.step, p.log_losses, lr, self.elapsed(), ledger)
+            p.log_losses = [[] for _ in self.nodes]
+
+    def _local_step(self) -> list[float]:
+        p, ledger = self.progress, self.ledger
+        self.gopt.zero_grad()
+        losses = []
+        with ledger.phase("compute"):
+            if self.batches is not None:  # vectorized: every node's forward and backward in one call
+                xb, yb = self.batches.next_batch()
+                losses = self.gopt.forward_backward(xb, yb).tolist()
+            else:
+                for m_, ld in zip(self.models, self.loaders):
+                    xb, yb = ld.next_batch()
+                    loss = self.loss(m_(xb), yb)
+                    loss.backward()
+                    losses.append(float(loss.detach()))
+        bad = [i for i, v in zip(self.nodes, losses) if not math.isfinite(v)]
+        if bad:
+            raise Diverged(f"training diverged at step {p.step + 1}: non-finite loss on node(s) {bad}")
+        try:
+            self.gopt.step()
+        except NonFiniteError as e:  # by type: a compressor met NaN/inf or an overflowing scale
+            raise Diverged(f"training diverged at step {p.step + 1}: {e}") from None
+        return losses
+
+    def facts(self) -> metrics.RunFacts:
+        """What config.json and summary.json say about this run."""
+        return metrics.RunFacts(
+            cfg=self.cfg, algo=self.algo, world_size=self.env.world_size, mode=self.env.mode,
+            hosts=assembly.hosts_of(self.env), dim=self.dim, task=self.task,
+            topology=self.cfg.comm.topology if self.topo is not None else None, pooled=self.env.distributed)
+
+    def elapsed(self) -> float:
+        """Wall time of the run so far, across resumes."""
+        return time.perf_counter() - self._t0
+
+    # --- one epoch's end ---------------------------------------------------------------
+    def end_epoch(self) -> None:
+        """Evaluate the averaged model, log it, print the epoch line."""
+        p, spe = self.progress, self.steps_per_epoch
+        if self.sim_path == "vectorized":  # batched over the nodes (classification only takes this path)
+            ev = evaluation.evaluate_vectorized(self.gopt, self.dataset, self.device, nodes=self.cfg.run.node_eval)
+        else:
+            ev = evaluation.evaluate(self.gopt, self.models, self.dataset, self.device, self.comm,
+                                     nodes=self.cfg.run.node_eval)
+        # mean training loss of the nodes over the epoch's steps
+        ev["train_loss"] = evaluation.mean_over_nodes(self.comm, [sum(v) / max(1, len(v)) for v in p.epoch_losses])
+        p.epoch_losses = [[] for _ in self.nodes]
+        self.log.eval(p.step, ev, self.elapsed())
+        self.last_eval = ev
+        self.log.say(metrics.epoch_line(p.step / spe, self.cfg.run.epochs, ev, self.ledger, self.dpsgd_bytes, p.step,
+                                        self.task))
+        self.algo.on_epoch_end(p.step // spe)
+
+    def checkpoint(self) -> None:
+        """This rank's checkpoint of the current step (atomic: temporary file, rename)."""
+        self.progress.elapsed_s = self.elapsed()
+        self.ckpt.save(self.progress)
+
+    # --- the end -------------------------------------------------------------------------
+    def finish(self) -> dict | None:
+        """summary.json on rank 0; returns it there (None elsewhere)."""
+        summary = metrics.summary_record(  # a collective: every rank
+            self.facts(), steps=self.progress.step, ledger=self.ledger, comm=self.comm, last_eval=self.last_eval,
+            dpsgd_bytes=self.dpsgd_bytes, wall_time_s=self.elapsed())
+        if not self.is_main:
+            return None
+        rundir.write_json(rundir.summary_path(self.out), summary)
+        if self.sim_path is not None and self.env.world_size > 1:
+            print(assembly.memory_line(self.copies, self.env.world_size, self.dim, self._mem0, self.device), flush=True)
+        print(f"run directory: {self.out}", flush=True)
+        return summary

@@ -159,10 +159,11 @@ def test_cuda_gives_the_cpu_bytes(spec):
 
 @pytest.mark.slow
 def test_compiled_quant_tie_count_path(backend, monkeypatch):
-    """When the fused quant kernel reports ties, a second pass locates them: same bytes."""
+    """When the fused quant kernel reports ties, a second pass locates them: same bytes.
+    (The shape of test_compiled_quant_matches_eager's input: the kernel compiled there serves.)"""
     g = torch.Generator().manual_seed(3)
-    X = torch.randn(2, 4001, generator=g)
-    keys = torch.tensor([8, 9])
+    X = torch.randn(3, 5000, generator=g)
+    keys = torch.tensor([8, 9, 1 << 45])
     c = gc.build("quant:bits=8")
     backend("eager")
     Pe = c.encode(X, keys)
@@ -238,7 +239,7 @@ def _dcd_run() -> torch.Tensor:
     c = comm.SimulatedCommunicator(topologies.build("ring", 4))
     alg = algorithms.build("dcd", c, compressor="quant:bits=8")
     g = torch.Generator().manual_seed(1)
-    X = torch.randn(4, 1 << 12, generator=g)
+    X = torch.randn(4, _LANE_D, generator=g)  # the lane tests' rows: the kernels compiled here serve them
     alg.setup(X)
     for _ in range(6):
         alg.step(X, torch.randn(X.shape, generator=g) * 1e-2)
@@ -262,7 +263,7 @@ def test_switching_from_eager_to_compiled_mid_run_keeps_the_bits(backend, monkey
     backend("auto")
     monkeypatch.setattr(_kernels, "compile_cache", _EmptyCache())  # a cache that holds them would compile at once
     monkeypatch.setattr(_kernels, "MIN_COMPILED_NUMEL", 1)
-    monkeypatch.setattr(_kernels, "EAGER_BUDGET_NUMEL", 3 * 4 * (1 << 12))  # encode switches at step 3
+    monkeypatch.setattr(_kernels, "EAGER_BUDGET_NUMEL", 3 * 4 * _LANE_D)  # encode switches at step 3
     monkeypatch.setattr(_kernels, "LANES_MIN_NUMEL", 1)  # the lane kernels' pair switches too
     monkeypatch.setattr(_kernels, "LANES", True)  # on any CPU
     kernels = [*_kernels._VARIANTS.values(), *_kernels.AFFINE._variants.values()]
@@ -272,7 +273,7 @@ def test_switching_from_eager_to_compiled_mid_run_keeps_the_bits(backend, monkey
         monkeypatch.setattr(k, "cache_checked", False)
     got = _dcd_run()
     assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
-    # rows of 4096 values take the lane kernels (min/max, then rounding), which switch together
+    # rows of 3 x 4096 values take the lane kernels (min/max, then rounding), which switch together
     for k in (_kernels._VARIANTS[("quant_round_lanes", (255, torch.uint8))],
               _kernels._VARIANTS[("quant_minmax", (255,))]):
         assert k.budget_spent and k.verified and not k.failed, k.name  # it did switch, and ran compiled

@@ -140,7 +140,14 @@ def test_a_stopped_worker_is_named_by_its_neighbours_and_nobody_is_blamed_falsel
         pids = _workers(proc)
         stopped = pids[2]
         os.kill(stopped, signal.SIGSTOP)
-        time.sleep(TIMEOUT + 4)  # the neighbours' waits expire and they say so
+        # the neighbours' waits expire (after TIMEOUT s) and each logs why it stopped;
+        # only then may rank 2 go on (however long that takes on a busy machine)
+        deadline = time.monotonic() + 120
+        while not all((out / f"error-rank{r}.log").exists() for r in (1, 3)):
+            if proc.poll() is not None:
+                break  # the job ended: what it said is checked below
+            assert time.monotonic() < deadline, "ranks 1 and 3 logged no error within 120 s"
+            time.sleep(0.1)
         os.kill(stopped, signal.SIGCONT)  # then let torchrun's agent stop it
         _, stderr = proc.communicate(timeout=120)
     finally:

@@ -4,7 +4,7 @@
                                     [--models logreg,mlp,cnn1d] [--steps K] [--device cpu|cuda]
 
 For each model and node count, both paths of ``gossip.train --simulate N`` are built
-as the CLI builds them (``gossip.loop.Run``: D-PSGD on a ring, SGD with momentum 0.9,
+as the CLI builds them (``gossip.train.loop.Run``: D-PSGD on a ring, SGD with momentum 0.9,
 batch 32, one thread) on a data set of 40 features and 10 classes with 131,072
 training samples (more where N x 32 x 4 needs more: every node gets at least four
 batches), then stepped alternately, one step of each path in turn, so that a change
@@ -43,8 +43,9 @@ import torch
 from experiments import _provenance
 
 from gossip import comm as gcomm
-from gossip import assembly, data, loop
-from gossip.config import parse_args
+from gossip import data
+from gossip.train import assembly, loop
+from gossip.train.config import parse_args
 from experiments import _cli
 
 FEATURES, CLASSES, BATCH = 40, 10, 32

@@ -29,7 +29,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from experiments import bench_data
-from gossip import config as _config
+from gossip.train import config as _config
 from gossip.tools import units
 
 __all__ = ["ALGORITHMS", "MODELS", "METRICS", "Method", "Spec", "SpecError", "Workload", "check_trials",
@@ -109,7 +109,7 @@ class Spec:
 # ----------------------------------------------------------------------------- the flags
 def _train_flags() -> dict[str, str]:
     """Every long flag of gossip.train -> its config key (``--batch-size`` -> ``batch_size``),
-    from gossip.config's schema (no torch), and ``--config``."""
+    from gossip.train.config's schema (no torch), and ``--config``."""
     flags = {_config.flag_of(e): e.key for e in _config.schema()}
     return {**flags, "--config": "config", "--help": "help"}
 
@@ -425,7 +425,7 @@ def check_trials(spec: Spec, argvs: Callable[[Workload, int, Method], Iterable[l
     import contextlib
     import io
 
-    from gossip import assembly
+    from gossip.train import assembly
     from gossip.errors import RunError
 
     for wl in spec.workloads:

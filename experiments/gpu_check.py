@@ -328,7 +328,7 @@ def _validate() -> list[str]:
     except Exception as e:
         problems.append(f"compressors: {type(e).__name__}: {e}")
     try:
-        from gossip.config import parse_args
+        from gossip.train.config import parse_args
 
         for extra in (["--simulate", "4", "--algo", "ecd", "--bits", "8", "--topology", "ring"], ["--algo", "allreduce"]):
             parse_args(_train_cmd("runs/x", *extra)[3:])

@@ -74,7 +74,7 @@ REPO = Path(__file__).resolve().parents[1]
 from experiments import _cli, _provenance  # noqa: E402
 from gossip import checkpoint, rundir  # noqa: E402
 from gossip.tools import crossover  # noqa: E402
-from gossip.evaluation import PRIMARY  # noqa: E402
+from gossip.train.evaluation import PRIMARY  # noqa: E402
 
 #: the figure the race is run to, per task: test accuracy (up to the target) for a
 #: classifier, held-out bits per byte (down to the target) for a language model

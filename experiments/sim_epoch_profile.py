@@ -42,7 +42,7 @@ import torch
 from experiments import _provenance
 from experiments import bench_sim
 
-from gossip import evaluation  # noqa: E402
+from gossip.train import evaluation  # noqa: E402
 from experiments import _cli
 
 PHASES = ("setup", "steps", "evaluation", "records", "checkpoint", "summary", "rest")

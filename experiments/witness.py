@@ -121,7 +121,7 @@ def _periods(cfg: Any) -> list[int]:
     ``local_steps``, a streaming delay, a warm-up length): steps the witness must pass."""
     import dataclasses
 
-    from gossip import assembly
+    from gossip.train import assembly
     from gossip import comm as gcomm
 
     n = cfg.to_dict().get("simulate") or 1
@@ -142,7 +142,7 @@ def _periods(cfg: Any) -> list[int]:
 
 def plan(argv: Sequence[str], *, cap: int = 120) -> tuple[int, int]:
     """``(S, K)``: the witness's steps and its resume point, for the configuration ``argv``."""
-    from gossip.config import parse_args
+    from gossip.train.config import parse_args
 
     cfg = parse_args([*normalise(argv), "--no-progress"])
     s = min(max([4, *(p + 2 for p in _periods(cfg))]), cap)

@@ -120,7 +120,9 @@ def _blob(text: str) -> str:
 
 def test_a_comment_never_unverifies_a_training_result_but_a_rename_does():
     path = "experiments/witness.py"
-    now = (P.REPO / path).read_text()
+    # the file as committed (what freshness compares with), whatever is being edited
+    now = subprocess.run(["git", "show", f"HEAD:{path}"], cwd=P.REPO, capture_output=True, text=True,
+                         check=True).stdout
     commit, _ = P.git_commit()
     prov = {"command": "python x", "commit": commit, "configs": [TINY], "sources": [path], "dirty_sources": []}
     commented = _blob(now + "\n# a comment appended later\n")

@@ -8,7 +8,9 @@ and what they record within a host stays on its loopback, to within the protocol
 overhead; ``summary.json`` says 2 hosts of 2 processes.
 
 These build network namespaces, so they need root (CAP_NET_ADMIN and CAP_SYS_ADMIN),
-``ip`` and ``tc``; elsewhere they are skipped with the reason.
+``ip`` and ``tc``; elsewhere they are skipped with the reason. The two training runs
+(minutes each on 2 cores) carry the ``netns`` marker: ``make test`` leaves them out and
+``.ci/run`` runs them where it can (``sudo .venv/bin/pytest -m netns``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def _failure(res) -> str:
     return "\n".join(f"host {r.rank}: exit {r.returncode}\n{res.tail(r.rank, 15)}" for r in res.ranks)
 
 
+@pytest.mark.netns
 @needs_netns
 def test_two_hosts_of_two_processes_match_one_host(tmp_path, prefix, mnist1d_cache):
     env = child_env(1, {"GOSSIP_CACHE": str(mnist1d_cache[0])})
@@ -133,6 +136,7 @@ def test_torchrun_static_rendezvous_and_bad_values(tmp_path, prefix):
     assert res.workers == [[0, 1], [2, 3]]
 
 
+@pytest.mark.netns
 @needs_netns
 def test_a_worker_killed_on_host_1_restarts_and_the_run_ends_as_on_one_host(tmp_path, prefix, mnist1d_cache):
     """``--resume auto`` across hosts: SIGKILL of a worker on host 1 after the step-10

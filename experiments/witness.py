@@ -40,11 +40,14 @@ with no trace of its own says so and certifies nothing (see :func:`machine_kind`
 from __future__ import annotations
 
 import hashlib
+import importlib
+import importlib.util
 import io
 import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -200,13 +203,25 @@ def _state_hash(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _alias_experiment(name: str) -> None:
+    """Make the bare module name ``name`` import ``experiments.name`` when that is one
+    of the experiments' modules and nothing else answers to the name."""
+    if "." in name or name in sys.modules or not (Path(__file__).parent / f"{name}.py").is_file():
+        return
+    if importlib.util.find_spec(name) is None:
+        sys.modules[name] = importlib.import_module(f"experiments.{name}")
+
+
 def _train(args: list[str]) -> None:
     from gossip import train
 
-    # the experiments' own data and model factories (``--data bench_data:NAME``) are
-    # imported by module name, as the benchmark's trials import them: importing
-    # experiments.bench_data makes that name resolve to it
-    from experiments import bench_data  # noqa: F401
+    # the experiments' own data and model factories (``--data bench_data:NAME``,
+    # ``--data sgp_overlap:make``) are named by their module's bare name, as the runs
+    # found them (their scripts put experiments/ on the children's path): that name
+    # resolves to the package's module
+    for flag, value in zip(args, args[1:]):
+        if flag in ("--data", "--model") and ":" in value:
+            _alias_experiment(value.split(":", 1)[0])
 
     buf = io.StringIO()
     with redirect_stdout(buf), redirect_stderr(buf):

@@ -149,3 +149,17 @@ def test_a_rerun_gets_a_fresh_folder_for_a_recorded_path_and_this_interpreter():
     folder, exe = out.stdout.split()
     assert os.path.isabs(folder) and os.path.isdir(folder) and not os.listdir(folder) and exe == sys.executable
     assert rerun.command_of({"command": "python x.py --name PATH"}).endswith("x.py --name PATH")
+
+
+def test_a_witness_finds_an_experiments_factory_by_the_bare_name_its_run_recorded(monkeypatch):
+    """Runs recorded ``--data sgp_overlap:make`` (their scripts put experiments/ on the
+    children's path); the witness resolves that name to the package's module, and
+    leaves a name no experiment has alone."""
+    import importlib
+
+    monkeypatch.delitem(sys.modules, "sgp_overlap", raising=False)
+    witness._alias_experiment("sgp_overlap")
+    assert importlib.import_module("sgp_overlap") is importlib.import_module("experiments.sgp_overlap")
+    monkeypatch.delitem(sys.modules, "sgp_overlap")
+    witness._alias_experiment("no_such_experiment")
+    assert "no_such_experiment" not in sys.modules

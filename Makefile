@@ -48,7 +48,8 @@ results-tables: setup
 # Freshness (docs/provenance.md): `make stale` lists the results not certified at HEAD;
 # `make verify` re-runs the training results' witnesses (minutes) and certifies what
 # still computes the same; `make results` re-runs what is left stale, CPU first, within
-# BUDGET minutes (resumable: run it again for the rest).
+# BUDGET minutes (resumable: run it again for the rest), each timing result after the
+# 1-minute load fell below 0.3 (waiting at most LOAD_WAIT minutes, default 10).
 stale: setup
 	$(PY) -m experiments stale
 
@@ -56,8 +57,9 @@ verify: setup
 	$(PY) -m experiments verify
 
 BUDGET ?=
+LOAD_WAIT ?=
 results: setup
-	$(PY) -m experiments results $(if $(BUDGET),--budget $(BUDGET),)
+	$(PY) -m experiments results $(if $(BUDGET),--budget $(BUDGET),) $(if $(LOAD_WAIT),--load-wait $(LOAD_WAIT),)
 
 # The pre-commit hook that re-renders the tables a commit's results files change.
 hooks:

@@ -28,11 +28,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from experiments import _provenance as P
 from experiments import freshness
 
-__all__ = ["plan", "main", "list_all", "command_of"]
+__all__ = ["plan", "main", "list_all", "command_of", "wait_for_quiet", "QUIET_LOAD"]
 
 REPO = P.REPO
 
@@ -103,7 +104,27 @@ def _estimate(statuses: list[freshness.Status]) -> float:
     return total
 
 
-def main(*, budget_min: float | None = None, dry_run: bool = False) -> int:
+#: a timing run starts once the 1-minute load average is below this (docs/provenance.md)
+QUIET_LOAD = P.QUIET_LOAD
+#: how long ``make results`` waits for it before each timing run, by default (minutes)
+LOAD_WAIT_MIN = 10.0
+
+
+def wait_for_quiet(limit_s: float, threshold: float = QUIET_LOAD, *, every_s: float = 15.0,
+                   load: Callable[[], float] = lambda: os.getloadavg()[0],
+                   sleep: Callable[[float], None] = time.sleep,
+                   clock: Callable[[], float] = time.monotonic) -> tuple[bool, float]:
+    """Wait until the 1-minute load average is below ``threshold``, at most ``limit_s``
+    seconds; returns whether it is, and the last load read."""
+    end = clock() + limit_s
+    now = load()
+    while now >= threshold and clock() < end:
+        sleep(max(0.0, min(every_s, end - clock())))
+        now = load()
+    return now < threshold, now
+
+
+def main(*, budget_min: float | None = None, dry_run: bool = False, load_wait_min: float = LOAD_WAIT_MIN) -> int:
     from experiments import certify
 
     unverified = [s.results for s in freshness.all_statuses() if s.state == "unverified" and s.kind == "training"]
@@ -137,6 +158,16 @@ def main(*, budget_min: float | None = None, dry_run: bool = False) -> int:
                   f"{_estimate(left) / 60:.0f} min): {', '.join(x.results for x in left)}; run again to resume")
             break
         cmd = command_of({"command": s.command})
+        if s.kind == "timing" and load_wait_min > 0:
+            la = os.getloadavg()[0]
+            if la >= QUIET_LOAD:
+                print(f"results: {s.results} is a timing result: waiting up to {load_wait_min:g} min for the "
+                      f"1-minute load ({la:.2f}) to fall below {QUIET_LOAD}", flush=True)
+            quiet, la = wait_for_quiet(load_wait_min * 60)
+            if not quiet:
+                print(f"results: the 1-minute load is still {la:.2f} after {load_wait_min:g} min: running "
+                      f"{s.results} anyway; its figures will be marked as taken under load (the load is "
+                      "recorded in its provenance and shown under its table)", flush=True)
         print(f"results: [{i + 1}/{len(runnable)}] {s.results}: {cmd}", flush=True)
         rc = subprocess.run(cmd, shell=True, cwd=REPO).returncode
         if rc != 0:

@@ -163,3 +163,37 @@ def test_a_witness_finds_an_experiments_factory_by_the_bare_name_its_run_recorde
     monkeypatch.delitem(sys.modules, "sgp_overlap")
     witness._alias_experiment("no_such_experiment")
     assert "no_such_experiment" not in sys.modules
+
+
+def test_make_results_waits_for_a_quiet_machine_before_a_timing_run_within_its_limit():
+    from experiments import rerun
+
+    t = [0.0]
+    loads = iter([1.5, 0.9, 0.4, 0.2, 0.1])
+
+    def sleep(s):
+        t[0] += s
+
+    quiet, la = rerun.wait_for_quiet(600, load=lambda: next(loads), sleep=sleep, clock=lambda: t[0], every_s=15)
+    assert (quiet, la, t[0]) == (True, 0.2, 45)  # three waits, then below 0.3
+    t[0] = 0.0
+    quiet, la = rerun.wait_for_quiet(100, load=lambda: 2.0, sleep=sleep, clock=lambda: t[0], every_s=15)
+    assert (quiet, la) == (False, 2.0) and t[0] == 100  # gives up at the limit, not before, not after
+
+
+def test_make_results_waits_before_timing_runs_only_and_says_when_it_runs_under_load(monkeypatch, capsys):
+    from experiments import certify, freshness, render, rerun
+
+    todo = [freshness.Status("experiments/results/low_precision.json", "training", "stale", command="true"),
+            freshness.Status("experiments/results/bench_topologies.json", "timing", "stale", command="true")]
+    waited = []
+    monkeypatch.setattr(freshness, "all_statuses", lambda: [])
+    monkeypatch.setattr(rerun, "plan", lambda: todo)
+    monkeypatch.setattr(rerun, "wait_for_quiet", lambda limit_s: waited.append(limit_s) or (False, 1.7))
+    monkeypatch.setattr(rerun.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1))
+    monkeypatch.setattr(render, "main", lambda argv: 0)
+    monkeypatch.setattr(certify, "verify", lambda files: 0)
+    assert rerun.main(load_wait_min=2) == 0
+    out = capsys.readouterr().out
+    assert waited == [120]
+    assert "still 1.70 after 2 min" in out and "bench_topologies.json anyway" in out and "taken under load" in out

@@ -71,6 +71,8 @@ class CentralizedBase(Algorithm):
     any call the step size is taken as constant (``eta_t / eta_{t-1} = 1``).
     """
 
+    shards_flat = True
+
     acts_on = "gradient"
     decentralized = False
     #: the compressed direction is the whole update: no local momentum unless asked for

@@ -41,6 +41,8 @@ class AllReduce(Algorithm):
     Every node then takes the same local optimizer step, so the models stay identical
     (see the module)."""
 
+    shards_flat = True
+
     fault_tolerant = True
 
     name = "allreduce"

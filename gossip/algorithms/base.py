@@ -236,6 +236,10 @@ class Algorithm:
     #: that heals from a live peer takes everything else from the peer and starts these at
     #: zero, since the peer's residual is not its own and would be counted twice
     local_state: ClassVar[tuple[str, ...]] = ()
+    #: True where the algorithm's exchange runs on any contiguous slice of the flat vector
+    #: on its own, needing no tensor shapes (gossip.groups cuts it across a group's members,
+    #: each exchanging its slice); False runs it from one member of the group, unsliced
+    shards_flat: ClassVar[bool] = False
 
     def __init__(self, config: Any, comm: Any) -> None:
         topo = comm.topology

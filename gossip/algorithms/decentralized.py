@@ -190,6 +190,8 @@ class GossipBase(Algorithm):
     """The base of the gossip family (D-PSGD, naive, DCD, ECD, and CHOCO-SGD and NoLoCo
     elsewhere): self weights, compressing, exchanging, mixing."""
 
+    shards_flat = True
+
     uses_mix: ClassVar[bool] = False
     #: ECD holds an estimate of its own model, distinct from the model itself
     has_self_estimate: ClassVar[bool] = False

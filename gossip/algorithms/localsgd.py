@@ -243,6 +243,8 @@ class PeriodicBase(Algorithm):
     """The base of the periodic family (local SGD, SlowMo, DiLoCo, and SparseLoCo
     elsewhere): local steps, then an all-reduce every ``local_steps`` steps."""
 
+    shards_flat = True
+
     decentralized = False
 
     def __init__(self, config: Any, comm: Any) -> None:
@@ -367,6 +369,11 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
     @property
     def payload_compressor(self) -> Any:
         return self.compressor
+
+    @property
+    def shards_flat(self) -> bool:  # type: ignore[override]
+        """Streaming DiLoCo's fragments are cut in the model's tensors: not sliceable."""
+        return self.config.fragment_count == 1
 
     def wire_format(self) -> WireFormat:
         c = self.compressor

@@ -120,6 +120,8 @@ class MergeCompState:
 class MergeComp(CentralizedBase):
     """dist-EF-SGD scheduled in groups overlapped with backward; see the module docstring."""
 
+    shards_flat = False  # it schedules the layers
+
     name = "mergecomp"
     Config = MergeCompConfig
     summary = "MergeComp (Wang et al. 2021, arXiv:2103.15195): efsgd compressed in merged groups, overlapped with backward"

@@ -186,6 +186,8 @@ def _runs(index: list[int]) -> list[tuple[int, int]]:
 class PowerSGD(CentralizedBase):
     """Rank-r PowerSGD with error feedback and momentum; steps in the module docstring."""
 
+    shards_flat = False  # its matrices are the tensors
+
     name = "powersgd"
     fault_tolerant = True
     local_state = ("error",)  # e_w, the worker's own residual; Q is shared and comes from the peer

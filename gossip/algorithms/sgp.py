@@ -88,6 +88,8 @@ class SGPState:
 class SGP(Algorithm):
     """Stochastic Gradient Push, overlapped or not; see the module docstring."""
 
+    shards_flat = True
+
     name = "sgp"
     Config = SGPConfig
     summary = "SGP: push-sum gossip with de-biased models; overlap=1 hides a step of communication"

@@ -200,6 +200,7 @@ class TopKState:
 
 
 class _TopKFamily(CentralizedBase):
+    shards_flat = False  # its blocks are the tensors
     fault_tolerant = True
     local_state = ("v",)  # the worker's own error accumulation: a healed worker starts it at zero
 

@@ -321,6 +321,8 @@ class QuantChunkTopK(ChunkTopK):
 class SparseLoCo(PeriodicBase):
     """SparseLoCo; the steps are numbered in the module docstring."""
 
+    shards_flat = False  # its chunks are cut in the tensors
+
     name = "sparseloco"
     Config = SparseLoCoConfig
     summary = "SparseLoCo: H inner (AdamW) steps, error-fed chunk top-k + 2-bit pseudo-gradients, no outer momentum"

@@ -21,12 +21,13 @@ import torch
 import topologies
 from topologies import available_memory  # one reading of MemAvailable for both checks
 from gossip import algorithms, data, factories, models, vectorized
+from gossip.groups import GroupPlan
 from gossip.train.config import TrainConfig
 from gossip.errors import RunError
 
 __all__ = [
     "Env", "build_algorithm", "build_dataset", "build_model", "build_topology", "check_memory", "choose_device",
-    "detect_env", "hosts_of", "local_optimizer", "lr_at", "lr_schedule", "memory_line", "path_line", "peak_memory",
+    "detect_env", "group_size", "hosts_of", "local_optimizer", "lr_at", "lr_schedule", "memory_line", "path_line", "peak_memory",
     "simulation_path", "state_copies",
 ]
 
@@ -63,6 +64,27 @@ def hosts_of(env: Env) -> dict:
         return {"hosts": 1, "procs_per_host": 1}
     per_host = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return {"hosts": max(1, env.world_size // per_host), "procs_per_host": per_host}
+
+
+def group_size(cfg: TrainConfig, env: Env) -> int:
+    """``--group-size``, checked against the world (and, under torchrun, the hosts); unset:
+    1 with ``--simulate`` and on one host, and under torchrun across several hosts the
+    processes of one host (``LOCAL_WORLD_SIZE``), so that a one-host run stays flat."""
+    g, n = cfg.comm.group_size, env.world_size
+    per_host = hosts_of(env)["procs_per_host"]
+    if g is None:
+        if env.distributed and n > per_host > 1 and n % per_host == 0:
+            return per_host
+        return 1
+    try:
+        plan = GroupPlan(n, g)
+    except ValueError as e:
+        raise RunError(f"--group-size {g}: {e}") from None
+    if env.distributed and g > 1 and n > per_host and g % per_host and per_host % g:
+        raise RunError(f"--group-size {g} splits a group across hosts of {per_host} processes "
+                       f"(LOCAL_WORLD_SIZE): give a divisor of {per_host} (groups inside a host) or a multiple "
+                       f"of it (whole hosts per group)")
+    return plan.group_size
 
 
 def build_topology(cfg: TrainConfig, n: int):
@@ -206,6 +228,8 @@ def simulation_path(cfg: TrainConfig, env: Env, model: torch.nn.Module, dataset,
         return None, ""
     if mode == "loop":
         return "loop", "--simulate-mode loop"
+    if group_size(cfg, env) > 1:
+        return "loop", f"--group-size {group_size(cfg, env)}: the members' gradients are averaged group by group"
     if env.world_size < 2:
         why = "one node: nothing to batch"
     elif getattr(dataset, "task", "classification") != "classification":

@@ -630,6 +630,15 @@ class CommSection:
         "run N nodes in this one process instead of under torchrun",
         metavar="N", role="agree",
     )
+    group_size: int | None = option(
+        None,
+        "ranks per group: full-precision gradient averaging inside each group of G consecutive ranks every "
+        "step, the algorithm between the groups (each group one node of its topology, each member exchanging "
+        "its 1/G slice); see docs/hierarchical.md",
+        metavar="G", role="agree",
+        default_text="1 with --simulate and on one host; under torchrun across several hosts, the processes of "
+                     "one host (LOCAL_WORLD_SIZE)",
+    )
     fault_tolerance: str | None = option(
         None,
         "keep training when workers die and rejoin: the torchft Lighthouse's HOST:PORT; each worker "
@@ -666,10 +675,10 @@ class CommSection:
             raise ConfigError(f"--weights must be 'uniform' or 'metropolis', got {self.weights!r}")
         if not isinstance(self.lazy, bool):
             raise ConfigError(f"--lazy must be true or false, got {self.lazy!r}")
-        for name in ("degree", "rows", "cols", "simulate"):
+        for name in ("degree", "rows", "cols", "simulate", "group_size"):
             v = getattr(self, name)
             if v is not None and _bad_int(name, v, 1):
-                raise ConfigError(f"--{name} must be a positive integer, got {v!r}")
+                raise ConfigError(f"{_flag(name)} must be a positive integer, got {v!r}")
         _check_number("timeout", self.timeout, strict=True)
         e = self.emulate_latency
         if e is not None and (isinstance(e, bool) or not isinstance(e, (int, float)) or not math.isfinite(e) or e < 0):
@@ -941,6 +950,28 @@ class TrainConfig:
             )
         if comm.fault_tolerance is not None:
             self._check_fault_tolerance()
+        if comm.group_size is not None and comm.group_size > 1:
+            self._check_groups()
+
+    def _check_groups(self) -> None:
+        """``--group-size`` G > 1's rules across the sections (the world size's are the run's)."""
+        alg, comm, g = self.algorithm, self.comm, self.comm.group_size
+        if comm.simulate is not None and comm.simulate < g:
+            raise ConfigError(f"--group-size {g} is larger than the world size {comm.simulate} (--simulate)")
+        if comm.simulate is not None and comm.simulate % g:
+            n = comm.simulate
+            raise ConfigError(f"--group-size {g} does not divide the world size {n} (--simulate); accepted: "
+                              f"{', '.join(str(k) for k in range(1, n + 1) if n % k == 0)}")
+        if alg.merge is not None or alg.name == "mergecomp":
+            raise ConfigError("--merge schedules the backward pass of one node per process; it does not run "
+                              f"with --group-size {g}")
+        if comm.fault_tolerance is not None:
+            raise ConfigError(f"--fault-tolerance does not run with --group-size {g} yet (see docs/hierarchical.md)")
+        if comm.emulate_latency:
+            raise ConfigError(f"--emulate-latency does not run with --group-size {g} yet")
+        if comm.simulate_mode == "vectorized":
+            raise ConfigError(f"--simulate-mode vectorized does not run with --group-size {g}: the members' "
+                              "gradients are averaged group by group (use auto or loop)")
 
     def _check_fault_tolerance(self) -> None:
         """``--fault-tolerance``'s rules across the sections (the environment's, the number

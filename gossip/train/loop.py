@@ -49,7 +49,11 @@ def run(cfg: TrainConfig) -> dict | None:
         raise RunError("--fault-tolerance runs through gossip.train.run (or python -m gossip.train), "
                        "which hands it to gossip.train.fault_tolerance; gossip.train.loop.run runs the other modes")
     env = assembly.detect_env(cfg)
-    topo = assembly.build_topology(cfg, env.world_size)  # pure: fails the same way on every rank
+    size = assembly.group_size(cfg, env)  # pure, as the topology: fails alike on every rank
+    if size > 1 and env.world_size // size < 2 and assembly.algorithms.is_decentralized(cfg.algorithm.name):
+        raise RunError(f"--group-size {size} makes one group of all {env.world_size} ranks; --algo "
+                       f"{cfg.algorithm.name} is decentralized and needs at least 2 groups")
+    topo = assembly.build_topology(cfg, env.world_size // size)  # pure: fails the same way on every rank
     device = assembly.choose_device(cfg, env)
     _check_resume_dir(cfg)
     try:
@@ -63,8 +67,9 @@ def run(cfg: TrainConfig) -> dict | None:
 
     runner: Run | None = None
     try:
-        comm = _communicator(cfg, env, topo, device, dataset, data_error)
-        runner = Run(cfg, env, topo, device, dataset, comm)
+        comm = _communicator(cfg, env, topo, device, dataset, data_error, size)
+        groups = _groups(cfg, env, topo, device, comm, size) if size > 1 else None
+        runner = Run(cfg, env, topo, device, dataset, comm, groups=groups)
         return runner.train()
     except gcomm.PeerError as e:
         log = runner.log_failure(e) if runner is not None else None
@@ -100,22 +105,71 @@ def _check_resume_dir(cfg: TrainConfig) -> None:
         raise RunError(f"--resume {cfg.run.resume!r}: no such run directory")
 
 
-def _communicator(cfg: TrainConfig, env: Env, topo, device, dataset, data_error: str | None):
+def _communicator(cfg: TrainConfig, env: Env, topo, device, dataset, data_error: str | None, size: int = 1):
     """The process group and a communicator over it (the ranks agree on the config and
-    the data before anything is exchanged or written), or the simulated one."""
+    the data before anything is exchanged or written), or the simulated one. In groups
+    of ``size`` > 1: under torchrun one over all ranks (no graph: the groups' graph is
+    the inter-group communicator's), in the simulation one row per group on the groups' graph."""
     from gossip import comm as gcomm
 
     if env.distributed:
         agreement.init_group(cfg, env, device)
         agreement.agree_config(cfg, env, dataset, data_error)
-        comm = gcomm.DistCommunicator(topo, device=device, timeout=cfg.comm.timeout)
+        comm = gcomm.DistCommunicator(topo if size == 1 else None, device=device, timeout=cfg.comm.timeout)
     else:
-        comm = gcomm.SimulatedCommunicator(topo, world_size=env.world_size, device=device)
+        comm = gcomm.SimulatedCommunicator(topo, world_size=env.world_size // size, device=device)
     if cfg.comm.emulate_latency:
         from gossip.comm.latency import LatencyCommunicator
 
         comm = LatencyCommunicator(comm, cfg.comm.emulate_latency / 1000.0)
     return comm
+
+
+class RunGroups:
+    """A run in groups (``--group-size`` G > 1): the algorithm between the groups
+    (:class:`gossip.groups.Grouped`), the communicator inside the group(s) and the
+    ledger of the traffic between groups. ``members``: the ranks (data shards) of each
+    hosted row (a group in the simulation; the rank itself under torchrun); ``ranks``:
+    how many ranks this process holds (N in the simulation, 1 under torchrun)."""
+
+    def __init__(self, size: int, algo, intra, inter_ledger, members: list[list[int]], ranks: int) -> None:
+        self.size, self.algo, self.intra, self.inter_ledger = size, algo, intra, inter_ledger
+        self.members, self.ranks = members, ranks
+
+    def bytes_by_level(self, steps: int) -> dict[str, float]:
+        """Bytes one rank sent per step inside its group and between groups (this process's ranks)."""
+        per = max(1, steps) * self.ranks
+        return {"intra": self.intra.ledger.step_bytes_sent / per, "inter": self.inter_ledger.step_bytes_sent / per}
+
+
+def _groups(cfg: TrainConfig, env: Env, topo, device, comm, size: int) -> RunGroups:
+    """The parts of a run in groups of ``size``: under torchrun the group's and the
+    inter-group process groups (every rank creates all of them), in the simulation one
+    communicator per slice, each on the groups' graph, recording into the run's ledger."""
+    from gossip import comm as gcomm
+    from gossip.groups import GroupPlan, Grouped, init_groups
+
+    plan = GroupPlan(env.world_size, size)
+    n = plan.groups
+    if env.distributed:
+        dg = init_groups(size)
+        inter = dg.inter_comm(topo, timeout=cfg.comm.timeout, device=device)
+        template = assembly.build_algorithm(cfg, inter)
+        runs = ({dg.member: inter} if template.shards_flat else ({0: inter} if dg.member == 0 else {}))
+        intra = dg.intra_comm(timeout=cfg.comm.timeout, device=device)
+        members, ranks, inter_ledger = [[env.rank]], 1, inter.ledger
+    else:
+        template = assembly.build_algorithm(cfg, gcomm.SimulatedCommunicator(topo, world_size=n, device=device))
+        runs = {j: gcomm.SimulatedCommunicator(topo, world_size=n, device=device, ledger=comm.ledger)
+                for j in range(size if template.shards_flat else 1)}
+        intra = gcomm.SimulatedCommunicator(world_size=size, device=device)
+        members, ranks, inter_ledger = [plan.group_ranks(k) for k in range(n)], env.world_size, comm.ledger
+    try:
+        algo = Grouped(lambda c: assembly.build_algorithm(cfg, c), comm, inter=runs, intra=intra, group_size=size,
+                       sharded=template.shards_flat, template=template)
+    except ValueError as e:
+        raise RunError(f"--group-size {size}: {e}") from None
+    return RunGroups(size, algo, intra, inter_ledger, members, ranks)
 
 
 #: what to do about a file system's refusal, by errno
@@ -151,8 +205,9 @@ class Run:
     ``self.log`` (:class:`~gossip.train.metrics.RunLog`) records and prints.
     """
 
-    def __init__(self, cfg: TrainConfig, env: Env, topo, device, dataset, comm) -> None:
+    def __init__(self, cfg: TrainConfig, env: Env, topo, device, dataset, comm, *, groups: RunGroups | None = None) -> None:
         self.cfg, self.env, self.topo, self.device, self.dataset, self.comm = cfg, env, topo, device, dataset, comm
+        self.groups = groups
         self._mem0 = assembly.peak_memory(device)  # for the memory line at the end: what the nodes add to it
         self.nodes = [int(i) for i in comm.nodes]
         self.is_main = env.rank == 0
@@ -161,7 +216,7 @@ class Run:
         if dataset.corpus is not None and dataset.corpus.get("sha256"):
             self.cfg_dict["corpus_sha256"] = dataset.corpus["sha256"]
         # Step 1: the algorithm, then identical x_1 on every node with its local optimizer
-        self.algo = assembly.build_algorithm(cfg, comm)
+        self.algo = assembly.build_algorithm(cfg, comm) if groups is None else groups.algo
         self.copies = assembly.state_copies(cfg)  # of the parameters, per node: for the memory check
         self._build_nodes()
         self.dim = self.gopt.flat.dim
@@ -177,7 +232,7 @@ class Run:
         self.ledger = comm.ledger
         self.progress = Progress.fresh(len(self.nodes))
         # full-precision D-PSGD's bytes per node per step on this topology, for the ratio
-        self.dpsgd_bytes = metrics.dpsgd_bytes(cfg, topo, env.world_size, self.dim)
+        self.dpsgd_bytes = metrics.dpsgd_bytes(cfg, topo, env.world_size // (groups.size if groups else 1), self.dim)
         self.last_eval: dict[str, Any] = {}
         self.log = metrics.RunLog(cfg, env, comm, self.out, self.steps_per_epoch)
         self.ckpt = CheckpointManager(
@@ -219,9 +274,10 @@ class Run:
         except ValueError as e:
             raise RunError(f"--partition {cfg.data.partition} over {env.world_size} nodes: {e}; "
                            "use fewer nodes or more data") from None
+        ranks = self.nodes if self.groups is None else [r for rs in self.groups.members for r in rs]
         try:
             self.loaders = [data.ShardLoader(dataset.x_train, dataset.y_train, shards[i], cfg.data.batch_size,
-                                             seed=cfg.run.seed, node=i, device=self.device) for i in self.nodes]
+                                             seed=cfg.run.seed, node=i, device=self.device) for i in ranks]
         except ValueError as e:
             raise RunError(f"--batch-size {cfg.data.batch_size}: {e}") from None
         # the vectorized path gathers every node's batch in one call, from the same loaders
@@ -323,16 +379,19 @@ class Run:
         p, ledger = self.progress, self.ledger
         self.gopt.zero_grad()
         losses = []
-        with ledger.phase("compute"):
-            if self.batches is not None:  # vectorized: every node's forward and backward in one call
-                xb, yb = self.batches.next_batch()
-                losses = self.gopt.forward_backward(xb, yb).tolist()
-            else:
-                for m_, ld in zip(self.models, self.loaders):
-                    xb, yb = ld.next_batch()
-                    loss = self.loss(m_(xb), yb)
-                    loss.backward()
-                    losses.append(float(loss.detach()))
+        if self.groups is not None:  # each group's members' gradients, averaged inside the group
+            losses = self._group_gradients()
+        else:
+            with ledger.phase("compute"):
+                if self.batches is not None:  # vectorized: every node's forward and backward in one call
+                    xb, yb = self.batches.next_batch()
+                    losses = self.gopt.forward_backward(xb, yb).tolist()
+                else:
+                    for m_, ld in zip(self.models, self.loaders):
+                        xb, yb = ld.next_batch()
+                        loss = self.loss(m_(xb), yb)
+                        loss.backward()
+                        losses.append(float(loss.detach()))
         bad = [i for i, v in zip(self.nodes, losses) if not math.isfinite(v)]
         if bad:
             raise Diverged(f"training diverged at step {p.step + 1}: non-finite loss on node(s) {bad}")
@@ -340,6 +399,34 @@ class Run:
             self.gopt.step()
         except NonFiniteError as e:  # by type: a compressor met NaN/inf or an overflowing scale
             raise Diverged(f"training diverged at step {p.step + 1}: {e}") from None
+        return losses
+
+    def _group_gradients(self) -> list[float]:
+        """Inside each hosted group: every member's forward and backward on its own shard,
+        then the full-precision all-reduce of their gradients over the group (the mean),
+        as DDP inside a group does; one loss per hosted row (the mean of its members')."""
+        groups, ledger = self.groups, self.ledger
+        layout = self.gopt.flat
+        grads, losses = [], []
+        loaders = iter(self.loaders)
+        with ledger.phase("compute"):
+            for m_, members in zip(self.models, groups.members):
+                mine = []
+                for _ in members:
+                    ld = next(loaders)
+                    m_.zero_grad(set_to_none=True)
+                    xb, yb = ld.next_batch()
+                    loss = self.loss(m_(xb), yb)
+                    loss.backward()
+                    mine.append(float(loss.detach()))
+                    grads.append(torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
+                                            for p in (p for p in m_.parameters() if p.requires_grad)]))
+                losses.append(sum(mine) / len(mine))
+        # (hosted members, hosted groups, d): member-major, as the intra communicator hosts the members
+        G = torch.stack(grads).view(len(self.models), -1, layout.dim).transpose(0, 1).contiguous()
+        with ledger.phase("communicate"):
+            G = groups.intra.all_reduce(G, op="sum")
+        layout.scatter_grads(G[0].div_(groups.size))
         return losses
 
     def facts(self) -> metrics.RunFacts:
@@ -367,8 +454,9 @@ class Run:
         p.epoch_losses = [[] for _ in self.nodes]
         self.log.eval(p.step, ev, self.elapsed())
         self.last_eval = ev
+        levels = None if self.groups is None else self.groups.bytes_by_level(p.step)
         self.log.say(metrics.epoch_line(p.step / spe, self.cfg.run.epochs, ev, self.ledger, self.dpsgd_bytes, p.step,
-                                        self.task))
+                                        self.task, levels=levels))
         self.algo.on_epoch_end(p.step // spe)
 
     def checkpoint(self) -> None:
@@ -381,7 +469,7 @@ class Run:
         """summary.json on rank 0; returns it there (None elsewhere)."""
         summary = metrics.summary_record(  # a collective: every rank
             self.facts(), steps=self.progress.step, ledger=self.ledger, comm=self.comm, last_eval=self.last_eval,
-            dpsgd_bytes=self.dpsgd_bytes, wall_time_s=self.elapsed())
+            dpsgd_bytes=self.dpsgd_bytes, wall_time_s=self.elapsed(), groups=self.groups)
         if not self.is_main:
             return None
         rundir.write_json(rundir.summary_path(self.out), summary)

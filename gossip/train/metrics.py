@@ -195,12 +195,18 @@ def header(cfg: TrainConfig, env, dim: int, algo) -> str:
     )
 
 
-def epoch_line(epoch: float, epochs, ev, ledger, dpsgd, step, task: str = data.CLASSIFICATION) -> str:
+def epoch_line(epoch: float, epochs, ev, ledger, dpsgd, step, task: str = data.CLASSIFICATION,
+               levels: dict | None = None) -> str:
     """The line printed after an epoch: losses, accuracy (or bits per byte), consensus
     (where ``ev`` has it: not under ``--fault-tolerance``, whose replicas evaluate their own
-    model), bytes per node per step against D-PSGD's, and the time split so far."""
+    model), bytes per node per step against D-PSGD's, and the time split so far. ``levels``:
+    a run in groups' bytes per rank per step inside its group and between groups, which
+    the line shows both of (their sum is the rank's)."""
     per_step = rundir.step_bytes_per_node(ledger, max(1, step))
     ratio = f" ({per_step / dpsgd:.3f}x D-PSGD)" if dpsgd else ""
+    if levels is not None:
+        per_step = levels["intra"] + levels["inter"]
+        ratio = f" (intra {_fmt_bytes(levels['intra'])}, inter {_fmt_bytes(levels['inter'])})"
     t = ledger.times
     return (
         f"epoch {(f'{epoch:.0f}' if epoch == int(epoch) else f'{epoch:.2f}'):>3}/{epochs}  train {ev['train_loss']:.4f}  test {ev['test_loss']:.4f}  "
@@ -292,7 +298,7 @@ def _measured_bits(facts: RunFacts, ledger, comm) -> float | None:
 
 
 def summary_record(facts: RunFacts, *, steps: int, ledger, comm, last_eval: dict, dpsgd_bytes: float,
-                   wall_time_s: float) -> dict:
+                   wall_time_s: float, groups: Any = None) -> dict:
     """summary.json of a run that ended at ``steps``: final figures (``last_eval``), bytes
     (``ledger``), wire, time split (with ``facts.pooled`` its byte figures are means over
     the ranks: a collective over ``comm``, called on every rank)."""
@@ -318,6 +324,11 @@ def summary_record(facts: RunFacts, *, steps: int, ledger, comm, last_eval: dict
         "latency_mode": "emulated" if cfg.comm.emulate_latency else None, "report": facts.algo.report(),
     }
     summary.update(facts.algo.summary_fields())
+    if groups is not None:  # a run in groups: a rank's bytes are those inside its group and between groups
+        levels = {k: evaluation.global_mean(comm, v, dist) for k, v in groups.bytes_by_level(steps).items()}
+        summary.update(group_size=groups.size, groups=facts.world_size // groups.size,
+                       sharded=bool(facts.algo.sharded), bytes_by_level=levels,
+                       bytes_sent_per_node_per_step=levels["intra"] + levels["inter"], bytes_ratio_to_dpsgd=None)
     return summary
 
 

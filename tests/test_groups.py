@@ -1,0 +1,156 @@
+"""Runs in groups (``--group-size``): the plan, the slices, sharded against unsharded,
+the simulation against torchrun, the bytes by level, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import topologies
+from gossip import algorithms
+from gossip.algorithms.base import ParamLayout
+from gossip.comm import SimulatedCommunicator
+from gossip.comm.base import ring_allreduce_bytes
+from gossip.groups import GroupPlan, Grouped, slice_bounds, slice_layout
+from gossip.train import assembly
+from gossip.train.assembly import Env
+from gossip.train.config import ConfigError, parse_args
+from gossip.errors import RunError
+from tests.test_train import torchrun
+
+QUICK = ["--data", "synthetic", "--model", "logreg", "--epochs", "1", "--max-steps", "12", "--no-progress",
+         "--device", "cpu"]
+
+
+def test_plan_and_slices():
+    p = GroupPlan(8, 4)
+    assert p.groups == 2 and p.group_ranks(1) == [4, 5, 6, 7] and p.slice_ranks(1) == [1, 5]
+    assert p.group_of(5) == 1 and p.member_of(5) == 1
+    with pytest.raises(ValueError, match="does not divide the world size 8"):
+        GroupPlan(8, 3)
+    with pytest.raises(ValueError, match="larger than the world size 4"):
+        GroupPlan(4, 8)
+    assert slice_bounds(11, 2) == ((0, 6), (6, 5))
+    lay = ParamLayout(((3, 3), (2,)), ("w", "b"))
+    assert slice_layout(lay, 0, 6).shapes == ((6,),) and slice_layout(lay, 6, 5).names == ("w[6:9]", "b")
+    assert slice_layout(lay, 6, 5).shapes == ((3,), (2,))
+
+
+def _grouped(name, sharded, n=3, G=2, d=11, steps=5, **opts):
+    topo = topologies.build("ring", n)
+    host = SimulatedCommunicator(topo, world_size=n)
+    inter = {j: SimulatedCommunicator(topo, world_size=n, ledger=host.ledger) for j in range(G if sharded else 1)}
+    a = Grouped(lambda c: algorithms.build(name, c, **opts), host, inter=inter,
+                intra=SimulatedCommunicator(world_size=G), group_size=G, sharded=sharded)
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(1, d, generator=g).repeat(n, 1)
+    a.setup(X, ParamLayout(((3, 3), (2,))))
+    for t in range(steps):
+        U = 0.1 * torch.randn(n, d, generator=g)
+        if a.acts_on == "gradient":
+            a.reduce_gradients(U)
+            X.add_(U)
+        else:
+            a.step(X, U)
+        a.on_step_end(t + 1)
+    return X
+
+
+@pytest.mark.parametrize("name,opts", [("dpsgd", {}), ("diloco", {"local_steps": 2}), ("allreduce", {}),
+                                       ("localsgd", {"local_steps": 2}), ("sgp", {})])
+def test_sharded_equals_unsharded(name, opts):
+    """An algorithm that treats coordinates one by one gives, sliced across the members,
+    exactly what one member exchanging everything gives."""
+    assert torch.equal(_grouped(name, True, **opts), _grouped(name, False, **opts))
+
+
+def test_unsliceable_algorithm_refused_when_sharding_is_asked():
+    with pytest.raises(ValueError, match="cannot be sliced"):
+        _grouped("powersgd", True)
+
+
+def _env(n, distributed, monkeypatch, local=None):
+    if local is not None:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    return Env(world_size=n, distributed=distributed, rank=0)
+
+
+def test_default_group_size(monkeypatch):
+    """Unset: 1 in the simulation and on one host (the flat demo stays flat); across
+    hosts, the processes of one host."""
+    cfg = parse_args(["--algo", "ecd", *QUICK])
+    assert assembly.group_size(cfg, _env(4, True, monkeypatch, local=4)) == 1
+    assert assembly.group_size(cfg, _env(8, True, monkeypatch, local=4)) == 4
+    assert assembly.group_size(parse_args(["--simulate", "4", *QUICK]), _env(4, False, monkeypatch)) == 1
+    with pytest.raises(RunError, match="splits a group across hosts of 4 processes"):
+        assembly.group_size(parse_args(["--group-size", "8", "--algo", "ecd", *QUICK])
+                            .replace(group_size=3), _env(12, True, monkeypatch, local=4))
+    with pytest.raises(RunError, match="--group-size 3: group size 3 does not divide the world size 8"):
+        assembly.group_size(parse_args(["--group-size", "3", *QUICK]), _env(8, True, monkeypatch, local=8))
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--simulate", "4", "--group-size", "3"], "--group-size 3 does not divide the world size 4"),
+    (["--simulate", "4", "--group-size", "8"], "--group-size 8 is larger than the world size 4"),
+    (["--simulate", "4", "--group-size", "0"], "--group-size must be a positive integer"),
+])
+def test_bad_group_size(args, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_args([*args, *QUICK])
+
+
+def _sim(tmp_path, name, *args):
+    from gossip.train import main
+
+    out = tmp_path / name
+    assert main([*args, *QUICK, "--out", str(out)]) == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_group_size_one_is_the_flat_run(tmp_path):
+    a = _sim(tmp_path, "flat", "--simulate", "4", "--algo", "ecd", "--bits", "8")
+    b = _sim(tmp_path, "g1", "--simulate", "4", "--algo", "ecd", "--bits", "8", "--group-size", "1")
+    assert a["final_train_loss"] == b["final_train_loss"] and a["final_test_loss"] == b["final_test_loss"]
+    assert "bytes_by_level" not in b
+
+
+#: algorithm, its flags, whether it is sliced across the members
+CASES = [("diloco", ["--algo-opt", "local_steps=4"], True), ("ecd", ["--bits", "8"], True),
+         ("sparseloco", ["--algo-opt", "local_steps=4"], False), ("efsgd", [], True)]
+
+
+@pytest.mark.parametrize("algo,flags,sharded", CASES)
+def test_bytes_by_level(tmp_path, algo, flags, sharded):
+    """Between groups a rank sends 1/G of what a node of the flat run of N/G nodes sends
+    (the group's slices, one per member; unsharded, member 0 sends it all); inside the
+    group, a full-precision all-reduce of the gradient and the all-gather of the slices
+    (unsharded: the broadcast of member 0's result) every step."""
+    G, N = 2, 6  # 3 groups: a ring for ecd
+    wide = ["--data-opt", "num_features=1024"]  # payloads well above their headers
+    grouped = _sim(tmp_path, "g", "--simulate", str(N), "--group-size", str(G), "--algo", algo, *flags, *wide)
+    flat = _sim(tmp_path, "f", "--simulate", str(N // G), "--algo", algo, *flags, *wide)
+    d, lv = grouped["params"], grouped["bytes_by_level"]
+    assert grouped["sharded"] is sharded and grouped["group_size"] == G
+    share = 4 * max(n for _, n in slice_bounds(d, G)) * (G - 1) if sharded else 4 * d * (G - 1) / G
+    assert lv["intra"] == pytest.approx(ring_allreduce_bytes(4 * d, G) + share)
+    # the slices' own headers and the per-slice size checks are the only extra bytes
+    assert lv["inter"] * G == pytest.approx(flat["bytes_sent_per_node_per_step"], rel=0.15)
+    assert grouped["bytes_sent_per_node_per_step"] == pytest.approx(lv["intra"] + lv["inter"])
+
+
+def test_torchrun_matches_simulation(tmp_path):
+    """``torchrun --nproc_per_node 4 --group-size 2`` ends where ``--simulate 4
+    --group-size 2`` does (1e-3 relative), with the same bytes by level."""
+    args = ["--group-size", "2", "--algo", "diloco", "--algo-opt", "local_steps=4", *QUICK]
+    sim = _sim(tmp_path, "sim", "--simulate", "4", *args[:-len(QUICK)])
+    out = tmp_path / "tr"
+    r = torchrun(4, *args, "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    tr = json.loads((out / "summary.json").read_text())
+    assert tr["final_train_loss"] == pytest.approx(sim["final_train_loss"], rel=1e-3)
+    assert tr["final_test_loss"] == pytest.approx(sim["final_test_loss"], rel=1e-3)
+    assert tr["bytes_by_level"]["inter"] == pytest.approx(sim["bytes_by_level"]["inter"], rel=1e-6)
+    assert tr["bytes_by_level"]["intra"] == pytest.approx(sim["bytes_by_level"]["intra"], rel=1e-6)
+    assert "(intra " in r.stdout + r.stderr

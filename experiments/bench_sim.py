@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from experiments import _provenance
+from experiments import tables
 
 from gossip import comm as gcomm
 from gossip import data
@@ -202,42 +203,6 @@ def _run_record(argv: list[str]) -> dict:
     }
 
 
-def _fmt(v, spec: str) -> str:
-    return format(v, spec) if isinstance(v, (int, float)) else "-"
-
-
-def _ms(seconds) -> str:
-    return f"{1e3 * seconds:.1f} ms" if isinstance(seconds, (int, float)) else "-"
-
-
-def _why(err: str) -> str:
-    return "refused (memory)" if "GiB" in err else ("not run" if err.startswith("not run") else err.split(";")[0][:40])
-
-
-def table(rows: list[dict]) -> str:
-    head = "| model | params | nodes | loop node-steps/s | vectorized node-steps/s | ratio | loop step | vectorized step |"
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {_fmt(r.get('params'), ',')} | {r['nodes']:,} | "
-            f"{_fmt(r.get('loop_node_steps_per_s'), ',.0f') if 'loop_error' not in r else _why(r['loop_error'])} | "
-            f"{_fmt(r.get('vectorized_node_steps_per_s'), ',.0f') if 'vectorized_error' not in r else _why(r['vectorized_error'])} | "
-            f"{_fmt(r.get('ratio'), '.1f')}{'x' if 'ratio' in r else ''} | {_ms(r.get('loop_step_s'))} | "
-            f"{_ms(r.get('vectorized_step_s'))} |"
-        )
-    return "\n".join(lines)
-
-
-def epoch_table(epochs: list[dict]) -> str:
-    """The one-epoch runs: wall time, the part in the steps, and the share outside them."""
-    lines = ["| one epoch, vectorized | nodes | steps | total | in the steps | set-up | outside the steps |",
-             "|---|---|---|---|---|---|---|"]
-    for e in epochs:
-        lines.append(f"| {e['model']} | {e['nodes']:,} | {e['steps']} | {e['total_s']:.2f} s | {e['steps_s']:.2f} s | "
-                     f"{e['setup_s']:.2f} s | {e['outside_share']:.0%} |")
-    return "\n".join(lines)
-
-
 RESULTS = Path(__file__).resolve().parent / "results"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "simulation.md"
 
@@ -315,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             row["load_avg"] = os.getloadavg()[0]
             rows.append(row)
             save()
-            print(table([row]).splitlines()[-1], flush=True)
+            print(tables.bench_sim_table([row]).splitlines()[-1], flush=True)
     if a.epoch_nodes:
         for model in models:
             e = bench_epoch(a.epoch_nodes, model, a.device)
@@ -329,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     save()
     print()
-    print(table(rows))
+    print(tables.bench_sim_table(rows))
     print(f"\nload average (1 min) before {load0:.2f}, after {load1:.2f}; peak RSS {peak:.2f} GiB")
     if a.json:
         print(f"results: {a.json}")

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -35,9 +34,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 from experiments import _provenance  # noqa: E402
+from experiments import tables
 from experiments import _cli
 
-__all__ = ["CASES", "main", "measure", "table"]
+__all__ = ["CASES", "main", "measure"]
 
 #: the code the figures measure
 SOURCES = ["topologies", "experiments/bench_topologies.py"]
@@ -95,23 +95,6 @@ def measure(n: int, repeats: int) -> dict:
     return {"n": n, "repeats": repeats, "cli": cli, "split": split}
 
 
-def _med(xs: list[float]) -> str:
-    m = statistics.median(xs)
-    return f"{m:.2f} s" + (f" ({min(xs):.2f}-{max(xs):.2f})" if len(xs) > 1 else "")
-
-
-def table(res: dict) -> str:
-    """The figures as Markdown: per command its wall and CPU time, per graph the split."""
-    r = res["repeats"]
-    lines = [f"| `python -m topologies ...`, n = {res['n']:,} | wall, median of {r} (range) | CPU (user), median | "
-             f"build, median (range) | spectrum, median (range) |", "|---|---|---|---|---|"]
-    for label, c in res["cli"].items():
-        s = res["split"].get(label)
-        lines.append(f"| {label} | {_med(c['wall_s'])} | {statistics.median(c['user_s']):.2f} s | "
-                     f"{_med(s['build_s']) if s else ''} | {_med(s['spectrum_s']) if s else ''} |")
-    return "\n".join(lines)
-
-
 def options(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m experiments run bench_topologies``."""
     p.add_argument("--n", type=int, default=100_000, help="nodes of each graph (default 100000)")
@@ -130,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
               f"this machine's own (quiet below {_provenance.QUIET_LOAD})", file=sys.stderr)
     if a.results:
         _provenance.write(a.results, res, prov)
-    print(table(res))
+    print(tables.bench_topologies_table(res))
     return 0
 
 

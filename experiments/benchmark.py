@@ -72,6 +72,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 from experiments import _provenance
+from experiments import tables
 from experiments import bench_data
 from experiments.bench_spec import METRICS, Method, Spec, SpecError, Workload, check_trials, load_spec
 from gossip import rundir  # noqa: E402
@@ -700,7 +701,7 @@ def method_tables(res: dict) -> str:
                     byts, times = "final runs not run yet", ["-"] * len(keys)
                 else:
                     byts = ("- (no link)" if first is None else "not reached" if first["bytes"] is None
-                            else race.fmt_bytes(first["bytes"]["mean"]))
+                            else tables.fmt_bytes(first["bytes"]["mean"]))
                     times = [_fmt_ci(r["links"][k]["time_s"]) + ("" if r["links"][k]["all_reached"]
                                                                    else f" ({r['links'][k]['reached']} seeds)")
                              for k in keys]
@@ -1214,12 +1215,10 @@ def main(argv: list[str] | None = None) -> int:
             extra += "\n\n### What the whole spec costs\n\n" + estimate_section(
                 load_spec(a.estimate[0]), measured, mprov, a.estimate[1])
         if a.netns:
-            from experiments import benchmark_netns
-
             measured, nprov = read_results(Path(a.netns))
             if not isinstance(measured, dict) or "runs" not in measured or "bandwidths" not in measured:
                 raise SpecError(f"--netns {a.netns}: not a results file of experiments/benchmark_netns.py")
-            extra = benchmark_netns.section(measured, nprov) + "\n\n" + extra
+            extra = tables.benchmark_netns_section(measured, nprov) + "\n\n" + extra
         report(res, md, Path(a.figures) if a.figures else md.parent, title=a.title, extra=extra.strip())
         print(f"benchmark: report in {md}")
         return 0

@@ -52,6 +52,7 @@ from experiments import benchmark
 from experiments import race
 from experiments import vcluster
 from experiments import _provenance  # noqa: E402
+from experiments import tables
 from gossip.tools import crossover  # noqa: E402
 from experiments import _cli
 
@@ -131,85 +132,6 @@ def record(run: dict, measured: dict, bw: str) -> dict:
             "simulated_time_s": sim.get("time_s"), "simulated_bytes": sim.get("bytes"),
             "simulated_error": (sim["time_s"] / t["time_s"] - 1.0)
             if sim.get("time_s") is not None and t["time_s"] else None}
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:+.0%}"
-
-
-def table(res: dict) -> str:
-    """One row per run: measured time to target, the race model of the same run, and the
-    benchmark's model of the simulated trial."""
-    target = res["target"]
-    metric = res["metric"]
-    tgt = f"{target:.0%}" if metric == "test_acc" else f"{target:.3f} bpb"
-    head = ["bandwidth", "method", "lr", "wire", f"epoch to {tgt}", "bytes/node to target",
-            "time to target, measured", "same run, modelled (error)", "simulated trial, modelled (error)",
-            "first step", "end", "load start→end", "date (UTC)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for bw in res["bandwidths"]:
-        for name, per_bw in res["runs"].items():
-            run = per_bw.get(bw)
-            if run is None:
-                continue
-            t = run["to_target"]
-            reached = t["time_s"] is not None
-            how = "stopped at target" if run["stopped_at_target"] else ("last epoch" if run["ok"] else "failed")
-            end = "-" if not run["points"] else (
-                f"{race.fmt_score(metric, run['last_score'])} (epoch {run['last_epoch']:.0f}, {how})")
-            sim = run.get("simulated_time_s")
-            lines.append("| " + " | ".join([
-                bw, name, f"{run['lr']:g}", (run.get("wire") or {}).get("label", "?"),
-                f"{t['epoch']:.0f}" if reached else "not reached", race.fmt_bytes(t["bytes"]),
-                f"{t['time_s']:.1f} s" if reached else "-",
-                f"{t['model_s']:.1f} s ({_pct(t['model_error'])})" if reached else "-",
-                "-" if sim is None else f"{sim:.1f} s" + (f" ({_pct(run['simulated_error'])})" if reached else ""),
-                f"{t['warmup_s']:.1f} s" if reached else "-", end,
-                f"{run['load_average'][0]:.1f}→{run['load_average'][1]:.1f}", run["date"][:16]]) + " |")
-    return "\n".join(lines)
-
-
-def section(res: dict, prov: dict | None = None) -> str:
-    """The report's section on the measured runs (Markdown)."""
-    prov = prov or res.get("provenance") or {}
-    m = prov.get("machine", {})
-    errs = [r["simulated_error"] for per in res["runs"].values() for r in per.values()
-            if r.get("simulated_error") is not None]
-    lines = [
-        f"## Measured in the netns cluster ({res['nodes']} nodes)",
-        "",
-        f"{res['workload']}, {res['nodes']} torchrun ranks in network namespaces, each host's link shaped with tc "
-        f"to the bandwidth (no latency added); each method as its final trial of seed {res['seed']} ran "
-        "(its tuned learning rate), stopped at the first evaluation at the target. \"Same run, modelled\": the "
-        "race's model fed with this run's bytes and measured compute and codec time; \"simulated trial, "
-        "modelled\": the benchmark's modelled time of the simulated trial at the same link (the error is "
-        "modelled / measured - 1).",
-        "",
-        table(res),
-        "",
-        (f"Made by `{prov.get('command', '?')}` at commit `{(prov.get('commit') or '?')[:10]}`"
-         f"{' (dirty tree)' if prov.get('dirty') else ''} on {(prov.get('date') or '?')[:16]}, "
-         f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores), load {prov.get('load_before', '?')} before"
-         + (f"; it resumed {len(res['sessions'])} earlier session(s) ("
-            + ", ".join(f"`{x.get('command', '?')}` at `{(x.get('commit') or '?')[:10]}` on "
-                        f"{(x.get('date') or '?')[:16]}" for x in res["sessions"]) + ")"
-            if res.get("sessions") else "")
-         + (f"; the simulated trials' model against the measured time: median "
-            f"{sorted(errs)[len(errs) // 2]:+.0%}, range {min(errs):+.0%} to {max(errs):+.0%}" if errs else "")
-         + "."),
-    ]
-    if res.get("interrupted"):
-        lines += ["", f"This run was interrupted ({res['interrupted']}); the table holds the runs that finished."]
-    unreached = res.get("unreached") or {}
-    if unreached:
-        lines += ["", "Not measured where the simulated trial did not reach the target at that link (the run "
-                      "would give no time to target): " + "; ".join(f"{m} at {', '.join(b)}"
-                                                                     for m, b in unreached.items()) + "."]
-    missing = res.get("not_run") or []
-    if missing:
-        lines += ["", f"Not measured (not asked for with --methods in any session, or no finished final run of "
-                      f"seed {res['seed']}): {', '.join(missing)}."]
-    return "\n".join(lines)
 
 
 def resumed(path: Path, res: dict) -> tuple[dict, list[dict]]:
@@ -338,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"benchmark_netns: interrupted ({interrupted}); the {done} finished run(s) are in "
               f"{a.netns_results or a.out / 'benchmark_netns.json'} (--resume it to go on)", file=sys.stderr)
         return 130 if interrupted == "SIGINT" else 143
-    text = section(*_provenance.read(a.out / "benchmark_netns.json"))
+    text = tables.benchmark_netns_section(*_provenance.read(a.out / "benchmark_netns.json"))
     (a.out / "benchmark_netns.md").write_text(text + "\n")
     print(text)
     return 0

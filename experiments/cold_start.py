@@ -42,6 +42,7 @@ import torch
 
 import gossip.compress as gc
 from experiments import _cli
+from experiments import tables
 from gossip.compress import kernels
 
 #: the code these figures measure (for `python -m experiments.render --stale`)
@@ -58,29 +59,6 @@ def _cache_state() -> str:
         return "torch's default"
     p = Path(d)
     return "warm" if p.is_dir() and any(p.iterdir()) else "empty"
-
-
-def table(res: dict) -> str:
-    """The results as Markdown: each row's first and second encode+decode against the
-    target, under a line saying how the processes started."""
-    n = res["numel"]
-    rows = res["rows"]
-    caches = "cache" in rows[0] if rows else False
-    head = (f"| compressor ({n:,} values, {res['threads']} thread{'s' if res['threads'] != 1 else ''}) | "
-            + ("inductor cache | backend | compiled in the first call | " if caches else "")
-            + f"first encode+decode | second | first under {FIRST_CALL_TARGET_S:g} s |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        ok = "yes" if r["first_s"] < FIRST_CALL_TARGET_S else "**no**"
-        mid = (f"{r['cache']} | `{r['backend']}` | {'yes' if r['compiled_first'] else 'no'} | " if caches else "")
-        lines.append(f"| {r['compressor']} | {mid}{r['first_s']:.2f} s | {r['second_s']:.2f} s | {ok} |")
-    if caches:
-        intro = (f"Each row in a fresh process on a cache folder of its own (`--caches`), torch {res['torch']}; "
-                 f"the target applies to the empty cache:")
-    else:
-        intro = (f"Backend `{res['backend']}`, inductor cache {res['inductor_cache']} at the start, "
-                 f"torch {res['torch']}:")
-    return intro + "\n\n" + "\n".join(lines)
 
 
 def measure(specs: list[str], numel: int) -> list[dict]:
@@ -180,7 +158,7 @@ def main(argv=None) -> int:
         _provenance.write(args.results, res, prov)
     if caches:
         print()
-        print(table(res))
+        print(tables.cold_start_table(res))
     return 0
 
 

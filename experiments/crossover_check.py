@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from experiments import _cli
+from experiments import tables
 
 HERE = Path(__file__).resolve().parent
 
@@ -62,19 +63,6 @@ def compare(measured: list[dict], prediction: dict, labels: dict[str, str]) -> l
                     "bytes_predicted": r["bytes"], "bytes_measured": float(m["bytes_per_step"]),
                     "iface_bytes_per_step": float(m["iface_bytes_per_step"]) if m.get("iface_bytes_per_step") else None})
     return out
-
-
-def table(rows: list[dict]) -> str:
-    """Prediction and measurement side by side (also the rendered table of docs/crossover.md)."""
-    lines = ["| algo | bandwidth | latency | predicted step | measured step | predicted / measured | "
-             "bytes/step predicted | ledger | interface |", "|---|---|---|---|---|---|---|---|---|"]
-    for t in rows:
-        iface = t["iface_bytes_per_step"]
-        lines.append(f"| {t['algo']} | {t['bandwidth_mbit']:g} Mbit/s | {t['latency_ms']:g} ms ({t['latency_mode']}) | "
-                     f"{1e3 * t['predicted_s']:.1f} ms | {1e3 * t['measured_s']:.1f} ms | "
-                     f"{t['predicted_over_measured']:.2f} | {t['bytes_predicted']:,.0f} | {t['bytes_measured']:,.0f} | "
-                     f"{'-' if iface is None or iface != iface else f'{iface:,.0f}'} |")
-    return "\n".join(lines)
 
 
 def options(p: argparse.ArgumentParser) -> None:
@@ -125,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sweep_network.record_cells(args.out / "sweep", measured)  # the sweep's runs, for `experiments verify`
     rows = compare(measured, res, labels)
-    text = table(rows)
+    text = tables.crossover_check_table(rows)
     print(text)
     (args.out / "check.md").write_text(text + "\n")
     record = {"nodes": args.nodes, "model": args.model, "steps": args.steps, "warmup": args.warmup,

@@ -24,10 +24,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 from experiments import _provenance  # noqa: E402
+from experiments import tables
 from experiments import race  # noqa: E402
 from experiments import _cli
 
-__all__ = ["BASE", "RECIPES", "main", "table"]
+__all__ = ["BASE", "RECIPES", "main"]
 
 #: the code the figures measure: training runs (the gossip package less what they never
 #: import, experiments/_provenance.py's NOT_TRAINED), through race.py's runner
@@ -50,20 +51,6 @@ RECIPES: dict[str, tuple[str, int, list[str]]] = {
     "step-0.05": ("lr 0.05 step, weight decay 1e-3", 20, ["--lr", "0.05", "--lr-schedule", "step",
                                                           "--weight-decay", "1e-3"]),
 }
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1%}".replace("%", " %")
-
-
-def table(res: dict) -> str:
-    """One row per recipe: epochs, the last epoch's accuracy, the best one (its epoch)."""
-    lines = ["| recipe (on top of `--algo ecd --bits 8 --topology ring`) | epochs | last | best |", "|---|---|---|---|"]
-    for r in res["runs"].values():
-        best = max(r["points"], key=lambda p: p["test_acc"]) if r["points"] else None
-        lines.append(f"| {r['label']} | {r['epochs']} | {_pct(r['final_test_acc'])} | "
-                     + ("-" if best is None else f"{_pct(best['test_acc'])} ({best['epoch']:g})") + " |")
-    return "\n".join(lines)
 
 
 def options(p: argparse.ArgumentParser) -> None:
@@ -106,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"data": a.data, "runs": runs}
     if a.results:
         _provenance.write(a.results, res, prov)
-    print(table(res))
+    print(tables.ecd_recipes_table(res))
     return 0
 
 

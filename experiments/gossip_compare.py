@@ -49,6 +49,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 from experiments import _cli
+from experiments import tables
 from experiments import _provenance
 from experiments import race
 from gossip import rundir  # noqa: E402
@@ -88,25 +89,6 @@ def _setup_bytes(run_dir: Path) -> int:
     """Node 0's setup traffic (dcd, ecd and choco send x_1 once in full precision)."""
     recs = rundir.read_metrics(rundir.metrics_path(run_dir, 0))
     return next((int(r["setup_bytes_sent"]) for r in recs if r["kind"] == "train"), 0)
-
-
-def _fmt_bytes(b: float | None) -> str:
-    return "-" if b is None else race.fmt_bytes(b)
-
-
-def table(results: dict, bw_labels: list[str]) -> str:
-    head = ["method", "graph", "wire", "bytes/node/step", "bytes/node total"] + \
-        [f"time @ {b}" for b in bw_labels] + ["best acc", "final acc"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, r in results.items():
-        last = r["points"][-1] if r["points"] else None
-        times = ["-" if last is None else f"{t:.3g} s" for t in (last["time_s"] if last else bw_labels)]
-        best = max((p["test_acc"] for p in r["points"]), default=None)
-        lines.append("| " + " | ".join([
-            name, r["topology"], r["wire"]["label"], _fmt_bytes(r["bytes_per_step"]),
-            _fmt_bytes(last["bytes"] if last else None), *times,
-            "-" if best is None else f"{best:.2%}", f"{r['final_test_acc']:.2%}"]) + " |")
-    return "\n".join(lines)
 
 
 def plot(results: dict, bw_label: str, path: Path) -> bool:
@@ -185,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         c["run_dir"] = run_dir.name
         results[name] = c
     load.append(os.getloadavg()[0])
-    md = table(results, bw_labels)
+    md = tables.gossip_compare_table(results, bw_labels)
     cmd = "python -m experiments.gossip_compare " + " ".join(argv if argv is not None else sys.argv[1:])
     (out / "compare.md").write_text(
         f"{md}\n\nMade with `{cmd}` (simulated time, {a.nodes} nodes, sorted shards, {a.epochs} epochs; "

@@ -53,6 +53,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 from experiments import _cli
+from experiments import tables
 from experiments import _provenance
 from experiments import bench_data
 from experiments import race
@@ -154,25 +155,6 @@ def select(grid: list[dict]) -> float | None:
     return max(ok, key=lambda g: (g["val_acc"], -g["lr"]))["lr"] if ok else None
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2%}"
-
-
-def table(results: dict) -> str:
-    head = ["method", "wire", "lr grid: validation acc", "lr", "bytes/node/step", "vs allreduce bytes",
-            "final acc", "best acc", "final - allreduce"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, r in results.items():
-        ratio, margin = r.get("bytes_vs_allreduce"), r.get("acc_minus_allreduce")
-        grid = ", ".join(f"{g['lr']:g}: {_pct(g['val_acc'])}" for g in r["grid"])
-        lines.append("| " + " | ".join([
-            name, r["wire"]["label"] if r.get("wire") else "-", grid, "-" if r["lr"] is None else f"{r['lr']:g}",
-            race.fmt_bytes(r.get("bytes_per_step")), "-" if ratio is None else f"{ratio:.4g}x",
-            _pct(r.get("final_test_acc")), _pct(r.get("best_test_acc")),
-            "-" if margin is None else f"{100 * margin:+.2f} pt"]) + " |")
-    return "\n".join(lines)
-
-
 def options(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m experiments run modern_compare``."""
     _cli.add_methods(p, METHODS)
@@ -263,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         if base is not None and base.get("bytes_per_step") and r.get("bytes_per_step") is not None:
             r["bytes_vs_allreduce"] = r["bytes_per_step"] / base["bytes_per_step"]
             r["acc_minus_allreduce"] = r["final_test_acc"] - base["final_test_acc"]
-    md = table(results)
+    md = tables.modern_compare_table(results)
     doc = {"nodes": a.nodes, "model": model, "epochs": a.epochs, "tune_epochs": a.tune_epochs, "lr_factors": factors,
            "data": {"tune": val, "final": test}, "seed": a.seed, "recipe": RECIPE,
            "methods": {k: {"flags": METHODS[k][0], "base_lr": METHODS[k][1]} for k in names},

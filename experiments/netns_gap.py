@@ -38,6 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 from experiments import _provenance  # noqa: E402
+from experiments import tables
 from gossip import rundir  # noqa: E402
 from gossip.tools.crossover import LINK_OVERHEAD, CrossoverError, parse_rate  # noqa: E402
 from experiments import _cli
@@ -137,29 +138,6 @@ def analyse(netns: dict, roots: list[Path]) -> dict:
             "target": netns.get("target"), "netns_sessions": netns.get("sessions"), "runs": runs}
 
 
-def table(res: dict) -> str:
-    """The Markdown table of :func:`analyse`'s runs."""
-    def pct(v: float | None) -> str:
-        return "-" if v is None else f"{v:+.0%}"
-
-    head = ["bandwidth", "method", "measured", "evaluations", "their time (share)", "median one (2 all-reduces at "
-            "the link rate)", "measured less evaluations", "same run modelled: error → less evaluations",
-            "simulated trial modelled: error → less evaluations"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in res["runs"]:
-        lines.append("| " + " | ".join([
-            r["bandwidth"], r["method"], f"{r['measured_s']:.1f} s", str(r["evaluations"]),
-            f"{r['eval_s']:.1f} s ({r['eval_share']:.0%})",
-            f"{r['eval_median_s']:.2f} s ({r['eval_wire_s']:.2f} s)", f"**{r['measured_less_eval_s']:.1f} s**",
-            f"{r['compute_s']:.1f} s / " + ("-" if r["simulated_compute_s"] is None else
-                                            f"{r['simulated_compute_s']:.1f} s"),
-            f"{r['model_s']:.1f} s: {pct(r['model_error'])} → **{pct(r['model_error_less_eval'])}**",
-            "-" if r["simulated_s"] is None else
-            f"{r['simulated_s']:.1f} s: {pct(r['simulated_error'])} → **{pct(r['simulated_error_less_eval'])}**",
-        ]) + " |")
-    return "\n".join(lines)
-
-
 def options(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m experiments run netns_gap``."""
     p.add_argument("--netns-results", required=True, type=Path,
@@ -185,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     except GapError as e:
         print(f"netns_gap: {e}", file=sys.stderr)
         return 2
-    print(table(res))
+    print(tables.netns_gap_table(res))
     if a.json is not None:
         _provenance.write(a.json, res, prov)
         print(f"netns_gap: wrote {a.json}")

@@ -72,13 +72,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 from experiments import _cli, _provenance  # noqa: E402
+from experiments import tables
 from gossip import checkpoint, rundir  # noqa: E402
 from gossip.tools import crossover  # noqa: E402
 from gossip.train.evaluation import PRIMARY  # noqa: E402
 
-#: the figure the race is run to, per task: test accuracy (up to the target) for a
-#: classifier, held-out bits per byte (down to the target) for a language model
-_WORDS = {"test_acc": "test accuracy", "test_bpb": "test bits per byte"}
 
 
 def _metric(rec: dict) -> str:
@@ -89,10 +87,6 @@ def _metric(rec: dict) -> str:
 def _reached(p: dict, target: float) -> bool:
     higher = p["metric"] == PRIMARY["classification"][0]
     return p["score"] >= target if higher else p["score"] <= target
-
-
-def fmt_score(metric: str, v: float | None) -> str:
-    return "-" if v is None else (f"{v:.2%}" if metric == "test_acc" else f"{v:.3f} bpb")
 
 
 def _point(r: dict) -> dict:
@@ -201,36 +195,6 @@ def to_target(c: dict, target: float, bandwidths: list[float], latency: float) -
     return {"step": None, "epoch": None, "bytes": None, "time_s": [None for _ in bandwidths]}
 
 
-def fmt_bytes(b: float | None) -> str:
-    if b is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if b < 1024 or unit == "GB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-        b /= 1024
-    return f"{b:.1f} GB"
-
-
-def _target_text(results: dict, target: float) -> str:
-    metric = next((r.get("metric") for r in results.values() if r.get("metric")), "test_acc")
-    return f"{target:.0%}" if metric == "test_acc" else f"{target:g} bpb"
-
-
-def table(results: dict, target: float, bw_labels: list[str]) -> str:
-    head = ["method", "wire", f"epoch to {_target_text(results, target)}", "bytes/node to target"] + \
-        [f"time to target @ {b}" for b in bw_labels] + ["final"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, r in results.items():
-        t = r["to_target"]
-        times = ["-" if s is None else f"{s:.3g} s" for s in t["time_s"]]
-        epoch = "not reached" if t["epoch"] is None else f"{t['epoch']:.0f}"
-        metric = r.get("metric", "test_acc")
-        final = r["final_test_acc"] if metric == "test_acc" else r.get("final_score")
-        lines.append("| " + " | ".join([name, r["wire"]["label"], epoch, fmt_bytes(t["bytes"]), *times,
-                                         fmt_score(metric, final)]) + " |")
-    return "\n".join(lines)
-
-
 #: line colours: matplotlib's ten, then two more, so that up to twelve methods differ
 COLORS = [f"C{i}" for i in range(10)] + ["black", "gold"]
 
@@ -259,7 +223,7 @@ def plot(results: dict, bandwidths: list[float], bw_labels: list[str], latency: 
             ax.axhline(target, color="grey", lw=0.8, ls="--")
         ax.set_xscale("log")
         ax.set_xlabel("modelled wall-clock time (s)")
-        ax.set_ylabel(_WORDS[next((r["metric"] for r in results.values()), "test_acc")])
+        ax.set_ylabel(tables.METRIC_WORDS[next((r["metric"] for r in results.values()), "test_acc")])
         ax.set_title(f"{label}, latency {latency * 1e3:g} ms")
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)
@@ -422,38 +386,6 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.0%}"
 
 
-def netns_table(results: dict, target: float, bw_labels: list[str]) -> str:
-    """One row per run: to target, measured and modelled; the first step; the end."""
-    runs = [run for r in results.values() for run in r["runs"].values()]
-    metric = next((run.get("metric") for run in runs if run.get("metric")), "test_acc")
-    head = ["bandwidth", "method", "wire", f"epoch to {_target_text({'_': {'metric': metric}}, target)}",
-            "bytes/node to target", "time to target, measured", "modelled (error)", "first step, measured",
-            "model error, first step left out", f"{_WORDS[metric]} at the end (epoch)",
-            "last evaluation: measured / modelled", "load start→end", "date (UTC)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for bw in bw_labels:
-        for name, r in results.items():
-            run = r["runs"].get(bw)
-            if run is None:
-                continue
-            t, pts = run["to_target"], run["points"]
-            if not pts:
-                end = last = "failed" if not run["ok"] else "-"
-            else:
-                how = "stopped at target" if run["stopped_at_target"] else ("last epoch" if run["ok"] else "failed")
-                end = f"{fmt_score(metric, run.get('last_score', run['last_test_acc']))} ({run['last_epoch']:.0f}, {how})"
-                q = pts[-1]
-                last = f"{q['time_s']:.1f} s / {q['model_s']:.1f} s ({_pct(q['model_s'] / q['time_s'] - 1)})"
-            reached = t["time_s"] is not None
-            lines.append("| " + " | ".join([
-                bw, name, run["wire"]["label"], f"{t['epoch']:.0f}" if reached else "not reached",
-                fmt_bytes(t["bytes"]), f"{t['time_s']:.1f} s" if reached else "-",
-                f"{t['model_s']:.1f} s ({_pct(t['model_error'])})" if reached else "-",
-                f"{t['warmup_s']:.1f} s" if reached else "-", _pct(t.get("model_error_after_first_step")),
-                end, last, f"{run['load_average'][0]:.1f}→{run['load_average'][1]:.1f}", run["date"][:16]]) + " |")
-    return "\n".join(lines)
-
-
 def netns_plot(results: dict, bw_labels: list[str], path: Path, target: float | None = None) -> bool:
     try:
         import matplotlib
@@ -472,7 +404,7 @@ def netns_plot(results: dict, bw_labels: list[str], path: Path, target: float | 
             acc = [p["score"] for p in pts]
             ax.plot([p["time_s"] for p in pts], acc, label=name, **style)
             ax.plot([p["model_s"] for p in pts], acc, ls="--", lw=0.8, color=style["color"])
-            ax.set_ylabel(_WORDS[pts[-1]["metric"]])
+            ax.set_ylabel(tables.METRIC_WORDS[pts[-1]["metric"]])
         if target is not None:
             ax.axhline(target, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log")
@@ -493,7 +425,7 @@ def write_netns(out: Path, results: dict, a: argparse.Namespace, bw_labels: list
                 names: list[str]) -> tuple[str, bool]:
     """race.json, race.md and race.png of the netns mode (rewritten after every run).
     ``a``: the race's arguments (target, nodes, epochs, data, to_end)."""
-    md = netns_table(results, a.target, bw_labels)
+    md = tables.race_netns_table(results, a.target, bw_labels)
     loads = [x for r in results.values() for run in r["runs"].values() for x in run["load_average"]]
     errs = [run["to_target"]["model_error"] for r in results.values() for run in r["runs"].values()
             if run["to_target"]["model_error"] is not None]
@@ -542,7 +474,7 @@ def main_netns(a: argparse.Namespace, names: list[str], bw_labels: list[str], ba
                     reached = ("target not reached" if t["time_s"] is None else
                                f"{a.target:.0%} at epoch {t['epoch']:.0f} after {t['time_s']:.1f} s measured, "
                                f"{t['model_s']:.1f} s modelled ({_pct(t['model_error'])}), "
-                               f"{fmt_bytes(t['bytes'])}/node")
+                               f"{tables.fmt_bytes(t['bytes'])}/node")
                     print(f"race: {name} @ {bw}: {reached}; load {run['load_average'][0]:.1f} -> "
                           f"{run['load_average'][1]:.1f}", flush=True)
                     write_netns(out, results, a, bw_labels, cmd, names)
@@ -630,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
             pt["time_s"] = [modelled_time(pt, c["calls_per_step"], c["world_size"], b, latency) for b in bandwidths]
         results[name] = c
     load.append(os.getloadavg()[0])
-    md = table(results, a.target, bw_labels)
+    md = tables.race_table(results, a.target, bw_labels)
     (out / "race.md").write_text(
         f"{md}\n\nMade with `{cmd}` (simulated time, {a.nodes} nodes; load average {load[0]:.1f} at the start, "
         f"{load[1]:.1f} at the end, on {os.cpu_count()} cores).\n")

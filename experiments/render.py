@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from experiments import _provenance as P  # noqa: E402
+from experiments import tables as T
+from experiments.tables import md as _md, pct as _pct
 
 __all__ = ["TABLES", "Table", "render_file", "render_all", "stale_results", "narrow_file", "main"]
 
@@ -87,12 +89,6 @@ def _f(v: Any, nd: int = 4) -> str:
     if isinstance(v, int):
         return f"{v:,}"
     return str(v)
-
-
-def _md(header: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------- renderers
@@ -334,10 +330,6 @@ def _race_accuracy(res: dict) -> str:
     return _md(["method", "lr", "epochs", "final test accuracy", "best"], body)
 
 
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1%}".replace("%", " %")
-
-
 def _sharded_accuracy(res: dict) -> str:
     """experiments/sharded_accuracy.py: each method's sharded and all-gathered runs (and
     the fp32 all-reduce reference), final and best accuracy, the sharded form's
@@ -468,9 +460,7 @@ def _partial_line(res: dict, n_methods: int, n_seeds: int) -> str:
 
 def _netns_gap(res: dict) -> str:
     """experiments/netns_gap.py: each measured time to target split into training and evaluations."""
-    from experiments import netns_gap
-
-    return netns_gap.table(res)
+    return T.netns_gap_table(res)
 
 
 def _churn(res: dict) -> str:
@@ -496,17 +486,13 @@ def _churn(res: dict) -> str:
 
 def _modern_compare(res: dict) -> str:
     """experiments/modern_compare.py's table (tuned grid, final accuracy, bytes)."""
-    from experiments import modern_compare
-
-    return modern_compare.table(res["results"])
+    return T.modern_compare_table(res["results"])
 
 
 def _streaming_overlap(res: dict) -> str:
     """experiments/streaming_overlap.py's table (step time per tau) and its target's verdict."""
-    from experiments import streaming_overlap
-
     verdict = res.get("target", "not judged (recorded before the verdict was)")
-    return streaming_overlap.table(res["runs_s_per_step"], res.get("wait_s_per_step")) + f"\n\nTarget (tau = {res['taus'][1]} below tau = 0): {verdict}."
+    return T.streaming_overlap_table(res["runs_s_per_step"], res.get("wait_s_per_step")) + f"\n\nTarget (tau = {res['taus'][1]} below tau = 0): {verdict}."
 
 
 def _load(r: dict) -> str:
@@ -595,23 +581,19 @@ def _bench_checksum(res: dict) -> str:
 
 def _bench_sim(res: dict) -> str:
     """experiments/bench_sim.py: nodes x steps per second of both paths, then the one-epoch runs."""
-    from experiments import bench_sim
-
     where = (f"{res.get('gpu') or res['device']}, {res['threads']} thread(s), batch {res['batch_size']}, "
              f"{res['algo']} on a {res['topology']}")
-    text = f"On {where}:\n\n{bench_sim.table(res['rows'])}"
+    text = f"On {where}:\n\n{T.bench_sim_table(res['rows'])}"
     if res.get("epoch"):
-        text += f"\n\n{bench_sim.epoch_table(res['epoch'])}"
+        text += f"\n\n{T.bench_sim_epoch_table(res['epoch'])}"
     verdicts = _bench_sim_targets(res)
     return text + (f"\n\nTargets on one CPU thread: {verdicts}." if verdicts else "")
 
 
 def _sim_epoch_profile(res: dict) -> str:
     """experiments/sim_epoch_profile.py: a one-epoch run's wall time by phase."""
-    from experiments import sim_epoch_profile
-
     where = f"{res.get('gpu') or res['device']}, {res['threads']} thread(s), dpsgd on a ring, batch 32, one epoch"
-    return f"On {where}:\n\n{sim_epoch_profile.table(res['rows'])}"
+    return f"On {where}:\n\n{T.sim_epoch_profile_table(res['rows'])}"
 
 
 #: the simulation's targets on one CPU thread: vectorized / loop node-steps per second
@@ -644,71 +626,80 @@ def _bench_sim_targets(res: dict) -> str:
 
 
 def _sharded_bytes(res: dict) -> str:
-    from experiments import sharded_bytes
-
-    return sharded_bytes.table(res)
+    return T.sharded_bytes_table(res)
 
 
 def _crossover_check(res: dict) -> str:
     """experiments/crossover_check.py: gossip.tools.crossover's predicted step beside the step
     measured on shaped links."""
-    from experiments import crossover_check
-
-    return crossover_check.table(res["rows"])
+    return T.crossover_check_table(res["rows"])
 
 
 def _sgp_overlap(res: dict) -> str:
     """experiments/sgp_overlap.py: SGP's step with and without overlap, per link rate."""
-    from experiments import sgp_overlap
-
-    return sgp_overlap.table(res)
+    return T.sgp_overlap_table(res)
 
 
 def _gossip_compare(res: dict) -> str:
     """experiments/gossip_compare.py: the decentralized methods on sorted shards."""
-    from experiments import gossip_compare
+    return T.gossip_compare_table(res["results"], res["bandwidths"])
 
-    return gossip_compare.table(res["results"], res["bandwidths"])
+
+_ALGO_WORDS = {"dpsgd": "D-PSGD", "dcd": "DCD", "ecd": "ECD", "naive": "naive"}
 
 
 def _sweep_network(res: dict) -> str:
-    """experiments/sweep_network.py: all-reduce's step and the others' as ratios to it."""
+    """experiments/sweep_network.py: per (bandwidth, latency) all-reduce's step and every
+    other algorithm's step as a ratio to it, then the ideal (byte) ratios (``res``:
+    ``{"meta": ..., "rows": ...}``)."""
     from experiments import sweep_network
 
-    return sweep_network.ratio_table(res)
+    def words(algo: str, bits: int | None) -> str:
+        return _ALGO_WORDS.get(algo, algo) + (f" {bits}-bit" if bits else "")
+
+    rows = [r for r in res["rows"] if r["ok"]]
+    order = list(sweep_network.parse_algos(res["meta"]["algos"])) if res["meta"].get("algos") else \
+        sorted({(r["algo"], r["bits"]) for r in rows}, key=lambda k: (k[0], k[1] or 0))
+    others = [k for k in order if k[0] != "allreduce"]
+    cells = {(r["algo"], r["bits"], r["bandwidth_mbit"], r["latency_ms"]): r for r in rows}
+    links = sorted({(r["bandwidth_mbit"], r["latency_ms"]) for r in rows}, key=lambda k: (-k[0], k[1]))
+    modes = sorted({r["latency_mode"] for r in rows})
+    body = []
+    for bw, lat in links:
+        base = cells.get(("allreduce", None, bw, lat))
+        cols = [f"{bw:g} Mbit/s", f"{lat:g} ms", "-" if base is None else f"{base['step_s']:.3f} s"]
+        for a, b in others:
+            r = cells.get((a, b, bw, lat))
+            cols.append("-" if r is None or base is None else f"{r['step_s'] / base['step_s']:.2f}")
+        body.append(cols)
+    n = rows[0]["nodes"] if rows else 0
+    ideal = [sweep_network.ideal_bytes_ratio(a, b, n) for a, b in others]
+    table = _md(["bandwidth", f"latency ({', '.join(modes)})", "all-reduce step",
+                 *(f"{words(a, b)} / all-reduce" for a, b in others)], body, align="---:")
+    return table + "\n| *ideal (bytes)* | | | " + " | ".join("" if x is None else f"*{x:.3f}*" for x in ideal) + " |"
 
 
 def _bench_topologies(res: dict) -> str:
-    from experiments import bench_topologies
-
-    return bench_topologies.table(res)
+    return T.bench_topologies_table(res)
 
 
 def _ecd_recipes(res: dict) -> str:
-    from experiments import ecd_recipes
-
-    return ecd_recipes.table(res)
+    return T.ecd_recipes_table(res)
 
 
 def _race_modelled(res: dict) -> str:
     """experiments/race.py (simulated mode): bytes and modelled time to the target."""
-    from experiments import race
-
-    return race.table(res["results"], res["target"], res["bandwidths"])
+    return T.race_table(res["results"], res["target"], res["bandwidths"])
 
 
 def _race_netns(res: dict) -> str:
     """experiments/race.py --mode netns: measured time to the target beside the model's."""
-    from experiments import race
-
-    return race.netns_table(res["results"], res["target"], res["bandwidths"])
+    return T.race_netns_table(res["results"], res["target"], res["bandwidths"])
 
 
 def _cold_start(res: dict) -> str:
     """experiments/cold_start.py: each compressor's first and second call in a fresh process."""
-    from experiments import cold_start
-
-    return cold_start.table(res)
+    return T.cold_start_table(res)
 
 
 #: the commands that make the tables still awaiting their results file (docs/provenance.md)
@@ -804,7 +795,7 @@ class Page:
     running: bool = False
 
     def text(self, md: str, write_figures: bool = False) -> str:
-        from experiments import benchmark, benchmark_netns
+        from experiments import benchmark
 
         results, prov = benchmark.read_benchmark_results(REPO / self.results)
         extra = benchmark.RUNNING if self.running else ""
@@ -815,7 +806,7 @@ class Page:
                 mprov, self.estimate[1])
         if self.netns:
             measured, nprov = benchmark.read_results(REPO / self.netns)
-            extra = benchmark_netns.section(measured, nprov) + "\n\n" + extra
+            extra = T.benchmark_netns_section(measured, nprov) + "\n\n" + extra
         page = REPO / md
         return benchmark.report({**results, "provenance": prov}, page, page.parent, title=self.title,
                                 extra=extra.strip(), write=write_figures)

@@ -27,13 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
 from experiments import _provenance
+from experiments import tables
 from experiments import _cli
 
 
@@ -47,45 +47,6 @@ def make(seed: int):
     x = torch.randn(n + 512, 1, 40, generator=g)
     y = x[:, 0, :10].argmax(dim=1)
     return (x[:n], y[:n]), (x[n:], y[n:])
-
-
-def summary(rows: list[dict]) -> list[dict]:
-    """Per (rate, overlap): the step time (minimum over the repeats of each run's median
-    step), its 90th percentile (minimum over repeats), and the median over repeats of
-    the time waiting on the exchange and computing; overlap 0's rows also carry
-    max(compute, comm) and their sum, what overlap 1 can reach at best and what it
-    starts from."""
-    out = []
-    for rate in dict.fromkeys(r["rate"] for r in rows):
-        for overlap in (0, 1):
-            rs = [r for r in rows if r["rate"] == rate and r["overlap"] == overlap]
-            if not rs:
-                continue
-            comm = statistics.median(r["comm_s_per_step"] for r in rs)
-            comp = statistics.median(r["compute_s_per_step"] for r in rs)
-            s = {"rate": rate, "overlap": overlap, "step_s": min(r["step_s"] for r in rs),
-                 "step_s_p90": min(r["step_s_p90"] for r in rs), "comm_s_per_step": comm,
-                 "compute_s_per_step": comp, "repeats": len(rs)}
-            if overlap == 0:
-                s.update(max_s=max(comp, comm), sum_s=comp + comm)
-            out.append(s)
-    return out
-
-
-def _rate_text(rate: str) -> str:
-    num = rate.lower().removesuffix("mbit")
-    return f"{num} Mbit/s" if num != rate.lower() else rate
-
-
-def table(res: dict) -> str:
-    """The summary as Markdown (docs/decentralized.md renders it from the results file)."""
-    lines = ["| link | overlap | step, min over repeats | step p90 | compute | waiting on the exchange | "
-             "max / sum of the two (overlap 0) |", "|---|---|---|---|---|---|---|"]
-    for s in summary(res["rows"]):
-        ms = f"{s['max_s']:.3f} s / {s['sum_s']:.3f} s" if s["overlap"] == 0 else ""
-        lines.append(f"| {_rate_text(s['rate'])} | {s['overlap']} | {s['step_s']:.3f} s | {s['step_s_p90']:.3f} s | "
-                     f"{s['compute_s_per_step']:.3f} s | {s['comm_s_per_step']:.3f} s | {ms} |")
-    return "\n".join(lines)
 
 
 def options(p: argparse.ArgumentParser) -> None:
@@ -148,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in [out / "results.json"] + ([Path(args.results)] if args.results else []):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1) + "\n")
-    print(table(results))
+    print(tables.sgp_overlap_table(results))
     return 0
 
 

@@ -30,9 +30,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 from experiments import _provenance  # noqa: E402
+from experiments import tables
 from experiments import _cli
 
-__all__ = ["CASES", "main", "measure", "table", "witness"]
+__all__ = ["CASES", "main", "measure", "witness"]
 
 SOURCES = ["gossip/algorithms", "gossip/comm", "gossip/compress", "gossip/models.py", "experiments/sharded_bytes.py"]
 
@@ -103,19 +104,6 @@ def witness(nodes: list[int] = (4, 16, 64), model: str = "cnn1d") -> dict:
                      for r in res["rows"] for n, v in r["per_n"].items()]}
 
 
-def table(res: dict) -> str:
-    """Per case: the payload of the whole vector, the measured bytes at each n as a
-    multiple of 2 (n - 1)/n x payload (/ H), and the all-gather's multiple at the largest n."""
-    nodes, top = res["nodes"], max(res["nodes"])
-    head = ["bytes/node/step", "payload"] + [f"n = {n}" for n in nodes] + [f"all-gather at n = {top} (computed)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in res["rows"]:
-        pay = f"{r['payload_bytes']:,}" + (f" / {r['steps']}" if r["steps"] > 1 else "")
-        cells = [f"{r['per_n'][str(n)]['vs_two_ring_legs']:.3f}x" for n in nodes]
-        lines.append("| " + " | ".join([r["case"], pay, *cells, f"{top / 2:g}x"]) + " |")
-    return "\n".join(lines)
-
-
 def options(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m experiments run sharded_bytes``."""
     p.add_argument("--nodes", default="4,16,64", help="node counts, a comma list (default 4,16,64)")
@@ -135,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     res = measure(nodes, a.model)
     if a.results:
         _provenance.write(a.results, res, prov)
-    print(table(res))
+    print(tables.sharded_bytes_table(res))
     return 0
 
 

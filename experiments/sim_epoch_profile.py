@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from experiments import _provenance
+from experiments import tables
 from experiments import bench_sim
 
 from gossip.train import evaluation  # noqa: E402
@@ -145,26 +146,6 @@ def _in_gossip(fn: tuple) -> bool:
     return "gossip" in Path(fn[0]).parts
 
 
-def own_line(row: dict, k: int = 5) -> str:
-    """The ``k`` largest own times outside the steps, as one line."""
-    return "; ".join(f"`{t['function']}` {t['own_s']:.2f} s ({t['calls']:,} calls)" for t in row["own"][:k])
-
-
-def table(rows: list[dict]) -> str:
-    head = "| model | nodes | steps | total | " + " | ".join(p if p != "setup" else "set-up" for p in PHASES) \
-        + " | outside the steps |"
-    lines = [head, "|" + "---|" * (len(PHASES) + 5)]
-    for r in rows:
-        ph = r["phases_s"]
-        lines.append(f"| {r['model']} | {r['nodes']:,} | {r['steps']} | {r['total_s']:.2f} s | "
-                     + " | ".join(f"{ph[p]:.2f} s" for p in PHASES) + f" | {r['outside_share']:.0%} |")
-    lines.append("")
-    lines.append("The largest own times outside the steps (cProfile, which slows Python-bound code):")
-    lines.append("")
-    lines.extend(f"- {r['model']}, {r['nodes']:,} nodes: {own_line(r)}" for r in rows)
-    return "\n".join(lines)
-
-
 def options(ap: argparse.ArgumentParser) -> None:
     """The options of ``python -m experiments run sim_epoch_profile``."""
     ap.add_argument("--nodes", type=int, default=1024)
@@ -211,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{model}, {a.nodes} nodes: total {row['total_s']:.2f} s, "
               + ", ".join(f"{p} {ph[p]:.2f} s" for p in PHASES) + f"; {row['outside_share']:.0%} outside the steps",
               flush=True)
-        print("  own time:  " + own_line(row))
+        print("  own time:  " + tables.own_line(row))
         for t in row["gossip"][:6]:
             print(f"    {t['cumulative_s']:7.3f} s  {t['calls']:>7}  {t['function']}")
         if a.json:  # after every model: a run cut short keeps what it measured
@@ -221,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 "device": a.device, "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else None,
                 "threads": a.threads, "rows": rows, "provenance": record.finish()}, indent=1) + "\n")
     print()
-    print(table(rows))
+    print(tables.sim_epoch_profile_table(rows))
     if a.json:
         print(f"results: {a.json}")
     return 0

@@ -56,6 +56,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 from experiments import _provenance
+from experiments import tables
 from gossip import rundir  # noqa: E402
 from experiments import _cli
 
@@ -85,22 +86,6 @@ def train_samples(nodes: int, batch_size: int, steps: int) -> int:
     """Training samples that give every node more than ``steps`` batches (one epoch
     longer than the run), and at least the embedded 4,000."""
     return max(4000, nodes * batch_size * (steps + 1))
-
-
-def table(runs: dict[str, list[float]], waits: dict[str, list[float]] | None = None) -> str:
-    """The markdown table of ``overlap.json``'s ``runs_s_per_step`` (tau "0" first), with
-    the wait on exchanges per step of the fastest run of each tau where recorded."""
-    base = min(runs["0"])
-    head = "| tau | min step time | runs (ms/step) | vs tau = 0 |"
-    if waits:
-        head += " waiting on exchanges (fastest run) |"
-    lines = [head, "|---|---|---|---|" + ("---|" if waits else "")]
-    for t, v in runs.items():
-        row = f"| {t} | {1000 * min(v):.1f} ms | {', '.join(f'{1000 * x:.1f}' for x in v)} | {min(v) / base:.3f} |"
-        if waits:
-            row += f" {1000 * waits[t][v.index(min(v))]:.1f} ms/step |"
-        lines.append(row)
-    return "\n".join(lines)
 
 
 def options(p: argparse.ArgumentParser) -> None:
@@ -182,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     first = taus[1]
     doc["target"] = (("met" if best[first] < best[0] else "not met") if quiet else "not judged (loaded machine)")
     doc["load_end"] = prov["load_after"]  # as the first version's files had it
-    md = table({str(t): v for t, v in runs.items()}, {str(t): v for t, v in waits.items()})
+    md = tables.streaming_overlap_table({str(t): v for t, v in runs.items()}, {str(t): v for t, v in waits.items()})
     note = (f"Made with `{prov['command']}` at commit {(prov['commit'] or '?')[:10]}{' (dirty tree)' if prov['dirty'] else ''} "
             f"on {prov['date']}: {a.nodes} hosts, {a.rate} tbf, diloco H = {a.local_steps}, F = {a.fragments}, batch "
             f"{a.batch_size}, steps {a.local_steps}..{a.steps} timed; load average {prov['load_before'][0]} at the "

@@ -574,38 +574,6 @@ def results_table(rows: list[dict], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-_ALGO_WORDS = {"dpsgd": "D-PSGD", "dcd": "DCD", "ecd": "ECD", "naive": "naive"}
-
-
-def _algo_words(algo: str, bits: int | None) -> str:
-    return _ALGO_WORDS.get(algo, algo) + (f" {bits}-bit" if bits else "")
-
-
-def ratio_table(res: dict) -> str:
-    """Per (bandwidth, latency): all-reduce's step and every other algorithm's step as a
-    ratio to it, then the ideal (byte) ratios; the table docs/network.md renders from a
-    ``--results`` file (``res``: ``{"meta": ..., "rows": ...}``)."""
-    rows = [r for r in res["rows"] if r["ok"]]
-    order = [(a, b) for a, b in parse_algos(res["meta"]["algos"])] if res["meta"].get("algos") else \
-        sorted({(r["algo"], r["bits"]) for r in rows}, key=lambda k: (k[0], k[1] or 0))
-    others = [k for k in order if k[0] != "allreduce"]
-    cells = {(r["algo"], r["bits"], r["bandwidth_mbit"], r["latency_ms"]): r for r in rows}
-    links = sorted({(r["bandwidth_mbit"], r["latency_ms"]) for r in rows}, key=lambda k: (-k[0], k[1]))
-    modes = sorted({r["latency_mode"] for r in rows})
-    head = ["bandwidth", f"latency ({', '.join(modes)})", "all-reduce step"] + \
-        [f"{_algo_words(a, b)} / all-reduce" for a, b in others]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
-    for bw, lat in links:
-        base = cells.get(("allreduce", None, bw, lat))
-        cols = [f"{bw:g} Mbit/s", f"{lat:g} ms", "-" if base is None else f"{base['step_s']:.3f} s"]
-        for a, b in others:
-            r = cells.get((a, b, bw, lat))
-            cols.append("-" if r is None or base is None else f"{r['step_s'] / base['step_s']:.2f}")
-        lines.append("| " + " | ".join(cols) + " |")
-    n = rows[0]["nodes"] if rows else 0
-    ideal = [ideal_bytes_ratio(a, b, n) for a, b in others]
-    lines.append("| *ideal (bytes)* | | | " + " | ".join("" if x is None else f"*{x:.3f}*" for x in ideal) + " |")
-    return "\n".join(lines)
 
 
 def plot_fig3(rows: list[dict], path: Path) -> Path | None:

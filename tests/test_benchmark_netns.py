@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 from experiments import bench_data
 from experiments import benchmark
 from experiments import benchmark_netns
+from experiments import tables
 
 from tests.test_benchmark import SPEC  # noqa: E402
 from tests.test_race import _netns_reason  # noqa: E402
@@ -141,7 +142,7 @@ def test_a_method_its_simulation_never_brought_to_the_target_is_not_measured_the
     benchmark_netns._measure(a, res, runs, ["10mbit"], [10e6], {"target": 0.9})
     assert res["unreached"] == {"slow": ["10mbit"]} and res["runs"] == {"slow": {}}
     assert "slow @ 10mbit: not measured (its simulated trial did not reach the target" in capsys.readouterr().out
-    text = benchmark_netns.section({"workload": "w", "nodes": 4, "seed": 0, "target": 0.9, "metric": "test_acc",
+    text = tables.benchmark_netns_section({"workload": "w", "nodes": 4, "seed": 0, "target": 0.9, "metric": "test_acc",
                                     "bandwidths": ["10mbit"], "runs": {}, "unreached": res["unreached"]}, {})
     assert "did not reach the target at that link (the run would give no time to target): slow at 10mbit." in text
 

@@ -1,4 +1,4 @@
-"""Dependencies point one way: no import circle in gossip/ or topologies/, counting the
+"""Dependencies point one way: no import circle in gossip/, topologies/ or experiments/, counting the
 imports inside functions, except the compressor registry's loading of its families;
 the config schema never imports the fault-tolerant loop; the library never imports
 the application (gossip.train) or the tools (gossip.tools); no module uses another
@@ -20,9 +20,9 @@ ACCEPTED = {frozenset({"gossip.compress.registry", "gossip.compress.baseline", "
                        "gossip.compress.ternary"})}
 
 
-def _modules() -> dict[str, Path]:
+def _modules(packages: tuple[str, ...] = ("gossip", "topologies")) -> dict[str, Path]:
     mods = {}
-    for pkg in ("gossip", "topologies"):
+    for pkg in packages:
         for p in (REPO / pkg).rglob("*.py"):
             parts = list(p.relative_to(REPO).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -31,9 +31,9 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(packages: tuple[str, ...] = ("gossip", "topologies")) -> dict[str, set[str]]:
     """Module -> the project modules it imports anywhere in its body (functions too)."""
-    mods = _modules()
+    mods = _modules(packages)
 
     def resolve(name: str) -> str | None:
         while name and name not in mods:
@@ -100,6 +100,15 @@ def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 def test_no_import_circle_but_the_compressor_registry():
     found = [sorted(c) for c in cycles(import_graph()) if c not in ACCEPTED]
     assert not found, f"import circles (imports inside functions count): {found}"
+
+
+def test_no_import_circle_in_the_experiments():
+    """The studies, the renderer and the benchmark import one way: the tables live in
+    experiments/tables.py, which imports nothing of the project."""
+    graph = import_graph(("experiments",))
+    found = [sorted(c) for c in cycles(graph)]
+    assert not found, f"import circles in experiments/ (imports inside functions count): {found}"
+    assert graph["experiments.tables"] == set()
 
 
 def test_the_checker_sees_a_circle_through_a_function_level_import():

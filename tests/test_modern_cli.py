@@ -200,15 +200,14 @@ def test_docs_tables_come_from_the_results_files():
 
     from tests.conftest import REPO
 
-    from experiments import _provenance, modern_compare
-    from experiments import streaming_overlap
+    from experiments import _provenance, tables
     doc = (REPO / "docs" / "modern.md").read_text(encoding="utf-8")
     res = json.loads((REPO / "experiments" / "results" / "modern_compare.json").read_text())
-    assert modern_compare.table(res["results"]) in doc
+    assert tables.modern_compare_table(res["results"]) in doc
     assert _provenance.as_module(res["provenance"]["command"]) in doc
     for name in ("streaming_overlap.json", "streaming_overlap_taus.json"):
         ov = json.loads((REPO / "experiments" / "results" / name).read_text())
-        assert streaming_overlap.table(ov["runs_s_per_step"], ov.get("wait_s_per_step")) in doc
+        assert tables.streaming_overlap_table(ov["runs_s_per_step"], ov.get("wait_s_per_step")) in doc
         assert _provenance.as_module(ov["provenance"]["command"]) in doc
 
 

@@ -63,7 +63,7 @@ def test_the_evaluations_up_to_the_target_are_taken_out(logs, capsys):
     from experiments import render
 
     assert render.TABLES["netns_gap"].render is render._netns_gap
-    assert render._netns_gap(whole["results"]) == netns_gap.table(whole["results"])
+    assert render._netns_gap(whole["results"]) in table  # the table the script printed, drawn by the renderer
 
 
 def test_bad_input_is_one_line_and_writes_nothing(logs, capsys):

@@ -22,7 +22,7 @@ def test_race_smoke(tmp_path, capsys):
     from experiments import render
 
     assert json.loads((tmp_path / "results" / "race.json").read_text()) == res
-    assert render.TABLES["race_modelled"].render(res) == race.table(res["results"], 0.0, ["10mbit", "100mbit"])
+    assert render.TABLES["race_modelled"].render(res) in (out / "race.md").read_text()
     # --lr replaces the recipe's for every method; the file says how it was made
     assert res["lr"] == 0.07 and json.loads((out / "allreduce" / "config.json").read_text())["lr"] == 0.07
     assert res["provenance"]["command"].endswith("--lr 0.07 --out OUT/race --results OUT/race.json")

@@ -4,13 +4,8 @@ This path re-exports the public names of :mod:`gossip.train.agreement` for one r
 warns once, at import, with a ``DeprecationWarning`` naming the new path.
 """
 
-import warnings as _warnings
+from gossip import _moved
+from gossip.train import agreement as _new
 
-_warnings.warn("gossip.agreement is deprecated: it moved to gossip.train.agreement; import that instead",
-               DeprecationWarning, stacklevel=2)
-
-from gossip.train import agreement as _moved  # noqa: E402
-
-globals().update({_k: _v for _k, _v in vars(_moved).items() if not _k.startswith("_")})
-__all__ = list(_moved.__all__)
 __moved_to__ = "gossip.train.agreement"
+_moved.reexport(globals(), _new)

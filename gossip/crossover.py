@@ -4,17 +4,11 @@ This path re-exports the public names of :mod:`gossip.tools.crossover` for one r
 and warns once, at import, with a ``DeprecationWarning`` naming the new path.
 """
 
-import warnings as _warnings
+from gossip import _moved
+from gossip.tools import crossover as _new
 
-_warnings.warn("gossip.crossover is deprecated: it moved to gossip.tools.crossover; import that instead "
-               "(python -m gossip.tools.crossover)",
-               DeprecationWarning, stacklevel=1 if __name__ == "__main__" else 2)
-
-from gossip.tools import crossover as _moved  # noqa: E402
-
-globals().update({_k: _v for _k, _v in vars(_moved).items() if not _k.startswith("_")})
-__all__ = list(_moved.__all__)
 __moved_to__ = "gossip.tools.crossover"
+_moved.reexport(globals(), _new, command=True)
 
 if __name__ == "__main__":  # python -m gossip.crossover: the tool, as before
-    raise SystemExit(_moved.main())
+    raise SystemExit(_new.main())

@@ -4,13 +4,8 @@ This path re-exports the public names of :mod:`gossip.train.fault_tolerance` for
 warns once, at import, with a ``DeprecationWarning`` naming the new path.
 """
 
-import warnings as _warnings
+from gossip import _moved
+from gossip.train import fault_tolerance as _new
 
-_warnings.warn("gossip.fault_tolerance is deprecated: it moved to gossip.train.fault_tolerance; import that instead",
-               DeprecationWarning, stacklevel=2)
-
-from gossip.train import fault_tolerance as _moved  # noqa: E402
-
-globals().update({_k: _v for _k, _v in vars(_moved).items() if not _k.startswith("_")})
-__all__ = list(_moved.__all__)
 __moved_to__ = "gossip.train.fault_tolerance"
+_moved.reexport(globals(), _new)

@@ -129,7 +129,7 @@ class Grouped(Algorithm):
         intra: the communicator of the members of the group(s): its hosted nodes are
             the members this process holds (all ``G`` in the simulation, one under
             torchrun); the slices are all-gathered (unsharded: broadcast from member 0)
-            over it after every exchange.
+            over it after every step that exchanged between the groups.
         group_size: ``G``.
         sharded: None: sharded where the inner algorithm allows it (``shards_flat``);
             False: the unsharded form (member 0 exchanges, then broadcasts), for any
@@ -173,6 +173,7 @@ class Grouped(Algorithm):
         self.bounds: tuple[tuple[int, int], ...] = ()
         self._parts: dict[int, torch.Tensor] = {}
         self._uparts: dict[int, torch.Tensor] = {}
+        self.t = 0  # steps taken (model algorithms): which of them are local only
 
     @property
     def own_momentum(self) -> float:
@@ -200,7 +201,12 @@ class Grouped(Algorithm):
     @torch.no_grad()
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         """Step I: each slice this process runs takes the inner algorithm's step on its
-        columns of ``x_t`` and ``u_t``. Step II: the members share their slices."""
+        columns of ``x_t`` and ``u_t``. Step II: the members share their slices; on a
+        step the algorithm takes locally (``local_only``: a periodic method's local
+        steps, ``x <- x + u``) every member applies it to the whole vector instead, the
+        same values the slices hold, and nothing crosses the group's links."""
+        self.t += 1
+        local = self.template.local_only(self.t)
         for j, inner in self.inners.items():
             off, n = self.bounds[j]
             xs = self._parts[j]
@@ -210,7 +216,11 @@ class Grouped(Algorithm):
                 us = self._uparts[j] = torch.empty_like(xs)
             us.copy_(U[:, off:off + n])
             inner.step(xs, us)
-        self._share(X)
+        if local:
+            with self.comm.ledger.phase("compute"):
+                X.add_(U)
+        else:
+            self._share(X)
 
     @torch.no_grad()
     def reduce_gradients(self, G: torch.Tensor) -> None:
@@ -283,7 +293,7 @@ class Grouped(Algorithm):
     def state_dict(self) -> dict:
         if self.state is None:
             raise RuntimeError(f"{self.name}: call setup() before state_dict()")
-        return {"slices": {j: inner.state_dict() for j, inner in self.inners.items()}}
+        return {"slices": {j: inner.state_dict() for j, inner in self.inners.items()}, "t": self.t}
 
     def load_state_dict(self, sd: dict) -> None:
         got = sd.get("slices") if isinstance(sd, dict) else None
@@ -292,6 +302,7 @@ class Grouped(Algorithm):
                              f"{sorted(got) if isinstance(got, dict) else got!r}, expected {sorted(self.inners)}")
         for j, inner in self.inners.items():
             inner.load_state_dict(got[j])
+        self.t = int(sd.get("t", 0))
 
     def __repr__(self) -> str:
         return (f"Grouped({self.template!r}, group_size={self.group_size}, "

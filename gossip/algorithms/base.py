@@ -298,6 +298,15 @@ class Algorithm:
         """Model algorithms: turn ``x_t`` (updated in place) into ``x_{t+1}``."""
         raise NotImplementedError(f"{self.name} acts on gradients, not on models")
 
+    def local_only(self, t: int) -> bool:
+        """True where this algorithm's ``t``-th :meth:`step` (1, 2, ...) is the local
+        optimizer's step alone, ``x <- x + u``, with no exchange (a periodic method's
+        local steps). A pure function of the config and ``t``, the same on every node
+        and answered before :meth:`setup`, so that a caller running the algorithm on a
+        slice of the vector (gossip.groups) may apply that step to the other slices
+        itself instead of gathering them. False (the default) promises nothing."""
+        return False
+
     def reduce_gradients(self, G: torch.Tensor) -> None:
         """Gradient algorithms: rewrite ``G`` in place before the local optimizer."""
         raise NotImplementedError(f"{self.name} acts on models, not on gradients")

@@ -262,6 +262,10 @@ class PeriodicBase(Algorithm):
     def period(self) -> int:
         return self.config.local_steps
 
+    def local_only(self, t: int) -> bool:
+        """Every step but the ``local_steps``-th is ``x <- x + u`` alone."""
+        return t % self.config.local_steps != 0
+
     def _local(self, X: torch.Tensor, U: torch.Tensor) -> bool:
         """Step I: the local optimizer's step; True when the round ends here."""
         X.add_(U)
@@ -374,6 +378,13 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
     def shards_flat(self) -> bool:  # type: ignore[override]
         """Streaming DiLoCo's fragments are cut in the model's tensors: not sliceable."""
         return self.config.fragment_count == 1
+
+    def local_only(self, t: int) -> bool:  # type: ignore[override]
+        """Streaming (fragments, or an overlapped exchange applied steps after it was
+        posted) promises nothing; otherwise the periodic rule."""
+        if self.config.fragment_count != 1 or self.config.fragment_sync_delay:
+            return False
+        return super().local_only(t)
 
     def wire_format(self) -> WireFormat:
         c = self.compressor

@@ -38,7 +38,7 @@ import torch
 
 from gossip.algorithms.base import Algorithm, ParamLayout, WireFormat
 
-__all__ = ["DistGroups", "GroupPlan", "Grouped", "init_groups", "slice_bounds", "slice_layout"]
+__all__ = ["DistGroups", "GroupPlan", "Grouped", "SliceLedger", "init_groups", "slice_bounds", "slice_layout"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,23 @@ def slice_layout(layout: ParamLayout, offset: int, numel: int) -> ParamLayout:
             shapes.append((b - a,))
             names.append(f"{name}[{a - o}:{b - o}]")
     return ParamLayout(tuple(shapes), tuple(names))
+
+
+class SliceLedger:
+    """The simulation's view of the run's ledger for the communicator of slice ``j``:
+    the same ledger (every count and byte lands in it), except that a one-off cost
+    (:meth:`gossip.comm.Ledger.once`: the payload size check) is charged for each
+    slice, as under torchrun, where each member's own communicator pays it once.
+    ``base`` is the ledger itself."""
+
+    def __init__(self, base: Any, j: int) -> None:
+        self.base, self.slice = base, int(j)
+
+    def once(self, key: str) -> bool:
+        return self.base.once(key if self.slice == 0 else f"{key} (slice {self.slice})")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
 
 
 class Grouped(Algorithm):
@@ -192,7 +209,7 @@ class Grouped(Algorithm):
             self._parts[j] = X[:, off:off + n].clone(memory_format=torch.contiguous_format)  # its own buffer
             sub = layout if self.slices_count == 1 else slice_layout(layout, off, n)
             ledger = inner.comm.ledger
-            if ledger is self.comm.ledger:  # already counted as setup by the caller
+            if getattr(ledger, "base", ledger) is self.comm.ledger:  # already counted as setup by the caller
                 inner.setup(self._parts[j], sub)
             else:
                 with ledger.setup():

@@ -101,11 +101,11 @@ def test_bad_group_size(args, match):
         parse_args([*args, *QUICK])
 
 
-def _sim(tmp_path, name, *args):
+def _sim(tmp_path, name, *args, quick=QUICK):
     from gossip.train import main
 
     out = tmp_path / name
-    assert main([*args, *QUICK, "--out", str(out)]) == 0
+    assert main([*args, *quick, "--out", str(out)]) == 0
     return json.loads((out / "summary.json").read_text())
 
 
@@ -141,6 +141,97 @@ def test_bytes_by_level(tmp_path, algo, flags, sharded):
     # the slices' own headers and the per-slice size checks are the only extra bytes
     assert lv["inter"] * G == pytest.approx(flat["bytes_sent_per_node_per_step"], rel=0.15)
     assert grouped["bytes_sent_per_node_per_step"] == pytest.approx(lv["intra"] + lv["inter"])
+
+
+#: the four algorithms of the ranks-against-simulation check (4 ranks as 2 groups of 2, 8 steps)
+WORLD_CASES = {"diloco": ["--algo-opt", "local_steps=4"], "ecd": ["--bits", "8", "--topology", "complete"],
+               "sparseloco": ["--algo-opt", "local_steps=4"], "efsgd": []}
+WORLD_QUICK = ["--data", "synthetic", "--model", "logreg", "--epochs", "1", "--max-steps", "8", "--no-progress",
+               "--device", "cpu"]
+
+
+def _ranks_run_all(root: str) -> list[int]:
+    """One rank of a 4-process world: ``gossip.train`` in groups of 2 for each algorithm
+    of WORLD_CASES in turn, each in a process group of its own (a run ends by tearing
+    its group down; the next one starts from a fresh FileStore)."""
+    import os
+
+    import torch.distributed as dist
+
+    from gossip.train import main
+
+    codes = []
+    for k, (algo, flags) in enumerate(WORLD_CASES.items()):
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.FileStore(os.path.join(root, f"store-{k}"), 4),
+                                    rank=int(os.environ["RANK"]), world_size=4)
+        codes.append(main(["--group-size", "2", "--algo", algo, *flags, *WORLD_QUICK,
+                           "--out", os.path.join(root, algo)]))
+    return codes
+
+
+def _flat_bytes(name: str, opts: dict, d: int, steps: int, n: int = 2) -> float:
+    """Bytes one node of a flat ``n``-node run of ``name`` sends per step on a vector
+    of ``d`` values: the algorithm alone, on the simulated communicator."""
+    decentralized = algorithms.is_decentralized(name)
+    comm = SimulatedCommunicator(topologies.build("complete", n) if decentralized else None, world_size=n)
+    a = algorithms.build(name, comm, **opts)
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(1, d, generator=g).repeat(n, 1)
+    a.setup(X)
+    for t in range(steps):
+        U = 0.01 * torch.randn(n, d, generator=g)
+        if a.acts_on == "gradient":
+            a.reduce_gradients(U)
+        else:
+            a.step(X, U)
+        a.on_step_end(t + 1)
+    return comm.ledger.step_bytes_sent / (steps * n)
+
+
+def test_ranks_match_simulation(tmp_path):
+    """4 real processes as 2 groups of 2 end where ``--simulate 4 --group-size 2`` does
+    (1e-3 relative) for diloco, ecd --bits 8, sparseloco and efsgd, with the same bytes
+    by level, and each sends between groups what it should per rank per step:
+
+    - diloco (local_steps=4, fp32): member j all-reduces its 165-value slice with the
+      other group every 4th step: ``ring_allreduce_bytes(4 x 165, 2) / 4`` = 165;
+    - ecd --bits 8: member j sends its slice's 8-bit message to the other group every
+      step: one ``quant:bits=8`` payload of 165 values, plus the 16-byte payload size
+      check once per run (each member's, in the simulation as on the ranks);
+    - efsgd: member j runs dist-EF-SGD's two-way exchange on its slice: what a node of a
+      flat 2-node efsgd sends on 165 values;
+    - sparseloco (unsliceable): member 0 sends what a node of the flat 2-node run sends,
+      member 1 nothing: half of it per rank.
+    """
+    from gossip import compress
+    from tests._dist import run_world
+
+    root = tmp_path / "ranks"
+    root.mkdir()
+    codes = run_world(4, _ranks_run_all, str(root), timeout=240, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
+                                                                      "LOCAL_WORLD_SIZE": "4"})
+    assert codes == [[0] * len(WORLD_CASES)] * 4
+    d, steps = 330, 8  # logreg on the synthetic data: 10 x 32 weights and 10 biases
+    for algo, flags in WORLD_CASES.items():
+        sim = _sim(tmp_path, "sim-" + algo, "--simulate", "4", "--group-size", "2", "--algo", algo, *flags,
+                   quick=WORLD_QUICK)
+        ranks = json.loads((root / algo / "summary.json").read_text())
+        assert sim["params"] == ranks["params"] == d and sim["steps"] == ranks["steps"] == steps
+        for key in ("final_train_loss", "final_test_loss"):
+            assert ranks[key] == pytest.approx(sim[key], rel=1e-3), (algo, key)
+        for level in ("intra", "inter"):
+            assert ranks["bytes_by_level"][level] == pytest.approx(sim["bytes_by_level"][level], rel=1e-9), algo
+        inter = ranks["bytes_by_level"]["inter"]
+        if algo == "diloco":
+            assert inter == ring_allreduce_bytes(4 * 165, 2) / 4 == 165
+        elif algo == "ecd":
+            assert inter == compress.build("quant:bits=8").payload_nbytes(165) + 16 / steps
+        elif algo == "efsgd":
+            assert inter == pytest.approx(_flat_bytes("efsgd", {}, 165, steps))
+        else:
+            flat = _sim(tmp_path, "flat-" + algo, "--simulate", "2", "--algo", algo, *flags, quick=WORLD_QUICK)
+            assert ranks["sharded"] is False and inter == flat["bytes_sent_per_node_per_step"] / 2
 
 
 def test_torchrun_matches_simulation(tmp_path):

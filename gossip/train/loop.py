@@ -147,7 +147,7 @@ def _groups(cfg: TrainConfig, env: Env, topo, device, comm, size: int) -> RunGro
     inter-group process groups (every rank creates all of them), in the simulation one
     communicator per slice, each on the groups' graph, recording into the run's ledger."""
     from gossip import comm as gcomm
-    from gossip.groups import GroupPlan, Grouped, init_groups
+    from gossip.groups import GroupPlan, Grouped, SliceLedger, init_groups
 
     plan = GroupPlan(env.world_size, size)
     n = plan.groups
@@ -160,7 +160,8 @@ def _groups(cfg: TrainConfig, env: Env, topo, device, comm, size: int) -> RunGro
         members, ranks, inter_ledger = [[env.rank]], 1, inter.ledger
     else:
         template = assembly.build_algorithm(cfg, gcomm.SimulatedCommunicator(topo, world_size=n, device=device))
-        runs = {j: gcomm.SimulatedCommunicator(topo, world_size=n, device=device, ledger=comm.ledger)
+        runs = {j: gcomm.SimulatedCommunicator(topo, world_size=n, device=device,
+                                               ledger=SliceLedger(comm.ledger, j))
                 for j in range(size if template.shards_flat else 1)}
         intra = gcomm.SimulatedCommunicator(world_size=size, device=device)
         members, ranks, inter_ledger = [plan.group_ranks(k) for k in range(n)], env.world_size, comm.ledger

@@ -40,12 +40,16 @@ def _stale(args: argparse.Namespace) -> int:
 
 def runnable() -> list[str]:
     """The studies and benchmarks ``run`` starts: the modules of this package that
-    declare their options (``options(p)``) beside their ``main``."""
+    declare their options (``options(p)``) beside their ``main``, and the study specs
+    of experiments/studies/ (run by experiments/study.py)."""
     from pathlib import Path
 
+    from experiments import study
+
     here = Path(__file__).resolve().parent
-    return sorted(f.stem for f in here.glob("*.py")
-                  if not f.name.startswith("_") and "\ndef options(" in f.read_text() and "\ndef main(" in f.read_text())
+    return sorted({f.stem for f in here.glob("*.py")
+                   if not f.name.startswith("_") and "\ndef options(" in f.read_text() and "\ndef main(" in f.read_text()}
+                  | set(study.studies()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,8 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.name not in names:
             ap.error(f"run: unknown study or benchmark {args.name!r}; known: {', '.join(names)}")
         import importlib
+        from pathlib import Path
 
-        rc = importlib.import_module(f"experiments.{args.name}").main(args.args)
+        if (Path(__file__).resolve().parent / f"{args.name}.py").exists():
+            rc = importlib.import_module(f"experiments.{args.name}").main(args.args)
+        else:  # a study spec, experiments/studies/NAME.toml
+            from experiments import study
+
+            rc = study.main(args.args, name=args.name)
         return int(rc or 0)
     if args.cmd == "list":
         from experiments import rerun

@@ -903,7 +903,9 @@ def provenance_line(path: str, prov: dict[str, Any]) -> str:
     date = str(prov.get("date", "?"))[:10]
     tree = " (dirty tree)" if prov.get("dirty") else ""
     m = prov.get("machine") or {}
-    parts = [f"`{P.as_module(prov.get('command', '?'))}`", f"commit {_short(prov.get('commit'))}{tree}", date]
+    from experiments import study
+
+    parts = [f"`{study.as_study_command(P.as_module(prov.get('command', '?')))}`", f"commit {_short(prov.get('commit'))}{tree}", date]
     if m:
         mach = f"{m.get('cores', '?')} cores" + (f" ({m['cpu']})" if m.get("cpu") else "")
         if m.get("memcpy_gbps"):

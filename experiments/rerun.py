@@ -42,7 +42,9 @@ def command_of(prov: dict) -> str:
     """The recorded command as this checkout runs it (in a shell): scratch folders under
     runs/, an environment folder recorded as ``PATH`` a fresh temporary one, an experiment
     started by its path (the old form) started as a module, by this interpreter."""
-    cmd = P.as_module(str(prov.get("command") or ""))
+    from experiments import study
+
+    cmd = study.as_study_command(P.as_module(str(prov.get("command") or "")))
     cmd = re.sub(r"(?<![\w/])OUT/", "runs/", cmd)
     # an absolute path in the recorder's environment is written PATH: a fresh, empty
     # folder here (a cache folder named PATH in the checkout would carry over between runs)
@@ -185,20 +187,23 @@ def main(*, budget_min: float | None = None, dry_run: bool = False, load_wait_mi
 
 def list_all() -> int:
     """Every experiment script and benchmark spec, with the results files made by it."""
+    from experiments import study
+
+    specs = set(study.studies())
     made: dict[str, list[str]] = {}
     for p in freshness.result_paths():
         try:
             cmd = str(P.read(p)[1].get("command") or "")
         except ValueError:
             continue
-        m = re.search(r"-m experiments\.(\w+)", P.as_module(cmd))
-        for name in {f"{m.group(1)}.py"} if m else set():
+        m = re.search(r"-m experiments(?:\.| run )(\w+)", P.as_module(cmd))
+        for name in ({f"{m.group(1)}.py"} | ({f"{m.group(1)}.toml"} if m.group(1) in specs else set())) if m else set():
             made.setdefault(name, []).append(str(p.relative_to(REPO)))
         spec = re.search(r"--spec (experiments/[\w.-]+\.toml)", cmd)
         if spec:
             made.setdefault(Path(spec.group(1)).name, []).append(str(p.relative_to(REPO)))
     here = Path(__file__).resolve().parent
-    for f in sorted([*here.glob("*.py"), *here.glob("*.toml")]):
+    for f in sorted([*here.glob("*.py"), *here.glob("*.toml"), *here.glob("studies/*.toml")]):
         if f.name.startswith("_") or f.name in ("__main__.py",):
             continue
         doc = ""
@@ -210,7 +215,7 @@ def list_all() -> int:
             first = [ln for ln in f.read_text().splitlines() if ln.startswith("#")]
             doc = first[0].lstrip("# ")[:110] if first else "benchmark spec"
         res = made.get(f.name, [])
-        print(f"{f.name}: {doc}" + (f"\n    writes: {', '.join(sorted(set(res)))}" if res else ""))
+        print(f"{f.relative_to(here)}: {doc}" + (f"\n    writes: {', '.join(sorted(set(res)))}" if res else ""))
     return 0
 
 

@@ -177,7 +177,7 @@ def crossover_check_table(rows: list[dict]) -> str:
 
 
 def ecd_recipes_table(res: dict) -> str:
-    """experiments/ecd_recipes.py: one row per recipe: epochs, the last epoch's accuracy,
+    """The study experiments/studies/ecd_recipes.toml: one row per recipe: epochs, the last epoch's accuracy,
     the best one (its epoch)."""
     body = []
     for r in res["runs"].values():

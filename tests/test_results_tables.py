@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from experiments import _provenance as P
-from experiments import bench_topologies, cold_start, crossover_check, ecd_recipes, render, sgp_overlap, sharded_bytes
+from experiments import bench_topologies, cold_start, crossover_check, render, sgp_overlap, sharded_bytes, study
 
 
 def _row(rate, overlap, repeat, step, comm, comp):
@@ -82,10 +82,11 @@ def test_bench_topologies_writes_its_results_and_the_table(tmp_path, capsys):
 
 def test_ecd_recipes_writes_last_and_best_accuracy(tmp_path, capsys):
     path = tmp_path / "ecd.json"
-    assert ecd_recipes.main(["--recipes", "demo,lr0.1", "--epochs-scale", "0.1", "--data", "synthetic",
-                             "--out", str(tmp_path / "runs"), "--results", str(path)]) == 0
+    assert study.main(["--runs", "demo,lr0.1", "--epochs-scale", "0.1", "--data", "synthetic",
+                       "--out", str(tmp_path / "runs"), "--results", str(path)], name="ecd_recipes") == 0
     res, prov = P.read(path)
-    assert "python -m experiments.ecd_recipes --recipes demo,lr0.1 " in prov["command"]
+    assert "python -m experiments run ecd_recipes --runs demo,lr0.1 " in prov["command"]
+    assert "experiments/studies/ecd_recipes.toml" in prov["sources"]
     demo = res["runs"]["demo"]
     assert demo["epochs"] == 2 and [p["epoch"] for p in demo["points"]] == [1, 2]
     assert demo["final_test_acc"] == demo["points"][-1]["test_acc"]  # the averaged model at the last epoch
@@ -94,8 +95,36 @@ def test_ecd_recipes_writes_last_and_best_accuracy(tmp_path, capsys):
     assert table[2].startswith(f"| the demo: lr 0.05 constant | 2 | {demo['final_test_acc']:.1%}".replace("%", " %"))
     assert table[2].endswith(f"({best['epoch']:g}) |") and table[3].startswith("| lr 0.1 constant | 2 |")
     with pytest.raises(SystemExit) as e:
-        ecd_recipes.main(["--recipes", "demo,fast", "--out", str(tmp_path)])
-    assert e.value.code == 2 and "--recipes: unknown fast; known: demo, demo-25," in capsys.readouterr().err
+        study.main(["--runs", "demo,fast", "--out", str(tmp_path)], name="ecd_recipes")
+    assert e.value.code == 2 and "--runs: unknown fast; known: demo, demo-25," in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", study.studies())
+def test_a_study_spec_trains_the_configurations_its_results_file_recorded(name):
+    """A script that became a study spec trains what it trained: the spec's configurations
+    are the ones its committed results file recorded (what the witnesses re-run), and each
+    run's label, epochs and flags are the file's."""
+    s = study.load(study.spec_path(name))
+    res, prov = P.read(P.REPO / "experiments" / "results" / f"{name}.json")
+    assert study.configs(s, data=res.get("data")) == prov["configs"]
+    assert list(s.runs) == list(res["runs"])
+    for n, r in s.runs.items():
+        assert (res["runs"][n]["label"], res["runs"][n]["epochs"], res["runs"][n]["flags"]) == \
+            (r.label, r.epochs, [*s.base, *r.flags])
+    # its recorded command still runs, as `python -m experiments run NAME`
+    assert f"python -m experiments run {name} " in study.as_study_command(P.as_module(prov["command"]))
+
+
+def test_a_bad_study_spec_is_one_line(tmp_path):
+    bad = tmp_path / "s.toml"
+    for text, needle in [('[study]\nkeep = "x"\n[runs.a]\nepochs = 1\n', "keep = 'x'; accepted: curve"),
+                         ('[study]\n[runs.a]\nepochs = 0\n', "[runs.a] epochs must be a positive integer"),
+                         ('[study]\n[runs.a]\nepochs = 1\nlr = 2\n', "[runs.a] lr: unknown key"),
+                         ('[study]\nbase = "--x"\n[runs.a]\nepochs = 1\n', "base: a list of strings")]:
+        bad.write_text(text)
+        with pytest.raises(study.StudyError) as e:
+            study.load(bad)
+        assert needle in str(e.value)
 
 
 def test_sharded_bytes_reads_both_legs_from_the_ledger(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """Run gossip.train commands as a user does and record them with their provenance.
 
-Shared by experiments/lm_recipes.py and experiments/powersgd_lstm.py: each command runs
+Shared by the study runner (experiments/study.py, for a ``summary`` study such as
+experiments/studies/lm_recipes.toml) and experiments/powersgd_lstm.py: each command runs
 in a process of its own (its wall clock is what a user waits, start-up and data loading
 included), and its record holds the command, the summary's figures, the wall clock and
 the load average before and after; the scripts add the results file's provenance

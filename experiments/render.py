@@ -501,7 +501,7 @@ def _load(r: dict) -> str:
 
 
 def _lm_recipes(res: dict) -> str:
-    """experiments/lm_recipes.py: each recipe's end point and what it cost."""
+    """The study experiments/studies/lm_recipes.toml: each recipe's end point and what it cost."""
     body = []
     for name, r in res.items():
         if r.get("exit") != 0:

@@ -14,7 +14,13 @@ witnesses). ``python -m experiments run NAME`` runs experiments/studies/NAME.tom
 What a run leaves in the results file (``keep``):
 
 - ``curve``: its label, epochs, flags, the final test accuracy and the test accuracy at
-  every evaluation (``{"data": DATA, "runs": {NAME: ...}}``).
+  every evaluation (``{"data": DATA, "runs": {NAME: ...}}``);
+- ``summary``: each run is ``python -m gossip.train`` in a process of its own, as a user
+  runs it (``max_steps`` steps; ``--jobs`` at once), and keeps its command, its
+  summary's figures, its wall clock and the load average before and after
+  (``{NAME: ...}``).
+
+``[study] results`` is the results file written when ``--results`` is not given.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ REPO = _provenance.REPO
 #: the folder of the study specs
 STUDIES = REPO / "experiments" / "studies"
 #: what a results file may keep of each run
-KEEPS = ("curve",)
+KEEPS = ("curve", "summary")
 
 
 class StudyError(ValueError):
@@ -51,8 +57,9 @@ class StudyError(ValueError):
 class Run:
     name: str
     label: str
-    epochs: int
+    epochs: int | None  # "curve"
     flags: list[str]
+    max_steps: int | None = None  # "summary"
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class Study:
     seed: int
     keep: str
     runs: dict[str, Run] = field(default_factory=dict)
+    results: str | None = None
 
 
 def studies() -> list[str]:
@@ -99,9 +107,10 @@ def load(path: str | Path) -> Study:
         raise StudyError(f"{path}: a study has a [study] table and [runs.NAME] tables, and nothing else"
                          + (f" (found {', '.join(sorted(extra))})" if extra else ""))
     s = raw["study"]
-    unknown = set(s) - {"base", "data", "seed", "keep"}
+    unknown = set(s) - {"base", "data", "seed", "keep", "results"}
     if unknown:
-        raise StudyError(f"{path}: [study] {', '.join(sorted(unknown))}: unknown key; known: base, data, seed, keep")
+        raise StudyError(f"{path}: [study] {', '.join(sorted(unknown))}: unknown key; "
+                         "known: base, data, seed, keep, results")
     keep = s.get("keep", "curve")
     if keep not in KEEPS:
         raise StudyError(f"{path}: [study] keep = {keep!r}; accepted: {', '.join(KEEPS)}")
@@ -110,22 +119,27 @@ def load(path: str | Path) -> Study:
     runs = {}
     for name, r in raw["runs"].items():
         where = f"{path}: [runs.{name}]"
-        unknown = set(r) - {"label", "epochs", "flags"}
+        count = "epochs" if keep == "curve" else "max_steps"
+        unknown = set(r) - {"label", count, "flags"}
         if unknown:
-            raise StudyError(f"{where} {', '.join(sorted(unknown))}: unknown key; known: label, epochs, flags")
-        if not isinstance(r.get("epochs"), int) or r["epochs"] < 1:
-            raise StudyError(f"{where} epochs must be a positive integer, got {r.get('epochs')!r}")
-        runs[name] = Run(name, str(r.get("label", name)), r["epochs"], _strs(r.get("flags", []), f"{where} flags"))
+            raise StudyError(f"{where} {', '.join(sorted(unknown))}: unknown key; known: label, {count}, flags")
+        if not isinstance(r.get(count), int) or r[count] < 1:
+            raise StudyError(f"{where} {count} must be a positive integer, got {r.get(count)!r}")
+        runs[name] = Run(name, str(r.get("label", name)), r.get("epochs"), _strs(r.get("flags", []), f"{where} flags"),
+                         r.get("max_steps"))
     try:
         source = str(path.resolve().relative_to(REPO))
     except ValueError:
         source = str(path)
     return Study(path.stem, source, _strs(s.get("base", []), f"{path}: [study] base"), str(s.get("data", "mnist1d")),
-                 int(s.get("seed", 0)), keep, runs)
+                 int(s.get("seed", 0)), keep, runs, s.get("results"))
 
 
 def run_args(study: Study, run: Run, *, data: str | None = None, epochs: int | None = None) -> list[str]:
-    """The ``gossip.train`` arguments of one run (no run directory or progress flags)."""
+    """The ``gossip.train`` arguments of one run (no run directory or progress flags); a
+    ``summary`` run's flags are all of them."""
+    if study.keep == "summary":
+        return [*study.base, *run.flags]
     return [*study.base, *run.flags, "--data", data or study.data, "--epochs", str(epochs or run.epochs),
             "--seed", str(study.seed)]
 
@@ -139,8 +153,8 @@ def configs(study: Study, names: list[str] | None = None, *, data: str | None = 
             for n in (names or list(study.runs))]
 
 
-def _scaled(run: Run, scale: float) -> int:
-    return max(1, round(run.epochs * scale))
+def _scaled(run: Run, scale: float) -> int | None:
+    return None if run.epochs is None else max(1, round(run.epochs * scale))
 
 
 def as_study_command(cmd: str) -> str:
@@ -157,9 +171,13 @@ def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", default=None, help="comma list of the spec's runs (default all)")
     p.add_argument("--data", default=None, help="the data set of every run (default: the spec's)")
     p.add_argument("--epochs-scale", type=float, default=1.0,
-                   help="multiply every run's epochs (at least 1), for a quick look; 1 for the results file")
-    p.add_argument("--out", required=True, help="directory for the run directories")
-    p.add_argument("--results", type=Path, default=None, help="results JSON (experiments/results/NAME.json)")
+                   help="curve: multiply every run's epochs (at least 1), for a quick look; 1 for the results file")
+    p.add_argument("--steps", type=int, default=None, help="summary: every run's --max-steps (a reduced run)")
+    p.add_argument("--data-dir", default=None, help="summary: train on this text (file or folder) instead")
+    p.add_argument("--jobs", type=int, default=1, help="summary: runs at once, each in its own process (default 1)")
+    p.add_argument("--out", default=None, help="directory for the run directories (default: runs/NAME)")
+    p.add_argument("--results", type=Path, default=None,
+                   help="results JSON (default: the spec's [study] results, if any)")
 
 
 def main(argv: list[str] | None = None, name: str | None = None) -> int:
@@ -178,6 +196,18 @@ def main(argv: list[str] | None = None, name: str | None = None) -> int:
         p.error(f"--runs: unknown {', '.join(bad) or '(none given)'}; known: {', '.join(study.runs)}")
     if not a.epochs_scale > 0:
         p.error(f"--epochs-scale must be > 0, got {a.epochs_scale:g}")
+    wrong = [f for f, given in (("--epochs-scale", a.epochs_scale != 1.0), ("--data", a.data is not None))
+             if given and study.keep == "summary"] + \
+            [f for f, given in (("--steps", a.steps is not None), ("--data-dir", a.data_dir is not None),
+                                ("--jobs", a.jobs != 1)) if given and study.keep == "curve"]
+    if wrong:
+        p.error(f"{', '.join(wrong)}: not an option of a {study.keep!r} study ({study.name})")
+    if a.jobs < 1 or (a.steps is not None and a.steps < 1):
+        p.error(f"--jobs and --steps must be at least 1, got --jobs {a.jobs} --steps {a.steps}")
+    results = a.results or (REPO / study.results if study.results else None)
+    a.out = a.out or str(Path("runs") / study.name.replace("_", "-"))
+    if study.keep == "summary":
+        return _summary(study, names, a, results, full)
     from experiments import race
 
     sources = _provenance.training_sources("gossip/tools/crossover.py", "experiments/study.py", study.source,
@@ -203,11 +233,46 @@ def main(argv: list[str] | None = None, name: str | None = None) -> int:
                    "final_test_acc": c["final_test_acc"],
                    "points": [{"epoch": pt["epoch"], "test_acc": pt["test_acc"]} for pt in c["points"]]}
     res = {"data": a.data or study.data, "runs": runs}
-    if a.results:
-        _provenance.write(a.results, res, prov)
+    if results:
+        _provenance.write(results, res, prov)
     if study.keep == "curve":
         print(tables.ecd_recipes_table(res))
     return 0
+
+
+
+def _summary(study: Study, names: list[str], a: argparse.Namespace, results: Path | None, full: list[str]) -> int:
+    """A ``summary`` study: each run a ``python -m gossip.train`` process, ``--jobs`` at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from experiments._lmruns import run_train
+
+    sources = _provenance.training_sources("experiments/study.py", study.source, "experiments/_lmruns.py")
+    prov = _provenance.start(sources, argv=full)
+    steps = {n: a.steps or study.runs[n].max_steps for n in names}
+    for n in names:
+        print(f"{study.name}: {n}, {steps[n]} steps ...", flush=True)
+    # each run is a process of its own; --jobs 2 runs two at once (on a shared machine each
+    # then waits for the other, which its wall clock and load record)
+    with ThreadPoolExecutor(max_workers=a.jobs) as pool:
+        data = ["--data-dir", a.data_dir] if a.data_dir else []
+        futures = {n: pool.submit(run_train, [*run_args(study, study.runs[n]), *data, "--max-steps", str(steps[n])],
+                                  Path(a.out) / n) for n in names}
+        res = {n: f.result() for n, f in futures.items()}
+    for n, rec in res.items():
+        rec["reduced"] = a.steps is not None
+        rec["jobs"] = a.jobs
+        if rec["exit"] != 0:
+            print(f"{study.name}: {n} failed: {rec['error']}", flush=True)
+            continue
+        print(f"{study.name}: {n}: {rec['params']:,} params, {rec['steps']} steps, held-out "
+              f"{rec['final_test_bpb']:.3f} bits per byte (perplexity per byte {rec['final_test_ppl']:.2f}) in "
+              f"{rec['wall_s']:.0f} s wall clock, load average {rec['load_average'][0]:.1f} -> "
+              f"{rec['load_average'][1]:.1f}", flush=True)
+    if results:
+        _provenance.write(results, res, prov)  # the command, commit, machine and load are in the provenance
+        print(f"{study.name}: wrote {results}")
+    return 0 if all(r["exit"] == 0 for r in res.values()) else 1
 
 
 if __name__ == "__main__":

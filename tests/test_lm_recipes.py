@@ -1,4 +1,4 @@
-"""The language-model experiments (experiments/lm_recipes.py, experiments/powersgd_lstm.py)
+"""The language-model experiments (experiments/studies/lm_recipes.toml, experiments/powersgd_lstm.py)
 run end to end on a small text, write their figures with provenance, and render."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from experiments import _provenance as P
-from experiments import render
+from experiments import render, study
 from tests.conftest import REPO
 
 TEXT = "def mean(xs):\n    return sum(xs) / len(xs)  # Grüße\n" * 600  # 31 KB: windows for 4 nodes x 8
@@ -30,8 +30,8 @@ def corpus(tmp_path):
 def test_recipes_run_and_render(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "lm.json"
-    assert _script("lm_recipes").main(["--recipes", "lstm", "--steps", "2", "--data-dir", str(corpus),
-                                       "--out", str(tmp_path / "runs"), "--json", str(out)]) == 0
+    assert study.main(["--runs", "lstm", "--steps", "2", "--data-dir", str(corpus),
+                       "--out", str(tmp_path / "runs"), "--results", str(out)], name="lm_recipes") == 0
     res, prov = P.read(out)
     r = res["lstm"]
     assert r["exit"] == 0 and r["steps"] == 2 and r["reduced"] and 0.9e6 < r["params"] < 1e6
@@ -39,7 +39,7 @@ def test_recipes_run_and_render(corpus, tmp_path, monkeypatch):
     # the thread count is in the command; torch's inductor may have put its cache folder in the
     # environment earlier in the process, which the command then names as PATH
     cmd = prov["command"]
-    assert cmd.startswith("OMP_NUM_THREADS=1 ") and " python -m experiments.lm_recipes --recipes lstm " in cmd
+    assert cmd.startswith("OMP_NUM_THREADS=1 ") and " python -m experiments run lm_recipes --runs lstm " in cmd
     assert "gossip/data" in prov["sources"]  # the text data sets (gossip/data/text.py)
     # the run directory named as the command names --out: no path of the machine it ran on
     assert " --out OUT/runs " in cmd and r["out"] == "OUT/runs/lstm"
@@ -47,7 +47,7 @@ def test_recipes_run_and_render(corpus, tmp_path, monkeypatch):
     assert md.startswith("| recipe | parameters | steps | held-out bits per byte |")
     assert f"| lstm | 0.94M | 2 | {r['final_test_bpb']:.3f} |" in md
     with pytest.raises(SystemExit):
-        _script("lm_recipes").main(["--recipes", "rnn", "--json", str(tmp_path / "x.json")])
+        study.main(["--runs", "rnn", "--results", str(tmp_path / "x.json")], name="lm_recipes")
     assert not (tmp_path / "x.json").exists()
 
 

@@ -176,6 +176,118 @@ def test_diloco_fragments_sync_at_staggered_steps():
     assert algo.report()["fragments"][0] == {"start": 0, "stop": 10, "sync_step_mod_h": 2}
 
 
+# ---------------------------------------------------------------------------- the overlapped outer step
+def _eager_reference(X, A, H, steps, lr_out, mu):
+    """The eager updates of Kale et al. (arXiv:2502.12996) written plainly: node i's outer
+    step at the end of round k uses Delta^{k-1} + (Delta_i^k - Delta_i^{k-1}) / n, the
+    mean of round k-1 arriving only then; Nesterov from each node's own theta."""
+    n = X.shape[0]
+    x, theta, b = X.clone(), X.clone(), torch.zeros_like(X)
+    last, prev_mean = torch.zeros_like(X), torch.zeros(1, X.shape[1])
+    for t in range(1, steps + 1):
+        x = x + -0.1 * (x - A)
+        if t % H == 0:
+            fresh = theta - x
+            est = prev_mean + (fresh - last) / n
+            prev_mean, last = fresh.sum(0, keepdim=True) / n, fresh
+            b = mu * b + est
+            x = theta - lr_out * (est + mu * b)
+            theta = x.clone()
+    return x
+
+
+@pytest.mark.parametrize("mu", [0.0, 0.9])
+def test_diloco_outer_delay_is_the_eager_update(mu):
+    n, H, steps = 3, 3, 13  # rounds end at 3, 6, 9, 12; round 4's exchange is in flight at the end
+    g = torch.Generator().manual_seed(5)
+    X, A = torch.randn(n, 7, generator=g), torch.randn(n, 7, generator=g)
+    algo = algorithms.build("diloco", comm.SimulatedCommunicator(world_size=n), local_steps=H, outer_lr=0.7,
+                            outer_momentum=mu, outer_delay=1)
+    Y = X.clone()
+    algo.setup(Y)
+    for _ in range(steps):
+        algo.set_lr(0.1)
+        algo.step(Y, -0.1 * (Y - A))
+    torch.testing.assert_close(Y, _eager_reference(X, A, H, steps, 0.7, mu), rtol=1e-6, atol=1e-7)
+    assert (Y[0] - Y[1]).abs().max() > 1e-4  # each node stepped on its own estimate
+    sync = algorithms.build("diloco", comm.SimulatedCommunicator(world_size=n), local_steps=H, outer_lr=0.7,
+                            outer_momentum=mu)
+    Z = X.clone()
+    sync.setup(Z)
+    for _ in range(steps):
+        sync.set_lr(0.1)
+        sync.step(Z, -0.1 * (Z - A))
+    assert (Z - Y).abs().max() > 1e-3  # the delay does change the trajectory
+
+
+class _Clocked(comm.SimulatedCommunicator):
+    """The simulation, noting at which algorithm step each all-reduce is posted and waited."""
+
+    def __init__(self, *a, **k) -> None:
+        super().__init__(*a, **k)
+        self.now, self.log = 0, []
+
+    def all_reduce_async(self, X, op="sum", *, record=True):
+        done, posted, log, me = super().all_reduce_async(X, op, record=record), self.now, self.log, self
+
+        class Later:
+            def wait(self):
+                log.append((posted, me.now))
+                return done.wait()
+
+        return Later()
+
+
+def test_diloco_outer_delay_waits_each_exchange_one_round_later():
+    c = _Clocked(world_size=2)
+    algo = algorithms.build("diloco", c, local_steps=4, outer_delay=1)
+    Y = torch.zeros(2, 5)
+    algo.setup(Y)
+    for t in range(1, 17):
+        c.now = t
+        algo.set_lr(0.1)
+        algo.step(Y, torch.full_like(Y, 0.01))
+    assert c.log == [(4, 8), (8, 12), (12, 16)]  # round 4's, posted at step 16, still in flight
+    assert algo.report()["outer_delay"] == 1
+    c0 = _Clocked(world_size=2)
+    sync = algorithms.build("diloco", c0, local_steps=4)
+    sync.setup(torch.zeros(2, 5))
+    for t in range(1, 9):
+        c0.now = t
+        sync.set_lr(0.1)
+        sync.step(torch.zeros(2, 5), torch.full((2, 5), 0.01))
+    assert c0.log == [(4, 4), (8, 8)] and sync.report() is None
+
+
+def test_outer_delay_refusals_are_one_line():
+    for bad in (2, -1, True, 0.5, "1"):
+        with pytest.raises(ValueError, match=r"Arg `outer_delay` must be 0 \(synchronous outer step\) or 1 .*got"):
+            algorithms.DiLoCoConfig(outer_delay=bad)
+    with pytest.raises(ValueError, match=r"`outer_delay`.*`fragment_sync_delay` \(1.*give one of them"):
+        algorithms.DiLoCoConfig(outer_delay=1, fragments=2, local_steps=8, fragment_sync_delay=1)
+    assert algorithms.make_config("muloco", outer_delay=1).outer_delay == 1
+    with pytest.raises(ValueError, match=r"Arg `outer_delay` must be 0 for sparseloco, got 1: its paper has no "
+                                         r"delayed outer step"):
+        algorithms.make_config("sparseloco", outer_delay=1)
+
+
+def test_diloco_outer_delay_state_round_trip_carries_the_exchange_in_flight():
+    """A state_dict taken with round 2's exchange in flight (step 10, H = 4) restores into
+    a fresh optimizer that ends where the uninterrupted run ends, bit for bit."""
+    opts = dict(local_steps=4, compressor="quant:bits=4", error_feedback=True, outer_delay=1)
+    full, _, _ = run("diloco", 14, adamw=True, lr=0.01, **opts)
+    _, _, opt = run("diloco", 10, adamw=True, lr=0.01, **opts)
+    sd = opt.state_dict()
+    assert {"in_flight", "pending", "last_delta"} <= set(sd["algorithm"]) and sd["algorithm"]["in_flight"] == (0,)
+    _, _, fresh = run("diloco", 0, adamw=True, lr=0.01, **opts)
+    fresh.load_state_dict(sd)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(10 * 4):
+        torch.randn(16, FEATURES, generator=gen), torch.randint(0, CLASSES, (16,), generator=gen)
+    train_steps(fresh, gen, 4)
+    assert torch.equal(fresh.flat.data, full)
+
+
 def test_bad_options_are_one_line():
     with pytest.raises(ValueError, match=r"Arg `fragments` must be <= local_steps \(4\).*got 5"):
         algorithms.DiLoCoConfig(local_steps=4, fragments=5)
@@ -277,6 +389,9 @@ RESUME_ARGS = {
     "slowmo": ["--algo", "slowmo", "--algo-opt", "local_steps=4", "--lr", "0.1"],
     "diloco": ["--algo", "diloco", "--compressor", "quant:bits=4", "--algo-opt", "error_feedback=true",
                "--algo-opt", "fragments=2", "--algo-opt", "local_steps=6", "--lr", "0.01"],
+    # the overlapped outer step: every checkpoint falls with an exchange in flight
+    "diloco-eager": ["--algo", "diloco", "--algo-opt", "outer_delay=1", "--algo-opt", "local_steps=4",
+                     "--lr", "0.01"],
 }
 
 
@@ -295,7 +410,7 @@ def test_resume_mid_round_is_bit_identical(tmp_path, name):
     assert r.returncode == 0, r.stderr
     assert torch.equal(final_params(full), final_params(part))
     cfg = json.loads((full / "config.json").read_text())
-    assert cfg["local_optimizer"] == ("adamw" if name == "diloco" else "sgd")
+    assert cfg["local_optimizer"] == ("adamw" if name.startswith("diloco") else "sgd")
 
 
 def test_simulation_with_8_nodes(tmp_path):
@@ -397,6 +512,10 @@ TORCHRUN_CASES = {
                     "--algo-opt", "local_steps=4"],
     # overlapped SGP on its default graph (one-peer exponential): messages in flight at the end
     "sgp-overlap": ["--algo", "sgp", "--algo-opt", "overlap=1"],
+    # DiLoCo's overlapped outer step, 4-bit sharded exchange: each round's exchange is waited
+    # one round later (rounds of 3 end at steps 3, 6, 9: the last one in flight at the end)
+    "diloco-eager": ["--algo", "diloco", "--bits", "4", "--algo-opt", "error_feedback=true",
+                     "--algo-opt", "local_steps=3", "--algo-opt", "outer_delay=1"],
 }
 
 

@@ -23,6 +23,16 @@ n nodes written xbar:
   exchanged mean, and the fragment becomes (1 - alpha) theta' + alpha x_i (x_i: the
   local values, tau steps further on), theta <- theta'. Fragments are cut by size, or
   at the modules named in ``fragment_modules``.
+  The overlapped outer step (``outer_delay=1``; Kale et al. 2025, "Eager Updates For
+  Overlapped Communication and Computation in DiLoCo", arXiv:2502.12996, their eager
+  variant): the exchange of round k's pseudo-gradients is posted at the end of round
+  k and waited at the end of round k+1, the inner steps of round k+1 running while it
+  is in flight. Node i's outer step at the end of round k uses, instead of the mean
+  Delta^k it does not have yet, the eager estimate
+  Delta~_i^k = Delta^{k-1} + (Delta_i^k - Delta_i^{k-1}) / n: the mean of round k-1
+  with node i's own share replaced by its fresh pseudo-gradient (Delta^0 = Delta_i^0 =
+  0). Each node takes its own outer step, so theta and b are per node and the replicas
+  differ slightly between rounds.
 
 They act on the model (``acts_on = "model"``): the local optimizer steps first, its
 state (momentum buffers, AdamW's moments) stays each node's own and is neither
@@ -130,6 +140,11 @@ class DiLoCoConfig:
     the local values into the synchronised ones (0: take the outer step's result).
     ``fragment_modules`` (e.g. ``"layers.2,head"``): the fragments start at these
     modules' first parameters instead of being cut by size; F = their count + 1.
+
+    ``outer_delay`` 1 overlaps a whole round with the exchange (the eager updates of
+    Kale et al. 2025, arXiv:2502.12996): round k's exchange is waited at the end of
+    round k+1, and the outer step uses the eager estimate meanwhile; 0 (default): the
+    synchronous outer step. Not with ``fragment_sync_delay`` (one overlap or the other).
     """
 
     local_steps: int = 50
@@ -143,6 +158,7 @@ class DiLoCoConfig:
     fragment_modules: str = ""
     seed: int = 0
     exchange: str | None = None
+    outer_delay: int = 0
 
     @property
     def fragment_count(self) -> int:
@@ -187,6 +203,18 @@ class DiLoCoConfig:
             raise ValueError(f"Arg `fragment_update_alpha` (alpha) must be in [0, 1], got "
                              f"{self.fragment_update_alpha}") from None
         check_int("seed", self.seed, minimum=0)
+        check_outer_delay(self.outer_delay)
+        if self.outer_delay and self.fragment_sync_delay:
+            raise ValueError(f"Arg `outer_delay` (1: the exchange overlaps the whole next round) and "
+                             f"`fragment_sync_delay` ({self.fragment_sync_delay}: it overlaps tau inner steps) "
+                             f"are two overlaps of the same exchange; give one of them")
+
+
+def check_outer_delay(value: Any) -> None:
+    """``outer_delay`` is 0 (synchronous outer step) or 1 (eager, one round in flight)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1):
+        raise ValueError(f"Arg `outer_delay` must be 0 (synchronous outer step) or 1 (the exchange of round k "
+                         f"applied at the end of round k+1, eager updates), got {value!r}")
 
 
 def _module_list(spec: str) -> list[str]:
@@ -220,8 +248,11 @@ class DiLoCoState:
     (m, d): the error-feedback memory (empty without ``error_feedback``). Random keys
     are a pure function of (seed, node, t), so no generator state is kept.
     ``in_flight``: the fragments whose exchange is posted and not yet applied
-    (``fragment_sync_delay`` > 0); ``pending`` (m, d): their exchanged means, filled
-    when a checkpoint settles them (empty without overlap)."""
+    (``fragment_sync_delay`` > 0, or ``outer_delay``: the previous round's); ``pending``
+    (m, d): their exchanged means, filled when a checkpoint settles them (empty without
+    overlap). ``last_delta`` (m, d): with ``outer_delay``, each node's own
+    pseudo-gradient of the previous round, Delta_i^{k-1} of the eager estimate (empty
+    otherwise)."""
 
     t: int
     start: torch.Tensor
@@ -234,6 +265,7 @@ class DiLoCoState:
     server_error: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     exchange: str = "allgather"
     shards: int = 1
+    last_delta: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
 
 
 # --------------------------------------------------------------------------------------
@@ -351,6 +383,10 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
     Step III: outer Nesterov SGD, as torch.optim.SGD(nesterov=True):
               b <- mu b + Delta, x_i <- theta - lr_out (Delta + mu b), theta <- x_i.
     Every other step is the inner optimizer's alone.
+
+    With ``outer_delay=1`` Step II's exchange is waited one round later, and Step III
+    uses node i's eager estimate Delta^{k-1} + (Delta_i^k - Delta_i^{k-1}) / n in place
+    of Delta (the pseudo-gradient Delta_i^k uncompressed, whatever the compressor).
     """
 
     fault_tolerant = True
@@ -426,11 +462,13 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
                     break
                 self.plans[a] = self.plan
         err = torch.zeros_like(X) if cfg.error_feedback else X.new_zeros(0)
-        pending = torch.zeros_like(X) if cfg.fragment_sync_delay else X.new_zeros(0)
+        pending = torch.zeros_like(X) if cfg.fragment_sync_delay or cfg.outer_delay else X.new_zeros(0)
         server = X.new_zeros(1, X.shape[1]) if self.plans else X.new_zeros(0)
+        last = torch.zeros_like(X) if cfg.outer_delay else X.new_zeros(0)
         self._posted: dict[int, tuple] = {}
         self.state = DiLoCoState(t=0, start=X.detach().clone(), momentum=torch.zeros_like(X), error=err,
-                                 in_flight=(), pending=pending, server_error=server, **self._exchange_state())
+                                 in_flight=(), pending=pending, server_error=server, **self._exchange_state(),
+                                 last_delta=last)
 
     def _switch_exchange(self, exchange: str) -> None:
         self.exchange, self.plan, self.plans = exchange, None, {}
@@ -445,7 +483,9 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
         for f, o in enumerate(self.offsets()):
             if o != phase:
                 continue
-            if tau == 0:
+            if self.config.outer_delay:
+                self._eager(X, f)
+            elif tau == 0:
                 self._post(X, f)
                 self._apply(X, f, self._collect(f))
             elif f in st.in_flight:  # posted tau steps ago
@@ -456,6 +496,26 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
                 if (o - tau) % H == phase:  # Steps I-II now, Step III tau steps later
                     self._post(X, f)
                     st.in_flight = (*st.in_flight, f)
+
+    def _eager(self, X: torch.Tensor, f: int) -> None:
+        """``outer_delay=1`` on fragment ``f`` at the end of round k: wait for round k-1's
+        exchange (posted one round ago, in flight since), post round k's, and take the
+        outer step on the eager estimate Delta^{k-1} + (Delta_i^k - Delta_i^{k-1}) / n."""
+        st = self.state
+        a, b = self.fragments[f]
+        stale = self._result(f) if f in st.in_flight else None  # Delta^{k-1}, the same on every node
+        with self.comm.ledger.phase("compute"):
+            fresh = st.start[:, a:b] - X[:, a:b]  # Delta_i^k, this node's own
+        self._post(X, f)  # Steps I-II of round k; waited at the end of round k+1
+        if f not in st.in_flight:
+            st.in_flight = (*st.in_flight, f)
+        with self.comm.ledger.phase("compute"):
+            own = st.last_delta[:, a:b]
+            outer = (fresh - own) / self.comm.world_size
+            if stale is not None:
+                outer = stale + outer
+            own.copy_(fresh)
+        self._apply(X, f, outer)  # Step III, each node on its own estimate
 
     def _post(self, X: torch.Tensor, f: int) -> None:
         """Steps I-II of fragment ``f``: encode its pseudo-gradient and post the exchange."""
@@ -554,28 +614,39 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
     def state_dict(self) -> dict:
         """Without overlap the State is DiLoCo's of before the overlap existed (no
         ``in_flight``/``pending``), so such checkpoints and these load alike."""
-        if self.state is None or not self.config.fragment_sync_delay:
+        cfg = self.config
+        if self.state is None or not (cfg.fragment_sync_delay or cfg.outer_delay):
             sd = super().state_dict()
             sd.pop("in_flight", None)
             sd.pop("pending", None)
+            sd.pop("last_delta", None)
             return sd
         self._settle()
-        return super().state_dict()
+        sd = super().state_dict()
+        if not cfg.outer_delay:  # streaming's overlap: its State of before outer_delay existed
+            sd.pop("last_delta", None)
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        if self.state is not None and "in_flight" not in sd and not self.config.fragment_sync_delay:
+        cfg = self.config
+        if self.state is not None and "in_flight" not in sd and not (cfg.fragment_sync_delay or cfg.outer_delay):
             sd = {**sd, "in_flight": (), "pending": self.state.pending}
+        if self.state is not None and "last_delta" not in sd and not cfg.outer_delay:
+            sd = {**sd, "last_delta": self.state.last_delta}
         super().load_state_dict(sd)
         self._posted = {}
 
     def report(self) -> dict | None:
-        if len(self.fragments) <= 1 and not self.config.fragment_sync_delay:
+        if len(self.fragments) <= 1 and not self.config.fragment_sync_delay and not self.config.outer_delay:
             return None
-        return {"fragments": [{"start": a, "stop": b, "sync_step_mod_h": o}
-                              for (a, b), o in zip(self.fragments, self.offsets())],
-                "local_steps": self.config.local_steps,
-                "fragment_sync_delay": self.config.fragment_sync_delay,
-                "fragment_update_alpha": self.config.fragment_update_alpha}
+        out = {"fragments": [{"start": a, "stop": b, "sync_step_mod_h": o}
+                             for (a, b), o in zip(self.fragments, self.offsets())],
+               "local_steps": self.config.local_steps,
+               "fragment_sync_delay": self.config.fragment_sync_delay,
+               "fragment_update_alpha": self.config.fragment_update_alpha}
+        if self.config.outer_delay:  # absent otherwise: reports of before the option are unchanged
+            out["outer_delay"] = self.config.outer_delay
+        return out
 
 
 def _module_fragments(layout: ParamLayout, modules: list[str]) -> list[tuple[int, int]]:

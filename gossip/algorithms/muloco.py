@@ -14,6 +14,10 @@ are DiLoCo's (:class:`gossip.algorithms.localsgd.DiLoCo`): per round
    than DiLoCo's fp32 pseudo-gradient, the paper's headline);
 3. outer Nesterov SGD on the mean of the decoded messages.
 
+DiLoCo's options carry over, ``outer_delay=1`` included: the eager overlapped outer
+step (Kale et al. 2025, arXiv:2502.12996) changes only the outer step, which MuLoCo
+takes from DiLoCo unchanged, whatever the inner optimizer.
+
 Muon is refused, in one line, for a model with no 2-D parameter (nothing for it to
 orthogonalise). Tensors of more than two dimensions (convolutions) go to AdamW, as
 ``torch.optim.Muon`` takes only matrices.

@@ -132,6 +132,8 @@ class SparseLoCoConfig:
     quant_range: float = 6.0
     aggregate: str = "senders"
     seed: int = 0
+    #: DiLoCo's ``outer_delay``, refused unless 0 (see ``__post_init__``)
+    outer_delay: int = 0
 
     def __post_init__(self) -> None:
         check_int("local_steps", self.local_steps, minimum=1)
@@ -154,6 +156,17 @@ class SparseLoCoConfig:
         if self.aggregate not in _AGGREGATES:
             raise ValueError(f"Arg `aggregate` must be one of {', '.join(_AGGREGATES)}, got {self.aggregate!r}")
         check_int("seed", self.seed, minimum=0)
+        if self.outer_delay != 0:
+            # The eager overlap (Kale et al. 2025, arXiv:2502.12996) swaps the node's stale
+            # 1/n share of the mean for its fresh pseudo-gradient and leans on the outer
+            # momentum; SparseLoCo has neither: the mean is over each coordinate's senders,
+            # the accumulator (not a momentum) carries what is not yet sent, and its paper
+            # synchronises every round.
+            raise ValueError(f"Arg `outer_delay` must be 0 for sparseloco, got {self.outer_delay!r}: its paper "
+                             f"has no delayed outer step, and the eager correction (swap the node's 1/n share "
+                             f"of the mean for its fresh pseudo-gradient) is undefined for its per-coordinate "
+                             f"mean over senders with error feedback in place of outer momentum; use diloco or "
+                             f"muloco with outer_delay=1")
         if self.quant_range != 6.0 and (self.quantizer != "statistical" or self.bits == 32):
             warnings.warn(f"sparseloco: `quant_range` {self.quant_range} has no effect with quantizer="
                           f"{self.quantizer!r}, bits={self.bits} (only the statistical quantizer uses it)",

@@ -508,6 +508,9 @@ class FaultTolerantRun(Run):
                                 f"{cfg.algorithm.compressor_spec} uses the sharded exchange, whose shards are owned "
                                 "by rank and would be re-assigned at every quorum change; add --algo-opt "
                                 "exchange=allgather")
+        if isinstance(self.algo.config, algorithms.DiLoCoConfig) and self.algo.config.outer_delay:
+            raise RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} with outer_delay=1 keeps an exchange "
+                           "in flight across a round, which a quorum change would cut; drop outer_delay")
 
     # --- agreement: the replicas of a group share one config and one data set ---------
     def _agreement_record(self) -> None:

@@ -349,6 +349,32 @@ def _sharded_accuracy(res: dict) -> str:
                 "best (epoch)", "sharded - all-gathered (points)", "bytes/node/step", "vs fp32 all-reduce"], body)
 
 
+def _diloco_eager(res: dict) -> str:
+    """experiments/diloco_eager.py: each method's final accuracy per seed and their mean,
+    best accuracy, bytes per node per step; under it, each eager method against its
+    synchronous twin (mean final accuracy, difference in points, the 2-point target)."""
+    rows, seeds = res["rows"], res["seeds"]
+    by: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        by.setdefault(r["method"], {})[r["seed"]] = r
+    body = []
+    for name, runs in by.items():
+        finals = [runs[s]["final_test_acc"] for s in seeds if s in runs]
+        bests = [runs[s]["best_test_acc"] for s in seeds if s in runs and runs[s]["best_test_acc"] is not None]
+        b = next(iter(runs.values()))["bytes_per_node_per_step"]
+        body.append([name, ", ".join(_pct(v) for v in finals), _pct(sum(finals) / len(finals)),
+                     _pct(sum(bests) / len(bests)) if bests else "-", f"{b:,.0f}"])
+    out = _md([f"method ({res['nodes']} nodes, {res['epochs']} epochs)",
+               "final test accuracy (seed " + ", ".join(map(str, seeds)) + ")", "mean", "mean of best",
+               "bytes/node/step"], body)
+    if res.get("verdicts"):
+        vb = [[f"{v['eager']} vs {v['twin']}", _pct(v["eager_mean"]), _pct(v["twin_mean"]),
+               f"{v['diff_points']:+.1f}", v["target"]] for v in res["verdicts"]]
+        out += "\n\n" + _md(["eager vs synchronous", "eager (mean final)", "synchronous (mean final)",
+                               "difference (points)", f"within {res['tolerance_points']:g} points"], vb)
+    return out
+
+
 _DDP_SETTINGS = {
     "efsgd_overlap": "efsgd hook, overlapped",
     "efsgd_inline": "efsgd hook, waiting inline",
@@ -740,6 +766,7 @@ TABLES: dict[str, Table] = {
     "race_powersgd_lr005": Table(f"{RESULTS}/race_powersgd_lr0.05.json", _race_accuracy),
     "bench_ddp_overlap": Table(f"{RESULTS}/bench_ddp_overlap.json", _bench_ddp_overlap),
     "sharded_accuracy": Table(f"{RESULTS}/sharded_accuracy.json", _sharded_accuracy),
+    "diloco_eager": Table(f"{RESULTS}/diloco_eager.json", _diloco_eager),
     "sharded_bytes": Table(f"{RESULTS}/sharded_bytes.json", _sharded_bytes),
     "tang2018": Table("reports/tang2018/results.json", _tang2018),
     "lm_recipes": Table(f"{RESULTS}/lm_recipes.json", _lm_recipes),

@@ -16,8 +16,9 @@ Each method trains ``gossip.train``'s default workload (MNIST-1D, ``cnn1d``, 20
 epochs, batch 32 per node, diloco's inner AdamW at lr 0.001 and H = 50, outer
 Nesterov 0.7 / 0.9), ``--nodes`` nodes simulated, once per seed of ``--seeds``:
 ``diloco`` as it is, ``diloco-eager`` with ``--algo-opt outer_delay=1`` and nothing
-else changed. ``--methods`` adds the 4-bit pseudo-gradient (``diloco:4``, with error
-feedback) and MuLoCo pairs. The test accuracy of the averaged model fluctuates from
+else changed, and two eager runs with a gentler outer optimizer (``outer_momentum``
+0.5, or ``outer_lr`` 0.35), each held against the untouched ``diloco``. ``--methods``
+adds the 4-bit pseudo-gradient (``diloco:4``, with error feedback) and MuLoCo pairs. The test accuracy of the averaged model fluctuates from
 epoch to epoch on this workload, so a single seed says little: the verdict compares
 the mean final accuracy over the seeds.
 
@@ -50,6 +51,10 @@ from experiments import _cli, _provenance
 METHODS: dict[str, list[str]] = {
     "diloco": ["--algo", "diloco"],
     "diloco-eager": ["--algo", "diloco", "--algo-opt", "outer_delay=1"],
+    # the eager step with a gentler outer optimizer: a one-round-stale direction under
+    # Nesterov 0.9 at 0.7 is amplified about 7x; lower momentum or step size damp it
+    "diloco-eager-mu0.5": ["--algo", "diloco", "--algo-opt", "outer_delay=1", "--algo-opt", "outer_momentum=0.5"],
+    "diloco-eager-lr0.35": ["--algo", "diloco", "--algo-opt", "outer_delay=1", "--algo-opt", "outer_lr=0.35"],
     "diloco:4": ["--algo", "diloco", "--bits", "4", "--algo-opt", "error_feedback=true"],
     "diloco:4-eager": ["--algo", "diloco", "--bits", "4", "--algo-opt", "error_feedback=true",
                        "--algo-opt", "outer_delay=1"],
@@ -57,8 +62,9 @@ METHODS: dict[str, list[str]] = {
     "muloco-eager": ["--algo", "muloco", "--algo-opt", "outer_delay=1"],
 }
 #: each eager method's synchronous twin
-TWIN = {"diloco-eager": "diloco", "diloco:4-eager": "diloco:4", "muloco-eager": "muloco"}
-DEFAULT_METHODS = ("diloco", "diloco-eager")
+TWIN = {"diloco-eager": "diloco", "diloco-eager-mu0.5": "diloco", "diloco-eager-lr0.35": "diloco",
+        "diloco:4-eager": "diloco:4", "muloco-eager": "muloco"}
+DEFAULT_METHODS = ("diloco", "diloco-eager", "diloco-eager-mu0.5", "diloco-eager-lr0.35")
 #: points of mean final accuracy the eager method may lose against its twin
 TOLERANCE_POINTS = 2.0
 SOURCES = _provenance.training_sources("experiments/diloco_eager.py", "experiments/_cli.py")
@@ -138,7 +144,7 @@ def options(p: argparse.ArgumentParser) -> None:
     _cli.add_methods(p, METHODS, DEFAULT_METHODS)
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--epochs", type=int, default=20, help="gossip.train's default (20)")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, each method once per seed")
+    p.add_argument("--seeds", default="0,1", help="comma-separated seeds, each method once per seed")
     p.add_argument("--local-steps", type=int, default=None,
                    help="H for every method (default: the algorithm's own, 50)")
     p.add_argument("--max-steps", type=int, default=None, help="stop early (smoke tests)")

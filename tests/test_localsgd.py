@@ -548,7 +548,7 @@ def test_diloco_eager_experiment_smoke(tmp_path, capsys):
 
     res = tmp_path / "res.json"
     assert diloco_eager.main(["--nodes", "2", "--epochs", "1", "--max-steps", "4", "--data", "synthetic",
-                              "--local-steps", "2", "--seeds", "0", "--out", str(tmp_path), "--results", str(res)]) == 0
+                              "--local-steps", "2", "--seeds", "0", "--methods", "diloco,diloco-eager", "--out", str(tmp_path), "--results", str(res)]) == 0
     results, prov = _provenance.read(res)
     assert "python -m experiments.diloco_eager --nodes 2" in prov["command"]
     assert prov["sources"] == diloco_eager.SOURCES and len(prov["configs"]) == 2

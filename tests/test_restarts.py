@@ -144,6 +144,9 @@ def _every_algorithm(out: Path) -> list[tuple[str, list[str]]]:
         if "local_steps" in {f.name for f in dataclasses.fields(algorithms.config_class(name))}:
             argv += ["--algo-opt", "local_steps=2"]
         jobs.append((name, argv))
+        if name == "diloco":  # the overlapped outer step: round 1's exchange is in flight at step 3
+            eager = [str(out / "diloco-eager") if a == str(out / name) else a for a in argv]
+            jobs.append(("diloco-eager", [*eager, "--algo-opt", "outer_delay=1"]))
     return jobs
 
 

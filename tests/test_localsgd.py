@@ -220,6 +220,23 @@ def test_diloco_outer_delay_is_the_eager_update(mu):
     assert (Z - Y).abs().max() > 1e-3  # the delay does change the trajectory
 
 
+def test_diloco_outer_delay_on_one_node_is_diloco():
+    """With n = 1 the eager estimate Delta^{k-1} + (Delta^k - Delta^{k-1}) is the fresh
+    pseudo-gradient: the overlapped outer step is the synchronous one."""
+    g = torch.Generator().manual_seed(2)
+    X, A = torch.randn(1, 6, generator=g), torch.randn(1, 6, generator=g)
+    out = []
+    for delay in (0, 1):
+        algo = algorithms.build("diloco", comm.SimulatedCommunicator(world_size=1), local_steps=2, outer_delay=delay)
+        Y = X.clone()
+        algo.setup(Y)
+        for _ in range(9):
+            algo.set_lr(0.1)
+            algo.step(Y, -0.1 * (Y - A))
+        out.append(Y)
+    torch.testing.assert_close(out[1], out[0], rtol=1e-6, atol=1e-7)
+
+
 class _Clocked(comm.SimulatedCommunicator):
     """The simulation, noting at which algorithm step each all-reduce is posted and waited."""
 

@@ -103,6 +103,10 @@ class Spec:
     source: str = ""
     #: where every trial computes: the same for every method and session (``cpu``)
     device: str = "cpu"
+    #: node-speed settings (``gossip.train --node-speed`` specs) the verdicts are also given
+    #: for: a synchronous step waits for the slowest node, so each is modelled from the same
+    #: trials with their compute time times the setting's largest multiplier at each node count
+    stragglers: tuple[str, ...] = ()
     raw: dict = field(default_factory=dict, compare=False)
 
 
@@ -247,7 +251,7 @@ class _Reader:
         return items
 
 
-_TOP = ("seeds", "tune_seed", "lr_factors", "device", "links", "workloads", "methods")
+_TOP = ("seeds", "tune_seed", "lr_factors", "device", "links", "stragglers", "workloads", "methods")
 _WORKLOAD_KEYS = ("data", "model", "samples_per_node", "epochs", "tune_epochs", "batch_size", "target", "metric",
                   "recipe", "nodes", "context")
 _METHOD_KEYS = ("flags", "lr", "max_nodes", "source")
@@ -372,6 +376,21 @@ def _method(r: _Reader, name: str, t: Any, node_counts: set[int]) -> Method:
                                                                                    f"{where}.source"))
 
 
+def _straggler(r: _Reader, v: Any, where: str) -> str:
+    """A node-speed setting of the spec: a multiplier spec (a trace's seconds are not
+    a multiplier of the trials' measured compute)."""
+    from gossip import speeds
+
+    if not isinstance(v, str) or v.strip().startswith("trace"):
+        raise r.fail(where, f"{v!r}: expected a node-speed spec of multipliers, slow:nodes=K,factor=F or "
+                            f"lognormal:sigma=S,seed=N")
+    try:
+        speeds.parse(v, None)
+    except speeds.SpeedError as e:
+        raise r.fail(where, str(e)) from None
+    return v.strip()
+
+
 def load_spec(path: str | Path) -> Spec:
     """Read and check a TOML spec (see ``experiments/benchmark.toml``): every field, before
     anything runs; SpecError naming the file and the field otherwise."""
@@ -410,9 +429,11 @@ def load_spec(path: str | Path) -> Spec:
     device = raw.get("device", "cpu")
     if device not in ("cpu", "cuda"):
         raise r.fail("device", f"{device!r}: expected 'cpu' or 'cuda'")
+    stragglers = r.array(raw.get("stragglers", []), "stragglers", lambda v, w: _straggler(r, v, w),
+                         example='["slow:nodes=1,factor=4", "lognormal:sigma=0.5,seed=0"]', empty=True)
     return Spec(workloads=tuple(wls), methods=tuple(methods), seeds=seeds, tune_seed=tune_seed, lr_factors=factors,
                 bandwidths=tuple(bandwidths), latencies=tuple(str(x) for x in latencies), source=str(path),
-                device=device, raw=raw)
+                device=device, stragglers=tuple(stragglers), raw=raw)
 
 
 # ----------------------------------------------------------------------------- the trials

@@ -483,13 +483,42 @@ def _reached(value: float | None, target: float, higher: bool) -> bool:
     return value >= target if higher else value <= target
 
 
-def _to_target(result: dict, wl: Workload, bw: float, lat: float) -> tuple[float | None, float | None]:
+def _to_target(result: dict, wl: Workload, bw: float, lat: float,
+               slowest: float = 1.0) -> tuple[float | None, float | None]:
+    """Modelled time and bytes to the target at a link; ``slowest``: the compute time's
+    multiplier (a straggler setting's slowest node, whom every synchronous step waits for)."""
     from experiments import race
 
     for p in _points(result):
         if _reached(p["metric"], wl.target, wl.higher_is_better):
+            if slowest != 1.0:
+                p = {**p, "compute_s": p["compute_s"] * slowest}
             return race.modelled_time(p, result["calls_per_step"], result["world_size"], bw, lat), p["bytes"]
     return None, None
+
+
+def _straggler_verdicts(spec: Spec, wl: Workload, n: int, methods: dict, links: list) -> dict:
+    """For each of the spec's straggler settings at ``n`` nodes: its slowest multiplier, each
+    method's time to target per link (every seed's compute slowed by it) and the verdicts."""
+    from gossip import speeds
+
+    out = {}
+    for setting in spec.stragglers:
+        slowest = float(speeds.parse(setting, n).multipliers.max())
+        slowed = {}
+        for name, r in methods.items():
+            if "seeds" not in r:
+                continue
+            stats = {}
+            for blabel, bw, llabel, lat in links:
+                key = f"{blabel}@{llabel}"
+                times = [_to_target(sd["result"], wl, bw, lat, slowest)[0] for sd in r["seeds"].values()]
+                reached = [x for x in times if x is not None]
+                stats[key] = {"reached": f"{len(reached)}/{len(spec.seeds)}", "all_reached": len(reached) == len(spec.seeds),
+                              "time_s": mean_ci(reached) if reached else None}
+            slowed[name] = {"links": stats}
+        out[setting] = {"slowest": slowest, "methods": slowed, "verdicts": _verdicts(slowed, links)}
+    return out
 
 
 def collect(spec: Spec, out: Path) -> list[dict]:
@@ -559,6 +588,8 @@ def analyse(spec: Spec, trials: Sequence[dict]) -> dict:
                     res = rec["result"]
                     seeds[str(t.seed)] = {"trial": t.key, "final": _score(rec, wl.metric), "wire": res["wire"],
                                           "params": res["params"], "links": {}}
+                    if spec.stragglers:
+                        seeds[str(t.seed)]["result"] = res
                     for blabel, bw, llabel, lat in links:
                         t_s, by = _to_target(res, wl, bw, lat)
                         seeds[str(t.seed)]["links"][f"{blabel}@{llabel}"] = {"time_s": t_s, "bytes": by}
@@ -582,6 +613,11 @@ def analyse(spec: Spec, trials: Sequence[dict]) -> dict:
                 # the field the verdicts cover: the methods with every final run finished (ok or failed)
                 per_n[str(n)] = {"methods": methods, "verdicts": _verdicts(methods, links),
                                  "field": {"planned": [m.name for m in _methods_at(spec, n)], "complete": complete}}
+                if spec.stragglers:
+                    per_n[str(n)]["stragglers"] = _straggler_verdicts(spec, wl, n, methods, links)
+                    for r in methods.values():  # the curves were needed only for the settings above
+                        for sd in r.get("seeds", {}).values():
+                            sd.pop("result", None)
         params = next((sd["params"] for nd in per_n.values() for r in nd["methods"].values()
                        for sd in r.get("seeds", {}).values() if sd.get("params")), None)
         result["workloads"][wl.name] = {"nodes": per_n, "target": wl.target, "metric": wl.metric, "params": params,
@@ -670,6 +706,35 @@ def verdict_table(res: dict) -> str:
                 lines.append(f"| {wname} | {n} | {key} | {v['winner']} | {_fmt_ci(wst)} | {v['second'] or '-'} | "
                              f"{_fmt_s(v['margin_s'])} | {sep} |")
     return "\n".join(lines)
+
+
+def straggler_tables(res: dict) -> str:
+    """For each straggler setting (one node slower, log-normal speeds): the verdict table of
+    every workload, node count and link, each synchronous step waiting for the slowest node."""
+    settings = sorted({s for w in res["workloads"].values() for nd in w["nodes"].values()
+                       for s in nd.get("stragglers", {})})
+    parts = []
+    for setting in settings:
+        lines = [f"### Node speeds {setting}", "",
+                 "| workload | nodes | slowest | link | fastest to target | time (mean, 95 % CI) | second | margin | "
+                 "lead beyond CIs |", "|---|---|---|---|---|---|---|---|---|"]
+        for wname, w in res["workloads"].items():
+            for n, nd in w["nodes"].items():
+                st = nd.get("stragglers", {}).get(setting)
+                if st is None:
+                    continue
+                label = leaderboard.field_label(n, nd)
+                for key, v in st["verdicts"].items():
+                    if v["winner"] is None:
+                        lines.append(f"| {wname} | {label} | {st['slowest']:.3g}x | {key} | none reached the target "
+                                     f"| - | - | - | - |")
+                        continue
+                    wst = st["methods"][v["winner"]]["links"][key]["time_s"]
+                    sep = "-" if v["separated"] is None else ("yes" if v["separated"] else "no")
+                    lines.append(f"| {wname} | {label} | {st['slowest']:.3g}x | {key} | {v['winner']} | {_fmt_ci(wst)} "
+                                 f"| {v['second'] or '-'} | {_fmt_s(v['margin_s'])} | {sep} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
 
 
 def method_tables(res: dict) -> str:
@@ -909,6 +974,10 @@ def report(res: dict, md: Path, fig_dir: Path, title: str | None = None, extra: 
                                    "time to target is modelled and no method is ranked.", ""]),
         verdict_table(res),
         "",
+        *(["## Verdict with unequal nodes", "",
+           "The same trials, each synchronous step waiting for the slowest node: the compute time of every "
+           "point multiplied by the setting's largest multiplier at that node count (docs/heterogeneous.md).",
+           "", straggler_tables(res), ""] if straggler_tables(res) else []),
         "## Per method",
         "",
         method_tables(res),

@@ -61,7 +61,7 @@ STRIP = {"--out": 1, "--overwrite": 0, "--no-progress": 0, "--resume": 1, "--max
          "--checkpoint-every": 1, "--log-every": 1}
 #: summary entries that are times, machine facts or paths, not behaviour
 _SUMMARY_SKIP = {"time_split_s", "warmup_s", "wall_time_s", "mode", "hosts", "procs_per_host", "report", "merge",
-                 "memory", "run_dir", "peak_memory_gib"}
+                 "memory", "run_dir", "peak_memory_gib", "modelled_time_s"}
 #: record fields that are times
 _TIME_SUFFIXES = ("_s",)
 _TIME_KEYS = {"time", "elapsed", "date"}

@@ -353,3 +353,38 @@ def test_a_results_file_of_part_of_the_spec_does_not_count_the_rest_as_missing(b
     assert "planned trials finished" not in part
     assert (f"blobs: mlp on synthetic, nodes 2; {cov['finished']} trials finished, " in part
             and f"(this file holds part of the spec, whose whole run plans {cov['planned']} trials)." in part)
+
+
+def test_straggler_settings_have_their_own_verdicts(bench):
+    """A spec's stragglers: each setting's verdicts come from the same trials, every point's
+    compute time times the setting's slowest multiplier; the report has a table for each."""
+    import dataclasses
+
+    from gossip.tools import crossover
+
+    tmp, out, _ = bench
+    spec = benchmark.load_spec(tmp / "spec.toml")
+    slow = dataclasses.replace(spec, stragglers=("slow:nodes=1,factor=4",))
+    trials = json.loads((out / "benchmark.json").read_text())["results"]["trials"]
+    plain, res = benchmark.analyse(spec, trials), benchmark.analyse(slow, trials)
+    nd, pd = res["workloads"]["blobs"]["nodes"]["2"], plain["workloads"]["blobs"]["nodes"]["2"]
+    assert "stragglers" not in pd and pd["verdicts"] == nd["verdicts"]
+    st = nd["stragglers"]["slow:nodes=1,factor=4"]
+    assert st["slowest"] == 4.0
+    by_key = {t["key"]: t for t in trials}
+    for name, m in nd["methods"].items():
+        for key, link in m["links"].items():
+            if not link["all_reached"]:
+                continue
+            bw, lat = (crossover.parse_rate(key.split("@")[0]), crossover.parse_time(key.split("@")[1]))
+            res_ = by_key[next(iter(m["seeds"].values()))["trial"]]["result"]
+            point = next(p for p in benchmark._points(res_) if p["metric"] >= plain["workloads"]["blobs"]["target"])
+            slower = st["methods"][name]["links"][key]["time_s"]["mean"]
+            assert slower == pytest.approx(link["time_s"]["mean"] + 3 * point["compute_s"])
+    res.update(protocol=plain["protocol"])
+    table = benchmark.straggler_tables(res)
+    assert table.startswith("### Node speeds slow:nodes=1,factor=4") and "| blobs | 2 | 4x |" in table
+    bad = tmp / "bad.toml"
+    bad.write_text((tmp / "spec.toml").read_text().replace("seeds =", 'stragglers = ["slow:nodes=0,factor=2"]\nseeds =', 1))
+    with pytest.raises(benchmark.SpecError, match="stragglers\\[0\\]: --node-speed slow: nodes=0"):
+        benchmark.load_spec(bad)

@@ -47,6 +47,7 @@ from gossip.algorithms.sketched import (
     TrueTopK,
     TrueTopKConfig,
 )
+from gossip.algorithms.adpsgd import ADPSGD, ADPSGDConfig
 from gossip.algorithms.choco import Choco, ChocoConfig, ChocoState
 from gossip.algorithms.sgp import SGP, SGPConfig, SGPState
 from gossip.algorithms.decentralized import (
@@ -78,6 +79,8 @@ __all__ = [
     "ECD",
     "ECDConfig",
     "GossipState",
+    "ADPSGD",
+    "ADPSGDConfig",
     "Choco",
     "ChocoConfig",
     "ChocoState",
@@ -149,7 +152,7 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
 
 
 for _cls in (AllReduce, DPSGD, Naive, DCD, ECD, Choco, SGP, DistEFSGD, EFBlockSGD, EFBlockSGDM, SignSGD, Signum,
-             PowerSGD, EFMomentum, Sketched, TrueTopK, LocalTopK, LocalSGD, SlowMo, DiLoCo, DeMo, SparseLoCo, NoLoCo, MuLoCo):
+             PowerSGD, EFMomentum, Sketched, TrueTopK, LocalTopK, LocalSGD, SlowMo, DiLoCo, DeMo, SparseLoCo, NoLoCo, MuLoCo, ADPSGD):
     register(_cls)
 
 

@@ -240,6 +240,9 @@ class Algorithm:
     #: on its own, needing no tensor shapes (gossip.groups cuts it across a group's members,
     #: each exchanging its slice); False runs it from one member of the group, unsliced
     shards_flat: ClassVar[bool] = False
+    #: True where the nodes step on their own, with no barrier (AD-PSGD): the caller
+    #: orders the steps on an event clock (gossip.clock) instead of calling :meth:`step`
+    asynchronous: ClassVar[bool] = False
 
     def __init__(self, config: Any, comm: Any) -> None:
         topo = comm.topology

@@ -43,6 +43,14 @@ whose bytes at ``n`` depend on more than that (the sharded exchange: its shards 
 their headers) is left out, with the reason. Up to :data:`MAX_WORLD_SIZE` nodes are
 modelled (the graph is built at ``n`` to count each node's neighbours).
 
+Unequal nodes (``--node-speed``, the specs of ``gossip.train --node-speed``): a
+synchronous candidate's step waits for the slowest node, so its compute time is the
+measured one times the largest multiplier (a trace: the mean over its lines of the
+slowest node's seconds); an asynchronous one (adpsgd) is timed on the event clock
+(:mod:`gossip.clock`): ``n`` gradients per step at each node's own speed, each active
+node's exchange on the link, so its step time is not linear in 1/bandwidth and no
+crossover bandwidth is given for it ("event clock" in the crossover tables).
+
 Timings are of this machine and its current load (the tool warns when the load
 average is above 0.3). ``--json`` prints the whole table for notebooks; ``--plot``
 draws step time against bandwidth with the crossovers marked.
@@ -149,6 +157,8 @@ class Measured:
     #: that scaled each call's bytes (and the codec time, ``"codec"``) to it
     measured_nodes: int = 0
     scaled: dict[str, float] = field(default_factory=dict)
+    #: an asynchronous algorithm (adpsgd): its step is timed on the event clock
+    asynchronous: bool = False
 
 
 def rounds_of(op: str, n: int) -> int:
@@ -249,6 +259,7 @@ def measure(cand: Candidate, factory: Callable[[], Any], input_shape: Sequence[i
         label=cand.label, algo=cand.algo, decentralized=decentralized, wire=wire, bytes=sent / per,
         codec_s=d["time"]["compress"] / per, compute_s=d["time"]["compute"] / per, rounds=rounds,
         setup_bytes=before["setup"]["sent"] / world_size, op_bytes=op_bytes, measured_nodes=world_size,
+        asynchronous=algo.asynchronous,
     )
 
 
@@ -301,9 +312,41 @@ def step_time(m: Measured, bandwidth: float, latency: float, n: int, overhead: f
     return fixed_s(m, latency, n) + overhead * 8.0 * m.bytes / bandwidth
 
 
+def slowest_compute(compute_s: float, speeds) -> float:
+    """A synchronous step's compute at ``speeds`` (a :class:`gossip.speeds.NodeSpeeds`):
+    the slowest node's, on average over the steps."""
+    if speeds.trace is not None:
+        return float(speeds.trace.max(axis=1).mean())
+    return compute_s * float(speeds.multipliers.max())
+
+
+#: steps of ``n`` gradients an asynchronous candidate is timed over on the event clock
+CLOCK_STEPS = 50
+
+
+def event_step_time(m: Measured, bandwidth: float, latency: float, speeds, topology: str,
+                    degree: int | None = None, overhead: float = LINK_OVERHEAD) -> float:
+    """Modelled seconds per step (``n`` gradients) of an asynchronous candidate on the event
+    clock: each node computes at its speed (its codec time added), each active node's
+    exchange of ``m.bytes`` each way keeps both links busy."""
+    import topologies
+    from gossip import algorithms, clock, comm
+
+    n = speeds.n
+    topo = topologies.build(topology, n, **({"degree": degree} if degree else {}))
+    algo = algorithms.build(m.algo, comm.SimulatedCommunicator(topo, world_size=n))
+    ex = clock.Link(bandwidth, latency, overhead).transfer_s(m.bytes)
+    c = clock.EventClock(speeds, m.compute_s + m.codec_s, ex, algo.active, algo.choose)
+    for _ in range(CLOCK_STEPS * n):
+        c.next()
+    return c.now / CLOCK_STEPS
+
+
 def crossover(m: Measured, base: Measured, latency: float, n: int, overhead: float = LINK_OVERHEAD) -> dict[str, Any]:
     """Where ``m`` and ``base`` take equal time: ``{"wins": "always"|"never"|"below"|"above",
-    "bandwidth": bit/s or None}``."""
+    "bandwidth": bit/s or None}`` (``"event clock"`` for an asynchronous ``m``: no closed form)."""
+    if m.asynchronous:
+        return {"wins": "event clock", "bandwidth": None}
     sa, sb = overhead * 8.0 * m.bytes, overhead * 8.0 * base.bytes
     fa, fb = fixed_s(m, latency, n), fixed_s(base, latency, n)
     if sa < sb:
@@ -354,6 +397,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--latency", default=DEFAULT_LATENCIES, help=f"one-way latencies (default {DEFAULT_LATENCIES})")
     p.add_argument("--link-overhead", type=float, default=LINK_OVERHEAD,
                    help=f"bytes on the wire per payload byte (default {LINK_OVERHEAD}: TCP/IP framing)")
+    p.add_argument("--node-speed", default="uniform", metavar="SPEC",
+                   help="the nodes' speeds, as gossip.train --node-speed takes them: uniform (default), "
+                        "slow:nodes=K,factor=F, lognormal:sigma=S,seed=N or trace:FILE; a synchronous step waits for "
+                        "the slowest node, an asynchronous algorithm is timed on the event clock")
     p.add_argument("--batch-size", type=int, default=32, help="per node, for the compute time (default 32)")
     p.add_argument("--measure-nodes", type=int, default=MEASURE_NODES, metavar="M",
                    help=f"simulate at most M nodes to measure (default {MEASURE_NODES}); a larger --world-size is "
@@ -385,6 +432,12 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[str, Any]:
     _check(args)
+    from gossip import speeds as _speeds
+
+    try:
+        node_speeds = _speeds.parse(args.node_speed, args.world_size)
+    except _speeds.SpeedError as e:
+        raise CrossoverError(str(e)) from None
     bws = [parse_rate(b) for b in args.bandwidth.split(",")]
     lats = [parse_time(t) for t in args.latency.split(",")]
     from gossip import algorithms
@@ -421,7 +474,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
     # median of the candidates' measurements), so that noise in it moves no crossover
     compute = statistics.median(m.compute_s for m in measured)
     for m in measured:
-        m.compute_s = compute
+        m.compute_s = compute if m.asynchronous else slowest_compute(compute, node_speeds)
     ov = args.link_overhead
     base = {m.label: m for m in measured if m.label in BASELINES}
     import torch
@@ -430,21 +483,25 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
     for m in measured:
         rows.append({
             **asdict(m),
-            "step_s": [{"bandwidth": b, "latency": t, "seconds": step_time(m, b, t, n, ov)} for t in lats for b in bws],
+            "step_s": [{"bandwidth": b, "latency": t,
+                        "seconds": event_step_time(m, b, t, node_speeds, args.topology, args.degree, ov)
+                        if m.asynchronous else step_time(m, b, t, n, ov)} for t in lats for b in bws],
             "crossover": {bl: [{"latency": t, **crossover(m, base[bl], t, n, ov)} for t in lats] for bl in BASELINES},
         })
     return {
         "machine": {"threads": torch.get_num_threads(), "load_average": load},
         "model": model_name,
         "params": sum(p.numel() for p in factory().parameters()), "world_size": n, "measured_nodes": k_nodes,
-        "topology": args.topology, "bandwidths": bws, "latencies": lats, "link_overhead": ov, "rows": rows,
+        "topology": args.topology, "node_speed": args.node_speed, "bandwidths": bws, "latencies": lats, "link_overhead": ov, "rows": rows,
         "left_out": left_out,
     }
 
 
 def render(res: dict[str, Any]) -> str:
     bws, lats, n = res["bandwidths"], res["latencies"], res["world_size"]
-    out = [f"{res['model']}, {res['params']:,} params, {n:,} nodes, gossip on {res['topology']}; "
+    speed = res.get("node_speed", "uniform")
+    out = [f"{res['model']}, {res['params']:,} params, {n:,} nodes, gossip on {res['topology']}"
+           + (f", node speeds {speed}" if speed != "uniform" else "") + "; "
            f"{res['machine']['threads']} thread(s), load {res['machine']['load_average']:.2f}"]
     k = res.get("measured_nodes", n)
     if k < n:
@@ -492,6 +549,10 @@ def plot(res: dict[str, Any], path: str) -> None:
         for r in res["rows"]:
             m = Measured(**{k: r[k] for k in Measured.__dataclass_fields__})
             ov = res["link_overhead"]
+            if m.asynchronous:  # the event clock's points: no closed form between them
+                pts = [s for s in r["step_s"] if s["latency"] == t]
+                ax.plot([s["bandwidth"] for s in pts], [1e3 * s["seconds"] for s in pts], "o--", label=r["label"])
+                continue
             ax.plot(grid, [1e3 * step_time(m, b, t, n, ov) for b in grid], label=r["label"],
                     lw=2 if r["label"] in BASELINES else 1)
             c = r["crossover"]["allreduce"][lats.index(t)]

@@ -226,6 +226,13 @@ def simulation_path(cfg: TrainConfig, env: Env, model: torch.nn.Module, dataset,
     mode = cfg.comm.simulate_mode
     if env.distributed or cfg.comm.simulate is None:
         return None, ""
+    from gossip import algorithms
+
+    if algorithms.algorithm_class(cfg.algorithm.name).asynchronous:
+        if mode == "vectorized":
+            raise RunError(f"--simulate-mode vectorized: --algo {cfg.algorithm.name} steps one node at a time on "
+                           f"the event clock; use --simulate-mode auto or loop")
+        return "loop", f"--algo {cfg.algorithm.name} steps one node at a time on the event clock"
     if mode == "loop":
         return "loop", "--simulate-mode loop"
     if group_size(cfg, env) > 1:

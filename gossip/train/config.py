@@ -655,6 +655,26 @@ class CommSection:
         "with --fault-tolerance: also show torchft's own log (its Manager's INFO lines, several a step, and "
         "its checkpoint server's requests), which is quiet otherwise",
     )
+    node_speed: str = option(
+        "uniform",
+        "each node's compute speed: uniform, slow:nodes=K,factor=F (the first K nodes F times slower), "
+        "lognormal:sigma=S,seed=N (a multiplier per node) or trace:FILE (CSV of per-step, per-node compute "
+        "seconds); the simulation models the time it costs (summary.json's modelled_time_s), under torchrun "
+        "each rank sleeps for its extra time (see docs/heterogeneous.md)",
+        metavar="SPEC", role="agree",
+    )
+    link: str = option(
+        "1gbit,0ms",
+        "the link summary.json's modelled_time_s is modelled on: RATE[,LATENCY] (tc's units: 10mbit, 1gbit; "
+        "0, 5ms)",
+        metavar="RATE[,LATENCY]",
+    )
+    compute_time: float | None = option(
+        None,
+        "modelled seconds of one local gradient at speed 1 (unset: the run's own measured mean); it orders "
+        "the event clock of an asynchronous algorithm in the simulation",
+        metavar="SECONDS", role="agree",
+    )
     simulate_mode: str = option(
         "auto",
         "how --simulate N runs the nodes: auto (all nodes as one batched call where the model allows "
@@ -690,10 +710,33 @@ class CommSection:
                 lighthouse_address(self.fault_tolerance)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
+        from gossip import speeds as _speeds
+
+        try:
+            _speeds.parse(self.node_speed, None)
+        except _speeds.SpeedError as err:
+            raise ConfigError(str(err)) from None
+        link_of(self.link)
+        if self.compute_time is not None:
+            _check_number("compute_time", self.compute_time, strict=True)
         if not isinstance(self.ft_verbose, bool):
             raise ConfigError(f"--ft-verbose must be true or false, got {self.ft_verbose!r}")
         if _bad_int("min_replicas", self.min_replicas, 1):
             raise ConfigError(f"--min-replicas must be a positive integer, got {self.min_replicas!r}")
+
+
+def link_of(text: str):
+    """``--link RATE[,LATENCY]`` as a :class:`gossip.clock.Link`; ConfigError (one line) otherwise."""
+    from gossip.clock import Link
+    from gossip.tools import units
+
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(f"--link must be RATE[,LATENCY] such as 1gbit,5ms, got {text!r}")
+    rate, _, lat = text.partition(",")
+    try:
+        return Link(units.parse_rate(rate.strip()), units.parse_time(lat.strip()) if lat.strip() else 0.0)
+    except (units.UnitError, ValueError) as e:
+        raise ConfigError(f"--link {text!r}: {e} (expected RATE[,LATENCY] such as 1gbit,5ms)") from None
 
 
 @dataclass(frozen=True, kw_only=True)

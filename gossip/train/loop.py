@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from gossip import checkpoint, data, rundir, vectorized
+from gossip import algorithms, checkpoint, clock, data, rundir, speeds, vectorized
 from gossip.train import agreement, assembly, evaluation, metrics
 from gossip.train.assembly import Env
 from gossip.train.checkpoint import CheckpointManager, CheckpointRecord, Progress
-from gossip.train.config import FINGERPRINT_KEYS, RESUME_AUTO, TrainConfig, fingerprint_keys
+from gossip.train.config import FINGERPRINT_KEYS, RESUME_AUTO, TrainConfig, fingerprint_keys, link_of
 from gossip.errors import Diverged, Finished, NonFiniteError, RunError
 from gossip.runtime import GossipOptimizer
 
@@ -216,8 +216,26 @@ class Run:
         self.cfg_dict = cfg.to_dict()
         if dataset.corpus is not None and dataset.corpus.get("sha256"):
             self.cfg_dict["corpus_sha256"] = dataset.corpus["sha256"]
+        # the nodes' speeds and the link the run's time is modelled on
+        try:
+            self.speeds = speeds.parse(cfg.comm.node_speed, env.world_size)
+        except speeds.SpeedError as e:
+            raise RunError(str(e)) from None
+        self.link = link_of(cfg.comm.link)
         # Step 1: the algorithm, then identical x_1 on every node with its local optimizer
         self.algo = assembly.build_algorithm(cfg, comm) if groups is None else groups.algo
+        if groups is not None and algorithms.algorithm_class(cfg.algorithm.name).asynchronous:
+            raise RunError(f"--algo {cfg.algorithm.name} steps one node at a time on the event clock: it does not "
+                           f"run in groups (give --group-size 1)")
+        if self.algo.asynchronous:
+            if env.distributed:
+                raise RunError(f"--algo {cfg.algorithm.name} runs in the simulation (--simulate N) on the event "
+                               f"clock; under torchrun it is not available yet")
+            if cfg.run.resume is not None:
+                raise RunError(f"--resume: --algo {cfg.algorithm.name}'s event clock and the updates in flight are "
+                               f"not in its checkpoints, so a resume cannot continue it exactly; start it again")
+        #: the event clock of an asynchronous algorithm (made in begin), and its updates in flight
+        self.clock: clock.EventClock | None = None
         self.copies = assembly.state_copies(cfg)  # of the parameters, per node: for the memory check
         self._build_nodes()
         self.dim = self.gopt.flat.dim
@@ -334,6 +352,8 @@ class Run:
         self.log.start_bar(self.progress.step, self.stop)
         self._t0 = time.perf_counter() - self.progress.elapsed_s  # wall time across resumes
         self._first_step = self.progress.step  # this process's first step is its warm-up
+        if self.algo.asynchronous:
+            self._start_clock()
 
     def log_failure(self, exc: BaseException) -> Path | None:
         """Append the full detail of what stopped this rank to ``error-rank<k>.log`` in
@@ -378,12 +398,15 @@ class Run:
 
     def _local_step(self) -> list[float]:
         p, ledger = self.progress, self.ledger
+        if self.clock is not None:
+            return self._async_step()
         self.gopt.zero_grad()
         losses = []
         if self.groups is not None:  # each group's members' gradients, averaged inside the group
             losses = self._group_gradients()
         else:
             with ledger.phase("compute"):
+                t0 = time.perf_counter()
                 if self.batches is not None:  # vectorized: every node's forward and backward in one call
                     xb, yb = self.batches.next_batch()
                     losses = self.gopt.forward_backward(xb, yb).tolist()
@@ -393,6 +416,8 @@ class Run:
                         loss = self.loss(m_(xb), yb)
                         loss.backward()
                         losses.append(float(loss.detach()))
+                if self.env.distributed and not self.speeds.uniform:
+                    self._sleep_extra(p.step, time.perf_counter() - t0)
         bad = [i for i, v in zip(self.nodes, losses) if not math.isfinite(v)]
         if bad:
             raise Diverged(f"training diverged at step {p.step + 1}: non-finite loss on node(s) {bad}")
@@ -429,6 +454,109 @@ class Run:
             G = groups.intra.all_reduce(G, op="sum")
         layout.scatter_grads(G[0].div_(groups.size))
         return losses
+
+    def _sleep_extra(self, step: int, took: float) -> None:
+        """Under torchrun, a slower node than this machine: sleep for the time its
+        compute takes beyond what this rank measured (a trace's seconds, or its
+        multiplier times the measurement)."""
+        want = float(self.speeds.times(step, took)[self.env.rank])
+        if want > took:
+            time.sleep(want - took)
+
+    # --- the event clock of an asynchronous algorithm -------------------------------------
+    def _exchange_s(self) -> float:
+        """Modelled seconds of one pairwise exchange on the link: the model's payload."""
+        c = self.algo.payload_compressor
+        return self.link.transfer_s(c.payload_nbytes(self.dim))
+
+    def _event_clock(self, base: float, exchange_s: float) -> clock.EventClock:
+        return clock.EventClock(self.speeds, base, exchange_s, self.algo.active, self.algo.choose)
+
+    def _start_clock(self) -> None:
+        """Every node starts computing its first gradient at x_1, on a clock ordered by
+        --compute-time and the link (unset: by the nodes' speeds alone)."""
+        ct = self.cfg.comm.compute_time
+        self.clock = self._event_clock(1.0 if ct is None else ct, 0.0 if ct is None else self._exchange_s())
+        self._events = 0
+        self._pending = [self._node_update(i) for i in range(len(self.nodes))]
+        self._last_loss = [v for _, v in self._pending]
+
+    def _node_update(self, i: int) -> tuple[torch.Tensor, float]:
+        """Node ``i`` reads its model, computes a gradient on its next batch and its local
+        optimizer's step from there: the update (applied when its step ends) and the loss."""
+        X, m_, opt = self.gopt.flat.data, self.models[i], self.opts[i]
+        with self.ledger.phase("compute"):
+            opt.zero_grad(set_to_none=True)
+            xb, yb = self.loaders[i].next_batch()
+            loss = self.loss(m_(xb), yb)
+            loss.backward()
+            with torch.no_grad():
+                x_t = X[i].clone()
+                opt.step()
+                u = X[i] - x_t
+                X[i].copy_(x_t)
+        return u, float(loss.detach())
+
+    def _async_step(self) -> list[float]:
+        """One step of the run on the event clock: as many node steps as there are nodes
+        (the same number of gradients as a synchronous step), in modelled time. Each
+        averages with its partner (active nodes), applies the update computed at the
+        model it read when it started, and starts its next gradient. A node's loss is
+        the mean of the gradients it applied in this step (its last one if none)."""
+        X = self.gopt.flat.data
+        got: list[list[float]] = [[] for _ in self.nodes]
+        for _ in range(len(self.nodes)):
+            ev = self.clock.next()
+            i = ev.node
+            if ev.partner is not None:
+                self.algo.average_pair(X, i, ev.partner)
+            u, loss = self._pending[i]
+            with torch.no_grad():
+                X[i] += u
+            got[i].append(loss)
+            self._events += 1
+            self._pending[i] = self._node_update(i)
+        losses = []
+        for i, g in enumerate(got):
+            if g:
+                self._last_loss[i] = sum(g) / len(g)
+            losses.append(self._last_loss[i])
+        bad = [i for i, v in zip(self.nodes, losses) if not math.isfinite(v)]
+        if bad:
+            raise Diverged(f"training diverged at step {self.progress.step + 1}: non-finite loss on node(s) {bad}")
+        return losses
+
+    def modelled_time(self) -> float | None:
+        """Modelled seconds of the run on ``--link`` at the nodes' speeds: each synchronous
+        step the slowest node's compute plus the step's messages and codec time; an
+        asynchronous run's steps on the event clock. A node's compute at speed 1 is
+        ``--compute-time``, else this process's measured mean (warm-up left out)."""
+        steps = self.progress.step
+        if steps == 0:
+            return None
+        led, m = self.ledger, len(self.nodes)
+        times = led.times
+        ct = self.cfg.comm.compute_time
+        if ct is None:
+            done = max(1, steps - self._first_step - 1)  # the first step's compute is warm-up
+            per_node = times.get("compute", 0.0) / (m * done)
+            # under torchrun the rank's measurement holds its own slowness: back to speed 1
+            own = 1.0 if self.speeds.trace is not None or not self.env.distributed else \
+                float(self.speeds.multipliers[self.env.rank])
+            ct = per_node / own
+        codec = times.get("compress", 0.0) / m
+        if self.clock is not None:
+            if self.cfg.comm.compute_time is not None:
+                return self.clock.now + codec
+            replay = self._event_clock(ct, self._exchange_s())  # the same events, timed with the measurement
+            for _ in range(self._events):
+                replay.next()
+            return replay.now + codec
+        n = self.env.world_size
+        ops = led.as_dict()["ops"]
+        rounds = sum(v["calls"] * clock.rounds_of(op, n) for op, v in ops.items() if op != "control")
+        link_s = self.link.transfer_s(led.step_bytes_sent / m, rounds)
+        return clock.sync_time(self.speeds, steps, ct, link_s) + codec
 
     def facts(self) -> metrics.RunFacts:
         """What config.json and summary.json say about this run."""
@@ -470,7 +598,8 @@ class Run:
         """summary.json on rank 0; returns it there (None elsewhere)."""
         summary = metrics.summary_record(  # a collective: every rank
             self.facts(), steps=self.progress.step, ledger=self.ledger, comm=self.comm, last_eval=self.last_eval,
-            dpsgd_bytes=self.dpsgd_bytes, wall_time_s=self.elapsed(), groups=self.groups)
+            dpsgd_bytes=self.dpsgd_bytes, wall_time_s=self.elapsed(), groups=self.groups,
+            modelled_time_s=self.modelled_time())
         if not self.is_main:
             return None
         rundir.write_json(rundir.summary_path(self.out), summary)

@@ -298,7 +298,7 @@ def _measured_bits(facts: RunFacts, ledger, comm) -> float | None:
 
 
 def summary_record(facts: RunFacts, *, steps: int, ledger, comm, last_eval: dict, dpsgd_bytes: float,
-                   wall_time_s: float, groups: Any = None) -> dict:
+                   wall_time_s: float, groups: Any = None, modelled_time_s: float | None = None) -> dict:
     """summary.json of a run that ended at ``steps``: final figures (``last_eval``), bytes
     (``ledger``), wire, time split (with ``facts.pooled`` its byte figures are means over
     the ranks: a collective over ``comm``, called on every rank)."""
@@ -319,7 +319,8 @@ def summary_record(facts: RunFacts, *, steps: int, ledger, comm, last_eval: dict
         "bits_per_coord": facts.algo.wire_format().bits_per_coord,
         "bits_per_coord_measured": _measured_bits(facts, ledger, comm),
         "time_split_s": {k: times.get(k, 0.0) for k in ("compute", "compress", "communicate", "wait")},
-        "warmup_s": times.get("warmup", 0.0), "wall_time_s": wall_time_s, "mode": facts.mode,
+        "warmup_s": times.get("warmup", 0.0), "wall_time_s": wall_time_s, "modelled_time_s": modelled_time_s,
+        "mode": facts.mode,
         "diverged": False, "latency_ms": cfg.comm.emulate_latency,
         "latency_mode": "emulated" if cfg.comm.emulate_latency else None, "report": facts.algo.report(),
     }

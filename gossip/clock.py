@@ -156,10 +156,12 @@ class EventClock:
         return ev
 
     def state_dict(self) -> dict:
+        """The clock's whole state as plain values (to save it beside a checkpoint)."""
         return {"steps": list(self.steps), "link_free": list(self.link_free), "end": list(self.end),
                 "chosen": dict(self._chosen), "heap": list(self._heap)}
 
     def load_state_dict(self, sd: dict) -> None:
+        """Restore what :meth:`state_dict` saved (the same speeds and partners)."""
         self.steps, self.link_free, self.end = list(sd["steps"]), list(sd["link_free"]), list(sd["end"])
         self._chosen = {int(k): int(v) for k, v in sd["chosen"].items()}
         self._heap = [(float(t), int(i)) for t, i in sd["heap"]]

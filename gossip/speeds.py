@@ -86,6 +86,7 @@ class NodeSpeeds:
         return base * self.multipliers
 
     def describe(self) -> str:
+        """One line for logs: the spec and the range of its multipliers (or the trace's size)."""
         if self.trace is not None:
             return f"{self.spec} ({len(self.trace)} steps of {self.n} nodes)"
         m = self.multipliers

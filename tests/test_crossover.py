@@ -146,6 +146,7 @@ def test_a_huge_world_size_answers_within_a_timeout(tmp_path):
     (["--topology", "torus", "--world-size", "7", "--algos", "ecd"], "--topology torus with --world-size 7"),
     (["--world-size", "100001"], "--world-size 100,001: at most 100,000 nodes are modelled"),
     (["--measure-nodes", "1"], "--measure-nodes 1: must be at least 2"),
+    (["--node-speed", "fast"], "--node-speed 'fast': expected uniform"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, needle):
     r = run_process([sys.executable, "-m", "gossip.tools.crossover", "--params", "2000", *args], timeout=120, cwd=tmp_path)
@@ -153,3 +154,19 @@ def test_bad_input_is_one_line(tmp_path, args, needle):
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("gossip.tools.crossover: error:")]
     assert len(lines) == 1 and needle in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_slow_node_slows_the_synchronous_step_and_adpsgd_runs_on_the_event_clock():
+    """--node-speed: a synchronous candidate's compute is the slowest node's; adpsgd is
+    timed on the event clock (no closed-form crossover) and needs less time per step."""
+    args = ["--params", "2000", "--world-size", "4", "--algos", "adpsgd", "--bandwidth", "10mbit,1gbit",
+            "--latency", "0", "--steps", "1", "--node-speed", "slow:nodes=1,factor=4"]
+    res = cx.run(cx._parser().parse_args(args), say=lambda line: None)
+    rows = {row["label"]: row for row in res["rows"]}
+    assert res["node_speed"] == "slow:nodes=1,factor=4"
+    assert rows["dpsgd"]["compute_s"] == pytest.approx(4 * rows["adpsgd"]["compute_s"])
+    assert rows["adpsgd"]["asynchronous"] and not rows["dpsgd"]["asynchronous"]
+    assert all(c["wins"] == "event clock" for c in rows["adpsgd"]["crossover"]["dpsgd"])
+    for a, d in zip(rows["adpsgd"]["step_s"], rows["dpsgd"]["step_s"]):
+        assert a["seconds"] < d["seconds"]
+    assert "node speeds slow:nodes=1,factor=4" in cx.render(res)

@@ -430,14 +430,30 @@ def _check(args: argparse.Namespace) -> None:
         raise CrossoverError(f"--params {args.params}: expected 300 to 2e9 parameters")
 
 
-def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[str, Any]:
-    _check(args)
-    from gossip import speeds as _speeds
+def _node_speeds(args: argparse.Namespace):
+    from gossip import speeds
 
     try:
-        node_speeds = _speeds.parse(args.node_speed, args.world_size)
-    except _speeds.SpeedError as e:
+        return speeds.parse(args.node_speed, args.world_size)
+    except speeds.SpeedError as e:
         raise CrossoverError(str(e)) from None
+
+
+def _row(m: Measured, base: dict[str, Measured], args: argparse.Namespace, node_speeds, bws, lats) -> dict[str, Any]:
+    """A candidate's row: its measurement, its step time at each link, its crossovers."""
+    n, ov = args.world_size, args.link_overhead
+    return {
+        **asdict(m),
+        "step_s": [{"bandwidth": b, "latency": t,
+                    "seconds": event_step_time(m, b, t, node_speeds, args.topology, args.degree, ov)
+                    if m.asynchronous else step_time(m, b, t, n, ov)} for t in lats for b in bws],
+        "crossover": {bl: [{"latency": t, **crossover(m, base[bl], t, n, ov)} for t in lats] for bl in BASELINES},
+    }
+
+
+def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[str, Any]:
+    _check(args)
+    node_speeds = _node_speeds(args)
     bws = [parse_rate(b) for b in args.bandwidth.split(",")]
     lats = [parse_time(t) for t in args.latency.split(",")]
     from gossip import algorithms
@@ -479,15 +495,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
     base = {m.label: m for m in measured if m.label in BASELINES}
     import torch
 
-    rows = []
-    for m in measured:
-        rows.append({
-            **asdict(m),
-            "step_s": [{"bandwidth": b, "latency": t,
-                        "seconds": event_step_time(m, b, t, node_speeds, args.topology, args.degree, ov)
-                        if m.asynchronous else step_time(m, b, t, n, ov)} for t in lats for b in bws],
-            "crossover": {bl: [{"latency": t, **crossover(m, base[bl], t, n, ov)} for t in lats] for bl in BASELINES},
-        })
+    rows = [_row(m, base, args, node_speeds, bws, lats) for m in measured]
     return {
         "machine": {"threads": torch.get_num_threads(), "load_average": load},
         "model": model_name,

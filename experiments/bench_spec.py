@@ -48,7 +48,7 @@ METRICS = {"classification": {"test_acc": True, "test_loss": False},
 #: to gossip.algorithms.available() and gossip.models.available_models()
 ALGORITHMS = ("allreduce", "dpsgd", "naive", "dcd", "ecd", "choco", "sgp", "efsgd", "efblocksgd", "efblocksgdm",
               "signsgd", "signum", "powersgd", "efmomentum", "sketched", "truetopk", "localtopk", "localsgd",
-              "slowmo", "diloco", "demo", "sparseloco", "noloco", "muloco")
+              "slowmo", "diloco", "demo", "sparseloco", "noloco", "muloco", "adpsgd")
 MODELS = {"cnn1d": "classification", "mlp": "classification", "logreg": "classification",
           "resnet20": "classification", "gpt": "lm", "lstm": "lm"}
 #: a workload's or method's name: it names run directories (``:`` becomes ``-`` there)

@@ -189,3 +189,21 @@ def test_lockstep_round_against_a_plain_reference():
             ref[i] += U[i]
         a.step(X, U)
     assert torch.allclose(X, ref, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_torchrun_ranks_sleep_for_their_speed_and_compute_the_same_numbers(tmp_path):
+    """Under torchrun rank 0 is 3x slower (it sleeps for the difference): the numbers are
+    the simulation's, bit for bit, and summary.json models the time."""
+    from tests.conftest import why
+    from tests.test_train import torchrun, train_process
+
+    args = ["--algo", "dpsgd", "--topology", "complete", "--epochs", "1", "--max-steps", "4", "--node-speed",
+            "slow:nodes=1,factor=3", *QUICK]
+    r = torchrun(2, *args, "--out", str(tmp_path / "dist"))
+    assert r.returncode == 0, why(r)
+    r = train_process("--simulate", "2", "--simulate-mode", "loop", *args, "--out", str(tmp_path / "sim"))
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(final_params(tmp_path / "dist"), final_params(tmp_path / "sim"))
+    s = _summary(tmp_path / "dist")
+    assert s["mode"] == "torchrun" and s["modelled_time_s"] > 0

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import heapq
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-__all__ = ["LINK_OVERHEAD", "DEFAULT_LINK", "Link", "Event", "EventClock", "rounds_of", "sync_time"]
+__all__ = ["LINK_OVERHEAD", "DEFAULT_LINK", "Link", "Event", "EventClock", "parse_link", "rounds_of", "sync_time"]
 
 #: bytes on the wire per payload byte: TCP/IPv4 over Ethernet (1448 payload bytes per
 #: 1514-byte frame, plus acknowledgements)
@@ -65,6 +66,33 @@ class Link:
     def transfer_s(self, nbytes: float, rounds: float = 1.0) -> float:
         """Seconds to move ``nbytes`` payload bytes in ``rounds`` sequential rounds."""
         return self.overhead * 8.0 * nbytes / self.bandwidth + self.latency * rounds
+
+
+#: tc's rate units (tc(8), "RATES"): ``bit`` units are bits per second, ``bps`` units BYTES per
+#: second; SI prefixes are powers of 1000, IEC ones (ki, mi, gi, ti) of 1024 (the same table
+#: as gossip.tools.units, which the training run does not import; a test keeps them equal)
+_RATE_UNITS = {
+    **{p + "bit": 1000.0 ** i for i, p in enumerate(("", "k", "m", "g", "t"))},
+    **{p + "bit": 1024.0 ** i for i, p in enumerate(("ki", "mi", "gi", "ti"), 1)},
+    **{p + "bps": 8 * 1000.0 ** i for i, p in enumerate(("", "k", "m", "g", "t"))},
+    **{p + "bps": 8 * 1024.0 ** i for i, p in enumerate(("ki", "mi", "gi", "ti"), 1)},
+}
+_NUMBER = r"([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)"
+
+
+def parse_link(text: str) -> Link:
+    """``"RATE[,LATENCY]"`` (``"1gbit,5ms"``: tc's rate units, a latency in us, ms or s, a
+    bare number of seconds) as a :class:`Link`; ValueError saying what is accepted otherwise."""
+    rate, _, lat = str(text).partition(",")
+    m = re.fullmatch(_NUMBER + r"\s*([a-z]*)", rate.strip(), re.I)
+    if m is None or m.group(2).lower() not in _RATE_UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"rate {rate.strip()!r}: expected a positive rate in tc's units such as 10mbit, 1gbit or "
+                         f"100mbps (bytes per second)")
+    t = re.fullmatch(_NUMBER + r"\s*(us|ms|s)?", lat.strip() or "0", re.I)
+    if t is None:
+        raise ValueError(f"latency {lat.strip()!r}: expected a time such as 0, 500us, 5ms or 0.05s")
+    return Link(float(m.group(1)) * _RATE_UNITS[m.group(2).lower()],
+                float(t.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[(t.group(2) or "s").lower()])
 
 
 def sync_time(speeds, steps: int, base: float, exchange_s: float) -> float:

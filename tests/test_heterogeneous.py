@@ -68,6 +68,18 @@ def test_sync_time_is_the_slowest_node_plus_the_exchange():
         clock.Link(0.0)
 
 
+def test_links_read_as_the_tools_read_them():
+    from gossip.tools import units
+
+    for rate in ("10mbit", "1gbit", "100mbps", "1.5kibit", "2e3kbit"):
+        for lat in ("", "0", "5ms", "500us", "0.05s", "0.2"):
+            link = clock.parse_link(f"{rate},{lat}" if lat else rate)
+            assert link.bandwidth == units.parse_rate(rate) and link.latency == units.parse_time(lat or "0")
+    for bad in ("fast", "100M,5ms", "1gbit,soon", "-1gbit"):
+        with pytest.raises(ValueError, match="expected"):
+            clock.parse_link(bad)
+
+
 def test_event_clock_order_and_busy_links():
     """Two active nodes share one passive partner: the second waits for the link."""
     s = speeds.parse("uniform", 3)

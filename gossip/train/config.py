@@ -727,15 +727,13 @@ class CommSection:
 
 def link_of(text: str):
     """``--link RATE[,LATENCY]`` as a :class:`gossip.clock.Link`; ConfigError (one line) otherwise."""
-    from gossip.clock import Link
-    from gossip.tools import units
+    from gossip.clock import parse_link
 
     if not isinstance(text, str) or not text.strip():
         raise ConfigError(f"--link must be RATE[,LATENCY] such as 1gbit,5ms, got {text!r}")
-    rate, _, lat = text.partition(",")
     try:
-        return Link(units.parse_rate(rate.strip()), units.parse_time(lat.strip()) if lat.strip() else 0.0)
-    except (units.UnitError, ValueError) as e:
+        return parse_link(text)
+    except ValueError as e:
         raise ConfigError(f"--link {text!r}: {e} (expected RATE[,LATENCY] such as 1gbit,5ms)") from None
 
 

@@ -283,6 +283,9 @@ def scale(m: Measured, n: int, degree_ratio: float = 1.0) -> Measured | str:
     k = m.measured_nodes
     if n == k:
         return m
+    if m.asynchronous:
+        return (f"an asynchronous algorithm is timed on the event clock of the nodes measured ({k}); give "
+                f"--measure-nodes {n} to measure and time it at {n:,} nodes")
     ring = ((n - 1) / n) / ((k - 1) / k)  # a ring all-reduce 2(n-1)/n x payload, a broadcast (n-1)/n
     per_op = {"exchange": degree_ratio, "all_reduce": ring, "broadcast": ring, "all_gather": (n - 1) / (k - 1)}
     unknown = [op for op in m.op_bytes if op not in per_op]
@@ -478,9 +481,15 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
     left_out: dict[str, str] = {}
     for k, cand in enumerate(cands, 1):
         say(f"[{k}/{len(cands)}] measuring {cand.label} ...")
-        m = measure(cand, factory, shape, classes, world_size=k_nodes, topology=args.topology,
-                    degree=args.degree, batch_size=args.batch_size, steps=args.steps)
-        got = scale(m, n, degree_ratio if m.decentralized else 1.0)
+        try:
+            m = measure(cand, factory, shape, classes, world_size=k_nodes, topology=args.topology,
+                        degree=args.degree, batch_size=args.batch_size, steps=args.steps)
+        except CrossoverError as e:
+            if args.algos:  # asked for by name: its refusal is the answer
+                raise
+            got = str(e)  # every algorithm: one that refuses the graph (adpsgd off a bipartite one) is left out
+        else:
+            got = scale(m, n, degree_ratio if m.decentralized else 1.0)
         if isinstance(got, str):
             left_out[cand.label] = got
             say(f"  {cand.label} left out at {n:,} nodes: {got}")

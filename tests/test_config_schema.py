@@ -61,7 +61,8 @@ def test_the_built_in_sections_give_the_keys_earlier_versions_fingerprinted_and_
                            "node_eval",  # agreed on, not fingerprinted: a checkpoint resumes with or without it
                            "muon_precision",  # fingerprinted where set, added since
                            "group_size",  # agreed on: a run's groups
-                           "node_speed", "compute_time"}  # agreed on: they order an asynchronous run's event clock
+                           "node_speed", "compute_time",  # agreed on: they order an asynchronous run's event clock
+                           "byzantine", "attack", "aggregator", "robust"}  # fingerprinted where set (the [trust] section)
     assert set(config.AGREE_KEYS) == agree and len(config.AGREE_KEYS) == len(agree)
     adamw = TrainConfig.from_flat(algo="diloco", model_options={}).to_dict()
     assert set(config.fingerprint_keys(adamw)) == fingerprint | {"local_optimizer", "betas"}
@@ -80,7 +81,8 @@ def test_config_json_keeps_the_order_every_release_wrote():
     # fields added since follow them in the sections' order (--muon-precision's, --ft-verbose's, --no-node-eval's),
     # then the recorded properties
     assert keys[len(config._RECORD_ORDER):] == ["muon_precision", "group_size", "ft_verbose", "node_speed", "link",
-                                                "compute_time", "node_eval", "compressor_spec", "model_name",
+                                                "compute_time", "node_eval", "byzantine", "attack", "aggregator",
+                                                "robust", "compressor_spec", "model_name",
                                                 "local_momentum", "local_optimizer", "betas"]
     assert json.loads(json.dumps(TrainConfig.from_flat(algo="diloco").to_dict()))["betas"] == [0.9, 0.999]
 

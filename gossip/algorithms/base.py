@@ -243,6 +243,10 @@ class Algorithm:
     #: True where the nodes step on their own, with no barrier (AD-PSGD): the caller
     #: orders the steps on an event clock (gossip.clock) instead of calling :meth:`step`
     asynchronous: ClassVar[bool] = False
+    #: True where the algorithm passes its outgoing messages through an
+    #: :class:`gossip.robust.Adversary` (:meth:`set_adversary`): the Byzantine nodes'
+    #: rows are crafted after the message is formed, before it is encoded and sent
+    byzantine_messages: ClassVar[bool] = False
 
     def __init__(self, config: Any, comm: Any) -> None:
         topo = comm.topology
@@ -257,6 +261,8 @@ class Algorithm:
         self.state: Any = None
         self.layout: ParamLayout | None = None
         self._sink: Callable[[str], None] | None = None
+        #: the run's attackers (None: every node honest); see :meth:`set_adversary`
+        self.adversary: Any = None
 
     # --- momentum ------------------------------------------------------------------
     @classmethod
@@ -338,6 +344,14 @@ class Algorithm:
     def set_event_sink(self, fn: Callable[[str], None] | None) -> None:
         """Where to print one-line events (e.g. MergeComp's decisions); None: nowhere."""
         self._sink = fn
+
+    def set_adversary(self, adversary: Any) -> None:
+        """Byzantine nodes (a :class:`gossip.robust.Adversary`) whose messages this
+        algorithm's exchanges carry crafted; refused by algorithms that do not declare
+        ``byzantine_messages``."""
+        if adversary is not None and not self.byzantine_messages:
+            raise ValueError(f"{self.name} does not carry crafted messages of Byzantine nodes")
+        self.adversary = adversary
 
     def _say(self, line: str) -> None:
         if self._sink is not None:

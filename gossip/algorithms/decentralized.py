@@ -96,6 +96,9 @@ class DPSGDConfig:
     precision: str = "fp32"
     local_steps: int = 1
     seed: int = 0
+    #: ``clippedgossip`` (He, Karimireddy and Jaggi, arXiv:2202.01545): each node clips
+    #: its neighbours' differences to its own model before mixing (:mod:`gossip.robust`)
+    robust: str | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "fp16"):
@@ -104,6 +107,13 @@ class DPSGDConfig:
             )
         check_int("local_steps", self.local_steps, minimum=1)
         check_int("seed", self.seed, minimum=0)
+        if self.robust is not None:
+            from gossip.robust import parse_robust
+
+            try:
+                parse_robust(self.robust)
+            except ValueError as e:
+                raise ValueError(f"Arg `robust`: {e}") from None
 
     @property
     def compressor(self) -> str:
@@ -363,12 +373,20 @@ class DPSGD(GossipBase):
 
     name = "dpsgd"
     fault_tolerant = True
+    byzantine_messages = True
     Config = DPSGDConfig
     state_copies = 5
     summary = "D-PSGD: exchange full-precision models with neighbours"
 
     def __init__(self, config: DPSGDConfig, comm: Any) -> None:
         super().__init__(config, comm)
+        from gossip.robust import parse_robust
+
+        self.robust = parse_robust(config.robust) if config.robust is not None else None
+        if self.robust is not None:
+            self.fault_tolerant = False  # a rebuilt graph's radius rule is not carried
+        #: each hosted node's clipping radius tau_i of the last ClippedGossip step
+        self.last_tau: torch.Tensor | None = None
 
     @property
     def period(self) -> int:
@@ -378,6 +396,10 @@ class DPSGD(GossipBase):
         t = self.state.t
         if t % self.config.local_steps:  # a local step: no gossip
             X.add_(U)
+            self.state.t = t + 1
+            return
+        if self.robust is not None or self.adversary is not None:
+            self._step_untrusted(X, U, t)
             self.state.t = t + 1
             return
         # Step I
@@ -392,6 +414,45 @@ class DPSGD(GossipBase):
             s = slice(r, r + rows)
             X[s].mul_(w[s]).add_(mixed[s]).add_(U[s])
         self.state.t = t + 1
+
+
+    def _step_untrusted(self, X: torch.Tensor, U: torch.Tensor, t: int) -> None:
+        """A gossip step among nodes that may lie. The Byzantine nodes' messages are
+        crafted (:class:`gossip.robust.Adversary`) after they are formed; their own
+        models follow the honest update.
+
+        Without ``robust``: D-PSGD's Steps I-II with those messages.
+        With ``robust=clippedgossip`` (arXiv:2202.01545, Alg. 1):
+
+        Step I:   the half step y_i = x_i + u_i (the local optimizer's);
+        Step II:  send y_i to every neighbour, receive y_j;
+        Step III: x_i <- y_i + sum_{j != i} W_ij CLIP(y_j - y_i, tau_i), with tau_i the
+                  fixed radius or the adaptive one (clip the b farthest neighbours to
+                  the distance of the next).
+        """
+        from gossip.robust import clipped_mix
+
+        adv = self.adversary
+        if self.robust is None:
+            Z = X if adv is None else adv.craft(X, self.comm.nodes, t)
+            _, mixed, _, _ = self._gossip(Z, t, self.compressor, want_own=False)
+            X.mul_(self._self_w(X, t)).add_(mixed).add_(U)
+            return
+        Y = X + U  # Step I
+        Z = Y if adv is None else adv.craft(Y, self.comm.nodes, t)
+        ledger = self.comm.ledger
+        d = X.shape[1]
+        tag = step_tag(t)
+        with ledger.phase("compress"):  # Step II
+            keys = node_keys(self.config.seed, self.comm.nodes, t)
+            P = self.compressor.encode(Z, keys, tag=tag)
+        with ledger.phase("communicate"):
+            rec = self.comm.neighbor_exchange(P, **self._exchange_kw(t))
+        with ledger.phase("compress"):
+            D = rec.decode(lambda Q: self.compressor.decode(Q, d, tag=tag)).to(X.dtype)
+        new, taus = clipped_mix(Y, D, rec.index, rec.weights, rec.degrees, self.robust)  # Step III
+        X.copy_(new)
+        self.last_tau = taus
 
 
 class Naive(GossipBase):

@@ -26,8 +26,9 @@ from gossip.train.config import TrainConfig
 from gossip.errors import RunError
 
 __all__ = [
-    "Env", "build_algorithm", "build_dataset", "build_model", "build_topology", "check_memory", "choose_device",
-    "detect_env", "group_size", "hosts_of", "local_optimizer", "lr_at", "lr_schedule", "memory_line", "path_line", "peak_memory",
+    "Env", "build_adversary", "build_algorithm", "build_dataset", "build_model", "build_topology", "check_memory",
+    "choose_device", "detect_env", "group_size", "hosts_of", "local_optimizer", "lr_at", "lr_schedule", "memory_line",
+    "path_line", "peak_memory",
     "simulation_path", "state_copies",
 ]
 
@@ -121,6 +122,11 @@ def build_algorithm(cfg: TrainConfig, comm) -> algorithms.Algorithm:
     ours = {"seed": cfg.run.seed, "compressor": a.compressor_spec, "momentum": cfg.optim.momentum}
     common = {k: ours[k] for k in algorithms.COMMON_OPTIONS}  # the registry passes each where it applies
     opts: dict[str, Any] = dict(a.options)
+    tr = cfg.trust
+    if tr.aggregator is not None:  # the config has checked that the algorithm takes it
+        opts["aggregator"] = tr.aggregator
+    if tr.robust is not None:
+        opts["robust"] = tr.robust
     if a.merge is not None:  # MergeComp: a schedule of the efsgd family, built by the registry
         opts.update(merge=a.merge, merge_max_groups=a.merge_max_groups, merge_alpha=a.merge_alpha)
     try:
@@ -128,6 +134,25 @@ def build_algorithm(cfg: TrainConfig, comm) -> algorithms.Algorithm:
     except (ValueError, TypeError) as e:
         flag = f"--merge {a.merge}" if a.merge is not None and "merge" in str(e) else f"--algo {a.name}"
         raise RunError(f"{flag}: {e}") from None
+
+
+def build_adversary(cfg: TrainConfig, n: int, dataset=None):
+    """The run's Byzantine nodes (a :class:`gossip.robust.Adversary`), or None where
+    every node is honest; the attackers are drawn from ``--seed``, alike on every rank."""
+    from gossip import robust
+
+    tr = cfg.trust
+    if not tr.byzantine:
+        return None
+    try:
+        attackers = robust.choose_attackers(n, tr.byzantine, cfg.run.seed)
+        attack = robust.parse_attack(tr.attack)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    if attack.name == "labelflip" and dataset is not None and getattr(dataset, "task", None) != data.CLASSIFICATION:
+        raise RunError(f"--attack labelflip flips class labels; --data {cfg.data.name} is not a classification "
+                       f"data set")
+    return robust.Adversary(attack, attackers, n, seed=cfg.run.seed)
 
 
 def build_dataset(cfg: TrainConfig):

@@ -1,10 +1,11 @@
 """The training run's typed configuration: one schema for flags, TOML files and config.json.
 
-A :class:`TrainConfig` is six frozen sections, each a keyword-only dataclass that
+A :class:`TrainConfig` is seven frozen sections, each a keyword-only dataclass that
 checks its own fields in ``__post_init__``: ``data`` (data set, partition, batch
 size), ``model``, ``optim`` (local optimizer and schedule), ``algorithm`` (algorithm,
-compressor, its own options, MergeComp), ``comm`` (graph, device, transport, hosting)
-and ``run`` (length, seed, output, checkpoints, logging). Every rule raises
+compressor, its own options, MergeComp), ``comm`` (graph, device, transport, hosting),
+``run`` (length, seed, output, checkpoints, logging) and ``trust`` (Byzantine nodes and
+defences). Every rule raises
 :class:`ConfigError` with one line naming the value and what is accepted.
 
 The sections are the single source. Each field is declared with :func:`option`,
@@ -806,6 +807,69 @@ class RunSection:
                               f"{self.out!r} names another: drop --out (or give --resume auto --out DIR)")
 
 
+#: the methods whose pseudo-gradients or replicas the trust options cannot reach yet, with why
+_ROBUST_REFUSED = {
+    "dcd": "its neighbours' replicas add up every message received, so a clipped difference of one step does "
+           "not bound what a Byzantine node has moved its replica by; ClippedGossip's guarantee "
+           "(arXiv:2202.01545) is for exact models",
+    "ecd": "its neighbours' estimates extrapolate every message received, so a clipped difference of one step "
+           "does not bound what a Byzantine node has moved its estimate by; ClippedGossip's guarantee "
+           "(arXiv:2202.01545) is for exact models",
+    "choco": "its public copies x-hat add up every compressed message, so a clipped difference of one step does "
+             "not bound what a Byzantine node has moved its copy by; ClippedGossip's guarantee "
+             "(arXiv:2202.01545) is for exact models",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrustSection:
+    """``[trust]``: Byzantine nodes, their attack, and the defences (docs/trust.md)."""
+
+    byzantine: int = option(
+        0,
+        "number of Byzantine nodes, drawn from --seed (recorded in summary.json); they send --attack's "
+        "messages instead of honest ones; must be below half the nodes",
+        metavar="K", role="fingerprint-if-set",
+    )
+    attack: str | None = option(
+        None,
+        "what the --byzantine nodes send: signflip, scaled:factor=F, gaussian:sigma=S, alie[:z=Z], "
+        "ipm:eps=E, labelflip, lazy[:every=E] (alie and ipm read the honest messages: --simulate only)",
+        metavar="SPEC", role="fingerprint-if-set",
+    )
+    aggregator: str | None = option(
+        None,
+        "robust aggregation of --algo allreduce's gradients in the sharded layout: mean, median, "
+        "trimmed:f=F, cclip:tau=T[,iters=L] (default mean: the ring all-reduce)",
+        metavar="SPEC", role="fingerprint-if-set",
+    )
+    robust: str | None = option(
+        None,
+        "robust gossip for --algo dpsgd: clippedgossip (clip the farthest b=1 neighbours to the next one's "
+        "distance), clippedgossip:b=B or clippedgossip:tau=T (a fixed radius)",
+        metavar="SPEC", role="fingerprint-if-set",
+    )
+
+    def __post_init__(self) -> None:
+        from gossip import robust as _robust
+
+        if _bad_int("byzantine", self.byzantine, 0):
+            raise ConfigError(f"--byzantine must be an integer >= 0, got {self.byzantine!r}")
+        for flag, value, parse in (("--attack", self.attack, _robust.parse_attack),
+                                   ("--aggregator", self.aggregator, _robust.parse_aggregator),
+                                   ("--robust", self.robust, _robust.parse_robust)):
+            if value is not None:
+                try:
+                    parse(value)
+                except ValueError as e:
+                    raise ConfigError(f"{flag}: {e}") from None
+        if self.byzantine and self.attack is None:
+            raise ConfigError(f"--byzantine {self.byzantine} needs --attack NAME (accepted: "
+                              f"{', '.join(_robust.ATTACKS)})")
+        if self.attack is not None and not self.byzantine:
+            raise ConfigError(f"--attack {self.attack} needs --byzantine K >= 1 (how many nodes attack)")
+
+
 #: the sections of a TrainConfig, in the order of ``to_dict`` and of ``--help``; a section
 #: added here (a frozen, keyword-only dataclass of :func:`option` fields) is read from the
 #: flags, the TOML file and config.json like the others
@@ -816,6 +880,7 @@ SECTIONS: dict[str, type] = {
     "algorithm": AlgorithmSection,
     "comm": CommSection,
     "run": RunSection,
+    "trust": TrustSection,
 }
 
 
@@ -895,7 +960,7 @@ def _recorded(key: str | None = None, role: str | None = None):
 
 
 class TrainConfig:
-    """The run's whole configuration: six frozen, validated sections.
+    """The run's whole configuration: seven frozen, validated sections.
 
     ``TrainConfig(data=DataSection(...), optim={"lr": 0.1}, ...)`` takes sections (or
     mappings of their fields); :meth:`from_flat` takes the flat keys of the command
@@ -991,6 +1056,7 @@ class TrainConfig:
             )
         if comm.fault_tolerance is not None:
             self._check_fault_tolerance()
+        self._check_trust()
         if comm.group_size is not None and comm.group_size > 1:
             self._check_groups()
 
@@ -1013,6 +1079,39 @@ class TrainConfig:
         if comm.simulate_mode == "vectorized":
             raise ConfigError(f"--simulate-mode vectorized does not run with --group-size {g}: the members' "
                               "gradients are averaged group by group (use auto or loop)")
+
+    def _check_trust(self) -> None:
+        """The trust options against the algorithm and the hosting (docs/trust.md)."""
+        tr, alg, comm = self.trust, self.algorithm, self.comm
+        if tr.aggregator is not None and alg.name != "allreduce":
+            raise ConfigError(f"--aggregator is the robust aggregation of --algo allreduce's gradients; --algo "
+                              f"{alg.name} " + ("is decentralized: use --robust clippedgossip with --algo dpsgd"
+                                                if alg.decentralized else "does not carry it yet"))
+        if tr.robust is not None and alg.name != "dpsgd":
+            why = _ROBUST_REFUSED.get(alg.name)
+            raise ConfigError(f"--robust {tr.robust} runs with --algo dpsgd; --algo {alg.name}: "
+                              + (why + "; use --algo dpsgd" if why else
+                                 "not decentralized: use --aggregator with --algo allreduce" if not alg.decentralized
+                                 else "not carried yet; use --algo dpsgd"))
+        if tr.byzantine:
+            if alg.name not in ("allreduce", "dpsgd"):
+                raise ConfigError(f"--byzantine with --algo {alg.name}: its messages do not carry an attacker's "
+                                  f"crafted ones yet; accepted: --algo allreduce, dpsgd")
+            n = comm.simulate
+            if n is not None and 2 * tr.byzantine >= n:
+                raise ConfigError(f"--byzantine {tr.byzantine} of --simulate {n} nodes: the attackers must be fewer "
+                                  f"than half the nodes (K <= {(n - 1) // 2})")
+            from gossip import robust as _robust
+
+            if comm.simulate is None and _robust.parse_attack(tr.attack).omniscient:
+                raise ConfigError(f"--attack {tr.attack} is omniscient (it reads every honest node's message) "
+                                  f"and runs with --simulate N only; under torchrun use signflip, scaled, "
+                                  f"gaussian, labelflip or lazy")
+        if (tr.byzantine or tr.aggregator or tr.robust) and comm.fault_tolerance is not None:
+            raise ConfigError("--byzantine, --aggregator and --robust do not combine with --fault-tolerance")
+        if (tr.byzantine or tr.aggregator or tr.robust) and comm.group_size is not None and comm.group_size > 1:
+            raise ConfigError(f"--byzantine, --aggregator and --robust do not run with --group-size {comm.group_size} "
+                              f"yet: a group's members exchange slices of one message")
 
     def _check_fault_tolerance(self) -> None:
         """``--fault-tolerance``'s rules across the sections (the environment's, the number

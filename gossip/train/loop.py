@@ -236,6 +236,10 @@ class Run:
                                f"not in its checkpoints, so a resume cannot continue it exactly; start it again")
         #: the event clock of an asynchronous algorithm (made in begin), and its updates in flight
         self.clock: clock.EventClock | None = None
+        #: the Byzantine nodes and their attack (None: every node honest)
+        self.adversary = assembly.build_adversary(cfg, env.world_size, dataset)
+        if self.adversary is not None:
+            self.algo.set_adversary(self.adversary)
         self.copies = assembly.state_copies(cfg)  # of the parameters, per node: for the memory check
         self._build_nodes()
         self.dim = self.gopt.flat.dim
@@ -409,10 +413,14 @@ class Run:
                 t0 = time.perf_counter()
                 if self.batches is not None:  # vectorized: every node's forward and backward in one call
                     xb, yb = self.batches.next_batch()
+                    if self.adversary is not None:  # labelflip: the attackers train on flipped labels
+                        yb = self.adversary.flip_labels(yb, self.comm.nodes, self.dataset.num_classes)
                     losses = self.gopt.forward_backward(xb, yb).tolist()
                 else:
-                    for m_, ld in zip(self.models, self.loaders):
+                    for i, m_, ld in zip(self.nodes, self.models, self.loaders):
                         xb, yb = ld.next_batch()
+                        if self.adversary is not None:
+                            yb = self.adversary.flip_labels(yb, torch.tensor([i]), self.dataset.num_classes)
                         loss = self.loss(m_(xb), yb)
                         loss.backward()
                         losses.append(float(loss.detach()))
@@ -602,6 +610,10 @@ class Run:
             modelled_time_s=self.modelled_time())
         if not self.is_main:
             return None
+        if self.adversary is not None or self.cfg.trust.aggregator or self.cfg.trust.robust:
+            summary["trust"] = {**(self.adversary.describe() if self.adversary is not None else
+                                   {"attack": None, "attackers": []}),
+                                "aggregator": self.cfg.trust.aggregator, "robust": self.cfg.trust.robust}
         rundir.write_json(rundir.summary_path(self.out), summary)
         if self.sim_path is not None and self.env.world_size > 1:
             print(assembly.memory_line(self.copies, self.env.world_size, self.dim, self._mem0, self.device), flush=True)

@@ -1,0 +1,247 @@
+"""Training among untrusted nodes: attacks, robust aggregation, ClippedGossip (gossip.robust),
+their flags, and the run's record of them. In-process and small: the accuracy study is
+experiments/trust_check.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from gossip import robust
+from gossip.comm import SimulatedCommunicator
+from tests.conftest import REPO
+
+
+# ------------------------------------------------------------------ specs and the draw
+@pytest.mark.parametrize("spec, match", [
+    ("foo", "unknown attack 'foo'; accepted: signflip, scaled"),
+    ("scaled:f=2", "bad parameter 'f=2'; its parameters: factor"),
+    ("gaussian:sigma=x", "sigma must be a number"),
+    ("lazy:every=0", "every must be an integer >= 1"),
+    ("", "spec string"),
+])
+def test_bad_attack_specs(spec, match):
+    with pytest.raises(ValueError, match=match):
+        robust.parse_attack(spec)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("trimmed", "needs f="), ("cclip", "needs tau="), ("cclip:tau=-1", "tau must be > 0"),
+    ("krum", "unknown aggregator 'krum'; accepted: mean, median, trimmed, cclip"),
+])
+def test_bad_aggregator_specs(spec, match):
+    with pytest.raises(ValueError, match=match):
+        robust.parse_aggregator(spec)
+
+
+def test_attackers_are_a_seeded_draw_below_half():
+    a = robust.choose_attackers(8, 3, seed=5)
+    assert a == robust.choose_attackers(8, 3, seed=5) and len(set(a)) == 3 and all(0 <= i < 8 for i in a)
+    assert any(robust.choose_attackers(8, 3, seed=s) != a for s in range(6))
+    with pytest.raises(ValueError, match=r"fewer than half the nodes \(K < n/2, here K <= 3\)"):
+        robust.choose_attackers(8, 4, seed=0)
+
+
+# ------------------------------------------------------------------ attacks
+def _msgs(n=6, d=5, seed=0):
+    return torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("spec", ["signflip", "scaled:factor=3", "ipm:eps=0.5", "alie", "gaussian:sigma=2"])
+def test_attacks_rewrite_only_the_attackers_rows(spec):
+    M = _msgs()
+    before = M.clone()
+    adv = robust.Adversary(robust.parse_attack(spec), (1, 4), n=6, seed=3)
+    out = adv.craft(M, torch.arange(6), step=7)
+    assert torch.equal(M, before)  # the honest messages (a node's own model) are left alone
+    honest = [0, 2, 3, 5]
+    assert torch.equal(out[honest], M[honest])
+    H = M[honest]
+    want = {"signflip": -M[[1, 4]], "scaled:factor=3": 3 * M[[1, 4]],
+            "ipm:eps=0.5": (-0.5 * H.mean(0)).expand(2, -1),
+            "alie": (H.mean(0) - robust.alie_z(6, 2) * H.std(0)).expand(2, -1)}.get(spec)
+    if want is not None:
+        torch.testing.assert_close(out[[1, 4]], want)
+    else:  # gaussian: honest plus noise of the stated scale, the same for the same (seed, node, step)
+        assert torch.equal(out, adv.craft(M, torch.arange(6), step=7))
+        assert not torch.equal(out[[1, 4]], M[[1, 4]])
+
+
+def test_alie_z_is_the_papers():
+    # n = 50, m = 12 (ALIE, arXiv:1902.06156): s = 26 - 12 = 14, Phi^-1(24 / 38) = 0.3360
+    assert robust.alie_z(50, 12) == pytest.approx(0.3360, abs=1e-4)
+
+
+def test_omniscient_attacks_need_every_honest_message():
+    adv = robust.Adversary(robust.parse_attack("alie"), (0,), n=4)
+    with pytest.raises(ValueError, match="omniscient .* --simulate N"):
+        adv.craft(_msgs(1, 3), torch.tensor([0]), step=1)
+
+
+def test_lazy_repeats_a_stale_message():
+    adv = robust.Adversary(robust.parse_attack("lazy:every=3"), (0,), n=3)
+    sent = [adv.craft(torch.full((3, 2), float(t)), torch.arange(3), step=t)[0, 0].item() for t in range(1, 8)]
+    assert sent == [1.0, 1.0, 3.0, 3.0, 3.0, 6.0, 6.0]
+
+
+def test_labelflip_flips_only_the_attackers_labels():
+    adv = robust.Adversary(robust.parse_attack("labelflip"), (1,), n=3)
+    y = torch.tensor([[0, 9], [2, 3], [4, 5]])
+    assert torch.equal(adv.flip_labels(y, torch.arange(3), 10), torch.tensor([[0, 9], [7, 6], [4, 5]]))
+    assert torch.equal(adv.flip_labels(torch.tensor([2, 3]), torch.tensor([1]), 10), torch.tensor([7, 6]))
+    assert adv.craft(_msgs(3), torch.arange(3), 1) is not None and not adv.crafts_messages
+
+
+# ------------------------------------------------------------------ aggregators
+def test_median_and_trimmed_mean_are_coordinatewise():
+    Q = torch.tensor([[1.0, 10.0], [2.0, -50.0], [3.0, 20.0], [100.0, 30.0]])
+    torch.testing.assert_close(robust.parse_aggregator("median")(Q), torch.tensor([2.5, 15.0]))
+    torch.testing.assert_close(robust.parse_aggregator("trimmed:f=1")(Q), torch.tensor([2.5, 15.0]))
+    torch.testing.assert_close(robust.parse_aggregator("trimmed:f=0")(Q), Q.mean(0))
+    with pytest.raises(ValueError, match="f must be an integer with 0 <= f < n/2"):
+        robust.parse_aggregator("trimmed:f=2").check_nodes(4)
+
+
+def test_centered_clipping_bounds_one_outlier():
+    agg = robust.parse_aggregator("cclip:tau=1")
+    Q = torch.zeros(8, 3)
+    Q[0] = 1e6
+    v = agg(Q, 0)  # from the centre 0: the outlier moves the aggregate by at most tau / n
+    assert float(v.norm()) == pytest.approx(1 / 8)
+    Q2 = torch.full((8, 3), 0.1)
+    v2 = agg(Q2, 0)  # the honest ones within tau of the last aggregate are averaged as they are
+    torch.testing.assert_close(v2, torch.full((3,), 0.1))
+
+
+# ------------------------------------------------------------------ ClippedGossip
+def test_clipped_mix_is_the_papers_update():
+    Y = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 3.0]])
+    index = torch.tensor([[1, 2]])
+    weights = torch.tensor([[0.25, 0.25]], dtype=torch.float64)
+    # fixed radius 2: (1, 0) passes, (0, 3) becomes (0, 2)
+    out, taus = robust.clipped_mix(Y[:1], Y, index, weights, torch.tensor([2]), robust.ClippedGossipSpec(tau=2.0))
+    torch.testing.assert_close(out[0], torch.tensor([0.25, 0.5]))
+    # adaptive (b = 1): the farthest neighbour is clipped to the next one's distance, 1
+    out, taus = robust.clipped_mix(Y[:1], Y, index, weights, torch.tensor([2]), robust.parse_robust("clippedgossip"))
+    torch.testing.assert_close(out[0], torch.tensor([0.25, 0.25]))
+    assert float(taus[0]) == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------ the algorithms
+def test_allreduce_robust_rules_run_sharded_with_a_ring_all_reduces_bytes():
+    from gossip import algorithms
+
+    n, d = 4, 10
+    G = _msgs(n, d, seed=1)
+    out = {}
+    for spec in ("mean", "median", "trimmed:f=1"):
+        comm = SimulatedCommunicator(None, world_size=n)
+        algo = algorithms.build("allreduce", comm, aggregator=spec)
+        algo.setup(torch.zeros(n, d))
+        algo.reduce_gradients(G.clone())  # the first exchange also agrees on the split sizes, once
+        before = comm.ledger.bytes_sent
+        X = G.clone()
+        algo.reduce_gradients(X)
+        out[spec] = X
+        assert torch.equal(X, X[:1].expand_as(X))  # every node takes the same direction
+        # each node pushes (n - 1) of its n shards and pulls (n - 1) aggregates: 2 (n - 1)/n x 4d,
+        # as a ring all-reduce of fp32 values
+        assert comm.ledger.bytes_sent - before == n * 2 * (n - 1) * 4 * d // n
+    torch.testing.assert_close(out["mean"][0], G.mean(0))
+    torch.testing.assert_close(out["median"][0], G.sort(0).values[1:3].mean(0))
+    torch.testing.assert_close(out["trimmed:f=1"][0], G.sort(0).values[1:3].mean(0))
+
+
+def test_clippedgossip_without_attackers_and_a_wide_radius_is_dpsgd_of_the_half_steps():
+    import topologies
+    from gossip import algorithms
+
+    n, d = 6, 4
+    X0, U = _msgs(n, d, seed=2), 0.1 * _msgs(n, d, seed=3)
+    topo = topologies.build("ring", n)
+    W = torch.tensor(topo.matrix if not hasattr(topo.matrix, "toarray") else topo.matrix.toarray(),
+                        dtype=torch.float32)
+    algo = algorithms.build("dpsgd", SimulatedCommunicator(topo), robust="clippedgossip:tau=1e9")
+    X = X0.clone()
+    algo.setup(X)
+    algo.step(X, U)
+    torch.testing.assert_close(X, W @ (X0 + U))
+
+
+# ------------------------------------------------------------------ the run
+def _train(*argv: str) -> int:
+    from gossip import train
+
+    return train.main(list(argv))
+
+
+QUICK = ["--data", "synthetic", "--model", "mlp", "--epochs", "1", "--max-steps", "2", "--batch-size", "64",
+         "--no-progress", "--no-node-eval"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--algo", "allreduce", "--simulate", "8", "--byzantine", "4", "--attack", "signflip"],
+     r"--byzantine 4 of --simulate 8 nodes: the attackers must be fewer than half the nodes \(K <= 3\)"),
+    (["--algo", "allreduce", "--byzantine", "1", "--attack", "nope"], "--attack: unknown attack 'nope'"),
+    (["--algo", "allreduce", "--byzantine", "1"], "needs --attack NAME"),
+    (["--algo", "dcd", "--robust", "clippedgossip"], "--algo dcd: its neighbours' replicas add up every message"),
+    (["--algo", "dpsgd", "--aggregator", "median"], "--algo dpsgd is decentralized: use --robust clippedgossip"),
+    (["--algo", "ecd", "--byzantine", "1", "--attack", "signflip"], "accepted: --algo allreduce, dpsgd"),
+    (["--algo", "allreduce", "--byzantine", "1", "--attack", "alie"], "omniscient .* --simulate N only"),
+    (["--algo", "allreduce", "--simulate", "8", "--aggregator", "trimmed:f=4"], "f must be an integer with 0 <= f < n/2"),
+])
+def test_bad_trust_flags_get_one_line(argv, match, capsys, tmp_path):
+    rc = _train(*argv, *QUICK, "--out", str(tmp_path / "r"))
+    err = capsys.readouterr().err.strip()
+    assert rc != 0 and len(err.splitlines()) == 1, err
+    assert __import__("re").search(match, err), err
+
+
+def test_a_run_with_an_attacker_records_it(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert _train("--algo", "dpsgd", "--simulate", "6", "--byzantine", "2", "--attack", "ipm:eps=0.5",
+                  "--robust", "clippedgossip", "--seed", "3", *QUICK, "--out", str(out)) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["trust"] == {"attack": "ipm:eps=0.5", "attackers": list(robust.choose_attackers(6, 2, 3)),
+                          "aggregator": None, "robust": "clippedgossip"}
+    assert math.isfinite(s["final_test_acc"])
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["byzantine"] == 2 and cfg["attack"] == "ipm:eps=0.5"
+
+
+def test_trust_check_smoke(tmp_path, capsys):
+    from experiments import _provenance, trust_check
+
+    res = tmp_path / "res.json"
+    assert trust_check.main(["--nodes", "4", "--epochs", "1", "--max-steps", "1", "--data", "synthetic",
+                             "--configs", "allreduce,allreduce+signflip+cclip", "--out", str(tmp_path),
+                             "--json", str(res)]) == 0
+    results, prov = _provenance.read(res)
+    assert [r["config"] for r in results["rows"]] == ["allreduce", "allreduce+signflip+cclip"]
+    assert results["rows"][1]["attackers"] and results["rows"][0]["gap_to_clean"] == 0
+    assert prov["sources"] == trust_check.SOURCES
+
+
+def test_under_torchrun_an_attacker_rank_is_defended_as_in_the_simulation(tmp_path):
+    """4 ranks, one of them Byzantine (a real rank sending scaled, sign-flipped gradients
+    through the sharded exchange's wire); the coordinate-wise median keeps the run within
+    5 points of the clean one, and the ranks reach the numbers of the simulation."""
+    from tests.conftest import child_env, torchrun, why
+
+    flags = ["--algo", "allreduce", "--data", "synthetic", "--model", "mlp", "--epochs", "2", "--batch-size", "64",
+             "--no-progress", "--no-node-eval", "--seed", "1"]
+    attack = ["--byzantine", "1", "--attack", "scaled:factor=-10", "--aggregator", "median"]
+    r = torchrun(4, "-m", "gossip.train", *flags, *attack, "--out", str(tmp_path / "dist"), timeout=240,
+                 env=child_env())
+    assert r.returncode == 0, why(r)
+    dist = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    assert dist["trust"]["attackers"] == list(robust.choose_attackers(4, 1, 1))
+    for name, extra in (("sim", attack), ("clean", [])):
+        assert _train(*flags, *extra, "--simulate", "4", "--simulate-mode", "loop", "--out", str(tmp_path / name)) == 0
+    sim = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    clean = json.loads((tmp_path / "clean" / "summary.json").read_text())
+    assert dist["final_test_acc"] == sim["final_test_acc"]
+    assert dist["final_test_acc"] >= clean["final_test_acc"] - 0.05, (dist["final_test_acc"], clean["final_test_acc"])

@@ -231,7 +231,8 @@ def test_under_torchrun_an_attacker_rank_is_defended_as_in_the_simulation(tmp_pa
     5 points of the clean one, and the ranks reach the numbers of the simulation."""
     from tests.conftest import child_env, torchrun, why
 
-    flags = ["--algo", "allreduce", "--data", "synthetic", "--model", "mlp", "--epochs", "2", "--batch-size", "64",
+    flags = ["--algo", "allreduce", "--data", "synthetic", "--model", "mlp", "--epochs", "1", "--max-steps", "12",
+             "--batch-size", "64",
              "--no-progress", "--no-node-eval", "--seed", "1"]
     attack = ["--byzantine", "1", "--attack", "scaled:factor=-10", "--aggregator", "median"]
     r = torchrun(4, "-m", "gossip.train", *flags, *attack, "--out", str(tmp_path / "dist"), timeout=240,

@@ -107,6 +107,8 @@ def _parse(spec: Any, table: dict[str, dict[str, Any]], what: str) -> tuple[str,
 
 @dataclasses.dataclass(frozen=True)
 class AttackSpec:
+    """A parsed ``--attack``: its name and its parameters (defaults filled in)."""
+
     name: str
     params: tuple[tuple[str, float], ...] = ()
 

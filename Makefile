@@ -29,8 +29,13 @@ topologies-demo: setup
 	$(PY) -m topologies torus 16
 	$(PY) -m topologies expander 64 --degree 4 --seed 0
 
+# The default suite on every core (pytest-xdist: one worker per core, at most
+# TEST_WORKERS_MAX; each test file stays on one worker, so a file's fixtures are made
+# once); TEST_WORKERS=0 runs it in this process, one test after another.
+TEST_WORKERS ?= auto
+TEST_WORKERS_MAX ?= 4
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --maxprocesses $(TEST_WORKERS_MAX) --dist loadfile
 
 # The documentation site (MkDocs Material, API reference by mkdocstrings) into site/,
 # strict: a broken link or reference fails the build. docs-serve rebuilds on every edit.

@@ -300,5 +300,9 @@ def test_the_local_optimizers_step_is_charged_to_compute(name):
             F.cross_entropy(m(x), y).backward()
         opt.step()
     times = c.ledger.times
-    assert times["compute"] >= 0.02 * 3 * steps  # three nodes' steps, three times
-    assert times["compress"] + times["communicate"] < 0.02  # and not charged elsewhere
+    slept = 0.02 * 3 * steps  # three nodes' steps, three times
+    assert times["compute"] >= slept
+    # and not charged elsewhere: the exchange of three tiny models takes a fraction of
+    # the sleeps, however loaded the machine, while charging the steps there would
+    # put all of them in it
+    assert times["compress"] + times["communicate"] < slept / 2

@@ -27,7 +27,10 @@ import heapq
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    from gossip.speeds import NodeSpeeds
 
 __all__ = ["LINK_OVERHEAD", "DEFAULT_LINK", "Link", "Event", "EventClock", "parse_link", "rounds_of", "sync_time"]
 
@@ -134,7 +137,7 @@ class EventClock:
             the clock and the algorithm agree.
     """
 
-    def __init__(self, speeds, base: float, exchange_s: float, active: Sequence[bool],
+    def __init__(self, speeds: NodeSpeeds, base: float, exchange_s: float, active: Sequence[bool],
                  choose: Callable[[int, int], int]) -> None:
         n = speeds.n
         if len(active) != n:

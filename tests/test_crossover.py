@@ -136,6 +136,63 @@ def test_a_huge_world_size_answers_within_a_timeout(tmp_path):
     assert "measuring on 16 simulated nodes, modelling 100,000" in r.stderr
 
 
+def test_two_links_model_a_run_in_groups():
+    """--group-size G --intra --inter: a rank's step is the gradient all-reduce on the
+    intra link every step, the slices' all-gather on the steps that exchange (or member
+    0's broadcast for an algorithm that cannot be sliced), and 1/G of a group-node's
+    bytes on the inter link (all of them on member 0's when it is not sliced)."""
+    from gossip.comm.base import ring_allreduce_bytes
+
+    intra, inter = cx.Link.parse("1gbit@1ms", "--intra"), cx.Link.parse("10mbit@20ms", "--inter")
+    assert (intra.rate, intra.latency) == (1e9, 1e-3) and cx.Link.parse("1gbit", "--intra").latency == 0
+    d, G, groups = 1000, 4, 3
+    m = cx.Measured(label="p", algo="p", decentralized=False, wire="x", bytes=4000.0, codec_s=0.004, compute_s=0.1,
+                    rounds={"all_reduce": 0.25}, exchange_share=0.25, shards_flat=True)
+    t = cx.two_link_time(m, d, groups, G, intra, inter, overhead=1.0)
+    gather = 3 * 4 * 250
+    assert t["intra_bytes"] == ring_allreduce_bytes(4 * d, G) + 0.25 * gather and t["inter_bytes"] == 1000
+    assert t["intra_s"] == pytest.approx(8 * (6000 + 0.25 * gather) / 1e9 + 1e-3 * (6 + 0.25 * 3))
+    assert t["inter_s"] == pytest.approx(8 * 1000 / 1e7 + 0.02 * 0.25 * 4)  # 2 (groups - 1) rounds
+    assert t["step_s"] == pytest.approx(0.1 + 0.001 + t["intra_s"] + t["inter_s"])
+    u = cx.two_link_time(cx.dataclasses.replace(m, shards_flat=False), d, groups, G, intra, inter, overhead=1.0)
+    assert u["inter_s"] == pytest.approx(8 * 4000 / 1e7 + 0.02 * 0.25 * 4) and u["codec_s"] == 0.004
+    assert u["intra_bytes"] == ring_allreduce_bytes(4 * d, G) + 0.25 * 4 * d * 3 / 4
+
+
+def test_two_links_on_the_cli():
+    a = cx._parser().parse_args(["--params", "2000", "--world-size", "4", "--group-size", "2", "--intra",
+                                 "100gbit@0.01ms", "--inter", "100mbit@20ms", "--algos", "localsgd", "--steps", "2",
+                                 "--topology", "complete"])
+    lines = []
+    res = cx.run(a, say=lines.append)
+    assert res["world_size"] == 2 and res["two_links"]["ranks"] == 4 and res["two_links"]["group_size"] == 2
+    rows = {r["label"]: r for r in res["rows"]}
+    d = res["params"]
+    local = rows["localsgd"]
+    assert 0 < local["exchange_share"] < 1 and local["shards_flat"]  # H local steps, one of them exchanges
+    t = local["two_link"]
+    assert t["inter_bytes"] == local["bytes"] / 2 and t["flat_s"] is not None
+    assert t["intra_bytes"] == pytest.approx(4 * d + local["exchange_share"] * 4 * -(-d // 2))
+    assert rows["allreduce"]["two_link"]["intra_bytes"] == pytest.approx(4 * d + 4 * -(-d // 2))
+    assert "two links: 4 ranks in 2 groups of 2" in cx.render(res)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--intra", "1gbit@1ms"], "--intra without --group-size and --inter: the two-link model needs"),
+    (["--group-size", "3", "--intra", "1gbit", "--inter", "1mbit", "--world-size", "8"],
+     "--group-size 3 with --world-size 8: expected a divisor"),
+    (["--group-size", "2", "--intra", "1gbit", "--inter", "1mbit", "--world-size", "4", "--bandwidth", "1gbit"],
+     "--bandwidth with --intra/--inter"),
+    (["--group-size", "2", "--intra", "1gbit", "--inter", "1mbit", "--world-size", "4", "--node-speed",
+      "slow:nodes=1,factor=4"], "--node-speed with --intra/--inter"),
+    (["--group-size", "2", "--intra", "fast@1ms", "--inter", "1mbit", "--world-size", "4"],
+     "--intra 'fast@1ms': bandwidth 'fast'"),
+])
+def test_two_links_bad_input(args, needle):
+    with pytest.raises(cx.CrossoverError, match=needle):
+        cx.run(cx._parser().parse_args(["--params", "2000", *args]), say=lambda line: None)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--algos", "nope"], "unknown algorithm 'nope'"),
     (["--bandwidth", "fast"], "expected a positive rate"),

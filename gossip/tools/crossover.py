@@ -51,6 +51,21 @@ slowest node's seconds); an asynchronous one (adpsgd) is timed on the event cloc
 node's exchange on the link, so its step time is not linear in 1/bandwidth and no
 crossover bandwidth is given for it ("event clock" in the crossover tables).
 
+**Two links** (``--group-size G --intra LINK --inter LINK``, a LINK written
+``RATE@LATENCY``, e.g. ``--intra 100gbit@0.01ms --inter 100mbit@20ms``) model a run of
+``gossip.train --group-size G`` (docs/hierarchical.md): the ``--world-size`` ranks in
+groups of G, each candidate measured between the N/G groups. A rank's step takes
+``compute + codec + intra + inter``, where ``intra`` is the full-precision ring
+all-reduce of the gradient over the group every step (``2 (G-1)/G x 4d`` bytes,
+``2 (G-1)`` rounds) plus, on the share of steps that exchange between groups (1 but
+for the periodic methods' local steps), the all-gather of the slices (``(G-1) x 4d/G``
+bytes, ``G-1`` rounds) or, for an algorithm that cannot be sliced, member 0's
+broadcast (``4d``, ``ceil(log2 G)`` rounds), all at the intra link; and ``inter`` is
+the candidate's bytes of a node of the N/G-node run, 1/G of them on each member's own
+link when it is sliced (the codec time 1/G too), all of them on member 0's otherwise,
+plus its rounds at the inter latency. Beside it, the flat run of all N ranks as nodes
+over the inter link.
+
 Timings are of this machine and its current load (the tool warns when the load
 average is above 0.3). ``--json`` prints the whole table for notebooks; ``--plot``
 draws step time against bandwidth with the crossovers marked.
@@ -159,6 +174,11 @@ class Measured:
     scaled: dict[str, float] = field(default_factory=dict)
     #: an asynchronous algorithm (adpsgd): its step is timed on the event clock
     asynchronous: bool = False
+    #: the share of steps that exchange (1 but for a periodic method's local steps:
+    #: ``Algorithm.local_only``) and whether the exchange runs on a slice of the vector
+    #: (``Algorithm.shards_flat``): what a run in groups needs to know (two links)
+    exchange_share: float = 1.0
+    shards_flat: bool = True
 
 
 def rounds_of(op: str, n: int) -> int:
@@ -255,11 +275,14 @@ def measure(cand: Candidate, factory: Callable[[], Any], input_shape: Sequence[i
     rounds = {op: v["calls"] / steps for op, v in d["ops"].items() if op != "control" and v["calls"]}
     op_bytes = {op: v["sent"] / per for op, v in d["ops"].items() if op != "control" and v["calls"]}
     wire = algo.wire_format().label
+    period = max(1, algo.period)
+    share = sum(not algo.local_only(t) for t in range(1, period + 1)) / period
     return Measured(
         label=cand.label, algo=cand.algo, decentralized=decentralized, wire=wire, bytes=sent / per,
         codec_s=d["time"]["compress"] / per, compute_s=d["time"]["compute"] / per, rounds=rounds,
         setup_bytes=before["setup"]["sent"] / world_size, op_bytes=op_bytes, measured_nodes=world_size,
         asynchronous=algo.asynchronous,
+        exchange_share=share, shards_flat=bool(algo.shards_flat),
     )
 
 
@@ -359,6 +382,52 @@ def crossover(m: Measured, base: Measured, latency: float, n: int, overhead: flo
     return {"wins": "always" if fa < fb else "never", "bandwidth": None}
 
 
+@dataclass(frozen=True)
+class Link:
+    """One link of the two-link model: ``rate`` bit/s, one-way ``latency`` s."""
+
+    rate: float
+    latency: float
+
+    @classmethod
+    def parse(cls, text: str, flag: str) -> Link:
+        """``"100mbit@20ms"`` (a bare rate: no latency); CrossoverError naming ``flag``."""
+        rate, _, lat = str(text).partition("@")
+        try:
+            return cls(_units.parse_rate(rate.strip()), _units.parse_time(lat.strip()) if lat.strip() else 0.0)
+        except UnitError as e:
+            raise CrossoverError(f"{flag} {text!r}: {e} (a link is RATE@LATENCY, e.g. 100mbit@20ms)") from None
+
+    def __str__(self) -> str:
+        return f"{fmt_rate(self.rate)} @ {1e3 * self.latency:g} ms"
+
+
+def two_link_time(m: Measured, d: int, groups: int, group_size: int, intra: Link, inter: Link,
+                  overhead: float = LINK_OVERHEAD) -> dict[str, float]:
+    """A rank's modelled step in a run of ``groups`` groups of ``group_size`` ranks
+    (``m``: the candidate between the groups, measured or scaled on ``groups`` nodes;
+    ``d`` parameters): seconds per step (``step_s``; its ``intra_s``, ``inter_s`` and
+    ``codec_s`` parts) and the bytes a rank sends per step at each level
+    (``intra_bytes``, ``inter_bytes``: means over the members, as ``bytes_by_level``)."""
+    from gossip.comm.base import ring_allreduce_bytes
+
+    G, share = group_size, m.exchange_share
+    allreduce = ring_allreduce_bytes(4 * d, G)  # the gradient, full precision, every step
+    if m.shards_flat:  # each member exchanges its slice over its own link, then all-gather
+        slice_bytes = 4 * -(-d // G)  # the longest slice
+        gather_busiest = gather_mean = (G - 1) * slice_bytes
+        gather_rounds, inter_busiest, codec = G - 1, m.bytes / G, m.codec_s / G
+    else:  # member 0 exchanges the whole vector, then broadcasts it
+        gather_busiest, gather_mean = 4 * d, 4 * d * (G - 1) / G
+        gather_rounds, inter_busiest, codec = max(1, math.ceil(math.log2(G))), m.bytes, m.codec_s
+    intra_s = (overhead * 8.0 * (allreduce + share * gather_busiest) / intra.rate
+               + intra.latency * (2 * (G - 1) + share * gather_rounds))
+    inter_s = (overhead * 8.0 * inter_busiest / inter.rate
+               + inter.latency * sum(k * rounds_of(op, groups) for op, k in m.rounds.items()))
+    return {"step_s": m.compute_s + codec + intra_s + inter_s, "intra_s": intra_s, "inter_s": inter_s,
+            "codec_s": codec, "intra_bytes": allreduce + share * gather_mean, "inter_bytes": m.bytes / G}
+
+
 def fmt_crossover(c: dict[str, Any]) -> str:
     if c["wins"] in ("below", "above"):
         return f"{c['wins']} {fmt_rate(c['bandwidth'])}"
@@ -396,8 +465,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--degree", type=int, help="degree, for expander and the like")
     p.add_argument("--algos", help="comma-separated ALGO or ALGO@COMPRESSOR (default: every algorithm); "
                    "allreduce and dpsgd (fp32) are always measured as the baselines")
-    p.add_argument("--bandwidth", default=DEFAULT_BANDWIDTHS, help=f"link rates (default {DEFAULT_BANDWIDTHS})")
-    p.add_argument("--latency", default=DEFAULT_LATENCIES, help=f"one-way latencies (default {DEFAULT_LATENCIES})")
+    p.add_argument("--bandwidth", help=f"link rates (default {DEFAULT_BANDWIDTHS})")
+    p.add_argument("--latency", help=f"one-way latencies (default {DEFAULT_LATENCIES})")
+    p.add_argument("--group-size", type=int, metavar="G", help="with --intra and --inter: model a run in groups of G "
+                   "ranks (gossip.train --group-size G), each candidate between the world-size / G groups "
+                   "(docs/hierarchical.md)")
+    p.add_argument("--intra", metavar="LINK", help="the link inside a group, RATE@LATENCY (e.g. 100gbit@0.01ms): "
+                   "the gradient all-reduce and the slices' all-gather")
+    p.add_argument("--inter", metavar="LINK", help="the link between groups, RATE@LATENCY (e.g. 100mbit@20ms): the "
+                   "candidate's exchange, and the flat run of every rank as a node")
     p.add_argument("--link-overhead", type=float, default=LINK_OVERHEAD,
                    help=f"bytes on the wire per payload byte (default {LINK_OVERHEAD}: TCP/IP framing)")
     p.add_argument("--node-speed", default="uniform", metavar="SPEC",
@@ -431,6 +507,23 @@ def _check(args: argparse.Namespace) -> None:
         raise CrossoverError(f"--link-overhead {args.link_overhead}: expected 1 to 10 wire bytes per payload byte")
     if args.params is not None and not 300 <= args.params <= 2_000_000_000:
         raise CrossoverError(f"--params {args.params}: expected 300 to 2e9 parameters")
+    two = [f for f, v in (("--group-size", args.group_size), ("--intra", args.intra), ("--inter", args.inter))
+           if v is not None]
+    if two and len(two) < 3:
+        missing = [f for f in ("--group-size", "--intra", "--inter") if f not in two]
+        raise CrossoverError(f"{' and '.join(two)} without {' and '.join(missing)}: the two-link model needs "
+                             "--group-size G, --intra LINK and --inter LINK together")
+    if two:
+        n, g = args.world_size, args.group_size
+        if g < 2 or n % g or n // g < 2:
+            raise CrossoverError(f"--group-size {g} with --world-size {n}: expected a divisor of the world size from 2 "
+                                 f"to {n // 2}, so that there are at least 2 groups of at least 2 ranks")
+        given = [f for f, v in (("--bandwidth", args.bandwidth), ("--latency", args.latency)) if v is not None]
+        if args.node_speed != "uniform":
+            given.append("--node-speed")
+        if given:
+            raise CrossoverError(f"{' and '.join(given)} with --intra/--inter: the two-link model takes its own "
+                                 "links and equal nodes (give one or the other)")
 
 
 def _node_speeds(args: argparse.Namespace):
@@ -442,9 +535,11 @@ def _node_speeds(args: argparse.Namespace):
         raise CrossoverError(str(e)) from None
 
 
-def _row(m: Measured, base: dict[str, Measured], args: argparse.Namespace, node_speeds, bws, lats) -> dict[str, Any]:
-    """A candidate's row: its measurement, its step time at each link, its crossovers."""
-    n, ov = args.world_size, args.link_overhead
+def _row(m: Measured, base: dict[str, Measured], args: argparse.Namespace, node_speeds, bws, lats,
+         n: int | None = None) -> dict[str, Any]:
+    """A candidate's row: its measurement, its step time at each link, its crossovers
+    (on ``n`` nodes: default the world size; with two links, the groups)."""
+    n, ov = args.world_size if n is None else n, args.link_overhead
     return {
         **asdict(m),
         "step_s": [{"bandwidth": b, "latency": t,
@@ -457,20 +552,14 @@ def _row(m: Measured, base: dict[str, Measured], args: argparse.Namespace, node_
 def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[str, Any]:
     _check(args)
     node_speeds = _node_speeds(args)
-    bws = [parse_rate(b) for b in args.bandwidth.split(",")]
-    lats = [parse_time(t) for t in args.latency.split(",")]
-    from gossip import algorithms
-
-    names = args.algos.split(",") if args.algos else list(algorithms.available())
-    cands = [Candidate.parse(t) for t in names if t.strip()]
-    for b in reversed(BASELINES):
-        if not any(c.algo == b and c.compressor is None for c in cands):
-            cands.insert(0, Candidate(b))
+    links, bws, lats = _links(args)
+    cands = _candidates(args)
     factory, shape, classes, model_name = model_factory(args.model, args.params if args.model else (args.params or 1_000_000))
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    if load > 0.3:
-        say(f"warning: load average {load:.2f} > 0.3: timings of a busy machine overstate the codec costs")
-    n = args.world_size
+    load = _load(say)
+    world = n = args.world_size
+    if links is not None:  # the candidates run between the groups
+        n = world // args.group_size
+        say(f"two links: {world} ranks in {n} groups of {args.group_size}; intra {links[0]}, inter {links[1]}")
     k_nodes = min(n, args.measure_nodes)
     degree_ratio = 1.0
     if k_nodes < n:
@@ -479,6 +568,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
                         mean_degree(args.topology, k_nodes, args.degree))
     measured: list[Measured] = []
     left_out: dict[str, str] = {}
+    flat: dict[str, Measured | str] = {}  # two links: the flat run of every rank as a node
     for k, cand in enumerate(cands, 1):
         say(f"[{k}/{len(cands)}] measuring {cand.label} ...")
         try:
@@ -490,6 +580,8 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
             got = str(e)  # every algorithm: one that refuses the graph (adpsgd off a bipartite one) is left out
         else:
             got = scale(m, n, degree_ratio if m.decentralized else 1.0)
+            if links is not None:
+                flat[cand.label] = _flat_of(m, args, world, k_nodes)
         if isinstance(got, str):
             left_out[cand.label] = got
             say(f"  {cand.label} left out at {n:,} nodes: {got}")
@@ -504,14 +596,75 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
     base = {m.label: m for m in measured if m.label in BASELINES}
     import torch
 
-    rows = [_row(m, base, args, node_speeds, bws, lats) for m in measured]
+    rows = [_row(m, base, args, node_speeds, bws, lats, n) for m in measured]
+    d = sum(p.numel() for p in factory().parameters())
+    extra = {} if links is None else _two_links(rows, measured, flat, d, n, args, links)
     return {
         "machine": {"threads": torch.get_num_threads(), "load_average": load},
         "model": model_name,
-        "params": sum(p.numel() for p in factory().parameters()), "world_size": n, "measured_nodes": k_nodes,
+        "params": d, "world_size": n, "measured_nodes": k_nodes,
         "topology": args.topology, "node_speed": args.node_speed, "bandwidths": bws, "latencies": lats, "link_overhead": ov, "rows": rows,
-        "left_out": left_out,
+        "left_out": left_out, **extra,
     }
+
+
+def _load(say: Callable[[str], None]) -> float:
+    """The 1-minute load average, with a warning where it is above 0.3."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > 0.3:
+        say(f"warning: load average {load:.2f} > 0.3: timings of a busy machine overstate the codec costs")
+    return load
+
+
+def _candidates(args: argparse.Namespace) -> list[Candidate]:
+    """``--algos`` (default: every algorithm), the baselines first."""
+    from gossip import algorithms
+
+    names = args.algos.split(",") if args.algos else list(algorithms.available())
+    cands = [Candidate.parse(t) for t in names if t.strip()]
+    for b in reversed(BASELINES):
+        if not any(c.algo == b and c.compressor is None for c in cands):
+            cands.insert(0, Candidate(b))
+    return cands
+
+
+def _links(args: argparse.Namespace) -> tuple[tuple[Link, Link] | None, list[float], list[float]]:
+    """The two links (None without them), the bandwidths and the latencies of the grid
+    (with two links, the inter link's)."""
+    if args.intra is not None:
+        links = (Link.parse(args.intra, "--intra"), Link.parse(args.inter, "--inter"))
+        return links, [links[1].rate], [links[1].latency]
+    return (None, [parse_rate(b) for b in (args.bandwidth or DEFAULT_BANDWIDTHS).split(",")],
+            [parse_time(t) for t in (args.latency or DEFAULT_LATENCIES).split(",")])
+
+
+def _two_links(rows: list[dict], measured: list[Measured], flat: dict, d: int, groups: int,
+               args: argparse.Namespace, links: tuple[Link, Link]) -> dict[str, Any]:
+    """Each row's ``two_link`` (in place), and the result's ``two_links``."""
+    for r, m in zip(rows, measured):
+        r["two_link"] = _two_link_row(m, flat[m.label], d, groups, args.world_size, args.group_size, links,
+                                      args.link_overhead, m.compute_s)
+    return {"two_links": {"group_size": args.group_size, "groups": groups, "ranks": args.world_size,
+                          "intra": asdict(links[0]), "inter": asdict(links[1])}}
+
+
+def _flat_of(m: Measured, args: argparse.Namespace, world: int, k_nodes: int) -> Measured | str:
+    """Two links: the candidate measured on ``k_nodes`` as the flat run of all ``world``
+    ranks as nodes (:func:`scale`; a reason where it cannot be had)."""
+    ratio = (mean_degree(args.topology, world, args.degree) / mean_degree(args.topology, k_nodes, args.degree)
+             if m.decentralized else 1.0)
+    return scale(m, world, ratio)
+
+
+def _two_link_row(m: Measured, flat: Measured | str, d: int, groups: int, world: int, group_size: int,
+                  links: tuple[Link, Link], ov: float, compute: float) -> dict[str, Any]:
+    """A row's ``two_link``: :func:`two_link_time`, and the flat run's step on the inter link."""
+    if isinstance(flat, str):
+        return {**two_link_time(m, d, groups, group_size, *links, overhead=ov), "flat_s": None, "flat_bytes": None,
+                "flat_left_out": flat}
+    flat = dataclasses.replace(flat, compute_s=compute)
+    return {**two_link_time(m, d, groups, group_size, *links, overhead=ov),
+            "flat_s": step_time(flat, links[1].rate, links[1].latency, world, ov), "flat_bytes": flat.bytes}
 
 
 def render(res: dict[str, Any]) -> str:
@@ -536,6 +689,8 @@ def render(res: dict[str, Any]) -> str:
         rounds = " ".join(f"{op}x{k:g}" for op, k in r["rounds"].items()) or "-"
         out.append(f"{r['label']:<{w}}  {r['wire'][:16]:<16} {r['bytes']:>15,.0f} {r['bytes'] / fp32:>10.3f} "
                    f"{1e3 * r['codec_s']:>9.2f} {1e3 * r['compute_s']:>10.2f}  {rounds}")
+    if res.get("two_links"):
+        return "\n".join(out + _render_two_links(res, w))
     for t in lats:
         out += ["", f"modelled step time (ms) at latency {1e3 * t:g} ms"]
         out.append(f"{'algorithm':<{w}}  " + " ".join(f"{fmt_rate(b):>13}" for b in bws))
@@ -550,6 +705,24 @@ def render(res: dict[str, Any]) -> str:
                 continue
             out.append(f"{r['label']:<{w}}  " + " ".join(f"{fmt_crossover(c):>22}" for c in r["crossover"][bl]))
     return "\n".join(out)
+
+
+def _render_two_links(res: dict[str, Any], w: int) -> list[str]:
+    tl = res["two_links"]
+    intra, inter = Link(**tl["intra"]), Link(**tl["inter"])
+    out = ["", f"two links: {tl['ranks']:,} ranks in {tl['groups']:,} groups of {tl['group_size']} (the rows above: "
+           f"a node of the {tl['groups']:,}-node run between groups); intra {intra}, inter {inter}",
+           f"{'algorithm':<{w}}  {'sliced':>6} {'intra B/rank':>12} {'inter B/rank':>12} {'intra ms':>9} "
+           f"{'inter ms':>9} {'step ms':>9} {'flat ms':>9}"]
+    for r in res["rows"]:
+        t = r["two_link"]
+        flat = "-" if t["flat_s"] is None else f"{1e3 * t['flat_s']:.2f}"
+        out.append(f"{r['label']:<{w}}  {'yes' if r['shards_flat'] else 'no':>6} {t['intra_bytes']:>12,.0f} "
+                   f"{t['inter_bytes']:>12,.0f} {1e3 * t['intra_s']:>9.2f} {1e3 * t['inter_s']:>9.2f} "
+                   f"{1e3 * t['step_s']:>9.2f} {flat:>9}")
+    out.append(f"(step: compute + codec + intra + inter per rank; flat: every one of the {tl['ranks']:,} ranks a node "
+               f"on the inter link; '-' where it cannot be modelled from the nodes measured)")
+    return out
 
 
 def plot(res: dict[str, Any], path: str) -> None:
@@ -601,8 +774,8 @@ def _benchmark_answer(args: argparse.Namespace, say: Callable[[str], None]) -> l
         factory = model_factory(args.model, None)[0]
         params = sum(p.numel() for p in factory().parameters())
     out = []
-    for b in (parse_rate(x) for x in args.bandwidth.split(",")):
-        for t in (parse_time(x) for x in args.latency.split(",")):
+    for b in (parse_rate(x) for x in (args.bandwidth or DEFAULT_BANDWIDTHS).split(",")):
+        for t in (parse_time(x) for x in (args.latency or DEFAULT_LATENCIES).split(",")):
             ans = leaderboard.answer(res, b, t, args.world_size, params)
             say(leaderboard.render(ans, b, t, args.world_size))
             out.append({"bandwidth": b, "latency": t, "answer": ans})

@@ -2,7 +2,7 @@
 
 Each example is started as its own process from an empty temporary directory: once
 with all nodes simulated in one process (where it can: a DDP script needs torchrun),
-once under ``torchrun`` with 2 processes over gloo. The test reads what the example prints. :data:`CASES` must name every
+once under ``torchrun`` with 2 processes over gloo (4 for the example in groups). The test reads what the example prints. :data:`CASES` must name every
 file in examples/: a new example without a case fails here.
 """
 
@@ -36,6 +36,8 @@ class Case:
     """``check(stdout, flags)``: asserts on the output, returns what it read."""
     twin: list[str] | None = None
     """Flags that run the torchrun case in one process; its output must be the same."""
+    nproc: int = 2
+    """How many processes torchrun starts."""
 
 
 # --------------------------------------------------------------------------- own_training_loop.py
@@ -120,6 +122,34 @@ def _check_ddp_gpt_powersgd(out: str, flags: list[str]) -> dict:
     return {"before": before, "after": after, "bytes": sent}
 
 
+# --------------------------------------------------------------------------- groups_ddp.py
+_GROUPS_LINE = re.compile(
+    r"^(?P<algo>\S+) between (?P<groups>\d+) groups of (?P<size>\d+) \((?P<form>sliced|unsliced)\), (?P<steps>\d+) "
+    r"steps: test accuracy (?P<acc>\S+), last training loss (?P<loss>\S+), bytes sent per rank between groups "
+    r"(?P<inter>[\d,]+), inside its group (?P<intra>[\d,]+) \(and DDP's all-reduce\), members agree: (?P<same>\S+)$",
+    re.MULTILINE,
+)
+
+
+def _check_groups_ddp(out: str, flags: list[str]) -> dict:
+    found = _GROUPS_LINE.findall(out)
+    assert len(found) == 1, f"expected the summary line once (rank 0 only), got:\n{out}"
+    m = _GROUPS_LINE.search(out)
+    assert (m["algo"], m["groups"], m["size"], m["form"]) == ("diloco", "2", "2", "sliced")
+    steps = int(_flag(flags, "--steps", "200"))
+    assert int(m["steps"]) == steps and m["same"] == "True", out
+    acc, loss = float(m["acc"]), float(m["loss"])
+    assert 0.75 < acc <= 1.0, out
+    assert math.isfinite(loss) and 0 < loss < math.log(2), out
+    # 20 -> 64 -> 2: 1,474 parameters, a slice of 737 per member; every 5th step the
+    # member all-reduces its slice with the other group's (2 nodes: 4 x 737 bytes), and
+    # all-gathers the slices inside its group (1 slice: 4 x 737 bytes)
+    rounds = steps // 5
+    assert int(m["inter"].replace(",", "")) == rounds * 4 * 737, out
+    assert int(m["intra"].replace(",", "")) == rounds * 4 * 737, out
+    return {"acc": acc, "loss": loss}
+
+
 CASES: dict[str, Case] = {
     "ddp_hook.py": Case(
         simulate=None,
@@ -130,6 +160,12 @@ CASES: dict[str, Case] = {
         simulate=None,
         torchrun=["--steps", "20", "--context", "32", "--layers", "1", "--width", "32", "--batch-size", "8"],
         check=_check_ddp_gpt_powersgd,
+    ),
+    "groups_ddp.py": Case(
+        simulate=None,
+        torchrun=["--group-size", "2", "--algo", "diloco", "--opt", "local_steps=5", "--steps", "20"],
+        check=_check_groups_ddp,
+        nproc=4,
     ),
     "own_training_loop.py": Case(
         simulate=["--simulate", "4", "--algo", "ecd", "--bits", "8", "--steps", "20"],
@@ -175,7 +211,7 @@ def test_example_runs_simulated(name, tmp_path):
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_example_runs_under_torchrun(name, tmp_path):
     case = _case(name)
-    r = torchrun(2, str(EXAMPLES / name), *case.torchrun, timeout=TIMEOUT, cwd=tmp_path)
+    r = torchrun(case.nproc, str(EXAMPLES / name), *case.torchrun, timeout=TIMEOUT, cwd=tmp_path)
     assert r.returncode == 0, why(r)
     out = r.stdout
     got = case.check(out, case.torchrun)

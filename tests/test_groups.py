@@ -170,6 +170,46 @@ def _ranks_run_all(root: str) -> list[int]:
     return codes
 
 
+def _ranks_init_groups() -> dict:
+    """One rank of a 4-process world: what init_groups(2) made, and its refusals."""
+    import torch.distributed as dist
+
+    from gossip.groups import init_groups
+
+    g = init_groups(2)
+    out = {"group": g.group, "member": g.member, "group_ranks": dist.get_process_group_ranks(g.group_pg),
+           "inter_ranks": dist.get_process_group_ranks(g.inter_pg)}
+    # the members of a group hold one model; a sliced all-reduce between the groups
+    algo = g.algorithm("allreduce", timeout=30)
+    X = torch.full((1, 5), float(g.group))  # group k's model: all k
+    algo.setup(X.clone())
+    algo.reduce_gradients(X)
+    out["reduced"] = X.tolist()
+    out["sharded"], out["slices"] = algo.sharded, sorted(algo.inners)
+    try:
+        init_groups(3)
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
+
+
+def test_init_groups_under_a_real_world():
+    """init_groups(2) on 4 ranks: groups {0,1} and {2,3}; member j of every group forms
+    the inter-group communicator of slice j; the algorithm it builds runs sliced (each
+    member its own slice) and leaves every rank the mean over the groups."""
+    from tests._dist import run_world
+
+    got = run_world(4, _ranks_init_groups, timeout=120)
+    for r, g in enumerate(got):
+        assert (g["group"], g["member"]) == (r // 2, r % 2)
+        assert g["group_ranks"] == [2 * (r // 2), 2 * (r // 2) + 1] and g["inter_ranks"] == [r % 2, r % 2 + 2]
+        assert g["sharded"] is True and g["slices"] == [r % 2]
+        assert g["reduced"] == [[0.5] * 5]  # the mean of group 0's 0 and group 1's 1, every slice gathered
+        assert g["refused"] == "group size 3 does not divide the world size 4 (accepted: a divisor of 4: 1, 2, 4)"
+    with pytest.raises(RuntimeError, match="init_groups: no process group"):
+        __import__("gossip.groups", fromlist=["init_groups"]).init_groups(2)
+
+
 def _flat_bytes(name: str, opts: dict, d: int, steps: int, n: int = 2) -> float:
     """Bytes one node of a flat ``n``-node run of ``name`` sends per step on a vector
     of ``d`` values: the algorithm alone, on the simulated communicator."""

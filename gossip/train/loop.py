@@ -136,10 +136,37 @@ class RunGroups:
         self.size, self.algo, self.intra, self.inter_ledger = size, algo, intra, inter_ledger
         self.members, self.ranks = members, ranks
 
+    def checkpointed(self, ledger) -> "LevelLedgers":
+        """What a checkpoint keeps of the traffic: the run's ``ledger`` and the levels'
+        (inside the group; between groups where that is not the run's, under torchrun)."""
+        levels = {"intra": self.intra.ledger}
+        if self.inter_ledger is not ledger:
+            levels["inter"] = self.inter_ledger
+        return LevelLedgers(ledger, levels)
+
     def bytes_by_level(self, steps: int) -> dict[str, float]:
         """Bytes one rank sent per step inside its group and between groups (this process's ranks)."""
         per = max(1, steps) * self.ranks
         return {"intra": self.intra.ledger.step_bytes_sent / per, "inter": self.inter_ledger.step_bytes_sent / per}
+
+
+class LevelLedgers:
+    """The run's ledger with those of a run in groups' levels, saved and restored
+    together (a checkpoint's ``ledger``: the run's state, plus ``levels``)."""
+
+    def __init__(self, run, levels: dict) -> None:
+        self.run, self.levels = run, levels
+
+    def state_dict(self) -> dict:
+        return {**self.run.state_dict(), "levels": {k: v.state_dict() for k, v in self.levels.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        sd = dict(sd)
+        levels = sd.pop("levels", {})
+        self.run.load_state_dict(sd)
+        for k, ledger in self.levels.items():
+            if k in levels:
+                ledger.load_state_dict(levels[k])
 
 
 def _groups(cfg: TrainConfig, env: Env, topo, device, comm, size: int) -> RunGroups:
@@ -260,7 +287,8 @@ class Run:
         self.log = metrics.RunLog(cfg, env, comm, self.out, self.steps_per_epoch)
         self.ckpt = CheckpointManager(
             self.out, env, comm, cfg, self.cfg_dict, gopt=self.gopt, loaders=self.loaders, batches=self.batches,
-            ledger=self.ledger, corpus=(dataset.corpus or {}).get("corpus", cfg.data.name), say=self.log.say)
+            ledger=self.ledger if groups is None else groups.checkpointed(self.ledger),
+            corpus=(dataset.corpus or {}).get("corpus", cfg.data.name), say=self.log.say)
         self._t0 = 0.0
         self._first_step = 0
 

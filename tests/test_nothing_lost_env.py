@@ -221,7 +221,9 @@ def test_sigterm_does_not_blame_a_failing_rank(tmp_path):
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=stop, daemon=True).start()
-    rc, _, err = _main(*SIM, "--max-steps", "100000", "--log-every", "1", "--out", str(out))
+    # long enough (many epochs) that the signal always comes before the end, however
+    # slowly the thread that sends it is scheduled
+    rc, _, err = _main(*SIM, "--epochs", "1000", "--max-steps", "100000", "--log-every", "1", "--out", str(out))
     assert rc == 128 + signal.SIGTERM and err.strip() == f"gossip.train: {gossip_train.STOPPED}", err
     assert "failing rank's own line says why" not in err
 

@@ -127,12 +127,19 @@ print("exit codes " + json.dumps(codes), flush=True)
 """
 
 
+#: the algorithms that run only in the simulation (each refuses torchrun and --resume in
+#: one line, checked below); an entry leaves this set when it runs under torchrun
+NOT_UNDER_TORCHRUN = {"adpsgd": "asynchronous: steps on the simulation's event clock"}
+
+
 def _every_algorithm(out: Path) -> list[tuple[str, list[str]]]:
     """One small run per registered algorithm on 2 ranks: 6 steps, a checkpoint at step 3,
     and a communication round every 2 steps where the family has local steps (so the
     resume falls between two rounds)."""
     jobs = []
     for name in algorithms.available():
+        if name in NOT_UNDER_TORCHRUN:
+            continue
         argv = ["--algo", name, "--data", "synthetic", "--model", "logreg", "--batch-size", "16",
                 "--max-steps", "6", "--checkpoint-every", "3", "--log-every", "1", "--no-progress",
                 "--out", str(out / name)]
@@ -216,3 +223,17 @@ def test_every_algorithm_resumes_with_the_bytes_of_an_uninterrupted_run(tmp_path
         if name not in wrong and a != b:
             wrong[name] = "summary differs: " + ", ".join(f"{k} {a.get(k)} != {b.get(k)}" for k in a if a.get(k) != b.get(k))
     assert not wrong, "\n".join(f"{k}: {v}" for k, v in wrong.items())
+
+
+@pytest.mark.parametrize("name", sorted(NOT_UNDER_TORCHRUN))
+def test_an_algorithm_left_out_above_refuses_torchrun_and_resume_in_one_line(name, tmp_path):
+    """What the every-algorithm resume test leaves out must say so itself, in one line,
+    rather than run without its checkpoints."""
+    r = torchrun(2, "-m", "gossip.train", "--algo", name, "--topology", "complete", "--data", "synthetic",
+                 "--model", "logreg", "--max-steps", "2", "--no-progress", "--out", str(tmp_path / "dist"), timeout=120, cwd=tmp_path)
+    lines = {line.split("] ", 1)[-1] for line in r.stderr.strip().splitlines() if "error:" in line}
+    assert r.returncode != 0 and len(lines) == 1 and name in lines.pop() and "torchrun" in r.stderr, why(r)
+    r = run_process([sys.executable, "-m", "gossip.train", "--simulate", "4", "--algo", name, "--data", "synthetic",
+                     "--model", "logreg", "--max-steps", "2", "--no-progress", "--resume", "auto",
+                     "--out", str(tmp_path / "sim")], timeout=120, cwd=tmp_path)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "resume" in r.stderr, r.stderr

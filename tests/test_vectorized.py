@@ -647,7 +647,9 @@ def test_sim_epoch_profile_splits_an_epoch_into_phases_that_add_up(tmp_path):
     assert not any("_local_step" in t["function"] or "loop.py:286(step)" in t["function"] for t in row["gossip"])
     assert (tmp_path / "pst" / "logreg-4.pstats").stat().st_size > 0
     assert {"command", "commit", "machine", "load_before", "load_after"} <= set(r["provenance"])
-    assert "| logreg | 4 |" in mod.table(r["rows"])
+    from experiments import tables
+
+    assert "| logreg | 4 |" in tables.sim_epoch_profile_table(r["rows"])
 
 
 def test_sim_epoch_profile_refuses_bad_input(capsys):

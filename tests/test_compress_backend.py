@@ -11,6 +11,30 @@ from gossip.compress import _kernels
 from tests.conftest import requires_cuda
 
 
+def _every_kernel() -> list:
+    todo = [v for v in vars(_kernels).values() if isinstance(v, _kernels.Kernel)]
+    todo += list(_kernels._VARIANTS.values())
+    seen: dict[int, object] = {}
+    while todo:
+        k = todo.pop()
+        if id(k) not in seen:
+            seen[id(k)] = k
+            todo += list(k._variants.values())
+    return list(seen.values())
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernels_no_earlier_file_compiled():
+    """This file checks that the kernels compile and match their eager forms, so it
+    starts from kernels that no earlier test file in this process compiled: a kernel that
+    met torch.compile's recompile limit there (many call sites, one process) stays eager
+    for the rest of the process, and would fail these checks for a reason of its own."""
+    torch._dynamo.reset()
+    for k in _every_kernel():
+        k._compiled, k.failed, k.failure, k.verified = None, False, None, False
+    yield
+
+
 @pytest.fixture
 def backend():
     old = _kernels.get_backend()

@@ -387,7 +387,8 @@ def test_bad_algo_options_are_one_line(opts, needles):
 
 def test_algo_options_compressor_and_none_to_set():
     _one_error_line(train("--algo", "efmomentum", *ALGO_QUICK, "--algo-opt", "compressor=topk"), "--compressor")
-    _one_error_line(train("--algo", "allreduce", *ALGO_QUICK, "--algo-opt", "rank=2"), "allreduce", "none to set")
+    _one_error_line(train("--algo", "allreduce", *ALGO_QUICK, "--algo-opt", "rank=2"), "allreduce",
+                    "accepted: aggregator")
 
 
 def test_algo_options_from_toml_merge_with_flags(tmp_path):

@@ -217,6 +217,9 @@ class Algorithm:
     #: True where the algorithm keeps replicas or estimates of fixed neighbours (DCD, ECD,
     #: CHOCO): it is refused a time-varying topology (``topologies.TimeVaryingTopology``)
     needs_static_graph: ClassVar[bool] = False
+    #: why ``--robust clippedgossip`` cannot be composed with the algorithm's exchange,
+    #: or None (the refusal's reason, in one line)
+    robust_refusal: ClassVar[str | None] = None
     #: the CLI's ``--topology`` when it is unset (SGP: its paper's directed one-peer
     #: exponential graph); the library takes whatever topology it is handed
     default_topology: ClassVar[str] = "ring"

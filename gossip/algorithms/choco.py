@@ -168,6 +168,10 @@ class Choco(GossipBase):
     Config = ChocoConfig
     state_copies = 9
     summary = "CHOCO-SGD (Koloskova et al. 2019): compressed gossip that takes biased compressors (top-k, sign)"
+    robust_refusal = (
+        'its public copies x-hat add up every compressed message, so a clipped difference of one '
+        "step does not bound what a Byzantine node has moved its copy by; ClippedGossip's guarantee"
+        ' (arXiv:2202.01545) is for exact models')
     needs_static_graph = True
 
     def __init__(self, config: ChocoConfig, comm: Any) -> None:

@@ -495,6 +495,10 @@ class DCD(GossipBase):
     Config = DCDConfig
     state_copies = 8
     summary = "DCD-PSGD (Tang et al. 2018, arXiv:1803.06443, Alg. 1): exchange compressed model differences"
+    robust_refusal = (
+        "its neighbours' replicas add up every message received, so a clipped difference of one "
+        "step does not bound what a Byzantine node has moved its replica by; ClippedGossip's "
+        'guarantee (arXiv:2202.01545) is for exact models')
     uses_mix = True
     needs_static_graph = True
 
@@ -533,6 +537,10 @@ class ECD(GossipBase):
     Config = ECDConfig
     state_copies = 9
     summary = "ECD-PSGD (Tang et al. 2018, arXiv:1803.06443, Alg. 2): exchange compressed extrapolations"
+    robust_refusal = (
+        "its neighbours' estimates extrapolate every message received, so a clipped difference of "
+        "one step does not bound what a Byzantine node has moved its estimate by; ClippedGossip's "
+        'guarantee (arXiv:2202.01545) is for exact models')
     uses_mix = True
     needs_static_graph = True
     has_self_estimate = True

@@ -807,20 +807,6 @@ class RunSection:
                               f"{self.out!r} names another: drop --out (or give --resume auto --out DIR)")
 
 
-#: the methods whose pseudo-gradients or replicas the trust options cannot reach yet, with why
-_ROBUST_REFUSED = {
-    "dcd": "its neighbours' replicas add up every message received, so a clipped difference of one step does "
-           "not bound what a Byzantine node has moved its replica by; ClippedGossip's guarantee "
-           "(arXiv:2202.01545) is for exact models",
-    "ecd": "its neighbours' estimates extrapolate every message received, so a clipped difference of one step "
-           "does not bound what a Byzantine node has moved its estimate by; ClippedGossip's guarantee "
-           "(arXiv:2202.01545) is for exact models",
-    "choco": "its public copies x-hat add up every compressed message, so a clipped difference of one step does "
-             "not bound what a Byzantine node has moved its copy by; ClippedGossip's guarantee "
-             "(arXiv:2202.01545) is for exact models",
-}
-
-
 @dataclass(frozen=True, kw_only=True)
 class TrustSection:
     """``[trust]``: Byzantine nodes, their attack, and the defences (docs/trust.md)."""
@@ -1088,7 +1074,9 @@ class TrainConfig:
                               f"{alg.name} " + ("is decentralized: use --robust clippedgossip with --algo dpsgd"
                                                 if alg.decentralized else "does not carry it yet"))
         if tr.robust is not None and alg.name != "dpsgd":
-            why = _ROBUST_REFUSED.get(alg.name)
+            from gossip import algorithms as _alg
+
+            why = _alg.algorithm_class(alg.name).robust_refusal
             raise ConfigError(f"--robust {tr.robust} runs with --algo dpsgd; --algo {alg.name}: "
                               + (why + "; use --algo dpsgd" if why else
                                  "not decentralized: use --aggregator with --algo allreduce" if not alg.decentralized

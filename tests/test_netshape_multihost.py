@@ -26,7 +26,9 @@ from gossip import checkpoint
 from tests.conftest import child_env, run_process
 from tests.test_netshape_cluster import _ours, _prefix, needs_netns, vcl
 
-TRAIN = ["-m", "gossip.train", "--algo", "ecd", "--bits", "8", "--topology", "ring", "--no-progress"]
+# flat on purpose: across hosts, an unset --group-size groups each host's processes
+TRAIN = ["-m", "gossip.train", "--algo", "ecd", "--bits", "8", "--topology", "ring", "--group-size", "1",
+         "--no-progress"]
 # two run lengths inside the first epoch (31 steps of MNIST-1D at batch 32 on 4 nodes):
 # both have the same start-up, setup exchange and one evaluation, so their difference
 # is the traffic of the steps alone

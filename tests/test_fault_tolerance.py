@@ -703,13 +703,29 @@ def test_each_replicas_line_reaches_stderr_in_one_write(monkeypatch):
     # under python -u, and another replica's line could land between the two
     from types import SimpleNamespace
 
-    from gossip.train.fault_tolerance import FaultTolerantRun
+    from gossip.train.fault_tolerance import FaultTolerantRun, ReplicaLog
 
     err = _Writes()
     monkeypatch.setattr(sys, "stderr", err)
     FaultTolerantRun._say(SimpleNamespace(replica=2), "quorum 3 -> 2 replicas")
     FaultTolerantRun._say(SimpleNamespace(replica=0), "rejoined")
-    assert err.calls == ["[replica 2] quorum 3 -> 2 replicas\n", "[replica 0] rejoined\n"]
+    ReplicaLog.say(SimpleNamespace(replica=1), "epoch  1/2")  # the run's lines (an epoch's end)
+    assert err.calls == ["[replica 2] quorum 3 -> 2 replicas\n", "[replica 0] rejoined\n", "[replica 1] epoch  1/2\n"]
+
+
+def test_the_fault_tolerant_run_overrides_only_the_step_and_the_finish():
+    """The rest of a replica's run is the run's own loop with the replica's hooks
+    (how it is built, starts, evaluates and checkpoints), supplied by composition."""
+    from gossip.train import fault_tolerance as ft
+    from gossip.train.loop import Build, Evaluation, Run, Start
+
+    inherited = {n for c in Run.__mro__[:-1] for n in vars(c) if not n.startswith("__")}
+    assert {n for n in vars(ft.FaultTolerantRun) if n in inherited} == {"step", "finish"}
+    hooks = ft.replica_hooks(ft.ReplicaSpec(0, 2, "http://localhost:1", 1, 5.0, False))
+    assert isinstance(hooks.build, ft.ReplicaBuild) and isinstance(hooks.build, Build)
+    assert isinstance(hooks.start, ft.ReplicaStart) and isinstance(hooks.start, Start)
+    assert isinstance(hooks.evaluation, ft.ReplicaEvaluation) and isinstance(hooks.evaluation, Evaluation)
+    assert ft.ReplicaEnv(world_size=2, distributed=False, rank=1).mode == ft.MODE
 
 
 # --------------------------------------------------------------------------------------

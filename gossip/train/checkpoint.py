@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -25,7 +25,7 @@ from gossip.train import agreement
 from gossip.train.config import RESUME_AUTO
 from gossip.train.config import fingerprint_keys as run_fingerprint_keys
 
-__all__ = ["CheckpointManager", "CheckpointRecord", "Progress"]
+__all__ = ["CheckpointManager", "CheckpointRecord", "Checkpoints", "Progress"]
 
 
 @dataclass
@@ -122,6 +122,19 @@ def _unstack_loader_states(saved: Any, where: str) -> list[dict]:
             for i in range(n)]
 
 
+
+
+class Checkpoints(Protocol):
+    """What a run's checkpoints do (its ``ckpt``, made by its build hook): refuse to
+    resume a finished run, restore the newest step, save the current one.
+    :class:`CheckpointManager` is every mode's but one; a fault-tolerant replica keeps
+    its own file (:mod:`gossip.train.fault_tolerance`)."""
+
+    def check_finished(self, stop: int, total: int) -> None: ...
+
+    def resume(self, auto: bool = False) -> Progress | None: ...
+
+    def save(self, progress: Progress) -> Path: ...
 
 
 class CheckpointManager:

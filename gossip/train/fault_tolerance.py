@@ -7,8 +7,10 @@ averages the step's all-reduce over that step's participants, and heals a replic
 (re)joins behind the group by sending it a live peer's state over its HTTP checkpoint
 transport: no file on disk is read. See docs/fault-tolerance.md for the design, what
 torchft carries and what it does not. Each worker is a :class:`FaultTolerantRun`, a
-:class:`gossip.train.loop.Run` whose step is the one below; it writes the records every run
-writes (config.json, metrics, summary.json).
+:class:`gossip.train.loop.Run` whose step is the one below and whose finish is its own;
+how it is built, starts, evaluates and checkpoints are the run's hooks, supplied by
+:func:`replica_hooks`. It writes the records every run writes (config.json, metrics,
+summary.json).
 
 One step of replica ``k`` (``Manager`` calls in brackets):
 
@@ -49,6 +51,7 @@ import os
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -64,11 +67,12 @@ from gossip.train.checkpoint import Progress
 from gossip.comm.base import is_time_varying
 from gossip.train.config import RESUME_AUTO, lighthouse_address
 from gossip.errors import RunError, say_line
-from gossip.train.loop import Run
+from gossip.train.loop import Build, Evaluation, Run, RunHooks, Start
 
-__all__ = ["FT_CHECKPOINT_FORMAT", "FTCommunicator", "FaultTolerantRun", "MODE", "SUPPORTED_ALGORITHMS",
+__all__ = ["FT_CHECKPOINT_FORMAT", "FTCommunicator", "FaultTolerantRun", "MODE", "ReplicaBuild", "ReplicaCheckpoints",
+           "ReplicaEnv", "ReplicaEvaluation", "ReplicaLog", "ReplicaSpec", "ReplicaStart", "SUPPORTED_ALGORITHMS",
            "agreement_verdict", "ft_checkpoints", "lighthouse_address", "live_topology", "probe_lighthouse",
-           "run_fault_tolerant"]
+           "replica_hooks", "replica_spec", "run_fault_tolerant"]
 
 #: the algorithms that run under ``--fault-tolerance`` (``Algorithm.fault_tolerant``)
 SUPPORTED_ALGORITHMS = tuple(n for n in algorithms.available() if algorithms.algorithm_class(n).fault_tolerant)
@@ -266,137 +270,32 @@ def _wait_for_lighthouse(addr: str, timeout: float) -> None:
 class FaultTolerantRun(Run):
     """One replica of a ``--fault-tolerance`` run: :class:`gossip.train.loop.Run`'s training
     story (its :meth:`~gossip.train.loop.Run.train`: begin, step until the end, an epoch's end,
-    checkpoints, finish) with the module's steps 1-5 as its :meth:`step`.
+    checkpoints, finish) with the module's steps 1-5 as its :meth:`step` and its own
+    :meth:`finish`; it overrides nothing else of the run.
 
     It records what every run records: its step, quorum, heal and end records through the
-    run's :class:`~gossip.train.metrics.RunLog`, ``config.json`` and ``summary.json`` (the same
-    keys as any run's, plus a ``fault_tolerance`` object: replica, quorums, heals,
-    discarded steps, aborted groups) from :mod:`gossip.train.metrics`' records; its device by
-    :func:`gossip.train.assembly.choose_device`. What it does its own way, and why:
+    run's log, ``config.json`` and ``summary.json`` (the same keys as any run's, plus a
+    ``fault_tolerance`` object: replica, quorums, heals, discarded steps, aborted groups)
+    from :mod:`gossip.train.metrics`' records; its device by
+    :func:`gossip.train.assembly.choose_device`. What a replica does its own way is in
+    the run's hooks (:func:`replica_hooks`), and why:
 
-    - construction and :meth:`begin`: nothing is exchanged before the first quorum (the
-      group forms again at every step), and nothing is written before the replica's
-      group has agreed (a refused replica writes nothing, least of all into the file of
-      the live replica whose id it took);
-    - :meth:`end_epoch`: the replica's own model, no collective (a peer's death must not
-      cost an epoch's evaluation);
-    - :meth:`checkpoint`: one file per replica (``ckpt-step<N>-replica<k>.pt``), read
-      back by the replica alone: the run's :class:`~gossip.train.checkpoint.CheckpointManager`
+    - :class:`ReplicaBuild`: nothing is exchanged before the first quorum (the group
+      forms again at every step), so the replica's parts are built offline, and its run
+      directory is not claimed: nothing is written before the replica's group has agreed
+      (a refused replica writes nothing, least of all into the file of the live replica
+      whose id it took); its :class:`ReplicaLog` holds the records until then;
+    - :class:`ReplicaStart`: the Lighthouse and torchft's Manager (with the resumed step:
+      the quorum heals the replicas behind the most advanced one), shut down at the end
+      however the run ends;
+    - :class:`ReplicaEvaluation`: the replica's own model, no collective (a peer's death
+      must not cost an epoch's evaluation);
+    - :class:`ReplicaCheckpoints`: one file per replica (``ckpt-step<N>-replica<k>.pt``),
+      read back by the replica alone: the run's :class:`~gossip.train.checkpoint.CheckpointManager`
       resumes the step every rank agrees on through collectives, which a replica cannot
       take part in before it has a quorum (each replica resumes on its own and the
       quorum heals those behind the most advanced one).
     """
-
-    def __init__(self, cfg: Any) -> None:  # noqa: PLR0915 - not Run's: no collective before the first quorum
-        self.cfg = cfg
-        self.decentralized = algorithms.is_decentralized(cfg.algorithm.name)
-        self.verbose = bool(cfg.comm.ft_verbose)
-        _torchft_logging(self.verbose)  # before torchft's first import: its Rust log reads RUST_LOG then
-        try:
-            import torchft  # noqa: F401
-        except ImportError:
-            raise RunError("--fault-tolerance needs torchft: pip install 'gossip[ft]' (torchft>=0.2)") from None
-        # the cross-flag rules (--algo, --simulate, --out, --min-replicas of a graph) are the config's
-        self.addr = lighthouse_address(cfg.comm.fault_tolerance)
-        self.min_replicas = cfg.comm.min_replicas
-        self.timeout = float(cfg.comm.timeout)
-        self.replica, self.replicas = _replica_env()
-        if self.min_replicas > self.replicas:
-            raise RunError(f"--min-replicas {self.min_replicas} exceeds the {self.replicas} replicas of "
-                           f"{REPLICAS_ENV}; accepted: 1 .. {self.replicas}")
-        resume = cfg.run.resume
-        self.out = Path(cfg.run.out if resume in (None, RESUME_AUTO) else resume)
-        if resume not in (None, RESUME_AUTO) and not self.out.is_dir():
-            raise RunError(f"--resume {resume!r}: no such run directory")
-        # replica k of N, each in its own process, outside any torchrun group
-        self.env = Env(world_size=self.replicas, distributed=False, rank=self.replica)
-        self.device = assembly.choose_device(cfg, self.env)
-        self.is_main, self.nodes = self.replica == 0, [self.replica]
-        self.resumed_step: int | None = None  # the step of the checkpoint this replica resumed from
-        self.group_resuming = False  # is this replica's group a run started again from its checkpoints
-        self.members: list[tuple[int, str]] = []
-        self.heal_bytes, self.heal_source, self.heal_reset, self.heal_mismatch = 0, -1, [], False
-        self.agreed_quorum: tuple | None = None  # the group (_QuorumWatch.key) last found to agree
-        self.built_quorum: tuple | None = None  # the group the topology and replica state were built for
-        self.quorums = self.heals = self.discarded = 0  # for the summary's fault_tolerance object
-        self.manager: Any = None
-        self._build()
-
-    def _build(self) -> None:
-        """The data set, the agreement record, x_1, the shards and the algorithm: all refused
-        (in one line) before anything connects."""
-        cfg = self.cfg
-        self.dataset = assembly.build_dataset(cfg)
-        self.task = self.dataset.task
-        self.cfg_dict = cfg.to_dict()
-        if (self.dataset.corpus or {}).get("sha256"):  # a text corpus's identity, as every mode records it
-            self.cfg_dict["corpus_sha256"] = self.dataset.corpus["sha256"]
-        self._agreement_record()
-        torch.manual_seed(cfg.run.seed)  # x_1 identical on every replica
-        self.model = assembly.build_model(cfg, self.dataset, self.device)
-        self.opt = assembly.local_optimizer(cfg, self.model)
-        self.models, self.opts = [self.model], [self.opt]
-        try:  # by the data set's task: a language model's windows of text, a classifier's labels
-            self.shards = data.partition_dataset(self.dataset, self.replicas, scheme=cfg.data.partition,
-                                                 seed=cfg.run.seed)
-        except ValueError as e:
-            raise RunError(f"--partition {cfg.data.partition} over {self.replicas} replicas: {e}; "
-                           "use fewer replicas or more data") from None
-        self.comm = FTCommunicator(None, None, self.replica, self.replicas, self.timeout)
-        self._build_optimizer()
-        self.dim = self.gopt.flat.dim
-        self.ledger = self.comm.run_ledger
-        self.steps_per_epoch = len(self.shards[self.replica]) // cfg.data.batch_size or 1
-        self.total = cfg.run.epochs * self.steps_per_epoch
-        self.stop = self.total if cfg.run.max_steps is None else min(self.total, cfg.run.max_steps)
-        # the configured graph over every replica: the records' topology and, as in every mode, the
-        # epoch line's ratio to full-precision D-PSGD's bytes per node per step on it
-        self.topo = self._topology(self.replicas)[0] if self.decentralized else None
-        self.dpsgd_bytes = metrics.dpsgd_bytes(cfg, self.topo, self.replicas, self.dim)
-        self.progress = Progress.fresh(1)
-        self.last_eval: dict[str, Any] = {}
-        self.log = metrics.RunLog(cfg, self.env, self.comm, self.out, self.steps_per_epoch, nodes=[self.replica])
-        #: records held until this replica's group has agreed (None once the run's files are open)
-        self.pending: list[dict] | None = []
-        self._t0 = time.perf_counter()
-
-    def _record(self, rec: dict) -> None:
-        if self.pending is not None:
-            self.pending.append(rec)
-        else:
-            self.log.record(rec)
-
-    def facts(self) -> metrics.RunFacts:
-        """What config.json and summary.json say about this run (one process per replica,
-        on hosts the run does not know)."""
-        return metrics.RunFacts(cfg=self.cfg, algo=self.algo, world_size=self.replicas, mode=MODE,
-                                hosts={"hosts": None, "procs_per_host": 1}, dim=self.dim, task=self.task,
-                                topology=self.cfg.comm.topology if self.topo is not None else None, pooled=False)
-
-    # --- the whole run: Run.train, within the Manager's lifetime ------------------------
-    def train(self) -> dict | None:
-        """:meth:`gossip.train.loop.Run.train`, the torchft Manager shut down at its end however
-        it ends; the summary on replica 0 (None elsewhere)."""
-        try:
-            return super().train()
-        finally:
-            if self.manager is not None:
-                self.manager.shutdown(wait=False)
-
-    def begin(self) -> None:
-        """Before the first step: this replica's own checkpoint (``--resume``), the
-        Lighthouse, the Manager (with the resumed step: the quorum heals the replicas
-        behind the most advanced one), this replica's loader, the clock."""
-        resumed = self._resume() if self.cfg.run.resume is not None else None
-        _wait_for_lighthouse(self.addr, self.timeout)
-        self._start_manager()
-        if resumed is not None:
-            self.manager.load_state_dict({"step": resumed["step"], "batches_committed": resumed["batches_committed"]})
-            self.progress.step = resumed["step"]
-        self._position_loader(0)
-        self.loader_step, self.waiting_since, self.said_wait = 0, None, False
-        self.stepped = False  # has this process committed a step (a restarted one has not, before it heals)
-        self._t0 = time.perf_counter()
 
     def step(self) -> None:
         """The module's steps 1-5 for the group's next step: ``progress.step`` moves on only
@@ -413,10 +312,38 @@ class FaultTolerantRun(Run):
             self.manager.should_commit()  # says no: the next quorum retries
             self._say(f"step {step + 1} skipped ({_first_line(self.manager.errored())[:120]}); retrying")
             return
-        if self.pending is not None:  # the first step of a group that agreed
+        if self.log.pending is not None:  # the first step of a group that agreed
             self._open_run_files()
         self._step(step, n)
 
+    def finish(self) -> dict | None:
+        """The end record (this replica's model on the test set), its final parameters in
+        ``model-replica<k>.pt``, and on replica 0 summary.json (its own figures: no
+        collective at the end either); returns the summary on replica 0 (None elsewhere)."""
+        step = self.manager.current_step()
+        end = {"event": "end", "step": step, **evaluation.test_metrics(self.model, self.dataset, self.device),
+               "time": self.elapsed(), "aborted_groups": self.comm.aborts}
+        # the run's writers are closed (Run.train closes them before its last checkpoint): appended
+        writer = rundir.MetricsWriter(rundir.metrics_path(self.out, self.replica), keep_until=2**62)
+        writer.write(end)
+        writer.close()
+        torch.save({"params": self.gopt.flat.data[0].detach().clone(), "step": step},
+                   self.out / f"model-replica{self.replica}.pt")
+        if not self.is_main:
+            return None
+        say_line(json.dumps(end), sys.stdout)
+        summary = metrics.summary_record(self.facts(), steps=step, ledger=self.comm.run_ledger, comm=self.comm,
+                                         last_eval=self.last_eval, dpsgd_bytes=self.dpsgd_bytes,
+                                         wall_time_s=self.elapsed())
+        summary["fault_tolerance"] = {
+            "replica": self.replica, "replicas": self.replicas, "min_replicas": self.min_replicas,
+            "lighthouse": self.addr, "quorums": self.quorums, "heals": self.heals,
+            "discarded_steps": self.discarded, "aborted_groups": self.comm.aborts,
+            "resumed_from_step": self.resumed_step}
+        rundir.write_json(rundir.summary_path(self.out), summary)
+        return summary
+
+    # --- the replica's helpers: its state for a peer, its loader, its lines, its Manager -----
     def _state(self) -> dict:
         # a copy: the transport serves it while this replica trains on (torchft orders the
         # healing peer's fetch before this step's all-reduce completes, but the copy makes
@@ -456,6 +383,7 @@ class FaultTolerantRun(Run):
                                        device=self.device)
         for _ in range(step):  # the loader's order is a function of (seed, node, step)
             self.loader.next_batch()
+        self.loaders = [self.loader]
 
     def _say(self, line: str) -> None:
         say_line(f"[replica {self.replica}] {line}")  # the replicas share one stderr
@@ -485,32 +413,6 @@ class FaultTolerantRun(Run):
         )
         self.watch = self.manager._client = _QuorumWatch(self.manager._client, self.manager)
         self.comm.attach(self.manager, self.pg)
-
-    def _build_optimizer(self) -> None:
-        from gossip.runtime import GossipOptimizer
-
-        cfg = self.cfg
-        # a placeholder membership (all replicas) until the first quorum
-        self.comm.reconfigure(list(range(self.replicas)),
-                              self._topology(self.replicas)[0] if self.decentralized else None)
-        self.algo = assembly.build_algorithm(cfg, self.comm)
-        try:
-            with self.comm.offline():  # the replica state is built with the first quorum's neighbours
-                self.gopt = GossipOptimizer([self.model], [self.opt], self.algo)
-        except (ValueError, TypeError) as e:
-            raise RunError(f"--algo {cfg.algorithm.name}: {e}") from None
-        if not type(self.algo).fault_tolerant:  # e.g. MergeComp's schedule of the EF family (--merge)
-            raise RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} as configured builds "
-                                f"{type(self.algo).__name__}, which does not run under --fault-tolerance; supported: "
-                                f"{', '.join(SUPPORTED_ALGORITHMS)} (without --merge)")
-        if getattr(self.algo.state, "exchange", None) == "sharded":
-            raise RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} with --compressor "
-                                f"{cfg.algorithm.compressor_spec} uses the sharded exchange, whose shards are owned "
-                                "by rank and would be re-assigned at every quorum change; add --algo-opt "
-                                "exchange=allgather")
-        if isinstance(self.algo.config, algorithms.DiLoCoConfig) and self.algo.config.outer_delay:
-            raise RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} with outer_delay=1 keeps an exchange "
-                           "in flight across a round, which a quorum change would cut; drop outer_delay")
 
     # --- agreement: the replicas of a group share one config and one data set ---------
     def _agreement_record(self) -> None:
@@ -576,10 +478,7 @@ class FaultTolerantRun(Run):
             record = metrics.config_record(self.facts(), cfg_dict=self.cfg_dict, layout=self.gopt.layout,
                                            corpus=self.dataset.corpus)
             rundir.write_json(rundir.config_path(self.out), {**record, "fault_tolerance_replicas": self.replicas})
-        self.log.open(keep=2**62 if self.resumed_step is None else self.resumed_step)  # resumed: redo what follows
-        held, self.pending = self.pending or [], None
-        for rec in held:
-            self.log.record(rec)
+        self.log.release(keep=2**62 if self.resumed_step is None else self.resumed_step)  # resumed: redo what follows
 
     def _topology(self, n: int) -> tuple[Any, str | None]:
         return live_topology(self.cfg, n)
@@ -615,7 +514,7 @@ class FaultTolerantRun(Run):
         self._say(f"topology at step {step}: {topo.name} over replicas {ids}"
                   + (f", spectral gap {gap:.4g}" if gap is not None else "")
                   + f"; replica state re-established ({setup:,} bytes sent, setup traffic)")
-        self._record({"event": "topology", "step": step, "replicas": ids, "topology": topo.name,
+        self.log.record({"event": "topology", "step": step, "replicas": ids, "topology": topo.name,
                       "spectral_gap": gap, "fallback": why, "setup_bytes_sent": setup})
 
     # --- the step ---------------------------------------------------------------------
@@ -633,13 +532,13 @@ class FaultTolerantRun(Run):
             self.heals += 1
             self._say(f"healed from replica {self.heal_source} at step {now} (was at step {step}; "
                       f"{self.heal_bytes:,} bytes of state received{reset})")
-            self._record({"event": "heal", "step": now, "from_step": step, "source": self.heal_source,
+            self.log.record({"event": "heal", "step": now, "from_step": step, "source": self.heal_source,
                           "bytes": self.heal_bytes, "reset": self.heal_reset})
             if self.stepped:  # a live worker that fell behind (its vote said no where others' said yes):
                 # the steps it took by healing are recorded once, as healed, with no loss of its own
                 for s_ in range(step + 1, now + 1):
                     if s_ % self.cfg.run.log_every == 0 or s_ == self.stop:
-                        self._record({"step": s_, "loss": None, "healed_from": self.heal_source,
+                        self.log.record({"step": s_, "loss": None, "healed_from": self.heal_source,
                                       "participants": None, "time": self.elapsed()})
         if self.loader_step != now:
             self._position_loader(now)
@@ -672,7 +571,7 @@ class FaultTolerantRun(Run):
             ids = [k for k, _ in members]
             self._say(f"quorum at step {step}: {len(ids)} replicas {ids}"
                       f" (left: {left or 'none'}; joined: {joined or 'none'})")
-            self._record({"event": "quorum", "step": step, "replicas": ids, "left": left, "joined": joined})
+            self.log.record({"event": "quorum", "step": step, "replicas": ids, "left": left, "joined": joined})
             self.members = members
             self.quorums += 1
         return self.manager.num_participants()
@@ -745,107 +644,277 @@ class FaultTolerantRun(Run):
         self.progress.step = done  # committed: Run.train ends the epoch and checkpoints after it
         self.progress.epoch_losses[0].append(loss.item())
         if done % cfg.run.log_every == 0 or done == self.stop:
-            self._record({"step": done, "loss": loss.item(), "lr": lr, "participants": n,
+            self.log.record({"step": done, "loss": loss.item(), "lr": lr, "participants": n,
                           "time": self.elapsed(),
                           "bytes_sent": int(self.comm.run_ledger.bytes_sent),
                           "setup_bytes_sent": int(self.comm.run_ledger.setup_bytes_sent)})
 
-    def _resume(self) -> dict | None:
-        """``--resume``: this replica's newest checkpoint in the run directory, loaded (None
-        where it has none: ``--resume auto`` then starts, and the quorum heals it from a
-        replica that resumed further). A checkpoint of another config is refused in one
-        line naming what differs."""
-        found = ft_checkpoints(self.out, self.replica)
+# --------------------------------------------------------------------------------------
+# the run's hooks: how a replica is built, starts, evaluates and checkpoints
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """Who this worker is: replica ``replica`` of ``replicas``, the Lighthouse's address,
+    ``--min-replicas``, ``--timeout`` and ``--ft-verbose``."""
+
+    replica: int
+    replicas: int
+    addr: str
+    min_replicas: int
+    timeout: float
+    verbose: bool
+
+
+def replica_spec(cfg: Any) -> ReplicaSpec:
+    """This worker's :class:`ReplicaSpec`, refused in one line where torchft is missing, the
+    replica environment is not set or ``--min-replicas`` exceeds the replicas."""
+    verbose = bool(cfg.comm.ft_verbose)
+    _torchft_logging(verbose)  # before torchft's first import: its Rust log reads RUST_LOG then
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise RunError("--fault-tolerance needs torchft: pip install 'gossip[ft]' (torchft>=0.2)") from None
+    # the cross-flag rules (--algo, --simulate, --out, --min-replicas of a graph) are the config's
+    addr = lighthouse_address(cfg.comm.fault_tolerance)
+    replica, replicas = _replica_env()
+    if cfg.comm.min_replicas > replicas:
+        raise RunError(f"--min-replicas {cfg.comm.min_replicas} exceeds the {replicas} replicas of "
+                       f"{REPLICAS_ENV}; accepted: 1 .. {replicas}")
+    return ReplicaSpec(replica, replicas, addr, cfg.comm.min_replicas, float(cfg.comm.timeout), verbose)
+
+
+@dataclass
+class ReplicaEnv(Env):
+    """A replica's :class:`~gossip.train.assembly.Env`: replica ``rank`` of ``world_size``,
+    each in its own process, outside any torchrun group; its mode is :data:`MODE`."""
+
+    @property
+    def mode(self) -> str:
+        return MODE
+
+
+class ReplicaBuild(Build):
+    """A replica's parts, all refused (in one line) before anything connects: the
+    agreement record, x_1 (identical on every replica by the seed), its shard and loader,
+    the algorithm over a placeholder membership (every replica) whose replica state is
+    built with the first quorum's neighbours. Its run directory is not claimed (nothing
+    is written before its group agreed); its log holds the records until then."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        self.spec = spec
+
+    def parts(self, run: FaultTolerantRun) -> None:  # noqa: PLR0915 - the replica's state, in one place
+        spec, cfg, dataset = self.spec, run.cfg, run.dataset
+        run.replica, run.replicas, run.addr = spec.replica, spec.replicas, spec.addr
+        run.min_replicas, run.timeout, run.verbose = spec.min_replicas, spec.timeout, spec.verbose
+        run.decentralized = algorithms.is_decentralized(cfg.algorithm.name)
+        run.nodes, run.is_main = [spec.replica], spec.replica == 0
+        run.out = Path(cfg.run.out if cfg.run.resume in (None, RESUME_AUTO) else cfg.run.resume)
+        run.hosts = {"hosts": None, "procs_per_host": 1}  # one process per replica, on hosts the run does not know
+        run.resumed_step = None  # the step of the checkpoint this replica resumed from
+        run.group_resuming = False  # is this replica's group a run started again from its checkpoints
+        run.members = []
+        run.heal_bytes, run.heal_source, run.heal_reset, run.heal_mismatch = 0, -1, [], False
+        run.agreed_quorum = None  # the group (_QuorumWatch.key) last found to agree
+        run.built_quorum = None  # the group the topology and replica state were built for
+        run.quorums = run.heals = run.discarded = 0  # for the summary's fault_tolerance object
+        run.manager = None
+        run.sim_path, run.sim_why, run.clock, run.adversary, run.batches = None, "", None, None, None
+        run.cfg_dict = cfg.to_dict()
+        if (dataset.corpus or {}).get("sha256"):  # a text corpus's identity, as every mode records it
+            run.cfg_dict["corpus_sha256"] = dataset.corpus["sha256"]
+        run._agreement_record()
+        torch.manual_seed(cfg.run.seed)  # x_1 identical on every replica
+        run.model = assembly.build_model(cfg, dataset, run.device)
+        run.opt = assembly.local_optimizer(cfg, run.model)
+        run.models, run.opts = [run.model], [run.opt]
+        try:  # by the data set's task: a language model's windows of text, a classifier's labels
+            run.shards = data.partition_dataset(dataset, spec.replicas, scheme=cfg.data.partition, seed=cfg.run.seed)
+        except ValueError as e:
+            raise RunError(f"--partition {cfg.data.partition} over {spec.replicas} replicas: {e}; "
+                           "use fewer replicas or more data") from None
+        self._optimizer(run)
+        run.dim = run.gopt.flat.dim
+        run.ledger = run.comm.run_ledger
+        try:  # positioned again at the start (ReplicaStart), and at every heal
+            run._position_loader(0)
+        except ValueError as e:
+            raise RunError(f"--batch-size {cfg.data.batch_size}: {e}") from None
+
+    @staticmethod
+    def _optimizer(run: FaultTolerantRun) -> None:
+        from gossip.runtime import GossipOptimizer
+
+        cfg = run.cfg
+        # a placeholder membership (all replicas) until the first quorum
+        run.comm.reconfigure(list(range(run.replicas)), run._topology(run.replicas)[0] if run.decentralized else None)
+        run.algo = assembly.build_algorithm(cfg, run.comm)
+        try:
+            with run.comm.offline():  # the replica state is built with the first quorum's neighbours
+                run.gopt = GossipOptimizer([run.model], [run.opt], run.algo)
+        except (ValueError, TypeError) as e:
+            raise RunError(f"--algo {cfg.algorithm.name}: {e}") from None
+        if not type(run.algo).fault_tolerant:  # e.g. MergeComp's schedule of the EF family (--merge)
+            raise RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} as configured builds "
+                           f"{type(run.algo).__name__}, which does not run under --fault-tolerance; supported: "
+                           f"{', '.join(SUPPORTED_ALGORITHMS)} (without --merge)")
+        if getattr(run.algo.state, "exchange", None) == "sharded":
+            raise RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} with --compressor "
+                           f"{cfg.algorithm.compressor_spec} uses the sharded exchange, whose shards are owned "
+                           "by rank and would be re-assigned at every quorum change; add --algo-opt "
+                           "exchange=allgather")
+        if isinstance(run.algo.config, algorithms.DiLoCoConfig) and run.algo.config.outer_delay:
+            raise RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} with outer_delay=1 keeps an exchange "
+                           "in flight across a round, which a quorum change would cut; drop outer_delay")
+
+    def log(self, run: FaultTolerantRun) -> ReplicaLog:
+        return ReplicaLog(run.cfg, run.env, run.comm, run.out, run.steps_per_epoch, replica=run.replica)
+
+    def checkpoints(self, run: FaultTolerantRun) -> ReplicaCheckpoints:
+        return ReplicaCheckpoints(run)
+
+
+class ReplicaLog(metrics.RunLog):
+    """The run's log of one replica: its records in ``metrics-rank<k>.jsonl`` (``k`` its
+    replica id, whatever its rank in the quorum), held (``pending``) until its group has
+    agreed and :meth:`release` opens the file; its lines on every replica, each prefixed
+    with ``[replica k]`` (the replicas share one stderr); an eval record is an ``event``
+    as every record of this file that is not a step's (quorum, heal, topology, end)."""
+
+    def __init__(self, cfg: Any, env: Env, comm: Any, out: Path, steps_per_epoch: int, *, replica: int) -> None:
+        super().__init__(cfg, env, comm, out, steps_per_epoch, nodes=[replica])
+        self.replica = replica
+        #: records held until this replica's group has agreed (None once the run's files are open)
+        self.pending: list[dict] | None = []
+
+    def say(self, line: str) -> None:
+        say_line(f"[replica {self.replica}] {line}")
+
+    def record(self, rec: dict) -> None:
+        if self.pending is not None:
+            self.pending.append(rec)
+        else:
+            super().record(rec)
+
+    def eval(self, step: int, ev: dict, elapsed: float) -> None:
+        # kind: the eval record of every mode (gossip.tools.analysis); event: so that a reader of steps passes it by
+        self.record({"event": "eval", "kind": "eval", "step": step, "epoch": step / self.steps_per_epoch,
+                     "time": elapsed, **ev})
+
+    def release(self, keep: int) -> None:
+        """Open the metrics file (records after ``keep`` dropped) and write the held records."""
+        self.open(keep=keep)
+        held, self.pending = self.pending or [], None
+        for rec in held:
+            super().record(rec)
+
+
+class ReplicaStart(Start):
+    """A replica's start: the Lighthouse, torchft's Manager (with the resumed step: the
+    quorum heals the replicas behind the most advanced one), its loader; the Manager
+    shut down however the run ends. Its files are opened by its first step, once its
+    group has agreed (:meth:`FaultTolerantRun._open_run_files`)."""
+
+    def open(self, run: FaultTolerantRun, resumed: bool) -> None:
+        _wait_for_lighthouse(run.addr, run.timeout)
+        run._start_manager()
+        if resumed:
+            state = run.ckpt.state
+            run.manager.load_state_dict({"step": state["step"], "batches_committed": state["batches_committed"]})
+        run._position_loader(0)
+        run.loader_step, run.waiting_since, run.said_wait = 0, None, False
+        run.stepped = False  # has this process committed a step (a restarted one has not, before it heals)
+
+    def close(self, run: FaultTolerantRun) -> None:
+        if run.manager is not None:
+            run.manager.shutdown(wait=False)
+
+
+class ReplicaEvaluation(Evaluation):
+    """After an epoch's last step: this replica's own model on the test set (no
+    collective: a peer's death must not cost an epoch's evaluation; with a centralized
+    algorithm every replica's model is the group's). The train loss is the mean of this
+    replica's own steps in the epoch (steps it took by healing have none)."""
+
+    def evaluate(self, run: FaultTolerantRun) -> dict[str, float]:
+        ev = evaluation.test_metrics(run.model, run.dataset, run.device)
+        losses = run.progress.epoch_losses[0]
+        return {"train_loss": sum(losses) / len(losses) if losses else float("nan"), **ev}
+
+
+class ReplicaCheckpoints:
+    """A replica's checkpoints: its state at the group's committed step (model, local
+    optimizer and the algorithm's whole state, its own error memories included, the
+    group's step and the ledger) in ``ckpt-step<N>-replica<k>.pt``, written atomically,
+    the two newest kept. Each replica its own, so that a run outlives its Lighthouse; on
+    ``--resume`` each replica loads its own newest one (``state``: for the Manager's step)."""
+
+    def __init__(self, run: FaultTolerantRun) -> None:
+        self.run = run
+        self.state: dict | None = None
+
+    def check_finished(self, stop: int, total: int) -> None:
+        """Nothing to agree on before the quorum: a replica of a finished run resumes at its
+        last step and ends at once."""
+
+    def resume(self, auto: bool = False) -> Progress | None:
+        """This replica's newest checkpoint in the run directory, loaded (None where it has
+        none: ``--resume auto`` then starts, and the quorum heals it from a replica that
+        resumed further). A checkpoint of another config is refused in one line naming
+        what differs."""
+        run = self.run
+        found = ft_checkpoints(run.out, run.replica)
         if not found:
-            if self.cfg.run.resume != RESUME_AUTO:
-                raise RunError(f"--resume {str(self.out)!r}: no checkpoint of replica {self.replica} there "
-                                    f"({_FT_CHECKPOINT.format(step='N', replica=self.replica)}); --resume auto starts "
-                                    "a replica that has none")
+            if not auto:
+                raise RunError(f"--resume {str(run.out)!r}: no checkpoint of replica {run.replica} there "
+                               f"({_FT_CHECKPOINT.format(step='N', replica=run.replica)}); --resume auto starts "
+                               "a replica that has none")
             return None
         step = max(found)
         try:
-            state = torch.load(found[step], map_location=self.device, weights_only=False)
+            state = torch.load(found[step], map_location=run.device, weights_only=False)
         except Exception as e:  # noqa: BLE001 - a damaged file: say which
             raise RunError(f"--resume: cannot read {str(found[step])!r} ({_first_line(e)[:200]})") from None
-        if state.get("format") != FT_CHECKPOINT_FORMAT or int(state.get("replica", -1)) != self.replica:
+        if state.get("format") != FT_CHECKPOINT_FORMAT or int(state.get("replica", -1)) != run.replica:
             raise RunError(f"--resume: {str(found[step])!r} is not a --fault-tolerance checkpoint of replica "
-                                f"{self.replica}")
+                           f"{run.replica}")
         theirs = state["agree"]
         diffs = [f"{k}: {json.dumps(theirs.get(k), default=str)} in the checkpoint, "
-                 f"{json.dumps(self.agree.get(k), default=str)} now"
-                 for k in dict.fromkeys([*theirs, *self.agree]) if theirs.get(k) != self.agree.get(k)]
+                 f"{json.dumps(run.agree.get(k), default=str)} now"
+                 for k in dict.fromkeys([*theirs, *run.agree]) if theirs.get(k) != run.agree.get(k)]
         if diffs:
-            raise RunError(f"--resume: the checkpoint of replica {self.replica} at step {step} was written with "
-                                f"another config; {'; '.join(diffs)}")
-        self.gopt.load_state_dict(state["gossip"])
-        self.comm.run_ledger.load_state_dict(state["ledger"])
-        self.resumed_step = step
-        self._say(f"resumed from its checkpoint at step {step}")
-        return state
+            raise RunError(f"--resume: the checkpoint of replica {run.replica} at step {step} was written with "
+                           f"another config; {'; '.join(diffs)}")
+        run.gopt.load_state_dict(state["gossip"])
+        run.comm.run_ledger.load_state_dict(state["ledger"])
+        run.resumed_step = step
+        run._say(f"resumed from its checkpoint at step {step}")
+        self.state = state
+        progress = Progress.fresh(1)
+        progress.step = int(state["step"])
+        return progress
 
-    # --- an epoch's end, checkpoints, the end -------------------------------------------
-    def end_epoch(self) -> None:
-        """After an epoch's last step: this replica's own model evaluated on the test set,
-        an eval record and the epoch line every mode prints (no collective: a peer's
-        death must not cost an epoch's evaluation; with a centralized algorithm every
-        replica's model is the group's). The train loss is the mean of this replica's own
-        steps in the epoch (steps it took by healing have none)."""
-        step = self.progress.step
-        ev = evaluation.test_metrics(self.model, self.dataset, self.device)
-        losses, self.progress.epoch_losses = self.progress.epoch_losses[0], [[]]
-        ev = {"train_loss": sum(losses) / len(losses) if losses else float("nan"), **ev}
-        # kind: the eval record of every mode (gossip.analysis); event: as every record of this file
-        # that is not a step's (quorum, heal, topology, end), so that a reader of steps passes it by
-        self._record({"event": "eval", "kind": "eval", "step": step, "epoch": step / self.steps_per_epoch,
-                      "time": self.elapsed(), **ev})
-        self.last_eval = ev
-        self._say(metrics.epoch_line(step / self.steps_per_epoch, self.cfg.run.epochs, ev, self.comm.run_ledger,
-                                     self.dpsgd_bytes, step, self.dataset.task))
-
-    def checkpoint(self) -> None:
-        """This replica's state at the group's committed step: model, local optimizer and
-        the algorithm's whole state (its own error memories included), the group's step
-        and the ledger; written atomically, the two newest kept. Each replica its own, so
-        that a run outlives its Lighthouse."""
-        if self.pending is not None:  # no step was taken (--max-steps 0): nothing was exchanged
-            self._open_run_files()
-            self.log.close()  # (Run.train closed the run's writers before its last checkpoint)
-        step = self.manager.current_step()
-        state = {"format": FT_CHECKPOINT_FORMAT, "replica": self.replica, "replicas": self.replicas, "step": step,
-                 "batches_committed": int(self.manager.batches_committed()), "agree": self.agree,
-                 "gossip": self.gopt.state_dict(), "ledger": self.comm.run_ledger.state_dict()}
-        path = self.out / _FT_CHECKPOINT.format(step=step, replica=self.replica)
+    def save(self, progress: Progress) -> Path:
+        """This replica's checkpoint of the group's committed step."""
+        run = self.run
+        if run.log.pending is not None:  # no step was taken (--max-steps 0): nothing was exchanged
+            run._open_run_files()
+            run.log.close()  # (Run.train closed the run's writers before its last checkpoint)
+        step = run.manager.current_step()
+        state = {"format": FT_CHECKPOINT_FORMAT, "replica": run.replica, "replicas": run.replicas, "step": step,
+                 "batches_committed": int(run.manager.batches_committed()), "agree": run.agree,
+                 "gossip": run.gopt.state_dict(), "ledger": run.comm.run_ledger.state_dict()}
+        path = run.out / _FT_CHECKPOINT.format(step=step, replica=run.replica)
         rundir.write_atomically(path, lambda f: torch.save(state, f))
-        kept = ft_checkpoints(self.out, self.replica)
+        kept = ft_checkpoints(run.out, run.replica)
         for old in sorted(kept)[:-2]:
             kept[old].unlink(missing_ok=True)
+        return path
 
-    def finish(self) -> dict | None:
-        """The end record (this replica's model on the test set), its final parameters in
-        ``model-replica<k>.pt``, and on replica 0 summary.json (its own figures: no
-        collective at the end either); returns the summary on replica 0 (None elsewhere)."""
-        step = self.manager.current_step()
-        end = {"event": "end", "step": step, **evaluation.test_metrics(self.model, self.dataset, self.device),
-               "time": self.elapsed(), "aborted_groups": self.comm.aborts}
-        # the run's writers are closed (Run.train closes them before its last checkpoint): appended
-        writer = rundir.MetricsWriter(rundir.metrics_path(self.out, self.replica), keep_until=2**62)
-        writer.write(end)
-        writer.close()
-        torch.save({"params": self.gopt.flat.data[0].detach().clone(), "step": step},
-                   self.out / f"model-replica{self.replica}.pt")
-        if not self.is_main:
-            return None
-        say_line(json.dumps(end), sys.stdout)
-        summary = metrics.summary_record(self.facts(), steps=step, ledger=self.comm.run_ledger, comm=self.comm,
-                                         last_eval=self.last_eval, dpsgd_bytes=self.dpsgd_bytes,
-                                         wall_time_s=self.elapsed())
-        summary["fault_tolerance"] = {
-            "replica": self.replica, "replicas": self.replicas, "min_replicas": self.min_replicas,
-            "lighthouse": self.addr, "quorums": self.quorums, "heals": self.heals,
-            "discarded_steps": self.discarded, "aborted_groups": self.comm.aborts,
-            "resumed_from_step": self.resumed_step}
-        rundir.write_json(rundir.summary_path(self.out), summary)
-        return summary
+
+def replica_hooks(spec: ReplicaSpec) -> RunHooks:
+    """The hooks of a :class:`FaultTolerantRun` (see its docstring for why each)."""
+    return RunHooks(build=ReplicaBuild(spec), start=ReplicaStart(), evaluation=ReplicaEvaluation())
 
 
 #: the format tag of a --fault-tolerance checkpoint, and its file name in the run directory
@@ -958,4 +1027,15 @@ def run_fault_tolerant(cfg: Any) -> dict | None:
             missing, a replica environment or ``--algo`` setting that cannot run, no
             Lighthouse at the address, a quorum below ``--min-replicas`` for ``--timeout``).
     """
-    return FaultTolerantRun(cfg).train()
+    spec = replica_spec(cfg)
+    resume = cfg.run.resume
+    if resume not in (None, RESUME_AUTO) and not Path(resume).is_dir():
+        raise RunError(f"--resume {resume!r}: no such run directory")
+    env = ReplicaEnv(world_size=spec.replicas, distributed=False, rank=spec.replica)
+    device = assembly.choose_device(cfg, env)
+    dataset = assembly.build_dataset(cfg)
+    comm = FTCommunicator(None, None, spec.replica, spec.replicas, spec.timeout)
+    # the configured graph over every replica: the records' topology and, as in every mode, the
+    # epoch line's ratio to full-precision D-PSGD's bytes per node per step on it
+    topo = live_topology(cfg, spec.replicas)[0] if algorithms.is_decentralized(cfg.algorithm.name) else None
+    return FaultTolerantRun(cfg, env, topo, device, dataset, comm, hooks=replica_hooks(spec)).train()

@@ -21,6 +21,7 @@ import errno
 import math
 import socket
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,13 @@ import torch
 from gossip import algorithms, checkpoint, clock, data, rundir, speeds, vectorized
 from gossip.train import agreement, assembly, evaluation, metrics
 from gossip.train.assembly import Env
-from gossip.train.checkpoint import CheckpointManager, CheckpointRecord, Progress
+from gossip.train.checkpoint import CheckpointManager, CheckpointRecord, Checkpoints, Progress
 from gossip.train.config import FINGERPRINT_KEYS, RESUME_AUTO, TrainConfig, fingerprint_keys, link_of
 from gossip.errors import Diverged, Finished, NonFiniteError, RunError
 from gossip.runtime import GossipOptimizer
 
-__all__ = ["CheckpointRecord", "Diverged", "Finished", "FINGERPRINT_KEYS", "Progress", "Run", "RunError", "fingerprint_keys", "run"]
+__all__ = ["Build", "CheckpointRecord", "Diverged", "Evaluation", "Finished", "FINGERPRINT_KEYS", "Progress", "Run", "RunError",
+           "RunHooks", "Start", "fingerprint_keys", "run"]
 
 
 
@@ -223,6 +225,81 @@ def _os_error_line(e: OSError, runner: Run | None) -> str:
     return line
 
 
+# --------------------------------------------------------------------------------------
+# the run's extension points: the plain run's, which a fault-tolerant replica replaces
+# --------------------------------------------------------------------------------------
+class Build:
+    """How the run is made: its parts (:meth:`parts`: the run directory, the algorithm,
+    the hosted nodes, their optimizers and loaders, ``nodes``, ``ledger``, ``hosts``),
+    then, once the schedule is known, its records (:meth:`log`) and its checkpoints
+    (:meth:`checkpoints`: an object with ``check_finished``, ``resume`` and ``save``, as
+    :class:`~gossip.train.checkpoint.CheckpointManager`). The plain run's ranks agreed on
+    the config before they were built, so it claims its run directory here."""
+
+    def parts(self, run: Run) -> None:
+        run._build_parts()
+
+    def log(self, run: Run) -> metrics.RunLog:
+        return metrics.RunLog(run.cfg, run.env, run.comm, run.out, run.steps_per_epoch)
+
+    def checkpoints(self, run: Run) -> Checkpoints:
+        return CheckpointManager(
+            run.out, run.env, run.comm, run.cfg, run.cfg_dict, gopt=run.gopt, loaders=run.loaders,
+            batches=run.batches, ledger=run.ledger if run.groups is None else run.groups.checkpointed(run.ledger),
+            corpus=(run.dataset.corpus or {}).get("corpus", run.cfg.data.name), say=run.log.say)
+
+
+class Start:
+    """How the run starts once its checkpoint is restored (:meth:`open`), and what it
+    releases however it ends (:meth:`close`). The plain run's ranks have agreed already:
+    ``config.json`` on rank 0 of a fresh run, the metrics files (a resumed run's records
+    after its step dropped), the header line and the progress bar, at once."""
+
+    def open(self, run: Run, resumed: bool) -> None:
+        cfg = run.cfg
+        if run.is_main and run.progress.step == 0:
+            rundir.write_json(rundir.config_path(run.out), metrics.config_record(
+                run.facts(), cfg_dict=run.cfg_dict, layout=run.gopt.layout, corpus=run.dataset.corpus))
+        run.log.open(keep=run.progress.step if resumed else None)
+        run.log.say(metrics.header(cfg, run.env, run.dim, run.algo))
+        if run.sim_path is not None:
+            run.log.say(assembly.path_line(run.env.world_size, run.sim_path, run.sim_why))
+        run.log.start_bar(run.progress.step, run.stop)
+
+    def close(self, run: Run) -> None:
+        """Nothing to release: the process group is :func:`run`'s."""
+
+
+class Evaluation:
+    """How the run evaluates at an epoch's end: the figures of the epoch line and the
+    eval record, with ``train_loss`` (the nodes' mean training loss over the epoch).
+    The plain run's: the averaged model (and each node's, with ``--node-eval``) on the
+    test set, and the train loss averaged over every node (collectives under torchrun)."""
+
+    def evaluate(self, run: Run) -> dict[str, float]:
+        if run.sim_path == "vectorized":  # batched over the nodes (classification only takes this path)
+            ev = evaluation.evaluate_vectorized(run.gopt, run.dataset, run.device, nodes=run.cfg.run.node_eval)
+        else:
+            ev = evaluation.evaluate(run.gopt, run.models, run.dataset, run.device, run.comm,
+                                     nodes=run.cfg.run.node_eval)
+        # mean training loss of the nodes over the epoch's steps
+        ev["train_loss"] = evaluation.mean_over_nodes(
+            run.comm, [sum(v) / max(1, len(v)) for v in run.progress.epoch_losses])
+        return ev
+
+
+@dataclass
+class RunHooks:
+    """The run's extension points, each an object the run owns: how it is built
+    (:class:`Build`, which also makes its log and its checkpoints), how it starts and
+    ends (:class:`Start`), how it evaluates (:class:`Evaluation`). The defaults are the
+    plain run's; :mod:`gossip.train.fault_tolerance` supplies a replica's."""
+
+    build: Build = field(default_factory=Build)
+    start: Start = field(default_factory=Start)
+    evaluation: Evaluation = field(default_factory=Evaluation)
+
+
 class Run:
     """One training run: built from its parts, then stepped, evaluated, checkpointed.
 
@@ -230,13 +307,38 @@ class Run:
     until the end, :meth:`end_epoch` after each epoch's last step, a checkpoint every
     ``--checkpoint-every`` steps, and :meth:`finish`. The jobs are the components':
     ``self.ckpt`` (:class:`~gossip.train.checkpoint.CheckpointManager`) saves and resumes,
-    ``self.log`` (:class:`~gossip.train.metrics.RunLog`) records and prints.
+    ``self.log`` (:class:`~gossip.train.metrics.RunLog`) records and prints. How the run
+    is built, starts, evaluates and checkpoints are its :class:`RunHooks` (``hooks``;
+    the plain run's by default): a subclass that steps another way (a fault-tolerant
+    replica) overrides :meth:`step` and :meth:`finish` and supplies its own hooks.
     """
 
-    def __init__(self, cfg: TrainConfig, env: Env, topo, device, dataset, comm, *, groups: RunGroups | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, env: Env, topo, device, dataset, comm, *, groups: RunGroups | None = None,
+                 hooks: RunHooks | None = None) -> None:
         self.cfg, self.env, self.topo, self.device, self.dataset, self.comm = cfg, env, topo, device, dataset, comm
         self.groups = groups
-        self._mem0 = assembly.peak_memory(device)  # for the memory line at the end: what the nodes add to it
+        self.hooks = hooks if hooks is not None else RunHooks()
+        self.hooks.build.parts(self)
+        self.task = dataset.task
+        self.loss = evaluation.loss_fn(dataset.task)
+        self.steps_per_epoch = self.loaders[0].steps_per_epoch
+        self.total = cfg.run.epochs * self.steps_per_epoch  # the schedule spans the whole run
+        self.stop = self.total if cfg.run.max_steps is None else min(self.total, cfg.run.max_steps)
+        self.lr_at = assembly.lr_schedule(cfg, self.total)
+        self.progress = Progress.fresh(len(self.nodes))
+        # full-precision D-PSGD's bytes per node per step on this topology, for the ratio
+        self.dpsgd_bytes = metrics.dpsgd_bytes(cfg, topo, env.world_size // (groups.size if groups else 1), self.dim)
+        self.last_eval: dict[str, Any] = {}
+        self.log = self.hooks.build.log(self)
+        self.ckpt = self.hooks.build.checkpoints(self)
+        self._t0 = 0.0
+        self._first_step = 0
+
+    def _build_parts(self) -> None:
+        """The plain run's parts (:meth:`Build.parts`): the run directory, the algorithm,
+        the hosted nodes and their loaders, checked in this order, then the directory claimed."""
+        cfg, env, comm, dataset, groups = self.cfg, self.env, self.comm, self.dataset, self.groups
+        self._mem0 = assembly.peak_memory(self.device)  # for the memory line at the end: what the nodes add to it
         self.nodes = [int(i) for i in comm.nodes]
         self.is_main = env.rank == 0
         self.out = agreement.agree_out_dir(cfg, env)
@@ -273,24 +375,8 @@ class Run:
         # Step 2: each node's shard of the training data
         self._build_loaders()
         agreement.claim_out(cfg, self.out, env.distributed, self.is_main, comm)  # after every check above
-        self.task = dataset.task
-        self.loss = evaluation.loss_fn(dataset.task)
-        self.steps_per_epoch = self.loaders[0].steps_per_epoch
-        self.total = cfg.run.epochs * self.steps_per_epoch  # the schedule spans the whole run
-        self.stop = self.total if cfg.run.max_steps is None else min(self.total, cfg.run.max_steps)
-        self.lr_at = assembly.lr_schedule(cfg, self.total)
         self.ledger = comm.ledger
-        self.progress = Progress.fresh(len(self.nodes))
-        # full-precision D-PSGD's bytes per node per step on this topology, for the ratio
-        self.dpsgd_bytes = metrics.dpsgd_bytes(cfg, topo, env.world_size // (groups.size if groups else 1), self.dim)
-        self.last_eval: dict[str, Any] = {}
-        self.log = metrics.RunLog(cfg, env, comm, self.out, self.steps_per_epoch)
-        self.ckpt = CheckpointManager(
-            self.out, env, comm, cfg, self.cfg_dict, gopt=self.gopt, loaders=self.loaders, batches=self.batches,
-            ledger=self.ledger if groups is None else groups.checkpointed(self.ledger),
-            corpus=(dataset.corpus or {}).get("corpus", cfg.data.name), say=self.log.say)
-        self._t0 = 0.0
-        self._first_step = 0
+        self.hosts = assembly.hosts_of(env)
 
     def _build_nodes(self) -> None:
         """The hosted nodes' models (one batched model on the vectorized path), their local
@@ -340,6 +426,12 @@ class Run:
         :meth:`step` until the end (:meth:`end_epoch` after an epoch's last step, a
         :meth:`checkpoint` every ``--checkpoint-every`` steps), the last checkpoint and
         :meth:`finish`."""
+        try:
+            return self._train()
+        finally:
+            self.hooks.start.close(self)
+
+    def _train(self) -> dict | None:
         cfg = self.cfg
         self.begin()
         try:
@@ -364,8 +456,9 @@ class Run:
         return self.finish()
 
     def begin(self) -> None:
-        """Before the first step: the resume (with ``--resume``), config.json, the metrics
-        files, the header line and the progress bar, the clock."""
+        """Before the first step: the resume (with ``--resume``, by ``self.ckpt``), the
+        run's :class:`Start` (config.json, the metrics files, the header line and the
+        progress bar), the clock."""
         cfg = self.cfg
         self.algo.set_event_sink(self.log.say if self.is_main else None)  # MergeComp's decisions
         resumed = False
@@ -374,14 +467,7 @@ class Run:
             restored = self.ckpt.resume(auto=cfg.run.resume == RESUME_AUTO)
             resumed = restored is not None
             self.progress = restored or self.progress
-        if self.is_main and self.progress.step == 0:
-            rundir.write_json(rundir.config_path(self.out), metrics.config_record(
-                self.facts(), cfg_dict=self.cfg_dict, layout=self.gopt.layout, corpus=self.dataset.corpus))
-        self.log.open(keep=self.progress.step if resumed else None)
-        self.log.say(metrics.header(cfg, self.env, self.dim, self.algo))
-        if self.sim_path is not None:
-            self.log.say(assembly.path_line(self.env.world_size, self.sim_path, self.sim_why))
-        self.log.start_bar(self.progress.step, self.stop)
+        self.hooks.start.open(self, resumed)
         self._t0 = time.perf_counter() - self.progress.elapsed_s  # wall time across resumes
         self._first_step = self.progress.step  # this process's first step is its warm-up
         if self.algo.asynchronous:
@@ -598,7 +684,7 @@ class Run:
         """What config.json and summary.json say about this run."""
         return metrics.RunFacts(
             cfg=self.cfg, algo=self.algo, world_size=self.env.world_size, mode=self.env.mode,
-            hosts=assembly.hosts_of(self.env), dim=self.dim, task=self.task,
+            hosts=self.hosts, dim=self.dim, task=self.task,
             topology=self.cfg.comm.topology if self.topo is not None else None, pooled=self.env.distributed)
 
     def elapsed(self) -> float:
@@ -609,13 +695,7 @@ class Run:
     def end_epoch(self) -> None:
         """Evaluate the averaged model, log it, print the epoch line."""
         p, spe = self.progress, self.steps_per_epoch
-        if self.sim_path == "vectorized":  # batched over the nodes (classification only takes this path)
-            ev = evaluation.evaluate_vectorized(self.gopt, self.dataset, self.device, nodes=self.cfg.run.node_eval)
-        else:
-            ev = evaluation.evaluate(self.gopt, self.models, self.dataset, self.device, self.comm,
-                                     nodes=self.cfg.run.node_eval)
-        # mean training loss of the nodes over the epoch's steps
-        ev["train_loss"] = evaluation.mean_over_nodes(self.comm, [sum(v) / max(1, len(v)) for v in p.epoch_losses])
+        ev = self.hooks.evaluation.evaluate(self)
         p.epoch_losses = [[] for _ in self.nodes]
         self.log.eval(p.step, ev, self.elapsed())
         self.last_eval = ev

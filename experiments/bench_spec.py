@@ -33,7 +33,7 @@ from gossip.train import config as _config
 from gossip.tools import units
 
 __all__ = ["ALGORITHMS", "MODELS", "METRICS", "Method", "Spec", "SpecError", "Workload", "check_trials",
-           "load_spec"]
+           "load_spec", "option_text"]
 
 
 class SpecError(ValueError):
@@ -70,6 +70,15 @@ class Workload:
     recipe: tuple[str, ...] = ()
     nodes: tuple[int, ...] = (4,)
     context: int | None = None  # text bases only: bytes of context per window
+    #: a run "holds" the target when its final metric is within this of the target (the
+    #: metric's own units: 0.005 is half a point of accuracy)
+    hold_tolerance: float = 0.005
+    #: the model's size knob: gossip.train's ``--model-opt KEY=VALUE``, after the recipe
+    model_options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def model_flags(self) -> tuple[str, ...]:
+        return tuple(x for k, v in self.model_options for x in ("--model-opt", f"{k}={option_text(v)}"))
 
     @property
     def task(self) -> str:
@@ -89,6 +98,14 @@ class Method:
     #: methods whose per-node bytes grow with n leave out 64
     max_nodes: int | None = None
     source: str = ""
+    #: options set away from the algorithm's paper default, each with its reason:
+    #: ``(key, value, reason)``, run as ``--algo-opt KEY=VALUE`` after the flags
+    overrides: tuple[tuple[str, Any, str], ...] = ()
+
+    @property
+    def run_flags(self) -> tuple[str, ...]:
+        """The flags a trial runs: the method's own, then one ``--algo-opt`` per override."""
+        return (*self.flags, *(x for k, v, _ in self.overrides for x in ("--algo-opt", f"{k}={option_text(v)}")))
 
 
 @dataclass(frozen=True)
@@ -107,7 +124,17 @@ class Spec:
     #: for: a synchronous step waits for the slowest node, so each is modelled from the same
     #: trials with their compute time times the setting's largest multiplier at each node count
     stragglers: tuple[str, ...] = ()
+    #: times the tuner may extend a grid whose pick is its smallest or largest rate, each
+    #: time by a factor of 2 in that direction (0: never)
+    grid_extensions: int = 3
     raw: dict = field(default_factory=dict, compare=False)
+
+
+def option_text(v: Any) -> str:
+    """A TOML value as gossip.train's ``KEY=VALUE`` flags write it."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
 
 
 # ----------------------------------------------------------------------------- the flags
@@ -141,6 +168,8 @@ _NOT_A_METHODS: dict[str, str] = {
     "fault_tolerance": "runs the trial as torchft workers; the benchmark simulates every node in one process",
     "min_replicas": "is fault tolerance's; the benchmark simulates every node in one process",
     "config": "reads a file that may set any flag, the budget's included: give the flags themselves",
+    "algo_options": "sets an option away from the algorithm's paper default: give it in methods.NAME.overrides "
+                    "as KEY = {value = V, reason = \"why\"}, so that the report shows it with its reason",
     "help": "prints the help and runs nothing",
     **{k: _DRIVER for k in ("out", "resume", "overwrite", "log_every", "checkpoint_every", "progress",
                             "node_eval", "tensorboard")},
@@ -251,10 +280,42 @@ class _Reader:
         return items
 
 
-_TOP = ("seeds", "tune_seed", "lr_factors", "device", "links", "stragglers", "workloads", "methods")
+_TOP = ("seeds", "tune_seed", "lr_factors", "grid_extensions", "device", "links", "stragglers", "workloads",
+        "methods")
 _WORKLOAD_KEYS = ("data", "model", "samples_per_node", "epochs", "tune_epochs", "batch_size", "target", "metric",
-                  "recipe", "nodes", "context")
-_METHOD_KEYS = ("flags", "lr", "max_nodes", "source")
+                  "recipe", "nodes", "context", "hold_tolerance", "model_options")
+_METHOD_KEYS = ("flags", "lr", "max_nodes", "source", "overrides")
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _option_value(r: _Reader, v: Any, where: str) -> Any:
+    if isinstance(v, bool) or isinstance(v, int) or isinstance(v, str):
+        return v
+    if isinstance(v, float) and math.isfinite(v):
+        return v
+    raise r.fail(where, f"{v!r}: expected a number, true/false or text")
+
+
+def _overrides(r: _Reader, t: Any, where: str) -> tuple[tuple[str, Any, str], ...]:
+    """``overrides = {KEY = {value = V, reason = "why"}, ...}``: every override states its reason."""
+    example = 'KEY = {value = V, reason = "why the paper\'s default does not fit"}'
+    t = r.table(t, where, f"a table such as {{{example}}}")
+    out = []
+    for key, o in t.items():
+        w = f"{where}.{key}"
+        if not _KEY.match(key):
+            raise r.fail(w, f"{key!r} is not an option name (letters, digits and _)")
+        if not isinstance(o, dict):
+            raise r.fail(w, f"{o!r}: an override is a table with its value and its reason: {example}")
+        r.keys(o, w, ("value", "reason"))
+        if "value" not in o:
+            raise r.fail(w, f"no value: {example}")
+        reason = o.get("reason")
+        if not isinstance(reason, str) or not reason.strip():
+            raise r.fail(w, "no reason: an option set away from the paper's default states why, "
+                            f"e.g. {key} = {{value = {option_text(o['value'])}, reason = \"...\"}}")
+        out.append((key, _option_value(r, o["value"], f"{w}.value"), reason.strip()))
+    return tuple(out)
 
 
 def _rate(r: _Reader, v: Any, where: str) -> float:
@@ -341,8 +402,17 @@ def _workload(r: _Reader, name: str, t: Any) -> Workload:
                 raise r.fail(f"{where}.batch_size", f"{batch} is more than the {shard} training samples of each "
                                                     f"node in a {stage} trial at {n} nodes (samples_per_node "
                                                     f"{spn}{less}): no batch would ever be served")
+    tol = r.number(t.get("hold_tolerance", 0.005), f"{where}.hold_tolerance", positive=False)
+    if tol < 0:
+        raise r.fail(f"{where}.hold_tolerance", f"{tol:g} must be >= 0 (the metric's units, e.g. 0.005)")
+    mopts = r.table(t.get("model_options", {}), f"{where}.model_options", "a table such as {layers = 2, width = 64}")
+    for k, v in mopts.items():
+        if not _KEY.match(k):
+            raise r.fail(f"{where}.model_options", f"{k!r} is not an option name (letters, digits and _)")
+        _option_value(r, v, f"{where}.model_options.{k}")
     return Workload(name=name, data=data, model=model, samples_per_node=spn, epochs=epochs, tune_epochs=tune_epochs,
-                    batch_size=batch, target=target, metric=metric, recipe=recipe, nodes=nodes, context=context)
+                    batch_size=batch, target=target, metric=metric, recipe=recipe, nodes=nodes, context=context,
+                    hold_tolerance=tol, model_options=tuple(mopts.items()))
 
 
 def _method(r: _Reader, name: str, t: Any, node_counts: set[int]) -> Method:
@@ -372,8 +442,10 @@ def _method(r: _Reader, name: str, t: Any, node_counts: set[int]) -> Method:
         if node_counts and max_nodes < min(node_counts):
             raise r.fail(f"{where}.max_nodes", f"{max_nodes} leaves the method out at every node count of the "
                                                f"workloads ({', '.join(map(str, sorted(node_counts)))})")
+    overrides = _overrides(r, t.get("overrides", {}), f"{where}.overrides")
     return Method(name=name, flags=flags, lr=lr, max_nodes=max_nodes, source=r.text(t.get("source", ""),
-                                                                                   f"{where}.source"))
+                                                                                   f"{where}.source"),
+                  overrides=overrides)
 
 
 def _straggler(r: _Reader, v: Any, where: str) -> str:
@@ -426,6 +498,7 @@ def load_spec(path: str | Path) -> Spec:
     r.array(bandwidths, "links.bandwidth", lambda v, w: _rate(r, v, w), example='["10mbit", "1gbit"]')
     latencies = links.get("latency", list(Spec.latencies))
     r.array(latencies, "links.latency", lambda v, w: _latency(r, v, w), example='["0", "10ms"]')
+    extensions = r.integer(raw.get("grid_extensions", 3), "grid_extensions", 0, 11)
     device = raw.get("device", "cpu")
     if device not in ("cpu", "cuda"):
         raise r.fail("device", f"{device!r}: expected 'cpu' or 'cuda'")
@@ -433,7 +506,7 @@ def load_spec(path: str | Path) -> Spec:
                          example='["slow:nodes=1,factor=4", "lognormal:sigma=0.5,seed=0"]', empty=True)
     return Spec(workloads=tuple(wls), methods=tuple(methods), seeds=seeds, tune_seed=tune_seed, lr_factors=factors,
                 bandwidths=tuple(bandwidths), latencies=tuple(str(x) for x in latencies), source=str(path),
-                device=device, stragglers=tuple(stragglers), raw=raw)
+                device=device, stragglers=tuple(stragglers), grid_extensions=extensions, raw=raw)
 
 
 # ----------------------------------------------------------------------------- the trials

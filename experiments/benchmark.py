@@ -146,13 +146,40 @@ def _check_trials(spec: Spec, out: Path) -> None:
     check_trials(spec, argvs)
 
 
+def parameter_counts(spec: Spec) -> dict[str, int]:
+    """Each workload's model's parameter count, as its trials build it (the recipe's and the
+    size knob's model options included), built on torch's meta device: no memory is
+    allocated, so a model sized for a GPU is counted on any machine."""
+    import torch
+
+    from gossip import models
+    from gossip.train import config as _config
+
+    out = {}
+    for wl in spec.workloads:
+        t = Trial(wl, wl.nodes[0], spec.methods[0], "final", None, spec.seeds[0])
+        cfg = _config.parse_args(_train_args(t, spec.methods[0].lr, Path("OUT"), spec.device))
+        if wl.task == "lm":
+            from gossip.data import text as textdata
+
+            shape, classes = (int(wl.context),), textdata.VOCAB_SIZE
+        else:
+            ds = bench_data.build(wl.data, wl.samples_per_node * min(wl.nodes), "test")
+            shape, classes = tuple(ds.input_shape), ds.num_classes
+        with torch.device("meta"):
+            model = models.build_model(cfg.model_name, input_shape=shape, num_classes=classes,
+                                       **dict(cfg.model.options))
+        out[wl.name] = sum(p.numel() for p in model.parameters())
+    return out
+
+
 def _train_args(t: Trial, lr: float, run_dir: Path, device: str = "cpu") -> list[str]:
     wl = t.workload
     role = "val" if t.stage == "tune" else "test"
     epochs = wl.tune_epochs if t.stage == "tune" else wl.epochs
     data = bench_data.dataset_name(wl.data, wl.samples_per_node * t.nodes, role, wl.context)
     return ["--simulate", str(t.nodes), "--data", data, "--model", wl.model, "--epochs", str(epochs),
-            "--batch-size", str(wl.batch_size), *wl.recipe, *t.method.flags, "--lr", f"{lr:g}",
+            "--batch-size", str(wl.batch_size), *wl.recipe, *wl.model_flags, *t.method.run_flags, "--lr", f"{lr:g}",
             "--seed", str(t.seed), "--device", device, "--log-every", "1", "--no-progress", "--overwrite",
             *_UNREAD, "--out", str(run_dir)]
 
@@ -268,24 +295,91 @@ def _score(rec: dict | None, metric: str) -> float | None:
 
 
 class NotRun(LookupError):
-    """A method whose tuning has not (all) run yet."""
+    """A method whose tuning has not (all) run yet: ``trial``, the first tuning trial it
+    waits for (an extension of the grid included), and ``done``, those finished so far."""
+
+    def __init__(self, message: str, trial: Trial | None = None, done: Sequence[tuple[Trial, dict]] = ()) -> None:
+        super().__init__(message)
+        self.trial = trial
+        self.done = list(done)
+
+
+#: the factor each extension of a grid whose pick lies at its edge moves the rate by
+GRID_FACTOR = 2.0
+
+
+def _pick(scores: Sequence[dict], higher: bool) -> dict | None:
+    """The selected tuning score: the best validation metric, ties to the smaller rate."""
+    ok = [x for x in scores if x["validation"] is not None]
+    if not ok:
+        return None
+    sign = 1.0 if higher else -1.0
+    return max(ok, key=lambda x: (sign * x["validation"], -x["lr"]))
+
+
+def next_rate(scores: Sequence[dict], higher: bool, base: int, extensions: int) -> tuple[float | None, str]:
+    """The grid's closing rule. ``scores``: the tuning trials run so far (``lr`` and
+    ``validation``, None where the trial failed or diverged), the ``base`` first the spec's
+    grid; ``extensions``: how many rates may be added. While the pick (:func:`_pick`) is
+    the smallest or largest rate tried, the next rate beyond it (a factor
+    :data:`GRID_FACTOR` further) is tried; the grid is closed once the pick is interior,
+    when the rate beyond it diverged, or when the extensions are spent. Returns
+    ``(rate to try, "")`` or ``(None, why the grid is closed)``."""
+    best = _pick(scores, higher)
+    if best is None:
+        return None, "every tuning trial failed"
+    lo, hi = min(x["lr"] for x in scores), max(x["lr"] for x in scores)
+    below = [x for x in scores if x["lr"] < best["lr"]]
+    above = [x for x in scores if x["lr"] > best["lr"]]
+    if below and above:
+        near = (max(below, key=lambda x: x["lr"]), min(above, key=lambda x: x["lr"]))
+        return None, "the next rate diverged" if any(x["validation"] is None for x in near) else "interior"
+    if len(scores) - base >= extensions:
+        return None, f"at the edge after {len(scores) - base} extension(s): the limit" if extensions else \
+            "at the edge: the spec allows no extension"
+    if best["lr"] == lo:
+        return round(lo / GRID_FACTOR, 10), ""
+    return round(hi * GRID_FACTOR, 10), ""
+
+
+def _tuning(spec: Spec, wl: Workload, n: int, m: Method, get) -> tuple[dict, list[dict], list[tuple[Trial, dict]], str]:
+    """A method's tuning at one workload and node count, its grid closed (:func:`next_rate`):
+    ``get(trial)`` is a finished trial's record or None. Returns the selected score, every
+    score (``extension`` marks a rate the closing added), the trials with their records and
+    why the grid is closed. NotRun while a trial (the spec's or an extension) is to run;
+    RuntimeError if every one failed."""
+    base = [Trial(wl, n, m, "tune", round(m.lr * f, 10), spec.tune_seed) for f in spec.lr_factors]
+    done: list[tuple[Trial, dict]] = []
+    scores: list[dict] = []
+    for t in base:
+        rec = get(t)
+        if rec is None:
+            raise NotRun(f"the tuning of {m.name} at n={n} on {wl.name} has not finished", t, done)
+        done.append((t, rec))
+        scores.append({"lr": t.lr, "validation": _score(rec, wl.metric)})
+    while True:
+        lr, why = next_rate(scores, wl.higher_is_better, len(base), spec.grid_extensions)
+        if lr is None:
+            break
+        t = Trial(wl, n, m, "tune", lr, spec.tune_seed)
+        rec = get(t)
+        if rec is None:
+            raise NotRun(f"the tuning of {m.name} at n={n} on {wl.name} extends its grid to lr={lr:g}", t, done)
+        done.append((t, rec))
+        scores.append({"lr": lr, "validation": _score(rec, wl.metric), "extension": True})
+    best = _pick(scores, wl.higher_is_better)
+    if best is None:
+        raise RuntimeError(f"benchmark: every tuning trial of {m.name} at n={n} on {wl.name} failed")
+    return best, scores, done, why
 
 
 def _selected_lr(spec: Spec, wl: Workload, n: int, m: Method, out: Path) -> tuple[float, list[dict]]:
     """The learning rate the tuning selected, with the tuning trials' scores. NotRun
     while a tuning trial is unfinished; RuntimeError if every one failed."""
-    scores = []
-    for f in spec.lr_factors:
-        t = Trial(wl, n, m, "tune", round(m.lr * f, 10), spec.tune_seed)
-        rec = _finished(t.run_dir(out), wl.metric, _train_args(t, t.lr, t.run_dir(out), spec.device))
-        if rec is None:
-            raise NotRun(f"the tuning of {m.name} at n={n} on {wl.name} has not finished")
-        scores.append({"lr": t.lr, "validation": _score(rec, wl.metric)})
-    ok = [s for s in scores if s["validation"] is not None]
-    if not ok:
-        raise RuntimeError(f"benchmark: every tuning trial of {m.name} at n={n} on {wl.name} failed")
-    sign = 1.0 if wl.higher_is_better else -1.0
-    best = max(ok, key=lambda s: (sign * s["validation"], -s["lr"]))
+    def get(t: Trial) -> dict | None:
+        return _finished(t.run_dir(out), wl.metric, _train_args(t, t.lr, t.run_dir(out), spec.device))
+
+    best, scores, _, _ = _tuning(spec, wl, n, m, get)
     return best["lr"], scores
 
 
@@ -351,16 +445,22 @@ def run(spec: Spec, out: Path, *, jobs: int = 1, log=print, stop_after: float | 
             todo.append(t)
 
     selected: dict[str, float | None] = {}  # a group's selection, once its tuning has finished
+    extended: list[Trial] = []  # the tuning trials that closing a grid added
 
-    def ready(t: Trial) -> float | None | bool:
+    def ready(t: Trial, running: Sequence[Trial]) -> float | None | bool:
         """The trial's learning rate if it can start now; False if it must wait; None if
-        it is finished (or can never run: its whole tuning failed)."""
+        it is finished (or can never run: its whole tuning failed). A final trial whose
+        tuning must extend its grid queues the extension's trial and waits for it."""
         if t.stage == "tune":
             return t.lr
         if t.group not in selected:
             try:
                 selected[t.group] = _selected_lr(spec, t.workload, t.nodes, t.method, out)[0]
-            except NotRun:
+            except NotRun as e:
+                x = e.trial
+                if x is not None and not any(y.key == x.key for y in [*todo, *running]):
+                    todo.insert(0, x)  # an extension of the grid: run it before the finals wait on it
+                    extended.append(x)
                 return False
             except RuntimeError:
                 selected[t.group] = None
@@ -383,17 +483,20 @@ def run(spec: Spec, out: Path, *, jobs: int = 1, log=print, stop_after: float | 
         return stop_after is not None and time.perf_counter() - t0 >= stop_after
 
     def next_ready(running: list[Trial]) -> tuple[Trial, float] | None:
-        tuning = {t.group for t in [*todo, *running] if t.stage == "tune"}
-        for t in list(todo):
-            if t.stage == "final" and t.group in tuning:
-                continue  # its tuning is still to run or running
-            lr = ready(t)
-            if lr is None:
-                todo.remove(t)
-            elif lr is not False:
-                todo.remove(t)
-                return t, lr
-        return None
+        while True:  # again when a final trial queued an extension of its grid
+            tuning = {t.group for t in [*todo, *running] if t.stage == "tune"}
+            queued = len(extended)
+            for t in list(todo):
+                if t.stage == "final" and t.group in tuning:
+                    continue  # its tuning is still to run or running
+                lr = ready(t, running)
+                if lr is None:
+                    todo.remove(t)
+                elif lr is not False:
+                    todo.remove(t)
+                    return t, lr
+            if len(extended) == queued:
+                return None
 
     import signal
 
@@ -483,12 +586,54 @@ def _reached(value: float | None, target: float, higher: bool) -> bool:
     return value >= target if higher else value <= target
 
 
-def _to_target(result: dict, wl: Workload, bw: float, lat: float,
-               slowest: float = 1.0) -> tuple[float | None, float | None]:
-    """Modelled time and bytes to the target at a link; ``slowest``: the compute time's
-    multiplier (a straggler setting's slowest node, whom every synchronous step waits for)."""
+@dataclass(frozen=True)
+class Goal:
+    """What a run is judged against: a workload's target, its metric and direction, and how
+    far below the target (above, for a lower-is-better metric) its final value may end and
+    still hold it (:attr:`Workload.hold_tolerance`)."""
+
+    target: float
+    metric: str
+    higher_is_better: bool
+    hold_tolerance: float = 0.005
+
+    @classmethod
+    def of(cls, w: dict) -> "Goal":
+        """A results file's workload entry (files written before the tolerance was a
+        spec key are judged with the default)."""
+        return cls(w["target"], w["metric"], w.get("higher_is_better", "acc" in w["metric"]),
+                   w.get("hold_tolerance", Workload.hold_tolerance))
+
+
+def final_metric(result: dict, metric: str) -> float | None:
+    """A run's final metric: its summary's, else its last evaluation's."""
+    v = (result.get("final") or {}).get(f"final_{metric}")
+    if v is None:
+        pts = _points(result) if result.get("curve") else []
+        v = pts[-1]["metric"] if pts else None
+    return v if v is not None and math.isfinite(v) else None
+
+
+def holds(result: dict, goal) -> bool:
+    """Whether the run ends holding the target: its final metric at or above the target
+    less the tolerance (at or below it plus the tolerance, for a lower-is-better metric)."""
+    v = final_metric(result, goal.metric)
+    if v is None:
+        return False
+    tol = goal.hold_tolerance
+    return v >= goal.target - tol if goal.higher_is_better else v <= goal.target + tol
+
+
+def _to_target(result: dict, wl, bw: float, lat: float, slowest: float = 1.0,
+               held: bool = True) -> tuple[float | None, float | None]:
+    """Modelled time and bytes to the target at a link: the first evaluation that crosses
+    it, of a run that holds it (``held``; False: of any run that ever crossed it, the
+    criterion of the results made before); ``slowest``: the compute time's multiplier (a
+    straggler setting's slowest node, whom every synchronous step waits for)."""
     from experiments import race
 
+    if held and not holds(result, wl):
+        return None, None
     for p in _points(result):
         if _reached(p["metric"], wl.target, wl.higher_is_better):
             if slowest != 1.0:
@@ -497,24 +642,53 @@ def _to_target(result: dict, wl: Workload, bw: float, lat: float,
     return None, None
 
 
-def _straggler_verdicts(spec: Spec, wl: Workload, n: int, methods: dict, links: list) -> dict:
-    """For each of the spec's straggler settings at ``n`` nodes: its slowest multiplier, each
-    method's time to target per link (every seed's compute slowed by it) and the verdicts."""
+def _seed_links(result: dict, goal, links: list) -> dict:
+    """A run's time and bytes to the target at every link, by both criteria: held
+    (``time_s``, ``bytes``) and ever crossed (``time_crossed_s``, ``bytes_crossed``)."""
+    keep = holds(result, goal)
+    out = {}
+    for blabel, bw, llabel, lat in links:
+        t_s, by = _to_target(result, goal, bw, lat, held=False)
+        out[f"{blabel}@{llabel}"] = {"time_s": t_s if keep else None, "bytes": by if keep else None,
+                                     "time_crossed_s": t_s, "bytes_crossed": by}
+    return out
+
+
+def _link_stats(seeds: dict, links: list, n_seeds: int, crossed: bool = False) -> dict:
+    """Per link: how many seeds reached the target (by the criterion), whether all the
+    protocol's did, and the mean and interval of their times and bytes."""
+    tk, bk = ("time_crossed_s", "bytes_crossed") if crossed else ("time_s", "bytes")
+    stats = {}
+    for blabel, _, llabel, _ in links:
+        key = f"{blabel}@{llabel}"
+        reached = [v["links"][key][tk] for v in seeds.values() if v["links"][key].get(tk) is not None]
+        byts = [v["links"][key][bk] for v in seeds.values() if v["links"][key].get(bk) is not None]
+        stats[key] = {"reached": f"{len(reached)}/{n_seeds}", "all_reached": len(reached) == n_seeds,
+                      "time_s": mean_ci(reached) if reached else None, "bytes": mean_ci(byts) if byts else None}
+    return stats
+
+
+def _straggler_verdicts(settings: Sequence[str], goal, n: int, methods: dict, links: list, n_seeds: int,
+                        result_of) -> dict:
+    """For each straggler setting at ``n`` nodes: its slowest multiplier, each method's time
+    to target per link (every seed's compute slowed by it; runs that hold the target) and the
+    verdicts. ``result_of(seed entry)``: that seed's compact result."""
     from gossip import speeds
 
     out = {}
-    for setting in spec.stragglers:
+    for setting in settings:
         slowest = float(speeds.parse(setting, n).multipliers.max())
         slowed = {}
         for name, r in methods.items():
             if "seeds" not in r:
                 continue
             stats = {}
+            results = [result_of(sd) for sd in r["seeds"].values()]
             for blabel, bw, llabel, lat in links:
                 key = f"{blabel}@{llabel}"
-                times = [_to_target(sd["result"], wl, bw, lat, slowest)[0] for sd in r["seeds"].values()]
+                times = [_to_target(x, goal, bw, lat, slowest)[0] for x in results if x is not None]
                 reached = [x for x in times if x is not None]
-                stats[key] = {"reached": f"{len(reached)}/{len(spec.seeds)}", "all_reached": len(reached) == len(spec.seeds),
+                stats[key] = {"reached": f"{len(reached)}/{n_seeds}", "all_reached": len(reached) == n_seeds,
                               "time_s": mean_ci(reached) if reached else None}
             slowed[name] = {"links": stats}
         out[setting] = {"slowest": slowest, "methods": slowed, "verdicts": _verdicts(slowed, links)}
@@ -522,24 +696,48 @@ def _straggler_verdicts(spec: Spec, wl: Workload, n: int, methods: dict, links: 
 
 
 def collect(spec: Spec, out: Path) -> list[dict]:
-    """The records of the spec's finished trials under ``out`` (the final runs of the
-    learning rate their tuning selected only), in the plan's order."""
+    """The records of the spec's finished trials under ``out`` (the tuning trials, the
+    grid's extensions included, and the final runs of the learning rate their tuning
+    selected), in the plan's order."""
     recs = []
-    for t in plan(spec):
-        if t.stage == "tune":
-            lr = t.lr
-        else:
-            try:
-                lr = _selected_lr(spec, t.workload, t.nodes, t.method, out)[0]
-            except (NotRun, RuntimeError):
-                continue
-        rec = _finished(t.run_dir(out), t.workload.metric, _train_args(t, lr, t.run_dir(out), spec.device))
+
+    def add(t: Trial, rec: dict | None) -> None:
         if rec is not None:
             rec = {k: v for k, v in rec.items() if k != "imported_from"}
             # where it wrote is this machine's business, not the trial's (the key names the trial)
             args = rec.get("args", [])
             rec["args"] = [a for i, a in enumerate(args) if a != "--out" and (i == 0 or args[i - 1] != "--out")]
             recs.append({**rec, "key": t.key})
+
+    for wl in spec.workloads:
+        for n in wl.nodes:
+            for m in _methods_at(spec, n):
+                def get(t: Trial) -> dict | None:
+                    return _finished(t.run_dir(out), wl.metric, _train_args(t, t.lr, t.run_dir(out), spec.device))
+
+                try:
+                    best, _, done, _ = _tuning(spec, wl, n, m, get)
+                except NotRun as e:
+                    for t, rec in e.done:
+                        add(t, rec)
+                    base = {round(m.lr * f, 10) for f in spec.lr_factors}
+                    for f in spec.lr_factors:  # the spec's grid past the first unfinished trial
+                        t = Trial(wl, n, m, "tune", round(m.lr * f, 10), spec.tune_seed)
+                        if all(t.key != d.key for d, _ in e.done) and t.lr in base:
+                            add(t, get(t))
+                    continue
+                except RuntimeError:
+                    done, best = [], None
+                    for f in spec.lr_factors:
+                        t = Trial(wl, n, m, "tune", round(m.lr * f, 10), spec.tune_seed)
+                        done.append((t, get(t)))
+                for t, rec in done:
+                    add(t, rec)
+                if best is None:
+                    continue
+                for sd in spec.seeds:
+                    t = Trial(wl, n, m, "final", None, sd)
+                    add(t, _finished(t.run_dir(out), wl.metric, _train_args(t, best["lr"], t.run_dir(out), spec.device)))
     return recs
 
 
@@ -557,22 +755,22 @@ def analyse(spec: Spec, trials: Sequence[dict]) -> dict:
         for n in wl.nodes:
             methods, complete = {}, []
             for m in _methods_at(spec, n):
-                tune = [Trial(wl, n, m, "tune", round(m.lr * f, 10), spec.tune_seed) for f in spec.lr_factors]
-                if any(t.key not in by_key for t in tune):
+                try:
+                    best, scores, tuned, closed = _tuning(spec, wl, n, m, lambda t: by_key.get(t.key))
+                except NotRun:
                     continue  # not (all) run: no selection yet
-                scores = [{"lr": t.lr, "validation": _score(by_key[t.key], wl.metric)} for t in tune]
-                ok = [x for x in scores if x["validation"] is not None]
-                if not ok:
+                except RuntimeError:
+                    scores = [{"lr": t.lr, "validation": None} for t in
+                              (Trial(wl, n, m, "tune", round(m.lr * f, 10), spec.tune_seed) for f in spec.lr_factors)]
                     methods[m.name] = {"error": f"every tuning trial of {m.name} at n={n} on {wl.name} failed",
                                        "tuning": scores}
                     continue
-                sign = 1.0 if wl.higher_is_better else -1.0
-                lr = max(ok, key=lambda x: (sign * x["validation"], -x["lr"]))["lr"]
+                lr = best["lr"]
                 budget = {"tune": {"runs": 0, "steps": 0, "cpu_s": 0.0}, "final": {"runs": 0, "steps": 0, "cpu_s": 0.0}}
                 finals = [Trial(wl, n, m, "final", None, sd) for sd in spec.seeds]
                 if all(t.key in by_key for t in finals):
                     complete.append(m.name)
-                for t in tune + finals:
+                for t in [t for t, _ in tuned] + finals:
                     rec = by_key.get(t.key)
                     if rec is None or (t.stage == "final" and rec.get("lr") != lr):
                         continue
@@ -587,37 +785,29 @@ def analyse(spec: Spec, trials: Sequence[dict]) -> dict:
                         continue
                     res = rec["result"]
                     seeds[str(t.seed)] = {"trial": t.key, "final": _score(rec, wl.metric), "wire": res["wire"],
-                                          "params": res["params"], "links": {}}
-                    if spec.stragglers:
-                        seeds[str(t.seed)]["result"] = res
-                    for blabel, bw, llabel, lat in links:
-                        t_s, by = _to_target(res, wl, bw, lat)
-                        seeds[str(t.seed)]["links"][f"{blabel}@{llabel}"] = {"time_s": t_s, "bytes": by}
+                                          "params": res["params"], "holds": holds(res, wl),
+                                          "links": _seed_links(res, wl, links)}
                 failed = [t.seed for t in finals if by_key.get(t.key, {}).get("status") == "failed"]
                 finals_ok = [v["final"] for v in seeds.values() if v["final"] is not None]
-                stats = {}
-                for blabel, _, llabel, _ in links:
-                    key = f"{blabel}@{llabel}"
-                    reached = [v["links"][key]["time_s"] for v in seeds.values() if v["links"][key]["time_s"] is not None]
-                    byts = [v["links"][key]["bytes"] for v in seeds.values() if v["links"][key]["bytes"] is not None]
-                    stats[key] = {"reached": f"{len(reached)}/{len(spec.seeds)}",
-                                  "all_reached": len(reached) == len(spec.seeds),
-                                  "time_s": mean_ci(reached) if reached else None,
-                                  "bytes": mean_ci(byts) if byts else None}
-                methods[m.name] = {"lr": lr, "tuning": scores, "seeds": seeds, "links": stats,
+                methods[m.name] = {"lr": lr, "tuning": scores, "grid": {"closed": closed,
+                                                                        "extensions": [x["lr"] for x in scores
+                                                                                       if x.get("extension")]},
+                                   "seeds": seeds, "links": _link_stats(seeds, links, len(spec.seeds)),
+                                   "links_crossed": _link_stats(seeds, links, len(spec.seeds), crossed=True),
                                    "final": mean_ci(finals_ok) if finals_ok else None, "budget": budget,
                                    "seeds_run": f"{len(seeds)}/{len(spec.seeds)}", "seeds_failed": failed,
-                                   "flags": list(m.flags), "source": m.source,
+                                   "flags": list(m.run_flags), "source": m.source,
+                                   "overrides": {k: {"value": v, "reason": why} for k, v, why in m.overrides},
                                    "wire": next(iter(seeds.values()))["wire"] if seeds else None}
             if methods:
                 # the field the verdicts cover: the methods with every final run finished (ok or failed)
                 per_n[str(n)] = {"methods": methods, "verdicts": _verdicts(methods, links),
+                                 "verdicts_crossed": _verdicts(methods, links, "links_crossed"),
                                  "field": {"planned": [m.name for m in _methods_at(spec, n)], "complete": complete}}
                 if spec.stragglers:
-                    per_n[str(n)]["stragglers"] = _straggler_verdicts(spec, wl, n, methods, links)
-                    for r in methods.values():  # the curves were needed only for the settings above
-                        for sd in r.get("seeds", {}).values():
-                            sd.pop("result", None)
+                    per_n[str(n)]["stragglers"] = _straggler_verdicts(
+                        spec.stragglers, wl, n, methods, links, len(spec.seeds),
+                        lambda sd: by_key[sd["trial"]]["result"])
         params = next((sd["params"] for nd in per_n.values() for r in nd["methods"].values()
                        for sd in r.get("seeds", {}).values() if sd.get("params")), None)
         result["workloads"][wl.name] = {"nodes": per_n, "target": wl.target, "metric": wl.metric, "params": params,
@@ -625,11 +815,14 @@ def analyse(spec: Spec, trials: Sequence[dict]) -> dict:
                                         "epochs": wl.epochs, "tune_epochs": wl.tune_epochs,
                                         "samples_per_node": wl.samples_per_node, "batch_size": wl.batch_size,
                                         "model": wl.model, "data": wl.data, "context": wl.context,
-                                        "recipe": list(wl.recipe)}
+                                        "recipe": list(wl.recipe), "hold_tolerance": wl.hold_tolerance,
+                                        "model_options": dict(wl.model_options)}
     result["protocol"] = {"lr_factors": list(spec.lr_factors), "tune_seed": spec.tune_seed, "seeds": list(spec.seeds),
                           "validation_fraction": bench_data.VALIDATION_FRACTION,
                           "text_eval_bytes": bench_data.TEXT_EVAL_BYTES, "device": spec.device,
-                          "selection": "best validation metric at the end of tune_epochs; ties to the smaller lr"}
+                          "selection": "best validation metric at the end of tune_epochs; ties to the smaller lr",
+                          "grid_extensions": spec.grid_extensions, "grid_factor": GRID_FACTOR,
+                          "criterion": "held"}
     result["links"] = [f"{b}@{lat}" for b, _, lat, _ in links]
     # every trial of one data set must have evaluated on the same split: sessions resumed on
     # machines whose default text corpus differs (another Python) would otherwise mix data
@@ -646,12 +839,15 @@ def analyse(spec: Spec, trials: Sequence[dict]) -> dict:
     return result
 
 
-def _verdicts(methods: dict, links: list) -> dict:
+def _verdicts(methods: dict, links: list, field: str = "links") -> dict:
+    """Per link: the fastest method (``field``: the per-link statistics judged, the held
+    criterion's or ``links_crossed``), the second, the margin and whether the lead is
+    beyond the intervals."""
     out = {}
     for blabel, _, llabel, _ in links:
         key = f"{blabel}@{llabel}"
-        ranked = sorted(((name, r["links"][key]["time_s"]) for name, r in methods.items()
-                         if "links" in r and r["links"][key]["all_reached"]), key=lambda x: x[1]["mean"])
+        ranked = sorted(((name, r[field][key]["time_s"]) for name, r in methods.items()
+                         if field in r and r[field][key]["all_reached"]), key=lambda x: x[1]["mean"])
         if not ranked:
             out[key] = {"winner": None}
             continue
@@ -665,6 +861,174 @@ def _verdicts(methods: dict, links: list) -> dict:
                      separated=(ws["hi"] < ss["lo"]) if known else None)
         out[key] = v
     return out
+
+
+def rescore(res: dict, bandwidths: Sequence[str] | None = None, latencies: Sequence[str] | None = None) -> dict:
+    """The analysis of a results file scored again from its trials' curves, without training:
+    each method's time and bytes to the target by both criteria (held, and ever crossed:
+    the criterion of results made before) and the verdicts, at the file's links or at
+    ``bandwidths`` x ``latencies`` (a modelled time needs only a run's recorded bytes,
+    message rounds and compute: a link the run was never scored at is scored now). A
+    results file without its trials is returned as it is."""
+    import copy
+
+    by_key = {t["key"]: t for t in res.get("trials") or [] if t.get("result")}
+    if not by_key:
+        return res
+    bws = list(bandwidths) if bandwidths else list(dict.fromkeys(k.split("@")[0] for k in res["links"]))
+    lats = list(latencies) if latencies else list(dict.fromkeys(k.split("@")[1] for k in res["links"]))
+    links = [(b, crossover.parse_rate(b), lat, crossover.parse_time(lat)) for b in bws for lat in lats]
+    out = {**res, "workloads": copy.deepcopy(res["workloads"]), "links": [f"{b}@{lat}" for b in bws for lat in lats]}
+    n_seeds = len(res["protocol"]["seeds"])
+    for w in out["workloads"].values():
+        goal = Goal.of(w)
+        w.setdefault("hold_tolerance", goal.hold_tolerance)
+        for n, nd in w["nodes"].items():
+            for r in nd["methods"].values():
+                if "seeds" not in r:
+                    continue
+                for sd in r["seeds"].values():
+                    rec = by_key.get(sd.get("trial"))
+                    if rec is not None:
+                        sd["links"] = _seed_links(rec["result"], goal, links)
+                        sd["holds"] = holds(rec["result"], goal)
+                r["links"] = _link_stats(r["seeds"], links, n_seeds)
+                r["links_crossed"] = _link_stats(r["seeds"], links, n_seeds, crossed=True)
+            nd["verdicts"] = _verdicts(nd["methods"], links)
+            nd["verdicts_crossed"] = _verdicts(nd["methods"], links, "links_crossed")
+            if nd.get("stragglers"):
+                nd["stragglers"] = _straggler_verdicts(list(nd["stragglers"]), goal, int(n), nd["methods"], links,
+                                                       n_seeds, lambda sd: (by_key.get(sd.get("trial")) or {}).get("result"))
+    out["rescored"] = {"links": out["links"], "from": res["links"]}
+    return out
+
+
+# ----------------------------------------------------------------------------- the time model, calibrated
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the link model (``experiments/race.py``'s ``modelled_time``: compute, codec,
+    bytes over the bandwidth, latency per message round) leaves out, fitted on runs
+    measured on shaped links: ``eval_s`` seconds per evaluation (the per-epoch test pass
+    and its fp32 all-reduces) and ``message_s`` seconds per message round (each send's
+    fixed cost: framing, the kernel's queueing, the ranks' wake-ups)."""
+
+    eval_s: float = 0.0
+    message_s: float = 0.0
+
+    def extra(self, evals: float, rounds: float) -> float:
+        return self.eval_s * evals + self.message_s * rounds
+
+
+def message_rounds(step: int, calls: dict, n: int) -> float:
+    """Message rounds up to ``step``: a ring all-reduce is 2(n - 1) rounds, a neighbour exchange 1."""
+    return step * sum(k * crossover.rounds_of(op, n) for op, k in calls.items())
+
+
+def calibrated_time(point: dict, calls: dict, n: int, bw: float, lat: float, cal: Calibration) -> float:
+    """The modelled time of a point plus the calibration's terms: one evaluation per epoch
+    up to the point (``point["epoch"]``, else none), ``cal.message_s`` per message round."""
+    from experiments import race
+
+    return race.modelled_time(point, calls, n, bw, lat) + cal.extra(point.get("epoch") or 0.0,
+                                                                    message_rounds(point["step"], calls, n))
+
+
+def fit_calibration(samples: Sequence[tuple[float, float, float]]) -> Calibration:
+    """Least squares of ``measured - modelled = eval_s x evals + message_s x rounds`` over
+    ``samples`` of ``(evals, rounds, measured - modelled)``, both terms at least 0 (a term the
+    data would make negative is dropped and the other fitted alone)."""
+    sxx = sum(a * a for a, _, _ in samples)
+    syy = sum(b * b for _, b, _ in samples)
+    sxy = sum(a * b for a, b, _ in samples)
+    sxr = sum(a * r for a, _, r in samples)
+    syr = sum(b * r for _, b, r in samples)
+
+    def sse(e: float, c: float) -> float:
+        return sum((r - e * a - c * b) ** 2 for a, b, r in samples)
+
+    det = sxx * syy - sxy * sxy
+    if det > 1e-12 * max(1.0, sxx * syy):
+        e, c = (sxr * syy - syr * sxy) / det, (syr * sxx - sxr * sxy) / det
+        if e >= 0 and c >= 0:
+            return Calibration(e, c)
+    alone = [Calibration(max(0.0, sxr / sxx) if sxx else 0.0, 0.0),
+             Calibration(0.0, max(0.0, syr / syy) if syy else 0.0)]
+    return min(alone, key=lambda k: sse(k.eval_s, k.message_s))
+
+
+def calibration(measured: dict, results: dict) -> dict:
+    """The time model calibrated on the runs measured on shaped links
+    (``experiments/benchmark_netns.py``'s results) and its error per method at the target,
+    before and after. At each bandwidth the two terms of :class:`Calibration` are fitted on
+    every evaluation of every other method's run (leave one method out: a method's error
+    after calibration comes from a fit that did not see it); the error is modelled over
+    measured time less 1 at the first evaluation that reached the target."""
+    trials = {t["key"]: t for t in results.get("trials") or []}
+    n = int(measured.get("nodes") or 0)
+    out: dict[str, Any] = {}
+    for bw in measured.get("bandwidths", []):
+        rows = {}
+        for name, per in measured.get("runs", {}).items():
+            run = per.get(bw)
+            rec = trials.get((run or {}).get("trial"))
+            if not run or not run.get("ok") or rec is None or not run.get("points"):
+                continue
+            calls = rec["result"]["calls_per_step"]
+            pts = [(p.get("epoch") or 0.0, message_rounds(p["step"], calls, n), p["time_s"] - p["model_s"])
+                   for p in run["points"] if p.get("time_s") and p.get("model_s") is not None]
+            tt = run.get("to_target") or {}
+            at = None if tt.get("step") is None else (tt.get("epoch") or 0.0, message_rounds(tt["step"], calls, n),
+                                                        tt["model_s"], tt["time_s"])
+            rows[name] = {"samples": pts, "at": at}
+        per_method = {}
+        for name, r in rows.items():
+            if r["at"] is None:
+                continue
+            cal = fit_calibration([x for other, o in rows.items() if other != name for x in o["samples"]])
+            evals, rounds, model, real = r["at"]
+            per_method[name] = {"before": model / real - 1.0, "after": (model + cal.extra(evals, rounds)) / real - 1.0,
+                                "eval_s": cal.eval_s, "message_s": cal.message_s}
+        whole = fit_calibration([x for r in rows.values() for x in r["samples"]])
+        med = lambda xs: sorted(xs)[len(xs) // 2] if len(xs) % 2 else sum(sorted(xs)[len(xs) // 2 - 1:len(xs) // 2 + 1]) / 2  # noqa: E731
+        out[bw] = {"eval_s": whole.eval_s, "message_s": whole.message_s, "methods": per_method,
+                   "median_before": med([abs(v["before"]) for v in per_method.values()]) if per_method else None,
+                   "median_after": med([abs(v["after"]) for v in per_method.values()]) if per_method else None}
+    return out
+
+
+def calibration_section(measured: dict, results: dict) -> str:
+    """The calibrated model's error per method (Markdown), from :func:`calibration`."""
+    cal = calibration(measured, results)
+    if not any(c["methods"] for c in cal.values()):
+        return ""
+    bws = [b for b in cal if cal[b]["methods"]]
+    names = list(dict.fromkeys(m for b in bws for m in cal[b]["methods"]))
+    pct = lambda x: "-" if x is None else f"{x:+.0%}"  # noqa: E731
+    rows = ["| method | " + " | ".join(f"{b}: before | {b}: after" for b in bws) + " |",
+            "|---|" + "---|---|" * len(bws)]
+    for m in names:
+        cells = []
+        for b in bws:
+            v = cal[b]["methods"].get(m)
+            cells += [pct(v and v["before"]), pct(v and v["after"])]
+        rows.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines = ["The link model leaves out each evaluation (the per-epoch test pass and its fp32 all-reduces) and a "
+             "fixed cost per message round. Both are fitted at each bandwidth by least squares on every evaluation "
+             "of the measured runs (the measured time less the modelled one), each method's error after "
+             "calibration from a fit on the other methods only. Error: modelled over measured time to the target, "
+             "less 1.", ""]
+    for b in bws:
+        c = cal[b]
+        lines.append(f"- {b}: {c['eval_s']:.3g} s per evaluation, {c['message_s'] * 1e3:.3g} ms per message round "
+                     f"(fitted on every method); median |error| {pct(c['median_before']).lstrip('+')} before, "
+                     f"{pct(c['median_after']).lstrip('+')} after"
+                     + ("; above 25 %: this part's verdicts at this bandwidth should use the measured times"
+                        if (c["median_after"] or 0) > 0.25 else "") + ".")
+    lines += ["", *rows, "", "The ranks' CPU contention is not a term of the model yet: the measured runs give the "
+              "1-minute load they ran under (above)."]
+    return "\n".join(lines)
 
 
 #: the code the benchmark's figures measure (experiments/_provenance.py records their state)
@@ -778,6 +1142,311 @@ def method_tables(res: dict) -> str:
     return "\n".join(parts)
 
 
+def _algo_opts(flags: Sequence[str]) -> tuple[str | None, dict[str, str], list[str]]:
+    """A method's flags read: its ``--algo``, its ``--algo-opt KEY=VALUE`` settings and the
+    rest of its flags (the variant: ``--bits``, ``--compressor``, ...)."""
+    algo, opts, rest = None, {}, []
+    it = iter(range(len(flags)))
+    for i in it:
+        a = flags[i]
+        nxt = flags[i + 1] if i + 1 < len(flags) else None
+        if a == "--algo" and nxt is not None:
+            algo = nxt
+            next(it, None)
+        elif a.startswith("--algo="):
+            algo = a.split("=", 1)[1]
+        elif a == "--algo-opt" and nxt is not None:
+            k, _, v = nxt.partition("=")
+            opts[k] = v
+            next(it, None)
+        else:
+            rest.append(a)
+    return algo, opts, rest
+
+
+def _defaults(algo: str | None) -> dict[str, str]:
+    """The options of gossip's ``algo`` with their defaults (the paper's, as gossip gives
+    them), and its local optimizer; empty if it is not an algorithm of this gossip."""
+    import dataclasses
+
+    from gossip import algorithms
+
+    try:
+        cls = algorithms.config_class(algo)
+    except Exception:  # noqa: BLE001 - an algorithm this gossip no longer has
+        return {}
+    out = {"optimizer": algorithms.local_optimizer_default(algo)}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            v = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            v = f.default_factory()  # type: ignore[misc]
+        else:
+            continue
+        out[f.name] = "none" if v is None else _option_text(v)
+    return out
+
+
+def _option_text(v: Any) -> str:
+    from experiments.bench_spec import option_text
+
+    return option_text(v)
+
+
+def options_table(res: dict) -> str:
+    """Every method's options as run: its algorithm, the flags that make it the variant
+    named (bits, compressor), and each option of the algorithm at its paper default or
+    set by an override, which is marked and given with its reason. An option set in the
+    flags with no reason (results made before the spec's overrides) is marked as such."""
+    seen: dict[str, dict] = {}
+    for w in res["workloads"].values():
+        for nd in w["nodes"].values():
+            for name, r in nd["methods"].items():
+                if "flags" in r and name not in seen:
+                    seen[name] = r
+    if not seen:
+        return ""
+    rows = ["| method | algorithm | variant (flags) | options as run | overrides, with their reasons |",
+            "|---|---|---|---|---|"]
+    unexplained = []
+    for name, r in seen.items():
+        algo, opts, rest = _algo_opts(r["flags"])
+        defaults = _defaults(algo)
+        given = dict(zip(rest, rest[1:]))
+        variant = given.get("--compressor") or (f"quant:bits={given['--bits']}" if "--bits" in given else None)
+        if variant and "compressor" in defaults and "compressor" not in opts:
+            defaults["compressor"] = f"{variant} (the variant's flags)"
+        reasons = r.get("overrides") or {}
+        cells, why = [], []
+        for k, v in {**defaults, **{k: v for k, v in opts.items() if k not in defaults}}.items():
+            if k in opts and (k in reasons or opts[k] != v):
+                mark = "override" if k in reasons else "no reason recorded"
+                cells.append(f"**{k}={opts[k]}** ({mark}; default {v if k in defaults else '-'})")
+                if k in reasons:
+                    why.append(f"{k}: {reasons[k]['reason']}")
+                else:
+                    unexplained.append(f"{name} ({k}={opts[k]})")
+            else:
+                cells.append(f"{k}={opts.get(k, v)}")
+        rows.append(f"| {name} | {algo or '?'} | {' '.join(rest) or '-'} | {', '.join(cells) or '-'} | "
+                    f"{'; '.join(why) or '-'} |")
+    lines = ["Every option is its algorithm's paper default (as gossip gives it), except the learning rate (tuned) "
+             "and the options marked: an override, with the reason the spec states, or, in results made before "
+             "the spec required a reason, an option set in the method's flags.", "", *rows]
+    if unexplained:
+        lines += ["", f"**Set away from the default without a stated reason** (these results predate the rule; the "
+                      f"spec now refuses it): {', '.join(unexplained)}."]
+    return "\n".join(lines)
+
+
+def grid_table(res: dict) -> str:
+    """Per workload and node count, each method whose tuned rate lies at an edge of the
+    rates tried, or whose grid was extended: the rates tried, the pick, the extensions
+    and why the grid is closed (or that it is open)."""
+    rows = ["| workload | nodes | method | rates tried | selected | extensions | grid |", "|---|---|---|---|---|---|---|"]
+    n_open = 0
+    for wname, w in res["workloads"].items():
+        for n, nd in w["nodes"].items():
+            for name, r in nd["methods"].items():
+                if "lr" not in r:
+                    continue
+                tried = sorted(x["lr"] for x in r["tuning"])
+                grid = r.get("grid")
+                ext = (grid or {}).get("extensions") or []
+                edge = r["lr"] in (tried[0], tried[-1])
+                if not ext and not edge:
+                    continue
+                if grid is None:
+                    state = "open: selected at the edge (made before grids were closed)"
+                else:
+                    state = grid["closed"] if grid["closed"] in ("interior", "the next rate diverged") else \
+                        f"open: {grid['closed']}"
+                n_open += state.startswith("open")
+                rows.append(f"| {wname} | {n} | {name} | {', '.join(f'{x:g}' for x in tried)} | {r['lr']:g} | "
+                            f"{', '.join(f'{x:g}' for x in ext) or '-'} | {state} |")
+    proto = res["protocol"]
+    k = proto.get("grid_extensions")
+    head = (f"When the selected rate is the smallest or the largest tried, the tuner tries the next rate a factor "
+            f"{proto.get('grid_factor', GRID_FACTOR):g} beyond it, up to {k} times, until the pick is interior or "
+            "the next rate diverges." if k is not None else
+            "These results were tuned on the spec's grid alone: a rate selected at its edge was not extended (the "
+            "runner now extends it by a factor 2, up to 3 times, until the pick is interior or the next rate "
+            "diverges).")
+    if len(rows) == 2:
+        return head + " Every selected rate is interior to the rates tried."
+    return head + f" Grids still open: {n_open}.\n\n" + "\n".join(rows)
+
+
+def criteria_table(res: dict) -> str:
+    """The verdicts by both criteria, for this release: the first crossing of a run that
+    holds the target (the ranking) and of any run that ever crossed it (the criterion
+    before), and the methods the held criterion takes out of the ranking."""
+    rows = ["| workload | nodes | link | fastest, held | fastest, ever crossed |", "|---|---|---|---|---|"]
+    dropped = []
+    for wname, w in res["workloads"].items():
+        for n, nd in w["nodes"].items():
+            old = nd.get("verdicts_crossed")
+            if old is None:
+                continue
+            for key, v in nd["verdicts"].items():
+                o = old.get(key, {})
+                cell = lambda x: f"{x['winner']} ({_fmt_s(x['time_s'])})" if x.get("winner") else "none"  # noqa: E731
+                rows.append(f"| {wname} | {n} | {key} | {cell(v)} | {cell(o)}{'' if o.get('winner') == v.get('winner') else ' (differs)'} |")
+            for name, r in nd["methods"].items():
+                if "links_crossed" not in r:
+                    continue
+                lost = [k for k in r["links"] if r["links_crossed"][k]["all_reached"] and not r["links"][k]["all_reached"]]
+                if lost:
+                    ends = [_fmt_metric(w["metric"], sd["final"]) for sd in r["seeds"].values() if not sd.get("holds")]
+                    dropped.append(f"{name} at {wname}/{n} nodes (final {', '.join(ends)})")
+    if len(rows) == 2:
+        return ""
+    tol = {f"{w['metric']} {w.get('hold_tolerance', Workload.hold_tolerance):g}" for w in res["workloads"].values()}
+    return ("A run holds the target when its test metric crosses it and its final metric ends no further than the "
+            f"tolerance ({', '.join(sorted(tol))}) from it; its time to target is its first crossing. The ranking "
+            "uses runs that hold; the right column is the criterion used before (every seed ever crossed the "
+            "target), given for this release only." + ("" if not dropped else
+            " Ranked before, not now (a seed crossed the target and ended below it less the tolerance): "
+            + "; ".join(dropped) + ".") + "\n\n" + "\n".join(rows))
+
+
+#: the performance profile's range of tau (MLCommons AlgoPerf's choice, arXiv:2306.07179) and its
+#: bootstrap: draws over each method's seeds, the seed of the draws
+TAU_MAX = 4.0
+PROFILE_DRAWS = 1000
+
+
+def profiles(results: Sequence[dict], tau_max: float = TAU_MAX, draws: int = PROFILE_DRAWS, seed: int = 0) -> dict:
+    """Performance profiles as MLCommons AlgoPerf scores training algorithms (Dahl et al.,
+    "Benchmarking Neural Network Training Algorithms", arXiv:2306.07179): a cell is one
+    workload, node count and link; a method's time there is its mean time to the target
+    over the protocol's seeds if every seed holds the target (infinite otherwise); its ratio
+    is that time over the best method's in the cell. rho(tau) is the fraction of the cells
+    (those where the method was run and some method held the target) with a ratio at most
+    tau; the score is the area under rho over tau in [1, tau_max], divided by tau_max - 1
+    (1: the fastest everywhere; 0: never within tau_max of the fastest). The interval is
+    the 2.5 and 97.5 percentiles of ``draws`` bootstrap draws, each resampling every
+    method's seeds with replacement at each workload and node count (one draw of seeds for
+    all the links of a run, whose times come from the same runs). ``results``: rescored
+    results (:func:`rescore`), one per part of the benchmark."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    groups = []
+    for res in results:
+        n_seeds = len(res["protocol"]["seeds"])
+        keys = res["links"]
+        for wname, w in res["workloads"].items():
+            for n, nd in w["nodes"].items():
+                names, times = [], []
+                for name, r in nd["methods"].items():
+                    t = np.full((n_seeds, len(keys)), np.inf)
+                    for i, sd in enumerate(list((r.get("seeds") or {}).values())[:n_seeds]):
+                        for j, k in enumerate(keys):
+                            x = sd["links"].get(k, {}).get("time_s")
+                            t[i, j] = np.inf if x is None else x
+                    if len(r.get("seeds") or {}) < n_seeds:
+                        t[:] = np.inf  # a method without its full set of seeds is ranked nowhere
+                    names.append(name)
+                    times.append(t)
+                if names:
+                    groups.append((f"{wname}/n{n}", names, np.stack(times)))
+    everyone = list(dict.fromkeys(x for _, names, _ in groups for x in names))
+    col = {x: i for i, x in enumerate(everyone)}
+
+    def score(t: "np.ndarray", names: list[str], num, den, ratios=None) -> None:
+        """``t``: [..., methods, links] mean times; accumulates the area and the cells."""
+        best = t.min(axis=-2, keepdims=True)
+        valid = np.isfinite(best)  # a cell where some method holds the target
+        with np.errstate(invalid="ignore", divide="ignore"):
+            r = np.where(valid, t / np.where(valid, best, 1.0), np.inf)
+        area = np.clip((tau_max - np.maximum(r, 1.0)) / (tau_max - 1.0), 0.0, 1.0)
+        idx = [col[x] for x in names]
+        num[..., idx] += area.sum(axis=-1)
+        den[..., idx] += np.broadcast_to(valid, r.shape).sum(axis=-1)
+        if ratios is not None:
+            for i, x in enumerate(names):
+                ratios[x] += [float(v) for v, ok in zip(r[i], valid[0]) if ok]
+
+    num, den = np.zeros(len(everyone)), np.zeros(len(everyone))
+    bnum, bden = np.zeros((draws, len(everyone))), np.zeros((draws, len(everyone)))
+    ratios: dict[str, list[float]] = {x: [] for x in everyone}
+    for _, names, t in groups:
+        m, k, _ = t.shape
+        score(t.mean(axis=1), names, num, den, ratios)
+        pick = rng.integers(0, k, size=(draws, m, k))
+        drawn = t[np.arange(m)[None, :, None], pick].mean(axis=2)  # [draws, methods, links]
+        score(drawn, names, bnum, bden)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        point, boot = num / den, bnum / bden
+    out = {}
+    for x, i in col.items():
+        if den[i] == 0:
+            continue
+        b = boot[:, i][np.isfinite(boot[:, i])]
+        out[x] = {"score": float(point[i]), "lo": float(np.percentile(b, 2.5)) if b.size else None,
+                  "hi": float(np.percentile(b, 97.5)) if b.size else None, "cells": int(den[i]),
+                  "wins": sum(1 for v in ratios[x] if v <= 1.0),
+                  "ratios": sorted(v for v in ratios[x] if math.isfinite(v))}
+    ranked = dict(sorted(out.items(), key=lambda kv: -kv[1]["score"]))
+    return {"tau_max": tau_max, "draws": draws, "groups": [g for g, _, _ in groups], "methods": ranked,
+            "cells": int(max(den)) if len(den) else 0}
+
+
+def profile_plot(prof: dict, path: Path) -> Path | None:
+    """The performance profile: rho(tau) against tau for every method, at ``path``; None
+    (and nothing written) without matplotlib (``pip install gossip[analysis]``)."""
+    from experiments import race
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    tau_max = prof["tau_max"]
+    for i, (name, m) in enumerate(prof["methods"].items()):
+        xs = [1.0] + [min(r, tau_max) for r in m["ratios"] if r <= tau_max] + [tau_max]
+        ys = [sum(1 for r in m["ratios"] if r <= 1.0) / m["cells"]]
+        ys += [sum(1 for r in m["ratios"] if r <= x) / m["cells"] for x in xs[1:]]
+        ax.step(xs, ys, where="post", label=f"{name} ({m['score']:.2f})", **race.line_style(i))
+    ax.set_xlim(1.0, tau_max)
+    ax.set_ylim(0.0, 1.02)
+    ax.set_xlabel("tau: time to target within this factor of the fastest method's")
+    ax.set_ylabel("fraction of cells (workload, nodes, link)")
+    ax.set_title("Performance profiles (runs that hold the target); score: area, normalised", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def profile_section(prof: dict, figure: str | None, drawn: bool | None) -> str:
+    """The scores and, where drawn, the plot (``figure``: its link relative to the page);
+    ``drawn`` False (matplotlib missing): a line saying how to get it; None: no plot."""
+    if not prof["methods"]:
+        return "No cell where a method holds the target: no profile."
+    rows = ["| rank | method | score (95 % bootstrap interval) | fastest in | cells |", "|---|---|---|---|---|"]
+    for i, (name, m) in enumerate(prof["methods"].items(), 1):
+        ci = "" if m["lo"] is None else f" [{m['lo']:.3f}, {m['hi']:.3f}]"
+        rows.append(f"| {i} | {name} | {m['score']:.3f}{ci} | {m['wins']} | {m['cells']} |")
+    head = (f"The score of each method is the area under its performance profile over tau in [1, {prof['tau_max']:g}], "
+            f"divided by {prof['tau_max'] - 1:g} (as MLCommons AlgoPerf scores training algorithms, arXiv:2306.07179): "
+            "rho(tau) is the fraction of the cells (workload, node count, link) where the method's mean time to "
+            "the target, over seeds that all hold it, is within a factor tau of the fastest method's. A method "
+            "counts only the cells where it was run and some method held the target. The interval: the 2.5 and "
+            f"97.5 percentiles of {prof['draws']} bootstrap draws resampling each method's seeds (one draw for all "
+            f"the links of a run). Cells: {', '.join(prof['groups'])}.")
+    plot = (f"![performance profile]({figure})" if drawn and figure else "" if drawn is None else
+            "The profile's plot needs matplotlib (`pip install gossip[analysis]`); it was not drawn.")
+    return head + "\n\n" + (plot + "\n\n" if plot else "") + "\n".join(rows)
+
+
 def _first_curve(res: dict, r: dict) -> tuple[list[dict], dict] | None:
     """The first seed's curve of a method and its calls per step: from the results'
     trials, or (results files written before they held their trials) from the seed."""
@@ -855,8 +1524,12 @@ def _workload_lines(res: dict) -> list[str]:
             data = f"`{w['data']}`, {w['samples_per_node']:,} training samples per node"
         lines.append(f"- **{wname}**: model `{w['model']}` ({size}), data {data}; batch {w.get('batch_size', '?')} "
                      f"per node, {w['tune_epochs']} epochs to tune, {w['epochs']} for the final runs; recipe "
-                     f"`{' '.join(w.get('recipe') or []) or '-'}`; target {_fmt_metric(w['metric'], w['target'])} "
-                     f"{w['metric']} ({better} is better); {carve}; node counts "
+                     f"`{' '.join(w.get('recipe') or []) or '-'}`"
+                     + (f"; model options {', '.join(f'{k}={_option_text(v)}' for k, v in w['model_options'].items())}"
+                        if w.get("model_options") else "")
+                     + f"; target {_fmt_metric(w['metric'], w['target'])} "
+                     f"{w['metric']} ({better} is better), held within {w.get('hold_tolerance', Workload.hold_tolerance):g}; "
+                     f"{carve}; node counts "
                      f"{', '.join(w['nodes']) or 'none run yet'}.")
     return lines
 
@@ -910,15 +1583,25 @@ def figure_paths(res: dict, out: Path, prefix: str) -> list[Path]:
 
 
 def report(res: dict, md: Path, fig_dir: Path, title: str | None = None, extra: str = "", *,
-           write: bool = True) -> str:
-    """The Markdown page: protocol, verdict table, per-method tables, cost, figures,
-    provenance; ``extra`` (Markdown) goes before the figures. ``write=False``: the
-    page's text only (its figures those already drawn), nothing written."""
+           write: bool = True, bandwidths: Sequence[str] | None = None,
+           latencies: Sequence[str] | None = None) -> str:
+    """The Markdown page: the options as run, protocol, verdict table (runs that hold the
+    target) and the one by the criterion before, the tuning grids, the performance profile,
+    per-method tables, cost, figures, provenance; ``extra`` (Markdown) goes before the
+    figures. The analysis is scored again from the trials (:func:`rescore`), at
+    ``bandwidths`` x ``latencies`` if given. ``write=False``: the page's text only (its
+    figures those already drawn), nothing written."""
+    res = {**rescore(res, bandwidths, latencies), "provenance": res.get("provenance", {})}
+    prof = profiles([res])
+    prof_path = fig_dir / f"{md.stem}-profile.png"
     if write:
         fig_dir.mkdir(parents=True, exist_ok=True)
         figs = plots(res, fig_dir, md.stem)
+        drawn = (profile_plot(prof, prof_path) is not None) if prof["methods"] else None
     else:
         figs = [f for f in figure_paths(res, fig_dir, md.stem) if f.exists()]
+        drawn = True if prof_path.exists() else None
+    prof_rel = f"{os.path.relpath(fig_dir, md.parent)}/{prof_path.name}"
     p = res.get("provenance", {})
     m = p.get("machine", {})
     proto = res["protocol"]
@@ -947,6 +1630,12 @@ def report(res: dict, md: Path, fig_dir: Path, title: str | None = None, extra: 
                   + ("" if cov["finished"] >= cov["planned"] else
                      " Methods whose tuning has not all run are not listed; a method with fewer final seeds than "
                      "the protocol's is ranked nowhere."), ""]
+    opts = options_table(res)
+    if opts:
+        lines += ["## Options as run", "", opts, ""]
+    rescored = res.get("rescored") or {}
+    added = [k for k in rescored.get("links", []) if k not in rescored.get("from", [])]
+    ext = proto.get("grid_extensions")
     lines += [
         "## Protocol",
         "",
@@ -954,13 +1643,20 @@ def report(res: dict, md: Path, fig_dir: Path, title: str | None = None, extra: 
         "",
         f"- Each method: learning rate on the grid {proto['lr_factors']} x its default, one tuning run each "
         f"(seed {proto['tune_seed']}) at the short horizon, on the training data less a validation carve; every "
-        f"other option is the method's paper default; selection: {proto['selection']}.",
+        "other option is the method's paper default or an override with its reason (the table above); "
+        + (f"a rate selected at the edge of the rates tried extends the grid by a factor "
+           f"{proto.get('grid_factor', GRID_FACTOR):g}, up to {ext} times (below); " if ext is not None else
+           "the grid was not extended where the pick lay at its edge (below); ")
+        + f"selection: {proto['selection']}.",
         f"- The selected setting runs with seeds {proto['seeds']} on the whole training data; the test split is "
         "read only by these final runs (tuning runs are not handed it).",
         "- Time to target is modelled per link from each run's bytes, message rounds and measured compute and "
-        "codec time; mean and 95 % Student-t interval over seeds; a method is ranked at a link only if every "
-        "seed reached the target. The lead is beyond the intervals when the winner's upper bound lies below the "
-        "second's lower bound.",
+        "codec time; mean and 95 % Student-t interval over seeds. A run reaches the target when its test metric "
+        "crosses it and its final metric holds it (within the workload's tolerance); the time is its first "
+        "crossing. A method is ranked at a link only if every seed holds the target. The lead is beyond the "
+        "intervals when the winner's upper bound lies below the second's lower bound."
+        + (f" The links {', '.join(added)} were scored from the runs' recorded bytes, rounds and compute after "
+           "the runs (no training again)." if added else ""),
         f"- Every trial computes on `{proto.get('device', 'cpu')}`; every node count trains on the same data per "
         "node.",
         "",
@@ -973,6 +1669,15 @@ def report(res: dict, md: Path, fig_dir: Path, title: str | None = None, extra: 
         *([] if res["links"] else ["No link to model: the spec's links list no bandwidth or no latency, so no "
                                    "time to target is modelled and no method is ranked.", ""]),
         verdict_table(res),
+        "",
+        *(["## Held against ever crossed", "", criteria_table(res), ""] if criteria_table(res) else []),
+        "## Tuning grids",
+        "",
+        grid_table(res),
+        "",
+        "## Performance profile",
+        "",
+        profile_section(prof, prof_rel, drawn),
         "",
         *(["## Verdict with unequal nodes", "",
            "The same trials, each synchronous step waiting for the slowest node: the compute time of every "
@@ -1043,6 +1748,28 @@ make results-tables                                   # the README's verdict tab
   `--seed`, `--device`, `--out`, `--config`). Then every trial's arguments are parsed by
   gossip.train itself. A bad field is one line naming the file and the field, e.g.
   `spec.toml: methods.signum.flags: --epochs sets the workload's budget ...`; exit 2, nothing run.
+- **The protocol in the spec.** A method's `flags` name its algorithm and variant (`--bits`,
+  `--compressor`); every option of the algorithm keeps its paper default unless the method lists it
+  in `overrides = {KEY = {value = V, reason = "why"}}`, run as `--algo-opt KEY=V`. An override
+  without a reason, or an `--algo-opt` in the flags, is refused in one line. The report opens with
+  every method's options as run, each override marked with its reason. A workload's
+  `hold_tolerance` (default 0.005, in the metric's units: half a point of accuracy) is how far
+  from the target a run's final metric may end and still hold it: a run reaches the target when
+  its test metric crosses it and it holds it, and its time to target is the first crossing. Its
+  `model_options` (e.g. `{layers = 2, width = 64, heads = 4}`) is the model's size knob, run as
+  `--model-opt KEY=V`. `grid_extensions` (default 3): when the selected rate is the smallest or
+  largest tried, the tuner tries the next rate a factor 2 beyond it, up to that many times, until
+  the pick is interior or the next rate diverges; the report lists each extension.
+- **Dry run.** `run --dry-run` (and `plan`) check the spec and every trial's arguments, print each
+  workload's parameter count (the model built on torch's meta device: no weights allocated) and
+  the trials, `run --dry-run` with each one's command line, and run nothing.
+  `experiments/benchmark-gpu.toml` runs a byte-level GPT of about 25 M parameters (8 layers of width
+  512) at 4 and 16 nodes on one GPU (`device = "cuda"`); its dry run is checked on the CPU. gossip's
+  vectorized simulation batches classification models only, so its nodes run one after another on
+  the GPU (`--simulate-mode auto` says so in the run's log).
+- **Scored again without training.** `report --links-from SPEC` scores every run at that spec's
+  links from its recorded bytes, message rounds and compute: a link added to the spec needs no
+  training again.
 - **Resumable.** A trial whose run directory holds its record (`trial.json`, with the trial's
   figures) is never redone; an interrupted `run` goes on where it stopped, and widening the spec
   (a seed, a method) runs only what is new. A record counts only if it ran the arguments the
@@ -1104,6 +1831,28 @@ def _filters(a: argparse.Namespace, spec: Spec) -> dict:
         if bad:
             raise SpecError(f"--{k} {','.join(map(str, bad))}: not in the spec; it has {', '.join(map(str, known[k]))}")
     return f
+
+
+def _print_plan(spec: Spec, trials: Sequence[Trial], out: Path | None = None) -> None:
+    """The plan: each workload's model and parameter count, then every trial (with ``out``,
+    each one's gossip.train command line, a final run's rate written as the selection)."""
+    counts = parameter_counts(spec)
+    for wl in spec.workloads:
+        opts = ", ".join(f"{k}={_option_text(v)}" for k, v in wl.model_options)
+        print(f"workload {wl.name}: model {wl.model}" + (f" ({opts})" if opts else "")
+              + f", {counts[wl.name]:,} parameters; nodes {', '.join(map(str, wl.nodes))}; "
+              f"{wl.epochs} epochs ({wl.tune_epochs} to tune); device {spec.device}")
+    for t in trials:
+        line = (f"{t.workload.name} n={t.nodes} {t.method.name} {t.stage} "
+                f"{'lr=' + format(t.lr, 'g') if t.lr else 'lr=selected'} seed={t.seed}")
+        if out is not None:
+            args = _train_args(t, t.lr if t.lr else t.method.lr, t.run_dir(out), spec.device)
+            if not t.lr:
+                args[args.index("--lr") + 1] = "SELECTED"
+            line += ": python -m gossip.train " + " ".join(args)
+        print(line)
+    print(f"{len(trials)} trials" + (f" (and up to {spec.grid_extensions} more per method where a grid is extended)"
+                                     if spec.grid_extensions else ""))
 
 
 class _Kept:
@@ -1180,6 +1929,9 @@ def main(argv: list[str] | None = None) -> int:
                    "OMP_NUM_THREADS=1 unless set (default 1: in this process)")
     r.add_argument("--resume", action="append", default=[], metavar="RESULTS",
                    help="a results file of an earlier session: its trials count as finished (repeatable)")
+    r.add_argument("--dry-run", action="store_true",
+                   help="check the spec and every trial's arguments, print the plan (each workload's parameter "
+                        "count, every trial, its command line) and run nothing")
     r.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
                    help="start no trial after this many seconds (running ones finish); SIGTERM stops at once")
     pl = sub.add_parser("plan", help="list the trials the spec asks for")
@@ -1211,6 +1963,9 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--estimate", nargs=2, default=None, metavar=("SPEC", "RESULTS"),
                     help="add what the whole of SPEC would cost, from the trials measured in RESULTS")
     rp.add_argument("--running", action="store_true", help="add the section on running the benchmark")
+    rp.add_argument("--links-from", default=None, metavar="SPEC",
+                    help="score the runs at this spec's links (from their recorded bytes, rounds and compute; "
+                         "no training) instead of the results file's")
     rp.add_argument("--netns", default=None, metavar="RESULTS",
                     help="add the runs measured in the netns cluster (experiments/benchmark_netns.py's results)")
     a = p.parse_args(argv)
@@ -1228,16 +1983,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{len(trials)} trials, {est['cpu_s'] / 60:.1f} CPU minutes: about "
                       f"{est['cpu_s'] / 60 / jobs:.1f} minutes on {jobs} cores")
                 return 0
-            for t in trials:
-                print(f"{t.workload.name} n={t.nodes} {t.method.name} {t.stage} "
-                      f"{'lr=' + format(t.lr, 'g') if t.lr else 'lr=selected'} seed={t.seed}")
-            print(f"{len(trials)} trials")
+            _print_plan(spec, trials)
             return 0
         if a.cmd == "run":
             spec = load_spec(a.spec)  # every field checked, in a fraction of a second
             filters = _filters(a, spec)
             out = Path(a.out)
             _check_trials(spec, out)  # every trial's arguments, as gossip.train reads them, before any runs
+            if a.dry_run:
+                _print_plan(spec, plan(spec, **filters), out)
+                return 0
             path = Path(a.results) if a.results else out / "benchmark.json"
             record = _provenance.start(SOURCES, argv=["experiments/benchmark.py", *argv])
             sessions = _import_records([Path(x) for x in a.resume], out)
@@ -1287,8 +2042,12 @@ def main(argv: list[str] | None = None) -> int:
             measured, nprov = read_results(Path(a.netns))
             if not isinstance(measured, dict) or "runs" not in measured or "bandwidths" not in measured:
                 raise SpecError(f"--netns {a.netns}: not a results file of experiments/benchmark_netns.py")
-            extra = tables.benchmark_netns_section(measured, nprov) + "\n\n" + extra
-        report(res, md, Path(a.figures) if a.figures else md.parent, title=a.title, extra=extra.strip())
+            cal = calibration_section(measured, results)
+            extra = (tables.benchmark_netns_section(measured, nprov)
+                     + (f"\n\n### The time model, calibrated\n\n{cal}" if cal else "") + "\n\n" + extra)
+        links = load_spec(a.links_from) if a.links_from else None
+        report(res, md, Path(a.figures) if a.figures else md.parent, title=a.title, extra=extra.strip(),
+               bandwidths=links.bandwidths if links else None, latencies=links.latencies if links else None)
         print(f"benchmark: report in {md}")
         return 0
     except (SpecError, crossover.CrossoverError) as e:

@@ -18,6 +18,7 @@ from gossip.data import text as textdata  # noqa: E402
 SPEC = """
 seeds = [0]
 lr_factors = [0.5, 1.0]
+grid_extensions = 0
 [workloads.blobs]
 data = "synthetic"
 model = "mlp"
@@ -139,6 +140,7 @@ def test_crossover_answers_from_the_benchmark(bench, capsys):
 LM_SPEC = """
 seeds = [0]
 lr_factors = [0.5, 1.0]
+grid_extensions = 0
 [workloads.tinygpt]
 data = "synthtext"
 context = 16

@@ -37,15 +37,12 @@ is ``python -m experiments.render``'s ``diloco_eager`` (docs/modern.md).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-from experiments import _cli, _provenance
+from experiments import _cli, _provenance, training
 
 #: name -> gossip.train flags (on top of the default workload)
 METHODS: dict[str, list[str]] = {
@@ -67,55 +64,23 @@ TWIN = {"diloco-eager": "diloco", "diloco-eager-mu0.5": "diloco", "diloco-eager-
 DEFAULT_METHODS = ("diloco", "diloco-eager", "diloco-eager-mu0.5", "diloco-eager-lr0.35")
 #: points of mean final accuracy the eager method may lose against its twin
 TOLERANCE_POINTS = 2.0
-SOURCES = _provenance.training_sources("experiments/diloco_eager.py", "experiments/_cli.py")
-
-
-def _train(args: list[str]) -> tuple[int, str]:
-    from gossip import train
-
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        try:
-            rc = train.main(args)
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc, err.getvalue()
-
-
-def _best(run_dir: Path) -> tuple[float | None, float | None]:
-    """The best test accuracy of the averaged model over the run's evaluations, and its epoch."""
-    from gossip import rundir
-
-    evals = [r for r in rundir.read_metrics(rundir.metrics_path(run_dir, 0))
-             if r.get("kind") == "eval" and "test_acc" in r]
-    if not evals:
-        return None, None
-    best = max(evals, key=lambda r: r["test_acc"])
-    return best["test_acc"], round(best["epoch"], 2)
+SOURCES = _provenance.training_sources("experiments/diloco_eager.py", "experiments/training.py", "experiments/_cli.py")
 
 
 def _run_one(name: str, seed: int, flags: list[str], run_dir: str) -> dict:
     """Train one (method, seed) and read its row back; RuntimeError with the run's last
     error line if it fails."""
     t0 = time.perf_counter()
-    rc, err = _train(flags)
+    rc, err = training.train_in_process(flags)
     if rc != 0:
         last = err.strip().splitlines()[-1] if err.strip() else ""
         raise RuntimeError(f"{name} seed {seed} failed (exit {rc}): {last}")
     s = json.loads((Path(run_dir) / "summary.json").read_text())
-    best, best_epoch = _best(Path(run_dir))
+    best, best_epoch = training.best_test_acc(run_dir)
     return {"method": name, "seed": seed, "final_test_acc": s["final_test_acc"], "best_test_acc": best,
             "best_epoch": best_epoch, "consensus_distance": s.get("consensus_distance"),
             "bytes_per_node_per_step": s["bytes_sent_per_node_per_step"], "steps": s["steps"],
             "wall_s": round(time.perf_counter() - t0, 1)}
-
-
-def _run_in_child(name: str, seed: int, flags: list[str], run_dir: str) -> dict:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # --jobs 2 on two cores, not 2 x all of them
-    import torch
-
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    return _run_one(name, seed, flags, run_dir)
 
 
 def verdicts(rows: list[dict]) -> list[dict]:
@@ -189,25 +154,11 @@ def main(argv: list[str] | None = None) -> int:
             _provenance.record_config(flags)  # what `python -m experiments verify` witnesses
             todo.append((name, seed, flags, str(run_dir)))
 
-    rows: list[dict] = []
-    try:
-        if a.jobs == 1:
-            for job in todo:
-                rows.append(_run_one(*job))
-                print(json.dumps(rows[-1]), flush=True)
-        else:
-            import concurrent.futures as cf
-            import multiprocessing as mp
-
-            with cf.ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as pool:
-                for f in cf.as_completed([pool.submit(_run_in_child, *job) for job in todo]):
-                    rows.append(f.result())
-                    print(json.dumps(rows[-1]), flush=True)
+    try:  # in the order of todo
+        rows = training.run_all(_run_one, todo, a.jobs, on_row=lambda r: print(json.dumps(r), flush=True))
     except RuntimeError as e:
         print(f"diloco_eager: {e}", file=sys.stderr)
         return 1
-    order = {(job[0], job[1]): i for i, job in enumerate(todo)}
-    rows.sort(key=lambda r: order[(r["method"], r["seed"])])
 
     from experiments import render
 

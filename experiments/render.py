@@ -331,22 +331,8 @@ def _race_accuracy(res: dict) -> str:
 
 
 def _sharded_accuracy(res: dict) -> str:
-    """experiments/sharded_accuracy.py: each method's sharded and all-gathered runs (and
-    the fp32 all-reduce reference), final and best accuracy, the sharded form's
-    difference in points, bytes per node per step and their ratio to all-reduce's."""
-    rows = res["rows"]
-    ref = next((r["bytes_per_node_per_step"] for r in rows if r["exchange"] == "fp32"), None)
-    acc = {(r["method"], r["exchange"]): r["final_test_acc"] for r in rows}
-    body = []
-    for r in rows:
-        other = acc.get((r["method"], "allgather")) if r["exchange"] == "sharded" else None
-        diff = "-" if other is None else f"{100 * (r['final_test_acc'] - other):+.1f}"
-        best = _pct(r["best_test_acc"]) + ("" if r.get("best_epoch") is None else f" ({r['best_epoch']:g})")
-        b = r["bytes_per_node_per_step"]
-        body.append([r["method"], "fp32 all-reduce" if r["exchange"] == "fp32" else r["exchange"],
-                     _pct(r["final_test_acc"]), best, diff, f"{b:,.0f}", "-" if not ref else f"{b / ref:.3f}"])
-    return _md([f"method ({res['nodes']} nodes, {res['epochs']} epochs)", "exchange", "final test accuracy",
-                "best (epoch)", "sharded - all-gathered (points)", "bytes/node/step", "vs fp32 all-reduce"], body)
+    """The study experiments/studies/sharded_accuracy.toml (before it, experiments/sharded_accuracy.py)."""
+    return T.sharded_accuracy_table(res)
 
 
 def _diloco_eager(res: dict) -> str:
@@ -672,7 +658,7 @@ def _sgp_overlap(res: dict) -> str:
 
 
 def _gossip_compare(res: dict) -> str:
-    """experiments/gossip_compare.py: the decentralized methods on sorted shards."""
+    """The study experiments/studies/gossip_compare.toml: the decentralized methods on sorted shards."""
     return T.gossip_compare_table(res["results"], res["bandwidths"])
 
 

@@ -206,14 +206,14 @@ def list_all() -> int:
     for f in sorted([*here.glob("*.py"), *here.glob("*.toml"), *here.glob("studies/*.toml")]):
         if f.name.startswith("_") or f.name in ("__main__.py",):
             continue
-        doc = ""
-        if f.suffix == ".py":
-            text = f.read_text()
-            m = re.search(r'^"""(.*?)(?:\n\n|""")', text, re.S)
-            doc = " ".join((m.group(1) if m else "").split())[:110]
-        else:
-            first = [ln for ln in f.read_text().splitlines() if ln.startswith("#")]
-            doc = first[0].lstrip("# ")[:110] if first else "benchmark spec"
+        if f.suffix == ".py":  # the docstring's first paragraph (after a #! line too)
+            import ast
+
+            doc = (ast.get_docstring(ast.parse(f.read_text(encoding="utf-8"))) or "").split("\n\n")[0]
+            doc = " ".join(doc.split()) or f.stem.replace("_", " ")
+        else:  # a spec: the first sentence of its opening comment
+            doc = study.describe(f)
+        doc = doc if len(doc) <= 110 else doc[:107].rstrip() + "..."
         res = made.get(f.name, [])
         print(f"{f.relative_to(here)}: {doc}" + (f"\n    writes: {', '.join(sorted(set(res)))}" if res else ""))
     return 0

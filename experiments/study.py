@@ -4,30 +4,50 @@
     python -m experiments run ecd_recipes --out runs/ecd-recipes --results experiments/results/ecd_recipes.json
 
 A study spec (TOML) names what every run trains (``[study]``: ``base`` flags of
-``gossip.train``, ``data``, ``seed``, and ``keep``, what the results file keeps of each
-run) and the runs compared (``[runs.NAME]``: ``label``, ``epochs``, ``flags`` on top
-of the base). Each run trains ``gossip.train BASE FLAGS --data DATA --epochs EPOCHS
---seed SEED`` in this process, one ordinary run directory each under ``--out``, and is
-recorded as a configuration of the results file (what ``python -m experiments verify``
-witnesses). ``python -m experiments run NAME`` runs experiments/studies/NAME.toml.
+``gossip.train``, ``data``, ``seed``, ``params``, and ``keep``, what the results file
+keeps of each run) and the runs compared (``[runs.NAME]``: ``label``, ``flags`` on top
+of the base, and what its kind needs). Each run trains ``gossip.train BASE FLAGS ...``,
+one ordinary run directory each under ``--out``, and is recorded as a configuration of
+the results file (what ``python -m experiments verify`` witnesses).
+``python -m experiments run NAME`` runs experiments/studies/NAME.toml.
 
 What a run leaves in the results file (``keep``):
 
-- ``curve``: its label, epochs, flags, the final test accuracy and the test accuracy at
-  every evaluation (``{"data": DATA, "runs": {NAME: ...}}``);
-- ``summary``: each run is ``python -m gossip.train`` in a process of its own, as a user
-  runs it (``max_steps`` steps; ``--jobs`` at once), and keeps its command, its
-  summary's figures, its wall clock and the load average before and after
-  (``{NAME: ...}``).
+- ``curve``: its label, epochs (``[runs.NAME] epochs``), flags, the final test accuracy
+  and the test accuracy at every evaluation (``{"data": DATA, "runs": {NAME: ...}}``);
+  each run trains ``BASE FLAGS --data DATA --epochs EPOCHS --seed SEED`` in this process;
+- ``summary``: each run is ``python -m gossip.train BASE FLAGS`` in a process of its own,
+  as a user runs it (``[runs.NAME] max_steps`` steps; ``--jobs`` at once), and keeps its
+  command, its summary's figures, its wall clock and the load average before and after
+  (``{NAME: ...}``);
+- ``rows``: each run trains ``BASE FLAGS`` (``--max-steps`` and ``--data`` appended when
+  given) in this process, or ``--jobs`` at once in worker processes of one thread each,
+  and keeps one row: its ``[runs.NAME] row`` table (e.g. ``{method = "signum", exchange
+  = "sharded"}``), final and best test accuracy (with the best's epoch), bytes per node
+  per step, steps and wall clock (``{PARAMS..., "max_steps", "data", "runs": {NAME:
+  flags}, "rows": [...]}``);
+- ``modelled``: each run trains ``BASE FLAGS`` in this process and keeps its curve: at
+  every evaluation the test accuracy, node 0's bytes (the setup exchange included) and
+  compute and codec seconds, and the wall-clock time modelled at each ``--bandwidth``
+  and ``--latency`` as experiments/race.py models it (``{PARAMS..., "bandwidths",
+  "results": {NAME: ...}, ...}``, also ``OUT/compare.json``, with ``OUT/compare.md`` and
+  ``OUT/compare.png``); its table function takes the runs and the bandwidths.
 
-``[study] results`` is the results file written when ``--results`` is not given.
+``[study] params`` declares the study's parameters with their defaults (``{nodes = 16,
+epochs = 30}``): each is an option of the command line (``--nodes``), and ``{nodes}`` in
+``base`` or ``flags`` stands for its value. ``[study] results`` is the results file
+written when ``--results`` is not given (a ``rows`` study: ``OUT/results.json``), and
+``[study] table`` the function of experiments/tables.py (``NAME_table``) that draws the
+results file's table: printed, and written to ``OUT/results.md`` by a ``rows`` study.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,13 +60,21 @@ from experiments import _cli
 from experiments import _provenance
 from experiments import tables
 
-__all__ = ["Study", "StudyError", "load", "configs", "studies", "spec_path", "as_study_command", "main"]
+__all__ = ["Study", "StudyError", "load", "configs", "studies", "spec_path", "as_study_command", "run_args",
+           "run_row", "describe", "options", "main"]
 
 REPO = _provenance.REPO
 #: the folder of the study specs
 STUDIES = REPO / "experiments" / "studies"
 #: what a results file may keep of each run
-KEEPS = ("curve", "summary")
+KEEPS = ("curve", "summary", "rows", "modelled")
+#: the options of the command line every study has, and those of each kind (a parameter may not take their names)
+COMMON_OPTIONS = ("spec", "runs", "methods", "out", "results", "json")
+KEEP_OPTIONS = {"curve": ("data", "epochs_scale"), "summary": ("steps", "data_dir", "jobs"),
+                "rows": ("max_steps", "data", "jobs"), "modelled": ("bandwidth", "latency")}
+#: what a run of each kind says besides its label and flags
+RUN_KEYS = {"curve": ("epochs",), "summary": ("max_steps",), "rows": ("row",), "modelled": ()}
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
 class StudyError(ValueError):
@@ -60,6 +88,7 @@ class Run:
     epochs: int | None  # "curve"
     flags: list[str]
     max_steps: int | None = None  # "summary"
+    row: dict[str, str] = field(default_factory=dict)  # "rows"
 
 
 @dataclass(frozen=True)
@@ -72,6 +101,8 @@ class Study:
     keep: str
     runs: dict[str, Run] = field(default_factory=dict)
     results: str | None = None
+    params: dict[str, int | float | str] = field(default_factory=dict)
+    table: str | None = None
 
 
 def studies() -> list[str]:
@@ -87,10 +118,38 @@ def spec_path(name_or_path: str) -> Path:
     return STUDIES / f"{name_or_path}.toml"
 
 
+def describe(path: str | Path) -> str:
+    """A spec's one-line description: the first sentence of its opening comment."""
+    lines = []
+    for ln in Path(path).read_text(encoding="utf-8").splitlines():
+        if not ln.startswith("#"):
+            break
+        text = ln.lstrip("#").strip()
+        if not text:
+            break
+        lines.append(text)
+    text = " ".join(lines)
+    m = re.match(r"(.+?[.?!])(\s|$)", text)
+    return (m.group(1) if m else text) or "a study spec"
+
+
 def _strs(v: object, where: str) -> list[str]:
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
         raise StudyError(f"{where}: a list of strings (gossip.train flags), got {v!r}")
     return list(v)
+
+
+def _params(v: object, keep: str, where: str) -> dict[str, int | float | str]:
+    if not isinstance(v, dict):
+        raise StudyError(f"{where} params: a table of name = default value, got {v!r}")
+    taken = set(COMMON_OPTIONS) | set(KEEP_OPTIONS[keep])
+    for k, x in v.items():
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", k) or k in taken:
+            raise StudyError(f"{where} params: {k!r} cannot name a parameter (lower-case letters, digits and _; "
+                             f"not one of the {keep!r} study's options: {', '.join(sorted(taken))})")
+        if isinstance(x, bool) or not isinstance(x, (int, float, str)):
+            raise StudyError(f"{where} params: {k} = {x!r}; accepted: an integer, a number or a string")
+    return dict(v)
 
 
 def load(path: str | Path) -> Study:
@@ -107,49 +166,79 @@ def load(path: str | Path) -> Study:
         raise StudyError(f"{path}: a study has a [study] table and [runs.NAME] tables, and nothing else"
                          + (f" (found {', '.join(sorted(extra))})" if extra else ""))
     s = raw["study"]
-    unknown = set(s) - {"base", "data", "seed", "keep", "results"}
+    known = ("base", "data", "seed", "keep", "results", "params", "table")
+    unknown = set(s) - set(known)
     if unknown:
-        raise StudyError(f"{path}: [study] {', '.join(sorted(unknown))}: unknown key; "
-                         "known: base, data, seed, keep, results")
+        raise StudyError(f"{path}: [study] {', '.join(sorted(unknown))}: unknown key; known: {', '.join(known)}")
     keep = s.get("keep", "curve")
     if keep not in KEEPS:
         raise StudyError(f"{path}: [study] keep = {keep!r}; accepted: {', '.join(KEEPS)}")
     if not isinstance(s.get("seed", 0), int):
         raise StudyError(f"{path}: [study] seed must be an integer, got {s['seed']!r}")
+    params = _params(s.get("params", {}), keep, f"{path}: [study]")
+    table = s.get("table")
+    if table is not None and not callable(getattr(tables, f"{table}_table", None)):
+        known_tables = sorted(n[:-len("_table")] for n in tables.__all__ if n.endswith("_table"))
+        raise StudyError(f"{path}: [study] table = {table!r}: not a table of experiments/tables.py; "
+                         f"known: {', '.join(known_tables)}")
+    base = _strs(s.get("base", []), f"{path}: [study] base")
     runs = {}
     for name, r in raw["runs"].items():
         where = f"{path}: [runs.{name}]"
-        count = "epochs" if keep == "curve" else "max_steps"
-        unknown = set(r) - {"label", count, "flags"}
+        own = RUN_KEYS[keep]
+        unknown = set(r) - {"label", "flags", *own}
         if unknown:
-            raise StudyError(f"{where} {', '.join(sorted(unknown))}: unknown key; known: label, {count}, flags")
-        if not isinstance(r.get(count), int) or r[count] < 1:
-            raise StudyError(f"{where} {count} must be a positive integer, got {r.get(count)!r}")
-        runs[name] = Run(name, str(r.get("label", name)), r.get("epochs"), _strs(r.get("flags", []), f"{where} flags"),
-                         r.get("max_steps"))
+            raise StudyError(f"{where} {', '.join(sorted(unknown))}: unknown key; known: {', '.join(('label', 'flags', *own))}")
+        for count in set(own) & {"epochs", "max_steps"}:
+            if not isinstance(r.get(count), int) or r[count] < 1:
+                raise StudyError(f"{where} {count} must be a positive integer, got {r.get(count)!r}")
+        row = r.get("row", {})
+        if not isinstance(row, dict) or not all(isinstance(v, str) for v in row.values()):
+            raise StudyError(f"{where} row: a table of strings (what its row of the results file says), got {row!r}")
+        flags = _strs(r.get("flags", []), f"{where} flags")
+        missing = sorted({m for f in [*base, *flags] for m in _PLACEHOLDER.findall(f)} - set(params))
+        if missing:
+            raise StudyError(f"{where}: {', '.join('{' + m + '}' for m in missing)} in its flags: not a parameter "
+                             f"of [study] params ({', '.join(params) or 'none declared'})")
+        runs[name] = Run(name, str(r.get("label", name)), r.get("epochs"), flags, r.get("max_steps"), dict(row))
     try:
         source = str(path.resolve().relative_to(REPO))
     except ValueError:
         source = str(path)
-    return Study(path.stem, source, _strs(s.get("base", []), f"{path}: [study] base"), str(s.get("data", "mnist1d")),
-                 int(s.get("seed", 0)), keep, runs, s.get("results"))
+    return Study(path.stem, source, base, str(s.get("data", "mnist1d")), int(s.get("seed", 0)), keep, runs,
+                 s.get("results"), params, table)
 
 
-def run_args(study: Study, run: Run, *, data: str | None = None, epochs: int | None = None) -> list[str]:
-    """The ``gossip.train`` arguments of one run (no run directory or progress flags); a
-    ``summary`` run's flags are all of them."""
-    if study.keep == "summary":
-        return [*study.base, *run.flags]
-    return [*study.base, *run.flags, "--data", data or study.data, "--epochs", str(epochs or run.epochs),
-            "--seed", str(study.seed)]
+def _fill(args: list[str], params: dict) -> list[str]:
+    """``args`` with ``{NAME}`` replaced by the value of the parameter NAME."""
+    def value(m: re.Match) -> str:
+        v = params[m.group(1)]
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    return [_PLACEHOLDER.sub(value, a) for a in args]
+
+
+def run_args(study: Study, run: Run, *, data: str | None = None, epochs: int | None = None,
+             params: dict | None = None) -> list[str]:
+    """The ``gossip.train`` arguments of one run (no run directory or progress flags), its
+    parameters filled in (``params`` over the spec's defaults). A ``curve`` run adds
+    ``--data``, ``--epochs`` and ``--seed``; a ``rows`` run ``--data`` where ``data`` is
+    given; a ``summary`` run's flags are all of them."""
+    args = _fill([*study.base, *run.flags], {**study.params, **(params or {})})
+    if study.keep == "curve":
+        return [*args, "--data", data or study.data, "--epochs", str(epochs or run.epochs), "--seed", str(study.seed)]
+    if study.keep == "rows" and data:
+        return [*args, "--data", data]
+    return args
 
 
 def configs(study: Study, names: list[str] | None = None, *, data: str | None = None,
-            epochs_scale: float = 1.0) -> list[list[str]]:
+            epochs_scale: float = 1.0, params: dict | None = None) -> list[list[str]]:
     """The configurations the study records, as a results file lists them (``configs``)."""
     from experiments import witness
 
-    return [witness.normalise(run_args(study, study.runs[n], data=data, epochs=_scaled(study.runs[n], epochs_scale)))
+    return [witness.normalise(run_args(study, study.runs[n], data=data, epochs=_scaled(study.runs[n], epochs_scale),
+                                       params=params))
             for n in (names or list(study.runs))]
 
 
@@ -165,49 +254,91 @@ def as_study_command(cmd: str) -> str:
                   lambda m: f"{m.group(1)} -m experiments run {m.group(2)}" if m.group(2) in names else m.group(0), cmd)
 
 
-def options(p: argparse.ArgumentParser) -> None:
-    """The options of ``python -m experiments run study`` (and of ``run NAME`` for a study NAME)."""
+def options(p: argparse.ArgumentParser, study: Study | None = None) -> None:
+    """The options of ``python -m experiments run study SPEC`` (and of ``run NAME`` for a
+    study NAME): those of every study, of its kind, and its parameters."""
     p.add_argument("spec", help=f"a study spec (TOML), or the name of one in experiments/studies/: {', '.join(studies())}")
-    p.add_argument("--runs", default=None, help="comma list of the spec's runs (default all)")
-    p.add_argument("--data", default=None, help="the data set of every run (default: the spec's)")
-    p.add_argument("--epochs-scale", type=float, default=1.0,
-                   help="curve: multiply every run's epochs (at least 1), for a quick look; 1 for the results file")
-    p.add_argument("--steps", type=int, default=None, help="summary: every run's --max-steps (a reduced run)")
-    p.add_argument("--data-dir", default=None, help="summary: train on this text (file or folder) instead")
-    p.add_argument("--jobs", type=int, default=1, help="summary: runs at once, each in its own process (default 1)")
+    p.add_argument("--runs", "--methods", dest="runs", default=None,
+                   help="comma list of the spec's runs (default all)" + (f": {', '.join(study.runs)}" if study else ""))
     p.add_argument("--out", default=None, help="directory for the run directories (default: runs/NAME)")
-    p.add_argument("--results", type=Path, default=None,
-                   help="results JSON (default: the spec's [study] results, if any)")
+    p.add_argument("--results", "--json", dest="results", type=Path, default=None,
+                   help="results JSON (default: the spec's [study] results; a rows study: OUT/results.json)")
+    keep = study.keep if study else None
+    if keep in (None, "curve"):
+        p.add_argument("--data", default=None, help="curve: the data set of every run (default: the spec's)")
+        p.add_argument("--epochs-scale", type=float, default=1.0,
+                       help="curve: multiply every run's epochs (at least 1), for a quick look; 1 for the results file")
+    if keep in (None, "summary"):
+        p.add_argument("--steps", type=int, default=None, help="summary: every run's --max-steps (a reduced run)")
+        p.add_argument("--data-dir", default=None, help="summary: train on this text (file or folder) instead")
+    if keep in (None, "summary", "rows"):
+        p.add_argument("--jobs", type=int, default=1, help="summary, rows: runs at once, each in its own process "
+                       "(rows: one thread each unless OMP_NUM_THREADS says otherwise; default 1: in this process)")
+    if keep == "rows":
+        p.add_argument("--max-steps", type=int, default=None, help="stop every run after this many steps (a smoke run)")
+        p.add_argument("--data", default=None, help="gossip.train's --data for every run (default: none given, "
+                       f"its own; the results file names {study.data})")
+    if keep == "modelled":
+        p.add_argument("--bandwidth", default="10mbit",
+                       help="modelled: link rates, a comma list; the first one is plotted (default 10mbit)")
+        p.add_argument("--latency", default="0", help="modelled: one-way latency (default 0)")
+    for k, v in (study.params if study else {}).items():
+        p.add_argument(f"--{k.replace('_', '-')}", dest=k, type=type(v), default=v,
+                       help=f"the spec's {{{k}}} (default {v})")
 
 
 def main(argv: list[str] | None = None, name: str | None = None) -> int:
     """Run the study ``argv`` names (``name``: the study NAME of ``run NAME``, which comes
-    before the options)."""
+    before the options; else the spec is the first argument)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     full = ["python", "-m", "experiments", "run", *([name] if name else ["study"]), *argv]
-    p, a = _cli.parse([name, *argv] if name else argv, options, __doc__, name or "study")
-    try:
-        study = load(spec_path(a.spec))
-    except StudyError as e:
-        p.error(str(e))
+    spec = name or (argv[0] if argv and not argv[0].startswith("-") else None)
+    study, why = None, None
+    if spec is not None:
+        try:
+            study = load(spec_path(spec))
+        except StudyError as e:
+            why = str(e)
+    p = _cli.parser(lambda q: options(q, study), __doc__, name or "study")
+    if why:
+        p.error(why)
+    a = p.parse_args([name, *argv] if name else argv)
+    if study is None:  # `run study --help`-like: the parser has said what is wrong
+        p.error("the spec must come first: python -m experiments run study SPEC [options]")
     names = list(study.runs) if a.runs is None else [n.strip() for n in a.runs.split(",") if n.strip()]
     bad = [n for n in names if n not in study.runs]
     if bad or not names:
         p.error(f"--runs: unknown {', '.join(bad) or '(none given)'}; known: {', '.join(study.runs)}")
-    if not a.epochs_scale > 0:
+    if study.keep == "curve" and not a.epochs_scale > 0:
         p.error(f"--epochs-scale must be > 0, got {a.epochs_scale:g}")
-    wrong = [f for f, given in (("--epochs-scale", a.epochs_scale != 1.0), ("--data", a.data is not None))
-             if given and study.keep == "summary"] + \
-            [f for f, given in (("--steps", a.steps is not None), ("--data-dir", a.data_dir is not None),
-                                ("--jobs", a.jobs != 1)) if given and study.keep == "curve"]
-    if wrong:
-        p.error(f"{', '.join(wrong)}: not an option of a {study.keep!r} study ({study.name})")
-    if a.jobs < 1 or (a.steps is not None and a.steps < 1):
-        p.error(f"--jobs and --steps must be at least 1, got --jobs {a.jobs} --steps {a.steps}")
+    low = [f"--{k.replace('_', '-')} {v}" for k in ("jobs", "steps", "max_steps")
+           if (v := getattr(a, k, None)) is not None and v < 1]
+    if low:
+        p.error(f"must be at least 1: {', '.join(low)}")
     results = a.results or (REPO / study.results if study.results else None)
     a.out = a.out or str(Path("runs") / study.name.replace("_", "-"))
+    params = {k: getattr(a, k) for k in study.params}
     if study.keep == "summary":
-        return _summary(study, names, a, results, full)
+        return _summary(study, names, a, results, full, params)
+    if study.keep == "rows":
+        return _rows(study, names, a, results or Path(a.out) / "results.json", full, params)
+    if study.keep == "modelled":
+        from gossip.tools import crossover
+
+        try:
+            links = [b.strip() for b in a.bandwidth.split(",") if b.strip()]
+            link = ([crossover.parse_rate(b) for b in links], crossover.parse_time(a.latency))
+        except crossover.CrossoverError as e:
+            p.error(str(e))
+        if not links:
+            p.error("--bandwidth is empty; e.g. --bandwidth 10mbit")
+        return _modelled(study, names, a, results, full, params, links, *link)
+    return _curve(study, names, a, results, full, params)
+
+
+def _curve(study: Study, names: list[str], a: argparse.Namespace, results: Path | None, full: list[str],
+           params: dict) -> int:
+    """A ``curve`` study: each run in this process, its test accuracy at every evaluation."""
     from experiments import race
 
     sources = _provenance.training_sources("gossip/tools/crossover.py", "experiments/study.py", study.source,
@@ -220,7 +351,7 @@ def main(argv: list[str] | None = None, name: str | None = None) -> int:
         epochs = _scaled(run, a.epochs_scale)
         run_dir = out / n
         print(f"{study.name}: {n} ({epochs} epochs) ...", flush=True)
-        args = [*run_args(study, run, data=a.data, epochs=epochs), "--log-every", "1", "--no-progress",
+        args = [*run_args(study, run, data=a.data, epochs=epochs, params=params), "--log-every", "1", "--no-progress",
                 "--overwrite", "--out", str(run_dir)]
         _provenance.record_config(args)  # what `python -m experiments verify` witnesses
         rc, err = race.train_in_process(args)
@@ -229,19 +360,70 @@ def main(argv: list[str] | None = None, name: str | None = None) -> int:
             print(f"{study.name}: {n} failed (exit {rc}): {last}", file=sys.stderr)
             return 1
         c = race.curve(run_dir)
-        runs[n] = {"label": run.label, "epochs": epochs, "flags": [*study.base, *run.flags],
+        runs[n] = {"label": run.label, "epochs": epochs, "flags": _fill([*study.base, *run.flags], {**study.params, **params}),
                    "final_test_acc": c["final_test_acc"],
                    "points": [{"epoch": pt["epoch"], "test_acc": pt["test_acc"]} for pt in c["points"]]}
     res = {"data": a.data or study.data, "runs": runs}
     if results:
         _provenance.write(results, res, prov)
-    if study.keep == "curve":
-        print(tables.ecd_recipes_table(res))
+    if study.table:
+        print(getattr(tables, f"{study.table}_table")(res))
     return 0
 
 
+def run_row(name: str, tags: dict, args: list[str], run_dir: str) -> dict:
+    """Train one run of a ``rows`` study in this process and read its row back:
+    ``tags``, then its figures (experiments/training.py's ``summary_row``) and wall clock.
+    RuntimeError with the run's last error line if it fails."""
+    from experiments import training
 
-def _summary(study: Study, names: list[str], a: argparse.Namespace, results: Path | None, full: list[str]) -> int:
+    t0 = time.perf_counter()
+    rc, err = training.train_in_process(args)
+    if rc != 0:
+        last = err.strip().splitlines()[-1] if err.strip() else ""
+        raise RuntimeError(f"{name} failed (exit {rc}): {last}")
+    return {**tags, **training.summary_row(run_dir), "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def _rows(study: Study, names: list[str], a: argparse.Namespace, results: Path, full: list[str], params: dict) -> int:
+    """A ``rows`` study: one row per run, ``--jobs`` runs at once in worker processes."""
+    from experiments import training
+
+    sources = _provenance.training_sources("experiments/study.py", study.source, "experiments/training.py",
+                                           "experiments/_cli.py")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prov = _provenance.start(sources, argv=full)
+    todo = []  # (name, row tags, gossip.train arguments, run directory)
+    for n in names:
+        run = study.runs[n]
+        run_dir = out / n.replace(":", "-")
+        args = [*run_args(study, run, params=params), "--no-progress", "--overwrite", "--out", str(run_dir)]
+        if a.max_steps is not None:
+            args += ["--max-steps", str(a.max_steps)]
+        if a.data is not None:
+            args += ["--data", a.data]
+        _provenance.record_config(args)  # what `python -m experiments verify` witnesses
+        todo.append((n, run.row or {"run": n}, args, str(run_dir)))
+    try:
+        rows = training.run_all(run_row, todo, a.jobs, on_row=lambda r: print(json.dumps(r), flush=True))
+    except RuntimeError as e:
+        print(f"{study.name}: {e}", file=sys.stderr)
+        return 1
+    allp = {**study.params, **params}
+    res = {**allp, "max_steps": a.max_steps, "data": a.data or study.data,
+           "runs": {n: _fill([*study.base, *study.runs[n].flags], allp) for n in names}, "rows": rows}
+    path = _provenance.write(results, res, prov)
+    if study.table:
+        table = getattr(tables, f"{study.table}_table")(res)
+        (out / "results.md").write_text(table + "\n")
+        print(table)
+    print(f"{study.name}: wrote {path}")
+    return 0
+
+
+def _summary(study: Study, names: list[str], a: argparse.Namespace, results: Path | None, full: list[str],
+             params: dict) -> int:
     """A ``summary`` study: each run a ``python -m gossip.train`` process, ``--jobs`` at once."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -256,7 +438,7 @@ def _summary(study: Study, names: list[str], a: argparse.Namespace, results: Pat
     # then waits for the other, which its wall clock and load record)
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:
         data = ["--data-dir", a.data_dir] if a.data_dir else []
-        futures = {n: pool.submit(run_train, [*run_args(study, study.runs[n]), *data, "--max-steps", str(steps[n])],
+        futures = {n: pool.submit(run_train, [*run_args(study, study.runs[n], params=params), *data, "--max-steps", str(steps[n])],
                                   Path(a.out) / n) for n in names}
         res = {n: f.result() for n, f in futures.items()}
     for n, rec in res.items():
@@ -273,6 +455,105 @@ def _summary(study: Study, names: list[str], a: argparse.Namespace, results: Pat
         _provenance.write(results, res, prov)  # the command, commit, machine and load are in the provenance
         print(f"{study.name}: wrote {results}")
     return 0 if all(r["exit"] == 0 for r in res.values()) else 1
+
+
+
+def _setup_bytes(run_dir: Path) -> int:
+    """Node 0's setup traffic (dcd, ecd and choco send x_1 once in full precision)."""
+    from gossip import rundir
+
+    recs = rundir.read_metrics(rundir.metrics_path(run_dir, 0))
+    return next((int(r["setup_bytes_sent"]) for r in recs if r["kind"] == "train"), 0)
+
+
+def _modelled(study: Study, names: list[str], a: argparse.Namespace, results: Path | None, full: list[str],
+              params: dict, links: list[str], bandwidths: list[float], latency: float) -> int:
+    """A ``modelled`` study: each run in this process; at every evaluation its test
+    accuracy, node 0's bytes (the setup exchange included) and the wall-clock time
+    modelled at each bandwidth as experiments/race.py models it (gossip.tools.crossover's
+    link model: compute + codec + 1.05 * 8 * bytes / B + latency * message rounds).
+    Writes ``OUT/compare.json`` (and ``--results``), ``OUT/compare.md`` and, with
+    matplotlib, ``OUT/compare.png``."""
+    import os
+
+    from experiments import race
+
+    sources = _provenance.training_sources("gossip/tools/crossover.py", "experiments/study.py", study.source,
+                                           "experiments/race.py", "experiments/_cli.py")
+    prov = _provenance.start(sources, argv=full)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    allp = {**study.params, **params}
+    res = {}
+    load = [os.getloadavg()[0]]  # compute times are measured on this machine: say how busy it was
+    for n in names:
+        print(f"{study.name}: {n} ...", flush=True)
+        run_dir = out / n.replace(":", "-")
+        args = [*run_args(study, study.runs[n], params=params), "--log-every", "1", "--no-progress", "--overwrite",
+                "--out", str(run_dir)]
+        _provenance.record_config(args)  # what `python -m experiments verify` witnesses
+        rc, err = race.train_in_process(args)
+        if rc != 0:
+            last = err.strip().splitlines()[-1] if err.strip() else ""
+            print(f"{study.name}: {n} failed (exit {rc}): {last}", file=sys.stderr)
+            return 1
+        c = race.curve(run_dir)
+        c["setup_bytes"] = _setup_bytes(run_dir)
+        for pt in c["points"]:  # the starting exchange of dcd, ecd and choco counts too
+            pt["bytes"] += c["setup_bytes"]
+            pt["time_s"] = [race.modelled_time(pt, c["calls_per_step"], c["world_size"], b, latency) for b in bandwidths]
+        c["topology"] = args[args.index("--topology") + 1] if "--topology" in args else None
+        last = c["points"][-1] if c["points"] else None
+        c["bytes_per_step"] = (last["bytes"] - c["setup_bytes"]) / last["step"] if last else None
+        c["run_dir"] = run_dir.name
+        res[n] = c
+    load.append(os.getloadavg()[0])
+    base = _fill(study.base, allp)
+    doc = {**allp, "partition": base[base.index("--partition") + 1] if "--partition" in base else "iid",
+           "bandwidths": links, "latency_s": latency, "base": base,
+           "runs": {n: _fill(study.runs[n].flags, allp) for n in names}, "results": res, "mode": "simulated-time",
+           "load_average": load, "cpu_count": os.cpu_count(), "provenance": prov.finish()}
+    text = json.dumps(doc, indent=1) + "\n"
+    for path in [out / "compare.json"] + ([Path(results)] if results else []):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    md = getattr(tables, f"{study.table}_table")(res, links) if study.table else ""
+    (out / "compare.md").write_text(
+        f"{md}\n\nMade with `{doc['provenance']['command']}` (simulated time; load average {load[0]:.1f} at the "
+        f"start, {load[1]:.1f} at the end, on {os.cpu_count()} cores).\n")
+    drew = _plot_modelled(res, links[0], out / "compare.png")
+    print(md)
+    print(f"{study.name}: wrote {out / 'compare.md'}, {out / 'compare.json'}" + (f", {out / 'compare.png'}" if drew else "")
+          + (f", {results}" if results else ""))
+    return 0
+
+
+def _plot_modelled(results: dict, bw_label: str, path: Path) -> bool:
+    """Test accuracy against bytes sent per node and against the modelled time at
+    ``bw_label``; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name, r in results.items():
+        acc = [p["test_acc"] for p in r["points"]]
+        axes[0].plot([p["bytes"] / 2**20 for p in r["points"]], acc, marker=".", label=name)
+        axes[1].plot([p["time_s"][0] for p in r["points"]], acc, marker=".", label=name)
+    axes[0].set(xscale="log", xlabel="MB sent per node (2^20 bytes)", ylabel="test accuracy (averaged model)",
+                title="accuracy against bytes sent")
+    axes[1].set(xscale="log", xlabel=f"simulated wall-clock time at {bw_label} (s)", ylabel="test accuracy",
+                title=f"accuracy against simulated time, {bw_label}")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Any
 __all__ = ["md", "pct", "fmt_bytes", "fmt_score", "METRIC_WORDS", "sgp_summary", "own_line",
            "bench_sim_table", "bench_sim_epoch_table", "sim_epoch_profile_table", "bench_topologies_table",
            "cold_start_table", "crossover_check_table", "ecd_recipes_table", "gossip_compare_table",
-           "modern_compare_table", "netns_gap_table", "sgp_overlap_table", "sharded_bytes_table",
+           "modern_compare_table", "netns_gap_table", "sgp_overlap_table", "sharded_accuracy_table", "sharded_bytes_table",
            "streaming_overlap_table", "race_table", "race_netns_table", "benchmark_netns_table",
            "benchmark_netns_section"]
 
@@ -187,6 +187,25 @@ def ecd_recipes_table(res: dict) -> str:
     return md(["recipe (on top of `--algo ecd --bits 8 --topology ring`)", "epochs", "last", "best"], body)
 
 
+def sharded_accuracy_table(res: dict) -> str:
+    """The study experiments/studies/sharded_accuracy.toml: each method's sharded and all-gathered runs
+    (and the fp32 all-reduce reference), final and best accuracy, the sharded form's
+    difference in points, bytes per node per step and their ratio to all-reduce's."""
+    rows = res["rows"]
+    ref = next((r["bytes_per_node_per_step"] for r in rows if r["exchange"] == "fp32"), None)
+    acc = {(r["method"], r["exchange"]): r["final_test_acc"] for r in rows}
+    body = []
+    for r in rows:
+        other = acc.get((r["method"], "allgather")) if r["exchange"] == "sharded" else None
+        diff = "-" if other is None else f"{100 * (r['final_test_acc'] - other):+.1f}"
+        best = pct(r["best_test_acc"]) + ("" if r.get("best_epoch") is None else f" ({r['best_epoch']:g})")
+        b = r["bytes_per_node_per_step"]
+        body.append([r["method"], "fp32 all-reduce" if r["exchange"] == "fp32" else r["exchange"],
+                     pct(r["final_test_acc"]), best, diff, f"{b:,.0f}", "-" if not ref else f"{b / ref:.3f}"])
+    return md([f"method ({res['nodes']} nodes, {res['epochs']} epochs)", "exchange", "final test accuracy",
+               "best (epoch)", "sharded - all-gathered (points)", "bytes/node/step", "vs fp32 all-reduce"], body)
+
+
 def _pct0(x: float | None) -> str:
     return "-" if x is None else f"{x:+.0%}"
 
@@ -196,7 +215,7 @@ def _pct2(x: float | None) -> str:
 
 
 def gossip_compare_table(results: dict, bw_labels: list[str]) -> str:
-    """experiments/gossip_compare.py: the decentralized methods on sorted shards."""
+    """The study experiments/studies/gossip_compare.toml: the decentralized methods on sorted shards."""
     body = []
     for name, r in results.items():
         last = r["points"][-1] if r["points"] else None

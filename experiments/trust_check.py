@@ -24,15 +24,12 @@ count.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-from experiments import _cli, _provenance
+from experiments import _cli, _provenance, training
 
 #: name -> (method it is held against, gossip.train flags on top of the recipe)
 CONFIGS: dict[str, tuple[str, list[str]]] = {
@@ -51,24 +48,12 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
 RECIPE = ["--lr", "0.1", "--batch-size", "32", "--no-node-eval"]
 #: the data and model of the study (another --data trains gossip.train's mlp)
 MODEL = ["--data", "mnist1d", "--model", "cnn1d", "--model-opt", "channels=16", "--model-opt", "hidden=64"]
-SOURCES = _provenance.training_sources("experiments/trust_check.py", "experiments/_cli.py")
-
-
-def _train(args: list[str]) -> tuple[int, str]:
-    from gossip import train
-
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        try:
-            rc = train.main(args)
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc, err.getvalue()
+SOURCES = _provenance.training_sources("experiments/trust_check.py", "experiments/training.py", "experiments/_cli.py")
 
 
 def _run_one(name: str, flags: list[str], run_dir: str) -> dict:
     t0 = time.perf_counter()
-    rc, err = _train(flags)
+    rc, err = training.train_in_process(flags)
     path = Path(run_dir) / "summary.json"
     s = json.loads(path.read_text()) if path.exists() else {}
     diverged = rc != 0 and "diverged" in err
@@ -79,14 +64,6 @@ def _run_one(name: str, flags: list[str], run_dir: str) -> dict:
             "diverged": diverged, "steps": s.get("steps"),
             "bytes_per_node_per_step": s.get("bytes_sent_per_node_per_step"),
             "attackers": (s.get("trust") or {}).get("attackers", []), "wall_s": round(time.perf_counter() - t0, 1)}
-
-
-def _run_in_child(name: str, flags: list[str], run_dir: str) -> dict:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    return _run_one(name, flags, run_dir)
 
 
 def options(p: argparse.ArgumentParser) -> None:
@@ -102,7 +79,6 @@ def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process")
     p.add_argument("--out", default="runs/trust-check", help="directory for the run directories")
     p.add_argument("--json", default=None, help="results file (default OUT/results.json)")
-
 
 def main(argv: list[str] | None = None) -> int:
     p, a = _cli.parse(argv, options, __doc__, "trust_check")
@@ -128,25 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         flags += MODEL if a.data is None else ["--data", a.data, "--model", "mlp"]
         _provenance.record_config(flags)
         todo.append((name, flags, str(run_dir)))
-    rows: list[dict] = []
-    try:
-        if a.jobs == 1:
-            for job in todo:
-                rows.append(_run_one(*job))
-                print(json.dumps(rows[-1]), flush=True)
-        else:
-            import concurrent.futures as cf
-            import multiprocessing as mp
-
-            with cf.ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as pool:
-                for f in cf.as_completed([pool.submit(_run_in_child, *job) for job in todo]):
-                    rows.append(f.result())
-                    print(json.dumps(rows[-1]), flush=True)
+    try:  # in the order of todo
+        rows = training.run_all(_run_one, todo, a.jobs, on_row=lambda r: print(json.dumps(r), flush=True))
     except RuntimeError as e:
         print(f"trust_check: {e}", file=sys.stderr)
         return 1
-    order = {job[0]: i for i, job in enumerate(todo)}
-    rows.sort(key=lambda r: order[r["config"]])
     clean = {r["method"]: r["final_test_acc"] for r in rows if r["config"] == r["method"]}
     for r in rows:
         c = clean.get(r["method"])
@@ -161,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['config']:<32} {acc}{gap}")
     print(f"trust_check: wrote {path}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -32,8 +32,8 @@ def test_methods_keeps_the_order_and_refuses_unknown_or_no_names(capsys):
         assert capsys.readouterr().err.splitlines()[-1] == f"x: error: --methods: {what}; known: a, b, c"
 
 
-@pytest.mark.parametrize("name,flag", [("race", "--methods"), ("gossip_compare", "--methods"),
-                                       ("modern_compare", "--methods"), ("sharded_accuracy", "--methods"),
+@pytest.mark.parametrize("name,flag", [("race", "--methods"),
+                                       ("modern_compare", "--methods"),
                                        ("bench_ddp_overlap", "--modes")])
 def test_every_script_refuses_an_unknown_name_in_one_line(name, flag, tmp_path, capsys):
     mod = _script(name)
@@ -127,3 +127,34 @@ def test_no_experiment_uses_another_modules_private_names(tmp_path):
     assert [u.split(": ", 1)[1] for u in _private_uses(probe, own)] == [
         "from gossip.compress import _kernels", "import gossip._batched", "from experiments.gpu_check import _portable",
         "vectorized._cross_entropy_rows", "render._bench_sim_targets"]
+
+
+def test_a_study_refuses_an_unknown_run_in_one_line(tmp_path, capsys):
+    """A study spec's runs are checked the same way (``--methods`` is ``--runs``, as the
+    scripts the specs replaced called it), before any work."""
+    from experiments.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["run", "sharded_accuracy", "--methods", "allreduce,nosuch", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and err[-1].endswith("error: --runs: unknown nosuch; known: allreduce, efsgd:8-sharded, "
+                                                  "efsgd:8-allgather, efsgd-sign-sharded, efsgd-sign-allgather, "
+                                                  "signum-sharded, signum-allgather, efblocksgd-sharded, "
+                                                  "efblocksgd-allgather, diloco:4-sharded, diloco:4-allgather")
+    with pytest.raises(SystemExit) as e:  # an option of another kind of study
+        main(["run", "sharded_accuracy", "--epochs-scale", "0.1", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and "unrecognized arguments: --epochs-scale" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_list_describes_every_study_and_bench(capsys):
+    """``python -m experiments list``: every entry has a one-line description."""
+    from experiments.__main__ import main
+
+    assert main(["list"]) == 0
+    entries = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith(" ")]
+    names = {ln.split(":", 1)[0] for ln in entries}
+    assert {"race.py", "studies/ecd_recipes.toml", "studies/sharded_accuracy.toml", "benchmark.toml",
+            "diloco_eager.py"} <= names
+    empty = [ln for ln in entries if not ln.split(":", 1)[1].strip()]
+    assert empty == []

@@ -110,19 +110,21 @@ def test_convergence_notebook_reads_a_race(kernel_env, tmp_path):
 
 
 def test_decentralized_notebook_reads_a_comparison(kernel_env, tmp_path):
-    """experiments/gossip_compare.py at a tiny size (synthetic data, one epoch of 8 nodes),
-    then the notebook on its run directories and compare.json."""
-    from experiments import gossip_compare
+    """The study experiments/studies/gossip_compare.toml at a tiny size (synthetic data, one
+    epoch of 8 nodes), then the notebook on its run directories and compare.json."""
+    from experiments import study
     runs = tmp_path / "runs"
     out = runs / "cmp"
-    assert gossip_compare.main(["--epochs", "1", "--data", "synthetic", "--out", str(out),
-                                "--results", str(tmp_path / "gossip_compare.json")]) == 0
+    assert study.main(["--epochs", "1", "--data", "synthetic", "--out", str(out),
+                       "--results", str(tmp_path / "gossip_compare.json")], name="gossip_compare") == 0
     # --results: compare.json again, from which docs/decentralized.md renders compare.md's table
     from experiments import _provenance, render
 
     whole, prov = _provenance.read(tmp_path / "gossip_compare.json")
     assert whole == {k: v for k, v in json.loads((out / "compare.json").read_text()).items() if k != "provenance"}
-    assert "experiments/gossip_compare.py" in prov["sources"] and prov["command"].endswith("--results OUT/gossip_compare.json")
+    assert "experiments/studies/gossip_compare.toml" in prov["sources"]
+    assert " -m experiments run gossip_compare --epochs 1 " in prov["command"]
+    assert prov["command"].endswith("--results OUT/gossip_compare.json")
     assert render.TABLES["gossip_compare"].render(whole) in (out / "compare.md").read_text()
     res = json.loads((out / "compare.json").read_text())["results"]
     assert list(res) == ["dpsgd", "dcd:8", "ecd:8", "choco-sign", "choco-top1", "sgp"]

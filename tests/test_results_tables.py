@@ -1,7 +1,7 @@
 """The experiments behind the docs' rendered tables, at a tiny size: each writes its
 results file with provenance, and experiments/render.py turns it into the table.
 
-(The race, gossip_compare and sweep_network are covered where their own smoke tests
+(The race, the gossip_compare study and sweep_network are covered where their own smoke tests
 run: tests/test_race.py, tests/test_notebooks.py, tests/test_netshape_sweep.py.)"""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from experiments import _cli
 from experiments import _provenance as P
 from experiments import bench_topologies, cold_start, crossover_check, render, sgp_overlap, sharded_bytes, study
 
@@ -103,34 +104,70 @@ def test_ecd_recipes_writes_last_and_best_accuracy(tmp_path, capsys):
 def test_a_study_spec_trains_the_configurations_its_results_file_recorded(name):
     """A script that became a study spec trains what it trained: the spec's configurations
     are the ones its committed results file recorded (what the witnesses re-run), and each
-    run's label, epochs and flags are the file's."""
+    run's label, epochs and flags (its command; its row) are the file's."""
     import shlex
 
     s = study.load(study.spec_path(name))
     res, prov = P.read(P.REPO / "experiments" / "results" / f"{name}.json")
-    assert study.configs(s, data=res.get("data") if s.keep == "curve" else None) == prov["configs"]
-    runs = res["runs"] if s.keep == "curve" else res
-    assert list(s.runs) == list(runs)
+    params = {k: res.get(k, v) for k, v in s.params.items()} if s.params else None
+    assert study.configs(s, data=res.get("data") if s.keep == "curve" else None, params=params) == prov["configs"]
+    if s.keep == "rows":  # each run's row, in order
+        assert [{k: row[k] for k in r.row} for r, row in zip(s.runs.values(), res["rows"])] == \
+            [r.row for r in s.runs.values()] and len(res["rows"]) == len(s.runs)
+    else:
+        runs = {"curve": res.get("runs"), "modelled": res.get("results")}.get(s.keep, res)
+        assert list(s.runs) == list(runs)
     for n, r in s.runs.items():
         if s.keep == "curve":
             assert (runs[n]["label"], runs[n]["epochs"], runs[n]["flags"]) == (r.label, r.epochs, [*s.base, *r.flags])
-        else:  # the command each run was, its steps included
+        elif s.keep == "summary":  # the command each run was, its steps included
             assert runs[n]["command"] == "python -m gossip.train " + shlex.join(
                 [*s.base, *r.flags, "--max-steps", str(r.max_steps)])
-    # its recorded command still runs, as `python -m experiments run NAME`
-    assert f"python -m experiments run {name} " in study.as_study_command(P.as_module(prov["command"]))
+    # its recorded command still runs, as `python -m experiments run NAME`, with options the study has
+    cmd = study.as_study_command(P.as_module(prov["command"]))
+    assert f"python -m experiments run {name} " in cmd
+    argv = shlex.split(cmd.split(f" run {name} ", 1)[1])
+    p = _cli.parser(lambda q: study.options(q, s), study.__doc__, name)
+    a = p.parse_args([name, *argv])
+    assert {k: getattr(a, k) for k in s.params} == (params or {})
 
 
 def test_a_bad_study_spec_is_one_line(tmp_path):
     bad = tmp_path / "s.toml"
-    for text, needle in [('[study]\nkeep = "x"\n[runs.a]\nepochs = 1\n', "keep = 'x'; accepted: curve"),
+    for text, needle in [('[study]\nkeep = "x"\n[runs.a]\nepochs = 1\n', "keep = 'x'; accepted: curve, summary, rows"),
                          ('[study]\n[runs.a]\nepochs = 0\n', "[runs.a] epochs must be a positive integer"),
                          ('[study]\n[runs.a]\nepochs = 1\nlr = 2\n', "[runs.a] lr: unknown key"),
-                         ('[study]\nbase = "--x"\n[runs.a]\nepochs = 1\n', "base: a list of strings")]:
+                         ('[study]\nbase = "--x"\n[runs.a]\nepochs = 1\n', "base: a list of strings"),
+                         ('[study]\nkeep = "rows"\n[runs.a]\nflags = ["--simulate", "{n}"]\n',
+                          "[runs.a]: {n} in its flags: not a parameter of [study] params (none declared)"),
+                         ('[study]\nkeep = "rows"\nparams = { jobs = 2 }\n[runs.a]\n', "'jobs' cannot name a parameter"),
+                         ('[study]\nkeep = "rows"\nparams = { n = true }\n[runs.a]\n', "n = True; accepted: an integer"),
+                         ('[study]\nkeep = "rows"\n[runs.a]\nrow = { m = 1 }\n', "[runs.a] row: a table of strings"),
+                         ('[study]\ntable = "nosuch"\n[runs.a]\nepochs = 1\n', "table = 'nosuch': not a table of")]:
         bad.write_text(text)
         with pytest.raises(study.StudyError) as e:
             study.load(bad)
         assert needle in str(e.value)
+
+
+def test_a_rows_study_fills_its_parameters_and_keeps_one_row_per_run(tmp_path, capsys):
+    """sharded_accuracy at a tiny size: --nodes fills {nodes}, each run trains in process
+    and leaves its row, the table is the docs' (experiments/tables.py), and the recorded
+    configurations carry the parameters given."""
+    path = tmp_path / "sa.json"
+    assert study.main(["--nodes", "2", "--epochs", "1", "--max-steps", "1", "--data", "synthetic",
+                       "--runs", "allreduce,signum-sharded", "--out", str(tmp_path / "runs"), "--json", str(path)],
+                      name="sharded_accuracy") == 0
+    res, prov = P.read(path)
+    assert "python -m experiments run sharded_accuracy --nodes 2 " in prov["command"]
+    assert "experiments/studies/sharded_accuracy.toml" in prov["sources"] and "experiments/training.py" in prov["sources"]
+    assert [(r["method"], r["exchange"]) for r in res["rows"]] == [("allreduce", "fp32"), ("signum", "sharded")]
+    assert all(r["steps"] == 1 and r["bytes_per_node_per_step"] > 0 for r in res["rows"])
+    assert (res["nodes"], res["epochs"], res["max_steps"], res["data"]) == (2, 1, 1, "synthetic")
+    assert prov["configs"][1][:2] == ["--simulate", "2"] and prov["configs"][1][-2:] == ["--data", "synthetic"]
+    table = (tmp_path / "runs" / "results.md").read_text()
+    assert table == render.TABLES["sharded_accuracy"].render(res) + "\n"
+    assert "| signum | sharded |" in table and "| allreduce | fp32 all-reduce |" in table
 
 
 def test_sharded_bytes_reads_both_legs_from_the_ledger(tmp_path, capsys):

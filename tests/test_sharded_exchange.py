@@ -274,29 +274,3 @@ def test_what_cannot_be_sharded_is_refused_in_one_line():
         d = algorithms.build("efsgd", c, compressor="topk:k=5")
         d.setup(torch.zeros(N, D))
     assert d.exchange == "allgather" and any("all-gathers its payloads" in str(x.message) for x in w)
-
-
-# ---------------------------------------------------------------- the accuracy study, tiny
-def test_sharded_accuracy_smoke(tmp_path, capsys):
-    import sys
-    from pathlib import Path
-
-    from experiments import sharded_accuracy
-    res = tmp_path / "res.json"
-    assert sharded_accuracy.main(["--nodes", "2", "--epochs", "1", "--max-steps", "1", "--data", "synthetic",
-                                  "--methods", "allreduce,signum", "--out", str(tmp_path), "--json", str(res)]) == 0
-    from experiments import _provenance, render
-
-    results, prov = _provenance.read(res)
-    assert "python -m experiments.sharded_accuracy --nodes 2" in prov["command"]
-    assert prov["sources"] == sharded_accuracy.SOURCES and prov["load_before"]
-    rows = results["rows"]
-    assert [(r["method"], r["exchange"]) for r in rows] == [("allreduce", "fp32"), ("signum", "sharded"),
-                                                            ("signum", "allgather")]
-    assert all(r["steps"] == 1 and r["bytes_per_node_per_step"] > 0 for r in rows)
-    table = (tmp_path / "results.md").read_text()
-    assert table == render.TABLES["sharded_accuracy"].render(results) + "\n"
-    assert "| signum | sharded |" in table and "| allreduce | fp32 all-reduce |" in table
-    with pytest.raises(SystemExit) as e:
-        sharded_accuracy.main(["--methods", "nosuch", "--out", str(tmp_path)])
-    assert e.value.code == 2 and "--methods: unknown nosuch; known: allreduce, efsgd:8" in capsys.readouterr().err

@@ -8,7 +8,8 @@ with ``from tests.conftest import ...``.
 - :func:`child_env` and :func:`run_process`: child processes that import this
   checkout, run with pinned threads, and are killed with everything they started
   when they overrun; :func:`torchrun` and :func:`why`: a torchrun job with each rank's
-  output kept, and the failing rank's own stderr tail for an assertion message.
+  output kept, and the failing rank's own stderr tail for an assertion message;
+  :func:`torchrun_jobs`: several ``gossip.train`` runs in one torchrun launch.
 - :func:`small_runs`, :func:`sweep_rows`, :func:`mnist1d_cache`: small data made once.
 - :func:`payloads`, :func:`decode_f32`, :func:`strict_decode`: communicator payloads.
 - :data:`requires_cuda`: skip where there is no CUDA device.
@@ -17,6 +18,7 @@ with ``from tests.conftest import ...``.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import random
 import re
@@ -102,6 +104,40 @@ def torchrun(nproc: int, *args: str, timeout: float, cwd: Path | str | None = No
     r.stdout, r.stderr = (re.sub(r"(?m)^\[default\d+\]:", "", t) for t in (r.stdout, r.stderr))
     r.logs = logs  # type: ignore[attr-defined]
     return r
+
+
+#: run by every rank of :func:`torchrun_jobs`: each job's ``gossip.train`` main() in turn,
+#: in one process (torch imported once per rank, not once per job)
+_JOBS = """
+import json, sys
+from gossip.train import main
+codes = {}
+for name, argv in json.load(open(sys.argv[1])):
+    codes[name] = main(argv)
+print("exit codes " + json.dumps(codes), flush=True)
+"""
+
+
+def torchrun_jobs(nproc: int, jobs: Sequence[tuple[str, Sequence[str]]], *, timeout: float,
+                  cwd: Path | str) -> tuple[subprocess.CompletedProcess, dict[str, list[int]]]:
+    """Several ``gossip.train`` runs in ONE :func:`torchrun` launch of ``nproc`` processes:
+    every rank calls :func:`gossip.train.main` with each job's argv in turn, as ``python
+    -m gossip.train argv`` does (a process group of its own per run, torn down at its
+    end), so the job pays torchrun's and torch's start-up once, not once per run.
+    Returns the launch and ``{job name: [exit code of each rank that finished them all]}``;
+    a rank that died on the way is missing from every list."""
+    script = Path(cwd) / "torchrun_jobs.py"
+    script.write_text(_JOBS)
+    with tempfile.NamedTemporaryFile("w", prefix="jobs-", suffix=".json", dir=cwd, delete=False) as f:
+        json.dump([[name, list(argv)] for name, argv in jobs], f)
+    listing = f.name
+    r = torchrun(nproc, str(script), listing, timeout=timeout, cwd=cwd)
+    codes: dict[str, list[int]] = {name: [] for name, _ in jobs}
+    for line in r.stdout.splitlines():
+        if line.startswith("exit codes "):
+            for name, rc in json.loads(line[len("exit codes "):]).items():
+                codes[name].append(rc)
+    return r, codes
 
 
 def why(r: subprocess.CompletedProcess, chars: int = 3000) -> str:

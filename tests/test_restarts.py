@@ -27,7 +27,8 @@ import torch
 
 import topologies
 from gossip import algorithms, checkpoint
-from tests.conftest import child_env, run_process, torchrun, why
+from tests.conftest import child_env, run_process, torchrun, torchrun_jobs, why
+from tests.test_train import train
 
 RUN = ["-m", "gossip.train", "--algo", "ecd", "--bits", "8", "--topology", "ring", "--data", "synthetic",
        "--model", "logreg", "--epochs", "50", "--max-steps", "60", "--checkpoint-every", "20", "--log-every", "1",
@@ -53,18 +54,19 @@ def _children(pid: int) -> list[int]:
 
 
 def test_elastic_restart_after_sigkill_ends_bit_identical(tmp_path):
+    """On a ring of 3 ranks (the fewest a ring takes: a restart needs no more)."""
     ref = tmp_path / "uninterrupted"
-    r = torchrun(4, *RUN, "--out", str(ref), timeout=300, cwd=tmp_path)
+    r = torchrun(3, *RUN, "--out", str(ref), timeout=300, cwd=tmp_path)
     assert r.returncode == 0, why(r)
     out = tmp_path / "restarted"
     # the emulated latency makes the steps slow enough to kill a worker mid-run
-    cmd = _torchrun(4, "--max-restarts", "3") + RUN + ["--out", str(out), "--resume", "auto",
+    cmd = _torchrun(3, "--max-restarts", "3") + RUN + ["--out", str(out), "--resume", "auto",
                                                         "--emulate-latency", "20"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not (out / "ckpt-step20-rank3.pt").exists():
+        while not (out / "ckpt-step20-rank2.pt").exists():
             assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint of step 20 appeared"
             time.sleep(0.05)
         # torchrun's agent runs in proc; its children are the workers
@@ -77,7 +79,7 @@ def test_elastic_restart_after_sigkill_ends_bit_identical(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stderr[-3000:]
     assert "exitcode: -9" in stderr  # the agent saw the killed worker and restarted
-    for rank in range(4):
+    for rank in range(3):
         # the reference ran without the emulated latency: the restart and the latency
         # together change no number
         assert torch.equal(_params(out, 60, rank), _params(ref, 60, rank))
@@ -85,22 +87,22 @@ def test_elastic_restart_after_sigkill_ends_bit_identical(tmp_path):
 
 
 def test_resume_auto_starts_fresh_then_continues(tmp_path):
+    """The CLI's main() in this process (the real processes of --resume auto are the
+    elastic restart's above)."""
     out = tmp_path / "run"
-    base = [sys.executable, "-m", "gossip.train", "--simulate", "4"] + RUN[2:]
-    r = run_process(base + ["--out", str(out), "--resume", "auto", "--max-steps", "20"],
-                    timeout=300, cwd=tmp_path)
+    base = ["--simulate", "4"] + RUN[2:]
+    r = train(*base, "--out", str(out), "--resume", "auto", "--max-steps", "20")
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_process(base + ["--out", str(out), "--resume", "auto", "--max-steps", "40"], timeout=300, cwd=tmp_path)
+    r = train(*base, "--out", str(out), "--resume", "auto", "--max-steps", "40")
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_process(base + ["--out", str(tmp_path / "ref"), "--max-steps", "40"], timeout=300, cwd=tmp_path)
+    r = train(*base, "--out", str(tmp_path / "ref"), "--max-steps", "40")
     assert r.returncode == 0, r.stderr[-3000:]
     assert torch.equal(_params(out, 40, 0), _params(tmp_path / "ref", 40, 0))
     assert _train_steps(out, 0) == list(range(1, 41))
 
 
-def test_resume_auto_needs_out(tmp_path):
-    r = run_process([sys.executable, "-m", "gossip.train", "--simulate", "4", "--resume", "auto"],
-                    timeout=120, cwd=tmp_path)
+def test_resume_auto_needs_out():
+    r = train("--simulate", "4", "--resume", "auto")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["gossip.train: error: --resume auto continues the run in --out: give --out DIR"]
 
@@ -118,15 +120,6 @@ def test_ranks_started_with_different_flags_refuse_in_one_line(tmp_path):
 
 
 # ----------------------------------------------------------------------------- every family
-#: run by every rank: each job's gossip.train in turn, in one process (torch imported once)
-_RANKS = """
-import json, sys
-from gossip.train import main
-codes = {name: main(argv) for name, argv in json.load(open(sys.argv[1]))}
-print("exit codes " + json.dumps(codes), flush=True)
-"""
-
-
 #: the algorithms that run only in the simulation (each refuses torchrun and --resume in
 #: one line, checked below); an entry leaves this set when it runs under torchrun
 NOT_UNDER_TORCHRUN = {"adpsgd": "asynchronous: steps on the simulation's event clock"}
@@ -157,14 +150,11 @@ def _every_algorithm(out: Path) -> list[tuple[str, list[str]]]:
     return jobs
 
 
-def _ranks(tmp_path: Path, tag: str, jobs: list[tuple[str, list[str]]]) -> None:
-    script, listing = tmp_path / "ranks.py", tmp_path / f"{tag}.json"
-    script.write_text(_RANKS)
-    listing.write_text(json.dumps(jobs))
-    r = torchrun(2, str(script), str(listing), timeout=300, cwd=tmp_path)
+def _ranks(tmp_path: Path, jobs: list[tuple[str, list[str]]]) -> None:
+    """Every job in one torchrun launch of 2 ranks (torch imported once per rank)."""
+    r, codes = torchrun_jobs(2, jobs, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, why(r)
-    codes = json.loads(r.stdout.split("exit codes ")[-1].splitlines()[0])
-    assert codes == {name: 0 for name, _ in jobs}, why(r)
+    assert codes == {name: [0, 0] for name, _ in jobs}, why(r)
 
 
 def _timeless(record):
@@ -193,7 +183,7 @@ def test_every_algorithm_resumes_with_the_bytes_of_an_uninterrupted_run(tmp_path
     optimizer state. The families come from the registry: a new one cannot skip this."""
     out = tmp_path / "runs"
     jobs = _every_algorithm(out)
-    _ranks(tmp_path, "uninterrupted", jobs)
+    _ranks(tmp_path, jobs)
     ref = tmp_path / "uninterrupted"
     for name, _ in jobs:
         (ref / name).mkdir(parents=True)
@@ -202,7 +192,7 @@ def test_every_algorithm_resumes_with_the_bytes_of_an_uninterrupted_run(tmp_path
         (out / name / "summary.json").unlink()
         for rank in (0, 1):
             os.replace(out / name / f"ckpt-step6-rank{rank}.pt", ref / name / f"ckpt-step6-rank{rank}.pt")
-    _ranks(tmp_path, "resumed", [(name, argv + ["--resume", str(out / name)]) for name, argv in jobs])
+    _ranks(tmp_path, [(name, argv + ["--resume", str(out / name)]) for name, argv in jobs])
     wrong = {}
     for name, _ in jobs:
         got, want = out / name, ref / name

@@ -20,7 +20,8 @@ from gossip.algorithms._sharded import ShardPlan
 from gossip import algorithms, checkpoint, comm, compress
 from gossip.train.config import ConfigError, TrainConfig
 from gossip.runtime import GossipOptimizer, MomentumConflict
-from tests.test_train import QUICK, _one_error_line, final_params, torchrun, train, train_process, why
+from tests.conftest import torchrun_jobs
+from tests.test_train import QUICK, _one_error_line, final_params, train, why
 
 FEATURES, CLASSES = 6, 3
 
@@ -536,24 +537,39 @@ TORCHRUN_CASES = {
 }
 
 
+def _torchrun_args(case: str) -> list[str]:
+    return [*TORCHRUN_CASES[case], "--max-steps", "10", *QUICK]
+
+
+@pytest.fixture(scope="module")
+def torchrun_cases(tmp_path_factory):
+    """Every case of :data:`TORCHRUN_CASES` under ONE torchrun launch of 2 ranks (one
+    thread each): each rank runs the CLI's main() once per case, as ``python -m
+    gossip.train`` does, so torchrun and torch start once for all of them."""
+    root = tmp_path_factory.mktemp("torchrun-cases")
+    jobs = [(case, [*_torchrun_args(case), "--out", str(root / case / "dist")]) for case in TORCHRUN_CASES]
+    r, codes = torchrun_jobs(2, jobs, timeout=420, cwd=root)
+    return root, r, codes
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", list(TORCHRUN_CASES))
-def test_torchrun_equals_the_simulation(tmp_path, case):
+def test_torchrun_equals_the_simulation(torchrun_cases, case):
     """The CLI under torchrun, 2 ranks, ends where the 2-node simulation ends, bit for
     bit, with the same bytes."""
-    args = [*TORCHRUN_CASES[case], "--max-steps", "10", *QUICK]
-    r = torchrun(2, *args, "--out", str(tmp_path / "dist"))  # one thread per rank
-    assert r.returncode == 0, why(r)
+    root, r, codes = torchrun_cases
+    assert codes[case] == [0, 0], why(r)
+    args = _torchrun_args(case)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the twin in this process, with the ranks' thread count
     try:
-        r = train("--simulate", "2", "--simulate-mode", "loop", *args, "--out", str(tmp_path / "sim"))
+        r = train("--simulate", "2", "--simulate-mode", "loop", *args, "--out", str(root / case / "sim"))
     finally:
         torch.set_num_threads(threads)
     assert r.returncode == 0, r.stderr
-    assert torch.equal(final_params(tmp_path / "dist"), final_params(tmp_path / "sim"))
-    a = json.loads((tmp_path / "dist" / "summary.json").read_text())
-    b = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    assert torch.equal(final_params(root / case / "dist"), final_params(root / case / "sim"))
+    a = json.loads((root / case / "dist" / "summary.json").read_text())
+    b = json.loads((root / case / "sim" / "summary.json").read_text())
     assert a["bytes_sent_per_node_total"] == b["bytes_sent_per_node_total"] > 0
 
 

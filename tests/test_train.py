@@ -19,6 +19,7 @@ import torch
 from gossip import checkpoint
 from gossip import train as gossip_train
 from tests.conftest import torchrun as _torchrun
+from tests.conftest import torchrun_jobs
 from tests.conftest import why
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -116,19 +117,25 @@ def test_simulate_resume_is_bit_identical(tmp_path):
 @pytest.mark.multiprocess
 def test_torchrun_world2_equals_simulation_and_resumes(tmp_path):
     args = ["--algo", "ecd", "--bits", "6", "--topology", "complete", *QUICK]
-    r = torchrun(2, *args, "--out", str(tmp_path / "dist"))
-    assert r.returncode == 0, why(r)
-    # the simulation in a process of its own, with the ranks' thread count (ENV pins 1):
+    # one torchrun launch: each rank runs the whole run, then an interrupted one (9 steps)
+    # and its resume, each through the CLI's main() as python -m gossip.train does
+    r, codes = torchrun_jobs(2, [("dist", [*args, "--out", str(tmp_path / "dist")]),
+                                 ("part", [*args, "--out", str(tmp_path / "part"), "--max-steps", "9"]),
+                                 ("resume", [*args, "--resume", str(tmp_path / "part")])],
+                             timeout=240, cwd=tmp_path)
+    assert r.returncode == 0 and codes == {"dist": [0, 0], "part": [0, 0], "resume": [0, 0]}, why(r)
+    # the simulation in this process, with the ranks' thread count (one):
     # bit-identity holds whatever OMP_NUM_THREADS the caller has
-    r = train_process("--simulate", "2", "--simulate-mode", "loop", *args, "--out", str(tmp_path / "sim"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        r = train("--simulate", "2", "--simulate-mode", "loop", *args, "--out", str(tmp_path / "sim"))
+    finally:
+        torch.set_num_threads(threads)
     assert r.returncode == 0, r.stderr
     # simulation equals reality: the same parameters, bit for bit
     assert torch.equal(final_params(tmp_path / "dist"), final_params(tmp_path / "sim"))
     # and an interrupted torchrun run resumes to the same numbers
-    r = torchrun(2, *args, "--out", str(tmp_path / "part"), "--max-steps", "9")
-    assert r.returncode == 0, why(r)
-    r = torchrun(2, *args, "--resume", str(tmp_path / "part"))
-    assert r.returncode == 0, why(r)
     assert torch.equal(final_params(tmp_path / "dist"), final_params(tmp_path / "part"))
 
 

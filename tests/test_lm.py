@@ -17,8 +17,7 @@ from torch import nn
 from gossip import algorithms, checkpoint, data, models
 from gossip.train import evaluation
 from gossip import train as gossip_train
-from tests.conftest import torchrun as _torchrun
-from tests.conftest import why
+from tests.conftest import torchrun_jobs, why
 
 TEXT = ("def greet(name):\n    return f'Grüße, {name}! 🙂'\n\nclass Café:\n    naïve = True\n" * 60)
 TINY = ["--data", "text", "--model", "gpt", "--model-opt", "layers=1", "--model-opt", "width=16",
@@ -185,23 +184,38 @@ def test_resume_is_bit_identical_and_refuses_another_corpus(text_file, tmp_path)
     assert {p.name: p.read_bytes() for p in part2.iterdir() if p.is_file()} == before  # nothing changed
 
 
+#: the torchrun twins below: algorithm -> its flags
+TORCHRUN_CASES = {"dpsgd": ["--topology", "complete"], "diloco": ["--algo-opt", "local_steps=2"]}
+
+
+@pytest.fixture(scope="module")
+def torchrun_gpts(tmp_path_factory):
+    """Each case of :data:`TORCHRUN_CASES` on 2 ranks (one thread each), all in ONE
+    torchrun launch: each rank runs the CLI's main() once per case."""
+    root = tmp_path_factory.mktemp("torchrun-gpts")
+    corpus = root / "corpus.txt"
+    corpus.write_text(TEXT, encoding="utf-8")
+    args = {algo: ["--algo", algo, *extra, "--data-dir", str(corpus), "--max-steps", "4", *TINY]
+            for algo, extra in TORCHRUN_CASES.items()}
+    r, codes = torchrun_jobs(2, [(algo, [*a, "--out", str(root / algo / "dist")]) for algo, a in args.items()],
+                             timeout=300, cwd=root)
+    return root, args, r, codes
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("algo, extra", [("dpsgd", ["--topology", "complete"]),
-                                         ("diloco", ["--algo-opt", "local_steps=2"])])
-def test_torchrun_equals_simulation_for_a_gpt(algo, extra, text_file, tmp_path):
-    args = ["--algo", algo, *extra, "--data-dir", str(text_file), "--max-steps", "4", *TINY]
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
-    r = _torchrun(2, "-m", "gossip.train", *args, "--out", str(tmp_path / "dist"), timeout=180, env=env)
-    assert r.returncode == 0, why(r)
+@pytest.mark.parametrize("algo", list(TORCHRUN_CASES))
+def test_torchrun_equals_simulation_for_a_gpt(algo, torchrun_gpts):
+    root, args, r, codes = torchrun_gpts
+    assert codes[algo] == [0, 0], why(r)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the twin in this process, with the ranks' thread count
     try:
-        r = train("--simulate", "2", *args, "--out", str(tmp_path / "sim"))
+        r = train("--simulate", "2", *args[algo], "--out", str(root / algo / "sim"))
     finally:
         torch.set_num_threads(threads)
     assert r.returncode == 0, r.stderr
-    assert torch.equal(final_params(tmp_path / "dist"), final_params(tmp_path / "sim"))
-    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("dist", "sim"))
+    assert torch.equal(final_params(root / algo / "dist"), final_params(root / algo / "sim"))
+    a, b = (json.loads((root / algo / d / "summary.json").read_text()) for d in ("dist", "sim"))
     assert a["final_test_bpb"] == b["final_test_bpb"] and a["mode"] == "torchrun" and b["mode"] == "simulate"
 
 

@@ -2,19 +2,25 @@
 
 Each example is started as its own process from an empty temporary directory: once
 with all nodes simulated in one process (where it can: a DDP script needs torchrun),
-once under ``torchrun`` with 2 processes over gloo (4 for the example in groups). The test reads what the example prints. :data:`CASES` must name every
-file in examples/: a new example without a case fails here.
+once under ``torchrun`` with 2 processes over gloo (4 for the example in groups). The test reads what the example prints;
+a torchrun case's twin (the same nodes, simulated) runs inside the test's own process
+and must print the same numbers. :data:`CASES` must name every file in examples/: a new
+example without a case fails here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import re
+import runpy
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from tests.conftest import REPO, run_process, torchrun, why
 
@@ -35,7 +41,9 @@ class Case:
     check: Callable[[str, list[str]], dict]
     """``check(stdout, flags)``: asserts on the output, returns what it read."""
     twin: list[str] | None = None
-    """Flags that run the torchrun case in one process; its output must be the same."""
+    """Flags that run the torchrun case with every node in one process; its output must
+    be the same (run in the test's own process: the example already ran as a process of
+    its own, simulated)."""
     nproc: int = 2
     """How many processes torchrun starts."""
 
@@ -200,6 +208,22 @@ def _run(cmd: list[str], cwd) -> str:
     return r.stdout
 
 
+def _run_here(path, flags: list[str], cwd, monkeypatch) -> str:
+    """``python path *flags`` as ``__main__`` in this process (runpy), with the ranks'
+    thread count (one): what it prints."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", [str(path), *flags])
+    out = io.StringIO()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), torch.random.fork_rng(devices=[]):
+            runpy.run_path(str(path), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)
+    return out.getvalue()
+
+
 @pytest.mark.parametrize("name", [s for s in SCRIPTS if s not in CASES or CASES[s].simulate is not None])
 def test_example_runs_simulated(name, tmp_path):
     case = _case(name)
@@ -209,7 +233,7 @@ def test_example_runs_simulated(name, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_example_runs_under_torchrun(name, tmp_path):
+def test_example_runs_under_torchrun(name, tmp_path, monkeypatch):
     case = _case(name)
     r = torchrun(case.nproc, str(EXAMPLES / name), *case.torchrun, timeout=TIMEOUT, cwd=tmp_path)
     assert r.returncode == 0, why(r)
@@ -217,5 +241,5 @@ def test_example_runs_under_torchrun(name, tmp_path):
     got = case.check(out, case.torchrun)
     if case.twin is not None:
         # the simulation is the same computation: the same numbers, to the printed digits
-        twin = _run([sys.executable, str(EXAMPLES / name), *case.twin], tmp_path)
+        twin = _run_here(EXAMPLES / name, case.twin, tmp_path, monkeypatch)
         assert case.check(twin, case.twin) == got, f"torchrun:\n{out}\nsimulated:\n{twin}"

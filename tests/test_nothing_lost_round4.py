@@ -35,7 +35,6 @@ from gossip import train as gossip_train
 from gossip.data import TOKEN_DTYPE, ShardLoader, build_dataset
 from gossip.runtime import GossipOptimizer
 from tests._dist import run_world
-from tests.conftest import run_process
 
 
 # ----------------------------------------------------------------------- byte counts
@@ -169,16 +168,23 @@ def lm(input_shape, num_classes):
 '''
 
 
-def test_an_ordinary_embedding_model_of_the_user_trains_on_text(tmp_path):
+def test_an_ordinary_embedding_model_of_the_user_trains_on_text(tmp_path, monkeypatch):
     """The up-front check and training give the model token ids of one dtype (int64, which
-    nn.Embedding and F.one_hot take; the corpus stays bytes)."""
+    nn.Embedding and F.one_hot take; the corpus stays bytes). The CLI's main() in this
+    process, run from the user's directory with it on the path, as ``python -m`` puts it."""
     (tmp_path / "my_lm.py").write_text(USER_LM)
     (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 200)
-    r = run_process([sys.executable, "-m", "gossip.train", "--simulate", "3", "--data", "text", "--data-dir",
-                     "corpus.txt", "--data-opt", "context=16", "--model", "my_lm:lm", "--batch-size", "4",
-                     "--max-steps", "3", "--no-progress", "--out", "run"], timeout=300, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_lm", raising=False)  # this file's, not an earlier one
+    try:
+        rc, _, err = _main("--simulate", "3", "--data", "text", "--data-dir", "corpus.txt", "--data-opt", "context=16",
+                           "--model", "my_lm:lm", "--batch-size", "4", "--max-steps", "3", "--no-progress",
+                           "--out", "run")
+    finally:
+        sys.modules.pop("my_lm", None)
+    assert rc == 0, err[-3000:]
+    assert "Traceback" not in err
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["model"] == "my_lm:lm" and math.isfinite(summary["final_test_bpb"])
 

@@ -233,6 +233,35 @@ def test_a_miscompiled_kernel_is_caught_on_first_use(backend, monkeypatch):
     assert k2.verified and not k2.failed and torch.equal(out2, x * 2)
 
 
+def _twice(x):
+    return x * 2
+
+
+def test_a_kernel_at_the_recompile_limit_renews_its_code_then_falls_back_with_a_reason(backend, monkeypatch):
+    """A kernel whose code object met torch.compile's recompile limit (calls of many
+    shapes in a long process) does not stay eager unnoticed: it warns once and continues
+    compiled on a fresh code object; past RECOMPILE_RENEWALS it falls back to the eager
+    form, and its failure names the recompile limit."""
+    if _compile_unusable():
+        pytest.skip(f"torch.compile is not usable here ({_compile_unusable()})")
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)  # a second graph of one code object is refused
+    backend("compile")
+    k = _kernels.Kernel("renewed_probe", _twice)
+    x32, x64 = torch.arange(4.0), torch.arange(4.0, dtype=torch.float64)  # another dtype: another graph
+    assert torch.equal(_kernels.run(k, 4, x32), x32 * 2) and k.verified and k.recompiles == 0
+    with pytest.warns(RuntimeWarning, match=r"'renewed_probe' met torch.compile's recompile limit \(1 graphs"):
+        assert torch.equal(_kernels.run(k, 4, x64), x64 * 2)
+    assert k.recompiles == 1 and not k.failed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per kernel, not per renewal
+        assert torch.equal(_kernels.run(k, 4, x32), x32 * 2)
+    assert k.recompiles == 2 and not k.failed
+    monkeypatch.setattr(_kernels, "RECOMPILE_RENEWALS", 2)
+    with pytest.warns(RuntimeWarning, match=r"'renewed_probe' unavailable \(torch.compile's recompile limit, met 3 times"):
+        assert torch.equal(_kernels.run(k, 4, x64), x64 * 2)  # the eager form's result
+    assert k.failed and k.recompiles == 2
+
+
 def test_a_miscompilation_fails_the_compiled_tests_instead_of_skipping(backend, monkeypatch):
     """The compiled-vs-eager tests must fail, not skip, when a kernel was disabled for
     a miscompilation; a machine without a working compiler skips with its reason."""
@@ -419,3 +448,4 @@ def test_compiled_lane_kernels_find_and_resolve_real_ties(backend, lanes, monkey
     assert all(k.verified for k in _lane_kernels(spec))
     assert seen == {"eager": placed, "compile": placed}, seen  # both found the six ties
     assert torch.equal(Pe, Pc) and torch.equal(De, Dc)
+

@@ -47,7 +47,9 @@ The first compiled call of each kernel in a process is checked against the eager
 form on the same input, bit for bit. If compiling or running a compiled kernel
 fails (no C++ compiler, an unsupported platform) or the check finds a
 difference, a warning is issued once and that kernel falls back to eager mode for
-the rest of the process.
+the rest of the process. A kernel whose code object meets torch.compile's recompile
+limit (inputs of many shapes in one process) continues on a fresh copy of its code
+object, with one warning, up to ``RECOMPILE_RENEWALS`` times (``Kernel.renew``).
 """
 
 from __future__ import annotations
@@ -130,11 +132,25 @@ class Kernel:
         #: kernels whose auto decision this one follows (:func:`_follow`): a verified
         #: compile of this one vouches for them in the compile cache too
         self.deciders: set = set()
+        #: times the compiled form met torch.compile's recompile limit and was renewed
+        #: (:meth:`renew`, :data:`RECOMPILE_RENEWALS`)
+        self.recompiles = 0
 
     def compiled(self):
         if self._compiled is None:
             self._compiled = torch.compile(self.src, dynamic=True, fullgraph=True)
         return self._compiled
+
+    def renew(self) -> None:
+        """Give the compiled form a fresh copy of its code object (``recompiles`` counts
+        them): torch.compile keeps its graphs and its recompile limit per code object, so
+        the fresh copy starts with none, and compiles (or loads from inductor's cache) the
+        graphs of the shapes it meets from then on."""
+        self.recompiles += 1
+        src = self.src
+        code = src.__code__.replace(co_name=f"{self.name}_r{self.recompiles}")
+        self.src = types.FunctionType(code, src.__globals__, code.co_name, src.__defaults__, src.__closure__)
+        self._compiled = None
 
     def variant(self, key) -> "Kernel":
         k = self._variants.get(key)
@@ -274,14 +290,49 @@ def run(k: Kernel, numel: int, *args):
     backend decides; a compiled form that fails or miscompiles falls back to the eager."""
     dev = next(a.device for a in args if isinstance(a, torch.Tensor))
     if _want_compiled(k, numel, dev):
-        try:
-            with torch.no_grad():
-                if k.verified:
-                    return k.compiled()(*args)
-                return _run_verified(k, args)
-        except Exception as e:  # compiler missing or broken: degrade, do not fail
-            _disable(k, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        while not k.failed:
+            try:
+                with torch.no_grad():
+                    if k.verified:
+                        return k.compiled()(*args)
+                    return _run_verified(k, args)
+            except Exception as e:  # compiler missing or broken: degrade, do not fail
+                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                if not _recompile_limit(e):
+                    _disable(k, why)
+                elif k.recompiles < RECOMPILE_RENEWALS:
+                    _renew(k)  # nothing ran: the call is made again on the fresh code object
+                else:
+                    _disable(k, f"torch.compile's recompile limit, met {k.recompiles + 1} times ({why})")
     return k.eager(*args)
+
+
+#: times a kernel's compiled form is renewed (:meth:`Kernel.renew`) after meeting
+#: torch.compile's recompile limit before it falls back to the eager form for good
+RECOMPILE_RENEWALS = 4
+
+
+def _recompile_limit(e: BaseException) -> bool:
+    """Whether ``e`` is torch.compile refusing another graph for a code object
+    (``torch._dynamo.config.recompile_limit`` graphs already: with ``fullgraph=True`` it
+    raises where it would otherwise run the Python function uncompiled)."""
+    while e is not None:
+        if type(e).__name__ == "FailOnRecompileLimitHit":
+            return True
+        e = e.__cause__
+    return False
+
+
+def _renew(k: Kernel) -> None:
+    """A kernel met the recompile limit: a fresh code object, with one warning per kernel."""
+    if not k.recompiles:
+        from torch._dynamo import config
+
+        warnings.warn(f"gossip.compress: compiled kernel {k.name!r} met torch.compile's recompile limit "
+                      f"({config.recompile_limit} graphs of one code object: calls of many shapes in this "
+                      f"process); it continues on a fresh code object, up to {RECOMPILE_RENEWALS} times "
+                      f"(Kernel.recompiles counts them)", RuntimeWarning, stacklevel=4)
+    k.renew()
 
 
 def _disable(k: Kernel, why: str) -> None:

@@ -729,8 +729,8 @@ _CMD_GOSSIP = ("OMP_NUM_THREADS=1 python -m experiments run gossip_compare --epo
 _CMD_SWEEP = ("sudo python -m experiments.sweep_network --nodes 4 --algos allreduce,dcd:8,ecd:8,dpsgd "
               "--bandwidth 20mbit,5mbit --latency 0.13ms,5ms,20ms --steps 25 --warmup 5 --out runs/netsweep4 "
               f"--results {RESULTS}/sweep_network.json")
-_CMD_COLD = ("TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) OMP_NUM_THREADS=1 python -m experiments run cold_start quant:bits=8 "
-             f"quant:bits=4 identity --results {RESULTS}/cold_start.json")
+_CMD_COLD = ("OMP_NUM_THREADS=1 python -m experiments run cold_start quant:bits=8 quant:bits=4 identity "
+             f"--caches empty,warm --results {RESULTS}/cold_start.json")
 _CMD_TOPO = f"python -m experiments run bench_topologies --results {RESULTS}/bench_topologies.json"
 _CMD_ECD = f"OMP_NUM_THREADS=1 python -m experiments run ecd_recipes --out runs/ecd-recipes --results {RESULTS}/ecd_recipes.json"
 _CMD_RACE = ("OMP_NUM_THREADS=1 python -m experiments run race --out runs/race --bandwidth 10mbit,100mbit --latency 0 "

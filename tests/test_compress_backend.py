@@ -244,7 +244,12 @@ def test_a_kernel_at_the_recompile_limit_renews_its_code_then_falls_back_with_a_
     form, and its failure names the recompile limit."""
     if _compile_unusable():
         pytest.skip(f"torch.compile is not usable here ({_compile_unusable()})")
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)  # a second graph of one code object is refused
+    with torch._dynamo.config.patch(recompile_limit=1):  # a second graph of one code object is refused
+        _renewals(backend, monkeypatch)
+    assert torch._dynamo.config.recompile_limit > 1  # restored for the later tests
+
+
+def _renewals(backend, monkeypatch):
     backend("compile")
     k = _kernels.Kernel("renewed_probe", _twice)
     x32, x64 = torch.arange(4.0), torch.arange(4.0, dtype=torch.float64)  # another dtype: another graph

@@ -15,6 +15,12 @@ refused by the run's own memory check and reported as such; a loop path slower t
 ``--loop-budget`` seconds per step is timed on two steps only, and so is the
 vectorized path then (the minimum of more steps would favour it on a noisy machine).
 
+Each row on the CPU also gives the step's roofline (:func:`roofline`): the shortest
+vectorized step one thread of this machine allows, all nodes' matrix products at the
+thread's measured matmul peak plus the ``(n, d)`` passes no vectorized D-PSGD step
+avoids at the measured memcpy speed; the ratio to the loop that it would give; and the
+fraction of it reached (that shortest step over the measured vectorized step).
+
 Then, for ``--epoch-nodes`` (1024) nodes and each model, one whole epoch of the
 vectorized path as the CLI runs it (``Run.train``: set-up, steps, the epoch's
 evaluation, the final checkpoint): the share of the wall time spent outside the steps.
@@ -51,6 +57,15 @@ from experiments import _cli
 
 FEATURES, CLASSES, BATCH = 40, 10, 32
 MIN_TRAIN = 131_072
+
+#: reads or writes of the ``(n, d)`` float32 values that a vectorized step of D-PSGD
+#: with SGD and momentum cannot avoid (docs/simulation.md, "Roofline"): the weights
+#: read by the forward and again by the backward, the gradient written (2 + 1); the
+#: local update's 3 reads and 2 writes (gradient, momentum, X; momentum, u); the
+#: algorithm's finiteness check and encoding copy (1 + 2), the payloads' checksums at
+#: the encoding and at the decoding (2), the neighbours' rows read (2 on a ring), their
+#: weighted sum written (1) and the update of X (3 reads, 1 write)
+ROOFLINE_READS_WRITES = 3 + 5 + 3 + 2 + 2 + 1 + 4
 
 
 def dataset(n: int, seed: int = 0) -> data.Dataset:
@@ -167,6 +182,68 @@ def _timed_step_fn(fn, device: str) -> float:
     return time.perf_counter() - t0
 
 
+def node_step_flops(model: str, batch: int = BATCH) -> tuple[int, int]:
+    """FLOPs of one node's forward and backward on one batch of bench_sim's data,
+    counting the linear layers' and convolutions' multiply-adds (2 FLOPs each): the
+    forward, the weight gradient and the input gradient (none for the first layer,
+    which reads the data); and the model's parameter count."""
+    from gossip import models as gmodels
+
+    net = gmodels.build_model(model, input_shape=(1, FEATURES), num_classes=CLASSES, seed=0)
+    macs: list[int] = []
+
+    def hook(mod, inputs, out) -> None:
+        if isinstance(mod, torch.nn.Linear):
+            macs.append(out.numel() * mod.in_features)
+        elif isinstance(mod, torch.nn.Conv1d):
+            macs.append(out.numel() * mod.in_channels * mod.kernel_size[0] // mod.groups)
+    handles = [m.register_forward_hook(hook) for m in net.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d))]
+    with torch.no_grad():
+        net(torch.zeros(batch, 1, FEATURES))
+    for h in handles:
+        h.remove()
+    flops = sum(2 * m * (2 if i == 0 else 3) for i, m in enumerate(macs))
+    return flops, sum(p.numel() for p in net.parameters())
+
+
+def peak_gflops(repeats: int = 5, size: int = 1024) -> float:
+    """This thread's float32 matmul rate on a large square product (GFLOP/s)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    c = torch.empty(size, size)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=c)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best / 1e9
+
+
+def roofline(model: str, nodes: int, peak: float, memcpy: float) -> dict:
+    """The shortest vectorized step of bench_sim's set-up that one thread allows: all
+    nodes' FLOPs (:func:`node_step_flops`) at the matmul peak ``peak`` (GFLOP/s), plus
+    :data:`ROOFLINE_READS_WRITES` reads or writes of the ``(n, d)`` float32 values at
+    the memcpy speed ``memcpy`` (GB/s copied: each copy a read and a write)."""
+    flops, d = node_step_flops(model)
+    matmul_s = nodes * flops / (peak * 1e9)
+    passes_s = ROOFLINE_READS_WRITES / 2 * nodes * d * 4 / (memcpy * 1e9)
+    return {"node_step_mflop": flops / 1e6, "matmul_at_peak_s": matmul_s, "passes_s": passes_s,
+            "step_s": matmul_s + passes_s}
+
+
+def add_roofline(row: dict, peak: float, memcpy: float) -> None:
+    """The row's roofline: the shortest vectorized step, the loop-to-vectorized ratio it
+    would give against the loop's measured step (``roofline_ratio``), and the fraction
+    of it reached (``roofline_fraction``: the shortest step over the measured one, the
+    measured ratio over the bound's)."""
+    if not row.get("vectorized_step_s"):
+        return
+    r = roofline(row["model"], row["nodes"], peak, memcpy)
+    row["roofline"] = r
+    row["roofline_fraction"] = r["step_s"] / row["vectorized_step_s"]
+    if row.get("loop_step_s"):
+        row["roofline_ratio"] = row["loop_step_s"] / r["step_s"]
+
+
 def memcpy_gbps() -> float:
     x = torch.empty(1 << 24)
     y = torch.empty_like(x)
@@ -257,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     record.machine["memcpy_gbps"] = prov["memcpy_gbps"]
     if a.device == "cuda":
         prov["gpu"] = torch.cuda.get_device_name(0)
+    else:  # the roofline's compute bound: this thread's matmul rate
+        prov["matmul_peak_gflops"] = peak_gflops()
 
     def save() -> None:  # after every row: a run cut short keeps what it measured
         if a.json:
@@ -278,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                 if a.device == "cuda":
                     torch.cuda.empty_cache()
             row["load_avg"] = os.getloadavg()[0]
+            if a.device == "cpu":
+                add_roofline(row, prov["matmul_peak_gflops"], prov["memcpy_gbps"])
             rows.append(row)
             save()
             print(tables.bench_sim_table([row]).splitlines()[-1], flush=True)

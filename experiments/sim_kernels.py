@@ -132,27 +132,9 @@ def conv_per_node(groups: list[int], repeats: int, batch: int = bench_sim.BATCH)
 
 
 def node_step_flops(model: str, batch: int = bench_sim.BATCH) -> tuple[int, int]:
-    """FLOPs of one node's forward and backward on one batch, counting the linear
-    layers' and convolutions' multiply-adds (2 FLOPs each): the forward, the weight
-    gradient and the input gradient (none for the first layer, which reads the data);
-    and the model's parameter count."""
-    from gossip import models as gmodels
-
-    net = gmodels.build_model(model, input_shape=(1, bench_sim.FEATURES), num_classes=bench_sim.CLASSES, seed=0)
-    macs: list[int] = []
-
-    def hook(mod, inputs, out) -> None:
-        if isinstance(mod, torch.nn.Linear):
-            macs.append(out.numel() * mod.in_features)
-        elif isinstance(mod, torch.nn.Conv1d):
-            macs.append(out.numel() * mod.in_channels * mod.kernel_size[0] // mod.groups)
-    handles = [m.register_forward_hook(hook) for m in net.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d))]
-    with torch.no_grad():
-        net(torch.zeros(batch, 1, bench_sim.FEATURES))
-    for h in handles:
-        h.remove()
-    flops = sum(2 * m * (2 if i == 0 else 3) for i, m in enumerate(macs))
-    return flops, sum(p.numel() for p in net.parameters())
+    """FLOPs of one node's forward and backward on one batch, and the model's parameter
+    count (:func:`experiments.bench_sim.node_step_flops`, whose roofline this one shares)."""
+    return bench_sim.node_step_flops(model, batch)
 
 
 def anatomy(model: str, nodes: int, steps: int) -> dict:

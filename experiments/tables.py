@@ -94,15 +94,21 @@ def _why(err: str) -> str:
 
 
 def bench_sim_table(rows: list[dict]) -> str:
-    """experiments/bench_sim.py: both paths' node-steps per second and step times."""
+    """experiments/bench_sim.py: both paths' node-steps per second and step times; where
+    the rows carry a roofline (runs on the CPU), the ratio it bounds and the fraction of
+    it reached."""
+    roof = any("roofline_fraction" in r for r in rows)
     return md(["model", "params", "nodes", "loop node-steps/s", "vectorized node-steps/s", "ratio", "loop step",
-                "vectorized step"],
+                "vectorized step", *(["roofline step", "ratio bound", "of the bound"] if roof else [])],
                [[r["model"], _fmt_spec(r.get("params"), ","), f"{r['nodes']:,}",
                  _fmt_spec(r.get("loop_node_steps_per_s"), ",.0f") if "loop_error" not in r else _why(r["loop_error"]),
                  _fmt_spec(r.get("vectorized_node_steps_per_s"), ",.0f") if "vectorized_error" not in r
                  else _why(r["vectorized_error"]),
                  f"{_fmt_spec(r.get('ratio'), '.1f')}{'x' if 'ratio' in r else ''}", _ms(r.get("loop_step_s")),
-                 _ms(r.get("vectorized_step_s"))] for r in rows])
+                 _ms(r.get("vectorized_step_s")),
+                 *([_ms((r.get("roofline") or {}).get("step_s")),
+                    f"{_fmt_spec(r.get('roofline_ratio'), '.1f')}{'x' if 'roofline_ratio' in r else ''}",
+                    _fmt_spec(r.get("roofline_fraction"), ".0%")] if roof else [])] for r in rows])
 
 
 def bench_sim_epoch_table(epochs: list[dict]) -> str:

@@ -46,16 +46,26 @@ class Unsupported(Exception):
 
 
 class GradBuffers:
-    """Gradient tensors kept from one step to the next, by parameter name.
+    """Gradient tensors kept from one step to the next, by parameter name, and the
+    training forward's and backward's intermediate tensors.
 
     A kernel's backward writes a parameter's gradient into the tensor that parameter
     had as its gradient at the last step (handed over by ``keep`` when the gradients
     are cleared), and autograd takes it as the new gradient. A fresh ``(n, *shape)``
     tensor every step costs the page faults of its first writes: for the MLP's
-    gradients at 1,024 nodes (320 MB) about 70 ms, more than writing them."""
+    gradients at 1,024 nodes (320 MB) about 70 ms, more than writing them.
+
+    The same holds for a layer's output and its input's gradient (each 34 MB for a
+    hidden layer of the MLP at 1,024 nodes: above the size from which the C library
+    returns freed memory to the system, so every fresh one is page-faulted again):
+    :meth:`scratch` hands out one tensor per key, the same one at every step. A
+    step's tensors are dead by the next step's forward (the backward has consumed the
+    graph that held them), which is why only the training call passes a
+    ``GradBuffers``; the evaluation's forward allocates."""
 
     def __init__(self) -> None:
         self._free: dict[str, Tensor] = {}
+        self._scratch: dict[str, Tensor] = {}
 
     def keep(self, name: str, t: Tensor) -> None:
         self._free[name] = t
@@ -68,38 +78,103 @@ class GradBuffers:
             return None
         return t
 
+    def scratch(self, key: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """The tensor of ``key`` (``shape``, ``like``'s dtype and device), the same at
+        every call with the same shape: its contents are the caller's to overwrite."""
+        t = self._scratch.get(key)
+        if t is None or tuple(t.shape) != tuple(shape) or t.dtype != like.dtype or t.device != like.device:
+            t = self._scratch[key] = like.new_empty(shape)
+        return t
+
 
 def _take(grads: GradBuffers | None, name: str | None, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
     return grads.take(name, shape, like) if grads is not None and name is not None else None
+
+
+def _scratch(grads: GradBuffers | None, key: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    return grads.scratch(key, shape, like) if grads is not None else like.new_empty(shape)
+
+
+#: values per chunk of nodes of a linear layer's output (256 KiB of float32): one
+#: chunk's output, its gradient and the ReLU's mask stay in a core's L2 cache between
+#: the kernel's passes over them
+_LINEAR_CHUNK_VALUES = 1 << 16
 
 
 # --------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------
 class _Linear(torch.autograd.Function):
-    """x (n, R, in), W (n, out, in), b (n, out) or None -> (n, R, out)."""
+    """x (n, R, in), W (n, out, in), b (n, out) or None -> (n, R, out), with a ReLU
+    applied after it where ``relu``.
+
+    On the CPU the nodes go through in chunks (:data:`_LINEAR_CHUNK_VALUES` output
+    values each): per chunk the product, then the ReLU while the chunk's output is in
+    cache; backward, per chunk, the ReLU's gradient, then the bias's, the weight's and
+    the input's gradients from it while it is in cache. Each node's arithmetic is that
+    of one ``baddbmm``, ``relu`` and ``threshold_backward`` over all nodes."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, grads: GradBuffers | None,
-                names: tuple[str, str]) -> Tensor:
+                names: tuple[str, str], relu: bool = False) -> Tensor:
+        n, R = x.shape[0], x.shape[1]
+        out = w.shape[1]
         wt = w.transpose(1, 2)
-        y = torch.bmm(x, wt) if b is None else torch.baddbmm(b.unsqueeze(1), x, wt)
-        ctx.save_for_backward(x, w)
+        # the output of a hidden layer (it goes on to the next layer) is a tensor kept
+        # from step to step; the model's output (the logits) is the caller's to keep
+        y = _scratch(grads, names[0] + ":y", (n, R, out), x) if relu else x.new_empty(n, R, out)
+        chunk = _chunk_rows(x, R * out, n, _LINEAR_CHUNK_VALUES)
+        for r in range(0, n, chunk):
+            s = slice(r, r + chunk)
+            if b is None:
+                torch.bmm(x[s], wt[s], out=y[s])
+            else:
+                torch.baddbmm(b[s].unsqueeze(1), x[s], wt[s], out=y[s])
+            if relu:  # max(y, 0) while the chunk's output is in cache
+                y[s].relu_()
+        ctx.save_for_backward(x, w, y if relu else None)
         ctx.has_bias = b is not None
         ctx.grads, ctx.names = grads, names
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
-        x, w = ctx.saved_tensors
+        x, w, y = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        gx = torch.bmm(gy, w) if need_x else None
-        gw = gb = None
+        need_b = need_b and ctx.has_bias
+        n, R, out = gy.shape
+        gx = gw = gb = None
+        if need_x:
+            gx = _scratch(ctx.grads, ctx.names[0] + ":gx", tuple(x.shape), gy)
         if need_w:  # dy^T x is (n, out, in): W's own layout, taken by autograd as is
-            gw = torch.bmm(gy.transpose(1, 2), x, out=_take(ctx.grads, ctx.names[0], w.shape, gy))
-        if ctx.has_bias and need_b:
-            gb = torch.sum(gy, 1, out=_take(ctx.grads, ctx.names[1], (gy.shape[0], gy.shape[2]), gy))
-        return gx, gw, gb, None, None
+            gw = _take(ctx.grads, ctx.names[0], tuple(w.shape), gy)
+            if gw is None:
+                gw = gy.new_empty(w.shape)
+        if need_b:
+            gb = _take(ctx.grads, ctx.names[1], (n, out), gy)
+            if gb is None:
+                gb = gy.new_empty(n, out)
+        chunk = _chunk_rows(gy, R * out, n, _LINEAR_CHUNK_VALUES)
+        for r in range(0, n, chunk):
+            s = slice(r, r + chunk)
+            gs = gy[s]
+            if y is not None:  # the fused ReLU's gradient: dy where its output was > 0
+                gs = torch.ops.aten.threshold_backward(gs, y[s], 0)
+            if need_b:
+                torch.sum(gs, 1, out=gb[s])
+            if need_w:
+                torch.bmm(gs.transpose(1, 2), x[s], out=gw[s])
+            if need_x:
+                torch.bmm(gs, w[s], out=gx[s])
+        return gx, gw, gb, None, None, None
+
+
+def _chunk_rows(like: Tensor, per_node: int, n: int, values: int) -> int:
+    """Nodes per chunk: ``per_node`` values each within ``values`` on the CPU; all
+    ``n`` on a GPU (chunks would only add kernel launches)."""
+    if like.device.type != "cpu":
+        return n
+    return max(1, min(n, values // max(1, per_node)))
 
 
 #: values of a convolution's columns per chunk of nodes (2 MiB of float32): one chunk's
@@ -201,9 +276,7 @@ def conv1d(x: Tensor, w: Tensor, b: Tensor | None, stride: int, padding: int,
 def _chunk_nodes(like: Tensor, per_node: int, n: int) -> int:
     """Nodes per chunk: ``per_node`` values each within :data:`_CONV_CHUNK_VALUES` on
     the CPU; all ``n`` on a GPU (chunks would only add kernel launches)."""
-    if like.device.type != "cpu":
-        return n
-    return max(1, min(n, _CONV_CHUNK_VALUES // max(1, per_node)))
+    return _chunk_rows(like, per_node, n, _CONV_CHUNK_VALUES)
 
 
 def _col2im_plan(L: int, k: int, stride: int, padding: int, lout: int) -> tuple[bool, list[tuple]]:
@@ -305,7 +378,7 @@ def _node_dim(dim: int) -> int:
     return dim + 1 if dim >= 0 else dim
 
 
-def _linear(prefix: str, mod: nn.Linear) -> Kernel:
+def _linear(prefix: str, mod: nn.Linear, relu: bool = False) -> Kernel:
     bias = mod.bias is not None
     names = (prefix + "weight", prefix + "bias")
 
@@ -316,9 +389,11 @@ def _linear(prefix: str, mod: nn.Linear) -> Kernel:
             raise Unsupported(f"linear layer {prefix[:-1]!r} on an input of shape {tuple(x.shape)}")
         n = x.shape[0]
         if x.dim() == 2:  # one example per node
-            return _Linear.apply(x.unsqueeze(1), w, b, grads, names).squeeze(1)
-        y = _Linear.apply(x.reshape(n, -1, x.shape[-1]), w, b, grads, names)
+            return _Linear.apply(x.unsqueeze(1), w, b, grads, names, relu).squeeze(1)
+        y = _Linear.apply(x.reshape(n, -1, x.shape[-1]), w, b, grads, names, relu)
         return y.view(*x.shape[:-1], w.shape[1])
+    if not relu:  # a ReLU right after it is applied inside, chunk by chunk (see batched_forward)
+        run.with_relu = lambda: _linear(prefix, mod, relu=True)  # type: ignore[attr-defined]
     return run
 
 
@@ -457,7 +532,7 @@ def batched_forward(model: nn.Module) -> Callable[..., Tensor] | None:
         if kernel is None:
             return None
         if kernel is _relu and program and hasattr(program[-1], "with_relu"):
-            # a convolution's only user (the graph is a chain): fused into it, where the
+            # a linear layer's or a convolution's only user (the graph is a chain): fused into it, where the
             # output and its gradient are in cache, instead of two more passes over them
             program[-1] = program[-1].with_relu()
         else:

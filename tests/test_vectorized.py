@@ -221,13 +221,14 @@ def _built_in(kind: str) -> tuple[nn.Module, tuple[int, ...]]:
 @pytest.mark.parametrize("kind", ["mlp", "cnn1d", "logreg"])
 def test_the_bmm_kernels_equal_vmap_and_each_nodes_own_model(kind, monkeypatch):
     """Forward and gradients of the batched kernels against vmap over the model's own
-    forward, nodes with different weights, in float64 (a convolution's nodes in chunks
-    of 2 nodes, the last one shorter); and each node's logits against its own model's."""
+    forward, nodes with different weights, in float64 (a convolution's and a linear
+    layer's nodes in chunks of 2 nodes or fewer, the last one shorter); and each node's logits against its own model's."""
     from torch.func import functional_call, vmap
 
     from gossip import _batched
 
     monkeypatch.setattr(_batched, "_CONV_CHUNK_VALUES", 2 * 5 * 12 * 5 * 2)  # 2 nodes of the first two layers
+    monkeypatch.setattr(_batched, "_LINEAR_CHUNK_VALUES", 2 * 5 * 7)  # 2 nodes of the mlp's first hidden layer
 
     model, shape = _built_in(kind)
     model = model.double()
@@ -607,6 +608,8 @@ def _bench_sim():
 def test_bench_sim_runs_both_paths_and_writes_its_results(tmp_path):
     import json
 
+    from experiments import tables
+
     bench = _bench_sim()
     threads = torch.get_num_threads()
     try:
@@ -619,7 +622,22 @@ def test_bench_sim_runs_both_paths_and_writes_its_results(tmp_path):
     assert row["nodes"] == 4 and row["loop_steps_timed"] == 2 and row["vectorized_steps_timed"] == 2
     assert row["ratio"] == pytest.approx(row["loop_step_s"] / row["vectorized_step_s"])
     assert r["epoch"][0]["steps"] > 0 and 0 <= r["epoch"][0]["outside_share"] <= 1
-    assert {"command", "commit", "dirty", "cpu", "memcpy_gbps", "load_avg_before", "load_avg_after"} <= set(r)
+    assert {"command", "commit", "dirty", "cpu", "memcpy_gbps", "load_avg_before", "load_avg_after",
+            "matmul_peak_gflops"} <= set(r)
+    # the roofline: logistic regression's 410 parameters and 1,640 FLOPs per example
+    # (forward and weight gradient), the bound's step from the run's own peak and memcpy
+    roof = row["roofline"]
+    assert roof["node_step_mflop"] == pytest.approx(2 * 2 * 32 * 400 / 1e6)
+    assert roof["step_s"] == pytest.approx(
+        4 * 2 * 2 * 32 * 400 / (r["matmul_peak_gflops"] * 1e9)
+        + bench.ROOFLINE_READS_WRITES / 2 * 4 * 410 * 4 / (r["memcpy_gbps"] * 1e9))
+    assert row["roofline_fraction"] == pytest.approx(roof["step_s"] / row["vectorized_step_s"])
+    assert row["roofline_ratio"] == pytest.approx(row["loop_step_s"] / roof["step_s"])
+    table = tables.bench_sim_table([row, {"model": "mlp", "nodes": 8, "vectorized_error": "x 1 GiB"}])
+    assert "| ratio bound | of the bound |" in table.splitlines()[0]
+    assert table.splitlines()[2].endswith(f"| {row['roofline_fraction']:.0%} |")
+    assert table.splitlines()[3].endswith("| - | - | - |")
+    assert "bound" not in tables.bench_sim_table([{k: v for k, v in row.items() if not k.startswith("roofline")}])
 
 
 def test_sim_epoch_profile_splits_an_epoch_into_phases_that_add_up(tmp_path):

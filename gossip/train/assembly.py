@@ -5,8 +5,9 @@ process); :func:`build_topology`, :func:`build_dataset`, :func:`build_model`,
 :func:`build_algorithm` and :func:`local_optimizer` build the parts
 :class:`gossip.train.loop.Run` trains with, each turning a refusal into one
 :class:`~gossip.errors.RunError` line that names the flag. :func:`check_memory` refuses
-a simulation that cannot fit before the nodes are built, and :func:`simulation_path`
-says whether ``--simulate N`` runs the nodes as one batched model or one after another.
+a simulation that cannot fit before the nodes are built, :func:`check_resume_dir` a
+``--resume`` that names no run directory, and :func:`simulation_path` says whether
+``--simulate N`` runs the nodes as one batched model or one after another.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -22,12 +24,12 @@ import topologies
 from topologies import available_memory  # one reading of MemAvailable for both checks
 from gossip import algorithms, data, factories, models, vectorized
 from gossip.groups import GroupPlan
-from gossip.train.config import TrainConfig
+from gossip.train.config import RESUME_AUTO, TrainConfig
 from gossip.errors import RunError
 
 __all__ = [
     "Env", "build_adversary", "build_algorithm", "build_dataset", "build_model", "build_topology", "check_memory",
-    "choose_device", "detect_env", "group_size", "hosts_of", "local_optimizer", "lr_at", "lr_schedule", "memory_line",
+    "check_resume_dir", "choose_device", "detect_env", "group_size", "hosts_of", "local_optimizer", "lr_at", "lr_schedule", "memory_line",
     "path_line", "peak_memory",
     "simulation_path", "state_copies",
 ]
@@ -343,3 +345,15 @@ def lr_schedule(cfg: TrainConfig, total: int) -> Callable[[int], float]:
 def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
     """The learning rate of step ``step`` of ``total`` under ``--lr-schedule``."""
     return lr_schedule(cfg, total)(step)
+
+
+def check_resume_dir(cfg: TrainConfig) -> None:
+    """Refuse, in one line, a ``--resume`` that names no run directory (``auto`` aside)."""
+    if cfg.run.resume in (None, RESUME_AUTO):
+        return
+    try:
+        is_dir = Path(cfg.run.resume).is_dir()
+    except OSError as e:  # a name too long for the file system, a loop of links
+        raise RunError(f"--resume {cfg.run.resume!r}: {e.strerror or e}") from None
+    if not is_dir:
+        raise RunError(f"--resume {cfg.run.resume!r}: no such run directory")

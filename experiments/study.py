@@ -287,6 +287,21 @@ def options(p: argparse.ArgumentParser, study: Study | None = None) -> None:
                        help=f"the spec's {{{k}}} (default {v})")
 
 
+
+def _train_one(study_name: str, name: str, args: list[str]) -> bool:
+    """Train one run of a study in this process, recorded as a configuration of its
+    results file (what ``python -m experiments verify`` witnesses); a failure is one
+    line on stderr and False."""
+    _provenance.record_config(args)
+    from experiments import race
+
+    rc, err = race.train_in_process(args)
+    if rc != 0:
+        last = err.strip().splitlines()[-1] if err.strip() else ""
+        print(f"{study_name}: {name} failed (exit {rc}): {last}", file=sys.stderr)
+        return False
+    return True
+
 def main(argv: list[str] | None = None, name: str | None = None) -> int:
     """Run the study ``argv`` names (``name``: the study NAME of ``run NAME``, which comes
     before the options; else the spec is the first argument)."""
@@ -353,11 +368,7 @@ def _curve(study: Study, names: list[str], a: argparse.Namespace, results: Path 
         print(f"{study.name}: {n} ({epochs} epochs) ...", flush=True)
         args = [*run_args(study, run, data=a.data, epochs=epochs, params=params), "--log-every", "1", "--no-progress",
                 "--overwrite", "--out", str(run_dir)]
-        _provenance.record_config(args)  # what `python -m experiments verify` witnesses
-        rc, err = race.train_in_process(args)
-        if rc != 0:
-            last = err.strip().splitlines()[-1] if err.strip() else ""
-            print(f"{study.name}: {n} failed (exit {rc}): {last}", file=sys.stderr)
+        if not _train_one(study.name, n, args):
             return 1
         c = race.curve(run_dir)
         runs[n] = {"label": run.label, "epochs": epochs, "flags": _fill([*study.base, *run.flags], {**study.params, **params}),
@@ -491,11 +502,7 @@ def _modelled(study: Study, names: list[str], a: argparse.Namespace, results: Pa
         run_dir = out / n.replace(":", "-")
         args = [*run_args(study, study.runs[n], params=params), "--log-every", "1", "--no-progress", "--overwrite",
                 "--out", str(run_dir)]
-        _provenance.record_config(args)  # what `python -m experiments verify` witnesses
-        rc, err = race.train_in_process(args)
-        if rc != 0:
-            last = err.strip().splitlines()[-1] if err.strip() else ""
-            print(f"{study.name}: {n} failed (exit {rc}): {last}", file=sys.stderr)
+        if not _train_one(study.name, n, args):
             return 1
         c = race.curve(run_dir)
         c["setup_bytes"] = _setup_bytes(run_dir)

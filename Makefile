@@ -31,11 +31,12 @@ topologies-demo: setup
 
 # The default suite on every core (pytest-xdist: one worker per core, at most
 # TEST_WORKERS_MAX; each test file stays on one worker, so a file's fixtures are made
-# once); TEST_WORKERS=0 runs it in this process, one test after another.
+# once); TEST_WORKERS=0 runs it in this process, one test after another. The 25
+# slowest tests are listed at the end, to keep the suite within its time budget.
 TEST_WORKERS ?= auto
 TEST_WORKERS_MAX ?= 4
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --maxprocesses $(TEST_WORKERS_MAX) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --maxprocesses $(TEST_WORKERS_MAX) --dist loadfile --durations 25
 
 # The documentation site (MkDocs Material, API reference by mkdocstrings) into site/,
 # strict: a broken link or reference fails the build. docs-serve rebuilds on every edit.

@@ -246,3 +246,141 @@ def test_under_torchrun_an_attacker_rank_is_defended_as_in_the_simulation(tmp_pa
     clean = json.loads((tmp_path / "clean" / "summary.json").read_text())
     assert dist["final_test_acc"] == sim["final_test_acc"]
     assert dist["final_test_acc"] >= clean["final_test_acc"] - 0.05, (dist["final_test_acc"], clean["final_test_acc"])
+
+
+# ------------------------------------------------------------------ the periodic methods
+def test_a_sharded_rule_gives_the_same_aggregate_exchanged_or_local():
+    """The rule through the sharded layout (owners) and over every message held here."""
+    from gossip.algorithms._robust import ShardedRule
+
+    n, d = 5, 23
+    M = _msgs(n, d, seed=4)
+    for spec in ("median", "trimmed:f=1", "cclip:tau=0.5"):
+        a, b = robust.parse_aggregator(spec), robust.parse_aggregator(spec)
+        ca, cb = torch.zeros(d), torch.zeros(d)
+        ra, rb = ShardedRule.even(a, d, n, what="t", center=ca), ShardedRule.even(b, d, n, what="t", center=cb)
+        for k in range(2):  # twice: cclip starts the second from the first aggregate
+            out = ra.exchange(SimulatedCommunicator(None, world_size=n), M + k)
+            assert torch.equal(out, rb.local(M + k)), spec
+        assert torch.equal(ca, cb)
+    with pytest.raises(ValueError, match="cuts the 3 values into 5 shards"):
+        ShardedRule.even(robust.parse_aggregator("median"), 3, 5, what="t")
+
+
+def _quadratic_run(algo: str, aggregator: str, attack: str | None, *, rounds: int = 6, **opts) -> torch.Tensor:
+    """n = 8 nodes on f_i(x) = |x - c_i|^2 / 2 (one node attacking where ``attack``), H = 4
+    local SGD steps per round through the algorithm's own step: the models at the end."""
+    from gossip import algorithms
+
+    n, d, H, lr = 8, 64, 4, 0.1
+    g = torch.Generator().manual_seed(11)
+    C = 1.0 + 0.1 * torch.randn(n, d, generator=g)
+    comm = SimulatedCommunicator(None, world_size=n)
+    extra = {"local_steps": H} if algo != "demo" else {}
+    alg = algorithms.build(algo, comm, aggregator=aggregator, **extra, **opts)
+    if attack is not None:
+        alg.set_adversary(robust.Adversary(robust.parse_attack(attack), (3,), n))
+    X = torch.zeros(n, d)
+    alg.setup(X)
+    for _ in range(rounds * H):
+        if algo == "demo":
+            alg.set_lr(lr)
+            G = X - C
+            alg.reduce_gradients(G)
+            X.sub_(lr * G)
+        else:
+            alg.set_lr(lr)
+            alg.step(X, -lr * (X - C))
+    return X
+
+
+@pytest.mark.parametrize("algo, opts, rule", [
+    ("diloco", {}, "median"),  # identity: the fp32 pseudo-gradients through the sharded layout
+    ("diloco", {"compressor": "quant:bits=8"}, "cclip:tau=0.3"),  # each owner's rule on decoded shards
+    ("diloco", {"compressor": "quant:bits=8", "exchange": "allgather"}, "trimmed:f=1"),  # on every node
+    ("sparseloco", {"topk_fraction": 0.5, "bits": 32}, "cclip:tau=0.3"),
+    ("demo", {}, "median"),
+])
+def test_a_robust_rule_keeps_a_periodic_method_near_its_clean_run(algo, opts, rule):
+    """One node of eight sends 8x its negated pseudo-gradient: the mean is pushed far off the
+    clean run, the robust rule stays close to it."""
+    clean = _quadratic_run(algo, "mean", None, **opts)
+    attacked = _quadratic_run(algo, "mean", "scaled:factor=-8", **opts)
+    defended = _quadratic_run(algo, rule, "scaled:factor=-8", **opts)
+    far, near = float((attacked - clean).norm()), float((defended - clean).norm())
+    assert near < far / 4, (far, near)
+
+
+@pytest.mark.parametrize("algo, opts", [
+    ("diloco", {}), ("diloco", {"compressor": "quant:bits=4"}), ("diloco", {"compressor": "quant:bits=4",
+                                                                           "exchange": "allgather"}),
+    ("sparseloco", {}), ("demo", {}),
+])
+def test_a_robust_rule_costs_the_periodic_methods_no_bytes(algo, opts):
+    """The ledger of a round with the median equals the mean's: diloco's fp32 pseudo-gradients
+    go through the sharded layout, 2 (n - 1)/n x 4d as the ring all-reduce, plus one 16-byte
+    size check per node at the first exchange; the compressed and the all-gathered
+    exchanges carry the same payloads with the rule at the owner or at every node."""
+    from gossip import algorithms
+
+    n, d, H = 4, 256, 2
+    sent = {}
+    for rule in ("mean", "median"):
+        comm = SimulatedCommunicator(None, world_size=n)
+        extra = {"local_steps": H} if algo != "demo" else {}
+        alg = algorithms.build(algo, comm, aggregator=rule, **extra, **opts)
+        X = _msgs(n, d, seed=5)
+        alg.setup(X)
+        per_round = []
+        for _ in range(2):
+            before = comm.ledger.bytes_sent
+            for _ in range(H if algo != "demo" else 1):
+                alg.set_lr(0.1)
+                if algo == "demo":
+                    alg.reduce_gradients(_msgs(n, d, seed=6))
+                else:
+                    alg.step(X, 0.01 * _msgs(n, d, seed=6))
+            per_round.append(comm.ledger.bytes_sent - before)
+        sent[rule] = per_round
+    if algo == "diloco" and not opts:  # the ring all-reduce vs the sharded layout's size check
+        assert sent["median"][1] == sent["mean"][1] == n * 2 * (n - 1) * 4 * d // n
+        assert sent["median"][0] == sent["mean"][0] + n * (n - 1) * 16
+    else:
+        assert sent["median"] == sent["mean"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--algo", "noloco", "--aggregator", "median"],
+     r"--algo noloco: it averages with its graph neighbours only .* no rule over two messages outvotes one"),
+    (["--algo", "diloco", "--aggregator", "median", "--algo-opt", "outer_delay=1"],
+     r"`aggregator` median with `outer_delay` 1: the eager estimate"),
+    (["--algo", "diloco", "--aggregator", "median", "--compressor", "randomk:p=0.5"],
+     r"diloco: aggregator=median with compressor randomk.* all-reduce the values it keeps"),
+    (["--algo", "sparseloco", "--aggregator", "cclip:tau=1,beta=0.9"], r"cclip's beta is the workers' momentum"),
+    (["--algo", "slowmo", "--byzantine", "1", "--attack", "signflip"],
+     r"--algo slowmo: its messages do not carry .* accepted: --algo .*diloco.*sparseloco"),
+    (["--algo", "localsgd", "--aggregator", "median"], r"--algo localsgd does not carry it yet \(accepted: --algo "),
+])
+def test_periodic_trust_refusals_are_one_line(argv, match, capsys, tmp_path):
+    rc = _train(*argv, "--simulate", "4", *QUICK, "--out", str(tmp_path / "r"))
+    err = capsys.readouterr().err.strip()
+    assert rc != 0 and len(err.splitlines()) == 1, err
+    assert __import__("re").search(match, err), err
+
+
+def test_under_torchrun_diloco_with_an_attacker_rank_equals_the_simulation(tmp_path):
+    """4 ranks, rank-drawn attacker sending -8x its pseudo-gradient, the median in the
+    sharded layout: the same final accuracy as the in-process simulation, and the record."""
+    from tests.conftest import child_env, torchrun, why
+
+    flags = ["--algo", "diloco", "--algo-opt", "local_steps=3", "--data", "synthetic", "--model", "mlp",
+             "--epochs", "1", "--max-steps", "9", "--batch-size", "64", "--no-progress", "--no-node-eval",
+             "--seed", "2", "--byzantine", "1", "--attack", "scaled:factor=-8", "--aggregator", "median"]
+    r = torchrun(4, "-m", "gossip.train", *flags, "--out", str(tmp_path / "dist"), timeout=240, env=child_env())
+    assert r.returncode == 0, why(r)
+    assert _train(*flags, "--simulate", "4", "--simulate-mode", "loop", "--out", str(tmp_path / "sim")) == 0
+    dist = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    sim = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    assert dist["trust"] == sim["trust"] and dist["trust"]["attackers"] == list(robust.choose_attackers(4, 1, 2))
+    assert dist["final_test_loss"] == sim["final_test_loss"] and dist["final_test_acc"] == sim["final_test_acc"]
+    assert dist["bytes_sent_per_node_per_step"] == pytest.approx(sim["bytes_sent_per_node_per_step"], rel=1e-12)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from gossip.algorithms._common import check_int
+from gossip.algorithms._robust import ShardedRule
 from gossip.algorithms.base import Algorithm
 
 __all__ = ["AllReduce", "AllReduceConfig", "AllReduceState", "RobustAllReduceState"]
@@ -105,18 +106,11 @@ class AllReduce(Algorithm):
             self.state = AllReduceState(t=1)
         else:
             d = X.shape[1]
-            n = int(self.comm.world_size)
-            if d < n:
-                raise ValueError(f"allreduce: aggregator={self.aggregator.spec} cuts the {d} values into {n} "
-                                 f"shards, one per node, and needs at least as many values as nodes")
-            q, r = divmod(d, n)
-            cuts = [0]
-            for j in range(n):
-                cuts.append(cuts[-1] + q + (1 if j < r else 0))
-            self._bounds = [(cuts[j], cuts[j + 1]) for j in range(n)]
             beta = self.aggregator.params.get("beta", 0.0)
             mom = torch.zeros_like(X) if beta > 0 else X.new_zeros(0)
             self.state = RobustAllReduceState(t=1, center=torch.zeros(d, dtype=torch.float32), momentum=mom)
+            self._rule = ShardedRule.even(self.aggregator, d, int(self.comm.world_size), what="allreduce",
+                                          center=self.state.center)
 
     @classmethod
     def momentum_of(cls, config: AllReduceConfig) -> float:
@@ -137,25 +131,7 @@ class AllReduce(Algorithm):
             with self.comm.ledger.phase("communicate"):
                 G.copy_(self.comm.all_reduce(M, op="mean"))
         else:
-            G.copy_(self._robust(M).to(G.dtype).unsqueeze(0).expand_as(G))
+            with self.comm.ledger.phase("communicate"):  # Steps Ia-Ic
+                out = self._rule.exchange(self.comm, M)
+            G.copy_(out.to(G.dtype).unsqueeze(0).expand_as(G))
         self.state.t += 1
-
-    def _robust(self, M: torch.Tensor) -> torch.Tensor:
-        """Steps Ia-Ic: the aggregate (d,) of the hosted rows' messages ``M`` (m, d)."""
-        agg, bounds = self.aggregator, self._bounds
-        nbytes = [4 * (b - a) for a, b in bounds]
-        # the shards are consecutive runs of values: a row's bytes are its messages in shard order
-        P = M.to(torch.float32).contiguous().view(torch.uint8)
-        center = self.state.center
-
-        def serve(j: int, Q: torch.Tensor) -> torch.Tensor:
-            a, b = bounds[j]
-            agg.center[j] = center[a:b].to(Q.device)
-            return agg(Q.contiguous().view(torch.float32), j).contiguous().view(torch.uint8)
-
-        with self.comm.ledger.phase("communicate"):
-            R = self.comm.sharded_exchange(P, nbytes, nbytes, serve)
-        out = R.view(torch.float32).to(M.device)
-        if agg.name == "cclip":
-            self.state.center.copy_(out.to(self.state.center.device))
-        return out

@@ -220,6 +220,9 @@ class Algorithm:
     #: why ``--robust clippedgossip`` cannot be composed with the algorithm's exchange,
     #: or None (the refusal's reason, in one line)
     robust_refusal: ClassVar[str | None] = None
+    #: why ``--aggregator`` (a robust rule over all nodes' messages) cannot be applied to the
+    #: algorithm's exchange, or None; the algorithms that take it have an ``aggregator`` option
+    aggregator_refusal: ClassVar[str | None] = None
     #: the CLI's ``--topology`` when it is unset (SGP: its paper's directed one-peer
     #: exponential graph); the library takes whatever topology it is handed
     default_topology: ClassVar[str] = "ring"

@@ -38,6 +38,18 @@ chunks of the largest divisor of s not above ``compression_chunk`` (s itself whe
 s <= ``compression_chunk``); a tensor of more than two dimensions (a convolution) is
 seen as (shape[0], rest), where the code handles only 1-D and 2-D tensors.
 
+Untrusted workers (:mod:`gossip.robust`): a Byzantine worker's gradient g_i is crafted
+(:class:`~gossip.robust.Adversary`) before step 1, so its momentum and the fast
+components it sends are those of the crafted gradient (for ``signflip`` and
+``scaled``, exactly the honest message negated or scaled). A robust ``aggregator``
+(``median``, ``trimmed:f=F``, ``cclip:tau=T``) replaces step 5's mean: every worker
+decodes every gathered message to a dense vector (IDCT of its coefficients, 0 where it
+sent none) and applies the rule shard by shard
+(:class:`~gossip.algorithms._robust.ShardedRule`), the same on every worker, before the
+sign. The wire is unchanged; the cost is n inverse transforms and the rule over n x d
+values on each worker, and for the median and the trimmed mean a coefficient that
+fewer than half (n - 2F) of the workers sent counts as 0.
+
 Wire: one payload per worker and step, header (32 bytes) + K chunk-local indices
 (int16, int32 when a chunk holds more than 32767 values) + K fp32 values, K = the sum
 over chunks of min(topk, chunk size), padded to 8 bytes. The all-gather sends
@@ -47,13 +59,14 @@ over chunks of min(topk, chunk size), padded to 8 bytes. The all-gather sends
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from gossip._checks import check_float
 from gossip.algorithms._common import check_int, step_tag
+from gossip.algorithms._robust import ShardedRule, check_aggregator
 from gossip.algorithms.base import Algorithm, ParamLayout, WireFormat
 from gossip.compress import wire as _wire
 from gossip.errors import PayloadError
@@ -296,6 +309,8 @@ class DeMoConfig:
     compression_topk: int = 32
     compression_chunk: int = 64
     seed: int = 0
+    #: the rule over the workers' messages in place of step 5's mean (``--aggregator``)
+    aggregator: str = "mean"
 
     def __post_init__(self) -> None:
         if isinstance(self.compression_decay, bool) or not isinstance(self.compression_decay, (int, float)):
@@ -309,6 +324,7 @@ class DeMoConfig:
         check_int("compression_topk", self.compression_topk, minimum=1)
         check_int("compression_chunk", self.compression_chunk, minimum=1)
         check_int("seed", self.seed, minimum=0)
+        check_aggregator(self.aggregator, "demo")
 
     @property
     def momentum(self) -> float:
@@ -324,6 +340,8 @@ class DeMoState:
     t: int
     lr: float
     delta: torch.Tensor
+    #: (1, d) centered clipping's previous aggregate (``aggregator`` ``cclip``), empty otherwise
+    center: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
 
 
 class DeMo(Algorithm):
@@ -335,6 +353,7 @@ class DeMo(Algorithm):
     acts_on = "gradient"
     decentralized = False
     local_momentum_default = 0.0
+    byzantine_messages = True
 
     @classmethod
     def momentum_of(cls, config: Any) -> float:
@@ -343,6 +362,11 @@ class DeMo(Algorithm):
     def __init__(self, config: DeMoConfig, comm: Any) -> None:
         super().__init__(config, comm)
         self.codec: ChunkTopK | None = None
+        self.aggregator = check_aggregator(config.aggregator, self.name)
+        #: the robust rule of step 5 (None: the mean)
+        self.rule: ShardedRule | None = None
+        if not self.aggregator.is_mean:
+            self.aggregator.check_nodes(int(comm.world_size), "Arg `aggregator`")
 
     def set_lr(self, lr: float) -> None:
         check_float("Arg `lr`", lr, lo=0.0, lo_open=True)
@@ -356,6 +380,23 @@ class DeMo(Algorithm):
         self.codec = ChunkTopK(layout, chunk=cfg.compression_chunk, topk=cfg.compression_topk, dct=True,
                                label="demo")
         self.state = DeMoState(t=1, lr=1.0, delta=torch.zeros_like(X))
+        if not self.aggregator.is_mean:
+            if self.aggregator.name == "cclip":
+                self.state.center = torch.zeros(1, X.shape[1], dtype=torch.float32, device=X.device)
+            center = self.state.center[0] if self.state.center.numel() else None
+            self.rule = ShardedRule.even(self.aggregator, X.shape[1], int(self.comm.world_size), what=self.name,
+                                         center=center)
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        if not sd["center"].numel():  # as before the option existed
+            sd.pop("center")
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self.state is not None and "center" not in sd and not self.state.center.numel():
+            sd = {**sd, "center": self.state.center}
+        super().load_state_dict(sd)
 
     def wire_format(self) -> WireFormat:
         cfg = self.config
@@ -368,7 +409,9 @@ class DeMo(Algorithm):
         st, cfg, ledger, codec = self.state, self.config, self.comm.ledger, self.codec
         tag = step_tag(st.t)
         with ledger.phase("compute"):  # 1
-            st.delta.mul_(cfg.compression_decay).add_(G.to(st.delta.dtype), alpha=st.lr)
+            # the Byzantine workers' gradients are crafted (G itself takes the direction below)
+            g = G if self.adversary is None else self.adversary.craft(G, self.comm.nodes, st.t, stream="grad")
+            st.delta.mul_(cfg.compression_decay).add_(g.to(st.delta.dtype), alpha=st.lr)
         with ledger.phase("compress"):
             idx, val = codec.encode(st.delta)  # 2
             payload = codec.pack(idx, val, tag)
@@ -377,7 +420,10 @@ class DeMo(Algorithm):
             gathered = self.comm.all_gather(payload)  # 4
         with ledger.phase("compress"):  # 5
             gi, gv = codec.unpack(gathered, tag)
-            direction = torch.sign(codec.decode(codec.coeffs(gi, gv)))
+            if self.rule is not None:  # the robust rule over every worker's decoded message
+                direction = torch.sign(self.rule.local(codec.decode_each(gi, gv)).view(1, -1))
+            else:
+                direction = torch.sign(codec.decode(codec.coeffs(gi, gv)))
             G.copy_(direction.to(G.dtype).expand_as(G))
         st.t += 1
 

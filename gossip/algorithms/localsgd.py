@@ -7,14 +7,16 @@ update u_i (the local optimizer's step, ``-gamma * g_i`` for plain SGD), mean ov
 n nodes written xbar:
 
 * local SGD:  x_i <- x_i + u_i every step; after every H-th step x_i <- xbar.
-* SlowMo (Wang et al., ICLR 2020, Alg. 1), step size eta (the current learning rate):
-  after every H-th step,  v <- beta v + (x_s - xbar) / eta,  x <- x_s - alpha eta v.
-* DiLoCo (Douillard et al. 2023, Alg. 1): after every H-th step the outer gradient
-  Delta = x_s - mean_i x_i (each node sends Delta_i = x_s - x_i, compressed with any
-  compressor of the registry, optionally with error feedback), then an outer Nesterov
-  SGD step  b <- mu b + Delta,  x <- x_s - lr_out (Delta + mu b).  With ``fragments=F``
-  (Streaming DiLoCo, 2025) the model is cut into F fragments that are synchronised
-  at staggered steps: fragment f after every step t with t = o_f (mod H),
+* SlowMo (Wang et al., ICLR 2020, arXiv:1910.00643, Alg. 1), step size eta (the
+  current learning rate): after every H-th step,
+  v <- beta v + (x_s - xbar) / eta,  x <- x_s - alpha eta v.
+* DiLoCo (Douillard et al. 2023, arXiv:2311.08105, Alg. 1): after every H-th step
+  the outer gradient Delta = x_s - mean_i x_i (each node sends Delta_i = x_s - x_i,
+  compressed with any compressor of the registry, optionally with error feedback),
+  then an outer Nesterov SGD step  b <- mu b + Delta,  x <- x_s - lr_out (Delta + mu b).
+  With ``fragments=F`` (Streaming DiLoCo, 2025) the model is cut into F fragments
+  that are synchronised at staggered steps: fragment f after every step t with
+  t = o_f (mod H),
   o_f = ((f + 1) H // F) mod H; every fragment still synchronises once per H steps.
   Streaming DiLoCo's overlap (Douillard et al. 2025, arXiv:2501.18512; torchft's
   ``fragment_sync_delay``/``fragment_update_alpha``): with tau > 0 a fragment's
@@ -66,6 +68,7 @@ from gossip import compress as _compress
 from gossip._checks import check_float
 from gossip.algorithms._centralized import ErrorFeedback, check_fraction, check_spec
 from gossip.algorithms._common import check_int, node_keys, shared_key, step_tag
+from gossip.algorithms._robust import ShardedRule, check_aggregator
 from gossip.algorithms._sharded import ExchangeMixin, ShardPlan, check_exchange
 from gossip.algorithms.base import Algorithm, ParamLayout, WireFormat
 from gossip.compress import wire as _wire
@@ -145,6 +148,10 @@ class DiLoCoConfig:
     Kale et al. 2025, arXiv:2502.12996): round k's exchange is waited at the end of
     round k+1, and the outer step uses the eager estimate meanwhile; 0 (default): the
     synchronous outer step. Not with ``fragment_sync_delay`` (one overlap or the other).
+
+    ``aggregator`` (``--aggregator``): the rule over the nodes' pseudo-gradients in place of
+    their mean (``median``, ``trimmed:f=F``, ``cclip:tau=T``; :mod:`gossip.robust`); not
+    with ``outer_delay`` 1, whose eager estimate is a correction of the mean.
     """
 
     local_steps: int = 50
@@ -159,6 +166,7 @@ class DiLoCoConfig:
     seed: int = 0
     exchange: str | None = None
     outer_delay: int = 0
+    aggregator: str = "mean"
 
     @property
     def fragment_count(self) -> int:
@@ -208,6 +216,10 @@ class DiLoCoConfig:
             raise ValueError(f"Arg `outer_delay` (1: the exchange overlaps the whole next round) and "
                              f"`fragment_sync_delay` ({self.fragment_sync_delay}: it overlaps tau inner steps) "
                              f"are two overlaps of the same exchange; give one of them")
+        if not check_aggregator(self.aggregator, "diloco").is_mean and self.outer_delay:
+            raise ValueError(f"Arg `aggregator` {self.aggregator} with `outer_delay` 1: the eager estimate swaps the "
+                             f"node's 1/n share of the exchanged mean for its fresh pseudo-gradient, and a robust rule "
+                             f"has no such share; use outer_delay=0 (or the mean)")
 
 
 def check_outer_delay(value: Any) -> None:
@@ -266,6 +278,9 @@ class DiLoCoState:
     exchange: str = "allgather"
     shards: int = 1
     last_delta: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    #: (1, d) centered clipping's previous aggregate of each fragment (``aggregator``
+    #: ``cclip``; an owner of a compressed shard keeps its own shard of it), empty otherwise
+    center: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
 
 
 # --------------------------------------------------------------------------------------
@@ -387,9 +402,21 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
     With ``outer_delay=1`` Step II's exchange is waited one round later, and Step III
     uses node i's eager estimate Delta^{k-1} + (Delta_i^k - Delta_i^{k-1}) / n in place
     of Delta (the pseudo-gradient Delta_i^k uncompressed, whatever the compressor).
+
+    Untrusted nodes (:mod:`gossip.robust`). A Byzantine node's pseudo-gradient Delta_i is
+    crafted (:class:`~gossip.robust.Adversary`) after Step I; compression and error
+    feedback treat it as an honest one's. With a robust ``aggregator`` the mean of Step
+    II becomes that rule, per shard (:class:`~gossip.algorithms._robust.ShardedRule`):
+    with ``identity`` the fp32 pseudo-gradients go through the sharded layout in place of
+    the ring all-reduce (the same bytes); with a compressor of the sharded exchange each
+    owner applies the rule to its shard's decoded messages before compressing the
+    aggregate again (the same bytes); with ``exchange=allgather`` every node applies it to
+    every node's decoded message (the same bytes). The other linear compressors
+    (``randomk``, ``randomblock``) are refused: their kept values are all-reduced.
     """
 
     fault_tolerant = True
+    byzantine_messages = True
 
     name = "diloco"
     Config = DiLoCoConfig
@@ -405,6 +432,12 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
         self.fragments: list[tuple[int, int]] = []
         self.linear = False
         self.plans: dict[int, ShardPlan] = {}  # fragment start -> its shard plan (sharded exchange)
+        self.aggregator = check_aggregator(config.aggregator, self.name)
+        #: fragment start -> its robust rule (a robust ``aggregator``); empty for the mean
+        self.rules: dict[int, ShardedRule] = {}
+        if not self.aggregator.is_mean:
+            self.aggregator.check_nodes(int(comm.world_size), "Arg `aggregator`")
+            self.fault_tolerant = False  # the shard owners' rule is not carried over a changing quorum
 
     @property
     def payload_compressor(self) -> Any:
@@ -469,11 +502,37 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
         self.state = DiLoCoState(t=0, start=X.detach().clone(), momentum=torch.zeros_like(X), error=err,
                                  in_flight=(), pending=pending, server_error=server, **self._exchange_state(),
                                  last_delta=last)
+        self.rules = {}
+        if not self.aggregator.is_mean:
+            agg, c = self.aggregator, self.compressor
+            if self.linear and c.spec != "identity":
+                raise ValueError(f"{self.name}: aggregator={agg.spec} with compressor {c.spec}: "
+                                 f"the nodes all-reduce the values it keeps, which a robust rule cannot reduce; give "
+                                 f"compressor identity (fp32) or a quantizer (quant:bits=B), whose messages carry "
+                                 f"every coordinate")
+            if agg.name == "cclip":
+                self.state.center = torch.zeros(1, X.shape[1], dtype=torch.float32, device=X.device)
+            self._robust_rules()
+
+    def _robust_rules(self) -> None:
+        """One :class:`ShardedRule` per fragment, cut as its exchange cuts it: the shard
+        plan's bounds, else evenly; centered clipping's centre is the State's."""
+        agg, n, center = self.aggregator, int(self.comm.world_size), self.state.center
+        self.rules = {}
+        for a, b in self.fragments:
+            mine = center[0, a:b] if center.numel() else None
+            plan = self.plans.get(a)
+            if plan is not None:
+                self.rules[a] = ShardedRule(agg, plan.bounds, mine)
+            else:
+                self.rules[a] = ShardedRule.even(agg, b - a, n, what=f"{self.name} fragment [{a}, {b})", center=mine)
 
     def _switch_exchange(self, exchange: str) -> None:
         self.exchange, self.plan, self.plans = exchange, None, {}
         self.state.exchange = exchange
         self.state.server_error = self.state.server_error.new_zeros(0)
+        if self.rules:  # now all-gathered: the rule's shards are cut evenly
+            self._robust_rules()
 
     @torch.no_grad()
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
@@ -525,6 +584,8 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
         tag = step_tag(st.t)
         with ledger.phase("compute"):
             delta = st.start[:, a:b] - X[:, a:b]  # Step I
+            if self.adversary is not None:  # the Byzantine nodes' pseudo-gradients, crafted
+                delta = self.adversary.craft(delta, self.comm.nodes, st.t // cfg.local_steps, stream=f"delta{a}")
         c = self.compressor
         with ledger.phase("compress"):  # Step II
             if self.linear:  # positions (if any) from a key every node shares
@@ -543,7 +604,10 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
                     payload, plan.nbytes, plan.nbytes, self._server(plan, a, b, st.t, tag, X.dtype))
             elif self.linear:
                 values = c.layout(b - a).views(payload)["values"]
-                handle = self.comm.all_reduce_async(values.contiguous(), op="mean")
+                if self.rules:  # identity: the fp32 pseudo-gradients through the sharded layout
+                    handle = self.rules[a].post(self.comm, values)
+                else:
+                    handle = self.comm.all_reduce_async(values.contiguous(), op="mean")
             else:
                 handle = self.comm.all_gather_async(payload)
         self._posted[f] = (handle, payload, keys, tag)
@@ -560,21 +624,29 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
             if plan is not None:  # every owner's reply: the mean of its shard, compressed again
                 return plan.decode(got.view(1, -1), tag=tag).to(self.state.start.dtype)
             if self.linear:
+                if self.rules:  # identity: the rule's aggregate is Delta
+                    return self.rules[a].finish(got, payload.device).view(1, -1).to(self.state.start.dtype)
                 # the mean values in our own payload's frame (same compressor and key), decoded
                 agg = payload[:1].clone()
                 c.layout(n).views(agg)["values"].copy_(got[:1])
                 _wire.write_header(agg, c.cid, _wire.params_hash(c.spec), n, keys[:1], tag)
                 return c.decode(agg, n, tag=tag).to(self.state.start.dtype)
+            if self.rules:  # every node's decoded message is here: the rule on all of them
+                return self.rules[a].local(c.decode(got, n, tag=tag)).view(1, -1).to(self.state.start.dtype)
             return c.decode(got, n, tag=tag).to(self.state.start.dtype).mean(0, keepdim=True)
 
     def _server(self, plan: ShardPlan, a: int, b: int, t: int, tag: int, dtype: torch.dtype) -> Any:
         """The owner's step for fragment [a, b) posted at step ``t`` (it may run steps
         later, with ``fragment_sync_delay``): the mean of its shard's messages,
-        compressed again with its own error feedback (the second compression)."""
-        cfg = self.config
+        compressed again with its own error feedback (the second compression). With a
+        robust ``aggregator``, that rule in place of the mean."""
+        cfg, rule = self.config, self.rules.get(a)
 
         def serve(j: int, Q: torch.Tensor) -> torch.Tensor:
-            mean = plan.decode_shard(j, Q, tag).to(dtype).mean(0, keepdim=True)
+            if rule is not None:
+                mean = rule.serve(j, plan.decode_shard(j, Q, tag)).to(dtype).view(1, -1)
+            else:
+                mean = plan.decode_shard(j, Q, tag).to(dtype).mean(0, keepdim=True)
             skey = node_keys(cfg.seed, torch.tensor([j]), t, _SERVER_STREAM + a)
             memory = self.state.server_error[:, a:b][:, plan.shard_slice(j)]
             _, reply, _ = ErrorFeedback(plan.shard_codec(j))(mean, memory, rescale=1.0, keys=skey, tag=tag)
@@ -620,12 +692,12 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
             sd.pop("in_flight", None)
             sd.pop("pending", None)
             sd.pop("last_delta", None)
-            return sd
+            return _without_center(sd)
         self._settle()
         sd = super().state_dict()
         if not cfg.outer_delay:  # streaming's overlap: its State of before outer_delay existed
             sd.pop("last_delta", None)
-        return sd
+        return _without_center(sd)
 
     def load_state_dict(self, sd: dict) -> None:
         cfg = self.config
@@ -633,6 +705,8 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
             sd = {**sd, "in_flight": (), "pending": self.state.pending}
         if self.state is not None and "last_delta" not in sd and not cfg.outer_delay:
             sd = {**sd, "last_delta": self.state.last_delta}
+        if self.state is not None and "center" not in sd and not self.state.center.numel():
+            sd = {**sd, "center": self.state.center}
         super().load_state_dict(sd)
         self._posted = {}
 
@@ -647,6 +721,13 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
         if self.config.outer_delay:  # absent otherwise: reports of before the option are unchanged
             out["outer_delay"] = self.config.outer_delay
         return out
+
+
+def _without_center(sd: dict) -> dict:
+    """A State without centered clipping's centre saves as it did before the option existed."""
+    if isinstance(sd.get("center"), torch.Tensor) and not sd["center"].numel():
+        sd.pop("center")
+    return sd
 
 
 def _module_fragments(layout: ParamLayout, modules: list[str]) -> list[tuple[int, int]]:

@@ -41,6 +41,14 @@ node, the gamma term vanishes and step 4 is heavy-ball momentum on the averaged
 pseudo-gradient: with alpha = 0 it is DiLoCo with ``outer_momentum=0`` and
 ``outer_lr`` beta.
 
+Untrusted nodes (:mod:`gossip.robust`): a Byzantine node sends a crafted pseudo-gradient
+(:class:`~gossip.robust.Adversary`) beside its honest slow weights in step 3; its own
+step 4 uses its honest Delta_i. There is no robust aggregation (``--aggregator``): a
+group of two holds one message besides the node's own, and no rule over two values
+outvotes one of them (their median is their mean, trimming needs more than 2f
+members); a defence would clip the peer's difference (ClippedGossip), which is not
+carried yet.
+
 Bytes per node per round: deg(i) messages of ``identity.payload_nbytes(2 d)`` (32-byte
 header + 8 d bytes): one on ``matching``.
 """
@@ -112,6 +120,11 @@ class NoLoCo(GossipBase):
     summary = "NoLoCo: H inner (AdamW) steps, then average with one random peer and a modified Nesterov outer step"
     local_optimizer_default = "adamw"
     default_topology = "matching"
+    byzantine_messages = True
+    #: why ``--aggregator`` cannot be applied to its exchange (one line)
+    aggregator_refusal = ("it averages with its graph neighbours only (one random peer on its matching graph), and "
+                          "no rule over two messages outvotes one of them: their median is their mean, trimming "
+                          "needs more than 2f")
 
     def __init__(self, config: NoLoCoConfig, comm: Any) -> None:
         super().__init__(config, comm)
@@ -156,7 +169,12 @@ class NoLoCo(GossipBase):
         d = X.shape[1]
         with ledger.phase("compute"):
             Z = torch.cat([st.start, st.start - X], 1)  # 2: (phi_i, Delta_i)
-        _, mixed, _, _ = self._gossip(Z, r, self.identity, want_own=False)  # 3
+            sent = Z
+            if self.adversary is not None:  # the Byzantine nodes send a crafted Delta_i, keep their own
+                honest = Z[:, d:]
+                bad = self.adversary.craft(honest, self.comm.nodes, r, stream="delta")
+                sent = Z if bad is honest else torch.cat([st.start, bad], 1)
+        _, mixed, _, _ = self._gossip(sent, r, self.identity, want_own=False)  # 3
         with ledger.phase("compute"):
             avg = self._self_w(Z, r) * Z + mixed  # sum_j W_ij (phi_j, Delta_j)
             phi_bar, delta_bar = avg[:, :d], avg[:, d:]

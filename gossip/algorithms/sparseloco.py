@@ -74,6 +74,18 @@ per chunk; mean over all n workers), kept so that runs checkpointed under it res
 Degenerate settings: ``topk_fraction=1, bits=32, ef_decay=0`` sends the exact
 pseudo-gradient and is DiLoCo with ``outer_momentum=0`` and the same ``outer_lr``.
 
+Untrusted workers (:mod:`gossip.robust`): a Byzantine worker's pseudo-gradient Delta_i is
+crafted (:class:`~gossip.robust.Adversary`) after step 2 and goes through steps 3-5 as an
+honest one's. A robust ``aggregator`` (``median``, ``trimmed:f=F``, ``cclip:tau=T``)
+replaces step 6's mean: every worker decodes every gathered message to a dense vector
+(0 where that worker sent nothing) and applies the rule shard by shard
+(:class:`~gossip.algorithms._robust.ShardedRule`), the same on every worker. The wire
+is unchanged (the all-gather already hands every message to every worker); the cost is
+n dense decodes and the rule over n x d values on each worker, and, for the median and
+the trimmed mean, a coordinate that fewer than half (n - 2F) of the workers sent
+aggregates to 0 (its mass stays out of the update, not in the senders' accumulators).
+``aggregate`` then plays no part.
+
 Wire per worker and round: header (32 bytes) + K chunk-local indices (int16) + K
 b-bit codes (packed, 8/b per byte) + per tensor 1 + 2^b fp32 (mu and the bin means;
 ``uniform``: one fp32 scale per chunk), padded to 8 bytes, all-gathered: (n - 1)
@@ -84,13 +96,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from gossip._checks import check_float
 from gossip.algorithms._common import check_int, step_tag
+from gossip.algorithms._robust import ShardedRule, check_aggregator
 from gossip.algorithms.base import ParamLayout, WireFormat
 from gossip.algorithms.demo import ChunkTopK
 from gossip.algorithms.localsgd import PeriodicBase
@@ -134,6 +147,8 @@ class SparseLoCoConfig:
     seed: int = 0
     #: DiLoCo's ``outer_delay``, refused unless 0 (see ``__post_init__``)
     outer_delay: int = 0
+    #: the rule over the workers' messages in place of step 6's mean (``--aggregator``)
+    aggregator: str = "mean"
 
     def __post_init__(self) -> None:
         check_int("local_steps", self.local_steps, minimum=1)
@@ -156,6 +171,7 @@ class SparseLoCoConfig:
         if self.aggregate not in _AGGREGATES:
             raise ValueError(f"Arg `aggregate` must be one of {', '.join(_AGGREGATES)}, got {self.aggregate!r}")
         check_int("seed", self.seed, minimum=0)
+        check_aggregator(self.aggregator, "sparseloco")
         if self.outer_delay != 0:
             # The eager overlap (Kale et al. 2025, arXiv:2502.12996) swaps the node's stale
             # 1/n share of the mean for its fresh pseudo-gradient and leans on the outer
@@ -184,6 +200,8 @@ class SparseLoCoState:
     error: torch.Tensor
     quantizer: str = "statistical"
     aggregate: str = "senders"
+    #: (1, d) centered clipping's previous aggregate (``aggregator`` ``cclip``), empty otherwise
+    center: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
 
 
 class QuantChunkTopK(ChunkTopK):
@@ -340,10 +358,16 @@ class SparseLoCo(PeriodicBase):
     Config = SparseLoCoConfig
     summary = "SparseLoCo: H inner (AdamW) steps, error-fed chunk top-k + 2-bit pseudo-gradients, no outer momentum"
     local_optimizer_default = "adamw"
+    byzantine_messages = True
 
     def __init__(self, config: SparseLoCoConfig, comm: Any) -> None:
         super().__init__(config, comm)
         self.codec: QuantChunkTopK | None = None
+        self.aggregator = check_aggregator(config.aggregator, self.name)
+        #: the robust rule of step 6 (None: the mean)
+        self.rule: ShardedRule | None = None
+        if not self.aggregator.is_mean:
+            self.aggregator.check_nodes(int(comm.world_size), "Arg `aggregator`")
 
     def setup(self, X: torch.Tensor, layout: ParamLayout | None = None) -> None:
         layout = self._take_layout(X, layout)
@@ -352,6 +376,12 @@ class SparseLoCo(PeriodicBase):
                                     quantizer=cfg.quantizer, quant_range=cfg.quant_range)
         self.state = SparseLoCoState(t=0, start=X.detach().clone(), error=torch.zeros_like(X),
                                      quantizer=cfg.quantizer, aggregate=cfg.aggregate)
+        if not self.aggregator.is_mean:
+            if self.aggregator.name == "cclip":
+                self.state.center = torch.zeros(1, X.shape[1], dtype=torch.float32, device=X.device)
+            center = self.state.center[0] if self.state.center.numel() else None
+            self.rule = ShardedRule.even(self.aggregator, X.shape[1], int(self.comm.world_size), what=self.name,
+                                         center=center)
 
     def load_state_dict(self, sd: dict) -> None:
         """A state saved before the rule was recorded ran with the earlier uniform
@@ -370,7 +400,15 @@ class SparseLoCo(PeriodicBase):
                 f"sparseloco: this checkpoint {when}; this run asks for quantizer={cfg.quantizer!r}, "
                 f"aggregate={cfg.aggregate!r}: resume it with quantizer={sd.get('quantizer')!r} and "
                 f"aggregate={sd.get('aggregate')!r}, or start the run again")
+        if self.state is not None and "center" not in sd and not self.state.center.numel():  # as before cclip
+            sd = {**sd, "center": self.state.center}
         super().load_state_dict(sd)
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        if not sd["center"].numel():  # as before the option existed
+            sd.pop("center")
+        return sd
 
     def wire_format(self) -> WireFormat:
         cfg = self.config
@@ -391,6 +429,8 @@ class SparseLoCo(PeriodicBase):
         tag = step_tag(st.t)
         with ledger.phase("compute"):
             delta = st.start - X  # 2
+            if self.adversary is not None:  # the Byzantine workers' pseudo-gradients, crafted
+                delta = self.adversary.craft(delta, self.comm.nodes, st.t // cfg.local_steps, stream="delta")
             st.error.mul_(cfg.ef_decay).add_(delta)  # 3
         with ledger.phase("compress"):
             idx, val = codec.encode(st.error)  # 4
@@ -402,7 +442,9 @@ class SparseLoCo(PeriodicBase):
         with ledger.phase("compress"):
             gi, gv = codec.unpack(gathered, tag)
             gv = gv.to(X.dtype)
-            if cfg.aggregate == "senders":  # the authors' code: per coordinate, over who sent it
+            if self.rule is not None:  # the robust rule over every worker's decoded message (0 where unsent)
+                outer = self.rule.local(codec.decode_each(gi, gv)).view(1, -1).to(X.dtype)
+            elif cfg.aggregate == "senders":  # the authors' code: per coordinate, over who sent it
                 outer = codec.decode(codec.coeffs(gi, gv))
             else:  # the paper's equation: over all n workers
                 outer = codec.decode_each(gi, gv).mean(0, keepdim=True)

@@ -825,8 +825,9 @@ class TrustSection:
     )
     aggregator: str | None = option(
         None,
-        "robust aggregation of --algo allreduce's gradients in the sharded layout: mean, median, "
-        "trimmed:f=F, cclip:tau=T[,iters=L] (default mean: the ring all-reduce)",
+        "robust aggregation of the nodes' messages: allreduce's gradients, the pseudo-gradients of diloco, "
+        "muloco and sparseloco, demo's momentum components (docs/trust.md): mean, median, trimmed:f=F, "
+        "cclip:tau=T[,iters=L] (beta=B: allreduce only) (default mean: the method's own exchange)",
         metavar="SPEC", role="fingerprint-if-set",
     )
     robust: str | None = option(
@@ -1069,22 +1070,27 @@ class TrainConfig:
     def _check_trust(self) -> None:
         """The trust options against the algorithm and the hosting (docs/trust.md)."""
         tr, alg, comm = self.trust, self.algorithm, self.comm
-        if tr.aggregator is not None and alg.name != "allreduce":
-            raise ConfigError(f"--aggregator is the robust aggregation of --algo allreduce's gradients; --algo "
-                              f"{alg.name} " + ("is decentralized: use --robust clippedgossip with --algo dpsgd"
-                                                if alg.decentralized else "does not carry it yet"))
-        if tr.robust is not None and alg.name != "dpsgd":
-            from gossip import algorithms as _alg
+        from gossip import algorithms as _alg
 
-            why = _alg.algorithm_class(alg.name).robust_refusal
+        cls = _alg.algorithm_class(alg.name)
+        if tr.aggregator is not None and "aggregator" not in _algo_fields(alg.name):
+            takers = [n for n in _alg.available() if "aggregator" in _algo_fields(n)]
+            why = (f": {cls.aggregator_refusal}" if cls.aggregator_refusal else
+                   " is decentralized: use --robust clippedgossip with --algo dpsgd" if alg.decentralized
+                   else " does not carry it yet")
+            raise ConfigError(f"--aggregator is a robust rule over every node's message; --algo {alg.name}{why} "
+                              f"(accepted: --algo {', '.join(takers)})")
+        if tr.robust is not None and alg.name != "dpsgd":
+            why = cls.robust_refusal
             raise ConfigError(f"--robust {tr.robust} runs with --algo dpsgd; --algo {alg.name}: "
                               + (why + "; use --algo dpsgd" if why else
                                  "not decentralized: use --aggregator with --algo allreduce" if not alg.decentralized
                                  else "not carried yet; use --algo dpsgd"))
         if tr.byzantine:
-            if alg.name not in ("allreduce", "dpsgd"):
+            if not cls.byzantine_messages:
+                carried = [n for n in _alg.available() if _alg.algorithm_class(n).byzantine_messages]
                 raise ConfigError(f"--byzantine with --algo {alg.name}: its messages do not carry an attacker's "
-                                  f"crafted ones yet; accepted: --algo allreduce, dpsgd")
+                                  f"crafted ones yet; accepted: --algo {', '.join(carried)}")
             n = comm.simulate
             if n is not None and 2 * tr.byzantine >= n:
                 raise ConfigError(f"--byzantine {tr.byzantine} of --simulate {n} nodes: the attackers must be fewer "

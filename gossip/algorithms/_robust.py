@@ -1,0 +1,119 @@
+"""A robust aggregator applied shard by shard: the one rule that ``allreduce`` and the
+periodic methods (``diloco``/``muloco``, ``sparseloco``, ``demo``) share.
+
+A robust rule (:class:`gossip.robust.Aggregator`: the coordinate-wise median and
+trimmed mean of Yin et al., arXiv:1803.01498; centered clipping of Karimireddy, He and
+Jaggi, arXiv:2012.10333) is not a sum, so it cannot be reduced inside a ring. The
+``d`` values of a message are cut into ``n`` shards, one per node; shard ``j``'s rule
+sees one row per node. :class:`ShardedRule` holds the cut, the rule and (centered
+clipping) its centre, the previous aggregate of each shard, and runs it two ways:
+
+* :meth:`ShardedRule.exchange` / :meth:`ShardedRule.post`: fp32 messages through the
+  sharded layout (``Communicator.sharded_exchange``: node ``j`` receives every node's
+  slice ``j``, applies the rule, all-gathers the result). Each node sends
+  2 (n - 1)/n x 4d bytes, what a ring all-reduce of the same fp32 values sends;
+* :meth:`ShardedRule.serve`: the rule on shard ``j``'s messages alone, for an owner
+  whose messages arrive compressed through a :class:`~gossip.algorithms._sharded.ShardPlan`
+  (it decodes them, applies the rule, re-compresses the aggregate);
+* :meth:`ShardedRule.local`: the same rule, shard by shard, over every node's message
+  already held by every node (an all-gather of sparse payloads whose indices differ
+  from node to node, decoded to dense rows): no byte more than the all-gather.
+
+The same messages give the same aggregate whichever way (a test checks it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["ShardedRule", "check_aggregator", "even_bounds"]
+
+
+def check_aggregator(spec: Any, algo: str) -> Any:
+    """A periodic method's ``aggregator`` option as a :class:`gossip.robust.Aggregator`; a
+    bad spec raises one line naming the option, as does centered clipping's ``beta`` (the
+    workers' momentum, which only ``allreduce``'s gradient messages take)."""
+    from gossip.robust import parse_aggregator
+
+    try:
+        agg = parse_aggregator(spec)
+    except ValueError as e:
+        raise ValueError(f"Arg `aggregator` of {algo}: {e}") from None
+    if agg.params.get("beta", 0.0) > 0:
+        raise ValueError(f"Arg `aggregator` of {algo}: cclip's beta is the workers' momentum over allreduce's "
+                         f"gradients (arXiv:2012.10333, Alg. 2); {algo}'s messages are not gradients of one step: "
+                         f"give cclip:tau=T without beta")
+    return agg
+
+
+def even_bounds(d: int, n: int) -> list[tuple[int, int]]:
+    """``d`` values in ``n`` consecutive shards, the first ``d % n`` one value longer."""
+    q, r = divmod(d, n)
+    cuts = [0]
+    for j in range(n):
+        cuts.append(cuts[-1] + q + (1 if j < r else 0))
+    return [(cuts[j], cuts[j + 1]) for j in range(n)]
+
+
+class ShardedRule:
+    """``aggregator`` over the shards ``bounds`` (``(a, b)`` per node, in order).
+
+    ``center`` (d,) float32: centered clipping's previous aggregate, updated in place
+    (a view into the algorithm's State, so checkpoints carry it); None for the rules
+    without one. An owner keeps at least its own shard of it current."""
+
+    def __init__(self, aggregator: Any, bounds: list[tuple[int, int]], center: torch.Tensor | None = None) -> None:
+        self.aggregator, self.bounds = aggregator, list(bounds)
+        self.center = center if aggregator.name == "cclip" else None
+        self.nbytes = [4 * (b - a) for a, b in self.bounds]
+
+    @classmethod
+    def even(cls, aggregator: Any, d: int, n: int, *, what: str, center: torch.Tensor | None = None) -> "ShardedRule":
+        """The ``d`` values cut evenly among ``n`` nodes; fewer values than nodes is refused."""
+        if d < n:
+            raise ValueError(f"{what}: aggregator={aggregator.spec} cuts the {d} values into {n} shards, one per "
+                             f"node, and needs at least as many values as nodes")
+        return cls(aggregator, even_bounds(d, n), center)
+
+    @torch.no_grad()
+    def serve(self, j: int, Q: torch.Tensor) -> torch.Tensor:
+        """Shard ``j``'s aggregate (L,) float32 of its messages ``Q`` (k, L), one row per sender."""
+        agg = self.aggregator
+        a, b = self.bounds[j]
+        if self.center is not None:
+            agg.center[j] = self.center[a:b].to(Q.device)
+        v = agg(Q, j)
+        if self.center is not None:
+            self.center[a:b] = v.to(self.center.device)
+        return v
+
+    def post(self, comm: Any, M: torch.Tensor) -> Any:
+        """Post the sharded exchange of the hosted rows' fp32 messages ``M`` (m, d); the
+        handle's ``wait()`` gives the replies' bytes, :meth:`finish` the aggregate."""
+        # the shards are consecutive runs of values: a row's bytes are its messages in shard order
+        P = M.to(torch.float32).contiguous().view(torch.uint8)
+
+        def serve(j: int, Q: torch.Tensor) -> torch.Tensor:
+            return self.serve(j, Q.contiguous().view(torch.float32)).contiguous().view(torch.uint8)
+
+        return comm.sharded_exchange_async(P, self.nbytes, self.nbytes, serve)
+
+    def finish(self, R: torch.Tensor, device: Any) -> torch.Tensor:
+        """The aggregate (d,) from the replies ``R`` of :meth:`post`; every node holds the
+        whole of it, centered clipping's centre included."""
+        out = R.view(torch.float32).to(device)
+        if self.center is not None:
+            self.center.copy_(out.to(self.center.device))
+        return out
+
+    def exchange(self, comm: Any, M: torch.Tensor) -> torch.Tensor:
+        """:meth:`post` and :meth:`finish` at once: the aggregate (d,) of ``M`` (m, d)."""
+        return self.finish(self.post(comm, M).wait(), M.device)
+
+    @torch.no_grad()
+    def local(self, D: torch.Tensor) -> torch.Tensor:
+        """The aggregate (d,) float32 of every node's message ``D`` (n, d), held here."""
+        D = D.to(torch.float32)
+        return torch.cat([self.serve(j, D[:, a:b]) for j, (a, b) in enumerate(self.bounds)])

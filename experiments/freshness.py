@@ -11,9 +11,10 @@ Three kinds of results file, three rules (docs/provenance.md):
   *stale* when a witness differed (the record names the configuration and step).
 - **timing** (no configs): certified while the code it ran is unchanged. What it ran
   is the repository modules its process imported (``imported``, recorded by
-  experiments/_provenance.py), or, for a file made before that was recorded, its
-  listed ``sources``. Code is compared by its syntax tree less docstrings, so a
-  comment or a docstring edit never stales a timing.
+  experiments/_provenance.py) less the presentation modules (:data:`PRESENTATION`:
+  they draw tables from a results file, after the figures are made), or, for a file
+  made before that was recorded, its listed ``sources``. Code is compared by its
+  syntax tree less docstrings, so a comment or a docstring edit never stales a timing.
 - a file awaiting its first run, or without provenance: *missing*.
 
 A stale or unverified result made on the netns cluster or a GPU says so: the re-run
@@ -33,10 +34,25 @@ from typing import Any
 
 from experiments import _provenance as P
 
-__all__ = ["Status", "status", "all_statuses", "needs", "code_changed", "RESULTS_GLOBS"]
+__all__ = ["Status", "status", "all_statuses", "needs", "code_changed", "timed_modules", "RESULTS_GLOBS",
+           "PRESENTATION"]
 
 REPO = P.REPO
 RESULTS_GLOBS = ("experiments/results/*.json", "reports/*/results.json")
+#: modules that only draw tables and pages from results files: a timing script imports
+#: them to print its table once its figures are made, and nothing they hold is timed or
+#: computes a figure the file keeps (experiments/tables.py imports nothing of the
+#: project; experiments/render.py reads results files and writes Markdown). A change to
+#: them shows in the rendered pages, which ``render --check`` holds to the files, not
+#: in the figures: it does not stale a timing result. Any other module it imported
+#: still counts, those render.py imports included (each is listed on its own).
+PRESENTATION = ("experiments/tables.py", "experiments/render.py")
+
+
+def timed_modules(imported: dict[str, str | None]) -> list[str]:
+    """The modules of a timing result's ``imported`` record whose code certifies it:
+    all of them less :data:`PRESENTATION`, in path order."""
+    return sorted(p for p in imported if p not in PRESENTATION)
 
 
 @dataclass
@@ -185,7 +201,7 @@ def status(rel: str, prov: dict[str, Any], head: dict[str, str | None] | None = 
     # timing: the code it ran, unchanged?
     st.since = prov.get("commit")
     imported = prov.get("imported") or {}
-    paths = sorted(imported) if imported else sources
+    paths = timed_modules(imported) if imported else sources
     if not paths:
         st.state, st.reasons = "missing", ["it records no state of the code it ran"]
         return st

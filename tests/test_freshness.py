@@ -53,6 +53,30 @@ def test_a_timing_result_is_stale_only_when_code_it_imported_changed():
     assert st.state == "stale" and "experiments/witness.py" in st.reasons[0]
 
 
+def test_a_table_edit_never_stales_a_timing_result_but_a_timed_module_still_does():
+    """The presentation modules (experiments/tables.py, experiments/render.py) a timing
+    script imported to print its table do not certify it; every other module it
+    imported does, and a module a file lists in its sources always counts."""
+    assert set(freshness.PRESENTATION) == {"experiments/tables.py", "experiments/render.py"}
+    old = "1" * 40
+    head = P.source_ids(["experiments/witness.py"])
+    prov = {"command": "python x", "commit": "0" * 40,
+            "imported": {**head, **{p: old for p in freshness.PRESENTATION}}}
+    assert freshness.timed_modules(prov["imported"]) == ["experiments/witness.py"]
+    st = freshness.status("r.json", prov)
+    assert st.state == "certified" and st.reasons == []
+    # the timed module changed too: stale, and the reason names it alone
+    st = freshness.status("r.json", {**prov, "imported": {**prov["imported"], "experiments/witness.py": old}})
+    assert st.state == "stale" and st.reasons == ["code it ran changed: experiments/witness.py"]
+    # nothing left but presentation: no state of the code it ran, never certified
+    st = freshness.status("r.json", {**prov, "imported": {p: old for p in freshness.PRESENTATION}})
+    assert st.state == "missing"
+    # a listed source (a file made before `imported` was recorded) is what its author said it measures
+    listed = {"command": "python x", "commit": "0" * 40, "sources": ["experiments/tables.py"],
+              "source_ids": {"experiments/tables.py": old}}
+    assert freshness.status("r.json", listed).state == "stale"
+
+
 def _results(tmp_path, configs):
     prov = P.start(["gossip", "topologies"], argv=["python", "cmd"], measure_memcpy=False).finish()
     prov.update(configs=configs, dirty_sources=[])

@@ -16,6 +16,10 @@ per byte and perplexity per byte and its data sent per node per epoch (bytes per
 times the steps of one epoch) go to the results JSON, with two checks of the paper's
 shape: rank 1 ends clearly worse than SGD (by more than ``--tolerance`` bits per byte)
 and rank 4 within ``--tolerance`` of it.
+
+Not a study spec: its results file holds the paper's figures and those two checks, and
+each run's data per epoch, which a ``summary`` study (experiments/studies/lm_recipes.toml)
+does not compute.
 """
 
 from __future__ import annotations

@@ -514,7 +514,8 @@ def _churn(res: dict) -> str:
 
 
 def _modern_compare(res: dict) -> str:
-    """experiments/modern_compare.py's table (tuned grid, final accuracy, bytes)."""
+    """The study experiments/studies/modern_compare.toml (before it, experiments/modern_compare.py):
+    the tuned grid, final accuracy and bytes of each method."""
     return T.modern_compare_table(res["results"])
 
 

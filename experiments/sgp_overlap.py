@@ -20,6 +20,9 @@ provenance record of ``experiments/_provenance.py``), with ``--results PATH`` th
 at PATH (``experiments/results/sgp_overlap.json``, rendered into docs/decentralized.md
 by ``make results-tables``), and prints the table. Needs root (network namespaces);
 run it on a quiet machine (speed is measured, not asserted).
+
+Not a study spec: it times ranks on the shaped links of a virtual cluster (root, tc),
+interleaving repeats, where a study trains and keeps what each run reached.
 """
 
 from __future__ import annotations

@@ -42,6 +42,9 @@ renders docs/modern.md. The quiet re-run, as root on an idle machine::
 
     python -m experiments run streaming_overlap --repeats 3 \
         --out runs/streaming-overlap --results experiments/results/streaming_overlap.json
+
+Not a study spec: it times torchrun ranks on the shaped links of a virtual cluster
+(root, tc), interleaving repeats, where a study trains and keeps what each run reached.
 """
 
 from __future__ import annotations

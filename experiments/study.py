@@ -32,13 +32,30 @@ What a run leaves in the results file (``keep``):
   and ``--latency`` as experiments/race.py models it (``{PARAMS..., "bandwidths",
   "results": {NAME: ...}, ...}``, also ``OUT/compare.json``, with ``OUT/compare.md`` and
   ``OUT/compare.png``); its table function takes the runs and the bandwidths.
+- ``tuned``: every run gets the same tuning budget, then one final run (the protocol
+  of experiments/benchmark.py, fixed before any result is read): its learning rate on
+  the grid ``[study] lr_factors`` (``--lr-factors``) times its ``[runs.NAME] lr``, each
+  trial ``{tune_epochs}`` epochs on the training set less the validation carve of
+  experiments/bench_data.py and evaluated on that carve; the rate of the best
+  validation accuracy is selected (ties to the smaller rate, a failed or diverged trial
+  last); the final run trains ``{epochs}`` epochs on the whole training set, evaluated
+  on the test split. Each trial trains ``BASE FLAGS --lr LR --seed SEED`` (``{data}``
+  is the stage's data set of ``{samples}`` samples; the parameters ``epochs``,
+  ``tune_epochs``, ``samples`` and ``seed`` are declared) in this process, or ``--jobs``
+  at once in worker processes; a trial whose run directory holds the record of a
+  finished trial of the same flags (``trial.json``) is not redone. Keeps each run's
+  grid, selected rate, final and best test accuracy, wire, bytes per step and in total,
+  its curve and, with ``[study] baseline``, its bytes and accuracy against that run's
+  (``{PARAMS..., "lr_factors", "data": {"tune", "final"}, "base", "methods", "results":
+  {NAME: ...}}``, also ``OUT/results.json`` and ``OUT/results.md``).
 
 ``[study] params`` declares the study's parameters with their defaults (``{nodes = 16,
 epochs = 30}``): each is an option of the command line (``--nodes``), and ``{nodes}`` in
 ``base`` or ``flags`` stands for its value. ``[study] results`` is the results file
 written when ``--results`` is not given (a ``rows`` study: ``OUT/results.json``), and
 ``[study] table`` the function of experiments/tables.py (``NAME_table``) that draws the
-results file's table: printed, and written to ``OUT/results.md`` by a ``rows`` study.
+results file's table: printed, and written to ``OUT/results.md`` by a ``rows`` or
+``tuned`` study.
 """
 
 from __future__ import annotations
@@ -61,19 +78,25 @@ from experiments import _provenance
 from experiments import tables
 
 __all__ = ["Study", "StudyError", "load", "configs", "studies", "spec_path", "as_study_command", "run_args",
-           "run_row", "describe", "options", "main"]
+           "run_row", "tuned_args", "run_trial", "trial_done", "select_lr", "describe", "options", "main"]
 
 REPO = _provenance.REPO
 #: the folder of the study specs
 STUDIES = REPO / "experiments" / "studies"
 #: what a results file may keep of each run
-KEEPS = ("curve", "summary", "rows", "modelled")
+KEEPS = ("curve", "summary", "rows", "modelled", "tuned")
 #: the options of the command line every study has, and those of each kind (a parameter may not take their names)
 COMMON_OPTIONS = ("spec", "runs", "methods", "out", "results", "json")
 KEEP_OPTIONS = {"curve": ("data", "epochs_scale"), "summary": ("steps", "data_dir", "jobs"),
-                "rows": ("max_steps", "data", "jobs"), "modelled": ("bandwidth", "latency")}
+                "rows": ("max_steps", "data", "jobs"), "modelled": ("bandwidth", "latency"),
+                "tuned": ("lr_factors", "data", "jobs", "max_steps")}
 #: what a run of each kind says besides its label and flags
-RUN_KEYS = {"curve": ("epochs",), "summary": ("max_steps",), "rows": ("row",), "modelled": ()}
+RUN_KEYS = {"curve": ("epochs",), "summary": ("max_steps",), "rows": ("row",), "modelled": (), "tuned": ("lr",)}
+#: the parameters a ``tuned`` study declares (its final and tuning horizons, the samples
+#: of its data set, the seed); ``{data}`` in its flags is the data set of each stage
+TUNED_PARAMS = ("epochs", "tune_epochs", "samples", "seed")
+#: the learning-rate grid of a ``tuned`` study, times each run's base rate, unless it says
+LR_FACTORS = (0.3, 1.0, 3.0)
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
@@ -89,6 +112,7 @@ class Run:
     flags: list[str]
     max_steps: int | None = None  # "summary"
     row: dict[str, str] = field(default_factory=dict)  # "rows"
+    lr: float | None = None  # "tuned": the base learning rate its grid multiplies
 
 
 @dataclass(frozen=True)
@@ -103,6 +127,8 @@ class Study:
     results: str | None = None
     params: dict[str, int | float | str] = field(default_factory=dict)
     table: str | None = None
+    lr_factors: tuple[float, ...] = LR_FACTORS  # "tuned"
+    baseline: str | None = None  # "tuned": the run the others' bytes and accuracy are held against
 
 
 def studies() -> list[str]:
@@ -166,7 +192,7 @@ def load(path: str | Path) -> Study:
         raise StudyError(f"{path}: a study has a [study] table and [runs.NAME] tables, and nothing else"
                          + (f" (found {', '.join(sorted(extra))})" if extra else ""))
     s = raw["study"]
-    known = ("base", "data", "seed", "keep", "results", "params", "table")
+    known = ("base", "data", "seed", "keep", "results", "params", "table", "lr_factors", "baseline")
     unknown = set(s) - set(known)
     if unknown:
         raise StudyError(f"{path}: [study] {', '.join(sorted(unknown))}: unknown key; known: {', '.join(known)}")
@@ -176,6 +202,17 @@ def load(path: str | Path) -> Study:
     if not isinstance(s.get("seed", 0), int):
         raise StudyError(f"{path}: [study] seed must be an integer, got {s['seed']!r}")
     params = _params(s.get("params", {}), keep, f"{path}: [study]")
+    if keep != "tuned" and ({"lr_factors", "baseline"} & set(s)):
+        raise StudyError(f"{path}: [study] {', '.join(sorted({'lr_factors', 'baseline'} & set(s)))}: only a "
+                         f"'tuned' study has it (keep = {keep!r})")
+    lacking = [k for k in TUNED_PARAMS if k not in params] if keep == "tuned" else []
+    if lacking:
+        raise StudyError(f"{path}: [study] params: a 'tuned' study declares {', '.join(TUNED_PARAMS)} "
+                         f"(missing: {', '.join(lacking)})")
+    factors = s.get("lr_factors", list(LR_FACTORS))
+    if not isinstance(factors, list) or not factors or any(
+            isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < float("inf") for f in factors):
+        raise StudyError(f"{path}: [study] lr_factors: a list of positive numbers, got {factors!r}")
     table = s.get("table")
     if table is not None and not callable(getattr(tables, f"{table}_table", None)):
         known_tables = sorted(n[:-len("_table")] for n in tables.__all__ if n.endswith("_table"))
@@ -192,21 +229,30 @@ def load(path: str | Path) -> Study:
         for count in set(own) & {"epochs", "max_steps"}:
             if not isinstance(r.get(count), int) or r[count] < 1:
                 raise StudyError(f"{where} {count} must be a positive integer, got {r.get(count)!r}")
+        if "lr" in own and (isinstance(r.get("lr"), bool) or not isinstance(r.get("lr"), (int, float))
+                            or not r["lr"] > 0):
+            raise StudyError(f"{where} lr must be a positive number (the base rate its grid multiplies), "
+                             f"got {r.get('lr')!r}")
         row = r.get("row", {})
         if not isinstance(row, dict) or not all(isinstance(v, str) for v in row.values()):
             raise StudyError(f"{where} row: a table of strings (what its row of the results file says), got {row!r}")
         flags = _strs(r.get("flags", []), f"{where} flags")
-        missing = sorted({m for f in [*base, *flags] for m in _PLACEHOLDER.findall(f)} - set(params))
+        filled = set(params) | ({"data"} if keep == "tuned" else set())
+        missing = sorted({m for f in [*base, *flags] for m in _PLACEHOLDER.findall(f)} - filled)
         if missing:
             raise StudyError(f"{where}: {', '.join('{' + m + '}' for m in missing)} in its flags: not a parameter "
                              f"of [study] params ({', '.join(params) or 'none declared'})")
-        runs[name] = Run(name, str(r.get("label", name)), r.get("epochs"), flags, r.get("max_steps"), dict(row))
+        runs[name] = Run(name, str(r.get("label", name)), r.get("epochs"), flags, r.get("max_steps"), dict(row),
+                         None if r.get("lr") is None else float(r["lr"]))
+    baseline = s.get("baseline")
+    if baseline is not None and baseline not in runs:
+        raise StudyError(f"{path}: [study] baseline = {baseline!r}: not one of its runs ({', '.join(runs)})")
     try:
         source = str(path.resolve().relative_to(REPO))
     except ValueError:
         source = str(path)
     return Study(path.stem, source, base, str(s.get("data", "mnist1d")), int(s.get("seed", 0)), keep, runs,
-                 s.get("results"), params, table)
+                 s.get("results"), params, table, tuple(float(f) for f in factors), baseline)
 
 
 def _fill(args: list[str], params: dict) -> list[str]:
@@ -233,13 +279,36 @@ def run_args(study: Study, run: Run, *, data: str | None = None, epochs: int | N
 
 
 def configs(study: Study, names: list[str] | None = None, *, data: str | None = None,
-            epochs_scale: float = 1.0, params: dict | None = None) -> list[list[str]]:
-    """The configurations the study records, as a results file lists them (``configs``)."""
+            epochs_scale: float = 1.0, params: dict | None = None, lrs: dict | None = None) -> list[list[str]]:
+    """The configurations the study records, as a results file lists them (``configs``);
+    of a ``tuned`` study, each run's final run at its selected rate (``lrs``: name ->
+    rate, None where every tuning trial failed), not the tuning trials."""
     from experiments import witness
 
+    names = names or list(study.runs)
+    if study.keep == "tuned":
+        return [witness.normalise(tuned_args(study, study.runs[n], "final", lrs[n], data=data, params=params))
+                for n in names if (lrs or {}).get(n) is not None]
     return [witness.normalise(run_args(study, study.runs[n], data=data, epochs=_scaled(study.runs[n], epochs_scale),
                                        params=params))
-            for n in (names or list(study.runs))]
+            for n in names]
+
+
+def tuned_args(study: Study, run: Run, stage: str, lr: float, *, data: str | None = None,
+               params: dict | None = None) -> list[str]:
+    """The ``gossip.train`` arguments of one trial of a ``tuned`` study (no run directory
+    or progress flags): ``BASE FLAGS --lr LR --seed SEED``, its parameters filled in;
+    ``{data}`` is the data set of experiments/bench_data.py the stage trains on (the
+    validation carve of ``data`` to tune, its test split for the final run) and
+    ``{epochs}`` the stage's (``tune_epochs`` to tune)."""
+    from experiments import bench_data
+
+    p = {**study.params, **(params or {})}
+    role = "val" if stage == "tune" else "test"
+    p["data"] = bench_data.dataset_name(data or study.data, int(p["samples"]), role)
+    if stage == "tune":
+        p["epochs"] = p["tune_epochs"]
+    return [*_fill([*study.base, *run.flags], p), "--lr", f"{lr:g}", "--seed", str(p["seed"])]
 
 
 def _scaled(run: Run, scale: float) -> int | None:
@@ -278,6 +347,17 @@ def options(p: argparse.ArgumentParser, study: Study | None = None) -> None:
         p.add_argument("--max-steps", type=int, default=None, help="stop every run after this many steps (a smoke run)")
         p.add_argument("--data", default=None, help="gossip.train's --data for every run (default: none given, "
                        f"its own; the results file names {study.data})")
+    if keep == "tuned":
+        factors = ",".join(f"{f:g}" for f in study.lr_factors)
+        p.add_argument("--lr-factors", default=factors, help=f"tuned: the learning-rate grid, times each run's base "
+                       f"rate, a comma list (default {factors})")
+        p.add_argument("--data", default=None, help="tuned: the base data set of experiments/bench_data.py "
+                       f"(mnist1d, synthetic; default {study.data}): tuned on its validation carve, the final runs "
+                       "on its test split")
+        p.add_argument("--jobs", type=int, default=1, help="tuned: trials at once, each in its own process of one "
+                       "thread unless OMP_NUM_THREADS says otherwise (default 1: in this process)")
+        p.add_argument("--max-steps", type=int, default=None, help="tuned: stop every trial after this many steps "
+                       "(a smoke run)")
     if keep == "modelled":
         p.add_argument("--bandwidth", default="10mbit",
                        help="modelled: link rates, a comma list; the first one is plotted (default 10mbit)")
@@ -337,6 +417,17 @@ def main(argv: list[str] | None = None, name: str | None = None) -> int:
         return _summary(study, names, a, results, full, params)
     if study.keep == "rows":
         return _rows(study, names, a, results or Path(a.out) / "results.json", full, params)
+    if study.keep == "tuned":
+        try:
+            factors = [float(f) for f in a.lr_factors.split(",") if f.strip()]
+        except ValueError:
+            factors = []
+        if not factors or any(not 0 < f < float("inf") for f in factors):
+            p.error(f"--lr-factors: give positive numbers separated by commas, got {a.lr_factors!r}")
+        low = [f"--{k.replace('_', '-')} {params[k]}" for k in ("epochs", "tune_epochs") if params[k] < 1]
+        if low:
+            p.error(f"must be at least 1: {', '.join(low)}")
+        return _tuned(study, names, a, results or Path(a.out) / "results.json", full, params, factors)
     if study.keep == "modelled":
         from gossip.tools import crossover
 
@@ -357,7 +448,7 @@ def _curve(study: Study, names: list[str], a: argparse.Namespace, results: Path 
     from experiments import race
 
     sources = _provenance.training_sources("gossip/tools/crossover.py", "experiments/study.py", study.source,
-                                           "experiments/race.py", "experiments/_cli.py")
+                                           "experiments/race.py", "experiments/training.py", "experiments/_cli.py")
     prov = _provenance.start(sources, argv=full)
     out = Path(a.out)
     runs = {}
@@ -469,6 +560,152 @@ def _summary(study: Study, names: list[str], a: argparse.Namespace, results: Pat
 
 
 
+#: a trial's record in its run directory: a ``tuned`` study never redoes a finished trial
+TRIAL = "trial.json"
+
+
+def trial_done(run_dir: str | Path, args: list[str]) -> dict | None:
+    """The record of a finished trial of exactly ``args`` in ``run_dir`` (it ran, or it
+    failed), else None: an interrupted one is run again."""
+    from gossip import rundir
+
+    try:
+        rec = rundir.read_json(Path(run_dir) / TRIAL)
+    except Exception:  # noqa: BLE001 - absent or unreadable: not finished
+        return None
+    return rec if rec.get("args") == args and rec.get("status") in ("ok", "failed") else None
+
+
+def run_trial(name: str, stage: str, lr: float, args: list[str], run_dir: str | Path) -> dict:
+    """One trial of a ``tuned`` study in this process: its record, also written to
+    ``RUN_DIR/trial.json`` (status, CPU and wall seconds, the last error line, and the
+    final test accuracy of the averaged model as ``score``)."""
+    import math
+
+    from experiments import training
+    from gossip import rundir
+
+    run_dir = Path(run_dir)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    rc, err = training.train_in_process(args)
+    stopped = rc != 0 and "stopped by SIG" in err
+    rec = {"method": name, "stage": stage, "lr": lr, "args": args,
+           "status": "ok" if rc == 0 else "interrupted" if stopped else "failed",
+           "cpu_s": round(time.process_time() - cpu0, 2), "wall_s": round(time.perf_counter() - wall0, 2),
+           "error": None if rc == 0 else (err.strip().splitlines() or ["?"])[-1], "score": None}
+    if rc == 0:
+        score = rundir.read_json(rundir.summary_path(run_dir)).get("final_test_acc")
+        rec["score"] = score if score is not None and math.isfinite(score) else None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rundir.write_json(run_dir / TRIAL, rec)
+    return rec
+
+
+def select_lr(grid: list[dict]) -> float | None:
+    """The selected rate of a tuning grid: the best validation accuracy, ties to the
+    smaller rate; a failed or diverged trial (``val_acc`` None) ranks last."""
+    ok = [g for g in grid if g["val_acc"] is not None]
+    return max(ok, key=lambda g: (g["val_acc"], -g["lr"]))["lr"] if ok else None
+
+
+def _tuned(study: Study, names: list[str], a: argparse.Namespace, results: Path, full: list[str], params: dict,
+           factors: list[float]) -> int:
+    """A ``tuned`` study: each run's learning rate tuned on the same grid and budget on
+    the validation carve, then its final run at the selected rate on the test split."""
+    from experiments import bench_data, race, training
+
+    sources = _provenance.training_sources("gossip/tools/crossover.py", "experiments/study.py", study.source,
+                                           "experiments/bench_data.py", "experiments/race.py",
+                                           "experiments/training.py", "experiments/_cli.py")
+    prov = _provenance.start(sources, argv=full)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    allp = {**study.params, **params}
+    data = a.data or study.data
+    val, test = (bench_data.dataset_name(data, int(allp["samples"]), role) for role in ("val", "test"))
+
+    def trial(n: str, stage: str, lr: float) -> tuple:
+        run_dir = out / n / (f"tune-lr{lr:g}" if stage == "tune" else "final")
+        args = [*tuned_args(study, study.runs[n], stage, lr, data=data, params=params),
+                *(["--max-steps", str(a.max_steps)] if a.max_steps is not None else []),
+                "--log-every", "1", "--no-progress", "--overwrite", "--out", str(run_dir)]
+        return n, stage, lr, args, run_dir
+
+    def run(todo: list[tuple]) -> None:
+        todo = [t for t in todo if trial_done(t[4], t[3]) is None]
+        count = iter(range(1, len(todo) + 1))
+
+        def note(rec: dict) -> None:
+            print(f"{study.name}: {rec['stage']} [{next(count)}/{len(todo)}] {rec['method']} lr={rec['lr']:g}: "
+                  f"{rec['status']}" + (f" val/test acc {rec['score']:.4f}" if rec["score"] is not None else "")
+                  + f" in {rec['wall_s']:.0f} s" + (f" ({rec['error']})" if rec["error"] else ""), flush=True)
+
+        training.run_all(run_trial, todo, a.jobs, on_row=note)
+
+    # 1. the tuning grid of every run; 2. the selection on the validation carve
+    tune = [trial(n, "tune", round(study.runs[n].lr * f, 10)) for n in names for f in factors]
+    run(tune)
+    grids: dict[str, list[dict]] = {n: [] for n in names}
+    for t in tune:
+        rec = trial_done(t[4], t[3])
+        grids[t[0]].append({"lr": t[2], "val_acc": rec["score"] if rec else None,
+                            "cpu_s": rec["cpu_s"] if rec else None})
+    chosen = {n: select_lr(grids[n]) for n in names}
+    # 3. the final runs at the selected rates: what `python -m experiments verify` witnesses
+    final = {n: trial(n, "final", chosen[n]) for n in names if chosen[n] is not None}
+    for t in final.values():
+        _provenance.record_config(t[3])
+    run(list(final.values()))
+
+    res = {}
+    for n in names:
+        r = {"grid": grids[n], "lr": chosen[n], "status": "every tuning trial failed" if chosen[n] is None else None}
+        if n in final:
+            t = final[n]
+            rec = trial_done(t[4], t[3])
+            r["status"] = rec["status"]
+            r["final_cpu_s"] = rec["cpu_s"]
+            if rec["status"] == "ok":
+                c = race.curve(t[4])
+                last = c["points"][-1] if c["points"] else None
+                r.update(final_test_acc=c["final_test_acc"], wire=c["wire"], steps=c["steps"],
+                         best_test_acc=max((pt["test_acc"] for pt in c["points"]), default=c["final_test_acc"]),
+                         bytes_per_step=last["bytes"] / last["step"] if last else None,
+                         bytes_total=last["bytes"] if last else None, points=c["points"])
+            else:
+                r["error"] = rec["error"]
+        res[n] = r
+    base = res.get(study.baseline) if study.baseline else None
+    for r in res.values():
+        if base is not None and base.get("bytes_per_step") and r.get("bytes_per_step") is not None:
+            r[f"bytes_vs_{study.baseline}"] = r["bytes_per_step"] / base["bytes_per_step"]
+            r[f"acc_minus_{study.baseline}"] = r["final_test_acc"] - base["final_test_acc"]
+    doc = {**allp, "lr_factors": factors, "data": {"tune": val, "final": test},
+           "base": _fill(study.base, {**allp, "data": test}),
+           "methods": {n: {"flags": _fill(study.runs[n].flags, allp), "base_lr": study.runs[n].lr} for n in names},
+           "results": res, "provenance": prov.finish()}
+    p = doc["provenance"]
+    text = json.dumps(doc, indent=1) + "\n"
+    for path in [out / "results.json"] + ([Path(results)] if Path(results) != out / "results.json" else []):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    md = getattr(tables, f"{study.table}_table")(res) if study.table else ""
+    (out / "results.md").write_text(
+        f"{md}\n\nMade with `{p['command']}` at commit {(p['commit'] or '?')[:10]}"
+        f"{' (dirty tree)' if p['dirty'] else ''} on {p['date']} (grid {a.lr_factors} x base rate at "
+        f"{allp['tune_epochs']} epochs on the validation carve, {allp['epochs']} epochs final; load average "
+        f"{p['load_before'][0]} at the start, {p['load_after'][0]} at the end, {p['machine']['cores']} cores).\n")
+    print(md)
+    print(f"{study.name}: wrote {out / 'results.md'}, {out / 'results.json'}"
+          + (f", {results}" if Path(results) != out / "results.json" else ""))
+    bad = {n: r.get("error") or r["status"] for n, r in res.items() if r.get("final_test_acc") is None}
+    for n, why in bad.items():
+        print(f"{study.name}: error: {n} has no final result: {why}", file=sys.stderr)
+    return 1 if bad else 0
+
+
 def _setup_bytes(run_dir: Path) -> int:
     """Node 0's setup traffic (dcd, ecd and choco send x_1 once in full precision)."""
     from gossip import rundir
@@ -490,7 +727,7 @@ def _modelled(study: Study, names: list[str], a: argparse.Namespace, results: Pa
     from experiments import race
 
     sources = _provenance.training_sources("gossip/tools/crossover.py", "experiments/study.py", study.source,
-                                           "experiments/race.py", "experiments/_cli.py")
+                                           "experiments/race.py", "experiments/training.py", "experiments/_cli.py")
     prov = _provenance.start(sources, argv=full)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

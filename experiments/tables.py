@@ -235,7 +235,7 @@ def gossip_compare_table(results: dict, bw_labels: list[str]) -> str:
 
 
 def modern_compare_table(results: dict) -> str:
-    """experiments/modern_compare.py: the tuned grid, final accuracy and bytes of each method."""
+    """The study experiments/studies/modern_compare.toml: the tuned grid, final accuracy and bytes of each method."""
     body = []
     for name, r in results.items():
         ratio, margin = r.get("bytes_vs_allreduce"), r.get("acc_minus_allreduce")

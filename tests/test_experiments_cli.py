@@ -33,7 +33,6 @@ def test_methods_keeps_the_order_and_refuses_unknown_or_no_names(capsys):
 
 
 @pytest.mark.parametrize("name,flag", [("race", "--methods"),
-                                       ("modern_compare", "--methods"),
                                        ("bench_ddp_overlap", "--modes")])
 def test_every_script_refuses_an_unknown_name_in_one_line(name, flag, tmp_path, capsys):
     mod = _script(name)

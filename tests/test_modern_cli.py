@@ -132,64 +132,62 @@ def test_real_processes_equal_the_simulation():
 
 
 def test_modern_compare_smoke(tmp_path):
-    """experiments/modern_compare.py end to end on a tiny run: a 2-value grid tuned on
-    the validation carve, the selected rate's final run on the test split, the table and
-    the JSON with its provenance, each method's bytes against allreduce."""
-    import sys
+    """The study experiments/studies/modern_compare.toml end to end on a tiny run: a
+    2-value grid tuned on the validation carve, the selected rate's final run on the test
+    split, the table and the JSON with its provenance, each method's bytes against
+    allreduce; a second call redoes no trial."""
+    from experiments import bench_data, study
 
-    from tests.conftest import REPO
-
-    from experiments import bench_data
-    from experiments import modern_compare
     served = len(bench_data.SERVED)
-    rc = modern_compare.main(["--epochs", "1", "--tune-epochs", "1", "--lr-factors", "1,3", "--data", "synthetic",
-                              "--samples", "256", "--nodes", "2", "--methods", "allreduce,sparseloco",
-                              "--max-steps", "16", "--out", str(tmp_path)])
-    assert rc == 0
-    res = json.loads((tmp_path / "modern.json").read_text())
-    assert "python -m experiments.modern_compare --epochs 1" in res["provenance"]["command"]
+    argv = ["--epochs", "1", "--tune-epochs", "1", "--lr-factors", "1,3", "--data", "synthetic", "--samples", "256",
+            "--model", "mlp", "--nodes", "2", "--methods", "allreduce,sparseloco", "--max-steps", "16",
+            "--out", str(tmp_path)]
+    assert study.main(argv, name="modern_compare") == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert "python -m experiments run modern_compare --epochs 1" in res["provenance"]["command"]
     sl = res["results"]["sparseloco"]
     assert [g["lr"] for g in sl["grid"]] == [0.003, 0.009]
-    assert sl["lr"] == modern_compare.select(sl["grid"]) in (0.003, 0.009)
+    assert sl["lr"] == study.select_lr(sl["grid"]) in (0.003, 0.009)
     assert all(g["val_acc"] is not None for g in sl["grid"])
     # tuning saw only the carve, the final run only the test split
     roles = [s["role"] for s in bench_data.SERVED[served:]]
     assert roles == ["val"] * 4 + ["test"] * 2
     assert res["data"] == {"tune": "bench_data:synthetic_n256_val", "final": "bench_data:synthetic_n256_test"}
+    assert (res["nodes"], res["epochs"], res["tune_epochs"], res["lr_factors"]) == (2, 1, 1, [1.0, 3.0])
     assert sl["bytes_vs_allreduce"] == sl["bytes_per_step"] / res["results"]["allreduce"]["bytes_per_step"] < 1
-    assert "| sparseloco |" in (tmp_path / "modern.md").read_text()
+    # what the witnesses re-run: the final runs at their selected rates, as the spec makes them
+    s = study.load(study.spec_path("modern_compare"))
+    lrs = {n: r["lr"] for n, r in res["results"].items()}
+    assert res["provenance"]["configs"] == study.configs(
+        s, ["allreduce", "sparseloco"], data="synthetic", lrs=lrs,
+        params={"nodes": 2, "epochs": 1, "tune_epochs": 1, "samples": 256, "model": "mlp", "seed": 0})
+    assert res["provenance"]["configs"][1][-4:] == ["--lr", f"{sl['lr']:g}", "--seed", "0"]
+    assert "| sparseloco |" in (tmp_path / "results.md").read_text()
     # a second call finds every trial done and redoes none
-    rc = modern_compare.main(["--epochs", "1", "--tune-epochs", "1", "--lr-factors", "1,3", "--data", "synthetic",
-                              "--samples", "256", "--nodes", "2", "--methods", "allreduce,sparseloco",
-                              "--max-steps", "16", "--out", str(tmp_path)])
-    assert rc == 0 and len(bench_data.SERVED) == served + 6
+    assert study.main(argv, name="modern_compare") == 0
+    assert len(bench_data.SERVED) == served + 6
     with pytest.raises(SystemExit):
-        modern_compare.main(["--lr-factors", "0,x", "--out", str(tmp_path)])
+        study.main(["--lr-factors", "0,x", "--out", str(tmp_path)], name="modern_compare")
 
 
 def test_modern_compare_selection_ties_go_to_the_smaller_rate():
-    import sys
+    from experiments import study
 
-    from tests.conftest import REPO
-
-    from experiments import modern_compare
     grid = [{"lr": 0.01, "val_acc": 0.5}, {"lr": 0.001, "val_acc": 0.5}, {"lr": 0.1, "val_acc": None}]
-    assert modern_compare.select(grid) == 0.001
-    assert modern_compare.select([{"lr": 0.1, "val_acc": None}]) is None
+    assert study.select_lr(grid) == 0.001
+    assert study.select_lr([{"lr": 0.1, "val_acc": None}]) is None
 
 
 def test_modern_compare_reruns_an_interrupted_trial_not_a_failed_one(tmp_path):
-    import sys
-
     from gossip import rundir
-    from tests.conftest import REPO
 
-    from experiments import modern_compare
+    from experiments import study
+
     args = ["--lr", "0.1"]
     for status, done in (("ok", True), ("failed", True), ("interrupted", False)):
         rundir.write_json(tmp_path / "trial.json", {"args": args, "status": status})
-        assert (modern_compare._done(tmp_path, args) is not None) is done, status
-    assert modern_compare._done(tmp_path, ["--lr", "0.2"]) is None  # other flags: not this trial
+        assert (study.trial_done(tmp_path, args) is not None) is done, status
+    assert study.trial_done(tmp_path, ["--lr", "0.2"]) is None  # other flags: not this trial
 
 
 def test_docs_tables_come_from_the_results_files():
@@ -200,11 +198,11 @@ def test_docs_tables_come_from_the_results_files():
 
     from tests.conftest import REPO
 
-    from experiments import _provenance, tables
+    from experiments import _provenance, study, tables
     doc = (REPO / "docs" / "modern.md").read_text(encoding="utf-8")
     res = json.loads((REPO / "experiments" / "results" / "modern_compare.json").read_text())
     assert tables.modern_compare_table(res["results"]) in doc
-    assert _provenance.as_module(res["provenance"]["command"]) in doc
+    assert study.as_study_command(_provenance.as_module(res["provenance"]["command"])) in doc
     for name in ("streaming_overlap.json", "streaming_overlap_taus.json"):
         ov = json.loads((REPO / "experiments" / "results" / name).read_text())
         assert tables.streaming_overlap_table(ov["runs_s_per_step"], ov.get("wait_s_per_step")) in doc

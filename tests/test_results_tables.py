@@ -110,16 +110,21 @@ def test_a_study_spec_trains_the_configurations_its_results_file_recorded(name):
     s = study.load(study.spec_path(name))
     res, prov = P.read(P.REPO / "experiments" / "results" / f"{name}.json")
     params = {k: res.get(k, v) for k, v in s.params.items()} if s.params else None
-    assert study.configs(s, data=res.get("data") if s.keep == "curve" else None, params=params) == prov["configs"]
+    lrs = {n: r["lr"] for n, r in res["results"].items()} if s.keep == "tuned" else None
+    assert study.configs(s, data=res.get("data") if s.keep == "curve" else None, params=params,
+                         lrs=lrs) == prov["configs"]
     if s.keep == "rows":  # each run's row, in order
         assert [{k: row[k] for k in r.row} for r, row in zip(s.runs.values(), res["rows"])] == \
             [r.row for r in s.runs.values()] and len(res["rows"]) == len(s.runs)
     else:
-        runs = {"curve": res.get("runs"), "modelled": res.get("results")}.get(s.keep, res)
+        runs = {"curve": res.get("runs"), "modelled": res.get("results"), "tuned": res.get("results")}.get(s.keep, res)
         assert list(s.runs) == list(runs)
     for n, r in s.runs.items():
         if s.keep == "curve":
             assert (runs[n]["label"], runs[n]["epochs"], runs[n]["flags"]) == (r.label, r.epochs, [*s.base, *r.flags])
+        elif s.keep == "tuned":  # each run's flags and base rate, and the grid it was tuned on
+            assert (res["methods"][n]["flags"], res["methods"][n]["base_lr"]) == (r.flags, r.lr)
+            assert [g["lr"] for g in runs[n]["grid"]] == [round(r.lr * f, 10) for f in res["lr_factors"]]
         elif s.keep == "summary":  # the command each run was, its steps included
             assert runs[n]["command"] == "python -m gossip.train " + shlex.join(
                 [*s.base, *r.flags, "--max-steps", str(r.max_steps)])
@@ -143,7 +148,15 @@ def test_a_bad_study_spec_is_one_line(tmp_path):
                          ('[study]\nkeep = "rows"\nparams = { jobs = 2 }\n[runs.a]\n', "'jobs' cannot name a parameter"),
                          ('[study]\nkeep = "rows"\nparams = { n = true }\n[runs.a]\n', "n = True; accepted: an integer"),
                          ('[study]\nkeep = "rows"\n[runs.a]\nrow = { m = 1 }\n', "[runs.a] row: a table of strings"),
-                         ('[study]\ntable = "nosuch"\n[runs.a]\nepochs = 1\n', "table = 'nosuch': not a table of")]:
+                         ('[study]\ntable = "nosuch"\n[runs.a]\nepochs = 1\n', "table = 'nosuch': not a table of"),
+                         ('[study]\nkeep = "tuned"\nparams = { epochs = 2 }\n[runs.a]\nlr = 0.1\n',
+                          "declares epochs, tune_epochs, samples, seed (missing: tune_epochs, samples, seed)"),
+                         ('[study]\nkeep = "tuned"\nparams = { epochs = 2, tune_epochs = 1, samples = 9, seed = 0 }\n'
+                          '[runs.a]\nlr = 0\n', "[runs.a] lr must be a positive number"),
+                         ('[study]\nkeep = "tuned"\nlr_factors = [1, -2]\nparams = { epochs = 2, tune_epochs = 1, samples = 9, seed = 0 }\n'
+                          '[runs.a]\nlr = 1\n',
+                          "lr_factors: a list of positive numbers"),
+                         ('[study]\nbaseline = "a"\n[runs.a]\nepochs = 1\n', "baseline: only a 'tuned' study has it")]:
         bad.write_text(text)
         with pytest.raises(study.StudyError) as e:
             study.load(bad)

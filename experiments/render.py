@@ -347,6 +347,11 @@ def _sharded_accuracy(res: dict) -> str:
     return T.sharded_accuracy_table(res)
 
 
+def _trust(res: dict) -> str:
+    """The study experiments/studies/trust.toml: attacks against each method, without and with its defence."""
+    return T.trust_table(res)
+
+
 def _diloco_eager(res: dict) -> str:
     """experiments/diloco_eager.py: each method's final accuracy per seed and their mean,
     best accuracy, bytes per node per step; under it, each eager method against its
@@ -771,6 +776,7 @@ TABLES: dict[str, Table] = {
     "race_powersgd_lr005": Table(f"{RESULTS}/race_powersgd_lr0.05.json", _race_accuracy),
     "bench_ddp_overlap": Table(f"{RESULTS}/bench_ddp_overlap.json", _bench_ddp_overlap),
     "sharded_accuracy": Table(f"{RESULTS}/sharded_accuracy.json", _sharded_accuracy),
+    "trust": Table(f"{RESULTS}/trust.json", _trust),
     "diloco_eager": Table(f"{RESULTS}/diloco_eager.json", _diloco_eager),
     "sharded_bytes": Table(f"{RESULTS}/sharded_bytes.json", _sharded_bytes),
     "tang2018": Table("reports/tang2018/results.json", _tang2018),

@@ -476,12 +476,21 @@ def _curve(study: Study, names: list[str], a: argparse.Namespace, results: Path 
 def run_row(name: str, tags: dict, args: list[str], run_dir: str) -> dict:
     """Train one run of a ``rows`` study in this process and read its row back:
     ``tags``, then its figures (experiments/training.py's ``summary_row``) and wall clock.
-    RuntimeError with the run's last error line if it fails."""
+    A run that diverged (its summary.json says so) is a row too: no accuracy,
+    ``diverged`` and the step it stopped at. RuntimeError with the run's last error line
+    if it fails otherwise."""
     from experiments import training
+    from gossip import rundir
 
     t0 = time.perf_counter()
     rc, err = training.train_in_process(args)
     if rc != 0:
+        path = rundir.summary_path(Path(run_dir))
+        s = rundir.read_json(path) if path.exists() else {}
+        if s.get("diverged"):
+            return {**tags, "final_test_acc": None, "best_test_acc": None, "best_epoch": None,
+                    "bytes_per_node_per_step": s.get("bytes_sent_per_node_per_step"), "steps": s.get("steps"),
+                    "diverged": True, "wall_s": round(time.perf_counter() - t0, 1)}
         last = err.strip().splitlines()[-1] if err.strip() else ""
         raise RuntimeError(f"{name} failed (exit {rc}): {last}")
     return {**tags, **training.summary_row(run_dir), "wall_s": round(time.perf_counter() - t0, 1)}

@@ -16,7 +16,7 @@ __all__ = ["md", "pct", "fmt_bytes", "fmt_score", "METRIC_WORDS", "sgp_summary",
            "bench_sim_table", "bench_sim_epoch_table", "sim_epoch_profile_table", "bench_topologies_table",
            "cold_start_table", "crossover_check_table", "ecd_recipes_table", "gossip_compare_table",
            "modern_compare_table", "netns_gap_table", "sgp_overlap_table", "sharded_accuracy_table", "sharded_bytes_table",
-           "streaming_overlap_table", "race_table", "race_netns_table", "benchmark_netns_table",
+           "streaming_overlap_table", "trust_table", "race_table", "race_netns_table", "benchmark_netns_table",
            "benchmark_netns_section"]
 
 
@@ -210,6 +210,44 @@ def sharded_accuracy_table(res: dict) -> str:
                      pct(r["final_test_acc"]), best, diff, f"{b:,.0f}", "-" if not ref else f"{b / ref:.3f}"])
     return md([f"method ({res['nodes']} nodes, {res['epochs']} epochs)", "exchange", "final test accuracy",
                "best (epoch)", "sharded - all-gathered (points)", "bytes/node/step", "vs fp32 all-reduce"], body)
+
+
+#: the two-sided 95 % Student-t quantile for k samples (k - 1 degrees of freedom), k = 2..10
+_T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
+
+
+def _mean_interval(xs: list[float]) -> str:
+    """``m %`` with its 95 % Student-t interval over the samples, in percent."""
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return f"{100 * m:.1f} % (one seed)"
+    h = _T95.get(len(xs), 1.96) * statistics.stdev(xs) / len(xs) ** 0.5
+    return f"{100 * m:.1f} % [{100 * (m - h):.1f}, {100 * (m + h):.1f}]"
+
+
+def trust_table(res: dict) -> str:
+    """The study experiments/studies/trust.toml: per method, attack and defence, the final
+    test accuracy over the seeds (mean and 95 % Student-t interval; a run that diverged
+    has none and is counted apart), its difference in points to the clean run of the same
+    method and defence-less protocol, and the bytes each node sent per step."""
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for r in res["rows"]:
+        groups.setdefault((r["method"], r["attack"], r["defence"]), []).append(r)
+    clean = {m: statistics.fmean(x["final_test_acc"] for x in rs if x.get("final_test_acc") is not None)
+             for (m, a, d), rs in groups.items() if a == "none" and d == "none"
+             and any(x.get("final_test_acc") is not None for x in rs)}
+    body = []
+    for (m, a, d), rs in groups.items():
+        accs = [x["final_test_acc"] for x in rs if x.get("final_test_acc") is not None]
+        div = len(rs) - len(accs)
+        cell = _mean_interval(accs) if accs else "-"
+        if div:
+            cell += f"; diverged in {div} of {len(rs)}"
+        gap = "-" if not accs or m not in clean else f"{100 * (statistics.fmean(accs) - clean[m]):+.1f}"
+        b = [x["bytes_per_node_per_step"] for x in rs if x.get("bytes_per_node_per_step") is not None]
+        body.append([f"`{m}`", a, d, str(len(rs)), cell, gap, "-" if not b else f"{statistics.fmean(b):,.0f}"])
+    return md([f"method ({res['nodes']} nodes, {res['epochs']} epochs)", "attack", "defence", "seeds",
+               "final test accuracy (mean [95 % interval])", "vs clean (points)", "bytes/node/step"], body)
 
 
 def _pct0(x: float | None) -> str:

@@ -2,7 +2,7 @@
 
 The shared run helpers of the experiments, as public names of one module: the study
 runner (experiments/study.py), the race and the scripts that train a few
-configurations (diloco_eager, trust_check) use them::
+configurations (diloco_eager) use them::
 
     rc, err = training.train_in_process(args)           # exit code and stderr
     best, epoch = training.best_test_acc(run_dir)        # over the run's evaluations

@@ -253,11 +253,28 @@ class Adversary:
 class Aggregator:
     """A rule over the ``k`` messages of one shard: ``agg(Q, j) -> (L,)`` where ``Q`` is
     ``(k, L)``, one row per sender. ``cclip`` keeps its centre (the previous aggregate,
-    the "history" of arXiv:2012.10333), one per shard ``j``."""
+    the "history" of arXiv:2012.10333), one per shard ``j``.
+
+    ``dim``: the length of the whole message whose shards the rule sees (None: each call
+    sees a whole message). ``cclip``'s ``tau`` is a radius for the whole message, as in
+    the paper; a shard of ``L`` of its ``dim`` values is clipped to
+    ``tau * sqrt(L / dim)`` (:meth:`radius`). The shards' radii then add up, in squares,
+    to ``tau**2``: a sender's clipped difference, all shards together, is at most ``tau``
+    long, the bound the paper's rule gives it. The same ``tau`` on every shard would let
+    each sender move the aggregate ``sqrt(n)`` times as far over ``n`` shards."""
 
     def __init__(self, name: str, params: dict[str, float]) -> None:
         self.name, self.params = name, dict(params)
         self.center: dict[int, torch.Tensor] = {}
+        self.dim: int | None = None
+
+    def radius(self, width: int) -> float:
+        """``cclip``'s radius for a shard of ``width`` values (the whole radius ``tau``
+        where ``dim`` is unset or the shard is the whole message)."""
+        tau = self.params["tau"]
+        if self.dim is None or width >= self.dim:
+            return tau
+        return tau * math.sqrt(width / self.dim)
 
     @property
     def spec(self) -> str:
@@ -291,7 +308,7 @@ class Aggregator:
             s = Q.sort(0).values
             return s[f: k - f].mean(0)
         # cclip: v <- v + mean_i clip(m_i - v, tau), iters times, from the last aggregate
-        tau, iters = self.params["tau"], int(self.params["iters"])
+        tau, iters = self.radius(Q.shape[1]), int(self.params["iters"])
         v = self.center.get(j)
         if v is None or v.shape[0] != Q.shape[1]:
             v = torch.zeros(Q.shape[1], dtype=Q.dtype, device=Q.device)

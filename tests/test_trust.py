@@ -1,6 +1,6 @@
 """Training among untrusted nodes: attacks, robust aggregation, ClippedGossip (gossip.robust),
 their flags, and the run's record of them. In-process and small: the accuracy study is
-experiments/trust_check.py."""
+experiments/studies/trust.toml."""
 
 from __future__ import annotations
 
@@ -116,6 +116,28 @@ def test_centered_clipping_bounds_one_outlier():
     torch.testing.assert_close(v2, torch.full((3,), 0.1))
 
 
+def test_centered_clipping_radius_is_the_whole_messages_in_the_sharded_layout():
+    """cclip's tau bounds a sender's clipped difference over the whole message: a shard
+    of L of d values is clipped to tau sqrt(L/d), so an outlier moves the all-gathered
+    aggregate by tau/n, as the whole-vector rule does, not by sqrt(n) tau/n."""
+    from gossip import algorithms
+
+    agg = robust.parse_aggregator("cclip:tau=2")
+    assert agg.radius(4) == 2.0  # no dim: each call sees a whole message
+    agg.dim = 16
+    assert agg.radius(4) == pytest.approx(1.0) and agg.radius(16) == 2.0
+    n, d = 4, 16
+    G = torch.zeros(n, d)
+    G[1] = 1e6 * torch.linspace(1, 2, d)  # one outlier, its shards of unequal length
+    comm = SimulatedCommunicator(None, world_size=n)
+    algo = algorithms.build("allreduce", comm, aggregator="cclip:tau=1")
+    algo.setup(torch.zeros(n, d))
+    algo.reduce_gradients(G)
+    whole = robust.parse_aggregator("cclip:tau=1")(torch.zeros(n, d) + G, 0)
+    # the shards' radii add up (in squares) to tau: the aggregate is 1/n long, as the whole rule's
+    assert float(G[0].norm()) == pytest.approx(1 / n) == pytest.approx(float(whole.norm()))
+
+
 # ------------------------------------------------------------------ ClippedGossip
 def test_clipped_mix_is_the_papers_update():
     Y = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 3.0]])
@@ -212,17 +234,22 @@ def test_a_run_with_an_attacker_records_it(tmp_path, capsys):
     assert cfg["byzantine"] == 2 and cfg["attack"] == "ipm:eps=0.5"
 
 
-def test_trust_check_smoke(tmp_path, capsys):
-    from experiments import _provenance, trust_check
+def test_the_trust_study_smoke(tmp_path, capsys):
+    """experiments/studies/trust.toml at a tiny size: a clean run and a defended run under
+    attack, each a row with its tags, the attacker recorded, the docs' table drawn."""
+    from experiments import _provenance, render, study
 
-    res = tmp_path / "res.json"
-    assert trust_check.main(["--nodes", "4", "--epochs", "1", "--max-steps", "1", "--data", "synthetic",
-                             "--configs", "allreduce,allreduce+signflip+cclip", "--out", str(tmp_path),
-                             "--json", str(res)]) == 0
-    results, prov = _provenance.read(res)
-    assert [r["config"] for r in results["rows"]] == ["allreduce", "allreduce+signflip+cclip"]
-    assert results["rows"][1]["attackers"] and results["rows"][0]["gap_to_clean"] == 0
-    assert prov["sources"] == trust_check.SOURCES
+    res_path = tmp_path / "res.json"
+    assert study.main(["--nodes", "4", "--epochs", "1", "--max-steps", "1",
+                       "--runs", "allreduce-s0,allreduce-signflip-cclip-s0", "--out", str(tmp_path / "runs"),
+                       "--results", str(res_path)], name="trust") == 0
+    res, prov = _provenance.read(res_path)
+    assert [(r["method"], r["attack"], r["defence"]) for r in res["rows"]] == [
+        ("allreduce", "none", "none"), ("allreduce", "signflip", "cclip")]
+    assert "experiments/studies/trust.toml" in prov["sources"]
+    assert any("cclip:tau=" in a for a in prov["configs"][1]) and "--byzantine" in prov["configs"][1]
+    table = (tmp_path / "runs" / "results.md").read_text()
+    assert table == render.TABLES["trust"].render(res) + "\n" and "| `allreduce` | signflip | cclip | 1 |" in table
 
 
 def test_under_torchrun_an_attacker_rank_is_defended_as_in_the_simulation(tmp_path):

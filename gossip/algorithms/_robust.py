@@ -66,6 +66,8 @@ class ShardedRule:
 
     def __init__(self, aggregator: Any, bounds: list[tuple[int, int]], center: torch.Tensor | None = None) -> None:
         self.aggregator, self.bounds = aggregator, list(bounds)
+        # cclip's tau is the whole message's radius: each shard is clipped to its share
+        aggregator.dim = sum(b - a for a, b in self.bounds)
         self.center = center if aggregator.name == "cclip" else None
         self.nbytes = [4 * (b - a) for a, b in self.bounds]
 

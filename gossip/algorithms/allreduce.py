@@ -13,7 +13,9 @@ Step Ia:  node i's gradient is cut into n shards; shard j goes to node j (the
           reduce-scatter's traffic, ledger kind ``shard_push``);
 Step Ib:  node j applies the rule to the n messages of its shard, coordinate-wise
           (median, trimmed mean) or on the shard's vectors (centered clipping, around
-          the shard's previous aggregate);
+          the shard's previous aggregate, with the radius tau * sqrt(L_j / d) of a shard
+          of L_j values, so that a sender's clipped difference over all shards is at
+          most tau, as in the whole-vector rule);
 Step Ic:  node j's aggregate goes to every node (the all-gather, ``shard_pull``).
 
 Each node sends 2 (n - 1)/n x 4d bytes, as the ring all-reduce does: the cost of

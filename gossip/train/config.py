@@ -374,7 +374,8 @@ class OptimSection:
     momentum: float | None = option(
         None,
         "momentum of the local SGD optimizer (unset: 0.9 for allreduce and the decentralized "
-        "algorithms, 0 for signsgd), or of the algorithm where it has its own (efsgd family, signum, "
+        "algorithms, 0 for signsgd and for --aggregator cclip:...,beta=B whose workers send their "
+        "momentum), or of the algorithm where it has its own (efsgd family, signum, "
         "powersgd; unset: its default)",
         role="fingerprint",
     )
@@ -1156,6 +1157,11 @@ class TrainConfig:
             return 0.0
         if self.optim.momentum is not None:
             return self.optim.momentum
+        if self.trust.aggregator is not None:
+            from gossip import robust as _robust
+
+            if _robust.parse_aggregator(self.trust.aggregator).params.get("beta", 0.0) > 0:
+                return 0.0  # cclip's workers' momentum is the message: none again after the aggregate
         from gossip import algorithms as _alg
 
         return _alg.local_momentum_default(self.algorithm.name)

@@ -256,14 +256,14 @@ def _finished(run_dir: Path, metric: str, args: Sequence[str] | None = None) -> 
 
 
 def _run_trial(t: Trial, lr: float, out: Path, device: str = "cpu") -> dict:
-    from experiments import race
+    from experiments import training
 
     run_dir = t.run_dir(out)
     args = _train_args(t, lr, run_dir, device)
     served = len(bench_data.SERVED)
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    rc, err = race.train_in_process(args)
+    rc, err = training.train_in_process(args)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if rc in (130, 128 + 15):  # interrupted or SIGTERM: the trial did not fail, it was stopped; no record
@@ -1032,7 +1032,8 @@ def calibration_section(measured: dict, results: dict) -> str:
 
 
 #: the code the benchmark's figures measure (experiments/_provenance.py records their state)
-SOURCES = ["experiments/benchmark.py", "experiments/bench_data.py", "experiments/race.py", "gossip"]
+SOURCES = ["experiments/benchmark.py", "experiments/bench_data.py", "experiments/race.py", "experiments/training.py",
+           "gossip"]
 
 
 # ----------------------------------------------------------------------------- report

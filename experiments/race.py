@@ -60,8 +60,6 @@ against the modelled time of the same run (dashed).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import shlex
@@ -73,6 +71,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 from experiments import _cli, _provenance  # noqa: E402
 from experiments import tables
+from experiments.training import train_in_process  # the one in-process run helper of the experiments
 from gossip import checkpoint, rundir  # noqa: E402
 from gossip.tools import crossover  # noqa: E402
 from gossip.train.evaluation import PRIMARY  # noqa: E402
@@ -95,9 +94,10 @@ def _point(r: dict) -> dict:
     return {"metric": m, "score": r[m], m: r[m]}
 
 #: the code a race's figures measure (for `python -m experiments.render --stale`): training
-#: runs (experiments/_provenance.py's training_sources), the time model, the netns cluster
-SOURCES = _provenance.training_sources("gossip/tools/crossover.py", "experiments/race.py", "experiments/_cli.py",
-                                       "experiments/vcluster.py")
+#: runs (experiments/_provenance.py's training_sources, run by experiments/training.py), the
+#: time model, the netns cluster
+SOURCES = _provenance.training_sources("gossip/tools/crossover.py", "experiments/race.py", "experiments/training.py",
+                                       "experiments/_cli.py", "experiments/vcluster.py")
 
 #: name -> the gossip.train flags that make the method (on top of the recipe)
 METHODS: dict[str, list[str]] = {
@@ -119,19 +119,6 @@ METHODS: dict[str, list[str]] = {
 RECIPE = ["--lr", "0.1", "--lr-schedule", "step", "--weight-decay", "1e-3", "--batch-size", "32"]
 #: flags a method needs on top of the recipe (later flags win in gossip.train)
 METHOD_RECIPE = {"diloco": ["--lr", "0.003"], "diloco:4": ["--lr", "0.003"]}
-
-
-def train_in_process(args: list[str]) -> tuple[int, str]:
-    """gossip.train in this process; its exit code and stderr."""
-    from gossip import train
-
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        try:
-            rc = train.main(args)
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc, err.getvalue()
 
 
 def _finish(a: argparse.Namespace) -> dict | None:

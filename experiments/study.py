@@ -373,9 +373,9 @@ def _train_one(study_name: str, name: str, args: list[str]) -> bool:
     results file (what ``python -m experiments verify`` witnesses); a failure is one
     line on stderr and False."""
     _provenance.record_config(args)
-    from experiments import race
+    from experiments import training
 
-    rc, err = race.train_in_process(args)
+    rc, err = training.train_in_process(args)
     if rc != 0:
         last = err.strip().splitlines()[-1] if err.strip() else ""
         print(f"{study_name}: {name} failed (exit {rc}): {last}", file=sys.stderr)

@@ -79,6 +79,15 @@ class ShardedRule:
                              f"node, and needs at least as many values as nodes")
         return cls(aggregator, even_bounds(d, n), center)
 
+    @classmethod
+    def on_state(cls, aggregator: Any, state: Any, X: torch.Tensor, n: int, *, what: str) -> "ShardedRule":
+        """:meth:`even` over ``X``'s columns, with cclip's centre made in ``state.center``
+        (1, d) so that checkpoints carry it (rules without a centre leave it empty)."""
+        if aggregator.name == "cclip":
+            state.center = torch.zeros(1, X.shape[1], dtype=torch.float32, device=X.device)
+        center = state.center[0] if state.center.numel() else None
+        return cls.even(aggregator, X.shape[1], n, what=what, center=center)
+
     @torch.no_grad()
     def serve(self, j: int, Q: torch.Tensor) -> torch.Tensor:
         """Shard ``j``'s aggregate (L,) float32 of its messages ``Q`` (k, L), one row per sender."""

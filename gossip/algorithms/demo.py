@@ -381,11 +381,7 @@ class DeMo(Algorithm):
                                label="demo")
         self.state = DeMoState(t=1, lr=1.0, delta=torch.zeros_like(X))
         if not self.aggregator.is_mean:
-            if self.aggregator.name == "cclip":
-                self.state.center = torch.zeros(1, X.shape[1], dtype=torch.float32, device=X.device)
-            center = self.state.center[0] if self.state.center.numel() else None
-            self.rule = ShardedRule.even(self.aggregator, X.shape[1], int(self.comm.world_size), what=self.name,
-                                         center=center)
+            self.rule = ShardedRule.on_state(self.aggregator, self.state, X, int(self.comm.world_size), what=self.name)
 
     def state_dict(self) -> dict:
         sd = super().state_dict()

@@ -377,11 +377,7 @@ class SparseLoCo(PeriodicBase):
         self.state = SparseLoCoState(t=0, start=X.detach().clone(), error=torch.zeros_like(X),
                                      quantizer=cfg.quantizer, aggregate=cfg.aggregate)
         if not self.aggregator.is_mean:
-            if self.aggregator.name == "cclip":
-                self.state.center = torch.zeros(1, X.shape[1], dtype=torch.float32, device=X.device)
-            center = self.state.center[0] if self.state.center.numel() else None
-            self.rule = ShardedRule.even(self.aggregator, X.shape[1], int(self.comm.world_size), what=self.name,
-                                         center=center)
+            self.rule = ShardedRule.on_state(self.aggregator, self.state, X, int(self.comm.world_size), what=self.name)
 
     def load_state_dict(self, sd: dict) -> None:
         """A state saved before the rule was recorded ran with the earlier uniform

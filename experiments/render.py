@@ -524,6 +524,14 @@ def _modern_compare(res: dict) -> str:
     return T.modern_compare_table(res["results"])
 
 
+def _adpsgd_torchrun(res: dict) -> str:
+    """experiments/adpsgd_torchrun.py's table and its target's verdict."""
+    res = res.get("results", res)
+    return (T.adpsgd_torchrun_table(res) + f"\n\n{res['nodes']} ranks on a ring, rank 0 {res['factor']:g}x slower, "
+            f"steps {res['skip']}..{res['steps']} timed. Target (fast ranks of adpsgd at least "
+            f"{res['target']:g}x dpsgd's): {res['verdict']} ({res['ratio']:.2f}x).")
+
+
 def _streaming_overlap(res: dict) -> str:
     """experiments/streaming_overlap.py's table (step time per tau) and its target's verdict."""
     verdict = res.get("target", "not judged (recorded before the verdict was)")
@@ -742,6 +750,7 @@ _CMD_CROSSOVER = ("sudo python -m experiments run crossover_check --nodes 4 --al
                   f"--steps 20 --out runs/crossover-check --results {RESULTS}/crossover_check.json")
 _CMD_SGP = ("sudo python -m experiments run sgp_overlap --nodes 4 --rate 100mbit,10mbit --steps 30 --repeats 2 "
             f"--out runs/sgp-overlap --results {RESULTS}/sgp_overlap.json")
+_CMD_ADPSGD = f"python -m experiments run adpsgd_torchrun --out runs/adpsgd-torchrun --results {RESULTS}/adpsgd_torchrun.json"
 _CMD_GOSSIP = ("OMP_NUM_THREADS=1 python -m experiments run gossip_compare --epochs 40 --out runs/gossip-compare "
                f"--results {RESULTS}/gossip_compare.json")
 _CMD_SWEEP = ("sudo python -m experiments.sweep_network --nodes 4 --algos allreduce,dcd:8,ecd:8,dpsgd "
@@ -798,6 +807,7 @@ TABLES: dict[str, Table] = {
     "churn_dpsgd": Table(f"{RESULTS}/churn-W8-H4-dpsgd.json", _churn),
     "modern_compare": Table(f"{RESULTS}/modern_compare.json", _modern_compare),
     "streaming_overlap": Table(f"{RESULTS}/streaming_overlap.json", _streaming_overlap),
+    "adpsgd_torchrun": Table(f"{RESULTS}/adpsgd_torchrun.json", _adpsgd_torchrun, command=_CMD_ADPSGD),
     "streaming_overlap_taus": Table(f"{RESULTS}/streaming_overlap_taus.json", _streaming_overlap),
     "bench_sim": Table(f"{RESULTS}/bench_sim.json", _bench_sim),
     "quant_parts": Table(f"{RESULTS}/quant_parts.json", _quant_parts),

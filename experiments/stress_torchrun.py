@@ -10,7 +10,10 @@ Jobs (``--job``):
   argument, in the order the tests run them: world 2 ECD at 6 bits (the full run, the run
   stopped by ``--max-steps 9``, its ``--resume``), then world 4 DCD at 8 bits on a ring;
 - ``logreg``: a short job alternating the world sizes of ``--nproc`` (dcd at 8 bits, or
-  allreduce at world 2; a few steps, a checkpoint).
+  allreduce at world 2; a few steps, a checkpoint);
+- ``adpsgd``: AD-PSGD on 4 ranks of a ring, rank 0 four times slower, whose passive
+  ranks answer their neighbours from a background thread that must be joined before
+  the process group goes (:func:`adpsgd_command`).
 
 Each torchrun invocation is one *run*, launched the way the tests launch it (``--tee 3``
 and a ``--log-dir``, so each rank's own stdout and stderr are kept). A run whose worker
@@ -71,6 +74,13 @@ def logreg_command(k: int, nproc: int, work: Path) -> tuple[str, int, list[str]]
              "--checkpoint-every", "6", "--no-progress", "--out", str(work / f"run{k}")])
 
 
+def adpsgd_command(k: int, work: Path) -> tuple[str, int, list[str]]:
+    """AD-PSGD under torchrun with no barrier: 4 ranks, one slow, a few steps."""
+    return ("adpsgd-w4", 4, ["--algo", "adpsgd", "--topology", "ring", "--node-speed", "slow:nodes=1,factor=4",
+                             "--data", "synthetic", "--model", "logreg", "--epochs", "1", "--max-steps", "12",
+                             "--no-progress", "--out", str(work / f"run{k}")])
+
+
 def _burn(stop_at: float) -> None:
     x = 0
     while time.time() < stop_at:
@@ -118,7 +128,8 @@ def one_run(name: str, nproc: int, args: list[str], work: Path, env: dict, cores
 
 def options(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m experiments run stress_torchrun``."""
-    p.add_argument("--job", choices=("suite", "logreg"), default="suite", help="what each run runs (default suite)")
+    p.add_argument("--job", choices=("suite", "logreg", "adpsgd"), default="suite",
+                   help="what each run runs (default suite)")
     p.add_argument("--runs", type=int, default=0, help="stop after this many runs (0: use --minutes)")
     p.add_argument("--minutes", type=float, default=10.0, help="stop after this long (default 10)")
     p.add_argument("--nproc", default="2,4", help="--job logreg: world sizes, taken in turn (default 2,4)")
@@ -170,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             if not queue:
                 work = Path(tempfile.mkdtemp(prefix=f"job{k}-", dir=out))
                 queue = suite_commands(work) if args.job == "suite" else [
-                    logreg_command(k, sizes[k % len(sizes)], work)]
+                    adpsgd_command(k, work) if args.job == "adpsgd" else logreg_command(k, sizes[k % len(sizes)], work)]
             name, nproc, cmd_args = queue.pop(0)
             run_env = dict(env)
             if args.cache == "empty":

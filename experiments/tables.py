@@ -16,7 +16,7 @@ __all__ = ["md", "pct", "fmt_bytes", "fmt_score", "METRIC_WORDS", "sgp_summary",
            "bench_sim_table", "bench_sim_epoch_table", "sim_epoch_profile_table", "bench_topologies_table",
            "cold_start_table", "crossover_check_table", "ecd_recipes_table", "gossip_compare_table",
            "modern_compare_table", "netns_gap_table", "sgp_overlap_table", "sharded_accuracy_table", "sharded_bytes_table",
-           "streaming_overlap_table", "trust_table", "race_table", "race_netns_table", "benchmark_netns_table",
+           "streaming_overlap_table", "adpsgd_torchrun_table", "trust_table", "race_table", "race_netns_table", "benchmark_netns_table",
            "benchmark_netns_section"]
 
 
@@ -330,6 +330,18 @@ def sharded_bytes_table(res: dict) -> str:
             for r in res["rows"]]
     return md(["bytes/node/step", "payload", *(f"n = {n}" for n in nodes), f"all-gather at n = {top} (computed)"],
                body)
+
+
+def adpsgd_torchrun_table(res: dict) -> str:
+    """experiments/adpsgd_torchrun.py: steps per second of the fast ranks and of the slow
+    one, best of the repeats, for D-PSGD and AD-PSGD under torchrun."""
+    rows = ["| algorithm | fast ranks (steps/s, best of repeats) | slow rank (steps/s) | fast vs dpsgd |",
+            "|---|---|---|---|"]
+    base = res["best_fast_steps_per_s"]["dpsgd"]
+    for algo, runs in res["runs"].items():
+        best = max(runs, key=lambda x: x["fast"])
+        rows.append(f"| `{algo}` | {best['fast']:.1f} | {best['rates'][0]:.1f} | {best['fast'] / base:.2f}x |")
+    return "\n".join(rows)
 
 
 def streaming_overlap_table(runs: dict[str, list[float]], waits: dict[str, list[float]] | None = None) -> str:

@@ -330,6 +330,14 @@ class GossipOptimizer:
     def comm(self) -> Any:
         return self.algorithm.comm
 
+    def finish(self) -> None:
+        """After the last step: end the exchanges that outlive a step and take each node's
+        final model (``adpsgd`` under torchrun, whose passive ranks answer their
+        neighbours until these have finished too); a no-op for the other algorithms.
+        Call it on every rank before evaluating or saving the final model."""
+        with torch.no_grad():
+            self.algorithm.finish(self.flat.data)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)

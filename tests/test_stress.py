@@ -3,6 +3,8 @@
 
 - gossip.train under torchrun, the test suite's own commands, none of whose workers may
   abort ("terminate called without an active exception") or fail;
+- AD-PSGD under torchrun, 12 runs of 4 ranks with one slow: every one exits 0, its
+  passive ranks' serving threads joined, no abort at exit;
 - a gloo collective still finishing on the worker thread while rank 0's interpreter
   exits: with ``gossip.comm.shutdown`` no run aborts.
 
@@ -36,6 +38,16 @@ def test_the_suites_torchrun_commands_never_abort(tmp_path):
         for name, nproc, args in stress_torchrun.suite_commands(work):
             kind, rc, where = stress_torchrun.one_run(name, nproc, args, tmp_path, env, cores=False, timeout=300)
             results.append((name, kind, rc, where))
+    assert [r for r in results if r[1] != "ok"] == []
+
+
+def test_adpsgd_under_torchrun_exits_cleanly_12_of_12(tmp_path):
+    env = {**child_env(), "PYTHONFAULTHANDLER": "1"}
+    results = []
+    for k in range(12):
+        name, nproc, args = stress_torchrun.adpsgd_command(k, tmp_path)
+        kind, rc, where = stress_torchrun.one_run(name, nproc, args, tmp_path, env, cores=False, timeout=300)
+        results.append((k, kind, rc, where))
     assert [r for r in results if r[1] != "ok"] == []
 
 

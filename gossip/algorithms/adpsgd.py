@@ -34,10 +34,23 @@ loop takes the events of :class:`gossip.clock.EventClock` one at a time and call
 round of equal nodes on an instant link: every node's update computed at the models
 of the round's start, then in ascending id order each active node averages with its
 partner and each node applies its update.
+
+Under torchrun (one node per rank) the exchanges run with no barrier, on a
+:class:`gossip.comm.pairs.PairChannel`. The rank's parameters ``X`` are the model
+x_hat_i it read for its gradient; the node's model x_i itself is ``live``. An active
+rank owns its model: at its k-th step it sends x_i to its partner, takes the mean
+with the reply and applies its update. A passive rank answers its active neighbours
+from a background thread at any time, each answer replying with x_j and taking the
+mean into ``live`` under a lock; at its own step it applies its update to ``live``
+and reads it into ``X`` for its next gradient. So a slow rank delays only the active
+neighbour that exchanges with it, for that exchange (a passive one: not even that).
+:meth:`ADPSGD.finish` ends the exchanges after the last step: active ranks say bye,
+passive ranks wait for every active neighbour's bye and take their final model.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -118,6 +131,7 @@ class ADPSGD(Algorithm):
         #: which nodes start exchanges, and the passive neighbours each may choose
         self.active = sides
         self.partners = [[int(j) for j in topo.neighbors(i)[0]] if sides[i] else [] for i in range(topo.n)]
+        self._pairs: _Pairs | None = None  # under torchrun, made by setup
 
     @property
     def payload_compressor(self) -> Any:
@@ -126,6 +140,8 @@ class ADPSGD(Algorithm):
     def setup(self, X: torch.Tensor, layout: Any = None) -> None:
         self._take_layout(X, layout)
         self.state = ADPSGDState(exchanges=0, rounds=0)
+        if X.shape[0] == 1 and hasattr(self.comm, "pair_channel"):  # one node per rank: no barrier
+            self._pairs = _Pairs(self, X)
 
     def choose(self, i: int, k: int) -> int:
         """The passive partner of active node ``i`` at its ``k``-th step (0-based)."""
@@ -135,6 +151,9 @@ class ADPSGD(Algorithm):
     @torch.no_grad()
     def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
         """One lockstep round (see the module's docstring); every node must be hosted."""
+        if self._pairs is not None:
+            self._pairs.step(X, U)
+            return
         n = self.comm.world_size
         if X.shape[0] != n:
             raise ValueError(f"adpsgd's lockstep round needs every node hosted ({n}), got {X.shape[0]}; "
@@ -164,3 +183,92 @@ class ADPSGD(Algorithm):
             D = c.decode(P, d, tag=step_tag(t)).to(X.dtype)
         X[i] = 0.5 * (rows[0] + D[1])
         X[j] = 0.5 * (rows[1] + D[0])
+
+    def finish(self, X: torch.Tensor) -> None:
+        """After the last step under torchrun: active ranks say bye to their passive
+        neighbours, passive ranks wait for every bye and read their final model into
+        ``X``. Nothing to do in the simulation."""
+        if self._pairs is not None:
+            self._pairs.finish(X)
+
+
+class _Pairs:
+    """AD-PSGD's exchanges under torchrun (see the module's docstring): this rank's
+    model ``live``, the lock its serving thread and its own step share, and the replies
+    the thread sent since the last step (for the ledger, which only the main thread
+    writes)."""
+
+    def __init__(self, algo: ADPSGD, X: torch.Tensor) -> None:
+        comm = algo.comm
+        self.algo, self.rank = algo, int(comm.rank)
+        self.active = algo.active[self.rank]
+        self.d = int(X.shape[1])
+        self.nbytes = algo.compressor.payload_nbytes(self.d)
+        self.live = X[0].detach().clone()
+        self.lock = threading.Lock()
+        self.replied: list[int] = []
+        self.channel = comm.pair_channel()  # a collective: every rank builds its end here
+        if not self.active:
+            actives = [int(j) for j in comm.topology.neighbors(self.rank)[0]]
+            self.channel.serve(actives, self.nbytes, self._answer)
+
+    def _code(self, x: torch.Tensor, t: int, peer: int) -> torch.Tensor:
+        """x encoded for exchange ``t`` with ``peer``: its own key stream per partner, since
+        a passive rank's partners count their exchanges separately."""
+        keys = node_keys(self.algo.config.seed, torch.tensor([self.rank]), t, stream=1 + peer)
+        return self.algo.compressor.encode(x.unsqueeze(0).float(), keys, tag=step_tag(t))[0]
+
+    def _decode(self, P: torch.Tensor, t: int) -> torch.Tensor:
+        return self.algo.compressor.decode(P.unsqueeze(0), self.d, tag=step_tag(t))[0].to(self.live.dtype)
+
+    def _answer(self, peer: int, t: int, P: torch.Tensor) -> torch.Tensor:
+        """The serving thread: reply with x_j and take the mean with the request (the
+        ledger's phase clocks are the main thread's: this time is not charged)."""
+        with self.lock:
+            mine = self._code(self.live, t, peer)
+            self.live.mul_(0.5).add_(self._decode(P, t), alpha=0.5)
+            self.replied.append(peer)
+        return mine
+
+    def _flush(self) -> None:
+        ledger = self.algo.comm.ledger
+        for peer in self.replied:
+            ledger.record(self.rank, peer, self.nbytes, op="exchange")
+        self.replied.clear()
+
+    def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
+        algo, st = self.algo, self.algo.state
+        self.channel.check()  # what stopped the serving thread, on this thread
+        if self.active:
+            t = st.rounds + 1  # this rank's exchange counter: the payloads' keys and tag
+            j = algo.choose(self.rank, st.rounds)
+            ledger = algo.comm.ledger
+            with ledger.phase("compress"):
+                mine = self._code(X[0], t, j)
+            with ledger.phase("communicate"):
+                theirs = self.channel.request(j, t, mine)
+            ledger.record(self.rank, j, self.nbytes, op="exchange")
+            ledger.count("exchange")
+            with ledger.phase("compress"):
+                D = self._decode(theirs, t)
+            X[0].mul_(0.5).add_(D, alpha=0.5).add_(U[0])
+            st.exchanges += 1
+        else:
+            with self.lock:
+                st.exchanges += len(self.replied)
+                self._flush()
+                self.live.add_(U[0])
+                X[0].copy_(self.live)
+        st.rounds += 1
+
+    def finish(self, X: torch.Tensor) -> None:
+        if self.active:
+            for j in self.algo.partners[self.rank]:
+                self.channel.bye(j)
+            return
+        self.channel.join()
+        with self.lock:
+            self.algo.state.exchanges += len(self.replied)
+            self._flush()
+            X[0].copy_(self.live)
+

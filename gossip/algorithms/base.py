@@ -347,6 +347,11 @@ class Algorithm:
     def on_epoch_end(self, epoch: int) -> None:
         """An epoch (a pass over each node's shard) has ended."""
 
+    def finish(self, X: torch.Tensor) -> None:
+        """The last step has been taken (``GossipOptimizer.finish``): an algorithm whose
+        exchanges outlive a step (AD-PSGD under torchrun) ends them and leaves each
+        node's final model in ``X``. Nothing by default."""
+
     def set_event_sink(self, fn: Callable[[str], None] | None) -> None:
         """Where to print one-line events (e.g. MergeComp's decisions); None: nowhere."""
         self._sink = fn

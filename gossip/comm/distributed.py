@@ -276,6 +276,14 @@ class DistCommunicator(Communicator):
         ids, w = graph.neighbors(self.rank)  # the simulation's rows: same weights, same order
         return ids, w, graph.out_neighbors(self.rank), _TAG_STEP + (int(step) & 1)
 
+    def pair_channel(self) -> Any:
+        """A :class:`gossip.comm.pairs.PairChannel` over this communicator's ranks, for
+        pairwise exchanges with no global barrier (AD-PSGD); a collective of every rank."""
+        from .pairs import PairChannel
+
+        self._check_usable()
+        return PairChannel.create(self.group, self.timeout)
+
     # ---------------------------------------------------------------- exchange
     def neighbor_exchange_async(self, P: torch.Tensor, *, record: bool = True, step: int | None = None) -> Handle:
         """Post sends of ``P[0]`` to every neighbour and receives of theirs.

@@ -53,10 +53,14 @@ class CheckpointRecord:
     ledger: dict
     nodes: list[int]
     config: dict
+    #: an asynchronous run's event clock and its updates in flight (the simulation's
+    #: :class:`gossip.train.timing.AsyncClock`); None for the synchronous algorithms
+    clock: dict | None = None
 
     def to_payload(self) -> dict:
         p = self.progress
-        return {
+        extra = {} if self.clock is None else {"clock": self.clock}
+        return {**extra,
             "losses": {"epoch_losses": p.epoch_losses, "log_losses": p.log_losses},
             "step": p.step,
             "elapsed_s": float(p.elapsed_s),
@@ -80,7 +84,7 @@ class CheckpointRecord:
             epoch_losses=losses.get("epoch_losses") or [[] for _ in range(hosted)],
         )
         return cls(progress, payload["optimizer"], _unstack_loader_states(payload["loaders"], where), payload["ledger"],
-                   list(payload["nodes"]), payload["config"])
+                   list(payload["nodes"]), payload["config"], payload.get("clock"))
 
 
 def _stack_loader_states(states: list[dict]) -> list[dict] | dict:
@@ -149,8 +153,11 @@ class CheckpointManager:
     """
 
     def __init__(self, out: Path, env, comm, cfg, cfg_dict: dict, *, gopt, loaders: list, batches, ledger,
-                 corpus: str, say: Callable[[str], None]) -> None:
+                 corpus: str, say: Callable[[str], None], clock: Callable[[], Any] | None = None) -> None:
         self.out, self.env, self.comm, self.cfg, self.cfg_dict = Path(out), env, comm, cfg, cfg_dict
+        #: the run's event clock, if any, when a checkpoint is saved (``clock()``), and the
+        #: state a resume restored for it (None: none saved)
+        self.clock, self.restored_clock = clock, None
         self.nodes = [int(i) for i in comm.nodes]
         self.gopt, self.loaders, self.batches, self.ledger = gopt, loaders, batches, ledger
         self.corpus, self.say = corpus, say
@@ -161,10 +168,11 @@ class CheckpointManager:
         """This rank's checkpoint of ``progress.step`` (atomic: temporary file, rename)."""
         if self.batches is not None:  # the loaders hold the data positions a checkpoint saves
             self.batches.sync()
+        clock = self.clock() if self.clock is not None else None
         record = CheckpointRecord(
             progress=progress, optimizer=self.gopt.state_dict(copy=False),  # serialised at once: no copy of X
             loaders=[ld.state_dict() for ld in self.loaders], ledger=self.ledger.state_dict(),
-            nodes=self.nodes, config=self.cfg_dict,
+            nodes=self.nodes, config=self.cfg_dict, clock=clock.state_dict() if clock is not None else None,
         )
         return save_checkpoint(
             checkpoint_path(self.out, progress.step, self.env.rank), record.to_payload(),
@@ -294,6 +302,10 @@ class CheckpointManager:
             if self.batches is not None:
                 self.batches.reload()
             self.ledger.load_state_dict(record.ledger)
+            if self.clock is not None and record.clock is None:
+                raise CheckpointError(f"checkpoint '{path}' holds no event clock (written before an asynchronous "
+                                      f"run's clock was saved): this run cannot continue from it")
+            self.restored_clock = record.clock
         except (CheckpointError, ValueError, KeyError) as e:
             return None, str(e)
         return record.progress, None

@@ -59,12 +59,18 @@ class Build:
             raise RunError(f"--algo {cfg.algorithm.name} steps one node at a time on the event clock: it does not "
                            f"run in groups (give --group-size 1)")
         if run.algo.asynchronous:
-            if env.distributed:
-                raise RunError(f"--algo {cfg.algorithm.name} runs in the simulation (--simulate N) on the event "
-                               f"clock; under torchrun it is not available yet")
-            if cfg.run.resume is not None:
-                raise RunError(f"--resume: --algo {cfg.algorithm.name}'s event clock and the updates in flight are "
-                               f"not in its checkpoints, so a resume cannot continue it exactly; start it again")
+            if env.distributed and cfg.run.tensorboard:
+                raise RunError(f"--tensorboard: its mean over the ranks is a collective at every logged step, a "
+                               f"barrier --algo {cfg.algorithm.name} runs without under torchrun; drop "
+                               f"--tensorboard (metrics-rank<k>.jsonl has every rank's records)")
+            if env.distributed and cfg.comm.emulate_latency:
+                raise RunError(f"--emulate-latency delays the communicator's rounds, and --algo "
+                               f"{cfg.algorithm.name}'s pairwise exchanges under torchrun go around them; shape the "
+                               f"links instead (tc on the netns cluster, experiments/vcluster.py)")
+            if cfg.run.resume is not None and env.distributed:
+                raise RunError(f"--resume: --algo {cfg.algorithm.name} under torchrun saves each rank at its own "
+                               f"moment, with exchanges in flight, so a resume cannot continue the run; start it "
+                               f"again (the simulation, --simulate N, resumes exactly)")
         #: the event clock of an asynchronous algorithm and its updates in flight
         #: (:class:`~gossip.train.timing.AsyncClock`, made in ``Run.begin``)
         run.clock = None
@@ -130,7 +136,8 @@ class Build:
         return CheckpointManager(
             run.out, run.env, run.comm, run.cfg, run.cfg_dict, gopt=run.gopt, loaders=run.loaders,
             batches=run.batches, ledger=run.ledger if run.groups is None else run.groups.checkpointed(run.ledger),
-            corpus=(run.dataset.corpus or {}).get("corpus", run.cfg.data.name), say=run.log.say)
+            corpus=(run.dataset.corpus or {}).get("corpus", run.cfg.data.name), say=run.log.say,
+            clock=(lambda: run.clock) if run.algo.asynchronous and not run.env.distributed else None)
 
 
 class Start:

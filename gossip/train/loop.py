@@ -177,6 +177,8 @@ class Run:
                 step = self.progress.step
                 if step == before:  # no step committed (a fault-tolerant replica's discarded step)
                     continue
+                if step == self.stop:  # exchanges that outlive a step end before the last evaluation
+                    self.gopt.finish()
                 if step % self.steps_per_epoch == 0 or step == self.stop:
                     self.end_epoch()
                 if cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0 and step < self.stop:
@@ -206,8 +208,8 @@ class Run:
         self.hooks.start.open(self, resumed)
         self._t0 = time.perf_counter() - self.progress.elapsed_s  # wall time across resumes
         self.first_step = self.progress.step  # this process's first step is its warm-up
-        if self.algo.asynchronous:
-            self.clock = timing.AsyncClock(self)
+        if self.algo.asynchronous and not self.env.distributed:  # under torchrun: real time, no barrier
+            self.clock = timing.AsyncClock(self, saved=getattr(self.ckpt, "restored_clock", None) if resumed else None)
 
     def log_failure(self, exc: BaseException) -> Path | None:
         """Append the full detail of what stopped this rank to ``error-rank<k>.log`` in

@@ -17,7 +17,7 @@ import torch
 from gossip import clock
 from gossip.errors import Diverged
 
-__all__ = ["AsyncClock", "event_clock", "exchange_s", "modelled_time"]
+__all__ = ["AsyncClock", "event_clock", "exchange_s", "modelled_time", "own_time"]
 
 #: a :class:`gossip.train.loop.Run`: what the clock steps and times
 RunLike = Any
@@ -41,13 +41,36 @@ class AsyncClock:
     x_1, on a clock ordered by --compute-time and the link (unset: by the nodes' speeds
     alone). ``events``: the clock; ``taken``: the node steps taken so far."""
 
-    def __init__(self, run: RunLike) -> None:
+    def __init__(self, run: RunLike, saved: dict | None = None) -> None:
         self.run = run
         ct = run.cfg.comm.compute_time
         self.events = event_clock(run, 1.0 if ct is None else ct, 0.0 if ct is None else exchange_s(run))
+        if saved is not None:  # a resume: the clock and the updates in flight as they were saved
+            self.load_state_dict(saved)
+            return
         self.taken = 0
         self.pending = [self.node_update(i) for i in range(len(run.nodes))]
         self.last_loss = [v for _, v in self.pending]
+
+    def state_dict(self) -> dict:
+        """The clock, the node steps taken, each node's update in flight and its loss:
+        what a checkpoint saves so that a resume continues the run exactly."""
+        return {"events": self.events.state_dict(), "taken": self.taken,
+                "pending": torch.stack([u for u, _ in self.pending]), "pending_loss": [v for _, v in self.pending],
+                "last_loss": list(self.last_loss)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        n = len(self.run.nodes)
+        U = sd["pending"]
+        if not isinstance(U, torch.Tensor) or U.shape[0] != n or len(sd["pending_loss"]) != n:
+            raise ValueError(f"the saved event clock holds updates of {getattr(U, 'shape', ['?'])[0]} nodes, "
+                             f"this run has {n}")
+        self.events.load_state_dict(sd["events"])
+        self.taken = int(sd["taken"])
+        X = self.run.gopt.flat.data
+        self.pending = [(U[i].to(X.device, X.dtype), float(v)) for i, v in enumerate(sd["pending_loss"])]
+        self.last_loss = [float(v) for v in sd["last_loss"]]
 
     def node_update(self, i: int) -> tuple[torch.Tensor, float]:
         """Node ``i`` reads its model, computes a gradient on its next batch and its local
@@ -97,10 +120,21 @@ class AsyncClock:
         return losses
 
 
+def own_time(speeds: Any, r: int, steps: int, base: float) -> float:
+    """Modelled compute seconds of node ``r``'s first ``steps`` steps at its speed."""
+    if speeds.trace is not None:
+        per = speeds.trace[:, r]
+        full, rest = divmod(steps, len(per))
+        return full * float(per.sum()) + float(per[:rest].sum())
+    return steps * base * float(speeds.multipliers[r])
+
+
 def modelled_time(run: RunLike) -> float | None:
     """Modelled seconds of the run on ``--link`` at the nodes' speeds: each synchronous
     step the slowest node's compute plus the step's messages and codec time; an
-    asynchronous run's steps on the event clock. A node's compute at speed 1 is
+    asynchronous run's steps on the event clock (under torchrun, where each rank takes
+    the run's steps on its own: the rank that ends last, active ranks paying a round
+    trip of the model per step). A node's compute at speed 1 is
     ``--compute-time``, else this process's measured mean (warm-up left out)."""
     steps = run.progress.step
     if steps == 0:
@@ -124,6 +158,9 @@ def modelled_time(run: RunLike) -> float | None:
             replay.next()
         return replay.now + codec
     n = run.env.world_size
+    if run.algo.asynchronous:  # under torchrun: every rank its own steps, no barrier; the last one ends the run
+        return max(own_time(run.speeds, r, steps, ct) + (steps * 2 * exchange_s(run) if run.algo.active[r] else 0.0)
+                   for r in range(n)) + codec
     ops = led.as_dict()["ops"]
     rounds = sum(v["calls"] * clock.rounds_of(op, n) for op, v in ops.items() if op != "control")
     link_s = run.link.transfer_s(led.step_bytes_sent / m, rounds)

@@ -320,6 +320,13 @@ class Aggregator:
         self.center[j] = v.clone()
         return v
 
+    def scales(self, sq: torch.Tensor) -> torch.Tensor:
+        """``cclip``'s factor (k, 1) for each sender, from its squared distance ``sq`` (k,)
+        to the centre over the whole message: ``min(1, tau / ||m_i - v||)``."""
+        tau = self.params["tau"]
+        norms = sq.sqrt().unsqueeze(1)
+        return torch.where(norms > tau, tau / norms.clamp_min(1e-30), torch.ones_like(norms))
+
     def state(self) -> dict[int, torch.Tensor]:
         return {j: v.clone() for j, v in self.center.items()}
 

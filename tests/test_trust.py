@@ -138,6 +138,41 @@ def test_centered_clipping_radius_is_the_whole_messages_in_the_sharded_layout():
     assert float(G[0].norm()) == pytest.approx(1 / n) == pytest.approx(float(whole.norm()))
 
 
+@pytest.mark.parametrize("iters", [1, 3])
+def test_centered_clipping_in_the_sharded_layout_is_the_whole_message_rule(iters):
+    """Each sender's difference is clipped by its distance over the whole message, though
+    no owner holds one: a sender whose difference lies in one shard is clipped as the
+    whole-vector rule clips it (not to that shard's share of the radius), over rounds
+    that start from the last aggregate; the distances cost 4n(n-1) bytes per node per
+    iteration more than the shards' exchange."""
+    from gossip.algorithms._robust import ShardedRule
+
+    n, d, tau = 4, 16, 2.0
+    spec = f"cclip:tau={tau:g},iters={iters}"
+    M = 0.1 * _msgs(n, d, seed=5)
+    M[2, :4] += 1.5  # within the radius as a whole, 3x its shard's share tau * sqrt(4/16)
+    M[0] += 10.0  # outside it
+    whole = robust.parse_aggregator(spec)
+    comm = SimulatedCommunicator(None, world_size=n)
+    center = torch.zeros(d)
+    rule = ShardedRule.even(robust.parse_aggregator(spec), d, n, what="t", center=center)
+    for k in range(2):
+        before = comm.ledger.sent_by(0)
+        out = rule.exchange(comm, M + k)
+        torch.testing.assert_close(out, whole(M + k, 0))
+        torch.testing.assert_close(center, out)
+        mean_exchange = 2 * (n - 1) * 4 * (d // n)  # push and pull of 4-value shards
+        if k:  # (the first exchange also checks the split sizes, once)
+            assert comm.ledger.sent_by(0) - before == mean_exchange + 4 * n * (n - 1) * iters
+    local, whole = ShardedRule.even(robust.parse_aggregator(spec), d, n, what="t"), robust.parse_aggregator(spec)
+    for k in range(2):
+        torch.testing.assert_close(local.local(M + k), whole(M + k, 0))
+    per_shard = robust.parse_aggregator(spec)
+    per_shard.dim = d  # the compressed owners' rule: each shard to its share
+    assert not torch.allclose(torch.cat([per_shard(M[:, a:a + 4], a // 4) for a in range(0, d, 4)]),
+                              whole(M, 0), atol=1e-3)
+
+
 # ------------------------------------------------------------------ ClippedGossip
 def test_clipped_mix_is_the_papers_update():
     Y = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 3.0]])

@@ -12,15 +12,20 @@ compressed all-reduce (Zheng et al., arXiv:1905.10936, Sec. 1), with fp32 messag
 Step Ia:  node i's gradient is cut into n shards; shard j goes to node j (the
           reduce-scatter's traffic, ledger kind ``shard_push``);
 Step Ib:  node j applies the rule to the n messages of its shard, coordinate-wise
-          (median, trimmed mean) or on the shard's vectors (centered clipping, around
-          the shard's previous aggregate, with the radius tau * sqrt(L_j / d) of a shard
-          of L_j values, so that a sender's clipped difference over all shards is at
-          most tau, as in the whole-vector rule);
+          (median, trimmed mean);
 Step Ic:  node j's aggregate goes to every node (the all-gather, ``shard_pull``).
 
 Each node sends 2 (n - 1)/n x 4d bytes, as the ring all-reduce does: the cost of
 robustness is not in bytes but in the owner's work and in a rule that sees each
 sender's message alone.
+
+Centered clipping clips each sender's whole difference from the previous aggregate,
+as the paper's rule does, though no owner holds a whole message: in Step Ib node j
+replies with every sender's squared distance over its shard (n floats, in place of the
+aggregate); every node adds the n owners' replies up, node j clips its shard with
+these whole distances, and the owners' aggregates are all-gathered (Step Ic, ledger
+kind ``all_gather``). That is 4n(n - 1) bytes per node more than the mean's, and as
+much again for each further iteration (:mod:`gossip.algorithms._robust`).
 """
 
 from __future__ import annotations

@@ -287,16 +287,19 @@ def test_the_trust_study_smoke(tmp_path, capsys):
     assert table == render.TABLES["trust"].render(res) + "\n" and "| `allreduce` | signflip | cclip | 1 |" in table
 
 
-def test_under_torchrun_an_attacker_rank_is_defended_as_in_the_simulation(tmp_path):
+@pytest.mark.parametrize("rule", ["median", "cclip:tau=1"])
+def test_under_torchrun_an_attacker_rank_is_defended_as_in_the_simulation(tmp_path, rule):
     """4 ranks, one of them Byzantine (a real rank sending scaled, sign-flipped gradients
-    through the sharded exchange's wire); the coordinate-wise median keeps the run within
-    5 points of the clean one, and the ranks reach the numbers of the simulation."""
+    through the sharded exchange's wire); the coordinate-wise median, or centered
+    clipping (whose owners exchange the senders' distances and all-gather the
+    aggregates), keeps the run within 5 points of the clean one, and the ranks reach the
+    numbers of the simulation."""
     from tests.conftest import child_env, torchrun, why
 
     flags = ["--algo", "allreduce", "--data", "synthetic", "--model", "mlp", "--epochs", "1", "--max-steps", "12",
              "--batch-size", "64",
              "--no-progress", "--no-node-eval", "--seed", "1"]
-    attack = ["--byzantine", "1", "--attack", "scaled:factor=-10", "--aggregator", "median"]
+    attack = ["--byzantine", "1", "--attack", "scaled:factor=-10", "--aggregator", rule]
     r = torchrun(4, "-m", "gossip.train", *flags, *attack, "--out", str(tmp_path / "dist"), timeout=240,
                  env=child_env())
     assert r.returncode == 0, why(r)
@@ -358,6 +361,7 @@ def _quadratic_run(algo: str, aggregator: str, attack: str | None, *, rounds: in
 
 @pytest.mark.parametrize("algo, opts, rule", [
     ("diloco", {}, "median"),  # identity: the fp32 pseudo-gradients through the sharded layout
+    ("diloco", {}, "cclip:tau=0.3"),  # identity: cclip's distances and all-gather in the sharded layout
     ("diloco", {"compressor": "quant:bits=8"}, "cclip:tau=0.3"),  # each owner's rule on decoded shards
     ("diloco", {"compressor": "quant:bits=8", "exchange": "allgather"}, "trimmed:f=1"),  # on every node
     ("sparseloco", {"topk_fraction": 0.5, "bits": 32}, "cclip:tau=0.3"),

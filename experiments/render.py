@@ -532,6 +532,24 @@ def _adpsgd_torchrun(res: dict) -> str:
             f"{res['target']:g}x dpsgd's): {res['verdict']} ({res['ratio']:.2f}x).")
 
 
+def _adpsgd_netns(res: dict) -> str:
+    """experiments/adpsgd_netns.py's table and its target's verdict."""
+    res = res.get("results", res)
+    return (T.adpsgd_netns_table(res) + f"\n\n{res['nodes']} hosts on a ring, {res['rate']} tbf on both ends of each "
+            f"link, batch {res['batch_size']} per rank, steps {res['skip']}..{res['steps']} timed. Target (with rank 0 "
+            f"{res['factor']:g}x slower, adpsgd's fast ranks at least {res['target']:g}x dpsgd's): {res['verdict']} "
+            f"({res['ratio']:.2f}x).")
+
+
+def _diloco_eager_netns(res: dict) -> str:
+    """experiments/diloco_eager_netns.py's table and its target's verdict."""
+    res = res.get("results", res)
+    return (T.diloco_eager_netns_table(res) + f"\n\n{res['nodes']} hosts, {res['rate']} tbf on both ends of each link, "
+            f"H = {res['local_steps']}, batch {res['batch_size']} per rank, steps {res['local_steps']}..{res['steps']} "
+            f"timed, best of {len(res['runs_s_per_step']['diloco'])} interleaved repeats. Target (the eager step's "
+            f"step time below diloco's): {res['target']} ({res['ratio']:.3f}x).")
+
+
 def _streaming_overlap(res: dict) -> str:
     """experiments/streaming_overlap.py's table (step time per tau) and its target's verdict."""
     verdict = res.get("target", "not judged (recorded before the verdict was)")
@@ -750,6 +768,9 @@ _CMD_CROSSOVER = ("sudo python -m experiments run crossover_check --nodes 4 --al
                   f"--steps 20 --out runs/crossover-check --results {RESULTS}/crossover_check.json")
 _CMD_SGP = ("sudo python -m experiments run sgp_overlap --nodes 4 --rate 100mbit,10mbit --steps 30 --repeats 2 "
             f"--out runs/sgp-overlap --results {RESULTS}/sgp_overlap.json")
+_CMD_EAGER_NETNS = (f"sudo python -m experiments run diloco_eager_netns --out runs/diloco-eager-netns "
+                    f"--results {RESULTS}/diloco_eager_netns.json")
+_CMD_ADPSGD_NETNS = f"sudo python -m experiments run adpsgd_netns --out runs/adpsgd-netns --results {RESULTS}/adpsgd_netns.json"
 _CMD_ADPSGD = f"python -m experiments run adpsgd_torchrun --out runs/adpsgd-torchrun --results {RESULTS}/adpsgd_torchrun.json"
 _CMD_GOSSIP = ("OMP_NUM_THREADS=1 python -m experiments run gossip_compare --epochs 40 --out runs/gossip-compare "
                f"--results {RESULTS}/gossip_compare.json")
@@ -808,6 +829,8 @@ TABLES: dict[str, Table] = {
     "modern_compare": Table(f"{RESULTS}/modern_compare.json", _modern_compare),
     "streaming_overlap": Table(f"{RESULTS}/streaming_overlap.json", _streaming_overlap),
     "adpsgd_torchrun": Table(f"{RESULTS}/adpsgd_torchrun.json", _adpsgd_torchrun, command=_CMD_ADPSGD),
+    "adpsgd_netns": Table(f"{RESULTS}/adpsgd_netns.json", _adpsgd_netns, command=_CMD_ADPSGD_NETNS),
+    "diloco_eager_netns": Table(f"{RESULTS}/diloco_eager_netns.json", _diloco_eager_netns, command=_CMD_EAGER_NETNS),
     "streaming_overlap_taus": Table(f"{RESULTS}/streaming_overlap_taus.json", _streaming_overlap),
     "bench_sim": Table(f"{RESULTS}/bench_sim.json", _bench_sim),
     "quant_parts": Table(f"{RESULTS}/quant_parts.json", _quant_parts),

@@ -16,7 +16,7 @@ __all__ = ["md", "pct", "fmt_bytes", "fmt_score", "METRIC_WORDS", "sgp_summary",
            "bench_sim_table", "bench_sim_epoch_table", "sim_epoch_profile_table", "bench_topologies_table",
            "cold_start_table", "crossover_check_table", "ecd_recipes_table", "gossip_compare_table",
            "modern_compare_table", "netns_gap_table", "sgp_overlap_table", "sharded_accuracy_table", "sharded_bytes_table",
-           "streaming_overlap_table", "adpsgd_torchrun_table", "trust_table", "race_table", "race_netns_table", "benchmark_netns_table",
+           "streaming_overlap_table", "adpsgd_torchrun_table", "adpsgd_netns_table", "diloco_eager_netns_table", "trust_table", "race_table", "race_netns_table", "benchmark_netns_table",
            "benchmark_netns_section"]
 
 
@@ -342,6 +342,34 @@ def adpsgd_torchrun_table(res: dict) -> str:
         best = max(runs, key=lambda x: x["fast"])
         rows.append(f"| `{algo}` | {best['fast']:.1f} | {best['rates'][0]:.1f} | {best['fast'] / base:.2f}x |")
     return "\n".join(rows)
+
+
+def adpsgd_netns_table(res: dict) -> str:
+    """experiments/adpsgd_netns.py: each rank's steps per second (rank 0 first) in the
+    run whose fast ranks were quickest, and the fast ranks' mean against dpsgd's at the
+    same speeds, for D-PSGD and AD-PSGD with every rank at speed 1 and with rank 0
+    slowed, on shaped links."""
+    body = []
+    for key, runs in res["runs"].items():
+        algo, speed = key.split(" ")
+        best = max(runs, key=lambda x: x["fast"])
+        same = res["best_fast_steps_per_s"][f"dpsgd {speed}"]
+        label = "all at speed 1" if speed == "uniform" else f"rank 0 {res['factor']:g}x slower"
+        body.append([f"`{algo}`", label, ", ".join(f"{r:.1f}" for r in best["rates"]), f"{best['fast']:.1f}",
+                     f"{best['fast'] / same:.2f}x"])
+    return md(["algorithm", "speeds", "each rank (steps/s, rank 0 first)", "fast ranks' mean (best of repeats)",
+               "vs dpsgd's"], body)
+
+
+def diloco_eager_netns_table(res: dict) -> str:
+    """experiments/diloco_eager_netns.py: the step time of the synchronous and of the
+    eager outer step on shaped links, with the wait on exchanges per step of each
+    method's fastest run."""
+    runs, waits = res["runs_s_per_step"], res["wait_s_per_step"]
+    base = min(runs["diloco"])
+    body = [[f"`{m}`", f"{1000 * min(v):.1f} ms", ", ".join(f"{1000 * x:.1f}" for x in v), f"{min(v) / base:.3f}",
+             f"{1000 * waits[m][v.index(min(v))]:.1f} ms/step"] for m, v in runs.items()]
+    return md(["method", "min step time", "runs (ms/step)", "vs diloco", "waiting on exchanges (fastest run)"], body)
 
 
 def streaming_overlap_table(runs: dict[str, list[float]], waits: dict[str, list[float]] | None = None) -> str:

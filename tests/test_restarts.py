@@ -220,12 +220,16 @@ def test_an_algorithm_left_out_above_refuses_a_torchrun_resume_in_one_line(name,
     """What the every-algorithm resume test leaves out must say so itself, in one line on
     every rank, rather than resume from checkpoints that are no one state of the run (its
     simulation resumes exactly: tests/test_heterogeneous.py)."""
-    args = ["-m", "gossip.train", "--algo", name, "--topology", "complete", "--data", "synthetic", "--model",
-            "logreg", "--max-steps", "2", "--no-progress"]
-    r = torchrun(2, *args, "--out", str(tmp_path / "dist"), timeout=120, cwd=tmp_path)
-    assert r.returncode == 0, why(r)
-    r = torchrun(2, *args, "--resume", str(tmp_path / "dist"), timeout=120, cwd=tmp_path)
-    lines = {line.split("] ", 1)[-1] for line in r.stderr.strip().splitlines() if "error:" in line}
-    assert r.returncode != 0 and len(lines) == 1, why(r)
+    args = ["--algo", name, "--topology", "complete", "--data", "synthetic", "--model", "logreg",
+            "--max-steps", "2", "--no-progress"]
+    # the run and its resume in one launch of 2 ranks (each through the CLI's main())
+    r, codes = torchrun_jobs(2, [("run", [*args, "--out", str(tmp_path / "dist")]),
+                                 ("resume", [*args, "--resume", str(tmp_path / "dist")])], timeout=240, cwd=tmp_path)
+    assert r.returncode == 0 and codes["run"] == [0, 0], why(r)
+    assert len(codes["resume"]) == 2 and 0 not in codes["resume"], why(r)
+    errors = [line for line in r.stderr.strip().splitlines() if "error:" in line]
+    assert sorted(line.split(" gossip.train: error:")[0] for line in errors) == ["[rank 0]", "[rank 1]"], why(r)
+    lines = {line.split("] ", 1)[-1] for line in errors}
+    assert len(lines) == 1, why(r)
     line = lines.pop()
     assert name in line and "--resume" in line and "torchrun" in line, line

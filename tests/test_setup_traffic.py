@@ -7,10 +7,12 @@ import json
 import sys
 
 import pytest
+import torch
 
 from gossip import compress
 from gossip.tools import analysis
 from tests.conftest import REPO, child_env, run_process
+from tests.test_train import train
 
 SIZE_CHECK_BYTES = 16  # docs/comm.md: the size check, each way per neighbour, once per payload size
 RING = ["--simulate", "8", "--algo", "ecd", "--bits", "8", "--topology", "ring", "--model", "mlp",
@@ -25,9 +27,23 @@ def _summary(tmp_path, name, *args, env=None):
     return json.loads((out / "summary.json").read_text()), json.loads((out / "config.json").read_text()), r.stdout
 
 
+def _summary_here(tmp_path, name, *args):
+    """The CLI's main() in this process (no start-up of a Python and torch per run), on
+    one thread as the child processes run."""
+    out = tmp_path / name
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        r = train(*args, "--out", str(out))
+    finally:
+        torch.set_num_threads(threads)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text()), json.loads((out / "config.json").read_text()), r.stdout
+
+
 def test_one_step_and_a_hundred_steps_report_the_same_bytes_per_step(tmp_path):
-    one, cfg, _ = _summary(tmp_path, "one", *RING, "--max-steps", "1")
-    many, _, stdout = _summary(tmp_path, "many", *RING, "--max-steps", "100")
+    one, cfg, _ = _summary_here(tmp_path, "one", *RING, "--max-steps", "1")
+    many, _, stdout = _summary_here(tmp_path, "many", *RING, "--max-steps", "100")
     d = cfg["params"]
     # step 1 alone carries the one size check of the 8-bit payload (2 neighbours): headers
     assert one["bytes_sent_per_node_per_step"] == pytest.approx(many["bytes_sent_per_node_per_step"],

@@ -287,26 +287,46 @@ def test_the_trust_study_smoke(tmp_path, capsys):
     assert table == render.TABLES["trust"].render(res) + "\n" and "| `allreduce` | signflip | cclip | 1 |" in table
 
 
-@pytest.mark.parametrize("rule", ["median", "cclip:tau=1"])
-def test_under_torchrun_an_attacker_rank_is_defended_as_in_the_simulation(tmp_path, rule):
+#: the torchrun runs of the tests below, each with its flags: all in ONE launch of 4 ranks
+#: (torchrun and torch start once, not once per run)
+_FLAGS = ["--algo", "allreduce", "--data", "synthetic", "--model", "mlp", "--epochs", "1", "--max-steps", "12",
+          "--batch-size", "64", "--no-progress", "--no-node-eval", "--seed", "1"]
+_RULES = ["median", "cclip:tau=1"]
+_DILOCO = ["--algo", "diloco", "--algo-opt", "local_steps=3", "--data", "synthetic", "--model", "mlp",
+           "--epochs", "1", "--max-steps", "9", "--batch-size", "64", "--no-progress", "--no-node-eval",
+           "--seed", "2", "--byzantine", "1", "--attack", "scaled:factor=-8", "--aggregator", "median"]
+
+
+def _attack(rule: str) -> list[str]:
+    return ["--byzantine", "1", "--attack", "scaled:factor=-10", "--aggregator", rule]
+
+
+@pytest.fixture(scope="module")
+def torchrun_runs(tmp_path_factory):
+    """{name: run directory} of the runs under torchrun, 4 ranks, one launch."""
+    from tests.conftest import torchrun_jobs, why
+
+    root = tmp_path_factory.mktemp("torchrun")
+    jobs = [(f"allreduce-{k}", [*_FLAGS, *_attack(rule), "--out", str(root / f"allreduce-{k}")])
+            for k, rule in enumerate(_RULES)]
+    jobs.append(("diloco", [*_DILOCO, "--out", str(root / "diloco")]))
+    r, codes = torchrun_jobs(4, jobs, timeout=240, cwd=root)
+    assert r.returncode == 0 and codes == {name: [0] * 4 for name, _ in jobs}, why(r)
+    return {name: root / name for name, _ in jobs}
+
+
+@pytest.mark.parametrize("rule", _RULES)
+def test_under_torchrun_an_attacker_rank_is_defended_as_in_the_simulation(tmp_path, rule, torchrun_runs):
     """4 ranks, one of them Byzantine (a real rank sending scaled, sign-flipped gradients
     through the sharded exchange's wire); the coordinate-wise median, or centered
     clipping (whose owners exchange the senders' distances and all-gather the
     aggregates), keeps the run within 5 points of the clean one, and the ranks reach the
     numbers of the simulation."""
-    from tests.conftest import child_env, torchrun, why
-
-    flags = ["--algo", "allreduce", "--data", "synthetic", "--model", "mlp", "--epochs", "1", "--max-steps", "12",
-             "--batch-size", "64",
-             "--no-progress", "--no-node-eval", "--seed", "1"]
-    attack = ["--byzantine", "1", "--attack", "scaled:factor=-10", "--aggregator", rule]
-    r = torchrun(4, "-m", "gossip.train", *flags, *attack, "--out", str(tmp_path / "dist"), timeout=240,
-                 env=child_env())
-    assert r.returncode == 0, why(r)
-    dist = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    attack = _attack(rule)
+    dist = json.loads((torchrun_runs[f"allreduce-{_RULES.index(rule)}"] / "summary.json").read_text())
     assert dist["trust"]["attackers"] == list(robust.choose_attackers(4, 1, 1))
     for name, extra in (("sim", attack), ("clean", [])):
-        assert _train(*flags, *extra, "--simulate", "4", "--simulate-mode", "loop", "--out", str(tmp_path / name)) == 0
+        assert _train(*_FLAGS, *extra, "--simulate", "4", "--simulate-mode", "loop", "--out", str(tmp_path / name)) == 0
     sim = json.loads((tmp_path / "sim" / "summary.json").read_text())
     clean = json.loads((tmp_path / "clean" / "summary.json").read_text())
     assert dist["final_test_acc"] == sim["final_test_acc"]
@@ -434,18 +454,12 @@ def test_periodic_trust_refusals_are_one_line(argv, match, capsys, tmp_path):
     assert __import__("re").search(match, err), err
 
 
-def test_under_torchrun_diloco_with_an_attacker_rank_equals_the_simulation(tmp_path):
+def test_under_torchrun_diloco_with_an_attacker_rank_equals_the_simulation(tmp_path, torchrun_runs):
     """4 ranks, rank-drawn attacker sending -8x its pseudo-gradient, the median in the
     sharded layout: the same final accuracy as the in-process simulation, and the record."""
-    from tests.conftest import child_env, torchrun, why
-
-    flags = ["--algo", "diloco", "--algo-opt", "local_steps=3", "--data", "synthetic", "--model", "mlp",
-             "--epochs", "1", "--max-steps", "9", "--batch-size", "64", "--no-progress", "--no-node-eval",
-             "--seed", "2", "--byzantine", "1", "--attack", "scaled:factor=-8", "--aggregator", "median"]
-    r = torchrun(4, "-m", "gossip.train", *flags, "--out", str(tmp_path / "dist"), timeout=240, env=child_env())
-    assert r.returncode == 0, why(r)
+    flags = _DILOCO
     assert _train(*flags, "--simulate", "4", "--simulate-mode", "loop", "--out", str(tmp_path / "sim")) == 0
-    dist = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    dist = json.loads((torchrun_runs["diloco"] / "summary.json").read_text())
     sim = json.loads((tmp_path / "sim" / "summary.json").read_text())
     assert dist["trust"] == sim["trust"] and dist["trust"]["attackers"] == list(robust.choose_attackers(4, 1, 2))
     assert dist["final_test_loss"] == sim["final_test_loss"] and dist["final_test_acc"] == sim["final_test_acc"]

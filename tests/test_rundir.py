@@ -16,6 +16,7 @@ wire format.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 from gossip import checkpoint, rundir
 from gossip.tools import analysis
 from tests.conftest import REPO, run_process
+from tests.test_train import train
 
 FIXTURE = REPO / "tests" / "data" / "schema1-efblocksgd"
 FLAGS = ["--simulate", "2", "--algo", "efblocksgd", "--model", "logreg", "--data", "synthetic",
@@ -39,7 +41,17 @@ def _copy(tmp_path: Path) -> Path:
 
 
 def _train(*args: str, cwd: Path):
-    return run_process([sys.executable, "-m", "gossip.train", *args], cwd=cwd, timeout=300)
+    """The CLI's main() in this process, from ``cwd`` and on one thread as a child
+    process runs (each run is a short simulation: a Python and torch started per run
+    cost more than the run)."""
+    here, threads = os.getcwd(), torch.get_num_threads()
+    os.chdir(cwd)
+    torch.set_num_threads(1)
+    try:
+        return train(*args)
+    finally:
+        torch.set_num_threads(threads)
+        os.chdir(here)
 
 
 def test_schema1_run_loads_and_says_where_its_labels_come_from(tmp_path):

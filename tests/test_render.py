@@ -62,10 +62,16 @@ def test_the_3_bit_row_is_not_called_met():
     assert "| sign | 0.200 | ≥ 1/6 |" in table and "| identity | 0.200 |  |" in table
 
 
-def test_stale_command_lists_results_with_their_reasons(capsys):
+def test_stale_command_lists_results_with_their_reasons(capsys, monkeypatch):
+    # what --stale found, kept as it found it (each status costs a pass over the
+    # repository's history: not computed a second time here)
+    found = []
+    stale_results = render.stale_results
+    monkeypatch.setattr(render, "stale_results", lambda: found.append(stale_results()) or found[-1])
     assert render.main(["--stale"]) == 0
     out = capsys.readouterr().out
-    for rel, _, why in render.stale_results():
+    assert len(found) == 1
+    for rel, _, why in found[0]:
         assert f"{rel}: {why[0]} ({'; '.join(why[1:])})" in out
 
 

@@ -863,13 +863,16 @@ def _verdicts(methods: dict, links: list, field: str = "links") -> dict:
     return out
 
 
-def rescore(res: dict, bandwidths: Sequence[str] | None = None, latencies: Sequence[str] | None = None) -> dict:
+def rescore(res: dict, bandwidths: Sequence[str] | None = None, latencies: Sequence[str] | None = None,
+            stragglers: Sequence[str] | None = None) -> dict:
     """The analysis of a results file scored again from its trials' curves, without training:
     each method's time and bytes to the target by both criteria (held, and ever crossed:
     the criterion of results made before) and the verdicts, at the file's links or at
     ``bandwidths`` x ``latencies`` (a modelled time needs only a run's recorded bytes,
-    message rounds and compute: a link the run was never scored at is scored now). A
-    results file without its trials is returned as it is."""
+    message rounds and compute: a link the run was never scored at is scored now), and
+    under the file's straggler settings or ``stragglers`` (node-speed specs: the same
+    trials, each point's compute multiplied by the setting's slowest node, which every
+    synchronous step waits for). A results file without its trials is returned as it is."""
     import copy
 
     by_key = {t["key"]: t for t in res.get("trials") or [] if t.get("result")}
@@ -896,8 +899,9 @@ def rescore(res: dict, bandwidths: Sequence[str] | None = None, latencies: Seque
                 r["links_crossed"] = _link_stats(r["seeds"], links, n_seeds, crossed=True)
             nd["verdicts"] = _verdicts(nd["methods"], links)
             nd["verdicts_crossed"] = _verdicts(nd["methods"], links, "links_crossed")
-            if nd.get("stragglers"):
-                nd["stragglers"] = _straggler_verdicts(list(nd["stragglers"]), goal, int(n), nd["methods"], links,
+            settings = list(stragglers) if stragglers is not None else list(nd.get("stragglers") or [])
+            if settings:
+                nd["stragglers"] = _straggler_verdicts(settings, goal, int(n), nd["methods"], links,
                                                        n_seeds, lambda sd: (by_key.get(sd.get("trial")) or {}).get("result"))
     out["rescored"] = {"links": out["links"], "from": res["links"]}
     return out
@@ -1585,14 +1589,15 @@ def figure_paths(res: dict, out: Path, prefix: str) -> list[Path]:
 
 def report(res: dict, md: Path, fig_dir: Path, title: str | None = None, extra: str = "", *,
            write: bool = True, bandwidths: Sequence[str] | None = None,
-           latencies: Sequence[str] | None = None) -> str:
+           latencies: Sequence[str] | None = None, stragglers: Sequence[str] | None = None) -> str:
     """The Markdown page: the options as run, protocol, verdict table (runs that hold the
     target) and the one by the criterion before, the tuning grids, the performance profile,
     per-method tables, cost, figures, provenance; ``extra`` (Markdown) goes before the
     figures. The analysis is scored again from the trials (:func:`rescore`), at
-    ``bandwidths`` x ``latencies`` if given. ``write=False``: the page's text only (its
-    figures those already drawn), nothing written."""
-    res = {**rescore(res, bandwidths, latencies), "provenance": res.get("provenance", {})}
+    ``bandwidths`` x ``latencies`` if given, and under the ``stragglers`` settings if
+    given. ``write=False``: the page's text only (its figures those already drawn),
+    nothing written."""
+    res = {**rescore(res, bandwidths, latencies, stragglers), "provenance": res.get("provenance", {})}
     prof = profiles([res])
     prof_path = fig_dir / f"{md.stem}-profile.png"
     if write:
@@ -1770,7 +1775,9 @@ make results-tables                                   # the README's verdict tab
   the GPU (`--simulate-mode auto` says so in the run's log).
 - **Scored again without training.** `report --links-from SPEC` scores every run at that spec's
   links from its recorded bytes, message rounds and compute: a link added to the spec needs no
-  training again.
+  training again. `report --stragglers-from SPEC` adds the verdicts under that spec's straggler
+  settings from the same trials (every synchronous step waits for the slowest node), so a results
+  file made before the settings existed gets their tables.
 - **Resumable.** A trial whose run directory holds its record (`trial.json`, with the trial's
   figures) is never redone; an interrupted `run` goes on where it stopped, and widening the spec
   (a seed, a method) runs only what is new. A record counts only if it ran the arguments the
@@ -1967,6 +1974,9 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--links-from", default=None, metavar="SPEC",
                     help="score the runs at this spec's links (from their recorded bytes, rounds and compute; "
                          "no training) instead of the results file's")
+    rp.add_argument("--stragglers-from", default=None, metavar="SPEC",
+                    help="add the verdicts under this spec's straggler settings, modelled from the same trials "
+                         "(each synchronous step waits for the slowest node; no training)")
     rp.add_argument("--netns", default=None, metavar="RESULTS",
                     help="add the runs measured in the netns cluster (experiments/benchmark_netns.py's results)")
     a = p.parse_args(argv)
@@ -2047,8 +2057,10 @@ def main(argv: list[str] | None = None) -> int:
             extra = (tables.benchmark_netns_section(measured, nprov)
                      + (f"\n\n### The time model, calibrated\n\n{cal}" if cal else "") + "\n\n" + extra)
         links = load_spec(a.links_from) if a.links_from else None
+        slow = load_spec(a.stragglers_from).stragglers if a.stragglers_from else None
         report(res, md, Path(a.figures) if a.figures else md.parent, title=a.title, extra=extra.strip(),
-               bandwidths=links.bandwidths if links else None, latencies=links.latencies if links else None)
+               bandwidths=links.bandwidths if links else None, latencies=links.latencies if links else None,
+               stragglers=slow)
         print(f"benchmark: report in {md}")
         return 0
     except (SpecError, crossover.CrossoverError) as e:

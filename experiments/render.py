@@ -866,6 +866,8 @@ class Page:
     running: bool = False
     #: the spec whose links the page scores the runs at (from their recorded bytes and rounds)
     links: str | None = None
+    #: the spec whose straggler settings the page adds verdicts for (modelled from the same trials)
+    stragglers: str | None = None
 
     def text(self, md: str, write_figures: bool = False) -> str:
         from experiments import benchmark
@@ -884,9 +886,11 @@ class Page:
                      + (f"\n\n### The time model, calibrated\n\n{cal}" if cal else "") + "\n\n" + extra)
         page = REPO / md
         spec = benchmark.load_spec(REPO / self.links) if self.links else None
+        slow = benchmark.load_spec(REPO / self.stragglers).stragglers if self.stragglers else None
         return benchmark.report({**results, "provenance": prov}, page, page.parent, title=self.title,
                                 extra=extra.strip(), write=write_figures,
-                                bandwidths=spec.bandwidths if spec else None, latencies=spec.latencies if spec else None)
+                                bandwidths=spec.bandwidths if spec else None, latencies=spec.latencies if spec else None,
+                                stragglers=slow)
 
 
 #: the full run's two files, retired: every figure in them is held by the parts below,
@@ -980,12 +984,12 @@ PAGES: dict[str, Page | Overview] = {
     "docs/benchmark-mnist1d-n4-n16.md": Page(f"{RESULTS}/benchmark-mnist1d-n4-n16.json",
                                              title="The benchmark's MNIST-1D part at 4 and 16 nodes",
                                              netns=f"{RESULTS}/benchmark_netns-mnist1d-n4.json",
-                                             links="experiments/benchmark.toml"),
+                                             links="experiments/benchmark.toml", stragglers="experiments/benchmark.toml"),
     "docs/benchmark-mnist1d-n64.md": Page(f"{RESULTS}/benchmark-mnist1d-n64.json",
                                           title="The benchmark's MNIST-1D part at 64 nodes",
-                                          links="experiments/benchmark.toml"),
+                                          links="experiments/benchmark.toml", stragglers="experiments/benchmark.toml"),
     "docs/benchmark-gpt-n4.md": Page(f"{RESULTS}/benchmark-gpt-n4.json", title="The benchmark's GPT part at 4 nodes",
-                                     links="experiments/benchmark.toml"),
+                                     links="experiments/benchmark.toml", stragglers="experiments/benchmark.toml"),
     "docs/benchmark-pilot.md": Page(f"{RESULTS}/benchmark-pilot.json",
                                     title="The benchmark's pilot: twelve methods at 4 nodes on MNIST-1D",
                                     links="experiments/benchmark-pilot.toml"),

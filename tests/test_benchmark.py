@@ -386,6 +386,20 @@ def test_straggler_settings_have_their_own_verdicts(bench):
     res.update(protocol=plain["protocol"])
     table = benchmark.straggler_tables(res)
     assert table.startswith("### Node speeds slow:nodes=1,factor=4") and "| blobs | 2 | 4x |" in table
+    # a results file of before the stragglers, scored again with them: the same verdicts
+    # as a run of the spec that had them, and the report's table for each setting
+    rescored = benchmark.rescore({**plain, "trials": trials}, stragglers=slow.stragglers)
+    assert rescored["workloads"]["blobs"]["nodes"]["2"]["stragglers"] == nd["stragglers"]
+    assert "stragglers" not in benchmark.rescore({**plain, "trials": trials})["workloads"]["blobs"]["nodes"]["2"]
+    page = tmp / "page.md"
+    assert benchmark.main(["report", "--results", str(out / "benchmark.json"), "--md", str(page),
+                 "--stragglers-from", str(tmp / "slow.toml")]) == 2  # no such spec: one line, nothing written
+    assert not page.exists()
+    (tmp / "slow.toml").write_text((tmp / "spec.toml").read_text().replace(
+        "seeds =", 'stragglers = ["slow:nodes=1,factor=4"]\nseeds =', 1))
+    assert benchmark.main(["report", "--results", str(out / "benchmark.json"), "--md", str(page),
+                 "--stragglers-from", str(tmp / "slow.toml")]) == 0
+    assert "### Node speeds slow:nodes=1,factor=4" in page.read_text()
     bad = tmp / "bad.toml"
     bad.write_text((tmp / "spec.toml").read_text().replace("seeds =", 'stragglers = ["slow:nodes=0,factor=2"]\nseeds =', 1))
     with pytest.raises(benchmark.SpecError, match="stragglers\\[0\\]: --node-speed slow: nodes=0"):

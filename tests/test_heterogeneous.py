@@ -230,13 +230,18 @@ def test_torchrun_ranks_sleep_for_their_speed_and_compute_the_same_numbers(tmp_p
     """Under torchrun rank 0 is 3x slower (it sleeps for the difference): the numbers are
     the simulation's, bit for bit, and summary.json models the time."""
     from tests.conftest import why
-    from tests.test_train import torchrun, train_process
+    from tests.test_train import torchrun, train
 
     args = ["--algo", "dpsgd", "--topology", "complete", "--epochs", "1", "--max-steps", "4", "--node-speed",
             "slow:nodes=1,factor=3", *QUICK]
     r = torchrun(2, *args, "--out", str(tmp_path / "dist"))
     assert r.returncode == 0, why(r)
-    r = train_process("--simulate", "2", "--simulate-mode", "loop", *args, "--out", str(tmp_path / "sim"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the twin in this process, with the ranks' thread count
+    try:
+        r = train("--simulate", "2", "--simulate-mode", "loop", *args, "--out", str(tmp_path / "sim"))
+    finally:
+        torch.set_num_threads(threads)
     assert r.returncode == 0, r.stderr
     assert torch.equal(final_params(tmp_path / "dist"), final_params(tmp_path / "sim"))
     s = _summary(tmp_path / "dist")

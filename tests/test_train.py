@@ -114,16 +114,31 @@ def test_simulate_resume_is_bit_identical(tmp_path):
     assert steps == sorted(set(steps))
 
 
-@pytest.mark.multiprocess
-def test_torchrun_world2_equals_simulation_and_resumes(tmp_path):
+#: the bad input of test_torchrun_bad_input_fails_on_every_rank: a torus of 2 nodes
+_BAD = ["--algo", "dcd", "--topology", "torus", *QUICK]
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    """One torchrun launch of 2 ranks: each rank runs the whole run, then an interrupted
+    one (9 steps) and its resume, then the bad input, each through the CLI's main() as
+    python -m gossip.train does (the launch of the real command exiting non-zero on bad
+    flags: tests/test_restarts.py)."""
+    root = tmp_path_factory.mktemp("world2")
     args = ["--algo", "ecd", "--bits", "6", "--topology", "complete", *QUICK]
-    # one torchrun launch: each rank runs the whole run, then an interrupted one (9 steps)
-    # and its resume, each through the CLI's main() as python -m gossip.train does
-    r, codes = torchrun_jobs(2, [("dist", [*args, "--out", str(tmp_path / "dist")]),
-                                 ("part", [*args, "--out", str(tmp_path / "part"), "--max-steps", "9"]),
-                                 ("resume", [*args, "--resume", str(tmp_path / "part")])],
-                             timeout=240, cwd=tmp_path)
-    assert r.returncode == 0 and codes == {"dist": [0, 0], "part": [0, 0], "resume": [0, 0]}, why(r)
+    r, codes = torchrun_jobs(2, [("dist", [*args, "--out", str(root / "dist")]),
+                                 ("part", [*args, "--out", str(root / "part"), "--max-steps", "9"]),
+                                 ("resume", [*args, "--resume", str(root / "part")]),
+                                 ("bad", _BAD)],
+                             timeout=240, cwd=root)
+    return root, args, r, codes
+
+
+@pytest.mark.multiprocess
+def test_torchrun_world2_equals_simulation_and_resumes(world2, tmp_path):
+    root, args, r, codes = world2
+    assert r.returncode == 0 and {k: codes[k] for k in ("dist", "part", "resume")} == {
+        "dist": [0, 0], "part": [0, 0], "resume": [0, 0]}, why(r)
     # the simulation in this process, with the ranks' thread count (one):
     # bit-identity holds whatever OMP_NUM_THREADS the caller has
     threads = torch.get_num_threads()
@@ -134,9 +149,9 @@ def test_torchrun_world2_equals_simulation_and_resumes(tmp_path):
         torch.set_num_threads(threads)
     assert r.returncode == 0, r.stderr
     # simulation equals reality: the same parameters, bit for bit
-    assert torch.equal(final_params(tmp_path / "dist"), final_params(tmp_path / "sim"))
+    assert torch.equal(final_params(root / "dist"), final_params(tmp_path / "sim"))
     # and an interrupted torchrun run resumes to the same numbers
-    assert torch.equal(final_params(tmp_path / "dist"), final_params(tmp_path / "part"))
+    assert torch.equal(final_params(root / "dist"), final_params(root / "part"))
 
 
 @pytest.mark.multiprocess
@@ -153,9 +168,9 @@ def test_torchrun_world4_ring(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_torchrun_bad_input_fails_on_every_rank(tmp_path):
-    r = torchrun(2, "--algo", "dcd", "--topology", "torus", *QUICK, timeout=120)
-    assert r.returncode != 0
+def test_torchrun_bad_input_fails_on_every_rank(world2):
+    _, _, r, codes = world2
+    assert codes["bad"] == [2, 2], why(r)
     errors = sorted(ln for ln in r.stderr.splitlines() if "gossip.train: error:" in ln)
     assert [ln.split(" gossip.train: error:")[0] for ln in errors] == ["[rank 0]", "[rank 1]"], r.stderr
     assert all("torus" in ln for ln in errors)

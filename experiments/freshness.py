@@ -88,7 +88,7 @@ def needs(prov: dict[str, Any]) -> str:
         return "gpu"
     if cmd.startswith("sudo ") or "--mode netns" in cmd or any(
             s in cmd for s in ("benchmark_netns", "sweep_network", "crossover_check", "sgp_overlap", "experiments.churn",
-                               "netns_gap", "streaming_overlap", "bench_ddp_overlap", "diloco_eager_netns", "adpsgd_netns")):
+                               "netns_gap", "streaming_overlap", "bench_ddp_overlap", "diloco_eager_netns", "adpsgd_netns", "groups_netns")):
         return "netns"
     return "cpu"
 

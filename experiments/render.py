@@ -541,6 +541,16 @@ def _adpsgd_netns(res: dict) -> str:
             f"({res['ratio']:.2f}x).")
 
 
+def _groups_netns(res: dict) -> str:
+    """experiments/groups_netns.py's table."""
+    res = res.get("results", res)
+    return (T.groups_netns_table(res) + f"\n\n`{' '.join(res['args'])}`: {res['hosts']} hosts of {res['per_host']} "
+            f"ranks, {res['rate']} tbf on both ends of each host's link, batch {res['batch_size']} per rank, steps "
+            f"{res['local_steps']}..{res['steps']} timed; bytes over the whole run (setup and the final evaluation "
+            f"included). Groups against flat: step time {res['step_ratio']:.2f}x, bytes over the link "
+            f"{res['link_bytes_ratio']:.2f}x.")
+
+
 def _diloco_eager_netns(res: dict) -> str:
     """experiments/diloco_eager_netns.py's table and its target's verdict."""
     res = res.get("results", res)
@@ -771,6 +781,7 @@ _CMD_SGP = ("sudo python -m experiments run sgp_overlap --nodes 4 --rate 100mbit
 _CMD_EAGER_NETNS = (f"sudo python -m experiments run diloco_eager_netns --out runs/diloco-eager-netns "
                     f"--results {RESULTS}/diloco_eager_netns.json")
 _CMD_ADPSGD_NETNS = f"sudo python -m experiments run adpsgd_netns --out runs/adpsgd-netns --results {RESULTS}/adpsgd_netns.json"
+_CMD_GROUPS_NETNS = f"sudo python -m experiments run groups_netns --out runs/groups-netns --results {RESULTS}/groups_netns.json"
 _CMD_ADPSGD = f"python -m experiments run adpsgd_torchrun --out runs/adpsgd-torchrun --results {RESULTS}/adpsgd_torchrun.json"
 _CMD_GOSSIP = ("OMP_NUM_THREADS=1 python -m experiments run gossip_compare --epochs 40 --out runs/gossip-compare "
                f"--results {RESULTS}/gossip_compare.json")
@@ -830,6 +841,7 @@ TABLES: dict[str, Table] = {
     "streaming_overlap": Table(f"{RESULTS}/streaming_overlap.json", _streaming_overlap),
     "adpsgd_torchrun": Table(f"{RESULTS}/adpsgd_torchrun.json", _adpsgd_torchrun, command=_CMD_ADPSGD),
     "adpsgd_netns": Table(f"{RESULTS}/adpsgd_netns.json", _adpsgd_netns, command=_CMD_ADPSGD_NETNS),
+    "groups_netns": Table(f"{RESULTS}/groups_netns.json", _groups_netns, command=_CMD_GROUPS_NETNS),
     "diloco_eager_netns": Table(f"{RESULTS}/diloco_eager_netns.json", _diloco_eager_netns, command=_CMD_EAGER_NETNS),
     "streaming_overlap_taus": Table(f"{RESULTS}/streaming_overlap_taus.json", _streaming_overlap),
     "bench_sim": Table(f"{RESULTS}/bench_sim.json", _bench_sim),

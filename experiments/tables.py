@@ -16,7 +16,7 @@ __all__ = ["md", "pct", "fmt_bytes", "fmt_score", "METRIC_WORDS", "sgp_summary",
            "bench_sim_table", "bench_sim_epoch_table", "sim_epoch_profile_table", "bench_topologies_table",
            "cold_start_table", "crossover_check_table", "ecd_recipes_table", "gossip_compare_table",
            "modern_compare_table", "netns_gap_table", "sgp_overlap_table", "sharded_accuracy_table", "sharded_bytes_table",
-           "streaming_overlap_table", "adpsgd_torchrun_table", "adpsgd_netns_table", "diloco_eager_netns_table", "trust_table", "race_table", "race_netns_table", "benchmark_netns_table",
+           "streaming_overlap_table", "adpsgd_torchrun_table", "adpsgd_netns_table", "diloco_eager_netns_table", "groups_netns_table", "trust_table", "race_table", "race_netns_table", "benchmark_netns_table",
            "benchmark_netns_section"]
 
 
@@ -359,6 +359,24 @@ def adpsgd_netns_table(res: dict) -> str:
                      f"{best['fast'] / same:.2f}x"])
     return md(["algorithm", "speeds", "each rank (steps/s, rank 0 first)", "fast ranks' mean (best of repeats)",
                "vs dpsgd's"], body)
+
+
+def groups_netns_table(res: dict) -> str:
+    """experiments/groups_netns.py: per setting (flat, in groups), the fastest run's step
+    time, per host what crossed the shaped link and what stayed on its loopback (the
+    kernel's counters), and what the run reports each rank sending per step."""
+    h = res["hosts"]
+    body = []
+    for name, runs in res["runs"].items():
+        r = min(runs, key=lambda x: x["s_per_step"])
+        label = "flat (`--group-size 1`)" if name == "flat" else f"groups (`--group-size {res['per_host']}`)"
+        lv = r.get("bytes_by_level")
+        reported = (fmt_bytes(r["bytes_per_rank_per_step"]) if not lv else
+                    f"{fmt_bytes(lv['inter'])} between groups, {fmt_bytes(lv['intra'])} inside")
+        body.append([label, f"{1000 * r['s_per_step']:.1f} ms", f"{1000 * r['wait_s_per_step']:.1f} ms",
+                     fmt_bytes(sum(r["interface_sent"]) / h), fmt_bytes(sum(r["loopback"]) / h), reported])
+    return md(["setting", "step time (fastest run)", "waiting on exchanges", "link: sent per host (interface)",
+               "loopback per host", "a rank's bytes per step (summary.json)"], body)
 
 
 def diloco_eager_netns_table(res: dict) -> str:

@@ -1,8 +1,9 @@
-"""Two timings on the netns cluster (experiments/diloco_eager_netns.py: DiLoCo's eager
+"""Three timings on the netns cluster (experiments/diloco_eager_netns.py: DiLoCo's eager
 outer step against the synchronous one; experiments/adpsgd_netns.py: one slow rank
-under AD-PSGD and D-PSGD): their options refused in one line before any namespace is
-built, their tables rendered from a results file, and, behind the ``netns`` marker, a
-short run of each on a real virtual cluster."""
+under AD-PSGD and D-PSGD; experiments/groups_netns.py: 2 hosts of 2 ranks, flat and in
+groups): their options refused in one line before any namespace is built, their tables
+rendered from a results file, and, behind the ``netns`` marker, a short run of each on
+a real virtual cluster."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 
 import pytest
 
-from experiments import adpsgd_netns, diloco_eager_netns, render, tables
+from experiments import adpsgd_netns, diloco_eager_netns, groups_netns, render, tables
 
 
 @pytest.mark.parametrize("module, argv, what", [
@@ -20,6 +21,9 @@ from experiments import adpsgd_netns, diloco_eager_netns, render, tables
     (adpsgd_netns, ["--nodes", "2"], "--nodes must be even and at least 4"),
     (adpsgd_netns, ["--factor", "0.5"], "--factor must be a number >= 1"),
     (adpsgd_netns, ["--steps", "5", "--skip", "10"], "--skip must be at least 1 and --steps more than --skip + 1"),
+    (groups_netns, ["--per-host", "1"], "--hosts and --per-host must each be at least 2"),
+    (groups_netns, ["--steps", "6", "--local-steps", "5"], "--steps must exceed --local-steps + 1"),
+    (groups_netns, ["--repeats", "0"], "--repeats must be at least 1"),
 ])
 def test_bad_options_are_refused_in_one_line_before_any_namespace(module, argv, what, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
@@ -70,6 +74,23 @@ def test_the_slow_rank_table_lists_every_rank_and_the_fast_ranks_against_dpsgd()
     assert "met (5.83x)" in render.TABLES["adpsgd_netns"].render({"provenance": {}, "results": res})
 
 
+def test_the_groups_table_shows_the_link_the_loopback_and_the_levels():
+    def run(st, link, lo, per_step, levels=None):
+        return {"s_per_step": st, "wait_s_per_step": st / 2, "load": 0.1, "interface_sent": [link, link],
+                "loopback": [lo, lo], "bytes_per_rank_per_step": per_step, "bytes_by_level": levels}
+
+    res = {"hosts": 2, "per_host": 2, "rate": "20mbit", "algo": "diloco", "args": ["--algo", "diloco"],
+           "local_steps": 5, "steps": 60, "batch_size": 256,
+           "runs": {"flat": [run(0.07, 7e6, 6e6, 92_000), run(0.06, 7e6, 6e6, 92_000)],
+                    "groups": [run(0.05, 5e6, 4e7, 360_000, {"inter": 30_000, "intra": 330_000})]},
+           "step_ratio": 0.05 / 0.06, "link_bytes_ratio": 5 / 7}
+    md = tables.groups_netns_table(res)
+    assert "| flat (`--group-size 1`) | 60.0 ms | 30.0 ms |" in md  # the fastest run
+    assert "| groups (`--group-size 2`) | 50.0 ms |" in md and "between groups" in md and "inside |" in md
+    text = render.TABLES["groups_netns"].render({"provenance": {}, "results": res})
+    assert md in text and "step time 0.83x, bytes over the link 0.71x" in text
+
+
 @pytest.mark.netns
 def test_both_timings_run_on_a_virtual_cluster(tmp_path):
     """A short run of each on shaped links: every run exits 0, the JSON holds a time
@@ -86,3 +107,10 @@ def test_both_timings_run_on_a_virtual_cluster(tmp_path):
     assert set(res["runs"]) == {"dpsgd uniform", "adpsgd uniform", "dpsgd slow", "adpsgd slow"}
     assert all(len(v) == 1 and len(v[0]["rates"]) == 4 and min(v[0]["rates"]) > 0 for v in res["runs"].values())
     assert res["verdict"] in ("met", "not met", "not judged (loaded machine)")
+    assert groups_netns.main(["--local-steps", "2", "--steps", "8", "--batch-size", "32", "--repeats", "1",
+                              "--prefix", "tgrp", "--out", str(tmp_path / "g")]) == 0
+    res = json.loads((tmp_path / "g" / "groups_netns.json").read_text())["results"]
+    flat, grouped = res["runs"]["flat"][0], res["runs"]["groups"][0]
+    assert flat["bytes_by_level"] is None and set(grouped["bytes_by_level"]) == {"inter", "intra"}
+    assert min(flat["interface_sent"] + grouped["interface_sent"]) > 0
+    assert sum(grouped["loopback"]) > sum(flat["loopback"])  # the gradient all-reduce stays inside each host

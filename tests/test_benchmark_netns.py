@@ -90,6 +90,7 @@ def test_a_file_that_is_not_a_benchmark_results_file_is_one_line(tmp_path, capsy
     assert "not a benchmark results file" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.netns
 @pytest.mark.skipif(_netns_reason() is not None, reason=f"needs network namespaces: {_netns_reason()}")
 def test_the_methods_run_on_shaped_links_and_the_report_shows_them(bench, capsys):
     """In two parts: allreduce, then localsgd resuming the first part's file."""

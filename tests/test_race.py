@@ -80,6 +80,7 @@ def _netns_reason() -> str | None:
     return None
 
 
+@pytest.mark.netns
 @pytest.mark.skipif(_netns_reason() is not None, reason=f"needs network namespaces: {_netns_reason()}")
 def test_race_netns_stops_at_the_target(tmp_path, capsys):
     """2 torchrun ranks behind a shaped link: the run stops at the first evaluation that

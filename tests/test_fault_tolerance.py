@@ -362,6 +362,100 @@ def test_decentralized_rebuilds_the_ring_over_the_survivors_and_after_the_rejoin
     assert _consensus(got["params"]) < 0.05, _consensus(got["params"])
 
 
+def _torchrun_group(replica: int, replicas: int, argv: list[str], tmp: Path, name: str,
+                    slow: Path | None = None) -> subprocess.Popen:
+    """Replica group ``replica``: one torchrun launch of 2 processes (its members), as a
+    user starts one per host; stdout and stderr to ``tmp/<name>.log``."""
+    env = _env(replica, replicas)
+    if slow is not None:
+        env["GOSSIP_TEST_SLOW"] = str(slow)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    log = open(tmp / f"{name}.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--master_addr", "localhost", "--master_port", str(port), "-m", "gossip.train", *argv],
+                            env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _member_pid(launcher: subprocess.Popen, member: int) -> int:
+    """The pid of the worker of torchrun ``launcher`` that is ``member`` (its RANK)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != launcher.pid:
+                continue
+            env = dict(kv.split("=", 1) for kv in (d / "environ").read_bytes().decode(errors="replace").split("\0")
+                       if "=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if env.get("RANK") == str(member):
+            return int(d.name)
+    pytest.fail(f"no worker of RANK {member} under torchrun {launcher.pid}")
+
+
+def test_replica_groups_a_killed_member_takes_its_group_out_and_the_group_heals_on_restart(tmp_path: Path) -> None:
+    """2 replica groups of 2 (``--group-size 2``: DDP-style averaging inside a group, diloco
+    sharded between the groups over torchft). Member 1 of group 1 is SIGKILLed: its torchrun
+    launch ends the group, the Lighthouse drops it and group 0 steps on alone; the group
+    started again heals member by member (each member's slice of the outer state from
+    the same member of group 0) and the run ends with one model."""
+    steps, h = 300, 5
+    lh = _Lighthouse(min_replicas=1, tmp=tmp_path)
+    slow, out = tmp_path / "slow", tmp_path / "run"
+    argv = [*ARGS, "--algo", "diloco", "--algo-opt", f"local_steps={h}", "--model", "tests._ftmodel:mlp",
+            "--fault-tolerance", lh.addr, "--min-replicas", "1", "--group-size", "2", "--timeout", "10",
+            "--max-steps", str(steps), "--no-progress", "--out", str(out)]
+    procs: list[subprocess.Popen] = []
+    m = [out / f"metrics-rank{n}.jsonl" for n in range(4)]  # node k * 2 + member
+    try:
+        procs = [_torchrun_group(k, 2, argv, tmp_path, f"g{k}", slow=slow) for k in range(2)]
+        _wait(lambda: _last_step(m[3]) >= 15, "group 1 to reach step 15", procs)
+        victim = _member_pid(procs[1], 1)
+        slow.touch()  # group 0 slowed down until group 1 has healed: the run cannot end before the rejoin
+        os.kill(victim, signal.SIGKILL)
+        # torchrun ends the group when a member dies (a member blocked in torchft's commit vote
+        # on the dead one leaves when that call returns: within --timeout)
+        assert procs[1].wait(timeout=120) != 0
+        killed_at = max(_last_step(m[2]), _last_step(m[3]))
+        _wait(lambda: all(_last_participants(m[n]) == 1 for n in (0, 1)), "group 0 to step on alone", procs[:1])
+        procs.append(_torchrun_group(1, 2, argv, tmp_path, "g1-restarted", slow=slow))
+        _wait(lambda: all(any(r.get("event") == "heal" for r in _records(m[n])) for n in (2, 3)),
+              "both members of group 1 to heal", [procs[0], procs[2]])
+        slow.unlink()
+        for p in (procs[0], procs[2]):
+            assert p.wait(timeout=300) == 0, (tmp_path / "g0.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        lh.close()
+    records = {n: _records(m[n]) for n in range(4)}
+    log0 = (tmp_path / "g0.log").read_text()
+    for n in (0, 1):  # both members of group 0: every step once, alone between the death and the heal
+        done = [r["step"] for r in _steps(records[n])]
+        assert done == list(range(1, steps + 1)), f"node {n}: steps {done[:5]}...{done[-5:]}"
+        quorum = [r for r in records[n] if r.get("event") == "quorum" and r["step"] > 0]
+        assert [r["left"] for r in quorum if r["left"]] == [[1]], quorum
+        assert [r["joined"] for r in quorum if r["joined"]] == [[1]], quorum
+        assert 1 in [r["participants"] for r in _steps(records[n]) if r["step"] > killed_at], records[n][-5:]
+    assert re.search(r"\[replica 0 member 1\] quorum at step \d+: 1 replicas \[0\] \(left: \[1\]", log0), log0[-2000:]
+    restarted = (tmp_path / "g1-restarted.log").read_text()
+    for n, member in ((2, 0), (3, 1)):  # each member healed from replica 0, past the step it died at
+        heals = [r for r in records[n] if r.get("event") == "heal"]
+        assert len(heals) == 1 and heals[0]["source"] == 0 and heals[0]["bytes"] > 0, heals
+        assert heals[0]["step"] > killed_at
+        assert f"[replica 1 member {member}] healed from replica 0" in restarted, restarted[-2000:]
+    # diloco's last outer step (steps is a multiple of H) leaves every replica group with one model
+    params = [torch.load(out / f"model-replica{k}.pt")["params"] for k in range(2)]
+    assert torch.equal(params[0], params[1])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["group_size"] == 2 and summary["fault_tolerance"]["replica_group_size"] == 2
+    assert summary["bytes_by_level"]["intra"] > 0 and summary["bytes_by_level"]["inter"] > 0
+
+
 @pytest.mark.parametrize("value, match", [
     ("nohost", r"--fault-tolerance must be the Lighthouse's HOST:PORT"),
     ("localhost:notaport", r"--fault-tolerance must be the Lighthouse's HOST:PORT"),
@@ -403,6 +497,14 @@ def test_unsupported_algorithms_and_bad_settings_are_one_line_before_anything_co
     cfg = parse_args(["--algo", "allreduce", "--fault-tolerance", "localhost:1", "--min-replicas", "5",
                       "--out", str(tmp_path)])
     with pytest.raises(RunError, match=r"--min-replicas 5 exceeds the 4 replicas of NUM_REPLICA_GROUPS"):
+        run(cfg)
+    # a replica group is one torchrun launch: --group-size must be its number of processes
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = parse_args(["--algo", "allreduce", "--fault-tolerance", "localhost:1", "--group-size", "2",
+                      "--out", str(tmp_path)])
+    with pytest.raises(RunError, match=r"--group-size 2: a replica group is one torchrun launch of G processes "
+                                       r"\(its members\), and this one has 1 \(WORLD_SIZE\); launch each replica "
+                                       r"group with `torchrun --nproc_per_node 2`"):
         run(cfg)
     # shards owned by rank cannot follow the quorum: refused before the Lighthouse is even looked for
     # (nothing listens at localhost:1)
@@ -707,10 +809,11 @@ def test_each_replicas_line_reaches_stderr_in_one_write(monkeypatch):
 
     err = _Writes()
     monkeypatch.setattr(sys, "stderr", err)
-    FaultTolerantRun._say(SimpleNamespace(replica=2), "quorum 3 -> 2 replicas")
-    FaultTolerantRun._say(SimpleNamespace(replica=0), "rejoined")
-    ReplicaLog.say(SimpleNamespace(replica=1), "epoch  1/2")  # the run's lines (an epoch's end)
-    assert err.calls == ["[replica 2] quorum 3 -> 2 replicas\n", "[replica 0] rejoined\n", "[replica 1] epoch  1/2\n"]
+    FaultTolerantRun._say(SimpleNamespace(who="replica 2"), "quorum 3 -> 2 replicas")
+    FaultTolerantRun._say(SimpleNamespace(who="replica 0 member 1"), "rejoined")
+    ReplicaLog.say(SimpleNamespace(who="replica 1"), "epoch  1/2")  # the run's lines (an epoch's end)
+    assert err.calls == ["[replica 2] quorum 3 -> 2 replicas\n", "[replica 0 member 1] rejoined\n",
+                         "[replica 1] epoch  1/2\n"]
 
 
 def test_the_fault_tolerant_run_overrides_only_the_step_and_the_finish():

@@ -639,7 +639,8 @@ class CommSection:
         "its 1/G slice); see docs/hierarchical.md",
         metavar="G", role="agree",
         default_text="1 with --simulate and on one host; under torchrun across several hosts, the processes of "
-                     "one host (LOCAL_WORLD_SIZE)",
+                     "one host (LOCAL_WORLD_SIZE); with --fault-tolerance, the processes of the replica group's "
+                     "torchrun launch",
     )
     fault_tolerance: str | None = option(
         None,
@@ -1060,8 +1061,6 @@ class TrainConfig:
         if alg.merge is not None or alg.name == "mergecomp":
             raise ConfigError("--merge schedules the backward pass of one node per process; it does not run "
                               f"with --group-size {g}")
-        if comm.fault_tolerance is not None:
-            raise ConfigError(f"--fault-tolerance does not run with --group-size {g} yet (see docs/hierarchical.md)")
         if comm.emulate_latency:
             raise ConfigError(f"--emulate-latency does not run with --group-size {g} yet")
         if comm.simulate_mode == "vectorized":

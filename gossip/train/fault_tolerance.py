@@ -66,7 +66,7 @@ from gossip.train.assembly import Env
 from gossip.train.checkpoint import Progress
 from gossip.comm.base import is_time_varying
 from gossip.train.config import RESUME_AUTO, lighthouse_address
-from gossip.errors import RunError, say_line
+from gossip.errors import PeerError, RunError, say_line
 from gossip.train.loop import Build, Evaluation, Run, RunHooks, Start
 
 __all__ = ["FT_CHECKPOINT_FORMAT", "FTCommunicator", "FaultTolerantRun", "MODE", "ReplicaBuild", "ReplicaCheckpoints",
@@ -324,19 +324,21 @@ class FaultTolerantRun(Run):
         end = {"event": "end", "step": step, **evaluation.test_metrics(self.model, self.dataset, self.device),
                "time": self.elapsed(), "aborted_groups": self.comm.aborts}
         # the run's writers are closed (Run.train closes them before its last checkpoint): appended
-        writer = rundir.MetricsWriter(rundir.metrics_path(self.out, self.replica), keep_until=2**62)
+        writer = rundir.MetricsWriter(rundir.metrics_path(self.out, self.node), keep_until=2**62)
         writer.write(end)
         writer.close()
-        torch.save({"params": self.gopt.flat.data[0].detach().clone(), "step": step},
-                   self.out / f"model-replica{self.replica}.pt")
+        if self.member == 0:  # the members of a replica group hold one model
+            torch.save({"params": self.gopt.flat.data[0].detach().clone(), "step": step},
+                       self.out / f"model-replica{self.replica}.pt")
         if not self.is_main:
             return None
         say_line(json.dumps(end), sys.stdout)
         summary = metrics.summary_record(self.facts(), steps=step, ledger=self.comm.run_ledger, comm=self.comm,
                                          last_eval=self.last_eval, dpsgd_bytes=self.dpsgd_bytes,
-                                         wall_time_s=self.elapsed())
+                                         wall_time_s=self.elapsed(), groups=self.groups)
         summary["fault_tolerance"] = {
             "replica": self.replica, "replicas": self.replicas, "min_replicas": self.min_replicas,
+            "replica_group_size": self.group_size,
             "lighthouse": self.addr, "quorums": self.quorums, "heals": self.heals,
             "discarded_steps": self.discarded, "aborted_groups": self.comm.aborts,
             "resumed_from_step": self.resumed_step}
@@ -344,6 +346,11 @@ class FaultTolerantRun(Run):
         return summary
 
     # --- the replica's helpers: its state for a peer, its loader, its lines, its Manager -----
+    @property
+    def _ckpt_member(self) -> int | None:
+        """The member index in checkpoint file names: in replica groups only."""
+        return self.member if self.group_size > 1 else None
+
     def _state(self) -> dict:
         # a copy: the transport serves it while this replica trains on (torchft orders the
         # healing peer's fetch before this step's all-reduce completes, but the copy makes
@@ -366,27 +373,28 @@ class FaultTolerantRun(Run):
             for opt, osd in zip(self.gopt.optimizers, state["optimizers"]):
                 opt.load_state_dict(osd)
             self.gopt.steps = int(state["steps"])
-            algo.state.t = int(state["algorithm"]["t"])
+            _set_iteration(algo, int(state["algorithm"]["t"]))
             self.built_quorum = None
         else:
             self.gopt.load_state_dict(state)
-            for name in algo.local_state:  # this worker's own residual died with it
-                getattr(algo.state, name).zero_()
-        self.heal_reset = list(algo.local_state)
+            for inner in _inner_algorithms(algo):  # this worker's own residual died with it
+                for name in inner.local_state:
+                    getattr(inner.state, name).zero_()
+        self.heal_reset = list(_template(algo).local_state)
         self.heal_bytes = sum(int(t.numel() * t.element_size()) for t in _tensors(sd))
         self.heal_source = int(sd["replica"])
 
     def _position_loader(self, step: int) -> None:
         """The loader of this replica's own shard, just before the batch of ``step``."""
-        self.loader = data.ShardLoader(self.dataset.x_train, self.dataset.y_train, self.shards[self.replica],
-                                       self.cfg.data.batch_size, seed=self.cfg.run.seed, node=self.replica,
+        self.loader = data.ShardLoader(self.dataset.x_train, self.dataset.y_train, self.shards[self.node],
+                                       self.cfg.data.batch_size, seed=self.cfg.run.seed, node=self.node,
                                        device=self.device)
         for _ in range(step):  # the loader's order is a function of (seed, node, step)
             self.loader.next_batch()
         self.loaders = [self.loader]
 
     def _say(self, line: str) -> None:
-        say_line(f"[replica {self.replica}] {line}")  # the replicas share one stderr
+        say_line(f"[{self.who}] {line}")  # the replicas share one stderr
 
     def _start_manager(self) -> None:
         from torch.distributed import TCPStore
@@ -395,19 +403,24 @@ class FaultTolerantRun(Run):
 
         host = os.environ.get(HOST_ENV) or socket.gethostname()
         td = _dt.timedelta(seconds=self.timeout)
-        # the replica group's own store (a group of one rank): torchft's Manager expects it started
-        self.store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False, timeout=td)
+        # the replica group's own store, started by its member 0 (torchft's Manager expects it
+        # started); in groups its address goes to the other members over the group's process group
+        self.store = None
+        if self.member == 0:
+            self.store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False, timeout=td)
+        store_host, store_port = (host, self.store.port) if self.group_size == 1 else _share_address(
+            host, self.store.port if self.store is not None else 0)
         self.pg = _process_group(ProcessGroupGloo, td, self)  # re-configured by the Manager at every quorum change
         self.manager = Manager(
             pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=self.min_replicas,
             use_async_quorum=False,  # heal before the forward pass: a restarted replica takes part at once
             # a survivor may spend up to --timeout stuck in a collective on a peer that died without
             # closing its connections before it asks for the next quorum: the others' wait must outlast that
-            timeout=td, quorum_timeout=3 * td, connect_timeout=td, rank=0, world_size=1,
+            timeout=td, quorum_timeout=3 * td, connect_timeout=td, rank=self.member, world_size=self.group_size,
             # a Lighthouse that stops answering is asked again about once a second, reconnecting, for as long
             # as the quorum may take: one restarted on the same address is rejoined
             quorum_retries=_quorum_retries(3 * self.timeout),
-            store_addr=host, store_port=self.store.port, lighthouse_addr=self.addr,
+            store_addr=store_host, store_port=store_port, lighthouse_addr=self.addr,
             replica_id=_replica_name(self.replica), hostname=host, init_sync=False,  # x_1 is identical by the seed
             checkpoint_transport=_checkpoint_transport(host, td, self.verbose),
         )
@@ -422,6 +435,8 @@ class FaultTolerantRun(Run):
 
         self.agree = {**agreement.agreement_record(self.cfg, self.dataset),
                       REPLICAS_ENV: self.replicas, "min_replicas": self.min_replicas}
+        if self.group_size > 1:  # (absent for groups of one: the records of runs made before groups still agree)
+            self.agree["replica_group_size"] = self.group_size
         # each replica resumes (or not) on its own; one behind the group heals from it
         self.agree.pop("resume_auto", None)
         text = json.dumps(self.agree, sort_keys=True, default=str)
@@ -474,10 +489,13 @@ class FaultTolerantRun(Run):
         appended to (a restarted replica writes on after its earlier records; a resumed
         one after those up to its checkpoint's step), with the records held until now."""
         self.out.mkdir(parents=True, exist_ok=True)
-        if self.replica == 0 and not rundir.config_path(self.out).exists():
+        if self.is_main and not rundir.config_path(self.out).exists():
             record = metrics.config_record(self.facts(), cfg_dict=self.cfg_dict, layout=self.gopt.layout,
                                            corpus=self.dataset.corpus)
-            rundir.write_json(rundir.config_path(self.out), {**record, "fault_tolerance_replicas": self.replicas})
+            record["fault_tolerance_replicas"] = self.replicas
+            if self.group_size > 1:
+                record["fault_tolerance_group_size"] = self.group_size
+            rundir.write_json(rundir.config_path(self.out), record)
         self.log.release(keep=2**62 if self.resumed_step is None else self.resumed_step)  # resumed: redo what follows
 
     def _topology(self, n: int) -> tuple[Any, str | None]:
@@ -499,12 +517,14 @@ class FaultTolerantRun(Run):
         if why is not None:
             self._say(f"--topology {self.cfg.comm.topology} cannot be built on the {len(ids)} live replicas: {why}")
         self.comm.reconfigure(ids, topo)
-        t = self.algo.state.t
-        algo = assembly.build_algorithm(self.cfg, self.comm)
+        t = _iteration(self.algo)
+        algo = self._new_algorithm()
         before = self.comm.run_ledger.setup_bytes_sent
         with self.comm.ledger.setup():
             algo.setup(self.gopt.flat.data, self.gopt.layout)
-        algo.state.t = t
+        _set_iteration(algo, t)
+        if self.groups is not None:
+            self.groups.algo = algo
         self.algo = self.gopt.algorithm = algo
         if self.manager.errored() is not None:
             return  # the exchange failed: the step is discarded and the next quorum rebuilds again
@@ -516,6 +536,44 @@ class FaultTolerantRun(Run):
                   + f"; replica state re-established ({setup:,} bytes sent, setup traffic)")
         self.log.record({"event": "topology", "step": step, "replicas": ids, "topology": topo.name,
                       "spectral_gap": gap, "fallback": why, "setup_bytes_sent": setup})
+
+    def _new_algorithm(self) -> Any:
+        """The algorithm over the replicas (``self.comm``); in replica groups of ``G``
+        (:class:`gossip.groups.Grouped`): member ``j`` runs it on slice ``j`` with the
+        members ``j`` of the other replica groups (torchft's process group of this member
+        joins exactly those), or, for an algorithm that cannot be sliced, member 0 on the
+        whole vector with a broadcast inside the group."""
+        if self.group_size == 1:
+            return assembly.build_algorithm(self.cfg, self.comm)
+        from gossip.groups import Grouped
+
+        template = assembly.build_algorithm(self.cfg, self.comm)
+        runs = ({self.member: self.comm} if template.shards_flat else ({0: self.comm} if self.member == 0 else {}))
+        try:
+            return Grouped(lambda c: assembly.build_algorithm(self.cfg, c), self.comm, inter=runs, intra=self.intra,
+                           group_size=self.group_size, sharded=template.shards_flat, template=template)
+        except ValueError as e:
+            raise RunError(f"--group-size {self.group_size}: {e}") from None
+
+    def _in_group(self, what: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, whose operations inside the replica group (the gradients'
+        all-reduce, the slices' all-gather) fail this process in one line when a member
+        of its group is gone: a replica group takes part whole or not at all, and its
+        torchrun launch ends it (the other replica groups go on without it)."""
+        try:
+            return fn(*args)
+        except PeerError as e:
+            raise RunError(f"{self.who}: a member of its replica group failed during {what} ({_first_line(e)[:160]}); "
+                           "the replica group leaves the quorum and the others go on: start the group's torchrun "
+                           "again to rejoin (it heals from a live replica group)") from None
+
+    def _average_in_group(self) -> None:
+        """In a replica group: the members' gradients averaged in full precision over the
+        group's process group, as DDP inside a group does (counted as ``intra`` traffic)."""
+        G = self.gopt.flat.gather_grads()
+        with self.comm.ledger.phase("communicate"):
+            G = self._in_group("the gradients' all-reduce", self.intra.all_reduce, G, "sum")
+        self.gopt.flat.scatter_grads(G.div_(self.group_size))
 
     # --- the step ---------------------------------------------------------------------
     def _quorum(self, step: int) -> int:
@@ -617,14 +675,16 @@ class FaultTolerantRun(Run):
         self.opt.zero_grad(set_to_none=False)
         loss = evaluation.loss_fn(self.dataset.task)(self.model(x), y)
         loss.backward()
+        if self.group_size > 1:
+            self._average_in_group()
         algo.set_lr(lr)
         if algo.acts_on == "gradient":  # its memories (error feedback, Q) change: keep what to go back to
             snapshot = {"algorithm": algo.state_dict()}
             G = self.gopt.flat.gather_grads()
-            algo.reduce_gradients(G)
+            self._in_group("the exchange", algo.reduce_gradients, G)
         else:  # the algorithm changes the model in its step
             snapshot = copy.deepcopy(self.gopt.state_dict())
-            self.gopt.step()
+            self._in_group("the exchange", self.gopt.step)
         if not self.manager.should_commit():
             if "params" in snapshot:
                 self.gopt.load_state_dict(snapshot)
@@ -663,6 +723,18 @@ class ReplicaSpec:
     min_replicas: int
     timeout: float
     verbose: bool
+    member: int = 0  # this process's place in its replica group (torchrun's RANK)
+    group_size: int = 1  # the replica group's processes (one torchrun launch; --group-size)
+
+    @property
+    def node(self) -> int:
+        """This process's node id, its data shard and metrics file: ``replica * G + member``."""
+        return self.replica * self.group_size + self.member
+
+    @property
+    def who(self) -> str:
+        """How its lines name it: ``replica k``, in groups ``replica k member j``."""
+        return f"replica {self.replica}" + (f" member {self.member}" if self.group_size > 1 else "")
 
 
 def replica_spec(cfg: Any) -> ReplicaSpec:
@@ -680,13 +752,30 @@ def replica_spec(cfg: Any) -> ReplicaSpec:
     if cfg.comm.min_replicas > replicas:
         raise RunError(f"--min-replicas {cfg.comm.min_replicas} exceeds the {replicas} replicas of "
                        f"{REPLICAS_ENV}; accepted: 1 .. {replicas}")
-    return ReplicaSpec(replica, replicas, addr, cfg.comm.min_replicas, float(cfg.comm.timeout), verbose)
+    member, size = _group_env(cfg)
+    return ReplicaSpec(replica, replicas, addr, cfg.comm.min_replicas, float(cfg.comm.timeout), verbose,
+                       member=member, group_size=size)
+
+
+def _group_env(cfg: Any) -> tuple[int, int]:
+    """This process's member index and its replica group's size: a replica group is one
+    torchrun launch (its ``WORLD_SIZE`` processes, ``RANK`` the member); ``--group-size``,
+    where given, must be that size."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+    member = int(os.environ["RANK"]) if world > 1 else 0
+    g = cfg.comm.group_size
+    if g is not None and g != world:
+        raise RunError(f"--fault-tolerance --group-size {g}: a replica group is one torchrun launch of G processes "
+                       f"(its members), and this one has {world} (WORLD_SIZE); launch each replica group with "
+                       f"`torchrun --nproc_per_node {g}`, or drop --group-size")
+    return member, world
 
 
 @dataclass
 class ReplicaEnv(Env):
-    """A replica's :class:`~gossip.train.assembly.Env`: replica ``rank`` of ``world_size``,
-    each in its own process, outside any torchrun group; its mode is :data:`MODE`."""
+    """A replica's :class:`~gossip.train.assembly.Env`: node ``rank`` of ``world_size``
+    (replica ``k`` alone in its process, or member ``j`` of a replica group of ``G``: node
+    ``k * G + j``), outside any run-wide torchrun group; its mode is :data:`MODE`."""
 
     @property
     def mode(self) -> str:
@@ -707,10 +796,12 @@ class ReplicaBuild(Build):
         spec, cfg, dataset = self.spec, run.cfg, run.dataset
         run.replica, run.replicas, run.addr = spec.replica, spec.replicas, spec.addr
         run.min_replicas, run.timeout, run.verbose = spec.min_replicas, spec.timeout, spec.verbose
+        run.member, run.group_size, run.node, run.who = spec.member, spec.group_size, spec.node, spec.who
         run.decentralized = algorithms.is_decentralized(cfg.algorithm.name)
-        run.nodes, run.is_main = [spec.replica], spec.replica == 0
+        run.nodes, run.is_main = [spec.node], spec.node == 0
         run.out = Path(cfg.run.out if cfg.run.resume in (None, RESUME_AUTO) else cfg.run.resume)
-        run.hosts = {"hosts": None, "procs_per_host": 1}  # one process per replica, on hosts the run does not know
+        # one torchrun launch per replica group (of G processes), on hosts the run does not know
+        run.hosts = {"hosts": None, "procs_per_host": spec.group_size}
         run.resumed_step = None  # the step of the checkpoint this replica resumed from
         run.group_resuming = False  # is this replica's group a run started again from its checkpoints
         run.members = []
@@ -728,11 +819,14 @@ class ReplicaBuild(Build):
         run.model = assembly.build_model(cfg, dataset, run.device)
         run.opt = assembly.local_optimizer(cfg, run.model)
         run.models, run.opts = [run.model], [run.opt]
+        nodes = spec.replicas * spec.group_size  # in groups: one shard per member of every replica group
         try:  # by the data set's task: a language model's windows of text, a classifier's labels
-            run.shards = data.partition_dataset(dataset, spec.replicas, scheme=cfg.data.partition, seed=cfg.run.seed)
+            run.shards = data.partition_dataset(dataset, nodes, scheme=cfg.data.partition, seed=cfg.run.seed)
         except ValueError as e:
-            raise RunError(f"--partition {cfg.data.partition} over {spec.replicas} replicas: {e}; "
+            raise RunError(f"--partition {cfg.data.partition} over {nodes} "
+                           f"{'replicas' if spec.group_size == 1 else 'members of the replica groups'}: {e}; "
                            "use fewer replicas or more data") from None
+        run.intra = _intra_communicator(spec, run.device) if spec.group_size > 1 else None
         self._optimizer(run)
         run.dim = run.gopt.flat.dim
         run.ledger = run.comm.run_ledger
@@ -748,17 +842,23 @@ class ReplicaBuild(Build):
         cfg = run.cfg
         # a placeholder membership (all replicas) until the first quorum
         run.comm.reconfigure(list(range(run.replicas)), run._topology(run.replicas)[0] if run.decentralized else None)
-        run.algo = assembly.build_algorithm(cfg, run.comm)
+        run.algo = run._new_algorithm()
         try:
             with run.comm.offline():  # the replica state is built with the first quorum's neighbours
                 run.gopt = GossipOptimizer([run.model], [run.opt], run.algo)
         except (ValueError, TypeError) as e:
             raise RunError(f"--algo {cfg.algorithm.name}: {e}") from None
-        if not type(run.algo).fault_tolerant:  # e.g. MergeComp's schedule of the EF family (--merge)
+        inner = _inner_algorithms(run.algo)
+        first = inner[0] if inner else run.algo.template
+        if not type(first).fault_tolerant:  # e.g. MergeComp's schedule of the EF family (--merge)
             raise RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} as configured builds "
-                           f"{type(run.algo).__name__}, which does not run under --fault-tolerance; supported: "
+                           f"{type(first).__name__}, which does not run under --fault-tolerance; supported: "
                            f"{', '.join(SUPPORTED_ALGORITHMS)} (without --merge)")
-        if getattr(run.algo.state, "exchange", None) == "sharded":
+        if run.group_size > 1:
+            from gossip.train.communicators import RunGroups
+
+            run.groups = RunGroups(run.group_size, run.algo, run.intra, run.comm.run_ledger, [[run.node]], 1)
+        if getattr(first.state, "exchange", None) == "sharded":
             raise RunError(f"--fault-tolerance: --algo {cfg.algorithm.name} with --compressor "
                            f"{cfg.algorithm.compressor_spec} uses the sharded exchange, whose shards are owned "
                            "by rank and would be re-assigned at every quorum change; add --algo-opt "
@@ -768,7 +868,7 @@ class ReplicaBuild(Build):
                            "in flight across a round, which a quorum change would cut; drop outer_delay")
 
     def log(self, run: FaultTolerantRun) -> ReplicaLog:
-        return ReplicaLog(run.cfg, run.env, run.comm, run.out, run.steps_per_epoch, replica=run.replica)
+        return ReplicaLog(run.cfg, run.env, run.comm, run.out, run.steps_per_epoch, replica=run.node, who=run.who)
 
     def checkpoints(self, run: FaultTolerantRun) -> ReplicaCheckpoints:
         return ReplicaCheckpoints(run)
@@ -781,14 +881,16 @@ class ReplicaLog(metrics.RunLog):
     with ``[replica k]`` (the replicas share one stderr); an eval record is an ``event``
     as every record of this file that is not a step's (quorum, heal, topology, end)."""
 
-    def __init__(self, cfg: Any, env: Env, comm: Any, out: Path, steps_per_epoch: int, *, replica: int) -> None:
+    def __init__(self, cfg: Any, env: Env, comm: Any, out: Path, steps_per_epoch: int, *, replica: int,
+                 who: str | None = None) -> None:
         super().__init__(cfg, env, comm, out, steps_per_epoch, nodes=[replica])
         self.replica = replica
+        self.who = who or f"replica {replica}"
         #: records held until this replica's group has agreed (None once the run's files are open)
         self.pending: list[dict] | None = []
 
     def say(self, line: str) -> None:
-        say_line(f"[replica {self.replica}] {line}")
+        say_line(f"[{self.who}] {line}")
 
     def record(self, rec: dict) -> None:
         if self.pending is not None:
@@ -863,11 +965,11 @@ class ReplicaCheckpoints:
         resumed further). A checkpoint of another config is refused in one line naming
         what differs."""
         run = self.run
-        found = ft_checkpoints(run.out, run.replica)
+        found = ft_checkpoints(run.out, run.replica, run._ckpt_member)
         if not found:
             if not auto:
-                raise RunError(f"--resume {str(run.out)!r}: no checkpoint of replica {run.replica} there "
-                               f"({_FT_CHECKPOINT.format(step='N', replica=run.replica)}); --resume auto starts "
+                raise RunError(f"--resume {str(run.out)!r}: no checkpoint of {run.who} there "
+                               f"({_ckpt_name('N', run.replica, run._ckpt_member)}); --resume auto starts "
                                "a replica that has none")
             return None
         step = max(found)
@@ -875,18 +977,20 @@ class ReplicaCheckpoints:
             state = torch.load(found[step], map_location=run.device, weights_only=False)
         except Exception as e:  # noqa: BLE001 - a damaged file: say which
             raise RunError(f"--resume: cannot read {str(found[step])!r} ({_first_line(e)[:200]})") from None
-        if state.get("format") != FT_CHECKPOINT_FORMAT or int(state.get("replica", -1)) != run.replica:
-            raise RunError(f"--resume: {str(found[step])!r} is not a --fault-tolerance checkpoint of replica "
-                           f"{run.replica}")
+        if (state.get("format") != FT_CHECKPOINT_FORMAT or int(state.get("replica", -1)) != run.replica
+                or int(state.get("member", 0)) != run.member):
+            raise RunError(f"--resume: {str(found[step])!r} is not a --fault-tolerance checkpoint of {run.who}")
         theirs = state["agree"]
         diffs = [f"{k}: {json.dumps(theirs.get(k), default=str)} in the checkpoint, "
                  f"{json.dumps(run.agree.get(k), default=str)} now"
                  for k in dict.fromkeys([*theirs, *run.agree]) if theirs.get(k) != run.agree.get(k)]
         if diffs:
-            raise RunError(f"--resume: the checkpoint of replica {run.replica} at step {step} was written with "
+            raise RunError(f"--resume: the checkpoint of {run.who} at step {step} was written with "
                            f"another config; {'; '.join(diffs)}")
         run.gopt.load_state_dict(state["gossip"])
         run.comm.run_ledger.load_state_dict(state["ledger"])
+        if run.intra is not None and "intra_ledger" in state:
+            run.intra.ledger.load_state_dict(state["intra_ledger"])
         run.resumed_step = step
         run._say(f"resumed from its checkpoint at step {step}")
         self.state = state
@@ -904,9 +1008,11 @@ class ReplicaCheckpoints:
         state = {"format": FT_CHECKPOINT_FORMAT, "replica": run.replica, "replicas": run.replicas, "step": step,
                  "batches_committed": int(run.manager.batches_committed()), "agree": run.agree,
                  "gossip": run.gopt.state_dict(), "ledger": run.comm.run_ledger.state_dict()}
-        path = run.out / _FT_CHECKPOINT.format(step=step, replica=run.replica)
+        if run.intra is not None:
+            state.update(member=run.member, intra_ledger=run.intra.ledger.state_dict())
+        path = run.out / _ckpt_name(step, run.replica, run._ckpt_member)
         rundir.write_atomically(path, lambda f: torch.save(state, f))
-        kept = ft_checkpoints(run.out, run.replica)
+        kept = ft_checkpoints(run.out, run.replica, run._ckpt_member)
         for old in sorted(kept)[:-2]:
             kept[old].unlink(missing_ok=True)
         return path
@@ -922,11 +1028,19 @@ FT_CHECKPOINT_FORMAT = "gossip-fault-tolerance-1"
 _FT_CHECKPOINT = "ckpt-step{step}-replica{replica}.pt"
 
 
-def ft_checkpoints(run_dir: str | Path, replica: int) -> dict[int, Path]:
-    """``{step: path}`` of replica ``replica``'s ``--fault-tolerance`` checkpoints in ``run_dir``."""
+def _ckpt_name(step: Any, replica: int, member: int | None = None) -> str:
+    """The checkpoint file of ``replica`` (of its ``member``, in replica groups) at ``step``."""
+    name = _FT_CHECKPOINT.format(step=step, replica=replica)
+    return name if member is None else name.replace(".pt", f"-member{member}.pt")
+
+
+def ft_checkpoints(run_dir: str | Path, replica: int, member: int | None = None) -> dict[int, Path]:
+    """``{step: path}`` of replica ``replica``'s ``--fault-tolerance`` checkpoints in ``run_dir``
+    (``member``: of that member of a replica group)."""
     import re
 
-    pattern = re.compile(rf"^ckpt-step(\d+)-replica{int(replica)}\.pt$")
+    tail = "" if member is None else f"-member{int(member)}"
+    pattern = re.compile(rf"^ckpt-step(\d+)-replica{int(replica)}{tail}\.pt$")
     d = Path(run_dir)
     if not d.is_dir():
         return {}
@@ -999,6 +1113,53 @@ def _replica_name(k: int) -> str:
     return f"gossip_{k:05d}"
 
 
+def _template(algo: Any) -> Any:
+    """What the algorithm is: itself, or in replica groups the inner algorithm."""
+    return getattr(algo, "template", algo)
+
+
+def _inner_algorithms(algo: Any) -> list[Any]:
+    """The algorithms this process runs: itself, or in replica groups those of its slices
+    (none on a member other than 0 of an unsharded run)."""
+    inners = getattr(algo, "inners", None)
+    return [algo] if inners is None else list(inners.values())
+
+
+def _iteration(algo: Any) -> int:
+    """The algorithm's iteration ``t`` (a decentralized algorithm's)."""
+    return int(algo.t) if hasattr(algo, "inners") else int(algo.state.t)
+
+
+def _set_iteration(algo: Any, t: int) -> None:
+    if hasattr(algo, "inners"):
+        algo.t = t
+    for inner in _inner_algorithms(algo):
+        inner.state.t = t
+
+
+def _intra_communicator(spec: ReplicaSpec, device: Any) -> Any:
+    """A communicator over the replica group's members (torchrun's process group of the
+    launch), with a ledger of its own: the traffic inside the group."""
+    from gossip.comm import DistCommunicator, Ledger
+
+    return DistCommunicator(None, timeout=spec.timeout, device=device,
+                            ledger=Ledger([spec.member], spec.group_size))
+
+
+def _share_address(host: str, port: int) -> tuple[str, int]:
+    """Member 0's store address (``host``, ``port``: its own) to every member of the
+    replica group, over the group's process group."""
+    import torch.distributed as dist
+
+    buf = torch.zeros(258, dtype=torch.uint8)
+    raw = host.encode()[:256]
+    buf[0], buf[1] = port >> 8, port & 0xFF
+    buf[2:2 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    got = bytes(buf[2:].tolist()).rstrip(b"\0").decode()
+    return got, (int(buf[0]) << 8) | int(buf[1])
+
+
 def _spectral_gap(topo: Any) -> float | None:
     """1 - rho of a static graph; None for a time-varying one (no single W)."""
     try:
@@ -1031,7 +1192,11 @@ def run_fault_tolerant(cfg: Any) -> dict | None:
     resume = cfg.run.resume
     if resume not in (None, RESUME_AUTO) and not Path(resume).is_dir():
         raise RunError(f"--resume {resume!r}: no such run directory")
-    env = ReplicaEnv(world_size=spec.replicas, distributed=False, rank=spec.replica)
+    if spec.group_size > 1:  # the replica group's members: torchrun's processes of this launch (gloo)
+        from gossip.comm import init_from_env
+
+        init_from_env("gloo", timeout=max(60.0, 3 * spec.timeout))
+    env = ReplicaEnv(world_size=spec.replicas * spec.group_size, distributed=False, rank=spec.node)
     device = assembly.choose_device(cfg, env)
     dataset = assembly.build_dataset(cfg)
     comm = FTCommunicator(None, None, spec.replica, spec.replicas, spec.timeout)

@@ -409,6 +409,12 @@ def test_replica_groups_a_killed_member_takes_its_group_out_and_the_group_heals_
             "--max-steps", str(steps), "--no-progress", "--out", str(out)]
     procs: list[subprocess.Popen] = []
     m = [out / f"metrics-rank{n}.jsonl" for n in range(4)]  # node k * 2 + member
+    # the same groups in one process (--simulate 4 --group-size 2) for the steps before the kill
+    ref_dir, early = tmp_path / "ref", 12
+    ref_dir.mkdir()
+    ref = _fork([*argv[:argv.index("--fault-tolerance")], "--simulate", "4", "--group-size", "2", "--max-steps",
+                 str(early), "--no-progress", "--out", str(ref_dir / "run")], _env(), ref_dir, ref_dir / "out.log",
+                ref_dir / "err.log")
     try:
         procs = [_torchrun_group(k, 2, argv, tmp_path, f"g{k}", slow=slow) for k in range(2)]
         _wait(lambda: _last_step(m[3]) >= 15, "group 1 to reach step 15", procs)
@@ -434,6 +440,15 @@ def test_replica_groups_a_killed_member_takes_its_group_out_and_the_group_heals_
         lh.close()
     records = {n: _records(m[n]) for n in range(4)}
     log0 = (tmp_path / "g0.log").read_text()
+    # with both groups alive the replica groups train what the simulation of the groups trains:
+    # each group's loss (its members' mean) step by step
+    assert ref.wait(timeout=120) == 0, (ref_dir / "err.log").read_text()[-2000:]
+    for k in range(2):
+        want = [r["loss"] for r in _records(ref_dir / "run" / f"metrics-rank{k}.jsonl") if r.get("kind") == "train"]
+        rows = [[r for r in _steps(records[2 * k + j]) if r["step"] <= early] for j in range(2)]
+        assert all(r["participants"] == 2 for row in rows for r in row)
+        got = [(a["loss"] + b["loss"]) / 2 for a, b in zip(*rows)]
+        assert len(want) == len(got) == early and got == pytest.approx(want, rel=1e-5), (got, want)
     for n in (0, 1):  # both members of group 0: every step once, alone between the death and the heal
         done = [r["step"] for r in _steps(records[n])]
         assert done == list(range(1, steps + 1)), f"node {n}: steps {done[:5]}...{done[-5:]}"

@@ -435,9 +435,52 @@ def test_a_robust_rule_costs_the_periodic_methods_no_bytes(algo, opts):
         assert sent["median"] == sent["mean"]
 
 
+def _noloco_run(topo: str, rule: str | None, attack: str | None, rounds: int = 6) -> tuple[torch.Tensor, int]:
+    """noloco on the quadratic of :func:`_quadratic_run` over graph ``topo`` of 8 nodes (node 3
+    attacking where ``attack``), ``rule`` its ``robust``: the models at the end and the bytes."""
+    import topologies
+    from gossip import algorithms
+
+    n, d, H, lr = 8, 64, 4, 0.1
+    g = torch.Generator().manual_seed(11)
+    C = 1.0 + 0.1 * torch.randn(n, d, generator=g)
+    comm = SimulatedCommunicator(topologies.build(topo, n))
+    alg = algorithms.build("noloco", comm, local_steps=H, **({"robust": rule} if rule else {}))
+    if attack is not None:
+        alg.set_adversary(robust.Adversary(robust.parse_attack(attack), (3,), n))
+    X = torch.zeros(n, d)
+    alg.setup(X)
+    for _ in range(rounds * H):
+        alg.set_lr(lr)
+        alg.step(X, -lr * (X - C))
+    return X, comm.ledger.bytes_sent
+
+
+@pytest.mark.parametrize("topo, rule", [("ring", "clippedgossip"), ("matching", "clippedgossip:tau=0.5")])
+def test_clippedgossip_keeps_noloco_near_its_clean_run(topo, rule):
+    """One node of eight sends 8x its negated pseudo-gradient beside its honest slow weights:
+    the honest nodes' models are pushed far off the clean run; ClippedGossip on the group's
+    mean (the adaptive radius on a ring, a fixed one on noloco's matching) keeps them near
+    it, at noloco's bytes."""
+    honest = [i for i in range(8) if i != 3]
+    clean, sent_clean = _noloco_run(topo, None, None)
+    attacked, _ = _noloco_run(topo, None, "scaled:factor=-8")
+    defended, sent = _noloco_run(topo, rule, "scaled:factor=-8")
+    far = float((attacked[honest] - clean[honest]).norm())
+    near = float((defended[honest] - clean[honest]).norm())
+    assert near < far / 4, (far, near)
+    assert sent == sent_clean
+    # a radius no honest difference reaches is noloco itself (up to the order of the sums)
+    wide, _ = _noloco_run(topo, "clippedgossip:tau=1e9", None)
+    torch.testing.assert_close(wide, clean, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--algo", "noloco", "--aggregator", "median"],
      r"--algo noloco: it averages with its graph neighbours only .* no rule over two messages outvotes one"),
+    (["--algo", "noloco", "--robust", "clippedgossip"],
+     r"robust clippedgossip:b=1: the adaptive radius .* on matching a node has at most 1 neighbour\(s\), so it "
+     r"would clip nothing; give a fixed radius"),
     (["--algo", "diloco", "--aggregator", "median", "--algo-opt", "outer_delay=1"],
      r"`aggregator` median with `outer_delay` 1: the eager estimate"),
     (["--algo", "diloco", "--aggregator", "median", "--compressor", "randomk:p=0.5"],

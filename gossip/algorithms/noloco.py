@@ -46,8 +46,17 @@ Untrusted nodes (:mod:`gossip.robust`): a Byzantine node sends a crafted pseudo-
 step 4 uses its honest Delta_i. There is no robust aggregation (``--aggregator``): a
 group of two holds one message besides the node's own, and no rule over two values
 outvotes one of them (their median is their mean, trimming needs more than 2f
-members); a defence would clip the peer's difference (ClippedGossip), which is not
-carried yet.
+members). The defence is ClippedGossip's (``robust``: He, Karimireddy and Jaggi,
+"Byzantine-robust Decentralized Learning via ClippedGossip", arXiv:2202.01545, Alg. 1)
+applied to step 3's mean: each node clips its neighbours' messages' differences from
+its own, (phi_j, Delta_j) - (phi_i, Delta_i) as one vector, to the radius tau_i,
+
+    sum_j W_ij (phi_j, Delta_j)  ->  (phi_i, Delta_i) + sum_{j != i} W_ij CLIP((phi_j, Delta_j) - (phi_i, Delta_i), tau_i),
+
+so a neighbour moves a node's step by at most W_ij tau_i whatever it sends. The
+adaptive radius (clip the b farthest neighbours to the distance of the next) needs more
+than b neighbours: on ``matching`` (one peer) it would clip nothing and is refused; a
+fixed ``clippedgossip:tau=T`` works on any graph.
 
 Bytes per node per round: deg(i) messages of ``identity.payload_nbytes(2 d)`` (32-byte
 header + 8 d bytes): one on ``matching``.
@@ -63,7 +72,7 @@ import torch
 from gossip import compress as _compress
 from gossip._checks import check_float
 from gossip.algorithms._centralized import check_fraction
-from gossip.algorithms._common import check_int
+from gossip.algorithms._common import check_int, node_keys, step_tag
 from gossip.algorithms.base import ParamLayout, WireFormat
 from gossip.algorithms.decentralized import GossipBase
 
@@ -81,6 +90,9 @@ class NoLoCoConfig:
     outer_momentum: float = 0.5
     gamma: float | None = None
     seed: int = 0
+    #: ``clippedgossip`` (see the module): each node clips its neighbours' differences
+    #: (slow weights and pseudo-gradient) before the group's mean (:mod:`gossip.robust`)
+    robust: str | None = None
 
     def __post_init__(self) -> None:
         check_int("local_steps", self.local_steps, minimum=1)
@@ -89,6 +101,13 @@ class NoLoCoConfig:
         if self.gamma is not None:
             check_float("Arg `gamma`", self.gamma, lo=0.0)
         check_int("seed", self.seed, minimum=0)
+        if self.robust is not None:
+            from gossip.robust import parse_robust
+
+            try:
+                parse_robust(self.robust)
+            except ValueError as e:
+                raise ValueError(f"Arg `robust`: {e}") from None
 
     @property
     def pull(self) -> float:
@@ -129,6 +148,21 @@ class NoLoCo(GossipBase):
     def __init__(self, config: NoLoCoConfig, comm: Any) -> None:
         super().__init__(config, comm)
         self.identity = _compress.build("identity")
+        from gossip.robust import parse_robust
+
+        self.robust = parse_robust(config.robust) if config.robust is not None else None
+        #: each hosted node's clipping radius tau_i of the last ClippedGossip round
+        self.last_tau: torch.Tensor | None = None
+        if self.robust is not None and self.robust.tau is None:
+            topo = comm.topology
+            graph = topo.at(0) if self._tv else topo
+            most = int(max(graph.degrees)) if graph is not None else 0
+            if most <= self.robust.b:
+                raise ValueError(
+                    f"robust {self.robust.spec}: the adaptive radius clips each node's b={self.robust.b} farthest "
+                    f"neighbours to the next one's distance, and on {getattr(topo, 'name', 'this graph')} a node "
+                    f"has at most {most} neighbour(s), so it would clip nothing; give a fixed radius "
+                    f"(clippedgossip:tau=T) or a graph of more than {self.robust.b} neighbours per node")
 
     @property
     def period(self) -> int:
@@ -174,11 +208,34 @@ class NoLoCo(GossipBase):
                 honest = Z[:, d:]
                 bad = self.adversary.craft(honest, self.comm.nodes, r, stream="delta")
                 sent = Z if bad is honest else torch.cat([st.start, bad], 1)
-        _, mixed, _, _ = self._gossip(sent, r, self.identity, want_own=False)  # 3
+        if self.robust is not None:  # 3, ClippedGossip's mean of the group
+            avg = self._clipped_mean(Z, sent, r)
+        else:
+            _, mixed, _, _ = self._gossip(sent, r, self.identity, want_own=False)  # 3
+            with ledger.phase("compute"):
+                avg = self._self_w(Z, r) * Z + mixed  # sum_j W_ij (phi_j, Delta_j)
         with ledger.phase("compute"):
-            avg = self._self_w(Z, r) * Z + mixed  # sum_j W_ij (phi_j, Delta_j)
             phi_bar, delta_bar = avg[:, :d], avg[:, d:]
             mom = st.momentum  # 4
             mom.mul_(cfg.outer_momentum).sub_(cfg.outer_lr * delta_bar).sub_(st.gamma * (st.start - phi_bar))
             st.start.add_(mom)  # 5
             X.copy_(st.start)
+
+    def _clipped_mean(self, Z: torch.Tensor, sent: torch.Tensor, r: int) -> torch.Tensor:
+        """Step 3 under ClippedGossip: send ``sent`` (the honest (phi_i, Delta_i), or an
+        attacker's crafted one), receive the neighbours', and return
+        Z_i + sum_{j != i} W_ij CLIP(Z_j - Z_i, tau_i) for each hosted node."""
+        from gossip.robust import clipped_mix
+
+        ledger, width = self.comm.ledger, Z.shape[1]
+        tag = step_tag(r)
+        with ledger.phase("compress"):
+            P = self.identity.encode(sent, node_keys(self.config.seed, self.comm.nodes, r), tag=tag)
+        with ledger.phase("communicate"):
+            rec = self.comm.neighbor_exchange(P, **self._exchange_kw(r))
+        with ledger.phase("compress"):
+            D = rec.decode(lambda Q: self.identity.decode(Q, width, tag=tag)).to(Z.dtype)
+        with ledger.phase("compute"):
+            avg, self.last_tau = clipped_mix(Z, D, rec.index, rec.weights, rec.degrees, self.robust)
+        return avg
+

@@ -834,7 +834,7 @@ class TrustSection:
     )
     robust: str | None = option(
         None,
-        "robust gossip for --algo dpsgd: clippedgossip (clip the farthest b=1 neighbours to the next one's "
+        "robust gossip for --algo dpsgd and noloco: clippedgossip (clip the farthest b=1 neighbours to the next one's "
         "distance), clippedgossip:b=B or clippedgossip:tau=T (a fixed radius)",
         metavar="SPEC", role="fingerprint-if-set",
     )
@@ -1080,9 +1080,9 @@ class TrainConfig:
                    else " does not carry it yet")
             raise ConfigError(f"--aggregator is a robust rule over every node's message; --algo {alg.name}{why} "
                               f"(accepted: --algo {', '.join(takers)})")
-        if tr.robust is not None and alg.name != "dpsgd":
+        if tr.robust is not None and "robust" not in _algo_fields(alg.name):
             why = cls.robust_refusal
-            raise ConfigError(f"--robust {tr.robust} runs with --algo dpsgd; --algo {alg.name}: "
+            raise ConfigError(f"--robust {tr.robust} runs with --algo dpsgd or noloco; --algo {alg.name}: "
                               + (why + "; use --algo dpsgd" if why else
                                  "not decentralized: use --aggregator with --algo allreduce" if not alg.decentralized
                                  else "not carried yet; use --algo dpsgd"))

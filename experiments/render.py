@@ -818,6 +818,9 @@ TABLES: dict[str, Table] = {
     "bench_ddp_overlap": Table(f"{RESULTS}/bench_ddp_overlap.json", _bench_ddp_overlap),
     "sharded_accuracy": Table(f"{RESULTS}/sharded_accuracy.json", _sharded_accuracy),
     "trust": Table(f"{RESULTS}/trust.json", _trust),
+    "trust_n16": Table(f"{RESULTS}/trust_n16.json", _trust,
+                       command="python -m experiments run trust --nodes 16 --byzantine 2 --jobs 2 --out runs/trust-n16 "
+                               "--results experiments/results/trust_n16.json"),
     "diloco_eager": Table(f"{RESULTS}/diloco_eager.json", _diloco_eager),
     "sharded_bytes": Table(f"{RESULTS}/sharded_bytes.json", _sharded_bytes),
     "tang2018": Table("reports/tang2018/results.json", _tang2018),

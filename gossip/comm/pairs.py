@@ -146,9 +146,3 @@ class PairChannel:
                 raise PeerConnectionError(f"adpsgd: rank {self.rank} lost the connection to an active neighbour "
                                           f"while serving its exchanges", set(), "adpsgd serve", str(e)) from None
             raise e
-
-    def close(self) -> None:
-        """Destroy the channel's group (after :meth:`join`)."""
-        if self.group is not None and (self._thread is None or not self._thread.is_alive()):
-            dist.destroy_process_group(self.group)
-            self.group = None

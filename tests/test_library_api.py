@@ -47,6 +47,17 @@ class Net(nn.Module):
         return self.out(torch.relu(self.hidden(x)))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread, whatever OMP_NUM_THREADS says (more threads
+    only spin on tensors this small and contend with the other test workers for the
+    cores; the accuracies are the same on any thread count)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 CENTRES = 1.2 * torch.randn(CLASSES, FEATURES, generator=torch.Generator().manual_seed(0))
 
 

@@ -6,9 +6,22 @@ import json
 import sys
 
 import pytest
+import torch
 
 from gossip.tools import crossover as cx
 from tests.conftest import run_process
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The tool's small simulations in this process on one intra-op thread, whatever
+    OMP_NUM_THREADS says, as its child processes run (tests/conftest.py's child_env):
+    more threads only spin on tensors this small and contend with the other test
+    workers for the cores. No figure checked here depends on the thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _m(label, nbytes, codec=0.0, compute=0.0, rounds=None):

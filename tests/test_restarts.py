@@ -162,13 +162,6 @@ def _every_algorithm(out: Path) -> list[tuple[str, list[str]]]:
     return jobs
 
 
-def _ranks(tmp_path: Path, jobs: list[tuple[str, list[str]]]) -> None:
-    """Every job in one torchrun launch of 2 ranks (torch imported once per rank)."""
-    r, codes = torchrun_jobs(2, jobs, timeout=300, cwd=tmp_path)
-    assert r.returncode == 0, why(r)
-    assert codes == {name: [0, 0] for name, _ in jobs}, why(r)
-
-
 def _timeless(record):
     """A metrics record or summary without its wall-clock fields (time, *_s)."""
     if isinstance(record, dict):
@@ -186,25 +179,59 @@ def _same(a, b) -> bool:
     return a == b
 
 
+#: run by every rank: each job from its start, then (once every rank has ended every run)
+#: what a kill -9 after the checkpoint of step 3 leaves of each run directory (the final
+#: checkpoints and the summary moved to the reference folder, the metrics copied there),
+#: then each job resumed: both halves in one launch, torch imported once per rank (each
+#: run a process group of its own, as tests/test_train.py's world2 runs and resumes)
+_RUN_THEN_RESUME = """
+import json, os, shutil, sys, time
+from pathlib import Path
+from gossip.train import main
+
+jobs, out, ref = json.load(open(sys.argv[1]))
+out, ref, rank = Path(out), Path(ref), int(os.environ["RANK"])
+
+def barrier(phase):  # a file per rank: no process group outlives the runs' own
+    Path(f"{ref}-{phase}-rank{rank}").touch()
+    while not all(Path(f"{ref}-{phase}-rank{r}").exists() for r in (0, 1)):
+        time.sleep(0.05)
+
+codes = {name: main(argv) for name, argv in jobs}
+barrier("ran")  # every rank has ended every run
+for name, _ in jobs:
+    (ref / name).mkdir(parents=True, exist_ok=True)
+    shutil.copy(out / name / f"metrics-rank{rank}.jsonl", ref / name / f"metrics-rank{rank}.jsonl")
+    os.replace(out / name / f"ckpt-step6-rank{rank}.pt", ref / name / f"ckpt-step6-rank{rank}.pt")
+    if rank == 0:  # rank 0 wrote the summary
+        shutil.copy(out / name / "summary.json", ref / name / "summary.json")
+        (out / name / "summary.json").unlink()
+barrier("moved")  # no rank resumes before every rank's files are gone
+codes.update({"resumed " + name: main(argv + ["--resume", str(out / name)]) for name, argv in jobs})
+print("exit codes " + json.dumps(codes), flush=True)
+"""
+
+
 @pytest.mark.multiprocess
 def test_every_algorithm_resumes_with_the_bytes_of_an_uninterrupted_run(tmp_path):
     """Each family runs 6 steps on 2 ranks; then its final checkpoint and summary are
     taken away, as a kill -9 after the checkpoint of step 3 leaves the run directory, and
-    a new process resumes from step 3. Metrics (byte counts included) and the summary
-    equal the uninterrupted run's, less wall-clock fields; so do the final model and
-    optimizer state. The families come from the registry: a new one cannot skip this."""
+    the run is resumed from step 3 (in the same launch). Metrics (byte counts included)
+    and the summary equal the uninterrupted run's, less wall-clock fields; so do the
+    final model and optimizer state. The families come from the registry: a new one
+    cannot skip this."""
     out = tmp_path / "runs"
-    jobs = _every_algorithm(out)
-    _ranks(tmp_path, jobs)
     ref = tmp_path / "uninterrupted"
-    for name, _ in jobs:
-        (ref / name).mkdir(parents=True)
-        for f in ("summary.json", "metrics-rank0.jsonl", "metrics-rank1.jsonl"):
-            shutil.copy(out / name / f, ref / name / f)
-        (out / name / "summary.json").unlink()
-        for rank in (0, 1):
-            os.replace(out / name / f"ckpt-step6-rank{rank}.pt", ref / name / f"ckpt-step6-rank{rank}.pt")
-    _ranks(tmp_path, [(name, argv + ["--resume", str(out / name)]) for name, argv in jobs])
+    jobs = _every_algorithm(out)
+    script = tmp_path / "run_then_resume.py"
+    script.write_text(_RUN_THEN_RESUME)
+    listing = tmp_path / "jobs.json"
+    listing.write_text(json.dumps([[[name, argv] for name, argv in jobs], str(out), str(ref)]))
+    r = torchrun(2, str(script), str(listing), timeout=400, cwd=tmp_path)
+    assert r.returncode == 0, why(r)
+    codes = [json.loads(line[len("exit codes "):]) for line in r.stdout.splitlines() if line.startswith("exit codes ")]
+    want = {k: 0 for name, _ in jobs for k in (name, "resumed " + name)}
+    assert codes == [want, want], why(r)
     wrong = {}
     for name, _ in jobs:
         got, want = out / name, ref / name

@@ -651,7 +651,7 @@ def test_sim_epoch_profile_splits_an_epoch_into_phases_that_add_up(tmp_path):
     mod = importlib.import_module("experiments.sim_epoch_profile")
     threads = torch.get_num_threads()
     try:
-        assert mod.main(["--nodes", "4", "--models", "logreg", "--top", "5", "--json", str(tmp_path / "p.json"),
+        assert mod.main(["--nodes", "16", "--models", "logreg", "--top", "5", "--json", str(tmp_path / "p.json"),
                          "--pstats", str(tmp_path / "pst")]) == 0
     finally:
         torch.set_num_threads(threads)
@@ -666,11 +666,11 @@ def test_sim_epoch_profile_splits_an_epoch_into_phases_that_add_up(tmp_path):
     # the steps are left out: neither Run.step (any line of loop.py) nor what it calls
     assert not any("_local_step" in t["function"] or re.search(r"loop\.py:\d+\(step\)", t["function"])
                    for t in row["gossip"])
-    assert (tmp_path / "pst" / "logreg-4.pstats").stat().st_size > 0
+    assert (tmp_path / "pst" / "logreg-16.pstats").stat().st_size > 0
     assert {"command", "commit", "machine", "load_before", "load_after"} <= set(r["provenance"])
     from experiments import tables
 
-    assert "| logreg | 4 |" in tables.sim_epoch_profile_table(r["rows"])
+    assert "| logreg | 16 |" in tables.sim_epoch_profile_table(r["rows"])
 
 
 def test_sim_epoch_profile_refuses_bad_input(capsys):

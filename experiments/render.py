@@ -821,6 +821,9 @@ TABLES: dict[str, Table] = {
     "trust_n16": Table(f"{RESULTS}/trust_n16.json", _trust,
                        command="python -m experiments run trust --nodes 16 --byzantine 2 --jobs 2 --out runs/trust-n16 "
                                "--results experiments/results/trust_n16.json"),
+    "trust_torchrun": Table(f"{RESULTS}/trust_torchrun.json", _trust,
+                            command="OMP_NUM_THREADS=1 python -m experiments run trust_torchrun --out runs/trust-torchrun "
+                                    "--results experiments/results/trust_torchrun.json"),
     "diloco_eager": Table(f"{RESULTS}/diloco_eager.json", _diloco_eager),
     "sharded_bytes": Table(f"{RESULTS}/sharded_bytes.json", _sharded_bytes),
     "tang2018": Table("reports/tang2018/results.json", _tang2018),

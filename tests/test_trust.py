@@ -287,6 +287,39 @@ def test_the_trust_study_smoke(tmp_path, capsys):
     assert table == render.TABLES["trust"].render(res) + "\n" and "| `allreduce` | signflip | cclip | 1 |" in table
 
 
+def test_the_torchrun_trust_experiment_smoke(tmp_path):
+    """experiments/trust_torchrun.py at a tiny size: one defended run of 4 real ranks,
+    one of them the attacker drawn from the seed, recorded as a row the docs' table draws,
+    its configuration listed for the witnesses (as its simulation)."""
+    from experiments import _provenance, render, trust_torchrun
+
+    res_path = tmp_path / "res.json"
+    assert trust_torchrun.main(["--epochs", "1", "--max-steps", "2", "--seeds", "0", "--methods", "allreduce",
+                                "--cases", "defended", "--out", str(tmp_path / "runs"),
+                                "--results", str(res_path)]) == 0
+    res, prov = _provenance.read(res_path)
+    [row] = res["rows"]
+    assert (row["method"], row["attack"], row["defence"]) == ("allreduce", "signflip", "cclip")
+    assert row["attackers"] == list(robust.choose_attackers(4, 1, 0)) and row["steps"] == 2
+    [config] = prov["configs"]
+    assert "--simulate" in config and "cclip:tau=2,iters=3,beta=0.9" in config
+    assert "| `allreduce` | signflip | cclip | 1 |" in render.TABLES["trust_torchrun"].render(res)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--methods", "dpsgd"], r"--methods: unknown dpsgd; accepted: allreduce, noloco"),
+    (["--cases", "clean,broken"], r"--cases: unknown broken; accepted: clean, clean-defended, attacked, defended"),
+    (["--nodes", "2"], r"--nodes must be at least 3"),
+])
+def test_the_torchrun_trust_experiment_refuses_bad_options_in_one_line(argv, match, tmp_path, capsys):
+    from experiments import trust_torchrun
+
+    with pytest.raises(SystemExit) as e:
+        trust_torchrun.main([*argv, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and __import__("re").search(match, err[-1]), err
+
+
 #: the torchrun runs of the tests below, each with its flags: all in ONE launch of 4 ranks
 #: (torchrun and torch start once, not once per run)
 _FLAGS = ["--algo", "allreduce", "--data", "synthetic", "--model", "mlp", "--epochs", "1", "--max-steps", "12",

@@ -150,3 +150,20 @@ def test_a_writer_that_reopens_per_record_writes_the_same_file(tmp_path):
         w.close()
         assert rundir.read_metrics(w.path) == [recs[0], recs[2]]
     assert (tmp_path / "mTrue.jsonl").read_bytes() == (tmp_path / "mFalse.jsonl").read_bytes()
+
+
+def test_a_refused_run_leaves_no_default_run_directory(tmp_path, monkeypatch, capsys):
+    """Without --out a run makes runs/<time>-<algo>-<topology>-<pid> before its checks;
+    a run refused by one of them (here choco's gamma out of range, found when the
+    algorithm is built) removes it again, and a run that goes ahead keeps its own."""
+    from gossip.train import main
+
+    monkeypatch.chdir(tmp_path)
+    quick = ["--simulate", "4", "--data", "synthetic", "--model", "mlp", "--epochs", "1", "--max-steps", "1",
+             "--no-progress"]
+    assert main(["--algo", "choco", "--topology", "ring", "--algo-opt", "gamma=7", *quick]) != 0
+    assert "gamma" in capsys.readouterr().err
+    assert list((tmp_path / "runs").iterdir()) == []
+    assert main(["--algo", "dpsgd", "--topology", "ring", *quick]) == 0
+    [made] = (tmp_path / "runs").iterdir()
+    assert made.name.endswith(f"-dpsgd-ring-{os.getpid()}") and (made / "summary.json").is_file()

@@ -28,7 +28,7 @@ from gossip.train.assembly import Env
 from gossip.train.config import AGREE_KEYS, RESUME_AUTO, TrainConfig, agree_keys
 from gossip.errors import RunError
 
-__all__ = ["AGREE_KEYS", "agree_config", "agree_out_dir", "agreement_record", "claim_out", "data_identity",
+__all__ = ["AGREE_KEYS", "agree_config", "agree_out_dir", "drop_unclaimed_default", "agreement_record", "claim_out", "data_identity",
            "disagreement", "failing_ranks",
            "gathered", "gathered_max", "init_group"]
 
@@ -93,6 +93,17 @@ def _default_out(cfg: TrainConfig) -> str:
         except OSError as e:
             raise RunError(f"cannot create the run directory {str(out)!r} ({e.strerror}); give --out DIR") from None
     raise RunError("cannot find a free default run directory under runs/; give --out DIR")
+
+
+def drop_unclaimed_default(cfg: TrainConfig, out: Path, is_main: bool) -> None:
+    """Remove the default run directory :func:`agree_out_dir` created (rank 0) when the
+    run is refused before it claimed it: a refused run leaves no run directory behind. A directory
+    the user named, or one that holds anything, is left alone."""
+    if is_main and cfg.run.out is None and cfg.run.resume is None:
+        try:
+            out.rmdir()  # only an empty directory goes
+        except OSError:
+            pass
 
 
 def _prepare_out(cfg: TrainConfig, out: Path) -> str | None:

@@ -44,6 +44,16 @@ class Build:
         run.nodes = [int(i) for i in comm.nodes]
         run.is_main = env.rank == 0
         run.out = agreement.agree_out_dir(cfg, env)
+        try:
+            self._checked_parts(run)
+        except BaseException:
+            agreement.drop_unclaimed_default(cfg, run.out, run.is_main)
+            raise
+
+    def _checked_parts(self, run: RunLike) -> None:
+        """The checks and parts of :meth:`parts` once the run directory is chosen, then
+        the directory claimed."""
+        cfg, env, comm, dataset, groups = run.cfg, run.env, run.comm, run.dataset, run.groups
         run.cfg_dict = cfg.to_dict()
         if dataset.corpus is not None and dataset.corpus.get("sha256"):
             run.cfg_dict["corpus_sha256"] = dataset.corpus["sha256"]

@@ -38,9 +38,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import random
 import re
 import sys
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -113,9 +116,16 @@ def _mnist1d(num_train: int) -> gdata.Dataset:
         a = {"x": np.asarray(raw["x"], np.float32), "y": np.asarray(raw["y"], np.int64),
              "x_test": np.asarray(raw["x_test"], np.float32), "y_test": np.asarray(raw["y_test"], np.int64)}
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(".tmp.npz")
-        np.savez(tmp, **a)
-        tmp.replace(cache)
+        # a temporary file of this call's own: two processes building the same set at once
+        # (verify's witness workers) each write theirs, and either rename wins
+        fd, name = tempfile.mkstemp(prefix=f"{cache.stem}.", suffix=".tmp.npz", dir=cache.parent)
+        tmp = Path(name)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **a)
+            tmp.replace(cache)
+        finally:
+            tmp.unlink(missing_ok=True)
     return gdata.Dataset(name=f"mnist1d-n{num_train}", x_train=torch.from_numpy(a["x"]).unsqueeze(1),
                          y_train=torch.from_numpy(a["y"]), x_test=torch.from_numpy(a["x_test"]).unsqueeze(1),
                          y_test=torch.from_numpy(a["y_test"]), num_classes=10, input_shape=(1, a["x"].shape[1]))

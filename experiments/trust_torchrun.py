@@ -38,6 +38,7 @@ import sys
 from pathlib import Path
 
 from experiments import _cli, _provenance, tables
+from experiments.diloco_eager_netns import said
 
 REPO = Path(__file__).resolve().parents[1]
 #: each method: its flags, and its defence (label, flags)
@@ -62,11 +63,6 @@ def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05, the study's)")
     p.add_argument("--out", required=True)
     p.add_argument("--results", default=None, help="also write the results JSON here (experiments/results/...)")
-
-
-def _said(stderr: str) -> str:
-    lines = stderr.strip().splitlines() or ["(no output)"]
-    return next((ln.strip() for ln in lines if "gossip.train: error:" in ln), lines[-1].strip())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "--out", str(run_dir)],
                                    capture_output=True, text=True, env=env, timeout=3600, cwd=str(REPO))
                 if r.returncode != 0:
-                    raise SystemExit(f"trust_torchrun: {name} exited {r.returncode}: {_said(r.stderr)}")
+                    raise SystemExit(f"trust_torchrun: {name} exited {r.returncode}: {said(r.stderr)}")
                 s = json.loads((run_dir / "summary.json").read_text())
                 if s.get("world_size", a.nodes) != a.nodes:
                     raise SystemExit(f"trust_torchrun: {name} ran {s.get('world_size')} ranks, not {a.nodes}")

@@ -928,6 +928,32 @@ class Overview:
     #: the parts' results files the performance profile spans (one spec's parts: the pilot's
     #: targets and seeds differ), each scored at the spec's links
     profile: tuple[str, ...] = ()
+    #: the trust studies' results files the adversarial track shows, one setting each
+    #: (node count and attackers; a torchrun file's setting says so)
+    trust: tuple[str, ...] = ()
+
+    def adversarial(self) -> list[str]:
+        """The adversarial track: each trust results file as a matrix of method and
+        defence against attack (:func:`experiments.tables.trust_matrix`), with its
+        provenance line."""
+        if not self.trust:
+            return []
+        out = ["## The adversarial track", "",
+               "Each attack against each method, without and with its defence, on MNIST-1D (cnn1d with 16 "
+               "channels and 64 hidden units, plain SGD at lr 0.05 with momentum 0.9, 60 epochs) under the "
+               "protocol of `experiments/studies/trust.toml`; the attackers are drawn from each run's seed. A "
+               "cell is the final test accuracy in %, the mean over the seeds with its 95 % Student-t interval "
+               "(cut to 0-100); a run whose model became non-finite is counted as diverged, apart from the "
+               "mean. The last column names the attack that hurt the row most. The threat model, what each "
+               "defence assumes and costs, and what none of them covers: [Training among untrusted "
+               "nodes](trust.md).", ""]
+        for f in self.trust:
+            res, prov = P.read(REPO / f)
+            k = res.get("byzantine", 1)
+            where = "ranks under torchrun" if "cases" in res else "simulated nodes"
+            out += [f"### {res['nodes']} {where}, {k} attacker{'s' if k != 1 else ''}", "",
+                    T.trust_matrix(res), "", provenance_line(f, prov), ""]
+        return out
 
     def text(self, md: str, write_figures: bool = False) -> str:
         from experiments import benchmark
@@ -980,6 +1006,7 @@ class Overview:
             " earlier code, where MuLoCo's Muon step was not yet charged to compute. Every figure in it is held"
             " by the parts above, re-run at later code, so it is retired; it can be read in git"
             f" (`git show {commit}:{files[0]}`).", "",
+            *self.adversarial(),
             benchmark.RUNNING.strip(), "",
             "### What the whole spec costs", "",
             estimate.strip(), "",
@@ -998,7 +1025,8 @@ PAGES: dict[str, Page | Overview] = {
         ("docs/benchmark-pilot.md", f"{RESULTS}/benchmark-pilot.json")),
         spec="experiments/benchmark.toml", estimate=f"{RESULTS}/benchmark-cost.json",
         profile=(f"{RESULTS}/benchmark-mnist1d-n4-n16.json", f"{RESULTS}/benchmark-mnist1d-n64.json",
-                 f"{RESULTS}/benchmark-gpt-n4.json")),
+                 f"{RESULTS}/benchmark-gpt-n4.json"),
+        trust=(f"{RESULTS}/trust.json", f"{RESULTS}/trust_n16.json", f"{RESULTS}/trust_torchrun.json")),
     "docs/benchmark-mnist1d-n4-n16.md": Page(f"{RESULTS}/benchmark-mnist1d-n4-n16.json",
                                              title="The benchmark's MNIST-1D part at 4 and 16 nodes",
                                              netns=f"{RESULTS}/benchmark_netns-mnist1d-n4.json",

@@ -16,7 +16,7 @@ __all__ = ["md", "pct", "fmt_bytes", "fmt_score", "METRIC_WORDS", "sgp_summary",
            "bench_sim_table", "bench_sim_epoch_table", "sim_epoch_profile_table", "bench_topologies_table",
            "cold_start_table", "crossover_check_table", "ecd_recipes_table", "gossip_compare_table",
            "modern_compare_table", "netns_gap_table", "sgp_overlap_table", "sharded_accuracy_table", "sharded_bytes_table",
-           "streaming_overlap_table", "adpsgd_torchrun_table", "adpsgd_netns_table", "diloco_eager_netns_table", "groups_netns_table", "trust_table", "race_table", "race_netns_table", "benchmark_netns_table",
+           "streaming_overlap_table", "adpsgd_torchrun_table", "adpsgd_netns_table", "diloco_eager_netns_table", "groups_netns_table", "trust_table", "trust_matrix", "race_table", "race_netns_table", "benchmark_netns_table",
            "benchmark_netns_section"]
 
 
@@ -216,13 +216,16 @@ def sharded_accuracy_table(res: dict) -> str:
 _T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
 
 
-def _mean_interval(xs: list[float]) -> str:
-    """``m %`` with its 95 % Student-t interval over the samples, in percent."""
+def _mean_interval(xs: list[float], clip: bool = False) -> str:
+    """``m %`` with its 95 % Student-t interval over the samples, in percent; ``clip``:
+    the interval cut to [0, 100], an accuracy's range (a few seeds that part ways give
+    a t-interval wider than it)."""
     m = statistics.fmean(xs)
     if len(xs) < 2:
         return f"{100 * m:.1f} % (one seed)"
     h = _T95.get(len(xs), 1.96) * statistics.stdev(xs) / len(xs) ** 0.5
-    return f"{100 * m:.1f} % [{100 * (m - h):.1f}, {100 * (m + h):.1f}]"
+    lo, hi = (max(0.0, m - h), min(1.0, m + h)) if clip else (m - h, m + h)
+    return f"{100 * m:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
 def trust_table(res: dict) -> str:
@@ -248,6 +251,53 @@ def trust_table(res: dict) -> str:
         body.append([f"`{m}`", a, d, str(len(rs)), cell, gap, "-" if not b else f"{statistics.fmean(b):,.0f}"])
     return md([f"method ({res['nodes']} nodes, {res['epochs']} epochs)", "attack", "defence", "seeds",
                "final test accuracy (mean [95 % interval])", "vs clean (points)", "bytes/node/step"], body)
+
+
+def _trust_cell(rs: list[dict]) -> tuple[str, tuple[float, float]]:
+    """One cell of :func:`trust_matrix`: the mean final accuracy (in %) over the seeds
+    with its 95 % interval, and the diverged runs counted apart; with its sort key for
+    the worst attack (the larger share of diverged runs first, then the lower mean)."""
+    accs = [x["final_test_acc"] for x in rs if x.get("final_test_acc") is not None]
+    div = len(rs) - len(accs)
+    if not accs:
+        return f"diverged {div}/{len(rs)}", (-1.0, 0.0)
+    cell = _mean_interval(accs, clip=True).replace(" %", "").replace(" (one seed)", " (1 seed)")
+    if div:
+        cell += f", diverged {div}/{len(rs)}"
+    return cell, (-div / len(rs), statistics.fmean(accs))
+
+
+def trust_matrix(res: dict) -> str:
+    """A trust study's results at a glance, as the benchmark's adversarial track shows
+    them: one row per method and defence, one column per attack (``clean`` first), each
+    cell the final test accuracy in % (mean over the seeds [95 % Student-t interval, cut to 0-100];
+    runs that diverged counted apart), and the attack that hurt the row most (the most
+    runs diverged, then the lowest mean)."""
+    attacks: list[str] = []
+    groups: dict[tuple[str, str], dict[str, list[dict]]] = {}
+    for r in res["rows"]:
+        if r["attack"] not in attacks and r["attack"] != "none":
+            attacks.append(r["attack"])
+        groups.setdefault((r["method"], r["defence"]), {}).setdefault(r["attack"], []).append(r)
+    body = []
+    for (m, d), cells in groups.items():
+        row = [f"`{m}`" + ("" if d == "none" else f" + {d}")]
+        worst: tuple[tuple[float, float], str] | None = None
+        for a in ["none", *attacks]:
+            if a not in cells:
+                row.append("-")
+                continue
+            text, key = _trust_cell(cells[a])
+            row.append(text)
+            if a != "none" and (worst is None or key < worst[0]):
+                worst = (key, a)
+        row.append("-" if worst is None else worst[1])
+        body.append(row)
+    seeds = len({r["seed"] for r in res["rows"]})
+    k = res.get("byzantine", 1)
+    head = (f"method + defence ({res['nodes']} nodes, {k} attacker{'s' if k != 1 else ''}, "
+            f"{res['epochs']} epochs, {seeds} seeds)")
+    return md([head, "clean", *attacks, "worst attack"], body)
 
 
 def _pct0(x: float | None) -> str:

@@ -287,6 +287,32 @@ def test_the_trust_study_smoke(tmp_path, capsys):
     assert table == render.TABLES["trust"].render(res) + "\n" and "| `allreduce` | signflip | cclip | 1 |" in table
 
 
+def test_the_adversarial_track_shows_each_attack_against_each_defence():
+    """The benchmark report's adversarial track: a row per method and defence, a column per
+    attack, the mean over seeds with its interval cut to an accuracy's range, diverged runs
+    counted apart, and the attack that hurt the row most."""
+    from experiments import render, tables
+
+    def row(method, attack, defence, seed, acc):
+        return {"method": method, "attack": attack, "defence": defence, "seed": str(seed), "final_test_acc": acc}
+
+    res = {"nodes": 8, "byzantine": 2, "epochs": 60, "rows": [
+        row("allreduce", "none", "none", 0, 0.90), row("allreduce", "none", "none", 1, 0.92),
+        row("allreduce", "signflip", "none", 0, 0.10), row("allreduce", "signflip", "none", 1, 0.90),
+        row("allreduce", "ipm:eps=10", "none", 0, None), row("allreduce", "ipm:eps=10", "none", 1, 0.5),
+        row("allreduce", "signflip", "cclip", 0, 0.88), row("allreduce", "signflip", "cclip", 1, 0.86)]}
+    lines = tables.trust_matrix(res).splitlines()
+    assert lines[0] == ("| method + defence (8 nodes, 2 attackers, 60 epochs, 2 seeds) | clean | signflip | ipm:eps=10 "
+                        "| worst attack |")
+    # signflip's two seeds part ways: a t-interval far wider than 0-100, cut to it
+    assert lines[2] == "| `allreduce` | 91.0 [78.3, 100.0] | 50.0 [0.0, 100.0] | 50.0 (1 seed), diverged 1/2 | ipm:eps=10 |"
+    assert lines[3] == "| `allreduce` + cclip | - | 87.0 [74.3, 99.7] | - | signflip |"
+    page = render.PAGES["docs/benchmark.md"]
+    assert f"{render.RESULTS}/trust.json" in page.trust and f"{render.RESULTS}/trust_torchrun.json" in page.trust
+    text = page.text("docs/benchmark.md")
+    assert "## The adversarial track" in text and "### 4 ranks under torchrun, 1 attacker" in text
+
+
 def test_the_torchrun_trust_experiment_smoke(tmp_path):
     """experiments/trust_torchrun.py at a tiny size: one defended run of 4 real ranks,
     one of them the attacker drawn from the seed, recorded as a row the docs' table draws,

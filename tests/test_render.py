@@ -53,6 +53,18 @@ def test_the_line_under_a_table_never_depends_on_head():
     assert "stale" not in render.provenance_line("r.json", old).lower()
 
 
+def test_the_line_under_a_table_says_where_a_dirty_tree_was_dirty():
+    """A run made with uncommitted changes says whether any lay in its sources (the
+    figures are then not reproducible from the commit) or only elsewhere."""
+    base = {"command": "python cmd", "commit": "a" * 40, "date": "2026-11-30"}
+    assert "dirty" not in render.provenance_line("r.json", {**base, "dirty": False})
+    assert "commit aaaaaaaaaa (uncommitted changes, none in its sources)" in render.provenance_line(
+        "r.json", {**base, "dirty": True, "dirty_sources": []})
+    assert "(uncommitted changes to gossip/robust.py)" in render.provenance_line(
+        "r.json", {**base, "dirty": True, "dirty_sources": ["gossip/robust.py"]})
+    assert "(dirty tree)" in render.provenance_line("r.json", {**base, "dirty": True})  # recorded before the list
+
+
 def test_the_3_bit_row_is_not_called_met():
     rows = [{"compressor": "quant:bits=3", "roundtrip_ratio": 0.249}, {"compressor": "quant:bits=2", "roundtrip_ratio": 0.297},
             {"compressor": "sign", "roundtrip_ratio": 0.2}, {"compressor": "identity", "roundtrip_ratio": 0.2}]

@@ -1054,11 +1054,7 @@ def provenance_line(path: str, prov: dict[str, Any]) -> str:
     experiments.NAME``). Whether they are still fresh is not said here (it depends on
     HEAD): experiments/freshness.py computes it."""
     date = str(prov.get("date", "?"))[:10]
-    tree = ""
-    if prov.get("dirty"):  # uncommitted changes: in its sources (not reproducible from the commit) or elsewhere
-        ds = prov.get("dirty_sources")
-        tree = (" (uncommitted changes, none in its sources)" if ds == [] else
-                f" (uncommitted changes to {', '.join(ds)})" if ds else " (dirty tree)")
+    tree = T.tree_note(prov)
     m = prov.get("machine") or {}
     from experiments import study
 

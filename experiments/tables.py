@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-__all__ = ["md", "pct", "fmt_bytes", "fmt_score", "METRIC_WORDS", "sgp_summary", "own_line",
+__all__ = ["md", "pct", "tree_note", "fmt_bytes", "fmt_score", "METRIC_WORDS", "sgp_summary", "own_line",
            "bench_sim_table", "bench_sim_epoch_table", "sim_epoch_profile_table", "bench_topologies_table",
            "cold_start_table", "crossover_check_table", "ecd_recipes_table", "gossip_compare_table",
            "modern_compare_table", "netns_gap_table", "sgp_overlap_table", "sharded_accuracy_table", "sharded_bytes_table",
@@ -30,6 +30,19 @@ def md(header: list[str], rows: list[list[str]], align: str = "---") -> str:
 def pct(v: float | None) -> str:
     """A share as ``12.3 %``; ``-`` for none."""
     return "-" if v is None else f"{v:.1%}".replace("%", " %")
+
+
+def tree_note(prov: dict) -> str:
+    """What a provenance record says of uncommitted changes at the run, for the line
+    after its commit: none (""), changes none of which lay in its sources (its figures
+    are still those of the commit), the sources changed (they are not), or, for a record
+    made before ``dirty_sources`` was kept, a dirty tree."""
+    if not prov.get("dirty"):
+        return ""
+    ds = prov.get("dirty_sources")
+    if ds is None:
+        return " (dirty tree)"
+    return f" (uncommitted changes to {', '.join(ds)})" if ds else " (uncommitted changes, none in its sources)"
 
 
 def fmt_bytes(b: float | None) -> str:
@@ -553,7 +566,7 @@ def benchmark_netns_section(res: dict, prov: dict | None = None) -> str:
         benchmark_netns_table(res),
         "",
         (f"Made by `{prov.get('command', '?')}` at commit `{(prov.get('commit') or '?')[:10]}`"
-         f"{' (dirty tree)' if prov.get('dirty') else ''} on {(prov.get('date') or '?')[:16]}, "
+         f"{tree_note(prov)} on {(prov.get('date') or '?')[:16]}, "
          f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores), load {prov.get('load_before', '?')} before"
          + (f"; it resumed {len(res['sessions'])} earlier session(s) ("
             + ", ".join(f"`{x.get('command', '?')}` at `{(x.get('commit') or '?')[:10]}` on "

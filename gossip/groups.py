@@ -156,6 +156,19 @@ class Grouped(Algorithm):
             up, that answers what the algorithm is (name, wire format, momentum).
     """
 
+    @classmethod
+    def hosted(cls, build: Callable[[Any], Algorithm], comm: Any, *, inter: Any, member: int, intra: Any,
+               group_size: int, sharded: bool | None = None) -> "Grouped":
+        """As one process of a group hosts it under torchrun: the inner algorithm between
+        the groups on ``inter`` (the ranks of this ``member`` index in every group), run
+        by this member on its own slice where the algorithm can be sliced (``sharded``
+        None: where ``shards_flat`` says so), else by member 0 alone on the whole vector,
+        the other members holding a template built on ``inter`` and never set up."""
+        template = build(inter)
+        can = template.shards_flat if sharded is None else sharded
+        runs = {member: inter} if can else ({0: inter} if member == 0 else {})
+        return cls(build, comm, inter=runs, intra=intra, group_size=group_size, sharded=bool(can), template=template)
+
     def __init__(self, build: Callable[[Any], Algorithm], comm: Any, *, inter: Mapping[int, Any], intra: Any,
                  group_size: int, sharded: bool | None = None, template: Algorithm | None = None) -> None:
         self.inners: dict[int, Algorithm] = {j: build(c) for j, c in sorted(inter.items())}
@@ -368,16 +381,10 @@ class DistGroups:
         from gossip.comm import DistCommunicator
 
         inter = self.inter_comm(topology, timeout=timeout, device=device)
-        template = algorithms.build(name, inter, **options)
-        can = template.shards_flat if sharded is None else sharded
-        if can:
-            runs = {self.member: inter}
-        else:
-            runs = {0: inter} if self.member == 0 else {}
-        return Grouped(lambda c: algorithms.build(name, c, **options),
-                       comm if comm is not None else DistCommunicator(None, timeout=timeout, device=device),
-                       inter=runs, intra=self.intra_comm(timeout=timeout, device=device),
-                       group_size=self.plan.group_size, sharded=bool(can), template=template)
+        return Grouped.hosted(lambda c: algorithms.build(name, c, **options),
+                              comm if comm is not None else DistCommunicator(None, timeout=timeout, device=device),
+                              inter=inter, member=self.member, intra=self.intra_comm(timeout=timeout, device=device),
+                              group_size=self.plan.group_size, sharded=sharded)
 
 
 def init_groups(group_size: int) -> DistGroups:

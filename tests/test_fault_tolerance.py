@@ -395,6 +395,39 @@ def _member_pid(launcher: subprocess.Popen, member: int) -> int:
     pytest.fail(f"no worker of RANK {member} under torchrun {launcher.pid}")
 
 
+def test_replica_groups_of_a_gradient_algorithm_train_what_the_simulation_of_the_groups_trains(tmp_path: Path) -> None:
+    """2 replica groups of 2 running a gradient algorithm (efsgd, 8-bit, with its error
+    feedback): the gradients averaged inside each group once, then exchanged between the
+    groups over torchft; each group's loss equals the simulated groups' step by step."""
+    steps = 12
+    lh = _Lighthouse(min_replicas=2, tmp=tmp_path)
+    out, ref_dir = tmp_path / "run", tmp_path / "ref"
+    argv = [*ARGS, "--algo", "efsgd", "--bits", "8", "--algo-opt", "exchange=allgather", "--model",
+            "tests._ftmodel:mlp", "--fault-tolerance", lh.addr, "--min-replicas", "2", "--group-size", "2",
+            "--timeout", "10", "--max-steps", str(steps), "--no-progress", "--out", str(out)]
+    ref_dir.mkdir()
+    ref = _fork([*argv[:argv.index("--fault-tolerance")], "--simulate", "4", "--group-size", "2", "--max-steps",
+                 str(steps), "--no-progress", "--out", str(ref_dir / "run")], _env(), ref_dir, ref_dir / "out.log",
+                ref_dir / "err.log")
+    procs: list[subprocess.Popen] = []
+    try:
+        procs = [_torchrun_group(k, 2, argv, tmp_path, f"g{k}") for k in range(2)]
+        for k, p in enumerate(procs):
+            assert p.wait(timeout=300) == 0, (tmp_path / f"g{k}.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        lh.close()
+    assert ref.wait(timeout=120) == 0, (ref_dir / "err.log").read_text()[-2000:]
+    for k in range(2):
+        want = [r["loss"] for r in _records(ref_dir / "run" / f"metrics-rank{k}.jsonl") if r.get("kind") == "train"]
+        rows = [_steps(_records(out / f"metrics-rank{2 * k + j}.jsonl")) for j in range(2)]
+        got = [(a["loss"] + b["loss"]) / 2 for a, b in zip(*rows)]
+        assert len(want) == len(got) == steps and got == pytest.approx(want, rel=1e-5), (got, want)
+
+
 def test_replica_groups_a_killed_member_takes_its_group_out_and_the_group_heals_on_restart(tmp_path: Path) -> None:
     """2 replica groups of 2 (``--group-size 2``: DDP-style averaging inside a group, diloco
     sharded between the groups over torchft). Member 1 of group 1 is SIGKILLed: its torchrun

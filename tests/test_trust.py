@@ -536,7 +536,7 @@ def test_clippedgossip_keeps_noloco_near_its_clean_run(topo, rule):
 
 @pytest.mark.parametrize("argv, match", [
     (["--algo", "noloco", "--aggregator", "median"],
-     r"--algo noloco: it averages with its graph neighbours only .* no rule over two messages outvotes one"),
+     r"--algo noloco: it averages with its graph neighbours only .* no rule over two messages outvotes one.* its defence is --robust clippedgossip:tau=T"),
     (["--algo", "noloco", "--robust", "clippedgossip"],
      r"robust clippedgossip:b=1: the adaptive radius .* on matching a node has at most 1 neighbour\(s\), so it "
      r"would clip nothing; give a fixed radius"),

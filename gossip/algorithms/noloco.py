@@ -143,7 +143,8 @@ class NoLoCo(GossipBase):
     #: why ``--aggregator`` cannot be applied to its exchange (one line)
     aggregator_refusal = ("it averages with its graph neighbours only (one random peer on its matching graph), and "
                           "no rule over two messages outvotes one of them: their median is their mean, trimming "
-                          "needs more than 2f")
+                          "needs more than 2f; its defence is --robust clippedgossip:tau=T, which clips the "
+                          "peer's model")
 
     def __init__(self, config: NoLoCoConfig, comm: Any) -> None:
         super().__init__(config, comm)

@@ -121,23 +121,26 @@ def build_groups(cfg: TrainConfig, env: Env, topo, device, comm, size: int) -> R
 
     plan = GroupPlan(env.world_size, size)
     n = plan.groups
-    if env.distributed:
-        dg = init_groups(size)
-        inter = dg.inter_comm(topo, timeout=cfg.comm.timeout, device=device)
-        template = assembly.build_algorithm(cfg, inter)
-        runs = ({dg.member: inter} if template.shards_flat else ({0: inter} if dg.member == 0 else {}))
-        intra = dg.intra_comm(timeout=cfg.comm.timeout, device=device)
-        members, ranks, inter_ledger = [[env.rank]], 1, inter.ledger
-    else:
-        template = assembly.build_algorithm(cfg, gcomm.SimulatedCommunicator(topo, world_size=n, device=device))
-        runs = {j: gcomm.SimulatedCommunicator(topo, world_size=n, device=device,
-                                               ledger=SliceLedger(comm.ledger, j))
-                for j in range(size if template.shards_flat else 1)}
-        intra = gcomm.SimulatedCommunicator(world_size=size, device=device)
-        members, ranks, inter_ledger = [plan.group_ranks(k) for k in range(n)], env.world_size, comm.ledger
+
+    def build(c):
+        return assembly.build_algorithm(cfg, c)
+
     try:
-        algo = Grouped(lambda c: assembly.build_algorithm(cfg, c), comm, inter=runs, intra=intra, group_size=size,
-                       sharded=template.shards_flat, template=template)
+        if env.distributed:
+            dg = init_groups(size)
+            inter = dg.inter_comm(topo, timeout=cfg.comm.timeout, device=device)
+            intra = dg.intra_comm(timeout=cfg.comm.timeout, device=device)
+            algo = Grouped.hosted(build, comm, inter=inter, member=dg.member, intra=intra, group_size=size)
+            members, ranks, inter_ledger = [[env.rank]], 1, inter.ledger
+        else:
+            template = build(gcomm.SimulatedCommunicator(topo, world_size=n, device=device))
+            runs = {j: gcomm.SimulatedCommunicator(topo, world_size=n, device=device,
+                                                   ledger=SliceLedger(comm.ledger, j))
+                    for j in range(size if template.shards_flat else 1)}
+            intra = gcomm.SimulatedCommunicator(world_size=size, device=device)
+            algo = Grouped(build, comm, inter=runs, intra=intra, group_size=size, sharded=template.shards_flat,
+                           template=template)
+            members, ranks, inter_ledger = [plan.group_ranks(k) for k in range(n)], env.world_size, comm.ledger
     except ValueError as e:
         raise RunError(f"--group-size {size}: {e}") from None
     return RunGroups(size, algo, intra, inter_ledger, members, ranks)

@@ -547,11 +547,9 @@ class FaultTolerantRun(Run):
             return assembly.build_algorithm(self.cfg, self.comm)
         from gossip.groups import Grouped
 
-        template = assembly.build_algorithm(self.cfg, self.comm)
-        runs = ({self.member: self.comm} if template.shards_flat else ({0: self.comm} if self.member == 0 else {}))
         try:
-            return Grouped(lambda c: assembly.build_algorithm(self.cfg, c), self.comm, inter=runs, intra=self.intra,
-                           group_size=self.group_size, sharded=template.shards_flat, template=template)
+            return Grouped.hosted(lambda c: assembly.build_algorithm(self.cfg, c), self.comm, inter=self.comm,
+                                  member=self.member, intra=self.intra, group_size=self.group_size)
         except ValueError as e:
             raise RunError(f"--group-size {self.group_size}: {e}") from None
 
@@ -567,13 +565,14 @@ class FaultTolerantRun(Run):
                            "the replica group leaves the quorum and the others go on: start the group's torchrun "
                            "again to rejoin (it heals from a live replica group)") from None
 
-    def _average_in_group(self) -> None:
+    def _average_in_group(self) -> torch.Tensor:
         """In a replica group: the members' gradients averaged in full precision over the
-        group's process group, as DDP inside a group does (counted as ``intra`` traffic)."""
+        group's process group, as DDP inside a group does (counted as ``intra`` traffic);
+        the flat average."""
         G = self.gopt.flat.gather_grads()
         with self.comm.ledger.phase("communicate"):
             G = self._in_group("the gradients' all-reduce", self.intra.all_reduce, G, "sum")
-        self.gopt.flat.scatter_grads(G.div_(self.group_size))
+        return G.div_(self.group_size)
 
     # --- the step ---------------------------------------------------------------------
     def _quorum(self, step: int) -> int:
@@ -675,14 +674,16 @@ class FaultTolerantRun(Run):
         self.opt.zero_grad(set_to_none=False)
         loss = evaluation.loss_fn(self.dataset.task)(self.model(x), y)
         loss.backward()
-        if self.group_size > 1:
-            self._average_in_group()
+        G = self._average_in_group() if self.group_size > 1 else None  # flat, gathered once
         algo.set_lr(lr)
         if algo.acts_on == "gradient":  # its memories (error feedback, Q) change: keep what to go back to
             snapshot = {"algorithm": algo.state_dict()}
-            G = self.gopt.flat.gather_grads()
+            if G is None:
+                G = self.gopt.flat.gather_grads()
             self._in_group("the exchange", algo.reduce_gradients, G)
-        else:  # the algorithm changes the model in its step
+        else:  # the algorithm changes the model in its step, from the gradients in place
+            if G is not None:
+                self.gopt.flat.scatter_grads(G)
             snapshot = copy.deepcopy(self.gopt.state_dict())
             self._in_group("the exchange", self.gopt.step)
         if not self.manager.should_commit():

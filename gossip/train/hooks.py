@@ -39,7 +39,7 @@ class Build:
     def parts(self, run: RunLike) -> None:
         """The plain run's parts: the run directory, the algorithm, the hosted nodes and
         their loaders, checked in this order, then the directory claimed."""
-        cfg, env, comm, dataset, groups = run.cfg, run.env, run.comm, run.dataset, run.groups
+        cfg, env, comm = run.cfg, run.env, run.comm
         run.mem0 = assembly.peak_memory(run.device)  # for the memory line at the end: what the nodes add to it
         run.nodes = [int(i) for i in comm.nodes]
         run.is_main = env.rank == 0

@@ -23,8 +23,12 @@ the backward of the next ones) in four settings, interleaved ``--repeats`` times
     DDP's default all-reduce of the fp32 gradients (4x the bytes).
 
 Each run times ``--steps`` iterations (forward, backward, optimizer step) after
-``--warmup`` ones; rank 0 reports the median and minimum step time and the bytes
-its interface sent. Prints a table (minimum over repeats of the per-run medians,
+``--warmup`` ones; rank 0 reports the median and minimum step time, the bytes its
+interface sent and which codec kernels the timed steps ran compiled. The ranks' kernel
+backend is ``--kernels`` (default ``auto``, gossip's default: a kernel whose compiled
+form is in inductor's compile cache compiles in the first warm-up step, as on a
+machine that has trained before; with an empty cache the timed steps of a short run
+are eager, as a long run's first few hundred steps are). Prints a table (minimum over repeats of the per-run medians,
 and the ratios to ``efsgd_inline``) and writes ``--json`` (default
 ``OUT/results.json``) through ``experiments/_provenance.py`` (command, commit, date,
 machine with its memcpy speed, load average before and after); ``make results-tables``
@@ -36,6 +40,7 @@ docs/centralized.md. Needs root (network namespaces); run it on a quiet machine
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -61,6 +66,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     from gossip import comm as gcomm
     from gossip import ddp
+    from gossip.compress import kernels
 
     torch.set_num_threads(1)
     gcomm.init_from_env(backend="gloo", timeout=600)
@@ -92,13 +98,16 @@ def _worker(args: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.inputs, generator=g)
     y = torch.randint(0, 10, (args.batch,), generator=g)
-    times = []
+    times, compiled = [], []
     for it in range(args.warmup + args.steps):
         dist.barrier()
         t0 = time.perf_counter()
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        # which codec kernels the timed steps run compiled (the backend's choice)
+        with kernels.watch_compiled() if it >= args.warmup else contextlib.nullcontext([]) as seen:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        compiled += seen
         times.append(time.perf_counter() - t0)
     ledger = state.ledger.bytes_sent if state is not None else None
     dist.barrier()
@@ -107,6 +116,7 @@ def _worker(args: argparse.Namespace) -> int:
         steps = times[args.warmup:]
         print(json.dumps({"mode": mode, "step_s": statistics.median(steps), "step_s_min": min(steps),
                           "ledger_bytes_sent": ledger,
+                          **({"compiled_kernels": sorted(set(compiled))} if state is not None else {}),
                           "params": sum(p.numel() for p in net.parameters())}), flush=True)
     return 0
 
@@ -124,8 +134,9 @@ def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--bucket-mb", type=float, default=4.0)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
-    p.add_argument("--kernels", default="eager", choices=("eager", "auto", "compile"),
-                   help="gossip.compress kernel backend of the ranks (eager: no compile time in the warm-up)")
+    p.add_argument("--kernels", default="auto", choices=("eager", "auto", "compile"),
+                   help="gossip.compress kernel backend of the ranks (default auto, gossip's own default: with "
+                        "the kernels in the compile cache they compile in the first warm-up step; eager: none)")
     p.add_argument("--prefix", default="ddpov")
     p.add_argument("--out", default="runs/bench_ddp_overlap", help="directory for the ranks' logs")
     p.add_argument("--json", default=None, help="results file (default OUT/results.json)")

@@ -832,9 +832,9 @@ TABLES: dict[str, Table] = {
     "bench_ddp_overlap": Table(f"{RESULTS}/bench_ddp_overlap.json", _bench_ddp_overlap),
     "sharded_accuracy": Table(f"{RESULTS}/sharded_accuracy.json", _sharded_accuracy),
     "trust": Table(f"{RESULTS}/trust.json", _trust),
-    "trust_n16": Table(f"{RESULTS}/trust_n16.json", _trust,
-                       command="python -m experiments run trust --nodes 16 --byzantine 2 --jobs 2 --out runs/trust-n16 "
-                               "--results experiments/results/trust_n16.json"),
+    "trust_n16": Table(f"{RESULTS}/trust_n16.json", T.trust_matrix),
+    "trust_n8_b2": Table(f"{RESULTS}/trust_n8_b2.json", T.trust_matrix),
+    "trust_n16_b1": Table(f"{RESULTS}/trust_n16_b1.json", T.trust_matrix),
     "trust_torchrun": Table(f"{RESULTS}/trust_torchrun.json", _trust,
                             command="OMP_NUM_THREADS=1 python -m experiments run trust_torchrun --out runs/trust-torchrun "
                                     "--results experiments/results/trust_torchrun.json"),
@@ -1040,7 +1040,8 @@ PAGES: dict[str, Page | Overview] = {
         spec="experiments/benchmark.toml", estimate=f"{RESULTS}/benchmark-cost.json",
         profile=(f"{RESULTS}/benchmark-mnist1d-n4-n16.json", f"{RESULTS}/benchmark-mnist1d-n64.json",
                  f"{RESULTS}/benchmark-gpt-n4.json"),
-        trust=(f"{RESULTS}/trust.json", f"{RESULTS}/trust_n16.json", f"{RESULTS}/trust_torchrun.json")),
+        trust=(f"{RESULTS}/trust.json", f"{RESULTS}/trust_n8_b2.json", f"{RESULTS}/trust_n16_b1.json",
+               f"{RESULTS}/trust_n16.json", f"{RESULTS}/trust_torchrun.json")),
     "docs/benchmark-mnist1d-n4-n16.md": Page(f"{RESULTS}/benchmark-mnist1d-n4-n16.json",
                                              title="The benchmark's MNIST-1D part at 4 and 16 nodes",
                                              netns=f"{RESULTS}/benchmark_netns-mnist1d-n4.json",

@@ -395,6 +395,15 @@ def _member_pid(launcher: subprocess.Popen, member: int) -> int:
     pytest.fail(f"no worker of RANK {member} under torchrun {launcher.pid}")
 
 
+def _end_groups(procs: list[subprocess.Popen], lh: "_Lighthouse") -> None:
+    """Kill what is left of the replica groups' torchrun launches, then the Lighthouse."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    lh.close()
+
+
 def test_replica_groups_of_a_gradient_algorithm_train_what_the_simulation_of_the_groups_trains(tmp_path: Path) -> None:
     """2 replica groups of 2 running a gradient algorithm (efsgd, 8-bit, with its error
     feedback): the gradients averaged inside each group once, then exchanged between the
@@ -415,11 +424,7 @@ def test_replica_groups_of_a_gradient_algorithm_train_what_the_simulation_of_the
         for k, p in enumerate(procs):
             assert p.wait(timeout=300) == 0, (tmp_path / f"g{k}.log").read_text()[-3000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        lh.close()
+        _end_groups(procs, lh)
     assert ref.wait(timeout=120) == 0, (ref_dir / "err.log").read_text()[-2000:]
     for k in range(2):
         want = [r["loss"] for r in _records(ref_dir / "run" / f"metrics-rank{k}.jsonl") if r.get("kind") == "train"]
@@ -466,11 +471,7 @@ def test_replica_groups_a_killed_member_takes_its_group_out_and_the_group_heals_
         for p in (procs[0], procs[2]):
             assert p.wait(timeout=300) == 0, (tmp_path / "g0.log").read_text()[-3000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        lh.close()
+        _end_groups(procs, lh)
     records = {n: _records(m[n]) for n in range(4)}
     log0 = (tmp_path / "g0.log").read_text()
     # with both groups alive the replica groups train what the simulation of the groups trains:

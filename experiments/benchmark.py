@@ -1452,6 +1452,69 @@ def profile_section(prof: dict, figure: str | None, drawn: bool | None) -> str:
     return head + "\n\n" + (plot + "\n\n" if plot else "") + "\n".join(rows)
 
 
+def _size_label(res: dict) -> str:
+    """A part's workload and model size, e.g. ``gpt (2 layers, width 64; 120,576 parameters)``."""
+    (wname, w), = res["workloads"].items()
+    opts = ", ".join(f"{k}={_option_text(v)}" for k, v in (w.get("model_options") or {}).items())
+    size = f"{w['params']:,} parameters" if w.get("params") else "parameters not recorded"
+    return f"{wname} ({opts}; {size})" if opts else f"{wname} ({size})"
+
+
+def size_section(parts: Sequence[dict], tau_max: float = TAU_MAX, draws: int = PROFILE_DRAWS) -> str:
+    """How the ranking moves with the model's size: ``parts`` are rescored results, each of
+    one workload at one size, smallest first (the same links and node counts). Each size's
+    score is its own performance profile's (:func:`profiles` over that part's cells alone);
+    the table gives each method's score and rank at every size and how far its rank moved
+    from the smallest to the largest, then the leaders and the rank correlation."""
+    import numpy as np
+
+    if len(parts) < 2:
+        return ""
+    for res in parts:
+        if len(res["workloads"]) != 1:
+            raise ValueError(f"size_section: a part holds one workload at one size, not {sorted(res['workloads'])}")
+    labels = [_size_label(res) for res in parts]
+    profs = [profiles([res], tau_max=tau_max, draws=draws)["methods"] for res in parts]
+    ranks = [{name: i for i, name in enumerate(p, 1)} for p in profs]
+    everyone = list(dict.fromkeys([*profs[-1], *(x for p in profs for x in p)]))
+
+    def cell(p: dict, r: dict, name: str) -> str:
+        m = p.get(name)
+        if m is None:
+            return "-"
+        ci = "" if m["lo"] is None else f" [{m['lo']:.2f}, {m['hi']:.2f}]"
+        return f"{m['score']:.2f}{ci} ({r[name]})"
+
+    rows = ["| method | " + " | ".join(f"score (rank) at {x}" for x in labels) + " | rank moved |",
+            "|---|" + "---|" * len(labels) + "---|"]
+    moved = {}
+    for name in everyone:
+        a, b = ranks[0].get(name), ranks[-1].get(name)
+        if a is not None and b is not None:
+            moved[name] = a - b
+        step = "-" if name not in moved else "=" if moved[name] == 0 else f"{moved[name]:+d}"
+        rows.append(f"| {name} | " + " | ".join(cell(p, r, name) for p, r in zip(profs, ranks)) + f" | {step} |")
+    both = list(moved)
+    lines = []
+    for label, p in zip(labels, profs):
+        top = [x for x, m in p.items() if m["score"] == max(v["score"] for v in p.values())] if p else []
+        lines.append(f"at {label}: {', '.join(top) or 'no method holds the target'}")
+    text = ["Each size's score is its own part's performance profile (over that part's cells alone: its links "
+            f"at its node counts; the area over tau in [1, {tau_max:g}] with the seeds' 95 % bootstrap "
+            "interval, rank in brackets); a positive move is a method ranked higher at the largest size than at "
+            "the smallest. Leaders " + "; ".join(lines) + "."]
+    if len(both) >= 3:
+        ra = np.argsort(np.argsort([ranks[0][x] for x in both]))
+        rb = np.argsort(np.argsort([ranks[-1][x] for x in both]))
+        rho = float(np.corrcoef(ra, rb)[0, 1]) if np.std(ra) and np.std(rb) else float("nan")
+        far = sorted((x for x in both if abs(moved[x]) >= 3), key=lambda x: -abs(moved[x]))
+        text.append(f"Spearman's rank correlation between the smallest and the largest size over the {len(both)} "
+                    f"methods ranked at both: {rho:.2f}."
+                    + (" Moved three places or more: " + ", ".join(f"{x} ({moved[x]:+d})" for x in far) + "."
+                       if far else " No method moved three places or more."))
+    return " ".join(text) + "\n\n" + "\n".join(rows)
+
+
 def _first_curve(res: dict, r: dict) -> tuple[list[dict], dict] | None:
     """The first seed's curve of a method and its calls per step: from the results'
     trials, or (results files written before they held their trials) from the seed."""
@@ -1564,14 +1627,17 @@ def estimate_section(spec: Spec, measured: dict, prov: dict, source: str, jobs: 
     """What the whole of ``spec`` would cost, from the trials measured in a results file."""
     planned = plan(spec)
     est = estimate(spec, measured.get("trials", []), planned)
-    m = prov.get("machine", {})
     loads = sorted(x for r in measured.get("trials", []) for x in (r.get("load") or []) if x is not None)
     at_end = [x[0] for x in (prov.get("load_before"), prov.get("load_after")) if x]
     load = (f"the trials ran at a 1-minute load of {loads[0]:.1f} to {loads[-1]:.1f}" if loads else
             f"the trials' own load was not recorded, the 1-minute load was {max(at_end):.1f} when the file was "
             "written" if at_end else "load not recorded")
+    # a results file resumed over sessions holds trials of each: name every session's date and machine
+    where = list(dict.fromkeys(
+        f"{str(x.get('date', '?'))[:10]} on {x.get('machine', {}).get('cores', '?')} cores of "
+        f"{x.get('machine', {}).get('cpu', '?')}" for x in [*(measured.get("sessions") or []), prov]))
     lines = [f"Estimated from the CPU time per epoch of the trials in `{source}` (collected "
-             f"{str(prov.get('date', '?'))[:10]} on {m.get('cores', '?')} cores of {m.get('cpu', '?')}, {load}: "
+             f"{' and '.join(where)}, {load}: "
              "CPU seconds taken on a crowded machine are inflated, so this errs high; a node count not measured "
              "scales from the nearest measured one in proportion to the nodes):", "",
              "| part of the spec | trials | CPU minutes | minutes on " + str(jobs) + " cores |", "|---|---|---|---|"]

@@ -265,6 +265,25 @@ def test_the_profile_score_is_the_normalised_area():
     assert a["lo"] < a["score"] <= a["hi"]
 
 
+def test_the_size_section_says_how_the_ranking_moved():
+    small = _part({"a": [1.0, 1.0], "b": [2.0, 2.0], "c": [3.0, 3.0], "d": [1.5, 1.5]})
+    large = _part({"a": [3.0, 3.0], "b": [1.0, 1.0], "c": [2.0, 2.0], "d": [1.5, 1.5]})
+    small["workloads"]["w"].update(model_options={"width": 64}, params=1000)
+    large["workloads"]["w"].update(model_options={"width": 128}, params=4000)
+    text = benchmark.size_section([small, large], draws=20)
+    assert "score (rank) at w (width=64; 1,000 parameters) | score (rank) at w (width=128; 4,000 parameters)" in text
+    assert "| a | 1.00 [1.00, 1.00] (1) | 0.33 [0.33, 0.33] (4) | -3 |" in text
+    assert "| b | 0.67 [0.67, 0.67] (3) | 1.00 [1.00, 1.00] (1) | +2 |" in text
+    assert "| d | 0.83 [0.83, 0.83] (2) | 0.83 [0.83, 0.83] (2) | = |" in text
+    assert "Leaders at w (width=64; 1,000 parameters): a; at w (width=128; 4,000 parameters): b." in text
+    assert "over the 4 methods ranked at both: -0.40. Moved three places or more: a (-3)." in text
+    assert benchmark.size_section([small]) == ""
+    two = _part({"a": [1.0, 1.0]})
+    two["workloads"]["v"] = two["workloads"]["w"]
+    with pytest.raises(ValueError, match="one workload at one size"):
+        benchmark.size_section([small, two])
+
+
 def test_the_profile_plot_degrades_without_matplotlib(tmp_path, monkeypatch):
     prof = benchmark.profiles([_part({"a": [1.0, 1.0], "b": [2.0, 2.0]})], draws=10)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
@@ -373,3 +392,17 @@ def test_the_calibration_recovers_the_terms_the_link_model_leaves_out():
         assert m["before"] < -0.5 and m["after"] == pytest.approx(0.0, abs=1e-9)
     text = benchmark.calibration_section({"nodes": n, "bandwidths": ["10mbit"], "runs": runs}, {"trials": trials})
     assert "- 10mbit: 1.5 s per evaluation, 2 ms per message round" in text and "| allreduce | -" in text
+
+
+def test_the_overview_says_how_to_run_a_size_not_run_yet():
+    from experiments import render
+
+    spec = benchmark.load_spec(REPO / "experiments" / "benchmark.toml")
+    page = render.Overview(parts=(), spec="experiments/benchmark.toml", estimate="experiments/results/benchmark-cost.json",
+                           sizes=(("gpt", "experiments/results/benchmark-gpt-n4.json"),
+                                  ("gpt-w128", "experiments/results/no-such-part.json")))
+    text = "\n".join(page.by_size(spec))
+    assert "## How the ranking moves with the model's size" in text
+    assert ("The workload `gpt-w128` (gpt, layers=2, width=128, heads=4) of `experiments/benchmark.toml` has not "
+            "been run yet") in text
+    assert "--results experiments/results/no-such-part.json --workloads gpt-w128 --nodes 4 --jobs 2" in text

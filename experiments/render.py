@@ -972,8 +972,10 @@ class Overview:
                         f"--results {f} --workloads {w} --nodes {','.join(str(n) for n in wl.nodes)} --jobs 2` "
                         "(resumable: `--resume` the results file of an earlier session).", ""]
             return out
-        parts = [benchmark.rescore(benchmark.read_benchmark_results(REPO / f)[0], spec.bandwidths, spec.latencies)
-                 for _, f in self.sizes]
+        parts = []
+        for w, f in self.sizes:  # a part's file lists the spec's other workloads too, unrun: keep its own
+            res = benchmark.rescore(benchmark.read_benchmark_results(REPO / f)[0], spec.bandwidths, spec.latencies)
+            parts.append({**res, "workloads": {w: res["workloads"][w]}})
         out += [f"The same workload at {len(parts)} model sizes ({', '.join(f'`{Path(f).name}`' for _, f in self.sizes)}), "
                 f"every run scored at the links of `{self.spec}`.", "", benchmark.size_section(parts), "",
                 *(provenance_line(f, benchmark.read_benchmark_results(REPO / f)[1]) for _, f in self.sizes), ""]
@@ -1072,10 +1074,11 @@ PAGES: dict[str, Page | Overview] = {
         ("docs/benchmark-mnist1d-n4-n16.md", f"{RESULTS}/benchmark-mnist1d-n4-n16.json"),
         ("docs/benchmark-mnist1d-n64.md", f"{RESULTS}/benchmark-mnist1d-n64.json"),
         ("docs/benchmark-gpt-n4.md", f"{RESULTS}/benchmark-gpt-n4.json"),
+        ("docs/benchmark-gpt-w128-n4.md", f"{RESULTS}/benchmark-gpt-w128-n4.json"),
         ("docs/benchmark-pilot.md", f"{RESULTS}/benchmark-pilot.json")),
         spec="experiments/benchmark.toml", estimate=f"{RESULTS}/benchmark-cost.json",
         profile=(f"{RESULTS}/benchmark-mnist1d-n4-n16.json", f"{RESULTS}/benchmark-mnist1d-n64.json",
-                 f"{RESULTS}/benchmark-gpt-n4.json"),
+                 f"{RESULTS}/benchmark-gpt-n4.json", f"{RESULTS}/benchmark-gpt-w128-n4.json"),
         trust=(f"{RESULTS}/trust.json", f"{RESULTS}/trust_n8_b2.json", f"{RESULTS}/trust_n16_b1.json",
                f"{RESULTS}/trust_n16.json", f"{RESULTS}/trust_torchrun.json"),
         sizes=(("gpt", f"{RESULTS}/benchmark-gpt-n4.json"), ("gpt-w128", f"{RESULTS}/benchmark-gpt-w128-n4.json"))),
@@ -1087,7 +1090,11 @@ PAGES: dict[str, Page | Overview] = {
                                           title="The benchmark's MNIST-1D part at 64 nodes",
                                           links="experiments/benchmark.toml", stragglers="experiments/benchmark.toml"),
     "docs/benchmark-gpt-n4.md": Page(f"{RESULTS}/benchmark-gpt-n4.json", title="The benchmark's GPT part at 4 nodes",
+                                     netns=f"{RESULTS}/benchmark_netns-gpt-n4.json",
                                      links="experiments/benchmark.toml", stragglers="experiments/benchmark.toml"),
+    "docs/benchmark-gpt-w128-n4.md": Page(f"{RESULTS}/benchmark-gpt-w128-n4.json",
+                                          title="The benchmark's GPT part at width 128, 4 nodes",
+                                          links="experiments/benchmark.toml", stragglers="experiments/benchmark.toml"),
     "docs/benchmark-pilot.md": Page(f"{RESULTS}/benchmark-pilot.json",
                                     title="The benchmark's pilot: twelve methods at 4 nodes on MNIST-1D",
                                     links="experiments/benchmark-pilot.toml"),

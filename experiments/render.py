@@ -42,6 +42,7 @@ from typing import Any, Callable
 from experiments import _provenance as P  # noqa: E402
 from experiments import tables as T
 from experiments.tables import md as _md, pct as _pct
+from experiments.bench_spec import option_text
 
 __all__ = ["TABLES", "Table", "render_file", "render_all", "stale_results", "narrow_file", "main"]
 
@@ -966,7 +967,7 @@ class Overview:
             sizes = {wl.name: wl for wl in spec.workloads}
             for w, f in missing:
                 wl = sizes[w]
-                opts = ", ".join(f"{k}={benchmark._option_text(v)}" for k, v in wl.model_options)
+                opts = ", ".join(f"{k}={option_text(v)}" for k, v in wl.model_options)
                 out += [f"The workload `{w}` ({wl.model}, {opts}) of `{self.spec}` has not been run yet: "
                         f"`OMP_NUM_THREADS=1 python -m experiments.benchmark run --spec {self.spec} --out runs/{w} "
                         f"--results {f} --workloads {w} --nodes {','.join(str(n) for n in wl.nodes)} --jobs 2` "

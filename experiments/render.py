@@ -973,13 +973,15 @@ class Overview:
                         f"--results {f} --workloads {w} --nodes {','.join(str(n) for n in wl.nodes)} --jobs 2` "
                         "(resumable: `--resume` the results file of an earlier session).", ""]
             return out
-        parts = []
+        parts, provs = [], []
         for w, f in self.sizes:  # a part's file lists the spec's other workloads too, unrun: keep its own
-            res = benchmark.rescore(benchmark.read_benchmark_results(REPO / f)[0], spec.bandwidths, spec.latencies)
+            res, prov = benchmark.read_benchmark_results(REPO / f)
+            res = benchmark.rescore(res, spec.bandwidths, spec.latencies)
             parts.append({**res, "workloads": {w: res["workloads"][w]}})
+            provs.append(provenance_line(f, prov))
         out += [f"The same workload at {len(parts)} model sizes ({', '.join(f'`{Path(f).name}`' for _, f in self.sizes)}), "
                 f"every run scored at the links of `{self.spec}`.", "", benchmark.size_section(parts), "",
-                *(provenance_line(f, benchmark.read_benchmark_results(REPO / f)[1]) for _, f in self.sizes), ""]
+                *provs, ""]
         return out
 
     def adversarial(self) -> list[str]:

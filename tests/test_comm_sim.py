@@ -62,6 +62,30 @@ def test_the_blocked_weighted_sum_keeps_the_sequential_contract(monkeypatch, nam
     assert calls and torch.equal(out.view(torch.int32), _sequential(topo, decode_f32(P)).view(torch.int32))
 
 
+@pytest.mark.parametrize("block_rows", [None, 1, 3])
+@pytest.mark.parametrize("name, n", [("ring", 8), ("torus", 16), ("star", 5)])
+def test_finish_gets_every_block_of_the_sum_once_in_order(monkeypatch, name: str, n: int,
+                                                           block_rows: int | None) -> None:
+    """``weighted_sum(finish=...)`` hands over each block of rows' sum as it completes:
+    the blocks cover the rows once, in ascending order, with the bits of the whole sum
+    (blocks of 1 and 3 rows; None: the whole matrix at once, one block)."""
+    import gossip.comm.base as base
+
+    d = 53
+    if block_rows:
+        monkeypatch.setattr(base, "_SUM_BLOCK_VALUES", block_rows * d)
+    topo = build(name, n)
+    P = payloads(n, d)
+    whole = SimulatedCommunicator(topo).neighbor_exchange(P).weighted_sum(decode_f32).clone()
+    seen: list[tuple[slice, torch.Tensor]] = []
+    SimulatedCommunicator(topo).neighbor_exchange(P).weighted_sum(
+        decode_f32, finish=lambda s, block: seen.append((s, block.clone())))
+    assert [s.start for s, _ in seen] == sorted(s.start for s, _ in seen)
+    assert torch.cat([torch.arange(n)[s] for s, _ in seen]).tolist() == list(range(n))
+    got = torch.cat([b for _, b in seen])
+    assert torch.equal(got.view(torch.int32), whole.view(torch.int32))
+
+
 def test_padding_never_touches_a_row() -> None:
     """Star leaves have one neighbour; their padding must not add 0.0 * D_self."""
     topo = build("star", 5)
@@ -234,6 +258,30 @@ def test_a_real_compressor_payload_error_names_the_sender() -> None:
     assert ei.value.peers == (3,) and isinstance(ei.value.__cause__, compress.PayloadError)
 
 
+@pytest.mark.parametrize("algo", ["dpsgd", "naive"])
+def test_payloads_changed_between_encoding_and_decoding_are_still_caught(monkeypatch, algo: str) -> None:
+    """The simulation decodes its own payloads without recomputing their checksums only
+    while they are untouched since the encoding (same tensor, same version counter): a
+    byte changed in between is caught and its sender named, as over a wire."""
+    from gossip import algorithms
+
+    comm = SimulatedCommunicator(build("ring", 5))
+    alg = algorithms.build(algo, comm)
+    X = torch.randn(5, 40, generator=torch.Generator().manual_seed(0))
+    alg.setup(X)
+    alg.step(X, torch.zeros_like(X))  # untouched: accepted
+    exchange = comm.neighbor_exchange
+
+    def damaging(P, **kw):
+        P[2, -1] ^= 0x01
+        return exchange(P, **kw)
+
+    monkeypatch.setattr(comm, "neighbor_exchange", damaging)
+    with pytest.raises(PeerPayloadError, match=r"bad payload from rank 2 .*checksum") as ei:
+        alg.step(X, torch.zeros_like(X))
+    assert ei.value.peers == (2,)
+
+
 @pytest.mark.parametrize("n, nbytes, per_node", [(4, 5, 8), (3, 1, 1), (4, 24, 36), (1, 100, 0)])
 def test_all_reduce_bytes_are_the_ring_share_rounded_half_up(n: int, nbytes: int, per_node: int) -> None:
     comm = SimulatedCommunicator(world_size=n)
@@ -244,9 +292,8 @@ def test_all_reduce_bytes_are_the_ring_share_rounded_half_up(n: int, nbytes: int
 
 
 def test_dpsgd_updates_many_rows_in_blocks_with_the_same_bits(monkeypatch) -> None:
-    """D-PSGD's in-place update of many hosted rows (and its weighted sum) in blocks of
-    rows (2 here): the same X, bit for bit, as in one block."""
-    import gossip.algorithms.decentralized as dec
+    """D-PSGD's in-place update of many hosted rows, each block of rows (2 here) as soon
+    as its weighted sum is complete: the same X, bit for bit, as in one block."""
     import gossip.comm.base as base
     from gossip import algorithms
 
@@ -255,7 +302,6 @@ def test_dpsgd_updates_many_rows_in_blocks_with_the_same_bits(monkeypatch) -> No
     out = []
     for block in (None, 2 * 50):
         if block:
-            monkeypatch.setattr(dec, "_BLOCK_VALUES", block)
             monkeypatch.setattr(base, "_SUM_BLOCK_VALUES", block)
         alg = algorithms.build("dpsgd", SimulatedCommunicator(build("ring", 8)))
         X = X0.clone()

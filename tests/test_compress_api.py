@@ -331,6 +331,21 @@ def test_payload_errors_name_row_and_field():
         assert (e.row, e.what) == (4, "checksum")
 
 
+def test_intact_payloads_skip_only_the_checksum():
+    """``decode(intact=True)``: the caller vouches for the bytes (its own unmodified
+    payloads), so the checksum is not recomputed; every other header field still is."""
+    c, P = _payload()
+    Q = P.clone()
+    Q[0, -1] ^= 0x01  # a body byte: only the checksum would see it
+    with pytest.raises(PayloadError, match=r"payload row 0: checksum mismatch"):
+        c.decode(Q, 100)
+    c.decode(Q, 100, intact=True)
+    with pytest.raises(PayloadError, match=r"payload row 0: tag mismatch: expected 5, got 4"):
+        c.decode(P, 100, tag=5, intact=True)
+    with pytest.raises(PayloadError, match=r"payload row 0: numel mismatch: expected 101, got 100"):
+        c.decode(P, 101, intact=True)
+
+
 @pytest.mark.parametrize("spec", ["quant:bits=8", "topk:k=10", "randk:p=0.1", "sign", "identity"])
 def test_every_single_damaged_byte_is_detected(spec):
     c, P = _payload(spec, m=1, d=50)
@@ -424,6 +439,25 @@ def test_encode_rejects_non_finite(spec, bad):
     X[1, 17] = bad
     with pytest.raises(ValueError, match=r"encode: row 1 of the input has 1 non-finite value\(s\) \(NaN or inf\)"):
         c.encode(X, _keys(3))
+
+
+@pytest.mark.parametrize("m, d", [(7, 103), (5, 1000), (3, 4096)])
+def test_identity_in_blocks_of_rows_writes_the_same_bytes(monkeypatch, m, d):
+    """identity's encoding of many rows on the CPU (the simulation's), a block of rows
+    at a time with the checksum's body share taken from the copy: the bytes of the
+    one-pass encoding, which decode to the values; a non-finite row still refused."""
+    from gossip.compress import baseline
+
+    c = gc.build("identity")
+    X = _X(m, d)
+    monkeypatch.setattr(baseline, "_FUSED_VALUES", 1 << 40)
+    whole = c.encode(X, _keys(m), tag=9)
+    monkeypatch.setattr(baseline, "_FUSED_VALUES", 2 * d)  # blocks of 2 rows, the last shorter
+    assert torch.equal(c.encode(X, _keys(m), tag=9), whole)
+    assert torch.equal(c.decode(whole, d, tag=9), X)
+    X[m - 1, d // 2] = float("nan")
+    with pytest.raises(ValueError, match=rf"identity.encode: row {m - 1} of the input has 1 non-finite"):
+        c.encode(X, _keys(m))
 
 
 def test_range_overflow_and_fp16_range():

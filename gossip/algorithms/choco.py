@@ -146,10 +146,11 @@ class _Scaled:
         return self.inner.encode(X, keys, tag=tag, out=out)
 
     def decode(self, P: torch.Tensor, numel: int, tag: int | None = None, out: torch.Tensor | None = None,
-               *, share: bool = False) -> torch.Tensor:
+               *, share: bool = False, intact: bool = False) -> torch.Tensor:
+        kw = {"intact": True} if intact else {}  # only when asked: the inner decode takes it then
         if out is None:
-            return self.inner.decode(P, numel, tag=tag) * self.factor
-        return self.inner.decode(P, numel, tag=tag, out=out).mul_(self.factor)  # scaled in place: never a view
+            return self.inner.decode(P, numel, tag=tag, **kw) * self.factor
+        return self.inner.decode(P, numel, tag=tag, out=out, **kw).mul_(self.factor)  # scaled in place: never a view
 
 
 class Choco(GossipBase):

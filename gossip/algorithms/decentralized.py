@@ -33,6 +33,7 @@ the paper's update; with momentum it is the usual "local momentum" variant of D-
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -42,10 +43,6 @@ from gossip import compress as _compress
 from gossip.algorithms._common import check_int, node_keys, step_tag
 from gossip.algorithms.base import Algorithm
 from gossip.comm.base import is_time_varying
-
-#: values per block of rows where many hosted rows are updated in place
-#: (:meth:`DPSGD.step`): a block of each operand (512 KiB of float32) stays in cache
-_BLOCK_VALUES = 1 << 17
 
 __all__ = [
     "GossipBase",
@@ -189,6 +186,22 @@ class GossipState:
 # --------------------------------------------------------------------------------------
 # Algorithms
 # --------------------------------------------------------------------------------------
+_TAKES_INTACT: dict[type, bool] = {}
+
+
+def _takes_intact(compressor: Any) -> bool:
+    """Whether ``compressor.decode`` takes ``intact`` (a stand-in's may not)."""
+    kind = type(compressor)
+    known = _TAKES_INTACT.get(kind)
+    if known is None:
+        try:
+            known = "intact" in inspect.signature(compressor.decode).parameters
+        except (TypeError, ValueError):
+            known = False
+        _TAKES_INTACT[kind] = known
+    return known
+
+
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
@@ -270,10 +283,13 @@ class GossipBase(Algorithm):
 
     # one encode -> exchange -> (own decode, weighted sum of neighbours' decodes)
     def _gossip(
-        self, Z: torch.Tensor, t: int, compressor: Any, *, want_own: bool
+        self, Z: torch.Tensor, t: int, compressor: Any, *, want_own: bool,
+        finish: Any = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor, Any, torch.Tensor]:
         """Encode ``Z`` (m, d), exchange, decode. Returns (own decode or None, weighted
-        sum of the neighbours' decodes, the Received, the payloads).
+        sum of the neighbours' decodes, the Received, the payloads). ``finish``: as
+        :meth:`gossip.comm.Received.weighted_sum`'s, each block of the weighted sum
+        handed over in cache (the returned sum then holds the last block only).
 
         Every result lives in a buffer reused by the next call (the payloads, the
         decodes, the sum) or, with ``identity``, is a view into the payloads: use them
@@ -289,6 +305,7 @@ class GossipBase(Algorithm):
             keys = node_keys(self.config.seed, self.comm.nodes, t)
             P = self._buf("payload", (m, compressor.payload_nbytes(d)), torch.uint8, dev)
             compressor.encode(Z, keys, tag=tag, out=P)
+            written = P._version
             own = None
             if want_own:
                 own = compressor.decode(P, d, tag=tag, out=self._buf("own", (m, d), f32, dev), share=True)
@@ -301,13 +318,17 @@ class GossipBase(Algorithm):
             if own is not None and _same_tensor(Q, P):
                 return own
             D = self._buf("received", (Q.shape[0], d), f32, dev)
+            # the simulation's received batch is the payloads encoded above, untouched
+            # since (same tensor, same version): nothing between could damage them
+            # (a stand-in compressor whose decode has no such option decodes as always)
+            kw = {"intact": True} if Q is P and Q._version == written and _takes_intact(compressor) else {}
             with ledger.phase("compress"):
-                return compressor.decode(Q, d, tag=tag, out=D, share=True).to(Z.dtype)
+                return compressor.decode(Q, d, tag=tag, out=D, share=True, **kw).to(Z.dtype)
 
         # "compress" is encoding and decoding only; the weighted sum is the mixing
         # step's arithmetic, like the update of x that follows it
         mixed = rec.weighted_sum(decode, out=self._buf("mixed", (m, d), Z.dtype, dev),
-                                 scratch=self._buf("scratch", (m, d), Z.dtype, dev))
+                                 scratch=self._buf("scratch", (m, d), Z.dtype, dev), finish=finish)
         return own, mixed, rec, P
 
     def _exact_mix(self, X: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -402,17 +423,16 @@ class DPSGD(GossipBase):
             self._step_untrusted(X, U, t)
             self.state.t = t + 1
             return
-        # Step I
-        _, mixed, _, _ = self._gossip(X, t, self.compressor, want_own=False)
-        # Step II, in place: the same roundings as W_ii * x + mixed + u; many hosted rows
-        # on the CPU (the simulation) in blocks of rows that stay in cache through the
-        # three operations (4 passes over the (m, d) values through memory instead of 8)
+        # Step I, and step II in place as each block of rows' weighted sum is complete
+        # (still in cache): the same roundings as W_ii * x + mixed + u. Many hosted rows
+        # on the CPU (the simulation) are summed in blocks of rows; X is only written
+        # after every payload was encoded, and the sum reads the payloads, not X.
         w = self._self_w(X, t)
-        m, d = X.shape
-        rows = max(1, _BLOCK_VALUES // max(1, d)) if X.device.type == "cpu" else m
-        for r in range(0, m, rows):
-            s = slice(r, r + rows)
-            X[s].mul_(w[s]).add_(mixed[s]).add_(U[s])
+
+        def finish(s: slice, mixed: torch.Tensor) -> None:
+            X[s].mul_(w[s]).add_(mixed).add_(U[s])
+
+        self._gossip(X, t, self.compressor, want_own=False, finish=finish)
         self.state.t = t + 1
 
 

@@ -57,6 +57,13 @@ def _payload_error_types() -> tuple[type[BaseException], ...]:
     return _PAYLOAD_ERRORS
 
 
+def _fit(buf: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``buf`` where it has ``shape`` and ``like``'s dtype and device, else a new tensor."""
+    if buf is None or tuple(buf.shape) != shape or buf.dtype != like.dtype or buf.device != like.device:
+        return like.new_empty(shape)
+    return buf
+
+
 class Received:
     """The payloads a communicator's hosted nodes received in one exchange.
 
@@ -134,7 +141,8 @@ class Received:
         return D
 
     def weighted_sum(
-        self, decode: Decode, *, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None
+        self, decode: Decode, *, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
+        finish: Callable[[slice, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Row ``r`` = sum over the neighbours ``j`` of ``nodes[r]`` of ``W_ij * decode(P_j)``.
 
@@ -149,6 +157,14 @@ class Received:
         by the caller; the sum goes into ``out`` (returned) and ``scratch`` holds each
         neighbour's gathered, weighted rows, so a graph whose nodes all have the same
         degree allocates nothing in proportion to d. Without them they are allocated.
+
+        ``finish(rows, block)``: called with each block of rows' sum as soon as it is
+        complete (``rows`` a slice of the hosted rows, ``block`` their sum), while the
+        block is still in cache, so that a caller's update that reads the sum once (the
+        mixing step of D-PSGD) does not stream the whole ``(m, d)`` sum through memory
+        again. The blocks come in ascending order and cover every row once; the whole
+        sum, where it is not summed in blocks, is one block. With ``finish`` the return
+        value holds only the last block's rows: read the sums in ``finish``.
         """
         D = self.decode(decode)
         m, width = self.index.shape
@@ -156,16 +172,24 @@ class Received:
         idx = self.index.to(D.device)
         deg = self.degrees.to(D.device)
         shape = (m, D.shape[1])
-        if out is None or tuple(out.shape) != shape or out.dtype != D.dtype or out.device != D.device:
-            out = D.new_empty(shape)
+        out = _fit(out, D, shape)
         if width == 0:
-            return out.zero_()
-        if scratch is None or tuple(scratch.shape) != shape or scratch.dtype != D.dtype \
-                or scratch.device != D.device:
-            scratch = D.new_empty(shape)
-        if m > 1 and D.device.type == "cpu" and bool((deg >= width).all()) \
-                and m * D.shape[1] > _SUM_BLOCK_VALUES and scratch.is_contiguous():
-            return self._blocked_sum(D, idx, w, out, scratch, width)
+            out.zero_()
+        elif m > 1 and D.device.type == "cpu" and bool((deg >= width).all()) \
+                and m * D.shape[1] > _SUM_BLOCK_VALUES and (scratch is None or scratch.is_contiguous()):
+            return self._blocked_sum(D, idx, w, out, _fit(scratch, D, shape), width, finish)
+        else:
+            self._whole_sum(D, idx, w, deg, out, _fit(scratch, D, shape), width)
+        if finish is not None:
+            finish(slice(0, m), out)
+        return out
+
+    @staticmethod
+    def _whole_sum(D: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, deg: torch.Tensor,
+                   out: torch.Tensor, scratch: torch.Tensor, width: int) -> None:
+        """The weighted sum of :meth:`weighted_sum` into ``out``, each operation over
+        all hosted rows (a rank's one row; a GPU; rows of unequal degrees)."""
+        m = out.shape[0]
 
         def rows(k: int) -> torch.Tensor:
             # one hosted node (a rank): its neighbour's decoded row itself, no gather
@@ -185,29 +209,49 @@ class Received:
                 rws = full.nonzero().squeeze(1)
                 if rws.numel():
                     acc[rws] = acc[rws] + w[rws, k : k + 1] * D[idx[rws, k]]
-        return acc
 
     @staticmethod
     def _blocked_sum(D: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-                     scratch: torch.Tensor, width: int) -> torch.Tensor:
+                     scratch: torch.Tensor, width: int,
+                     finish: Callable[[slice, torch.Tensor], None] | None = None) -> torch.Tensor:
         """The weighted sum of :meth:`weighted_sum` for many hosted rows of full degree,
-        a block of rows at a time: the same operations on every value (a gather,
-        ``acc = w_0 * D_0``, ``acc += w_k * D_k``), so the same bits, but each block's
-        gathered rows and sum stay in cache, where the whole-matrix form streams its
-        ``(m, d)`` scratch and sum through memory at every operation (11 passes over
-        ``m d`` values for a ring, 3 this way). Blocks of whole rows, so that each
-        operation reads and writes contiguous memory. A block's gathered rows lie in
-        the start of ``scratch`` (contiguous), so nothing is allocated."""
+        a block of rows at a time: the same operations on every value (``acc = w_0 *
+        D_0``, ``acc += w_k * D_k``), so the same bits, but each block's neighbour rows
+        and sum stay in cache, where the whole-matrix form streams its ``(m, d)``
+        scratch and sum through memory at every operation (11 passes over ``m d``
+        values for a ring, 3 this way). Blocks of whole rows, so that each operation
+        reads and writes contiguous memory. A block's neighbours whose rows of ``D``
+        are consecutive (a single row, or a ring's or torus's shifted run) are read
+        where they lie; others are gathered into the start of ``scratch``
+        (contiguous), so nothing is allocated.
+
+        With ``finish``, each block's sum goes to the start of ``out`` and ``finish``
+        gets it there, in cache; otherwise block ``r`` goes to ``out``'s rows ``r``."""
         m, d = out.shape
         rows = max(1, _SUM_BLOCK_VALUES // d)
         flat = scratch.view(-1)
+        cols = idx.t().tolist()  # per neighbour column, each row's row of D
+        # per column, the number of breaks in its runs of consecutive rows up to each row:
+        # a block reads a column's rows where they lie when none falls inside it
+        breaks = np.cumsum(np.diff(idx.cpu().numpy(), axis=0) != 1, axis=0).tolist() if rows > 1 else None
+        wk = [w[:, k:k + 1] for k in range(width)]
         for r in range(0, m, rows):
-            s = slice(r, r + rows)
-            oc = out[s]
+            e = min(m, r + rows)
+            s = slice(r, e)
+            oc = out[: e - r] if finish is not None else out[s]
             b = flat[:oc.numel()].view(oc.shape)
-            torch.mul(torch.index_select(D, 0, idx[s, 0], out=b), w[s, 0:1], out=oc)
-            for k in range(1, width):
-                oc += torch.mul(torch.index_select(D, 0, idx[s, k], out=b), w[s, k:k + 1], out=b)
+            for k in range(width):
+                a = cols[k][r]
+                if breaks is None or e - r == 1 or breaks[e - 2][k] == (breaks[r - 1][k] if r else 0):
+                    src = D[a:a + e - r]  # consecutive rows: a view, no gather
+                else:
+                    src = torch.index_select(D, 0, idx[s, k], out=b)
+                if k == 0:
+                    torch.mul(src, wk[0][s], out=oc)
+                else:
+                    oc += torch.mul(src, wk[k][s], out=b)
+            if finish is not None:
+                finish(s, oc)
         return out
 
     def __repr__(self) -> str:

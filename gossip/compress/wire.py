@@ -152,15 +152,48 @@ def checksum(P: torch.Tensor) -> torch.Tensor:
     return _kernels.checksum(words, w)
 
 
-def write_header(P: torch.Tensor, cid: int, phash: int, numel: int, keys: torch.Tensor, tag: int) -> None:
-    """Fill the 32-byte headers of ``P`` (body already written) and the checksums."""
+def body_checksum(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The body's share of the checksums of payload rows whose body words (int32,
+    the words past the header) are ``words`` (m, k): ``sum_j (2 j + 1) * w_j`` over
+    those words only, modulo 2**32: int32 (m,) on the CPU (into ``out`` if given),
+    int64 elsewhere. A row's checksum is this plus the header words' share, modulo
+    2**32, so an encoder can take the body's share while the body it has just written
+    is in cache; :func:`write_header` adds the rest."""
+    w = _body_weights_cached(words.shape[1], words.device)
+    if words.device.type == "cpu":
+        return torch.mv(words, w, out=out)  # int32 products and sums wrap modulo 2**32
+    return _kernels.checksum(words, w)
+
+
+def _body_weights_cached(nwords: int, device) -> torch.Tensor:
+    key = ("body", nwords, str(device))
+    w = _WEIGHT_CACHE.get(key)
+    if w is None:
+        first = HEADER_NBYTES // 4
+        if len(_WEIGHT_CACHE) > 16:
+            _WEIGHT_CACHE.clear()
+        w = _WEIGHT_CACHE[key] = _weights(first + nwords, device)[first:]
+    return w
+
+
+def write_header(P: torch.Tensor, cid: int, phash: int, numel: int, keys: torch.Tensor, tag: int,
+                 body: torch.Tensor | None = None) -> None:
+    """Fill the 32-byte headers of ``P`` (body already written) and the checksums.
+    ``body``: the rows' :func:`body_checksum`, where the encoder took it; the body is
+    then not read again."""
     # the row-independent words in one small tensor: magic/version/id, hash, numel, tag
     w0 = MAGIC_WORD0 | (cid << 24) | (phash << 32)
     const = torch.tensor([w0 - (1 << 64) if w0 >= (1 << 63) else w0, numel, 0, tag], dtype=torch.int64)
     h = P.view(torch.int64)[:, :4]
     h.copy_(const.to(P.device).expand_as(h))
     h[:, 2] = keys.to(device=P.device, dtype=torch.int64)
-    c = checksum(P)
+    if body is None:
+        c = checksum(P)
+    else:
+        first = HEADER_NBYTES // 4
+        head = P.view(torch.int32)[:, :first].contiguous()
+        c = (_kernels.checksum(head, _weights_cached(P.shape[1] // 4, P.device)[:first])
+             + body.to(torch.int64)) & 0xFFFFFFFF
     P.view(torch.int32)[:, _CHECK_WORD] = (c - ((c >> 31) << 32)).to(torch.int32)
 
 

@@ -394,6 +394,44 @@ def test_the_calibration_recovers_the_terms_the_link_model_leaves_out():
     assert "- 10mbit: 1.5 s per evaluation, 2 ms per message round" in text and "| allreduce | -" in text
 
 
+def test_a_part_whose_calibrated_model_stays_off_takes_the_measured_verdict():
+    """Where the simulated trials' model, calibrated, is off by a median above 25 % at a
+    bandwidth, the part's verdict there is the measured order, beside the model's; where
+    it holds (within 25 %), no measured verdict is given."""
+    n = 4
+    calls = {"allreduce": {"all_reduce": 1.0}, "gossip": {"exchange": 2.0}, "local": {"all_reduce": 0.1}}
+    # measured times to the target, and the simulated trials' modelled ones: the model has
+    # gossip first, the measured order is local, allreduce, gossip
+    measured_s = {"allreduce": 20.0, "gossip": 30.0, "local": 10.0}
+
+    def fake(sim_of):
+        trials, runs = [], {}
+        for name, c in calls.items():
+            pts = []
+            for epoch in (1, 2, 3):
+                step = 30 * epoch
+                pts.append({"step": step, "epoch": float(epoch), "model_s": measured_s[name] * epoch / 3,
+                            "time_s": measured_s[name] * epoch / 3})
+            trials.append({"key": f"w/n4/{name}/seed0", "result": {"calls_per_step": c}})
+            last = pts[-1]
+            runs[name] = {"10mbit": {"ok": True, "trial": f"w/n4/{name}/seed0", "points": pts,
+                                     "simulated_time_s": sim_of(name),
+                                     "to_target": {"step": last["step"], "epoch": last["epoch"],
+                                                   "model_s": last["model_s"], "time_s": last["time_s"]}}}
+        return {"nodes": n, "bandwidths": ["10mbit"], "runs": runs}, {"trials": trials}
+
+    off = fake(lambda name: {"allreduce": 6.0, "gossip": 2.0, "local": 5.0}[name])
+    text = benchmark.calibration_section(*off)
+    assert "above 25%: the verdict at 10mbit is the measured one" in text
+    assert "**At 10mbit this part's verdict is the measured one**" in text
+    assert "Measured, local reaches the target first; the model put gossip first" in text
+    ranks = [line.split(" | ")[:2] for line in text.splitlines() if line.startswith("| ") and " s |" in line]
+    assert ranks == [["| 1", "local"], ["| 2", "allreduce"], ["| 3", "gossip"]]
+    held = fake(lambda name: 0.9 * measured_s[name])
+    text = benchmark.calibration_section(*held)
+    assert "measured one" not in text and "of the simulated trials' 10% before, 10% after" in text
+
+
 def test_the_overview_says_how_to_run_a_size_not_run_yet():
     from experiments import render
 

@@ -80,6 +80,11 @@ _BLOCK_VALUES = 1 << 22
 #: at 1,024 MLP nodes on one thread
 _CHUNK_VALUES = 1 << 18
 
+#: values per slab of rows of the SGD update made on demand (:meth:`VectorizedOptimizer._lazy_step`):
+#: a slab of the update and of X (16 MiB of float32 each) stays in the last-level cache
+#: until the algorithm's update of those rows reads them
+_SLAB_VALUES = 1 << 22
+
 
 def _norm_layers(model: nn.Module) -> list[str]:
     return [name for name, mod in model.named_modules()
@@ -416,6 +421,7 @@ class VectorizedOptimizer(GossipOptimizer):
         self.steps = 0
         self._xt: Tensor | None = None
         self._u: Tensor | None = None
+        self._slab: Tensor | None = None
         self.layout = self.flat.layout
         self._loss_fn = loss_fn
         self._forward = _NodeForward(model)
@@ -477,8 +483,10 @@ class VectorizedOptimizer(GossipOptimizer):
         from ``x + (-lr) d - x``, the same operations on the same values as the
         optimizer's step between a copy of ``X`` and its restore, so ``X`` itself is
         read, never written, before the algorithm's step. That is 5 passes over
-        ``(n, d)`` values through memory instead of 15. Other optimizers take the
-        generic step."""
+        ``(n, d)`` values through memory instead of 15. An algorithm that declares
+        ``prepares_update`` (D-PSGD) asks for ``u``'s rows as it adds them, and they are
+        made then, a slab at a time (:meth:`_lazy_step`): ``u`` stays in cache and no
+        ``(n, d)`` buffer holds it. Other optimizers take the generic step."""
         algo = self.algorithm
         opt = self.optimizers[0]
         if algo.acts_on == "gradient" or not _plain_sgd(opt):
@@ -487,14 +495,68 @@ class VectorizedOptimizer(GossipOptimizer):
         self.flat.check()
         algo.set_lr(float(opt.param_groups[0]["lr"]))
         X = self.flat.data
-        if self._u is None or self._u.shape != X.shape or self._u.dtype != X.dtype or self._u.device != X.device:
-            self._u = torch.empty_like(X)
+        ledger = algo.comm.ledger
         with torch.no_grad():
-            with algo.comm.ledger.phase("compute"):  # the local step, as GossipOptimizer.step charges it
-                self._sgd_update(opt, self._u)
-            algo.step(X, self._u)
+            if getattr(algo, "prepares_update", False) and X.device.type == "cpu":
+                self._lazy_step(opt, X, ledger)
+            else:
+                U = self._buffer("_u", tuple(X.shape), X)
+                with ledger.phase("compute"):  # the local step, as GossipOptimizer.step charges it
+                    self._sgd_update(opt, U)
+                algo.step(X, U)
         self.steps += 1
         algo.on_step_end(self.steps)
+
+    def _lazy_step(self, opt: torch.optim.SGD, X: Tensor, ledger: Any) -> None:
+        """The algorithm's step with the SGD update made on demand: the algorithm asks for
+        the update's rows (``prepare(rows)``, in ascending order, each block once) just
+        before it adds them, and they are made a slab of :data:`_SLAB_VALUES` at a time
+        into a buffer of one slab, reused, so that the update never goes through memory:
+        the whole ``(n, d)`` update would be written there and read back (the same
+        operations on the same values: the same bits). A request for every row at once
+        (a local step) gets the whole update. Still charged to ``compute``."""
+        n, d = self.flat.rows, X.shape[1]
+        plan = self._sgd_plan(opt)
+        cap = max(1, _SLAB_VALUES // max(1, d))
+        lo = done = 0
+        slab: Tensor | None = None
+
+        def prepare(rows: slice) -> Tensor:
+            nonlocal lo, done, slab
+            a, e = rows.start or 0, n if rows.stop is None else min(n, rows.stop)
+            if a == 0 and e == n and done == 0 and n > cap:  # every row: the whole update
+                U = self._buffer("_u", (n, d), X)
+                with ledger.phase("compute"):
+                    self._sgd_rows(plan, U, 0, n)
+                done = lo = n
+                return U
+            if a < lo or e - a > cap:  # pragma: no cover - DPSGD asks for ascending blocks within a slab
+                raise AssertionError(f"prepare: rows [{a}, {e}) after rows up to {done} (slabs of {cap})")
+            if e > done:
+                if slab is None:
+                    slab = self._buffer("_slab", (min(n, cap), d), X)
+                if e - lo > cap:  # start the slab at a: the rows of [a, done) made already move to its front
+                    if done > a:
+                        slab[: done - a] = slab[a - lo: done - lo].clone()
+                    lo = a
+                end = min(n, lo + cap)
+                with ledger.phase("compute"):
+                    self._sgd_rows(plan, slab, done, end, base=lo)
+                done = end
+            return slab[a - lo: e - lo]
+
+        self.algorithm.step(X, None, prepare=prepare)
+        if done < n:  # pragma: no cover - an algorithm that declares prepares_update prepares every row
+            raise AssertionError(f"{self.algorithm.name}.step prepared {done} of {n} rows of the update")
+
+    def _buffer(self, name: str, shape: tuple[int, ...], X: Tensor) -> Tensor:
+        """The update's buffer ``name`` (the whole update, or one slab of it), kept from
+        step to step, made anew where its shape, dtype or device no longer fit."""
+        u = getattr(self, name)
+        if u is None or tuple(u.shape) != shape or u.dtype != X.dtype or u.device != X.device:
+            u = torch.empty(shape, dtype=X.dtype, device=X.device)
+            setattr(self, name, u)
+        return u
 
     def _sgd_update(self, opt: torch.optim.SGD, U: Tensor) -> None:
         """``U`` <- what ``opt.step()`` would add to ``X`` (zero where a tensor has no
@@ -502,22 +564,26 @@ class VectorizedOptimizer(GossipOptimizer):
         unchanged. The arithmetic of torch's SGD, element for element:
         ``d = g + wd x``; ``buf = d`` at the first step, else ``buf = m buf + (1 - damp) d``;
         ``d = buf`` (or ``d + m buf``, Nesterov); ``u = (x + (-lr) d) - x``."""
-        X = self.flat.data
-        n = X.shape[0]
+        self._sgd_rows(self._sgd_plan(opt), U, 0, self.flat.rows)
+
+    def _sgd_plan(self, opt: torch.optim.SGD) -> tuple[list[tuple], list[tuple[int, int]]]:
+        """The step's SGD update, ready to run on any rows (:meth:`_sgd_rows`): per
+        tensor with a gradient its columns of ``X``, gradient and momentum as ``(n, k)``
+        views, whether the momentum starts here (made now, filled by the first rows'
+        update) and the group's options; and the columns of the tensors without one."""
+        n = self.flat.rows
         where = {id(p): i for i, p in enumerate(self.flat.leaves())}
-        written = set()
+        plan, written = [], set()
         for group in opt.param_groups:
-            lr, wd = float(group["lr"]), float(group["weight_decay"])
-            mom, damp, nesterov = float(group["momentum"]), float(group["dampening"]), bool(group["nesterov"])
+            opts = (float(group["lr"]), float(group["weight_decay"]), float(group["momentum"]),
+                    float(group["dampening"]), bool(group["nesterov"]))
             for p in group["params"]:
                 i = where.get(id(p))
                 if p.grad is None or i is None:
                     continue
                 o, k = self.flat.blocks[i]
-                g = p.grad.reshape(n, k)  # a view: the batched kernels' gradients are contiguous
-                b = None
-                first = False
-                if mom != 0:
+                b, first = None, False
+                if opts[2] != 0:
                     state = opt.state[p]
                     buf = state.get("momentum_buffer")
                     first = buf is None
@@ -526,26 +592,36 @@ class VectorizedOptimizer(GossipOptimizer):
                             else buf.contiguous()
                         state["momentum_buffer"] = buf
                     b = buf.view(n, k)
-                # a GPU takes whole tensors: chunks would only add kernel launches
-                rows = max(1, _CHUNK_VALUES // k) if X.device.type == "cpu" else n
-                for r in range(0, n, rows):
-                    s = slice(r, r + rows)
-                    x = X[s, o:o + k]
-                    d = g[s]
-                    if wd != 0:
-                        d = d.add(x, alpha=wd)
-                    if b is not None:
-                        bc = b[s]
-                        if first:
-                            bc.copy_(d)
-                        else:
-                            bc.mul_(mom).add_(d, alpha=1 - damp)
-                        d = d.add(bc, alpha=mom) if nesterov else bc
-                    torch.add(x, d, alpha=-lr, out=U[s, o:o + k]).sub_(x)
+                # a view: the batched kernels' gradients are contiguous
+                plan.append((o, k, p.grad.reshape(n, k), b, first, opts))
                 written.add(i)
-        for i, (o, k) in enumerate(self.flat.blocks):
-            if i not in written:
-                U[:, o:o + k].zero_()
+        return plan, [blk for i, blk in enumerate(self.flat.blocks) if i not in written]
+
+    def _sgd_rows(self, plan: tuple[list[tuple], list[tuple[int, int]]], U: Tensor, a: int, e: int,
+                  base: int = 0) -> None:
+        """:meth:`_sgd_update` on the rows ``[a, e)`` of the momentum and ``X``, global row
+        ``r``'s update into row ``r - base`` of ``U`` (``base = a``: ``U`` is a slab)."""
+        X = self.flat.data
+        tensors, unwritten = plan
+        for o, k, g, b, first, (lr, wd, mom, damp, nesterov) in tensors:
+            # a GPU takes whole tensors: chunks would only add kernel launches
+            rows = max(1, _CHUNK_VALUES // k) if X.device.type == "cpu" else e - a
+            for r in range(a, e, rows):
+                s = slice(r, min(e, r + rows))
+                x = X[s, o:o + k]
+                d = g[s]
+                if wd != 0:
+                    d = d.add(x, alpha=wd)
+                if b is not None:
+                    bc = b[s]
+                    if first:
+                        bc.copy_(d)
+                    else:
+                        bc.mul_(mom).add_(d, alpha=1 - damp)
+                    d = d.add(bc, alpha=mom) if nesterov else bc
+                torch.add(x, d, alpha=-lr, out=U[s.start - base: s.stop - base, o:o + k]).sub_(x)
+        for o, k in unwritten:
+            U[a - base: e - base, o:o + k].zero_()
 
     # --- views for evaluation: every node is hosted here, so no collective is needed -----
     @torch.no_grad()

@@ -386,6 +386,46 @@ def test_the_fused_sgd_step_equals_torchs_sgd_step(monkeypatch, kw):
     assert not vectorized._plain_sgd(torch.optim.AdamW(fused.flat.leaves()))
 
 
+@pytest.mark.parametrize("local_steps", [1, 2])
+@pytest.mark.parametrize("block_rows, slab_rows", [(2, 3), (1, 1), (3, 7)])
+def test_the_update_made_slab_by_slab_gives_the_same_bits(monkeypatch, local_steps, block_rows, slab_rows):
+    """D-PSGD asks for the SGD update block by block as it mixes, and the optimizer makes
+    it a slab at a time (blocks of 2 rows across slabs of 3 here, so blocks straddle
+    slabs; one row each; one slab for all 7 nodes; with local steps every other step,
+    which take the whole update at once): X and the momentum, bit for bit, as when the
+    whole update is made before the algorithm's step."""
+    import gossip.comm.base as base
+
+    n = 7
+    d = sum(p.numel() for p in _model().parameters())
+    monkeypatch.setattr(base, "_SUM_BLOCK_VALUES", block_rows * d)
+    monkeypatch.setattr(vectorized, "_SLAB_VALUES", slab_rows * d)
+    g = torch.Generator().manual_seed(3)
+    opts = []
+    for lazy in (True, False):
+        algo = algorithms.build("dpsgd", comm.SimulatedCommunicator(topologies.build("ring", n)),
+                                local_steps=local_steps)
+        if not lazy:
+            algo.prepares_update = False  # the whole update first, as for every other algorithm
+        opts.append(vectorized.VectorizedOptimizer(
+            _model(), lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3), algo))
+    for _ in range(4):
+        grads = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in opts[0].flat.leaves()]
+        for o in opts:
+            for p, gr in zip(o.flat.leaves(), grads):
+                p.grad = gr.clone()
+            o.step()
+    lazy, whole = opts
+    assert lazy._u is None or local_steps > 1  # no (n, d) update where every step gossips
+    assert torch.equal(lazy.flat.data, whole.flat.data) and not torch.equal(lazy.flat.data, _model_rows(n))
+    for p, q in zip(lazy.flat.leaves(), whole.flat.leaves()):
+        assert torch.equal(lazy.optimizers[0].state[p]["momentum_buffer"], whole.optimizers[0].state[q]["momentum_buffer"])
+
+
+def _model_rows(n: int) -> torch.Tensor:
+    return vectorized.StackedParams(_model(), n).data.clone()
+
+
 def test_checkpoints_move_between_paths():
     """A state dict of either path loads into the other and both continue alike."""
     a, _, _, la_loaders, _ = _run_loop("dcd", "sgd", 10)

@@ -413,14 +413,23 @@ class DPSGD(GossipBase):
     def period(self) -> int:
         return self.config.local_steps
 
-    def step(self, X: torch.Tensor, U: torch.Tensor) -> None:
+    #: ``step`` takes ``prepare``: the update ``U`` may be made on demand, rows by rows
+    prepares_update = True
+
+    def step(self, X: torch.Tensor, U: torch.Tensor, prepare: Any = None) -> None:
+        """``prepare(rows)``, where given, returns the update's rows ``rows`` (``U`` is then
+        None): it is asked for each block of rows once, in ascending order, just before
+        the block is updated, so that the vectorized optimizer makes its SGD update a
+        slab at a time, still in cache when it is added."""
+        if prepare is None:
+            prepare = U.__getitem__
         t = self.state.t
         if t % self.config.local_steps:  # a local step: no gossip
-            X.add_(U)
+            X.add_(prepare(slice(0, None)))
             self.state.t = t + 1
             return
         if self.robust is not None or self.adversary is not None:
-            self._step_untrusted(X, U, t)
+            self._step_untrusted(X, prepare(slice(0, None)), t)
             self.state.t = t + 1
             return
         # Step I, and step II in place as each block of rows' weighted sum is complete
@@ -430,7 +439,8 @@ class DPSGD(GossipBase):
         w = self._self_w(X, t)
 
         def finish(s: slice, mixed: torch.Tensor) -> None:
-            X[s].mul_(w[s]).add_(mixed).add_(U[s])
+            u = prepare(s)  # before X[s] changes: the update reads the rows' x
+            X[s].mul_(w[s]).add_(mixed).add_(u)
 
         self._gossip(X, t, self.compressor, want_own=False, finish=finish)
         self.state.t = t + 1

@@ -41,14 +41,15 @@ next buckets' gradients. The all-gathered exchange (``exchange=allgather``) and 
 warm-up all-reduce are one collective each. The sharded exchange has two stages
 (push to the shard owners, then the owners' pull), and the pull can only be posted
 once the push has arrived. Gloo and NCCL pair collectives by the order each rank
-posts them, so every stage is posted by the hooks themselves, in bucket order, never
-from a callback: the hook of bucket ``k`` posts bucket ``k``'s push, then bucket
-``k - 1``'s pull (waiting for ``k - 1``'s push if it is still on the wire). When the
-last bucket arrives backward is over: its hook posts its own pull, waits for every
-bucket's exchange in turn, decodes the directions into the buffers and completes the
-futures, on the hook's thread (the compressors and the ledger are not shared with
-communication threads). A bucket's push thus overlaps the backward of the next
-bucket and its pull the one after. No thread is started: work handles and futures
+posts them in a process group, so the pulls go through a second group over the same
+ranks, made with the hook state, and every stage is posted by the hooks themselves,
+in bucket order, never from a callback: the hook of bucket ``k`` posts bucket
+``k``'s push, then the pulls of the buckets whose pushes have arrived, in order, up
+to the first still on the wire (it never waits for one: backward goes on). When the
+last bucket arrives backward is over: its hook posts the remaining pulls, waits for
+every bucket's exchange in turn, decodes the directions into the buffers and
+completes the futures, on the hook's thread (the compressors and the ledger are not
+shared with communication threads). No thread is started: work handles and futures
 only. ``overlap=False`` waits inside every hook instead (what the overlap saves is
 measured by ``experiments/bench_ddp_overlap.py`` against it and against torch's own
 all-reduce). powersgd, efmomentum, the top-k family and allreduce still reduce inside
@@ -185,7 +186,8 @@ class HookState:
         self.warmup_steps = warmup_steps
         self.overlap = overlap
         self.optimizer = optimizer
-        self.comm = DistCommunicator(group=process_group, timeout=timeout)
+        self.comm = DistCommunicator(group=process_group, timeout=timeout,
+                                     pull_group=_pull_group(process_group) if overlap else None)
         self.iteration = 0
         self._params = [p for _, p in named]
         self._names = [n for n, _ in named]
@@ -313,22 +315,37 @@ class HookState:
                 pending.advance()
             self._finish(entry)
         else:
-            # the previous bucket's pulls go out now, after this bucket's pushes: every
-            # rank posts in this order, from this thread, so the collectives pair up
-            if self._in_flight:
-                for pending, _ in self._in_flight[-1][1]:
-                    pending.advance()
             self._in_flight.append(entry)
             if bucket.is_last():  # backward is done: finish every bucket, in order
-                for pending, _ in entry[1]:
-                    pending.advance()
+                for e in self._in_flight:
+                    for pending, _ in e[1]:
+                        pending.advance()
                 in_flight, self._in_flight = self._in_flight, []
                 for e in in_flight:
                     self._finish(e)
+            else:
+                self._advance_ready()
         if bucket.is_last():
             self.iteration += 1
             self.ledger.step()
         return result
+
+    def _advance_ready(self) -> None:
+        """Post the later stages (pulls) of the buckets in flight, in bucket order, on the
+        hook's thread. With the pulls in a process group of their own, every bucket
+        whose push has arrived, up to the first whose push has not: backward is never
+        held up by a push still on the wire. Otherwise the previous bucket's, after this
+        bucket's push, as every rank does (waiting for that push if it is on the wire)."""
+        if self.comm._pull_group is None:
+            if len(self._in_flight) > 1:
+                for pending, _ in self._in_flight[-2][1]:
+                    pending.advance()
+            return
+        for e in self._in_flight:
+            for pending, _ in e[1]:
+                if not pending.ready():
+                    return
+                pending.advance()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -364,6 +381,17 @@ class HookState:
     def __repr__(self) -> str:
         return (f"HookState({self.name}, {len(self._groups)} group(s), iteration={self.iteration}, "
                 f"warmup_steps={self.warmup_steps})")
+
+
+def _pull_group(group: Any) -> Any:
+    """A process group over ``group``'s ranks (the default group's where None), same
+    backend, for the sharded exchanges' pulls (:class:`gossip.comm.DistCommunicator`'s
+    ``pull_group``); None for a world of one. Made by every rank of ``group`` as it
+    builds its hook state, as DDP itself is built."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
+        return None
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(ranks, backend=str(dist.get_backend(group)), use_local_synchronization=True)
 
 
 # no ``from __future__ import annotations`` in this module: DDP's register_comm_hook

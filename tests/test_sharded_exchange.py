@@ -207,6 +207,55 @@ def test_four_processes_equal_the_simulation_bit_for_bit():
         assert sent == c.ledger.sent_by(rank), rank
 
 
+def _out_of_step_worker():
+    import time
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    alone = dist.new_group([rank], use_local_synchronization=True)
+    try:
+        comm.DistCommunicator(timeout=60, pull_group=alone)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    pulls = dist.new_group([0, 1], use_local_synchronization=True)
+    c = comm.DistCommunicator(timeout=60, pull_group=pulls)
+    grads = _grads(n=2)
+    algs = [algorithms.build("efsgd", c, compressor="quant:bits=8") for _ in range(2)]
+    for a in algs:
+        a.setup(torch.zeros(1, D), LAYOUT)
+    out = []
+    for t in range(T):
+        Gs = [grads[t, rank: rank + 1].clone(), 2 * grads[t, rank: rank + 1]]
+        for a in algs:
+            a.set_lr(LRS[t])
+        first = algs[0].reduce_gradients_start(Gs[0])
+        if rank == 0:  # the first exchange's pull before the second's push; rank 1 the other way round
+            while not first.ready():
+                time.sleep(0.001)
+            first.advance()
+        second = algs[1].reduce_gradients_start(Gs[1])
+        for p in (first, second):
+            p.advance()
+        out.append(torch.cat([first.wait()[0], second.wait()[0]]))
+    return torch.stack(out), refused
+
+
+@pytest.mark.multiprocess
+def test_pulls_in_a_group_of_their_own_may_go_out_of_step():
+    """With the communicator's ``pull_group``, one rank posts an exchange's pull as soon
+    as its push has arrived, before the next exchange's push, while its peer posts them
+    the other way round (what a DDP hook does when a push arrives early on one rank):
+    the same bits as the simulation. A pull group over other ranks is refused."""
+    results = run_world(2, _out_of_step_worker, timeout=120)
+    grads = _grads(n=2)
+    want = [run_reduce("efsgd", {"compressor": "quant:bits=8"}, g, LRS, LAYOUT)[0] for g in (grads, 2 * grads)]
+    for rank, (got, refused) in enumerate(results):
+        assert torch.equal(got, torch.cat([want[0][:, rank], want[1][:, rank]], dim=1)), rank
+        assert refused.startswith("DistCommunicator: `pull_group` must hold the same ranks as `group`"), refused
+
+
 # ---------------------------------------------------------------- resume
 @pytest.mark.parametrize("name,opts", [("efsgd", {"compressor": "quant:bits=8"}), ("signum", {}),
                                        ("efblocksgdm", {}), ("efmomentum", {"compressor": "topk:p=0.3"})])

@@ -185,6 +185,11 @@ class Pending:
         if self.handle is not None:
             self.handle.advance()
 
+    def ready(self) -> bool:
+        """Whether :meth:`advance` would return at once, out of step with the peers
+        (:meth:`gossip.comm.Handle.ready`)."""
+        return self.handle is None or self.handle.ready()
+
     @torch.no_grad()
     def wait(self) -> Any:
         if self._value is None:

@@ -278,6 +278,13 @@ class Handle:
         exchange's pull, once its push has arrived); a no-op for single-stage ones.
         Overlapping callers advance their handles in the same order on every rank."""
 
+    def ready(self) -> bool:
+        """Whether :meth:`advance` would return at once and may be called whenever this
+        rank likes (its later stage has a process group of its own); True for a
+        single-stage operation. Callers that advance handles as they become ready still
+        advance them in order, stopping at the first that is not."""
+        return True
+
     def future(self) -> torch.futures.Future:
         """A ``torch.futures.Future`` of :meth:`wait`'s result, for callers that chain
         work on the arrival instead of blocking (DDP communication hooks). Handles

@@ -202,6 +202,12 @@ class DistCommunicator(Communicator):
         check_sizes: agree on payload sizes with the neighbours the first time
             each size is used (see the module docstring); keep it on.
         ledger: a ledger hosting ``[rank]`` (a fresh one by default).
+        pull_group: a second process group over the same ranks, for the sharded
+            exchanges' pulls (their second stage). Collectives pair up by the order
+            each rank posts them in a group; with the pulls in a group of their own, a
+            rank may post an exchange's pull as soon as its push has arrived
+            (:meth:`Handle.ready`), out of step with its peers' later pushes. Without it
+            every stage goes through ``group``, in the same order on every rank.
     """
 
     def __init__(
@@ -213,6 +219,7 @@ class DistCommunicator(Communicator):
         timeout: float = 300.0,
         check_sizes: bool = True,
         ledger: Ledger | None = None,
+        pull_group: Any = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -227,6 +234,7 @@ class DistCommunicator(Communicator):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = n = dist.get_world_size(group)
+        self._pull_group = _check_pull_group(pull_group, self.rank, n)
         self.backend = str(dist.get_backend(group))
         if device is None:
             use_cuda = "nccl" in self.backend and torch.cuda.is_available()
@@ -567,6 +575,16 @@ class DistCommunicator(Communicator):
         )
 
 
+def _check_pull_group(pull_group: Any, rank: int, n: int) -> Any:
+    """``pull_group`` where it holds the communicator's ``n`` ranks with this one as
+    ``rank``; else a ValueError saying what it holds."""
+    if pull_group is not None and (dist.get_world_size(pull_group) != n or dist.get_rank(pull_group) != rank):
+        raise ValueError(f"DistCommunicator: `pull_group` must hold the same ranks as `group`, in the same "
+                         f"order; it has {dist.get_world_size(pull_group)} ranks, this one is rank "
+                         f"{dist.get_rank(pull_group)} in it (rank {rank} of {n} in `group`)")
+    return pull_group
+
+
 def _peer_failure(exc: BaseException) -> str | None:
     """'late' for a timeout, 'lost' for a broken connection, None for anything else."""
     text = str(exc).lower()
@@ -655,10 +673,12 @@ class _ShardedHandle(Handle):
     serves this rank's shard and posts the pull; :meth:`wait` completes everything.
 
     Every collective is posted by the thread that calls these methods, never from a
-    future's callback: gloo pairs collectives by the order they are posted on each rank,
-    so a pull posted whenever a push happened to complete could meet another bucket's
-    push on a peer. Callers that overlap (DDP hooks) advance their exchanges in the same
-    order on every rank."""
+    future's callback: gloo pairs collectives by the order they are posted on each rank
+    in a group, so a pull posted in the pushes' group whenever a push happened to
+    complete could meet another bucket's push on a peer. Callers that overlap (DDP
+    hooks) advance their exchanges in the same order on every rank; with the
+    communicator's ``pull_group`` they may advance an exchange whenever it is
+    :meth:`ready`, in that order."""
 
     __slots__ = ("_comm", "_work", "_pushed", "_server", "_outs", "_pull", "_out", "_result")
 
@@ -691,9 +711,16 @@ class _ShardedHandle(Handle):
             with c.ledger.phase("communicate"):
                 sent = reply.repeat(n)  # the same reply to every rank, one slot each
                 self._pull = c._post_collective("sharded_exchange (pull)", lambda: dist.all_to_all_single(
-                    out, sent, output_split_sizes=outs, input_split_sizes=[outs[r]] * n, group=c.group,
-                    async_op=True))
+                    out, sent, output_split_sizes=outs, input_split_sizes=[outs[r]] * n,
+                    group=c._pull_group if c._pull_group is not None else c.group, async_op=True))
         self._out = out
+
+    def ready(self) -> bool:
+        """True when :meth:`advance` neither waits nor has to be called in step with the
+        peers: it has run, or the pulls have a group of their own and the push has
+        arrived."""
+        return self._out is not None or (self._comm._pull_group is not None
+                                         and (self._work is None or self._work.is_completed()))
 
     def wait(self) -> torch.Tensor:
         if self._result is None:

@@ -688,7 +688,9 @@ def _sim_epoch_profile(res: dict) -> str:
 
 #: the simulation's targets on one CPU thread: vectorized / loop node-steps per second
 #: at a node count, and the share of a one-epoch run at 1,024 nodes outside the steps
-_SIM_RATIO_TARGETS = {("logreg", 1024): 10.0, ("mlp", 1024): 10.0, ("cnn1d", 256): 1.5}
+#: (the MLP's was 10x until its roofline showed that one thread of these machines bounds
+#: it near 3x; it is 2x now, about 60-70 % of that bound)
+_SIM_RATIO_TARGETS = {("logreg", 1024): 10.0, ("mlp", 1024): 2.0, ("cnn1d", 256): 1.5}
 _SIM_OUTSIDE_TARGET = 0.20
 
 
@@ -698,15 +700,18 @@ def _bench_sim_targets(res: dict) -> str:
     if res.get("device") != "cpu" or res.get("threads") != 1:
         return ""
     parts = []
-    ratios = {(r["model"], r["nodes"]): r.get("ratio") for r in res["rows"]}
+    rows = {(r["model"], r["nodes"]): r for r in res["rows"]}
     for (model, nodes), want in _SIM_RATIO_TARGETS.items():
-        got = ratios.get((model, nodes))
+        row = rows.get((model, nodes)) or {}
+        got = row.get("ratio")
         if got is not None:
             shown = f"{got:.2f}"
             if (float(shown) >= want) != (got >= want):  # 1.4966 is not "1.50x ... not met"
                 shown = f"{got:.4f}"
+            frac = row.get("roofline_fraction")
             parts.append(f"{model} at {nodes:,} nodes {shown}x against ≥ {want:g}x "
-                         + ("met" if got >= want else "**not met**"))
+                         + ("met" if got >= want else "**not met**")
+                         + (f" ({frac:.0%} of its roofline)" if frac is not None else ""))
     for e in res.get("epoch") or []:
         if e["nodes"] == 1024:
             parts.append(f"{e['model']} one epoch {e['outside_share']:.0%} outside the steps against "

@@ -364,6 +364,7 @@ def netns_gap_table(res: dict) -> str:
             f"{r['simulated_s']:.1f} s: {_pct0(r['simulated_error'])} → **{_pct0(r['simulated_error_less_eval'])}**"])
     return md(["bandwidth", "method", "measured", "evaluations", "their time (share)",
                 "median one (2 all-reduces at the link rate)", "measured less evaluations",
+                "compute and codec to the target: ranks / simulated trial",
                 "same run modelled: error → less evaluations", "simulated trial modelled: error → less evaluations"],
                body)
 

@@ -59,6 +59,7 @@ Markdown page and the figures (metric against bytes and against modelled time pe
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -1267,11 +1268,9 @@ def _option_text(v: Any) -> str:
     return option_text(v)
 
 
-def options_table(res: dict) -> str:
-    """Every method's options as run: its algorithm, the flags that make it the variant
-    named (bits, compressor), and each option of the algorithm at its paper default or
-    set by an override, which is marked and given with its reason. An option set in the
-    flags with no reason (results made before the spec's overrides) is marked as such."""
+def _options(res: dict) -> tuple[list[str], list[str]]:
+    """The rows of :func:`options_table` (none where no method records its flags) and
+    each option set in a method's flags with no reason, as "method (key=value)"."""
     seen: dict[str, dict] = {}
     for w in res["workloads"].values():
         for nd in w["nodes"].values():
@@ -1279,7 +1278,7 @@ def options_table(res: dict) -> str:
                 if "flags" in r and name not in seen:
                     seen[name] = r
     if not seen:
-        return ""
+        return [], []
     rows = ["| method | algorithm | variant (flags) | options as run | overrides, with their reasons |",
             "|---|---|---|---|---|"]
     unexplained = []
@@ -1304,6 +1303,17 @@ def options_table(res: dict) -> str:
                 cells.append(f"{k}={opts.get(k, v)}")
         rows.append(f"| {name} | {algo or '?'} | {' '.join(rest) or '-'} | {', '.join(cells) or '-'} | "
                     f"{'; '.join(why) or '-'} |")
+    return rows, unexplained
+
+
+def options_table(res: dict) -> str:
+    """Every method's options as run: its algorithm, the flags that make it the variant
+    named (bits, compressor), and each option of the algorithm at its paper default or
+    set by an override, which is marked and given with its reason. An option set in the
+    flags with no reason (results made before the spec's overrides) is marked as such."""
+    rows, unexplained = _options(res)
+    if not rows:
+        return ""
     lines = ["Every option is its algorithm's paper default (as gossip gives it), except the learning rate (tuned) "
              "and the options marked: an override, with the reason the spec states, or, in results made before "
              "the spec required a reason, an option set in the method's flags.", "", *rows]
@@ -1313,12 +1323,11 @@ def options_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def grid_table(res: dict) -> str:
-    """Per workload and node count, each method whose tuned rate lies at an edge of the
-    rates tried, or whose grid was extended: the rates tried, the pick, the extensions
-    and why the grid is closed (or that it is open)."""
-    rows = ["| workload | nodes | method | rates tried | selected | extensions | grid |", "|---|---|---|---|---|---|---|"]
-    n_open = 0
+def _grids(res: dict) -> list[tuple]:
+    """Each (workload, nodes, method) whose tuned rate lies at an edge of the rates tried
+    or whose grid was extended: (workload, nodes, method, rates tried, selected,
+    extensions, state), the state "interior", "the next rate diverged" or "open: ..."."""
+    out = []
     for wname, w in res["workloads"].items():
         for n, nd in w["nodes"].items():
             for name, r in nd["methods"].items():
@@ -1327,17 +1336,38 @@ def grid_table(res: dict) -> str:
                 tried = sorted(x["lr"] for x in r["tuning"])
                 grid = r.get("grid")
                 ext = (grid or {}).get("extensions") or []
-                edge = r["lr"] in (tried[0], tried[-1])
-                if not ext and not edge:
+                if not ext and r["lr"] not in (tried[0], tried[-1]):
                     continue
                 if grid is None:
                     state = "open: selected at the edge (made before grids were closed)"
                 else:
                     state = grid["closed"] if grid["closed"] in ("interior", "the next rate diverged") else \
                         f"open: {grid['closed']}"
-                n_open += state.startswith("open")
-                rows.append(f"| {wname} | {n} | {name} | {', '.join(f'{x:g}' for x in tried)} | {r['lr']:g} | "
-                            f"{', '.join(f'{x:g}' for x in ext) or '-'} | {state} |")
+                out.append((wname, n, name, tried, r["lr"], ext, state))
+    return out
+
+
+def protocol_kept(res: dict) -> str:
+    """One cell: whether a part was run under the protocol the report states: every
+    option a paper default or an override with its reason, and no selected rate at the
+    open edge of its grid ("kept"); otherwise what departs from it."""
+    unexplained = _options(res)[1]
+    opened = collections.Counter(g[-1].removeprefix("open: ") for g in _grids(res) if g[-1].startswith("open"))
+    why = ([f"options set with no reason ({', '.join(unexplained)})"] if unexplained else []) + \
+        [f"{k} grid{'s' if k != 1 else ''} open ({state})" for state, k in opened.items()]
+    return "kept" if not why else "not kept: " + "; ".join(why)
+
+
+def grid_table(res: dict) -> str:
+    """Per workload and node count, each method whose tuned rate lies at an edge of the
+    rates tried, or whose grid was extended: the rates tried, the pick, the extensions
+    and why the grid is closed (or that it is open)."""
+    rows = ["| workload | nodes | method | rates tried | selected | extensions | grid |", "|---|---|---|---|---|---|---|"]
+    grids = _grids(res)
+    for wname, n, name, tried, lr, ext, state in grids:
+        rows.append(f"| {wname} | {n} | {name} | {', '.join(f'{x:g}' for x in tried)} | {lr:g} | "
+                    f"{', '.join(f'{x:g}' for x in ext) or '-'} | {state} |")
+    n_open = sum(g[-1].startswith("open") for g in grids)
     proto = res["protocol"]
     k = proto.get("grid_extensions")
     head = (f"When the selected rate is the smallest or the largest tried, the tuner tries the next rate a factor "
@@ -1773,7 +1803,11 @@ def report(res: dict, md: Path, fig_dir: Path, title: str | None = None, extra: 
                      "the protocol's is ranked nowhere."), ""]
     opts = options_table(res)
     if opts:
-        lines += ["## Options as run", "", opts, ""]
+        kept = protocol_kept(res)
+        lines += ["## Options as run", "",
+                  "This part kept the protocol below: every option as stated, every grid closed." if kept == "kept"
+                  else f"This part did not keep the protocol below in full ({kept.removeprefix('not kept: ')}).", "",
+                  opts, ""]
     rescored = res.get("rescored") or {}
     added = [k for k in rescored.get("links", []) if k not in rescored.get("from", [])]
     ext = proto.get("grid_extensions")

@@ -958,6 +958,8 @@ class Overview:
     #: one workload's parts at growing model sizes, smallest first (the spec's workload
     #: names, results files): the section on how the ranking moves with the size
     sizes: tuple[tuple[str, str], ...] = ()
+    #: superseded parts kept for reading: (report page, results file, why it was superseded)
+    earlier: tuple[tuple[str, str, str], ...] = ()
 
     def by_size(self, spec) -> list[str]:
         """How the ranking moves with the model's size (:func:`experiments.benchmark.size_section`),
@@ -1016,17 +1018,19 @@ class Overview:
     def text(self, md: str, write_figures: bool = False) -> str:
         from experiments import benchmark
 
-        rows = []
-        for page, results in self.parts:
+        def row(page: str, results: str, last: str | None = None) -> list[str]:
             res, prov = benchmark.read_benchmark_results(REPO / results)
             cov = res.get("coverage", {})
             ran: dict[str, set[int]] = {}
             for t in res.get("trials", []):
                 ran.setdefault(t["workload"], set()).add(int(t["nodes"]))
             wls = "; ".join(f"{w} at {', '.join(str(n) for n in sorted(ns))} nodes" for w, ns in ran.items())
-            rows.append([f"[{Path(page).stem}]({Path(page).name})", wls or "-",
-                         f"{cov.get('finished', 0):,}", f"{cov.get('cpu_s', 0) / 60:,.0f}",
-                         f"`{_short(prov.get('commit'))}`", str(prov.get("date", ""))[:10]])
+            return [f"[{Path(page).stem}]({Path(page).name})", wls or "-",
+                    f"{cov.get('finished', 0):,}", f"{cov.get('cpu_s', 0) / 60:,.0f}",
+                    f"`{_short(prov.get('commit'))}`", str(prov.get("date", ""))[:10],
+                    benchmark.protocol_kept(res) if last is None else last]
+
+        rows = [row(page, results) for page, results in self.parts]
         measured, mprov = benchmark.read_results(REPO / self.estimate)
         estimate = benchmark.estimate_section(
             dataclasses.replace(benchmark.load_spec(REPO / self.spec), source=self.spec), measured, mprov,
@@ -1035,8 +1039,9 @@ class Overview:
         profile = []
         if self.profile:
             spec = benchmark.load_spec(REPO / self.spec)
-            scored = [benchmark.rescore(benchmark.read_benchmark_results(REPO / f)[0], spec.bandwidths,
-                                        spec.latencies) for f in self.profile]
+            parts = [benchmark.read_benchmark_results(REPO / f)[0] for f in self.profile]
+            scored = [benchmark.rescore(r, spec.bandwidths, spec.latencies) for r in parts]
+            departed = [Path(f).name for f, r in zip(self.profile, parts) if benchmark.protocol_kept(r) != "kept"]
             prof = benchmark.profiles(scored)
             fig = REPO / md
             fig = fig.parent / f"{fig.stem}-profile.png"
@@ -1046,7 +1051,10 @@ class Overview:
                        f"Over the parts {', '.join(f'`{Path(f).name}`' for f in self.profile)}, every run scored at "
                        f"the links of `{self.spec}` ({', '.join(spec.bandwidths)} x {', '.join(spec.latencies)}) "
                        "from its recorded bytes, rounds and compute; a run reaches the target only if it holds "
-                       "it (each part's page gives both criteria).", "",
+                       "it (each part's page gives both criteria)."
+                       + (f" Of these, {', '.join(f'`{x}`' for x in departed)} did not keep the protocol in full "
+                          "(the protocol column above says how): the profile holds their cells as they ran."
+                          if departed else " Every one of them kept the protocol."), "",
                        benchmark.profile_section(prof, fig.name, drawn), ""]
         sizes = self.by_size(benchmark.load_spec(REPO / self.spec))
         text = "\n".join([
@@ -1055,13 +1063,19 @@ class Overview:
             " do not edit by hand -->", "",
             f"The spec `{self.spec}` tunes every method on the same budget (a grid of learning rates, selection"
             " on a validation carve), then runs the selected setting with several seeds, and scores each method"
-            " by its modelled time to a target on a grid of links. Each part below ran the whole protocol for"
-            " its workloads and node counts; its page gives the protocol, the verdicts, every method's table"
-            " and the figures.", "",
+            " by its modelled time to a target on a grid of links. Each part below ran the protocol for its"
+            " workloads and node counts (its protocol column says where it departed from it); its page gives the"
+            " protocol, the verdicts, every method's table and the figures.", "",
             "## The parts run so far", "",
-            _md(["part", "workloads", "trials", "CPU minutes", "commit", "date"], rows), "",
+            _md(["part", "workloads", "trials", "CPU minutes", "commit", "date", "protocol"], rows), "",
+            "The protocol column says whether the part kept the protocol its page states: every option its "
+            "paper's default or an override with its reason, and every selected learning rate interior to the "
+            "rates tried or its grid closed by the extensions.", "",
             *profile,
             *sizes,
+            "## Earlier runs", "",
+            *([_md(["run", "workloads", "trials", "CPU minutes", "commit", "date", "superseded because"],
+                   [row(page, results, why) for page, results, why in self.earlier]), ""] if self.earlier else []),
             f"The first full run of the spec ({', '.join(f'`{Path(f).name}`' for f in files)}) was made at"
             " earlier code, where MuLoCo's Muon step was not yet charged to compute. Every figure in it is held"
             " by the parts above, re-run at later code, so it is retired; it can be read in git"
@@ -1082,8 +1096,11 @@ PAGES: dict[str, Page | Overview] = {
         ("docs/benchmark-mnist1d-n4-n16.md", f"{RESULTS}/benchmark-mnist1d-n4-n16.json"),
         ("docs/benchmark-mnist1d-n64.md", f"{RESULTS}/benchmark-mnist1d-n64.json"),
         ("docs/benchmark-gpt-n4.md", f"{RESULTS}/benchmark-gpt-n4.json"),
-        ("docs/benchmark-gpt-w128-n4.md", f"{RESULTS}/benchmark-gpt-w128-n4.json"),
-        ("docs/benchmark-pilot.md", f"{RESULTS}/benchmark-pilot.json")),
+        ("docs/benchmark-gpt-w128-n4.md", f"{RESULTS}/benchmark-gpt-w128-n4.json")),
+        earlier=(("docs/benchmark-pilot.md", f"{RESULTS}/benchmark-pilot.json",
+                  "a pilot of the protocol small enough for ten minutes on 2 cores (`experiments/benchmark-pilot.toml`: "
+                  "12 methods, 2 seeds, a 3-rate grid, 15 epochs, target 85 %); the MNIST-1D part at 4 and 16 nodes "
+                  "runs all 27 methods under the full protocol"),),
         spec="experiments/benchmark.toml", estimate=f"{RESULTS}/benchmark-cost.json",
         profile=(f"{RESULTS}/benchmark-mnist1d-n4-n16.json", f"{RESULTS}/benchmark-mnist1d-n64.json",
                  f"{RESULTS}/benchmark-gpt-n4.json", f"{RESULTS}/benchmark-gpt-w128-n4.json"),

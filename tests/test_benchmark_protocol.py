@@ -225,6 +225,34 @@ def test_an_override_runs_as_an_option_and_the_report_shows_it_with_its_reason(t
     assert "optimizer=sgd" in table  # the options left at their defaults are listed too
 
 
+
+def test_a_part_says_whether_it_kept_the_protocol():
+    """The benchmark's front page marks a part whose options or grids depart from the
+    protocol its page states, and says how."""
+    def tune(*lrs):
+        return [{"lr": x} for x in lrs]
+
+    def part(methods):
+        return {"protocol": {}, "workloads": {"blobs": {"nodes": {"2": {"methods": methods}}}}}
+
+    kept = part({"allreduce": {"flags": ["--algo", "allreduce"], "lr": 0.1, "tuning": tune(0.05, 0.1, 0.2)},
+                 "localsgd": {"flags": ["--algo", "localsgd", "--algo-opt", "local_steps=4"],
+                              "overrides": {"local_steps": {"value": 4, "reason": "short runs"}},
+                              "lr": 0.1, "tuning": tune(0.05, 0.1, 0.2, 0.4),
+                              "grid": {"closed": "the next rate diverged", "extensions": [0.4]}}})
+    assert benchmark.protocol_kept(kept) == "kept"
+    old = part({"sparseloco": {"flags": ["--algo", "sparseloco", "--algo-opt", "local_steps=8"], "lr": 0.05,
+                               "tuning": tune(0.05, 0.1, 0.2)},
+                "signum": {"flags": ["--algo", "signum"], "lr": 0.2, "tuning": tune(0.05, 0.1, 0.2)}})
+    assert benchmark.protocol_kept(old) == (
+        "not kept: options set with no reason (sparseloco (local_steps=8)); 2 grids open (selected at the edge "
+        "(made before grids were closed))")
+    limit = part({"signum": {"flags": ["--algo", "signum"], "lr": 0.0125, "tuning": tune(0.0125, 0.025, 0.05, 0.1),
+                             "grid": {"closed": "at the edge after 3 extension(s): the limit",
+                                      "extensions": [0.025, 0.0125]}}})
+    assert benchmark.protocol_kept(limit) == "not kept: 1 grid open (at the edge after 3 extension(s): the limit)"
+
+
 def test_the_committed_specs_keep_the_paper_defaults():
     """No method of the committed specs sets an option without its reason; the modern
     methods run their papers' local steps."""

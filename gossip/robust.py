@@ -24,10 +24,12 @@ Three kinds of object, each built from a spec string at the edge (``name:key=val
   is refused.
 * an **aggregator** (:func:`parse_aggregator`, :data:`AGGREGATORS`) for the messages of
   all nodes: ``mean``, coordinate-wise ``median`` and ``trimmed:f=F`` (Yin, Chen,
-  Ramchandran and Bartlett, arXiv:1803.01498), and ``cclip:tau=T[,iters=L,beta=B]``,
+  Ramchandran and Bartlett, arXiv:1803.01498), and ``cclip[:tau=T,iters=L,beta=B]``,
   centered clipping around the previous aggregate of the workers' momenta (Karimireddy,
   He and Jaggi, "Learning from History for Byzantine Robust Optimization",
-  arXiv:2012.10333); ``beta`` is the workers' momentum (torch's convention,
+  arXiv:2012.10333), with a fixed radius ``tau`` or, without it, an adaptive one: at
+  each clipping step the median of the senders' distances to the centre
+  (:meth:`Aggregator.scales`); ``beta`` is the workers' momentum (torch's convention,
   ``m <- beta m + g``; the algorithm applies it before the message is sent, so the
   local optimizer then has none). They work on one
   shard of coordinates at a time (:meth:`Aggregator.__call__`), so the sharded layout
@@ -69,7 +71,7 @@ AGGREGATORS: dict[str, dict[str, float | None]] = {
     "mean": {},
     "median": {},
     "trimmed": {"f": None},
-    "cclip": {"tau": None, "iters": 1.0, "beta": 0.0},
+    "cclip": {"tau": float("nan"), "iters": 1.0, "beta": 0.0},  # nan: the adaptive radius
 }
 #: the robust gossip rules of the decentralized family
 ROBUST: dict[str, dict[str, float | None]] = {
@@ -255,22 +257,43 @@ class Aggregator:
     ``(k, L)``, one row per sender. ``cclip`` keeps its centre (the previous aggregate,
     the "history" of arXiv:2012.10333), one per shard ``j``.
 
+    ``cclip``'s radius is fixed (``tau``) or adaptive (``tau`` unset): at each clipping
+    step, the median of the senders' distances to the centre (the lower of the two
+    middle ones for an even count). Fewer than half the senders are Byzantine, so that
+    median lies between two honest senders' distances: the attackers cannot widen it,
+    and it follows the honest momenta's spread as it grows and shrinks over training,
+    where a fixed radius is too wide early (when every message is short, an attack
+    passes unclipped) or too narrow late. About half the honest messages are clipped at
+    each step; ``iters`` steps bring the centre to them.
+
     ``dim``: the length of the whole message whose shards the rule sees (None: each call
-    sees a whole message). ``cclip``'s ``tau`` is a radius for the whole message, as in
-    the paper; a shard of ``L`` of its ``dim`` values is clipped to
-    ``tau * sqrt(L / dim)`` (:meth:`radius`). The shards' radii then add up, in squares,
-    to ``tau**2``: a sender's clipped difference, all shards together, is at most ``tau``
-    long, the bound the paper's rule gives it. The same ``tau`` on every shard would let
-    each sender move the aggregate ``sqrt(n)`` times as far over ``n`` shards."""
+    sees a whole message). A fixed ``tau`` is a radius for the whole message, as in the
+    paper; a shard of ``L`` of its ``dim`` values is clipped to ``tau * sqrt(L / dim)``
+    (:meth:`radius`). The shards' radii then add up, in squares, to ``tau**2``: a
+    sender's clipped difference, all shards together, is at most ``tau`` long, the bound
+    the paper's rule gives it. The same ``tau`` on every shard would let each sender
+    move the aggregate ``sqrt(n)`` times as far over ``n`` shards. (The adaptive radius
+    of a shard is the median over that shard's distances.)"""
 
     def __init__(self, name: str, params: dict[str, float]) -> None:
         self.name, self.params = name, dict(params)
         self.center: dict[int, torch.Tensor] = {}
         self.dim: int | None = None
 
-    def radius(self, width: int) -> float:
-        """``cclip``'s radius for a shard of ``width`` values (the whole radius ``tau``
-        where ``dim`` is unset or the shard is the whole message)."""
+    @property
+    def adaptive(self) -> bool:
+        """``cclip`` without ``tau``: the median distance as the radius."""
+        return self.name == "cclip" and math.isnan(self.params["tau"])
+
+    def radius(self, width: int, norms: torch.Tensor | None = None) -> torch.Tensor | float:
+        """``cclip``'s radius for a shard of ``width`` values: the median of ``norms``
+        (the senders' distances over the shard) where it is adaptive, else the whole
+        radius ``tau`` where ``dim`` is unset or the shard is the whole message, else the
+        shard's share of it."""
+        if self.adaptive:
+            if norms is None:
+                raise ValueError("cclip's adaptive radius needs the senders' distances")
+            return norms.median()
         tau = self.params["tau"]
         if self.dim is None or width >= self.dim:
             return tau
@@ -278,7 +301,7 @@ class Aggregator:
 
     @property
     def spec(self) -> str:
-        p = ",".join(f"{k}={v:g}" for k, v in self.params.items())
+        p = ",".join(f"{k}={v:g}" for k, v in self.params.items() if not math.isnan(v))
         return self.name + (f":{p}" if p else "")
 
     @property
@@ -308,13 +331,14 @@ class Aggregator:
             s = Q.sort(0).values
             return s[f: k - f].mean(0)
         # cclip: v <- v + mean_i clip(m_i - v, tau), iters times, from the last aggregate
-        tau, iters = self.radius(Q.shape[1]), int(self.params["iters"])
+        iters = int(self.params["iters"])
         v = self.center.get(j)
         if v is None or v.shape[0] != Q.shape[1]:
             v = torch.zeros(Q.shape[1], dtype=Q.dtype, device=Q.device)
         for _ in range(max(1, iters)):
             D = Q - v
             norms = D.norm(dim=1, keepdim=True)
+            tau = self.radius(Q.shape[1], norms)
             scale = torch.where(norms > tau, tau / norms.clamp_min(1e-30), torch.ones_like(norms))
             v = v + (D * scale).mean(0)
         self.center[j] = v.clone()
@@ -322,9 +346,10 @@ class Aggregator:
 
     def scales(self, sq: torch.Tensor) -> torch.Tensor:
         """``cclip``'s factor (k, 1) for each sender, from its squared distance ``sq`` (k,)
-        to the centre over the whole message: ``min(1, tau / ||m_i - v||)``."""
-        tau = self.params["tau"]
+        to the centre over the whole message: ``min(1, tau / ||m_i - v||)``, ``tau``
+        fixed or the median of the distances."""
         norms = sq.sqrt().unsqueeze(1)
+        tau = norms.median() if self.adaptive else self.params["tau"]
         return torch.where(norms > tau, tau / norms.clamp_min(1e-30), torch.ones_like(norms))
 
     def state(self) -> dict[int, torch.Tensor]:

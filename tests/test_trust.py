@@ -29,7 +29,7 @@ def test_bad_attack_specs(spec, match):
 
 
 @pytest.mark.parametrize("spec, match", [
-    ("trimmed", "needs f="), ("cclip", "needs tau="), ("cclip:tau=-1", "tau must be > 0"),
+    ("trimmed", "needs f="), ("cclip:tau=-1", "tau must be > 0"),
     ("krum", "unknown aggregator 'krum'; accepted: mean, median, trimmed, cclip"),
 ])
 def test_bad_aggregator_specs(spec, match):
@@ -116,6 +116,27 @@ def test_centered_clipping_bounds_one_outlier():
     torch.testing.assert_close(v2, torch.full((3,), 0.1))
 
 
+def test_centered_clippings_adaptive_radius_is_the_median_distance():
+    """Without tau, the radius is the median of the senders' distances to the centre:
+    attackers fewer than half cannot widen it, and it scales with the messages (a
+    fixed radius passes a whole attack while every message is short)."""
+    agg = robust.parse_aggregator("cclip")
+    assert agg.adaptive and agg.spec == "cclip:iters=1,beta=0"
+    assert not robust.parse_aggregator("cclip:tau=2").adaptive
+    honest = torch.eye(8)[:5] * torch.tensor([[1.0], [2.0], [3.0], [4.0], [5.0]])  # distances 1..5 from 0
+    Q = torch.cat([honest, torch.full((3, 8), 1e6)])  # three of eight attack, far away
+    v = agg(Q, 0)
+    # the lower median of the distances [1, 2, 3, 4, 5, big x 3] is 4: the attackers add 3 x 4 / 8 at most
+    tau = 4.0
+    want = (honest * torch.clamp(tau / honest.norm(dim=1, keepdim=True), max=1.0)).sum(0) / 8
+    want += 3 * tau / 8 * torch.ones(8) / 8 ** 0.5
+    torch.testing.assert_close(v, want)
+    small = robust.parse_aggregator("cclip")(Q * 1e-3, 0)  # scale-free: the same rule at any scale
+    torch.testing.assert_close(small, v * 1e-3)
+    fixed = robust.parse_aggregator("cclip:tau=4")(Q * 1e-3, 0)  # a fixed radius passes the short attack whole
+    assert float(fixed.norm()) > 100 * float(small.norm())
+
+
 def test_centered_clipping_radius_is_the_whole_messages_in_the_sharded_layout():
     """cclip's tau bounds a sender's clipped difference over the whole message: a shard
     of L of d values is clipped to tau sqrt(L/d), so an outlier moves the all-gathered
@@ -138,8 +159,8 @@ def test_centered_clipping_radius_is_the_whole_messages_in_the_sharded_layout():
     assert float(G[0].norm()) == pytest.approx(1 / n) == pytest.approx(float(whole.norm()))
 
 
-@pytest.mark.parametrize("iters", [1, 3])
-def test_centered_clipping_in_the_sharded_layout_is_the_whole_message_rule(iters):
+@pytest.mark.parametrize("iters, adaptive", [(1, False), (3, False), (3, True)])
+def test_centered_clipping_in_the_sharded_layout_is_the_whole_message_rule(iters, adaptive):
     """Each sender's difference is clipped by its distance over the whole message, though
     no owner holds one: a sender whose difference lies in one shard is clipped as the
     whole-vector rule clips it (not to that shard's share of the radius), over rounds
@@ -148,7 +169,7 @@ def test_centered_clipping_in_the_sharded_layout_is_the_whole_message_rule(iters
     from gossip.algorithms._robust import ShardedRule
 
     n, d, tau = 4, 16, 2.0
-    spec = f"cclip:tau={tau:g},iters={iters}"
+    spec = f"cclip:iters={iters}" if adaptive else f"cclip:tau={tau:g},iters={iters}"
     M = 0.1 * _msgs(n, d, seed=5)
     M[2, :4] += 1.5  # within the radius as a whole, 3x its shard's share tau * sqrt(4/16)
     M[0] += 10.0  # outside it
@@ -350,7 +371,7 @@ def test_the_torchrun_trust_experiment_refuses_bad_options_in_one_line(argv, mat
 #: (torchrun and torch start once, not once per run)
 _FLAGS = ["--algo", "allreduce", "--data", "synthetic", "--model", "mlp", "--epochs", "1", "--max-steps", "12",
           "--batch-size", "64", "--no-progress", "--no-node-eval", "--seed", "1"]
-_RULES = ["median", "cclip:tau=1"]
+_RULES = ["median", "cclip:tau=1", "cclip:iters=3"]
 _DILOCO = ["--algo", "diloco", "--algo-opt", "local_steps=3", "--data", "synthetic", "--model", "mlp",
            "--epochs", "1", "--max-steps", "9", "--batch-size", "64", "--no-progress", "--no-node-eval",
            "--seed", "2", "--byzantine", "1", "--attack", "scaled:factor=-8", "--aggregator", "median"]
@@ -399,7 +420,7 @@ def test_a_sharded_rule_gives_the_same_aggregate_exchanged_or_local():
 
     n, d = 5, 23
     M = _msgs(n, d, seed=4)
-    for spec in ("median", "trimmed:f=1", "cclip:tau=0.5"):
+    for spec in ("median", "trimmed:f=1", "cclip:tau=0.5", "cclip:iters=2"):
         a, b = robust.parse_aggregator(spec), robust.parse_aggregator(spec)
         ca, cb = torch.zeros(d), torch.zeros(d)
         ra, rb = ShardedRule.even(a, d, n, what="t", center=ca), ShardedRule.even(b, d, n, what="t", center=cb)
@@ -442,6 +463,8 @@ def _quadratic_run(algo: str, aggregator: str, attack: str | None, *, rounds: in
     ("diloco", {}, "median"),  # identity: the fp32 pseudo-gradients through the sharded layout
     ("diloco", {}, "cclip:tau=0.3"),  # identity: cclip's distances and all-gather in the sharded layout
     ("diloco", {"compressor": "quant:bits=8"}, "cclip:tau=0.3"),  # each owner's rule on decoded shards
+    ("diloco", {}, "cclip:iters=3"),  # the adaptive radius, over the whole message's distances
+    ("diloco", {"compressor": "quant:bits=8"}, "cclip:iters=3"),  # and over each owner's shard
     ("diloco", {"compressor": "quant:bits=8", "exchange": "allgather"}, "trimmed:f=1"),  # on every node
     ("sparseloco", {"topk_fraction": 0.5, "bits": 32}, "cclip:tau=0.3"),
     ("demo", {}, "median"),

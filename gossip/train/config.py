@@ -829,7 +829,8 @@ class TrustSection:
         None,
         "robust aggregation of the nodes' messages: allreduce's gradients, the pseudo-gradients of diloco, "
         "muloco and sparseloco, demo's momentum components (docs/trust.md): mean, median, trimmed:f=F, "
-        "cclip:tau=T[,iters=L] (beta=B: allreduce only) (default mean: the method's own exchange)",
+        "cclip[:tau=T,iters=L] (no tau: the median distance as the radius; beta=B: allreduce only) "
+        "(default mean: the method's own exchange)",
         metavar="SPEC", role="fingerprint-if-set",
     )
     robust: str | None = option(

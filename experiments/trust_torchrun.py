@@ -15,10 +15,8 @@ through the same wire format as the honest ranks: the sharded exchange of ``allr
 its round of distances), the pairwise exchange of ``noloco`` on a ring. For each method
 and seed: the clean run, the clean run with the defence (what it costs alone), the
 attack without and with the defence. The protocol is the study's (cnn1d, batch 32 per
-node, SGD at lr 0.05 with momentum 0.9, the same epochs), at 4 nodes: one attacker is a
-quarter of the nodes, twice the study's share, so the radius of centered clipping is
-smaller than the study's (tau = 2: at 4 nodes tau = 8 passes most of a sign-flipped
-momentum; tau = 2 clips it and leaves a clean run as it is, in probes at seed 0).
+node, SGD at lr 0.05 with momentum 0.9, the same epochs, centered clipping's adaptive
+radius), at 4 nodes: one attacker is a quarter of the nodes, twice the study's share.
 
 A training result (not timed): its provenance lists each configuration, witnessed as its
 simulation (a torchrun run of N ranks computes what ``--simulate N`` computes: the
@@ -43,7 +41,7 @@ from experiments.diloco_eager_netns import said
 REPO = Path(__file__).resolve().parents[1]
 #: each method: its flags, and its defence (label, flags)
 METHODS = {
-    "allreduce": (["--algo", "allreduce"], ("cclip", ["--aggregator", "cclip:tau=2,iters=3,beta=0.9"])),
+    "allreduce": (["--algo", "allreduce"], ("cclip", ["--aggregator", "cclip:iters=3,beta=0.9"])),
     "noloco": (["--algo", "noloco", "--topology", "ring", "--optimizer", "sgd", "--momentum", "0.9",
                 "--algo-opt", "local_steps=10"], ("clippedgossip", ["--robust", "clippedgossip"])),
 }

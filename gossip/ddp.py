@@ -336,7 +336,7 @@ class HookState:
         whose push has arrived, up to the first whose push has not: backward is never
         held up by a push still on the wire. Otherwise the previous bucket's, after this
         bucket's push, as every rank does (waiting for that push if it is on the wire)."""
-        if self.comm._pull_group is None:
+        if not self.comm.has_pull_group:
             if len(self._in_flight) > 1:
                 for pending, _ in self._in_flight[-2][1]:
                     pending.advance()

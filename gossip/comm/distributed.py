@@ -271,6 +271,12 @@ class DistCommunicator(Communicator):
                 )
 
     @property
+    def has_pull_group(self) -> bool:
+        """Whether the sharded exchanges' pulls run in a process group of their own
+        (``pull_group``), so a pull can be posted while a later push is on the wire."""
+        return self._pull_group is not None
+
+    @property
     def neighbors(self) -> tuple[int, ...]:
         """This rank's neighbours, ascending (static topologies)."""
         return tuple(int(j) for j in self._peers)

@@ -66,10 +66,10 @@ class Identity(Compressor):
         stat = X.new_empty(m)
         body = torch.empty(m, dtype=torch.int32)
         rows = max(1, _FUSED_VALUES // d)
-        for x, v, w, st, c in zip(X.split(rows), vals.split(rows), words.split(rows), stat.split(rows),
-                                  body.split(rows)):
-            v.copy_(x)
-            torch.sum(v, 1, out=st)
+        for x, block, w, st, c in zip(X.split(rows), vals.split(rows), words.split(rows), stat.split(rows),
+                                      body.split(rows)):
+            block.copy_(x)
+            torch.sum(block, 1, out=st)
             wire.body_checksum(w, out=c)
         self._check_finite(X, stat)
         return body

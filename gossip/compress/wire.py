@@ -123,14 +123,18 @@ def _weights(nwords: int, device) -> torch.Tensor:
 _WEIGHT_CACHE: dict = {}
 
 
-def _weights_cached(nwords: int, device) -> torch.Tensor:
-    key = (nwords, str(device))
+def _cached(key: tuple, make) -> torch.Tensor:
+    """``_WEIGHT_CACHE[key]``, made by ``make()`` on a miss (the cache is emptied past 16)."""
     w = _WEIGHT_CACHE.get(key)
     if w is None:
         if len(_WEIGHT_CACHE) > 16:
             _WEIGHT_CACHE.clear()
-        w = _WEIGHT_CACHE[key] = _weights(nwords, device)
+        w = _WEIGHT_CACHE[key] = make()
     return w
+
+
+def _weights_cached(nwords: int, device) -> torch.Tensor:
+    return _cached((nwords, str(device)), lambda: _weights(nwords, device))
 
 
 def checksum_weights(nwords: int, device) -> torch.Tensor:
@@ -166,14 +170,8 @@ def body_checksum(words: torch.Tensor, out: torch.Tensor | None = None) -> torch
 
 
 def _body_weights_cached(nwords: int, device) -> torch.Tensor:
-    key = ("body", nwords, str(device))
-    w = _WEIGHT_CACHE.get(key)
-    if w is None:
-        first = HEADER_NBYTES // 4
-        if len(_WEIGHT_CACHE) > 16:
-            _WEIGHT_CACHE.clear()
-        w = _WEIGHT_CACHE[key] = _weights(first + nwords, device)[first:]
-    return w
+    first = HEADER_NBYTES // 4
+    return _cached(("body", nwords, str(device)), lambda: _weights(first + nwords, device)[first:])
 
 
 def write_header(P: torch.Tensor, cid: int, phash: int, numel: int, keys: torch.Tensor, tag: int,

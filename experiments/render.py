@@ -1018,8 +1018,21 @@ class Overview:
     def text(self, md: str, write_figures: bool = False) -> str:
         from experiments import benchmark
 
+        read: dict[str, tuple[dict, dict]] = {}  # results file -> (results, provenance), read once
+        kept: dict[str, str] = {}  # results file -> benchmark.protocol_kept of it
+
+        def load(results: str) -> tuple[dict, dict]:
+            if results not in read:
+                read[results] = benchmark.read_benchmark_results(REPO / results)
+            return read[results]
+
+        def keeps(results: str) -> str:
+            if results not in kept:
+                kept[results] = benchmark.protocol_kept(load(results)[0])
+            return kept[results]
+
         def row(page: str, results: str, last: str | None = None) -> list[str]:
-            res, prov = benchmark.read_benchmark_results(REPO / results)
+            res, prov = load(results)
             cov = res.get("coverage", {})
             ran: dict[str, set[int]] = {}
             for t in res.get("trials", []):
@@ -1028,20 +1041,19 @@ class Overview:
             return [f"[{Path(page).stem}]({Path(page).name})", wls or "-",
                     f"{cov.get('finished', 0):,}", f"{cov.get('cpu_s', 0) / 60:,.0f}",
                     f"`{_short(prov.get('commit'))}`", str(prov.get("date", ""))[:10],
-                    benchmark.protocol_kept(res) if last is None else last]
+                    keeps(results) if last is None else last]
 
         rows = [row(page, results) for page, results in self.parts]
         measured, mprov = benchmark.read_results(REPO / self.estimate)
-        estimate = benchmark.estimate_section(
-            dataclasses.replace(benchmark.load_spec(REPO / self.spec), source=self.spec), measured, mprov,
-            self.estimate)
+        spec = benchmark.load_spec(REPO / self.spec)
+        estimate = benchmark.estimate_section(dataclasses.replace(spec, source=self.spec), measured, mprov,
+                                              self.estimate)
         commit, files = RETIRED_FULL_RUN
         profile = []
         if self.profile:
-            spec = benchmark.load_spec(REPO / self.spec)
-            parts = [benchmark.read_benchmark_results(REPO / f)[0] for f in self.profile]
+            parts = [load(f)[0] for f in self.profile]
             scored = [benchmark.rescore(r, spec.bandwidths, spec.latencies) for r in parts]
-            departed = [Path(f).name for f, r in zip(self.profile, parts) if benchmark.protocol_kept(r) != "kept"]
+            departed = [Path(f).name for f in self.profile if keeps(f) != "kept"]
             prof = benchmark.profiles(scored)
             fig = REPO / md
             fig = fig.parent / f"{fig.stem}-profile.png"

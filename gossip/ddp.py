@@ -133,6 +133,39 @@ class _Group:
         self.positions, self.names, self.layout, self.algorithm = positions, names, layout, algorithm
 
 
+
+class _Segments:
+    """Where a group's tensors lie in a bucket's buffer: ``(offset, numel)`` per tensor,
+    in the group's (model) order. DDP fills a bucket in reverse model order, so the
+    group's row is the buffer's runs permuted; each run is copied whole (a memcpy),
+    where an index gather and scatter move the values one by one."""
+
+    __slots__ = ("runs", "numel")
+
+    def __init__(self, runs: tuple[tuple[int, int], ...]) -> None:
+        self.runs = runs
+        self.numel = sum(n for _, n in runs)
+
+    def identity(self, numel: int) -> bool:
+        """Whether the runs are the whole buffer of ``numel`` values, in order."""
+        at = 0
+        for o, n in self.runs:
+            if o != at:
+                return False
+            at += n
+        return at == numel
+
+    def gather(self, buf: torch.Tensor) -> torch.Tensor:
+        """The group's values out of the bucket's flat ``buf``, in the group's order."""
+        return torch.cat([buf[o:o + n] for o, n in self.runs])
+
+    def scatter(self, values: torch.Tensor, buf: torch.Tensor) -> None:
+        """Write the group's flat ``values`` back to their places in ``buf``."""
+        at = 0
+        for o, n in self.runs:
+            buf[o:o + n].copy_(values[at:at + n])
+            at += n
+
 class HookState:
     """One algorithm instance per group of parameters (a DDP bucket), lazily set up.
 
@@ -194,7 +227,7 @@ class HookState:
         self._position = {id(p): k for k, p in enumerate(self._params)}
         self._groups: list[_Group] = []
         self._group_of: dict[int, int] = {}  # parameter position -> group index
-        self._plans: dict[tuple[int, ...], list[tuple[_Group, torch.Tensor | None]]] = {}
+        self._plans: dict[tuple[int, ...], list[tuple[_Group, _Segments | None]]] = {}
         #: this iteration's buckets whose exchanges are in flight, in the order posted
         self._in_flight: list[tuple[Any, ...]] = []
 
@@ -233,9 +266,9 @@ class HookState:
         self._plans.clear()
         return group
 
-    def _plan(self, bucket: Any) -> list[tuple[_Group, torch.Tensor | None]]:
-        """For a bucket: each group it holds, and the indices of the group's values in
-        the bucket's buffer (None when the buffer is the group, in order)."""
+    def _plan(self, bucket: Any) -> list[tuple[_Group, _Segments | None]]:
+        """For a bucket: each group it holds, and where the group's tensors lie in the
+        bucket's buffer (None when the buffer is the group, in order)."""
         params = bucket.parameters()
         try:
             order = tuple(self._position[id(p)] for p in params)
@@ -265,15 +298,14 @@ class HookState:
             offset += n
         plan = []
         for g in groups:
-            idx = torch.cat([torch.arange(where[k][0], where[k][0] + where[k][1]) for k in g.positions])
-            same = len(groups) == 1 and bool(torch.equal(idx, torch.arange(offset)))
-            plan.append((g, None if same else idx.to(bucket.buffer().device)))
+            seg = _Segments(tuple(where[k] for k in g.positions))
+            plan.append((g, None if len(groups) == 1 and seg.identity(offset) else seg))
         self._plans[order] = plan
         return plan
 
     # ------------------------------------------------------------------ the hook's body
     @torch.no_grad()
-    def _start(self, bucket: Any) -> list[tuple[Pending, torch.Tensor | None]]:
+    def _start(self, bucket: Any) -> list[tuple[Pending, _Segments | None]]:
         """Compress the bucket's groups and post their exchanges; nothing is waited."""
         buf = bucket.buffer()
         if self.iteration < self.warmup_steps:
@@ -284,7 +316,7 @@ class HookState:
         started = []
         for group, idx in self._plan(bucket):
             # 2-3. the group's gradients as one row, through the algorithm
-            G = buf.view(1, -1) if idx is None else buf.index_select(0, idx).view(1, -1)
+            G = buf.view(1, -1) if idx is None else idx.gather(buf).view(1, -1)
             if lr is not None:
                 group.algorithm.set_lr(lr)
             algo = group.algorithm
@@ -301,7 +333,7 @@ class HookState:
         for pending, idx in started:
             G = pending.wait()
             if idx is not None:
-                buf.index_copy_(0, idx, G.reshape(-1))
+                idx.scatter(G.reshape(-1), buf)
             elif G.data_ptr() != buf.data_ptr():
                 buf.copy_(G.reshape(-1))
         result.set_result(buf)

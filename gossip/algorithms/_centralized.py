@@ -51,12 +51,20 @@ class ErrorFeedback:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # 1. error-corrected vector; s = 0 must not touch the memory (it may hold
         #    anything after a restore with a different schedule)
-        P = X + rescale * memory if rescale != 0.0 else X.clone()
+        if rescale == 0.0:
+            P = X.clone()
+        elif rescale == 1.0:  # 1 * e is e: the same values, one pass over the memory fewer
+            P = X + memory
+        else:
+            P = X + rescale * memory
         # 2. what goes on the wire and what the receivers will decode
         payload = self.compressor.encode(P, keys, tag=tag)
         sent = self.compressor.decode(payload, P.shape[1], tag=tag).to(P.dtype)
-        # 3. the part that was not sent is carried to the next step
-        memory.copy_(P - sent)
+        # 3. the part that was not sent is carried to the next step, written in place
+        if memory.dtype == P.dtype:
+            torch.sub(P, sent, out=memory)
+        else:
+            memory.copy_(P - sent)
         return P, payload, sent
 
     def __repr__(self) -> str:

@@ -338,9 +338,7 @@ class Aggregator:
         for _ in range(max(1, iters)):
             D = Q - v
             norms = D.norm(dim=1, keepdim=True)
-            tau = self.radius(Q.shape[1], norms)
-            scale = torch.where(norms > tau, tau / norms.clamp_min(1e-30), torch.ones_like(norms))
-            v = v + (D * scale).mean(0)
+            v = v + (D * _clip_factors(norms, self.radius(Q.shape[1], norms))).mean(0)
         self.center[j] = v.clone()
         return v
 
@@ -349,11 +347,16 @@ class Aggregator:
         to the centre over the whole message: ``min(1, tau / ||m_i - v||)``, ``tau``
         fixed or the median of the distances."""
         norms = sq.sqrt().unsqueeze(1)
-        tau = norms.median() if self.adaptive else self.params["tau"]
-        return torch.where(norms > tau, tau / norms.clamp_min(1e-30), torch.ones_like(norms))
+        return _clip_factors(norms, self.radius(self.dim or 0, norms))  # the whole message's radius
 
     def state(self) -> dict[int, torch.Tensor]:
         return {j: v.clone() for j, v in self.center.items()}
+
+
+def _clip_factors(norms: torch.Tensor, tau: Any) -> torch.Tensor:
+    """``min(1, tau / ||d||)`` for each distance in ``norms``: the factor that clips a
+    difference of that length to the radius ``tau`` (a number or a 0-d tensor)."""
+    return torch.where(norms > tau, tau / norms.clamp_min(1e-30), torch.ones_like(norms))
 
 
 def parse_aggregator(spec: Any) -> Aggregator:
@@ -423,7 +426,7 @@ def clipped_mix(Y: torch.Tensor, D: torch.Tensor, index: torch.Tensor, weights: 
         else:
             ranked = dist.sort(descending=True).values
             tau = ranked[min(rule.b, deg - 1)]
-        scale = torch.where(dist > tau, tau / dist.clamp_min(1e-30), torch.ones_like(dist))
+        scale = _clip_factors(dist, tau)
         w = weights[r, :deg].to(dtype=Y.dtype, device=Y.device)
         out[r] += ((w * scale).unsqueeze(1) * diff).sum(0)
         taus[r] = float(tau)

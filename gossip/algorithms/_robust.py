@@ -62,7 +62,7 @@ def check_aggregator(spec: Any, algo: str) -> Any:
     if agg.params.get("beta", 0.0) > 0:
         raise ValueError(f"Arg `aggregator` of {algo}: cclip's beta is the workers' momentum over allreduce's "
                          f"gradients (arXiv:2012.10333, Alg. 2); {algo}'s messages are not gradients of one step: "
-                         f"give cclip:tau=T without beta")
+                         f"drop beta (cclip, or cclip:tau=T for a fixed radius)")
     return agg
 
 

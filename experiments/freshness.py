@@ -12,9 +12,10 @@ Three kinds of results file, three rules (docs/provenance.md):
 - **timing** (no configs): certified while the code it ran is unchanged. What it ran
   is the repository modules its process imported (``imported``, recorded by
   experiments/_provenance.py) less the presentation modules (:data:`PRESENTATION`:
-  they draw tables from a results file, after the figures are made), or, for a file
-  made before that was recorded, its listed ``sources``. Code is compared by its
-  syntax tree less docstrings, so a comment or a docstring edit never stales a timing.
+  they draw tables from a results file, after the figures are made), and its listed
+  ``sources``: the code of the processes it launched (a benchmark's ranks import the
+  library where its driver does not). Code is compared by its syntax tree less
+  docstrings, so a comment or a docstring edit never stales a timing.
 - a file awaiting its first run, or without provenance: *missing*.
 
 A stale or unverified result made on the netns cluster or a GPU says so: the re-run
@@ -198,19 +199,22 @@ def status(rel: str, prov: dict[str, Any], head: dict[str, str | None] | None = 
                           + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
                           + "; run `python -m experiments verify`"]
         return st
-    # timing: the code it ran, unchanged?
+    # timing: the code it ran, unchanged? What its own process imported, and the sources
+    # it lists: the code of the processes it launched (ranks, workers), which the
+    # launcher's own imports do not show
     st.since = prov.get("commit")
     imported = prov.get("imported") or {}
-    paths = timed_modules(imported) if imported else sources
+    listed = prov.get("source_ids") or {}
+    paths = sorted(set(timed_modules(imported)) | set(sources))
     if not paths:
         st.state, st.reasons = "missing", ["it records no state of the code it ran"]
         return st
-    ids = imported if imported else (prov.get("source_ids") or {})
+    ids = {**{s: listed.get(s) for s in sources}, **imported}
     now = P.source_ids(paths)
     changed: list[str] = []
     for p in paths:
         if ids.get(p) != now.get(p):
-            changed += code_changed(p, ids.get(p), now.get(p))
+            changed += [f for f in code_changed(p, ids.get(p), now.get(p)) if f not in changed]
     if prov.get("dirty_sources"):
         st.state = "stale"
         st.reasons = [f"made with uncommitted changes to {', '.join(prov['dirty_sources'])}"]

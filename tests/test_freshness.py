@@ -75,6 +75,13 @@ def test_a_table_edit_never_stales_a_timing_result_but_a_timed_module_still_does
     listed = {"command": "python x", "commit": "0" * 40, "sources": ["experiments/tables.py"],
               "source_ids": {"experiments/tables.py": old}}
     assert freshness.status("r.json", listed).state == "stale"
+    # beside what the launcher imported, the sources it lists count: its ranks' code
+    launcher = {**prov, "sources": ["experiments/freshness.py"],
+                "source_ids": {"experiments/freshness.py": old}}
+    st = freshness.status("r.json", launcher)
+    assert st.state == "stale" and st.reasons == ["code it ran changed: experiments/freshness.py"]
+    now = {**launcher, "source_ids": P.source_ids(["experiments/freshness.py"])}
+    assert freshness.status("r.json", now).state == "certified"
 
 
 def _results(tmp_path, configs):

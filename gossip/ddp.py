@@ -133,18 +133,16 @@ class _Group:
         self.positions, self.names, self.layout, self.algorithm = positions, names, layout, algorithm
 
 
-
 class _Segments:
     """Where a group's tensors lie in a bucket's buffer: ``(offset, numel)`` per tensor,
     in the group's (model) order. DDP fills a bucket in reverse model order, so the
     group's row is the buffer's runs permuted; each run is copied whole (a memcpy),
     where an index gather and scatter move the values one by one."""
 
-    __slots__ = ("runs", "numel")
+    __slots__ = ("runs",)
 
     def __init__(self, runs: tuple[tuple[int, int], ...]) -> None:
         self.runs = runs
-        self.numel = sum(n for _, n in runs)
 
     def identity(self, numel: int) -> bool:
         """Whether the runs are the whole buffer of ``numel`` values, in order."""
@@ -165,6 +163,7 @@ class _Segments:
         for o, n in self.runs:
             buf[o:o + n].copy_(values[at:at + n])
             at += n
+
 
 class HookState:
     """One algorithm instance per group of parameters (a DDP bucket), lazily set up.

@@ -35,6 +35,7 @@ import os
 import re
 import sys
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -1018,18 +1019,13 @@ class Overview:
     def text(self, md: str, write_figures: bool = False) -> str:
         from experiments import benchmark
 
-        read: dict[str, tuple[dict, dict]] = {}  # results file -> (results, provenance), read once
-        kept: dict[str, str] = {}  # results file -> benchmark.protocol_kept of it
+        @functools.cache
+        def load(results: str) -> tuple[dict, dict]:  # each results file read once
+            return benchmark.read_benchmark_results(REPO / results)
 
-        def load(results: str) -> tuple[dict, dict]:
-            if results not in read:
-                read[results] = benchmark.read_benchmark_results(REPO / results)
-            return read[results]
-
+        @functools.cache
         def keeps(results: str) -> str:
-            if results not in kept:
-                kept[results] = benchmark.protocol_kept(load(results)[0])
-            return kept[results]
+            return benchmark.protocol_kept(load(results)[0])
 
         def row(page: str, results: str, last: str | None = None) -> list[str]:
             res, prov = load(results)

@@ -330,13 +330,16 @@ class GossipOptimizer:
     def comm(self) -> Any:
         return self.algorithm.comm
 
-    def finish(self) -> None:
+    def finish(self, final: bool = True) -> None:
         """After the last step: end the exchanges that outlive a step and take each node's
         final model (``adpsgd`` under torchrun, whose passive ranks answer their
-        neighbours until these have finished too); a no-op for the other algorithms.
-        Call it on every rank before evaluating or saving the final model."""
+        neighbours until these have finished too; ``diloco`` and ``muloco`` with
+        ``outer_delay=1``, whose last round's exchange is still in flight); a no-op for
+        the other algorithms. Call it on every rank before evaluating or saving the final
+        model. ``final=False`` when training stops early and will be resumed from a
+        checkpoint taken after this call: the exchanges end, the state stays resumable."""
         with torch.no_grad():
-            self.algorithm.finish(self.flat.data)
+            self.algorithm.finish(self.flat.data, final=final)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:

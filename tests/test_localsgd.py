@@ -221,6 +221,34 @@ def test_diloco_outer_delay_is_the_eager_update(mu):
     assert (Z - Y).abs().max() > 1e-3  # the delay does change the trajectory
 
 
+@pytest.mark.parametrize("steps", [12, 13])
+def test_diloco_outer_delay_finish_applies_the_exchange_in_flight(steps):
+    """At the schedule's end the last round's exchange is in flight and each node has
+    applied only its own share of its mean. ``finish`` applies the rest: without outer
+    momentum the replicas' theta then agree, and the inner steps taken since the round's
+    end are kept. ``finish(final=False)`` (a run stopped to be resumed) changes nothing."""
+    n, H = 3, 3
+    g = torch.Generator().manual_seed(5)
+    X, A = torch.randn(1, 7, generator=g).expand(n, -1).clone(), torch.randn(n, 7, generator=g)  # one start
+    algo = algorithms.build("diloco", comm.SimulatedCommunicator(world_size=n), local_steps=H, outer_lr=0.7,
+                            outer_momentum=0.0, outer_delay=1)
+    Y = X.clone()
+    algo.setup(Y)
+    for _ in range(steps):
+        algo.set_lr(0.1)
+        algo.step(Y, -0.1 * (Y - A))
+    before, theta = Y.clone(), algo.state.start.clone()
+    assert (theta[0] - theta[1]).abs().max() > 1e-4  # each node's own share applied ahead of the mean
+    algo.finish(Y, final=False)
+    assert torch.equal(Y, before) and algo.state.in_flight == (0,)
+    algo.finish(Y)
+    assert algo.state.in_flight == () and not algo.state.last_delta.any()
+    torch.testing.assert_close(algo.state.start, algo.state.start[:1].expand(n, -1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(Y - algo.state.start, before - theta, rtol=0, atol=1e-6)  # inner steps kept
+    algo.finish(Y)  # nothing left in flight: a second call is a no-op
+    torch.testing.assert_close(Y - algo.state.start, before - theta, rtol=0, atol=1e-6)
+
+
 def test_diloco_outer_delay_on_one_node_is_diloco():
     """With n = 1 the eager estimate Delta^{k-1} + (Delta^k - Delta^{k-1}) is the fresh
     pseudo-gradient: the overlapped outer step is the synchronous one."""

@@ -184,10 +184,10 @@ class ADPSGD(Algorithm):
         X[i] = 0.5 * (rows[0] + D[1])
         X[j] = 0.5 * (rows[1] + D[0])
 
-    def finish(self, X: torch.Tensor) -> None:
-        """After the last step under torchrun: active ranks say bye to their passive
-        neighbours, passive ranks wait for every bye and read their final model into
-        ``X``. Nothing to do in the simulation."""
+    def finish(self, X: torch.Tensor, final: bool = True) -> None:
+        """After the last step under torchrun, final or not: active ranks say bye to their
+        passive neighbours, passive ranks wait for every bye and read their final model
+        into ``X``. Nothing to do in the simulation."""
         if self._pairs is not None:
             self._pairs.finish(X)
 

@@ -352,10 +352,13 @@ class Algorithm:
     def on_epoch_end(self, epoch: int) -> None:
         """An epoch (a pass over each node's shard) has ended."""
 
-    def finish(self, X: torch.Tensor) -> None:
+    def finish(self, X: torch.Tensor, final: bool = True) -> None:
         """The last step has been taken (``GossipOptimizer.finish``): an algorithm whose
-        exchanges outlive a step (AD-PSGD under torchrun) ends them and leaves each
-        node's final model in ``X``. Nothing by default."""
+        exchanges outlive a step ends them and leaves each node's final model in ``X``
+        (AD-PSGD under torchrun; DiLoCo's overlapped outer step applies the exchange in
+        flight). ``final`` False: the run stops before its schedule's end, to be resumed
+        (``--max-steps``); the state is then kept as the next step expects it. Nothing by
+        default."""
 
     def set_event_sink(self, fn: Callable[[str], None] | None) -> None:
         """Where to print one-line events (e.g. MergeComp's decisions); None: nowhere."""

@@ -401,7 +401,9 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
 
     With ``outer_delay=1`` Step II's exchange is waited one round later, and Step III
     uses node i's eager estimate Delta^{k-1} + (Delta_i^k - Delta_i^{k-1}) / n in place
-    of Delta (the pseudo-gradient Delta_i^k uncompressed, whatever the compressor).
+    of Delta (the pseudo-gradient Delta_i^k uncompressed, whatever the compressor). At
+    the schedule's end (:meth:`finish`) the last round's exchange is waited and applied
+    as a round without inner steps would: Delta^K - Delta_i^K / n.
 
     Untrusted nodes (:mod:`gossip.robust`). A Byzantine node's pseudo-gradient Delta_i is
     crafted (:class:`~gossip.robust.Adversary`) after Step I; compression and error
@@ -576,6 +578,31 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
             own.copy_(fresh)
         self._apply(X, f, outer)  # Step III, each node on its own estimate
 
+    @torch.no_grad()
+    def finish(self, X: torch.Tensor, final: bool = True) -> None:
+        """``outer_delay=1`` at the schedule's end: the last round K's exchange is in
+        flight, and each node has applied only its own share Delta_i^K / n of its mean.
+        Wait for it and take the outer step of a round without inner steps (Delta_i^{K+1}
+        = 0 in the eager estimate): Delta^K - Delta_i^K / n, so that training ends on
+        every round's mean (without outer momentum the replicas then agree). Not when
+        the run stops short of its schedule to be resumed (``final`` False): the exchange
+        stays in flight, and the checkpoint settles it. The inner steps taken since round
+        K's end are kept: the step moves theta and every node's values alike."""
+        st = self.state
+        if not (final and self.config.outer_delay) or st is None or not st.in_flight:
+            return
+        for f in st.in_flight:
+            a, b = self.fragments[f]
+            stale = self._result(f)  # Delta^K, the same on every node
+            with self.comm.ledger.phase("compute"):
+                own = st.last_delta[:, a:b]
+                theta = st.start[:, a:b]
+                new = self._outer_step(f, stale - own / self.comm.world_size)
+                X[:, a:b] += new - theta
+                theta.copy_(new)
+                own.zero_()  # nothing of this node's is applied ahead of the mean now
+        st.in_flight = ()
+
     def _post(self, X: torch.Tensor, f: int) -> None:
         """Steps I-II of fragment ``f``: encode its pseudo-gradient and post the exchange."""
         st, cfg, ledger = self.state, self.config, self.comm.ledger
@@ -664,18 +691,24 @@ class DiLoCo(ExchangeMixin, PeriodicBase):
     def _apply(self, X: torch.Tensor, f: int, outer: torch.Tensor) -> None:
         """Step III on fragment ``f``: outer Nesterov step from theta, then the mix with
         the local values (``fragment_update_alpha``), theta <- the outer step's result."""
-        st, cfg = self.state, self.config
         a, b = self.fragments[f]
-        theta = st.start[:, a:b]
+        theta = self.state.start[:, a:b]
         with self.comm.ledger.phase("compute"):
-            mom = st.momentum[:, a:b]
-            mu = cfg.outer_momentum
-            mom.mul_(mu).add_(outer)
-            direction = outer + mu * mom if mu > 0 else outer
-            new = theta - cfg.outer_lr * direction
-            alpha = cfg.fragment_update_alpha
+            new = self._outer_step(f, outer)
+            alpha = self.config.fragment_update_alpha
             X[:, a:b] = new.lerp(X[:, a:b], alpha) if alpha > 0 else new
             theta.copy_(new)
+
+    def _outer_step(self, f: int, outer: torch.Tensor) -> torch.Tensor:
+        """The outer Nesterov step on fragment ``f``: b <- mu b + Delta (in place); theta's
+        new value theta - lr_out (Delta + mu b)."""
+        st, cfg = self.state, self.config
+        a, b = self.fragments[f]
+        mom = st.momentum[:, a:b]
+        mu = cfg.outer_momentum
+        mom.mul_(mu).add_(outer)
+        direction = outer + mu * mom if mu > 0 else outer
+        return st.start[:, a:b] - cfg.outer_lr * direction
 
     def _settle(self) -> None:
         """Complete the exchanges in flight into ``pending`` (before a checkpoint)."""

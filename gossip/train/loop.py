@@ -178,7 +178,7 @@ class Run:
                 if step == before:  # no step committed (a fault-tolerant replica's discarded step)
                     continue
                 if step == self.stop:  # exchanges that outlive a step end before the last evaluation
-                    self.gopt.finish()
+                    self.gopt.finish(final=step == self.total)  # --max-steps short of it: resumable
                 if step % self.steps_per_epoch == 0 or step == self.stop:
                     self.end_epoch()
                 if cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0 and step < self.stop:

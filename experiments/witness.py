@@ -27,7 +27,8 @@ One witness, of a configuration with arguments ``ARGS``:
 
 What a witness cannot see (docs/provenance.md): a code path its ``S`` steps do not
 reach (a step schedule's decays at 50 % and 75 % of the run, a second epoch's
-shuffle, a divergence, ``--node-eval`` at the end of a long run), the compiled
+shuffle, a divergence, ``--node-eval`` at the end of a long run, what ``finish`` does at
+the schedule's end only, such as diloco's ``outer_delay=1`` applying its last exchange), the compiled
 kernels (it runs the eager ones, bit-identical to the compiled by test), other
 thread counts, the torchrun transport (a torchrun configuration is witnessed as its
 simulation), and a learning rate or seed other than the ones listed.

@@ -369,7 +369,8 @@ def _diloco_eager(res: dict) -> str:
         b = next(iter(runs.values()))["bytes_per_node_per_step"]
         body.append([name, ", ".join(_pct(v) for v in finals), _pct(sum(finals) / len(finals)),
                      _pct(sum(bests) / len(bests)) if bests else "-", f"{b:,.0f}"])
-    out = _md([f"method ({res['nodes']} nodes, {res['epochs']} epochs)",
+    h = f", H = {res['local_steps']}" if res.get("local_steps") else ""
+    out = _md([f"method ({res['nodes']} nodes, {res['epochs']} epochs{h})",
                "final test accuracy (seed " + ", ".join(map(str, seeds)) + ")", "mean", "mean of best",
                "bytes/node/step"], body)
     if res.get("verdicts"):
@@ -850,6 +851,7 @@ TABLES: dict[str, Table] = {
                             command="OMP_NUM_THREADS=1 python -m experiments run trust_torchrun --out runs/trust-torchrun "
                                     "--results experiments/results/trust_torchrun.json"),
     "diloco_eager": Table(f"{RESULTS}/diloco_eager.json", _diloco_eager),
+    "diloco_eager_h10": Table(f"{RESULTS}/diloco_eager_h10.json", _diloco_eager),
     "sharded_bytes": Table(f"{RESULTS}/sharded_bytes.json", _sharded_bytes),
     "tang2018": Table("reports/tang2018/results.json", _tang2018),
     "lm_recipes": Table(f"{RESULTS}/lm_recipes.json", _lm_recipes),

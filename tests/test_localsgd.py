@@ -459,6 +459,27 @@ def test_resume_mid_round_is_bit_identical(tmp_path, name):
     assert cfg["local_optimizer"] == ("adamw" if name.startswith("diloco") else "sgd")
 
 
+def test_diloco_outer_delay_run_ends_on_every_round_mean(tmp_path):
+    """The trainer applies the last round's exchange at the schedule's end only: the
+    finished run's checkpoint has nothing in flight and, without outer momentum, every
+    node's theta alike; a run stopped by ``--max-steps`` keeps its exchange in flight
+    (for a bit-identical resume)."""
+    common = ["--simulate", "3", "--algo", "diloco", "--algo-opt", "outer_delay=1", "--algo-opt", "local_steps=4",
+              "--algo-opt", "outer_momentum=0", "--lr", "0.01", *QUICK]
+    full, part = tmp_path / "full", tmp_path / "part"
+    r = train(*common, "--out", str(full))
+    assert r.returncode == 0, r.stderr
+    r = train(*common, "--out", str(part), "--max-steps", "9")
+    assert r.returncode == 0, r.stderr
+    steps = json.loads((full / "summary.json").read_text())["steps"]
+    assert steps > 9
+    end = checkpoint.load_checkpoint(full / f"ckpt-step{steps}-rank0.pt")["optimizer"]["algorithm"]
+    assert tuple(end["in_flight"]) == () and not end["last_delta"].any()
+    torch.testing.assert_close(end["start"], end["start"][:1].expand_as(end["start"]), rtol=0, atol=1e-6)
+    stop = checkpoint.load_checkpoint(part / "ckpt-step9-rank0.pt")["optimizer"]["algorithm"]
+    assert tuple(stop["in_flight"]) == (0,) and stop["last_delta"].any()
+
+
 def test_simulation_with_8_nodes(tmp_path):
     d = None
     for name, extra in (("localsgd", []), ("slowmo", []), ("diloco", ["--bits", "4"]),

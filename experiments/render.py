@@ -845,6 +845,7 @@ TABLES: dict[str, Table] = {
     "sharded_accuracy": Table(f"{RESULTS}/sharded_accuracy.json", _sharded_accuracy),
     "trust": Table(f"{RESULTS}/trust.json", _trust),
     "trust_n16": Table(f"{RESULTS}/trust_n16.json", T.trust_matrix),
+    "trust_topology": Table(f"{RESULTS}/trust_topology.json", _trust),
     "trust_n8_b2": Table(f"{RESULTS}/trust_n8_b2.json", T.trust_matrix),
     "trust_n16_b1": Table(f"{RESULTS}/trust_n16_b1.json", T.trust_matrix),
     "trust_torchrun": Table(f"{RESULTS}/trust_torchrun.json", _trust,

@@ -12,6 +12,11 @@ the backward of the next ones) in four settings, interleaved ``--repeats`` times
 ``efsgd_overlap``
     ``gossip.ddp`` hook, ``efsgd`` with ``quant:bits=8`` (the default sharded
     exchange): the hook posts the bucket's exchange and returns a future;
+``efsgd_overlap_chunked``
+    the overlapped hook with ``chunk_kb=--chunk-kb`` (64): each stage of a bucket's
+    exchange posted as collectives of at most that many KiB per peer, so the
+    announcement of a rank's next receive does not queue behind a whole message of
+    the other direction (see "Chunks" in ``gossip/comm/distributed.py``);
 ``efsgd_inline``
     the same hook with ``overlap=False``: it waits for its exchange inside the hook;
 ``torch_equal_bytes``
@@ -52,7 +57,7 @@ from experiments import _cli
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-MODES = ("efsgd_overlap", "efsgd_inline", "torch_equal_bytes", "torch_fp32")
+MODES = ("efsgd_overlap", "efsgd_overlap_chunked", "efsgd_inline", "torch_equal_bytes", "torch_fp32")
 #: the code the step times measure: the hooks, the exchange they run, the codec
 SOURCES = ["gossip/ddp.py", "gossip/runtime.py", "gossip/algorithms", "gossip/comm", "gossip/compress",
            "experiments/bench_ddp_overlap.py", "experiments/vcluster.py"]
@@ -83,7 +88,8 @@ def _worker(args: argparse.Namespace) -> int:
     state = None
     if mode.startswith("efsgd"):
         state = ddp.hook_state(model, "efsgd", compressor="quant:bits=8", optimizer=opt,
-                               overlap=(mode == "efsgd_overlap"))
+                               overlap=(mode != "efsgd_inline"),
+                               chunk_kb=args.chunk_kb if mode == "efsgd_overlap_chunked" else None)
         model.register_comm_hook(state, ddp.hook)
     elif mode == "torch_equal_bytes":
         world = dist.get_world_size()
@@ -133,6 +139,7 @@ def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inputs", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--bucket-mb", type=float, default=4.0)
+    p.add_argument("--chunk-kb", type=int, default=64, help="chunk_kb of the efsgd_overlap_chunked setting")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
     p.add_argument("--kernels", default="auto", choices=("eager", "auto", "compile"),
                    help="gossip.compress kernel backend of the ranks (default auto, gossip's own default: with "
@@ -150,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     from experiments import _provenance
 
     modes = _cli.methods(p, args.modes, MODES, flag="--modes")
-    if min(args.steps, args.repeats) < 1 or args.warmup < 0:
-        p.error(f"need --steps >= 1, --repeats >= 1 and --warmup >= 0, got --steps {args.steps} "
-                f"--repeats {args.repeats} --warmup {args.warmup}")
+    if min(args.steps, args.repeats, args.chunk_kb) < 1 or args.warmup < 0:
+        p.error(f"need --steps >= 1, --repeats >= 1, --chunk-kb >= 1 and --warmup >= 0, got --steps {args.steps} "
+                f"--repeats {args.repeats} --chunk-kb {args.chunk_kb} --warmup {args.warmup}")
 
     from experiments.vcluster import VirtualCluster
 
@@ -162,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     passthrough = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
                    "--depth", str(args.depth), "--inputs", str(args.inputs), "--batch", str(args.batch),
-                   "--bucket-mb", str(args.bucket_mb)]
+                   "--bucket-mb", str(args.bucket_mb), "--chunk-kb", str(args.chunk_kb)]
     prov = _provenance.start(SOURCES, argv=None if argv is None else ["experiments/bench_ddp_overlap.py", *argv])
     rows = []
     with VirtualCluster(2, rate=args.rate, prefix=args.prefix) as vc:
@@ -183,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     best = {m: min(r["step_s"] for r in rows if r["mode"] == m) for m in modes}
     results = {"rate": args.rate, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                "width": args.width, "depth": args.depth, "inputs": args.inputs, "batch": args.batch,
-               "bucket_mb": args.bucket_mb, "kernels": args.kernels, "ranks": 2, "modes": modes,
+               "bucket_mb": args.bucket_mb, "chunk_kb": args.chunk_kb, "kernels": args.kernels, "ranks": 2, "modes": modes,
                "params": rows[0]["params"], "best_step_s": best, "rows": rows}
     path = _provenance.write(args.json or out / "results.json", results, prov)
     print(f"\nload average before {prov.load_before[0]:.2f}, after {prov.load_after[0]:.2f} "

@@ -277,6 +277,74 @@ def test_several_buckets_and_resume_through_state_dict_are_bit_identical():
             assert b1 == b2, name
 
 
+# ------------------------------------------------------------------------ chunked exchanges
+class WideNet(nn.Module):
+    """Wide enough that one rank's 8-bit message to a peer spans several KiB chunks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 600)
+        self.head = nn.Linear(600, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def _chunked(exchanges):
+    import torch.distributed as dist
+
+    posted = {"n": 0}
+
+    def counting(fn):
+        def post(*args, **kwargs):
+            posted["n"] += 1
+            return fn(*args, **kwargs)
+        return post
+
+    out = {}
+    for exchange in exchanges:
+        for chunk_kb in (None, 1):
+            posted["n"] = 0
+            torch.manual_seed(0)
+            net = WideNet()
+            model = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.0001)  # a bucket per tensor
+            opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+            state = ddp.hook_state(model, "efsgd", optimizer=opt, compressor="quant:bits=8", exchange=exchange,
+                                   chunk_kb=chunk_kb)
+            model.register_comm_hook(state, ddp.hook)
+            patched = {k: getattr(dist, k) for k in ("all_to_all_single", "all_gather", "all_gather_into_tensor")}
+            try:
+                for k, fn in patched.items():
+                    setattr(dist, k, counting(fn))
+                _train_ddp(model, opt, STEPS)
+            finally:
+                for k, fn in patched.items():
+                    setattr(dist, k, fn)
+            out[exchange, chunk_kb] = (_params(net), state.ledger.bytes_sent, len(state.groups),
+                                       state.comm.chunk_bytes, posted["n"])
+    return out
+
+
+@pytest.mark.multiprocess
+def test_chunked_exchanges_give_the_bits_and_bytes_of_whole_ones():
+    """chunk_kb=1 cuts every message into 1 KiB collectives (3 ranks: uneven shards,
+    and the sharded exchange's pulls in their own group); the parameters and the
+    ledger's bytes are those of the whole messages."""
+    results = run_world(3, _chunked, ["sharded", "allgather"], timeout=180)
+    for res in results:
+        for exchange in ("sharded", "allgather"):
+            whole, chunked = res[exchange, None], res[exchange, 1]
+            assert chunked[3] == 1024 and whole[3] is None
+            assert whole[2] >= 2, whole[2]  # several buckets, each its own group
+            for a, b in zip(whole[0], chunked[0]):
+                assert torch.equal(a, b), exchange
+            assert whole[1] == chunked[1], exchange
+            assert chunked[4] > whole[4], (exchange, whole[4], chunked[4])  # more collectives: chunks
+        # the run trained: the parameters moved from their initial values
+        torch.manual_seed(0)
+        assert not torch.equal(WideNet().head.weight, res["sharded", 1][0][2])
+
+
 # ------------------------------------------------------------------------ torch's powerSGD_hook
 def _hook_initial_q(seed, shapes, rank, rate=2.0):
     """torch's hook's first Q for a bucket whose tensors have ``shapes`` (bucket order):
@@ -372,6 +440,7 @@ def test_bad_input_gets_one_line():
         (dict(algorithm="efsgd", compressor="quant:bits=99"), ValueError, r"`bits` must be an integer in 1..16"),
         (dict(algorithm="powersgd", rnak=2), ValueError, r"unexpected keyword.*rnak.*accepted options: rank"),
         (dict(algorithm="efsgd", warmup_steps=0), ValueError, r"`warmup_steps` must be an int >= 1.*got 0"),
+        (dict(algorithm="efsgd", chunk_kb=0), ValueError, r"`chunk_kb` must be None \(whole exchanges\) or an int >= 1, got 0"),
         (dict(algorithm="powersgd", optimizer=sgd), MomentumConflict,
          r"powersgd applies its own momentum.*SGD has momentum 0.9"),
         (dict(algorithm="efsgd"), RuntimeError, r"no process group; call .*init_process_group\(\) first"),

@@ -21,6 +21,20 @@ Python code can catch. So the first time a payload size is used, the neighbours
 swap their sizes in a 16-byte message (tag ``_TAG_SIZE``) and a mismatch raises
 :class:`PeerPayloadError` naming the peer before any payload is sent. Sizes that
 have been agreed on are not checked again.
+
+Chunks (``chunk_bytes``): gloo runs a send only once the peer has posted the matching
+receive, and a receive announces itself with a small message on the same connection as
+the bulk data, queued behind whatever that peer is already sending. Two ranks that
+post big all-gathers or sharded exchanges at once can therefore leave a link idle
+while the announcement of its next message waits behind the other direction's data
+(``experiments/bench_ddp_overlap.py`` measures it against torch's all-reduce of the
+same bytes, which gloo pipelines in small segments inside one operation). With ``chunk_bytes`` each
+all-gather and each stage of a sharded exchange is posted as collectives of at most
+that many bytes per peer, so less data queues ahead of an announcement. Each chunk
+waits for its own announcement, so chunks should carry at least the link's
+bandwidth times its round-trip time: on a high-latency link small chunks cost more
+than they save, and the default (None) posts every message whole. The bytes on the
+wire and the results are the same either way.
 """
 
 from __future__ import annotations
@@ -48,6 +62,7 @@ _TAG_SIZE = 0x6702
 _TAG_STEP = 0x6710  # time-varying exchanges: + (step & 1), so two overlapped steps never share a tag
 _MAGIC = 0x676F73736970  # "gossip": marks a size-check message
 _SIZE_MSG_BYTES = 16  # two int64: magic, payload bytes
+_MIN_CHUNK = 1024  # bytes: smaller chunks are all per-collective overhead
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -208,6 +223,10 @@ class DistCommunicator(Communicator):
             rank may post an exchange's pull as soon as its push has arrived
             (:meth:`Handle.ready`), out of step with its peers' later pushes. Without it
             every stage goes through ``group``, in the same order on every rank.
+        chunk_bytes: None (default) to post every all-gather and sharded-exchange
+            stage whole, or the most bytes per peer that one collective carries (see
+            "Chunks" in the module docstring; gloo links of low bandwidth and low
+            latency gain, >= 1024).
     """
 
     def __init__(
@@ -220,6 +239,7 @@ class DistCommunicator(Communicator):
         check_sizes: bool = True,
         ledger: Ledger | None = None,
         pull_group: Any = None,
+        chunk_bytes: int | None = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -228,9 +248,8 @@ class DistCommunicator(Communicator):
             )
         t = float(timeout)
         if not math.isfinite(t) or t <= 0:
-            raise ValueError(
-                f"DistCommunicator: `timeout` must be a positive number of seconds, got {timeout}"
-            )
+            raise ValueError(f"DistCommunicator: `timeout` must be a positive number of seconds, got {timeout}")
+        self.chunk_bytes = _check_chunk(chunk_bytes)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = n = dist.get_world_size(group)
@@ -403,9 +422,7 @@ class DistCommunicator(Communicator):
             Xc, home = self._on_backend(X)
             Xc = Xc.contiguous()
             out = torch.empty((self.world_size, *X.shape[1:]), dtype=X.dtype, device=Xc.device)
-            work = self._post_collective(
-                "all_gather", lambda: _all_gather_single(out, Xc, group=self.group, async_op=True)
-            )
+            work = self._post_collective("all_gather", lambda: self._all_gather(out, Xc))
             if record:
                 self._record_ring((self.world_size - 1) * tensor_nbytes(X), "all_gather")
         return _CollectiveHandle(self, work, "all_gather", lambda: _back(out, home))
@@ -444,14 +461,63 @@ class DistCommunicator(Communicator):
             pushed = torch.empty((n, ins[r]), dtype=torch.uint8, device=src.device)
             work = None
             if n > 1:
-                work = self._post_collective("sharded_exchange (push)", lambda: dist.all_to_all_single(
-                    pushed.view(-1), src, output_split_sizes=[ins[r]] * n, input_split_sizes=ins,
-                    group=self.group, async_op=True))
+                work = self._post_collective("sharded_exchange (push)", lambda: self._all_to_all(
+                    pushed.view(-1), src, [ins[r]] * n, ins, self.group))
             else:
                 pushed.copy_(src.view(1, -1))
             if record:
                 self._sharded_records(ins, outs)
         return _ShardedHandle(self, work, pushed, server, outs)
+
+    def _pieces(self, nbytes: int) -> int:
+        """How many collectives carry a message of ``nbytes`` per peer (``chunk_bytes``)."""
+        if self.chunk_bytes is None or nbytes <= self.chunk_bytes:
+            return 1
+        return -(-nbytes // self.chunk_bytes)
+
+    def _all_gather(self, out: torch.Tensor, X: torch.Tensor) -> Any:
+        """Post the all-gather of the row ``X`` into ``out`` (one row per rank): whole, or
+        in ``chunk_bytes`` pieces written straight into their places in ``out``."""
+        pieces = self._pieces(tensor_nbytes(X))
+        if pieces == 1:
+            return _all_gather_single(out, X, group=self.group, async_op=True)
+        flat, rows = X.reshape(-1), out.view(self.world_size, -1)
+        cuts = _cuts(flat.numel(), min(pieces, flat.numel()))
+        return _Chunked([dist.all_gather([rows[j, a:b] for j in range(self.world_size)], flat[a:b],
+                                         group=self.group, async_op=True) for a, b in zip(cuts, cuts[1:])])
+
+    def _all_to_all(self, out: torch.Tensor, src: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    group: Any) -> Any:
+        """Post ``all_to_all_single`` of the flat uint8 ``src`` into ``out``: whole, or as
+        collectives carrying a ``chunk_bytes`` piece of every peer's split each. The
+        number of pieces comes from the largest split, which every rank knows alike
+        (the splits are the same shard plan everywhere); the pieces received are copied
+        into their places in ``out`` once they have all arrived."""
+        pieces = self._pieces(max(in_splits + out_splits))
+        if pieces == 1:
+            return dist.all_to_all_single(out, src, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                          group=group, async_op=True)
+        in_at, out_at = np.cumsum([0, *in_splits]).tolist(), np.cumsum([0, *out_splits]).tolist()
+        in_cuts, out_cuts = [_cuts(k, pieces) for k in in_splits], [_cuts(k, pieces) for k in out_splits]
+        works, received = [], []
+        for c in range(pieces):
+            ins_c = [cut[c + 1] - cut[c] for cut in in_cuts]
+            outs_c = [cut[c + 1] - cut[c] for cut in out_cuts]
+            part = torch.cat([src[in_at[j] + cut[c]:in_at[j] + cut[c + 1]] for j, cut in enumerate(in_cuts)])
+            got = torch.empty(sum(outs_c), dtype=out.dtype, device=out.device)
+            works.append(dist.all_to_all_single(got, part, output_split_sizes=outs_c, input_split_sizes=ins_c,
+                                                group=group, async_op=True))
+            received.append((c, got))
+
+        def place() -> None:
+            for c, got in received:
+                at = 0
+                for j, cut in enumerate(out_cuts):
+                    k = cut[c + 1] - cut[c]
+                    out[out_at[j] + cut[c]:out_at[j] + cut[c + 1]].copy_(got[at:at + k])
+                    at += k
+
+        return _Chunked(works, place)
 
     def _sharded_records(self, in_nbytes: list[int], out_nbytes: list[int]) -> None:
         # only the messages this rank sends or receives (the others are foreign anyway)
@@ -601,6 +667,54 @@ def _peer_failure(exc: BaseException) -> str | None:
     return None
 
 
+def _check_chunk(chunk_bytes: Any) -> int | None:
+    if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
+                                    or chunk_bytes < _MIN_CHUNK):
+        raise ValueError(f"DistCommunicator: `chunk_bytes` must be None (whole messages) or an int >= "
+                         f"{_MIN_CHUNK}, got {chunk_bytes!r}")
+    return chunk_bytes
+
+
+def _cuts(size: int, pieces: int) -> list[int]:
+    """Even cuts of ``size`` into ``pieces`` (some may be empty when size < pieces)."""
+    return [size * c // pieces for c in range(pieces + 1)]
+
+
+class _Chunked:
+    """Several collectives that carry one message, waited as one work (the part of
+    torch's ``Work`` that :meth:`DistCommunicator._wait` and the handles use).
+    ``then`` runs once, on the waiting thread, after every piece has arrived."""
+
+    __slots__ = ("works", "_then")
+
+    def __init__(self, works: list[Any], then: Any = None) -> None:
+        self.works, self._then = works, then
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        end = None if timeout is None else perf_counter() + timeout.total_seconds()
+        for w in self.works:
+            ok = w.wait() if end is None else w.wait(timeout=timedelta(seconds=max(end - perf_counter(), 1e-3)))
+            if ok is False:
+                return False
+        self._placed()
+        return True
+
+    def _placed(self) -> None:
+        then, self._then = self._then, None
+        if then is not None:
+            then()
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def get_future(self) -> torch.futures.Future:
+        def placed(f: torch.futures.Future) -> None:
+            f.wait()
+            self._placed()
+
+        return torch.futures.collect_all([w.get_future() for w in self.works]).then(placed)
+
+
 class _Posted:
     """Works of one operation, the peers each one involves, and posting failures."""
 
@@ -716,9 +830,8 @@ class _ShardedHandle(Handle):
         else:
             with c.ledger.phase("communicate"):
                 sent = reply.repeat(n)  # the same reply to every rank, one slot each
-                self._pull = c._post_collective("sharded_exchange (pull)", lambda: dist.all_to_all_single(
-                    out, sent, output_split_sizes=outs, input_split_sizes=[outs[r]] * n,
-                    group=c._pull_group if c._pull_group is not None else c.group, async_op=True))
+                self._pull = c._post_collective("sharded_exchange (pull)", lambda: c._all_to_all(
+                    out, sent, outs, [outs[r]] * n, c._pull_group if c._pull_group is not None else c.group))
         self._out = out
 
     def ready(self) -> bool:

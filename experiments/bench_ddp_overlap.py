@@ -11,12 +11,13 @@ the backward of the next ones) in four settings, interleaved ``--repeats`` times
 
 ``efsgd_overlap``
     ``gossip.ddp`` hook, ``efsgd`` with ``quant:bits=8`` (the default sharded
-    exchange): the hook posts the bucket's exchange and returns a future;
-``efsgd_overlap_chunked``
-    the overlapped hook with ``chunk_kb=--chunk-kb`` (64): each stage of a bucket's
-    exchange posted as collectives of at most that many KiB per peer, so the
-    announcement of a rank's next receive does not queue behind a whole message of
-    the other direction (see "Chunks" in ``gossip/comm/distributed.py``);
+    exchange, the default ``chunk_kb``, or ``--chunk-kb``): the hook posts the
+    bucket's exchange and returns a future;
+``efsgd_overlap_whole``
+    the overlapped hook with ``chunk_kb=None``: each stage of a bucket's exchange
+    posted as one collective, as before the hook cut them into chunks (the hook's
+    default, ``chunk_kb="auto"``, measures the link and cuts each stage into chunks
+    of a few times its bandwidth-delay product; see "Chunks" in ``gossip/ddp.py``);
 ``efsgd_inline``
     the same hook with ``overlap=False``: it waits for its exchange inside the hook;
 ``torch_equal_bytes``
@@ -57,7 +58,7 @@ from experiments import _cli
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-MODES = ("efsgd_overlap", "efsgd_overlap_chunked", "efsgd_inline", "torch_equal_bytes", "torch_fp32")
+MODES = ("efsgd_overlap", "efsgd_overlap_whole", "efsgd_inline", "torch_equal_bytes", "torch_fp32")
 #: the code the step times measure: the hooks, the exchange they run, the codec
 SOURCES = ["gossip/ddp.py", "gossip/runtime.py", "gossip/algorithms", "gossip/comm", "gossip/compress",
            "experiments/bench_ddp_overlap.py", "experiments/vcluster.py"]
@@ -89,7 +90,7 @@ def _worker(args: argparse.Namespace) -> int:
     if mode.startswith("efsgd"):
         state = ddp.hook_state(model, "efsgd", compressor="quant:bits=8", optimizer=opt,
                                overlap=(mode != "efsgd_inline"),
-                               chunk_kb=args.chunk_kb if mode == "efsgd_overlap_chunked" else None)
+                               chunk_kb=None if mode == "efsgd_overlap_whole" else args.chunk_kb)
         model.register_comm_hook(state, ddp.hook)
     elif mode == "torch_equal_bytes":
         world = dist.get_world_size()
@@ -122,12 +123,21 @@ def _worker(args: argparse.Namespace) -> int:
         steps = times[args.warmup:]
         print(json.dumps({"mode": mode, "step_s": statistics.median(steps), "step_s_min": min(steps),
                           "ledger_bytes_sent": ledger,
+                          **({"chunk_bytes": state.comm.chunk_bytes} if state is not None else {}),
                           **({"compiled_kernels": sorted(set(compiled))} if state is not None else {}),
                           "params": sum(p.numel() for p in net.parameters())}), flush=True)
     return 0
 
 
 # ------------------------------------------------------------------------ the driver
+def _chunk_kb(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected auto or a whole number of KiB >= 1, got {text!r}")
+
+
 def options(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m experiments run bench_ddp_overlap``."""
     p.add_argument("--rate", default="100mbit")
@@ -139,7 +149,8 @@ def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inputs", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--bucket-mb", type=float, default=4.0)
-    p.add_argument("--chunk-kb", type=int, default=64, help="chunk_kb of the efsgd_overlap_chunked setting")
+    p.add_argument("--chunk-kb", type=_chunk_kb, default="auto",
+                   help="chunk_kb of the efsgd_overlap and efsgd_inline settings: auto (the hook's default) or KiB")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
     p.add_argument("--kernels", default="auto", choices=("eager", "auto", "compile"),
                    help="gossip.compress kernel backend of the ranks (default auto, gossip's own default: with "
@@ -157,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     from experiments import _provenance
 
     modes = _cli.methods(p, args.modes, MODES, flag="--modes")
-    if min(args.steps, args.repeats, args.chunk_kb) < 1 or args.warmup < 0:
-        p.error(f"need --steps >= 1, --repeats >= 1, --chunk-kb >= 1 and --warmup >= 0, got --steps {args.steps} "
-                f"--repeats {args.repeats} --chunk-kb {args.chunk_kb} --warmup {args.warmup}")
+    if min(args.steps, args.repeats) < 1 or args.warmup < 0:
+        p.error(f"need --steps >= 1, --repeats >= 1 and --warmup >= 0, got --steps {args.steps} "
+                f"--repeats {args.repeats} --warmup {args.warmup}")
 
     from experiments.vcluster import VirtualCluster
 

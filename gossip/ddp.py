@@ -55,6 +55,16 @@ measured by ``experiments/bench_ddp_overlap.py`` against it and against torch's 
 all-reduce). powersgd, efmomentum, the top-k family and allreduce still reduce inside
 the hook.
 
+Chunks: on gloo a message leaves only once its receiver has announced the receive, and
+the announcement queues behind that rank's own outgoing data; whole buckets exchanged
+both ways at once leave a slow link idle in one direction. With ``chunk_kb="auto"``
+(the default) the first bucket of the algorithm's first iteration measures the link
+(:meth:`gossip.comm.DistCommunicator.tune_chunks`: a few tiny all-reduces and one of
+256 KiB, outside the ledger) and every later stage of an exchange goes as collectives
+of at most four times the link's bandwidth-delay product per peer, 64 KiB or more:
+small chunks on a slow, near link; whole messages where the product is large. The
+bits and the bytes are those of whole messages.
+
 Momentum: an algorithm that applies momentum itself (powersgd, efblocksgdm, signum,
 efmomentum, sketched, truetopk, localtopk by default, demo) must have a local optimizer with
 none. Pass ``optimizer=`` to :func:`hook_state`: it is refused in one line
@@ -104,7 +114,7 @@ def hook_state(
     warmup_steps: int = 1,
     timeout: float = 300.0,
     overlap: bool = True,
-    chunk_kb: int | None = None,
+    chunk_kb: int | str | None = "auto",
     **options: Any,
 ) -> "HookState":
     """The state for ``model.register_comm_hook(state, ddp.hook)``.
@@ -119,10 +129,12 @@ def hook_state(
     take before the peer is named in an error. ``overlap`` (default True): the hook
     returns before its exchange has arrived (see "Overlap" in the module docstring);
     False waits for it inside the hook, the way to measure what overlapping saves.
-    ``chunk_kb``: None (default) posts each bucket's exchange whole; an int posts it
-    as collectives of at most that many KiB per peer, which keeps both directions of a
-    slow, low-latency gloo link busy (see "Chunks" in :mod:`gossip.comm.distributed`;
-    64 suits links of about 100 Mbit/s with sub-millisecond round trips).
+    ``chunk_kb``: an int posts each stage of a bucket's exchange as collectives of at
+    most that many KiB per peer, which keeps both directions of a slow, low-latency
+    gloo link busy (see "Chunks" in :mod:`gossip.comm.distributed`); None posts whole
+    messages; ``"auto"`` (default) measures the link once, when the algorithm's first
+    iteration starts, and picks the chunk from its bandwidth and round trip
+    (:meth:`gossip.comm.DistCommunicator.tune_chunks`; whole messages on NCCL).
     """
     return HookState(model, algorithm, optimizer=optimizer, process_group=process_group,
                      warmup_steps=warmup_steps, timeout=timeout, overlap=overlap, chunk_kb=chunk_kb, **options)
@@ -181,8 +193,8 @@ class HookState:
     """
 
     def __init__(self, model: nn.Module, algorithm: str, *, optimizer: Any = None, process_group: Any = None,
-                 warmup_steps: int = 1, timeout: float = 300.0, overlap: bool = True, chunk_kb: int | None = None,
-                 **options: Any) -> None:
+                 warmup_steps: int = 1, timeout: float = 300.0, overlap: bool = True,
+                 chunk_kb: int | str | None = "auto", **options: Any) -> None:
         if not isinstance(algorithm, str) or algorithm not in HOOK_ALGORITHMS:
             known = _algorithms.available()
             # every registered algorithm without a hook acts on the models (gossip mixing, or
@@ -193,13 +205,7 @@ class HookState:
         if "merge" in options or any(k.startswith("merge_") for k in options):
             raise ValueError("gossip.ddp: `merge` (MergeComp) schedules tensors during backward itself and is "
                              "not a DDP hook; DDP's buckets are the groups here (tune them with bucket_cap_mb)")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(f"gossip.ddp: `warmup_steps` must be an int >= 1 (DDP rebuilds its buckets after "
-                             f"the first iteration), got {warmup_steps!r}")
-        if not isinstance(overlap, bool):
-            raise TypeError(f"gossip.ddp: `overlap` must be True or False, got {overlap!r}")
-        if chunk_kb is not None and (isinstance(chunk_kb, bool) or not isinstance(chunk_kb, int) or chunk_kb < 1):
-            raise ValueError(f"gossip.ddp: `chunk_kb` must be None (whole exchanges) or an int >= 1, got {chunk_kb!r}")
+        _check_options(warmup_steps, overlap, chunk_kb)
         if not isinstance(model, nn.Module):
             raise TypeError(f"gossip.ddp: `model` must be the nn.Module (DDP or not), got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -228,7 +234,9 @@ class HookState:
         self.optimizer = optimizer
         self.comm = DistCommunicator(group=process_group, timeout=timeout,
                                      pull_group=_pull_group(process_group) if overlap else None,
-                                     chunk_bytes=None if chunk_kb is None else chunk_kb * 1024)
+                                     chunk_bytes=chunk_kb * 1024 if isinstance(chunk_kb, int) else None)
+        #: "auto": the link is measured when the algorithm's first iteration starts
+        self._tune_chunks = chunk_kb == "auto"
         self.iteration = 0
         self._params = [p for _, p in named]
         self._names = [n for n, _ in named]
@@ -320,6 +328,9 @@ class HookState:
             # 1. full precision while DDP settles its buckets
             handle = self.comm.all_reduce_async(buf.view(1, -1), op="mean")
             return [(Pending(handle, lambda r: r[0]), None)]
+        if self._tune_chunks:  # the first bucket of the algorithm's first iteration, on every rank
+            self._tune_chunks = False
+            self.comm.tune_chunks()
         lr = None if self.optimizer is None else float(self.optimizer.param_groups[0]["lr"])
         started = []
         for group, idx in self._plan(bucket):
@@ -421,6 +432,18 @@ class HookState:
     def __repr__(self) -> str:
         return (f"HookState({self.name}, {len(self._groups)} group(s), iteration={self.iteration}, "
                 f"warmup_steps={self.warmup_steps})")
+
+
+def _check_options(warmup_steps: Any, overlap: Any, chunk_kb: Any) -> None:
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+        raise ValueError(f"gossip.ddp: `warmup_steps` must be an int >= 1 (DDP rebuilds its buckets after "
+                         f"the first iteration), got {warmup_steps!r}")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"gossip.ddp: `overlap` must be True or False, got {overlap!r}")
+    if chunk_kb not in (None, "auto") and (isinstance(chunk_kb, bool) or not isinstance(chunk_kb, int)
+                                           or chunk_kb < 1):
+        raise ValueError(f"gossip.ddp: `chunk_kb` must be 'auto', None (whole exchanges) or an int >= 1, "
+                         f"got {chunk_kb!r}")
 
 
 def _pull_group(group: Any) -> Any:

@@ -303,7 +303,7 @@ def _chunked(exchanges):
 
     out = {}
     for exchange in exchanges:
-        for chunk_kb in (None, 1):
+        for chunk_kb in (None, 1, "auto"):
             posted["n"] = 0
             torch.manual_seed(0)
             net = WideNet()
@@ -331,10 +331,16 @@ def test_chunked_exchanges_give_the_bits_and_bytes_of_whole_ones():
     and the sharded exchange's pulls in their own group); the parameters and the
     ledger's bytes are those of the whole messages."""
     results = run_world(3, _chunked, ["sharded", "allgather"], timeout=180)
+    for exchange in ("sharded", "allgather"):
+        # "auto" measured the link once; every rank cuts its messages alike
+        auto = {res[exchange, "auto"][3] for res in results}
+        assert len(auto) == 1 and min(auto) >= 64 * 1024 and min(auto) % 1024 == 0, auto
     for res in results:
         for exchange in ("sharded", "allgather"):
             whole, chunked = res[exchange, None], res[exchange, 1]
             assert chunked[3] == 1024 and whole[3] is None
+            for a, b in zip(whole[0], res[exchange, "auto"][0]):
+                assert torch.equal(a, b), (exchange, "auto")
             assert whole[2] >= 2, whole[2]  # several buckets, each its own group
             for a, b in zip(whole[0], chunked[0]):
                 assert torch.equal(a, b), exchange
@@ -343,6 +349,15 @@ def test_chunked_exchanges_give_the_bits_and_bytes_of_whole_ones():
         # the run trained: the parameters moved from their initial values
         torch.manual_seed(0)
         assert not torch.equal(WideNet().head.weight, res["sharded", 1][0][2])
+
+
+def test_auto_chunks_are_four_bandwidth_delay_products_and_at_least_64_kib():
+    from gossip.comm.distributed import auto_chunk_bytes
+
+    assert auto_chunk_bytes(12.5e6, 2e-4) == 64 * 1024  # 100 Mbit/s, 0.2 ms: the floor
+    assert auto_chunk_bytes(12.5e6, 0.02) == 1_000_000 // 1024 * 1024  # 100 Mbit/s, 20 ms: 1 MB
+    assert auto_chunk_bytes(1.25e9, 1e-4) == 500_000 // 1024 * 1024  # 10 Gbit/s, 0.1 ms
+    assert auto_chunk_bytes(0.0, 0.0) == 64 * 1024
 
 
 # ------------------------------------------------------------------------ torch's powerSGD_hook
@@ -440,7 +455,9 @@ def test_bad_input_gets_one_line():
         (dict(algorithm="efsgd", compressor="quant:bits=99"), ValueError, r"`bits` must be an integer in 1..16"),
         (dict(algorithm="powersgd", rnak=2), ValueError, r"unexpected keyword.*rnak.*accepted options: rank"),
         (dict(algorithm="efsgd", warmup_steps=0), ValueError, r"`warmup_steps` must be an int >= 1.*got 0"),
-        (dict(algorithm="efsgd", chunk_kb=0), ValueError, r"`chunk_kb` must be None \(whole exchanges\) or an int >= 1, got 0"),
+        (dict(algorithm="efsgd", chunk_kb=0), ValueError,
+         r"`chunk_kb` must be 'auto', None \(whole exchanges\) or an int >= 1, got 0"),
+        (dict(algorithm="efsgd", chunk_kb="64"), ValueError, r"`chunk_kb` must be 'auto'.*got '64'"),
         (dict(algorithm="powersgd", optimizer=sgd), MomentumConflict,
          r"powersgd applies its own momentum.*SGD has momentum 0.9"),
         (dict(algorithm="efsgd"), RuntimeError, r"no process group; call .*init_process_group\(\) first"),

@@ -33,8 +33,10 @@ all-gather and each stage of a sharded exchange is posted as collectives of at m
 that many bytes per peer, so less data queues ahead of an announcement. Each chunk
 waits for its own announcement, so chunks should carry at least the link's
 bandwidth times its round-trip time: on a high-latency link small chunks cost more
-than they save, and the default (None) posts every message whole. The bytes on the
-wire and the results are the same either way.
+than they save: the default (None) posts every message whole, and
+:meth:`DistCommunicator.tune_chunks` measures the link and picks a chunk from its
+bandwidth-delay product (what the DDP hook does by default). The bytes on the wire and
+the results are the same either way.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ _TAG_STEP = 0x6710  # time-varying exchanges: + (step & 1), so two overlapped st
 _MAGIC = 0x676F73736970  # "gossip": marks a size-check message
 _SIZE_MSG_BYTES = 16  # two int64: magic, payload bytes
 _MIN_CHUNK = 1024  # bytes: smaller chunks are all per-collective overhead
+_AUTO_MIN_CHUNK = 64 * 1024  # the smallest chunk tune_chunks picks
+_PROBE_BYTES = 256 * 1024  # tune_chunks' bandwidth probe
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -469,6 +473,32 @@ class DistCommunicator(Communicator):
                 self._sharded_records(ins, outs)
         return _ShardedHandle(self, work, pushed, server, outs)
 
+    def tune_chunks(self) -> int | None:
+        """Measure the link and set :attr:`chunk_bytes` from it (gloo only: NCCL and a
+        world of one keep whole messages); returns the setting. Every rank of the group
+        must call it at the same point, like a collective. Three 1-byte all-reduces give
+        the round trip (their fastest), one of :data:`_PROBE_BYTES` the bandwidth; the
+        chunk is :func:`auto_chunk_bytes` of the two, the largest any rank found, so
+        every rank cuts its messages alike. The probes are not in the ledger."""
+        if self.world_size < 2 or "gloo" not in self.backend:
+            self.chunk_bytes = None
+            return None
+        n = self.world_size
+        tiny, big = torch.zeros(1, dtype=torch.uint8), torch.zeros(_PROBE_BYTES, dtype=torch.uint8)
+        rtt = math.inf
+        for _ in range(3):
+            t0 = perf_counter()
+            dist.all_reduce(tiny, group=self.group)
+            rtt = min(rtt, perf_counter() - t0)
+        t0 = perf_counter()
+        dist.all_reduce(big, group=self.group)
+        seconds = max(perf_counter() - t0 - rtt, 1e-6)
+        bandwidth = 2 * (n - 1) / n * _PROBE_BYTES / seconds  # a ring all-reduce's bytes per rank
+        chunk = torch.tensor([auto_chunk_bytes(bandwidth, rtt)], dtype=torch.int64)
+        dist.all_reduce(chunk, op=dist.ReduceOp.MAX, group=self.group)
+        self.chunk_bytes = int(chunk)
+        return self.chunk_bytes
+
     def _pieces(self, nbytes: int) -> int:
         """How many collectives carry a message of ``nbytes`` per peer (``chunk_bytes``)."""
         if self.chunk_bytes is None or nbytes <= self.chunk_bytes:
@@ -665,6 +695,17 @@ def _peer_failure(exc: BaseException) -> str | None:
     if any(w in text for w in ("connection", "closed", "reset by peer", "broken pipe", "socket")):
         return "lost"
     return None
+
+
+def auto_chunk_bytes(bandwidth: float, rtt: float) -> int:
+    """The chunk :meth:`DistCommunicator.tune_chunks` picks for a link of ``bandwidth``
+    bytes/s and round trip ``rtt`` s: four times their product, at least
+    :data:`_AUTO_MIN_CHUNK`. gloo runs two collectives of a group at a time, each
+    waiting half a round trip for its receiver's announcement, so two chunks keep the
+    link busy once each carries half the bandwidth-delay product; four times leaves
+    room for an underestimate of either figure. A link of large bandwidth-delay
+    product gets chunks larger than its messages: whole messages."""
+    return max(_AUTO_MIN_CHUNK, int(4 * bandwidth * rtt) // 1024 * 1024)
 
 
 def _check_chunk(chunk_bytes: Any) -> int | None:

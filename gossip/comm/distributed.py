@@ -483,21 +483,28 @@ class DistCommunicator(Communicator):
         if self.world_size < 2 or "gloo" not in self.backend:
             self.chunk_bytes = None
             return None
+        self._check_usable()
         n = self.world_size
         tiny, big = torch.zeros(1, dtype=torch.uint8), torch.zeros(_PROBE_BYTES, dtype=torch.uint8)
         rtt = math.inf
         for _ in range(3):
-            t0 = perf_counter()
-            dist.all_reduce(tiny, group=self.group)
-            rtt = min(rtt, perf_counter() - t0)
-        t0 = perf_counter()
-        dist.all_reduce(big, group=self.group)
-        seconds = max(perf_counter() - t0 - rtt, 1e-6)
+            rtt = min(rtt, self._probe(tiny))
+        seconds = max(self._probe(big) - rtt, 1e-6)
         bandwidth = 2 * (n - 1) / n * _PROBE_BYTES / seconds  # a ring all-reduce's bytes per rank
         chunk = torch.tensor([auto_chunk_bytes(bandwidth, rtt)], dtype=torch.int64)
-        dist.all_reduce(chunk, op=dist.ReduceOp.MAX, group=self.group)
+        self._probe(chunk, dist.ReduceOp.MAX)
         self.chunk_bytes = int(chunk)
         return self.chunk_bytes
+
+    def _probe(self, X: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> float:
+        """Seconds for one all-reduce of ``X`` (in place), not in the ledger, waited within
+        the timeout like any collective (a peer that is gone is named)."""
+        others = [j for j in range(self.world_size) if j != self.rank]
+        t0 = perf_counter()
+        work = self._post_collective("tune_chunks", lambda: dist.all_reduce(X, op=op, group=self.group,
+                                                                            async_op=True))
+        self._wait(_Posted([work], [others], "tune_chunks"))
+        return perf_counter() - t0
 
     def _pieces(self, nbytes: int) -> int:
         """How many collectives carry a message of ``nbytes`` per peer (``chunk_bytes``)."""

@@ -48,18 +48,22 @@ CASES = [
 class Net(nn.Module):
     """A newcomer's own model."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 16) -> None:
         super().__init__()
-        self.body = nn.Linear(8, 16)
-        self.head = nn.Linear(16, 3)
+        self.body = nn.Linear(8, hidden)
+        self.head = nn.Linear(hidden, 3)
 
     def forward(self, x):
         return self.head(torch.relu(self.body(x)))
 
 
-def _net() -> Net:
+def _net(hidden: int = 16) -> Net:
     torch.manual_seed(0)
-    return Net()
+    return Net(hidden)
+
+
+#: wide enough that one rank's 8-bit message to a peer spans several KiB chunks
+WIDE = 600
 
 
 def _batch(rank: int, step: int):
@@ -278,18 +282,6 @@ def test_several_buckets_and_resume_through_state_dict_are_bit_identical():
 
 
 # ------------------------------------------------------------------------ chunked exchanges
-class WideNet(nn.Module):
-    """Wide enough that one rank's 8-bit message to a peer spans several KiB chunks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Linear(8, 600)
-        self.head = nn.Linear(600, 3)
-
-    def forward(self, x):
-        return self.head(torch.relu(self.body(x)))
-
-
 def _chunked(exchanges):
     import torch.distributed as dist
 
@@ -305,8 +297,7 @@ def _chunked(exchanges):
     for exchange in exchanges:
         for chunk_kb in (None, 1, "auto"):
             posted["n"] = 0
-            torch.manual_seed(0)
-            net = WideNet()
+            net = _net(WIDE)
             model = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.0001)  # a bucket per tensor
             opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
             state = ddp.hook_state(model, "efsgd", optimizer=opt, compressor="quant:bits=8", exchange=exchange,
@@ -347,8 +338,7 @@ def test_chunked_exchanges_give_the_bits_and_bytes_of_whole_ones():
             assert whole[1] == chunked[1], exchange
             assert chunked[4] > whole[4], (exchange, whole[4], chunked[4])  # more collectives: chunks
         # the run trained: the parameters moved from their initial values
-        torch.manual_seed(0)
-        assert not torch.equal(WideNet().head.weight, res["sharded", 1][0][2])
+        assert not torch.equal(_net(WIDE).head.weight, res["sharded", 1][0][2])
 
 
 def test_auto_chunks_are_four_bandwidth_delay_products_and_at_least_64_kib():

@@ -32,6 +32,7 @@ in another order: the results agree with the node's own to rounding.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 import torch
@@ -78,12 +79,13 @@ class GradBuffers:
             return None
         return t
 
-    def scratch(self, key: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    def scratch(self, key: str, shape: tuple[int, ...], like: Tensor, zeros: bool = False) -> Tensor:
         """The tensor of ``key`` (``shape``, ``like``'s dtype and device), the same at
-        every call with the same shape: its contents are the caller's to overwrite."""
+        every call with the same shape: its contents are the caller's to overwrite
+        (``zeros``: filled with zeros when it is made, not at later calls)."""
         t = self._scratch.get(key)
         if t is None or tuple(t.shape) != tuple(shape) or t.dtype != like.dtype or t.device != like.device:
-            t = self._scratch[key] = like.new_empty(shape)
+            t = self._scratch[key] = like.new_zeros(shape) if zeros else like.new_empty(shape)
         return t
 
 
@@ -199,9 +201,12 @@ class _Conv1d(torch.autograd.Function):
         lout = (L + 2 * padding - k) // stride + 1
         # the weights in the columns' (tap, channel) order, (k C, C_out) per node: a
         # small copy (n k C C_out values) that makes every product's operands contiguous
-        wt = w.permute(0, 3, 2, 1).reshape(n, k * C, cout)
-        y = x.new_empty(n, B * lout, cout)
-        cols = _Columns(x, k, stride, padding, lout)
+        wt = _scratch(grads, names[0] + ":wt", (n, k * C, cout), w)
+        wt.view(n, k, C, cout).copy_(w.permute(0, 3, 2, 1))
+        # a hidden layer's output (its ReLU applied here) is a tensor kept from step to
+        # step, as the linear layer's; an output without one is the caller's to keep
+        y = _scratch(grads, names[0] + ":y", (n, B * lout, cout), x) if relu else x.new_empty(n, B * lout, cout)
+        cols = _Columns(x, k, stride, padding, lout, grads, names[0])
         for s, c in cols.chunks():
             # one batched product per node of the chunk, its bias added by baddbmm
             if b is None:
@@ -236,21 +241,24 @@ class _Conv1d(torch.autograd.Function):
             if gw is None:
                 gw = g.new_empty(n, cout, C, k)
         if need_x:
-            gxl = g.new_empty(n, B, L, C)  # channels-last, returned as a (n, B, C, L) view
+            gxl = _scratch(ctx.grads, ctx.names[0] + ":gx", (n, B, L, C), g)  # channels-last, returned as a (n, B, C, L) view
             col2im = _col2im_plan(L, k, stride, padding, lout)
         chunk = _chunk_nodes(g, B * lout * k * C, n)
-        cols = _Columns(x, k, stride, padding, lout) if need_w else None
+        cols = _Columns(x, k, stride, padding, lout, ctx.grads, ctx.names[0]) if need_w else None
         for s, c in cols.chunks() if cols is not None else ((slice(r, r + chunk), None) for r in range(0, n, chunk)):
             gs = g[s]
-            if y is not None:  # the fused ReLU's gradient: dy where its output was > 0
-                gs = torch.ops.aten.threshold_backward(gs, y[s], 0)
+            if y is not None:  # the fused ReLU's gradient: dy where its output was > 0, in a chunk's buffer
+                buf = _scratch(ctx.grads, ctx.names[0] + ":gs", (chunk, *gs.shape[1:]), gs)[:gs.shape[0]]
+                gs = torch.ops.aten.threshold_backward.grad_input(gs, y[s], 0, grad_input=buf)
             if need_b:
                 torch.sum(gs, 1, out=gb[s])
             if need_w:
                 # dW = dy^T cols, in the columns' (tap, channel) order, then W's (channel, tap)
-                gw[s].copy_(torch.bmm(gs.transpose(1, 2), c).view(-1, cout, k, C).permute(0, 1, 3, 2))
+                gwc = _scratch(ctx.grads, ctx.names[0] + ":gwc", (chunk, cout, k * C), gs)[:gs.shape[0]]
+                gw[s].copy_(torch.bmm(gs.transpose(1, 2), c, out=gwc).view(-1, cout, k, C).permute(0, 1, 3, 2))
             if need_x:
-                gc = torch.bmm(gs, wt[s].transpose(1, 2)).view(-1, B, lout, k, C)
+                gc = _scratch(ctx.grads, ctx.names[0] + ":gc", (chunk, B * lout, k * C), gs)[:gs.shape[0]]
+                gc = torch.bmm(gs, wt[s].transpose(1, 2), out=gc).view(-1, B, lout, k, C)
                 part = gxl[s]
                 zero, plan = col2im
                 if zero:
@@ -318,12 +326,19 @@ class _Columns:
     padding) from its taps inside the signal, the taps outside left at the zeros the
     buffer was made with. No padded copy of the input is made."""
 
-    def __init__(self, x: Tensor, k: int, stride: int, padding: int, lout: int) -> None:
+    def __init__(self, x: Tensor, k: int, stride: int, padding: int, lout: int,
+                 grads: GradBuffers | None = None, name: str = "") -> None:
         self.x, self.k, self.stride, self.padding, self.lout = x, k, stride, padding, lout
         n, B, C, L = x.shape
         self.chunk = _chunk_nodes(x, B * lout * k * C, n)
-        # the zeros of the edge rows' taps in the padding are written once, here
-        self.cols = x.new_zeros(self.chunk, B, lout, k * C)
+        # the zeros of the edge rows' taps in the padding are written once, when the
+        # buffer is made; a training call's buffer is kept for the layer's later calls
+        # of the same geometry (forward and backward alike), which write the same places
+        shape = (self.chunk, B, lout, k * C)
+        if grads is None:
+            self.cols = x.new_zeros(shape)
+        else:
+            self.cols = grads.scratch(f"{name}:cols{(L, stride, padding)}", shape, x, zeros=True)
         # rows [lo, hi) have every tap inside the signal; the others are edge rows
         self.lo = min(lout, -(-padding // stride))
         self.hi = max(self.lo, min(lout, (L - k + padding) // stride + 1))
@@ -418,9 +433,57 @@ def _conv1d(prefix: str, mod: nn.Conv1d, relu: bool = False) -> Kernel | None:
     return run
 
 
+class _Flatten(torch.autograd.Function):
+    """``x.flatten(start, end)`` in a training forward where it cannot be a view of
+    ``x`` (a convolution's channels-first view of its channels-last output): the copy
+    goes into a tensor kept from step to step (:meth:`GradBuffers.scratch`), and the
+    gradient comes back in ``x``'s own layout, also kept, so that the convolution's
+    backward reads it as a view instead of copying it into a fresh tensor. The same
+    values as ``flatten``; only where they live differs."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, shape: tuple[int, ...], grads: GradBuffers, key: str) -> Tensor:
+        y = grads.scratch(key + ":y", shape, x)
+        y.view(x.shape).copy_(x)
+        ctx.layout, ctx.grads, ctx.key = (tuple(x.shape), x.stride()), grads, key
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
+        shape, stride = ctx.layout
+        order = sorted(range(len(shape)), key=lambda i: -stride[i])  # x's dimensions, outermost first
+        base = ctx.grads.scratch(ctx.key + ":gx", tuple(shape[i] for i in order), gy)
+        gx = base.permute([order.index(i) for i in range(len(shape))])
+        gx.copy_(gy.reshape(shape))
+        return gx, None, None, None
+
+
+_FLATTENS = itertools.count()  # a key per flatten kernel for its kept tensors
+
+
 def _flatten(start: int = 0, end: int = -1) -> Kernel:
     start, end = _node_dim(int(start)), _node_dim(int(end))
-    return lambda params, x, grads: x.flatten(start, end)
+    key = f"flatten{next(_FLATTENS)}"
+
+    def run(params: dict[str, Tensor], x: Tensor, grads: GradBuffers | None) -> Tensor:
+        if grads is None or x.is_contiguous():
+            return x.flatten(start, end)
+        a, e = start % x.dim(), end % x.dim()
+        if a >= e:
+            return x.flatten(start, end)
+        shape = _flat_shape(x, a, e)
+        try:
+            return x.view(shape)  # flattened dimensions that are one run in memory
+        except RuntimeError:
+            return _Flatten.apply(x, shape, grads, key)
+    return run
+
+
+def _flat_shape(x: Tensor, a: int, e: int) -> tuple[int, ...]:
+    n = 1
+    for s in x.shape[a:e + 1]:
+        n *= s
+    return (*x.shape[:a], n, *x.shape[e + 1:])
 
 
 def _relu(params: dict[str, Tensor], x: Tensor, grads: GradBuffers | None) -> Tensor:

@@ -306,6 +306,52 @@ def _every_geometry() -> None:
                 assert torch.allclose(a, r, rtol=1e-12, atol=1e-12), case
 
 
+@pytest.mark.parametrize("kind", ["cnn1d", "mlp"])
+def test_the_tensors_kept_from_step_to_step_give_the_values_of_fresh_ones(kind, monkeypatch):
+    """With a GradBuffers (the training call) the kernels' outputs, weights in the
+    columns' order, ReLU gradients, columns' gradients and the flatten's copy and
+    gradient live in tensors kept from step to step; without one (evaluation) every
+    tensor is fresh, filled with NaN here (torch's deterministic mode), so a value the
+    kept path leaves stale or unwritten shows. Three steps of different data and
+    weights, nodes in chunks with a shorter last one: the same logits and gradients,
+    bit for bit, and the kept tensors are the same ones from the second step on."""
+    from gossip import _batched
+
+    monkeypatch.setattr(_batched, "_CONV_CHUNK_VALUES", 2 * 5 * 12 * 5 * 2)
+    monkeypatch.setattr(_batched, "_LINEAR_CHUNK_VALUES", 2 * 5 * 7)
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        model, shape = _built_in(kind)
+        forward = vectorized._NodeForward(model)
+        grads = _batched.GradBuffers()
+        g = torch.Generator().manual_seed(2)
+        kept = []
+        for _ in range(3):
+            sp = vectorized.StackedParams(model, 3)
+            with torch.no_grad():
+                sp.data.add_(0.3 * torch.randn(sp.data.shape, generator=g))
+            x = torch.randn(3, 5, *shape, generator=g)
+            w = torch.randn(3, 5, CLASSES, generator=g)
+            results = []
+            for buffers in (grads, None):
+                out = forward(sp.params, x, grads=buffers)
+                (out * w).sum().backward()
+                results.append((out.detach().clone(), [p.grad.clone() for p in sp.leaves()]))
+                for p in sp.leaves():
+                    p.grad = None
+            (got, got_grads), (ref, ref_grads) = results
+            assert torch.equal(got, ref)
+            assert all(torch.equal(a, b) for a, b in zip(got_grads, ref_grads))
+            kept.append({k: t.data_ptr() for k, t in grads._scratch.items()})
+        assert kept[1] == kept[2] and kept[2]
+        if kind == "cnn1d":
+            assert any(k.startswith("flatten") for k in kept[2]) and any(k.endswith(":gx") for k in kept[2])
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
 def test_the_backward_writes_the_gradients_into_last_steps_tensors():
     """zero_grad() keeps the gradient tensors and the next backward writes into them:
     the same tensors step after step, the same values as into fresh ones."""

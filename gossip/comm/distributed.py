@@ -32,8 +32,8 @@ same bytes, which gloo pipelines in small segments inside one operation). With `
 all-gather and each stage of a sharded exchange is posted as collectives of at most
 that many bytes per peer, so less data queues ahead of an announcement. Each chunk
 waits for its own announcement, so chunks should carry at least the link's
-bandwidth times its round-trip time: on a high-latency link small chunks cost more
-than they save: the default (None) posts every message whole, and
+bandwidth times its round-trip time, since on a high-latency link small chunks cost
+more than they save. The default (None) posts every message whole, and
 :meth:`DistCommunicator.tune_chunks` measures the link and picks a chunk from its
 bandwidth-delay product (what the DDP hook does by default). The bytes on the wire and
 the results are the same either way.

@@ -33,6 +33,7 @@ in another order: the results agree with the node's own to rounding.
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -89,6 +90,17 @@ class GradBuffers:
         return t
 
 
+def _weak(grads: GradBuffers | None) -> Callable[[], GradBuffers | None]:
+    """What a kernel's autograd context keeps of ``grads``: a weak reference. A kept
+    output (a :meth:`GradBuffers.scratch` tensor) holds its ``grad_fn`` and so the
+    context; a strong reference back to the buffers would make a cycle through
+    autograd's C++ graph that Python's collector cannot see, and every optimizer's
+    buffers would outlive it."""
+    if grads is None:
+        return lambda: None
+    return weakref.ref(grads)
+
+
 def _take(grads: GradBuffers | None, name: str | None, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
     return grads.take(name, shape, like) if grads is not None and name is not None else None
 
@@ -136,24 +148,25 @@ class _Linear(torch.autograd.Function):
                 y[s].relu_()
         ctx.save_for_backward(x, w, y if relu else None)
         ctx.has_bias = b is not None
-        ctx.grads, ctx.names = grads, names
+        ctx.grads, ctx.names = _weak(grads), names
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
         x, w, y = ctx.saved_tensors
+        grads = ctx.grads()
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.has_bias
         n, R, out = gy.shape
         gx = gw = gb = None
         if need_x:
-            gx = _scratch(ctx.grads, ctx.names[0] + ":gx", tuple(x.shape), gy)
+            gx = _scratch(grads, ctx.names[0] + ":gx", tuple(x.shape), gy)
         if need_w:  # dy^T x is (n, out, in): W's own layout, taken by autograd as is
-            gw = _take(ctx.grads, ctx.names[0], tuple(w.shape), gy)
+            gw = _take(grads, ctx.names[0], tuple(w.shape), gy)
             if gw is None:
                 gw = gy.new_empty(w.shape)
         if need_b:
-            gb = _take(ctx.grads, ctx.names[1], (n, out), gy)
+            gb = _take(grads, ctx.names[1], (n, out), gy)
             if gb is None:
                 gb = gy.new_empty(n, out)
         chunk = _chunk_rows(gy, R * out, n, _LINEAR_CHUNK_VALUES)
@@ -218,12 +231,13 @@ class _Conv1d(torch.autograd.Function):
         ctx.save_for_backward(x, wt, y if relu else None)
         ctx.conv = (stride, padding, lout)
         ctx.has_bias = b is not None
-        ctx.grads, ctx.names = grads, names
+        ctx.grads, ctx.names = _weak(grads), names
         return y.view(n, B, lout, cout).transpose(2, 3)
 
     @staticmethod
     def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
         x, wt, y = ctx.saved_tensors
+        grads = ctx.grads()
         stride, padding, lout = ctx.conv
         n, B, C, L = x.shape
         cout = wt.shape[2]
@@ -233,31 +247,31 @@ class _Conv1d(torch.autograd.Function):
         g = gy.transpose(2, 3).reshape(n, B * lout, cout)  # a view where gy is channels-last
         gx = gw = gb = None
         if need_b:
-            gb = _take(ctx.grads, ctx.names[1], (n, cout), g)
+            gb = _take(grads, ctx.names[1], (n, cout), g)
             if gb is None:
                 gb = g.new_empty(n, cout)
         if need_w:
-            gw = _take(ctx.grads, ctx.names[0], (n, cout, C, k), g)
+            gw = _take(grads, ctx.names[0], (n, cout, C, k), g)
             if gw is None:
                 gw = g.new_empty(n, cout, C, k)
         if need_x:
-            gxl = _scratch(ctx.grads, ctx.names[0] + ":gx", (n, B, L, C), g)  # channels-last, returned as a (n, B, C, L) view
+            gxl = _scratch(grads, ctx.names[0] + ":gx", (n, B, L, C), g)  # channels-last, returned as a (n, B, C, L) view
             col2im = _col2im_plan(L, k, stride, padding, lout)
         chunk = _chunk_nodes(g, B * lout * k * C, n)
-        cols = _Columns(x, k, stride, padding, lout, ctx.grads, ctx.names[0]) if need_w else None
+        cols = _Columns(x, k, stride, padding, lout, grads, ctx.names[0]) if need_w else None
         for s, c in cols.chunks() if cols is not None else ((slice(r, r + chunk), None) for r in range(0, n, chunk)):
             gs = g[s]
             if y is not None:  # the fused ReLU's gradient: dy where its output was > 0, in a chunk's buffer
-                buf = _scratch(ctx.grads, ctx.names[0] + ":gs", (chunk, *gs.shape[1:]), gs)[:gs.shape[0]]
+                buf = _scratch(grads, ctx.names[0] + ":gs", (chunk, *gs.shape[1:]), gs)[:gs.shape[0]]
                 gs = torch.ops.aten.threshold_backward.grad_input(gs, y[s], 0, grad_input=buf)
             if need_b:
                 torch.sum(gs, 1, out=gb[s])
             if need_w:
                 # dW = dy^T cols, in the columns' (tap, channel) order, then W's (channel, tap)
-                gwc = _scratch(ctx.grads, ctx.names[0] + ":gwc", (chunk, cout, k * C), gs)[:gs.shape[0]]
+                gwc = _scratch(grads, ctx.names[0] + ":gwc", (chunk, cout, k * C), gs)[:gs.shape[0]]
                 gw[s].copy_(torch.bmm(gs.transpose(1, 2), c, out=gwc).view(-1, cout, k, C).permute(0, 1, 3, 2))
             if need_x:
-                gc = _scratch(ctx.grads, ctx.names[0] + ":gc", (chunk, B * lout, k * C), gs)[:gs.shape[0]]
+                gc = _scratch(grads, ctx.names[0] + ":gc", (chunk, B * lout, k * C), gs)[:gs.shape[0]]
                 gc = torch.bmm(gs, wt[s].transpose(1, 2), out=gc).view(-1, B, lout, k, C)
                 part = gxl[s]
                 zero, plan = col2im
@@ -445,14 +459,14 @@ class _Flatten(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, shape: tuple[int, ...], grads: GradBuffers, key: str) -> Tensor:
         y = grads.scratch(key + ":y", shape, x)
         y.view(x.shape).copy_(x)
-        ctx.layout, ctx.grads, ctx.key = (tuple(x.shape), x.stride()), grads, key
+        ctx.layout, ctx.grads, ctx.key = (tuple(x.shape), x.stride()), _weak(grads), key
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
         shape, stride = ctx.layout
         order = sorted(range(len(shape)), key=lambda i: -stride[i])  # x's dimensions, outermost first
-        base = ctx.grads.scratch(ctx.key + ":gx", tuple(shape[i] for i in order), gy)
+        base = _scratch(ctx.grads(), ctx.key + ":gx", tuple(shape[i] for i in order), gy)
         gx = base.permute([order.index(i) for i in range(len(shape))])
         gx.copy_(gy.reshape(shape))
         return gx, None, None, None

@@ -352,6 +352,31 @@ def test_the_tensors_kept_from_step_to_step_give_the_values_of_fresh_ones(kind, 
         torch.use_deterministic_algorithms(deterministic)
 
 
+@pytest.mark.parametrize("kind", ["cnn1d", "mlp"])
+def test_an_optimizer_that_stepped_is_freed_with_its_kept_tensors(kind):
+    """The kernels' autograd contexts hold the kept tensors' owner weakly: a kept
+    output holds its grad_fn, so a strong reference back would be a cycle through
+    autograd's graph that the collector cannot free, and every run in a process (a
+    sweep, the witnesses) would keep its buffers."""
+    import gc
+    import weakref
+
+    model, shape = _built_in(kind)
+    c = comm.SimulatedCommunicator(topologies.build("ring", 4))
+    opt = vectorized.VectorizedOptimizer(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                         algorithms.build("dpsgd", c))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        opt.zero_grad()
+        opt.forward_backward(torch.randn(4, 5, *shape, generator=g), torch.randint(0, CLASSES, (4, 5), generator=g))
+        opt.step()
+    buffers = weakref.ref(opt._grads)
+    assert buffers()._scratch
+    del opt
+    gc.collect()
+    assert buffers() is None
+
+
 def test_the_backward_writes_the_gradients_into_last_steps_tensors():
     """zero_grad() keeps the gradient tensors and the next backward writes into them:
     the same tensors step after step, the same values as into fresh ones."""

@@ -258,8 +258,20 @@ def test_the_bmm_kernels_equal_vmap_and_each_nodes_own_model(kind, monkeypatch):
             assert torch.allclose(got[i], model(x[i]), rtol=1e-12, atol=1e-12)
 
 
+@pytest.fixture
+def nan_filled_memory(monkeypatch):
+    """Fresh tensors filled with NaN (torch's deterministic mode) for the test, so a
+    value a kernel leaves unwritten shows; the mode is restored afterwards."""
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(deterministic)
+
+
 @pytest.mark.parametrize("chunk_values", [2 * 3 * 4, 1 << 19])
-def test_the_batched_convolution_equals_each_nodes_own_at_every_geometry(chunk_values, monkeypatch):
+def test_the_batched_convolution_equals_each_nodes_own_at_every_geometry(chunk_values, monkeypatch,
+                                                                          nan_filled_memory):
     """The columns are copied from the input itself and the input's gradient summed
     into its own positions, the windows that reach into the padding row by row: every
     length, kernel, stride and padding, an input channels-last in memory (as the
@@ -270,13 +282,7 @@ def test_the_batched_convolution_equals_each_nodes_own_at_every_geometry(chunk_v
     from gossip import _batched
 
     monkeypatch.setattr(_batched, "_CONV_CHUNK_VALUES", chunk_values)
-    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        _every_geometry()
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
+    _every_geometry()
 
 
 def _every_geometry() -> None:
@@ -307,7 +313,7 @@ def _every_geometry() -> None:
 
 
 @pytest.mark.parametrize("kind", ["cnn1d", "mlp"])
-def test_the_tensors_kept_from_step_to_step_give_the_values_of_fresh_ones(kind, monkeypatch):
+def test_the_tensors_kept_from_step_to_step_give_the_values_of_fresh_ones(kind, monkeypatch, nan_filled_memory):
     """With a GradBuffers (the training call) the kernels' outputs, weights in the
     columns' order, ReLU gradients, columns' gradients and the flatten's copy and
     gradient live in tensors kept from step to step; without one (evaluation) every
@@ -319,37 +325,31 @@ def test_the_tensors_kept_from_step_to_step_give_the_values_of_fresh_ones(kind, 
 
     monkeypatch.setattr(_batched, "_CONV_CHUNK_VALUES", 2 * 5 * 12 * 5 * 2)
     monkeypatch.setattr(_batched, "_LINEAR_CHUNK_VALUES", 2 * 5 * 7)
-    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        model, shape = _built_in(kind)
-        forward = vectorized._NodeForward(model)
-        grads = _batched.GradBuffers()
-        g = torch.Generator().manual_seed(2)
-        kept = []
-        for _ in range(3):
-            sp = vectorized.StackedParams(model, 3)
-            with torch.no_grad():
-                sp.data.add_(0.3 * torch.randn(sp.data.shape, generator=g))
-            x = torch.randn(3, 5, *shape, generator=g)
-            w = torch.randn(3, 5, CLASSES, generator=g)
-            results = []
-            for buffers in (grads, None):
-                out = forward(sp.params, x, grads=buffers)
-                (out * w).sum().backward()
-                results.append((out.detach().clone(), [p.grad.clone() for p in sp.leaves()]))
-                for p in sp.leaves():
-                    p.grad = None
-            (got, got_grads), (ref, ref_grads) = results
-            assert torch.equal(got, ref)
-            assert all(torch.equal(a, b) for a, b in zip(got_grads, ref_grads))
-            kept.append({k: t.data_ptr() for k, t in grads._scratch.items()})
-        assert kept[1] == kept[2] and kept[2]
-        if kind == "cnn1d":
-            assert any(k.startswith("flatten") for k in kept[2]) and any(k.endswith(":gx") for k in kept[2])
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
+    model, shape = _built_in(kind)
+    forward = vectorized._NodeForward(model)
+    grads = _batched.GradBuffers()
+    g = torch.Generator().manual_seed(2)
+    kept = []
+    for _ in range(3):
+        sp = vectorized.StackedParams(model, 3)
+        with torch.no_grad():
+            sp.data.add_(0.3 * torch.randn(sp.data.shape, generator=g))
+        x = torch.randn(3, 5, *shape, generator=g)
+        w = torch.randn(3, 5, CLASSES, generator=g)
+        results = []
+        for buffers in (grads, None):
+            out = forward(sp.params, x, grads=buffers)
+            (out * w).sum().backward()
+            results.append((out.detach().clone(), [p.grad.clone() for p in sp.leaves()]))
+            for p in sp.leaves():
+                p.grad = None
+        (got, got_grads), (ref, ref_grads) = results
+        assert torch.equal(got, ref)
+        assert all(torch.equal(a, b) for a, b in zip(got_grads, ref_grads))
+        kept.append({k: t.data_ptr() for k, t in grads._scratch.items()})
+    assert kept[1] == kept[2] and kept[2]
+    if kind == "cnn1d":
+        assert any(k.startswith("flatten") for k in kept[2]) and any(k.endswith(":gx") for k in kept[2])
 
 
 @pytest.mark.parametrize("kind", ["cnn1d", "mlp"])

@@ -53,6 +53,11 @@ def test_config_is_frozen():
     ({"optim": {"speed": 1}}, r"\[optim\]: unknown key\(s\) \['speed'\]"),
     ({"nope": {}}, "unknown config section"),
     ({"algorithm": {"name": "dcd"}, "comm": {"simulate": 1}}, "--simulate must be >= 2"),
+    ({"run": {"max_steps": 0}}, "--max-steps must be a positive integer, got 0"),
+    # Muon keeps its own momentum and the AdamW part's betas: the flags would be ignored
+    ({"algorithm": {"name": "muloco"}, "optim": {"momentum": 0.9}},
+     "--momentum: --algo muloco's default optimizer muon keeps torch.optim.Muon's own momentum"),
+    ({"optim": {"optimizer": "muon", "beta1": 0.8, "beta2": 0.99}}, "--beta1/--beta2: --optimizer muon keeps"),
 ])
 def test_each_section_checks_its_fields(kw, needle):
     with pytest.raises(ConfigError, match=needle):

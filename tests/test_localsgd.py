@@ -410,6 +410,8 @@ def test_optimizer_from_a_toml_file(tmp_path):
     # SGD's momentum flag with AdamW, AdamW's betas with SGD
     (["--algo", "diloco", "--momentum", "0.9"], ["--momentum is the SGD optimizer's", "--beta1"]),
     (["--algo", "localsgd", "--beta2", "0.99"], ["--beta1/--beta2 are AdamW's", "--optimizer adamw"]),
+    (["--algo", "dpsgd", "--optimizer", "muon", "--momentum", "0.5"], ["--momentum: --optimizer muon keeps",
+                                                                       "--optimizer sgd"]),
     (["--algo", "dpsgd", "--optimizer", "adam"], ["--optimizer", "invalid choice"]),
     (["--algo", "diloco", "--algo-opt", "fragments=9", "--algo-opt", "local_steps=4"], ["fragments", "<= local_steps"]),
 ])

@@ -363,7 +363,7 @@ class OptimSection:
 
     lr: float | None = option(
         None,
-        "learning rate gamma of the local optimizer (unset: 0.05 for sgd, 0.001 for adamw)",
+        "learning rate gamma of the local optimizer (unset: 0.05 for sgd, 0.001 for adamw and muon)",
         role="fingerprint",
     )
     lr_schedule: str = option(
@@ -604,7 +604,7 @@ class CommSection:
     topology: str = option(
         "ring",
         "communication graph of the decentralized algorithms",
-        choices=lambda r: r.topologies, default_text='onepeer-exp for sgp, ring otherwise', role="fingerprint",
+        choices=lambda r: r.topologies, default_text='onepeer-exp for sgp, matching for noloco, ring otherwise', role="fingerprint",
     )
     degree: int | None = option(None, "degree of the expander topology", metavar="D", role="fingerprint")
     rows: int | None = option(None, "rows of the torus (with --cols)", metavar="R", role="fingerprint")
@@ -792,7 +792,7 @@ class RunSection:
             if _bad_int(name, v, lo):
                 raise ConfigError(f"{_flag(name)} must be an integer >= {lo}, got {v!r}")
         if self.max_steps is not None and _bad_int("max_steps", self.max_steps, 1):
-            raise ConfigError(f"--max_steps must be a positive integer, got {self.max_steps!r}")
+            raise ConfigError(f"{_flag('max_steps')} must be a positive integer, got {self.max_steps!r}")
         if self.seed >= 2**63:
             raise ConfigError(f"--seed must be below 2**63 (torch's generators take 64-bit seeds), got {self.seed}")
         for name in ("out", "resume"):  # an unset shell variable must not mean "here"
@@ -1034,6 +1034,15 @@ class TrainConfig:
             raise ConfigError(f"--momentum is the SGD optimizer's; {which} has --beta1 (its momentum) and --beta2 instead")
         if self.local_optimizer == "sgd" and (opt.beta1 is not None or opt.beta2 is not None):
             raise ConfigError("--beta1/--beta2 are AdamW's; give --optimizer adamw with them (SGD has --momentum)")
+        if self.local_optimizer == "muon":
+            given = [f for f, v in (("--beta1", opt.beta1), ("--beta2", opt.beta2)) if v is not None]
+            if opt.momentum is not None and "momentum" not in _algo_fields(alg.name):
+                given.insert(0, "--momentum")
+            if given:
+                how = "--optimizer muon" if opt.optimizer else f"--algo {alg.name}'s default optimizer muon"
+                raise ConfigError(f"{'/'.join(given)}: {how} keeps torch.optim.Muon's own momentum (0.95) and "
+                                  f"AdamW's betas (0.9, 0.999) on the other parameters; give --optimizer sgd "
+                                  f"(--momentum) or adamw (--beta1/--beta2) to set them")
         if opt.muon_precision is not None and self.local_optimizer != "muon":
             raise ConfigError(f"--muon-precision is Muon's; the local optimizer here is {self.local_optimizer} "
                               f"(give --optimizer muon, or --algo muloco)")

@@ -17,7 +17,9 @@ Three kinds of object, each built from a spec string at the edge (``name:key=val
   - ``labelflip``: honest computation on flipped labels (``y -> C - 1 - y``): the
     messages are the honest ones of a poisoned node (:meth:`Adversary.flip_labels`);
   - ``lazy[:every=E]``: a stale copy of an earlier message, computed afresh only every
-    ``E`` steps.
+    ``E`` exchanges (the ``step`` the algorithm passes to :meth:`Adversary.craft` counts
+    its exchanges: a gossip method's with ``local_steps`` > 1 and a periodic method's
+    rounds, not their local steps).
 
   ``alie`` and ``ipm`` are omniscient: they read the honest messages of every node, as
   their papers assume; a batch that does not hold them (one rank of a distributed run)

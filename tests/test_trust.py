@@ -87,6 +87,27 @@ def test_lazy_repeats_a_stale_message():
     assert sent == [1.0, 1.0, 3.0, 3.0, 3.0, 6.0, 6.0]
 
 
+@pytest.mark.parametrize("robust_rule", [None, "clippedgossip"])
+def test_a_gossip_attack_counts_exchanges_not_local_steps(robust_rule):
+    """With local_steps H > 1 the attackers' clock is the exchange's index, as for the
+    periodic methods: lazy:every=E refreshes every E exchanges, whatever H."""
+    import topologies
+    from gossip import algorithms
+
+    n, d = 4, 3
+    algo = algorithms.build("dpsgd", SimulatedCommunicator(topologies.build("ring", n)), local_steps=3,
+                            **({} if robust_rule is None else {"robust": robust_rule}))
+    adv = robust.Adversary(robust.parse_attack("lazy:every=2"), (1,), n)
+    clock, craft = [], adv.craft
+    adv.craft = lambda M, nodes, step, **kw: clock.append(step) or craft(M, nodes, step, **kw)
+    algo.set_adversary(adv)
+    X = _msgs(n, d)
+    algo.setup(X)
+    for _ in range(12):
+        algo.step(X, 0.01 * torch.ones(n, d))
+    assert clock == [1, 2, 3, 4]  # steps 3, 6, 9 and 12 (counted from 1) exchange
+
+
 def test_labelflip_flips_only_the_attackers_labels():
     adv = robust.Adversary(robust.parse_attack("labelflip"), (1,), n=3)
     y = torch.tensor([[0, 9], [2, 3], [4, 5]])

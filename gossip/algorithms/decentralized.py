@@ -463,13 +463,14 @@ class DPSGD(GossipBase):
         from gossip.robust import clipped_mix
 
         adv = self.adversary
+        k = t // self.config.local_steps  # the exchange's index: an attack's clock counts exchanges
         if self.robust is None:
-            Z = X if adv is None else adv.craft(X, self.comm.nodes, t)
+            Z = X if adv is None else adv.craft(X, self.comm.nodes, k)
             _, mixed, _, _ = self._gossip(Z, t, self.compressor, want_own=False)
             X.mul_(self._self_w(X, t)).add_(mixed).add_(U)
             return
         Y = X + U  # Step I
-        Z = Y if adv is None else adv.craft(Y, self.comm.nodes, t)
+        Z = Y if adv is None else adv.craft(Y, self.comm.nodes, k)
         ledger = self.comm.ledger
         d = X.shape[1]
         tag = step_tag(t)

@@ -33,6 +33,7 @@ in another order: the results agree with the node's own to rounding.
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from typing import Any, Callable
 
@@ -494,10 +495,8 @@ def _flatten(start: int = 0, end: int = -1) -> Kernel:
 
 
 def _flat_shape(x: Tensor, a: int, e: int) -> tuple[int, ...]:
-    n = 1
-    for s in x.shape[a:e + 1]:
-        n *= s
-    return (*x.shape[:a], n, *x.shape[e + 1:])
+    """``x``'s shape with dimensions ``a`` to ``e`` (inclusive) made one, as ``torch.flatten``."""
+    return (*x.shape[:a], math.prod(x.shape[a:e + 1]), *x.shape[e + 1:])
 
 
 def _relu(params: dict[str, Tensor], x: Tensor, grads: GradBuffers | None) -> Tensor:

@@ -1296,3 +1296,32 @@ def test_a_lighthouse_restarted_on_the_same_address_is_rejoined_and_the_run_goes
         assert not _error_lines(log) and "Traceback" not in log, log[-3000:]
     p0, p1 = (torch.load(out / f"model-replica{k}.pt")["params"] for k in range(2))
     assert torch.equal(p0, p1)
+
+
+def _touch(path: str) -> None:
+    Path(path).write_text("ran")
+
+
+class _Forged:
+    """An object whose unpickling runs code (writes a file)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return _touch, (str(self.marker),)
+
+
+def test_a_forged_replica_checkpoint_is_refused_without_running_its_code(tmp_path):
+    from types import SimpleNamespace
+
+    from gossip.errors import RunError
+    from gossip.train.fault_tolerance import ReplicaCheckpoints, _ckpt_name
+
+    marker = tmp_path / "ran"
+    path = tmp_path / _ckpt_name(5, 0)
+    torch.save({"format": "forged", "payload": _Forged(marker)}, path)
+    run = SimpleNamespace(out=tmp_path, replica=0, _ckpt_member=None, device=torch.device("cpu"), who="replica 0")
+    with pytest.raises(RunError, match=rf"--resume: cannot read '.*{path.name}'"):
+        ReplicaCheckpoints(run).resume()
+    assert not marker.exists()

@@ -975,7 +975,8 @@ class ReplicaCheckpoints:
             return None
         step = max(found)
         try:
-            state = torch.load(found[step], map_location=run.device, weights_only=False)
+            # tensors and plain containers only: a file in --out cannot run code when loaded
+            state = torch.load(found[step], map_location=run.device, weights_only=True)
         except Exception as e:  # noqa: BLE001 - a damaged file: say which
             raise RunError(f"--resume: cannot read {str(found[step])!r} ({_first_line(e)[:200]})") from None
         if (state.get("format") != FT_CHECKPOINT_FORMAT or int(state.get("replica", -1)) != run.replica

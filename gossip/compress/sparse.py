@@ -383,5 +383,5 @@ def _top_of_candidates(X, cand, counts, k):
 
 _TOPK_MIN_NUMEL = 1 << 15  # below: one top-k over every coordinate
 _TOPK_MAX_FRACTION = 8  # k above d / 8: likewise
-_TOPK_SAMPLE = 1 << 16  # at most this many sampled values per row for the threshold
+_TOPK_SAMPLE = 1 << 16  # the sample's stride is d // this (at least 1): 2**16 to 2**17 values of a long row
 _TOPK_CHUNK = 1 << 18  # elements per step of the candidate pass (1.25 MiB of scratch)

@@ -980,7 +980,7 @@ class TrainConfig:
     @staticmethod
     def _default_topology(sections: Mapping[str, Any]) -> Any:
         """The [comm] section with ``topology`` filled in from the algorithm's default
-        (``onepeer-exp`` for sgp, else ``ring``) where it is not given."""
+        (``onepeer-exp`` for sgp, ``matching`` for noloco, else ``ring``) where it is not given."""
         comm = sections.get("comm", {})
         if not isinstance(comm, Mapping) or "topology" in comm:
             return comm

@@ -1911,7 +1911,7 @@ RUNNING = """## Running it
 python -m experiments.benchmark plan --spec experiments/benchmark.toml            # the trials, one a line
 python -m experiments.benchmark run --spec experiments/benchmark.toml --out runs/bench --jobs 2
 python -m experiments.benchmark report --results runs/bench/benchmark.json --md runs/bench/report.md
-make results-tables                                   # the README's verdict table, from the results file
+make results-tables                                   # re-render the docs' tables from experiments/results/
 ```
 
 - **Checked before anything runs.** `run` and `plan` read every field of the spec first: its
@@ -1963,7 +1963,7 @@ make results-tables                                   # the README's verdict tab
   ```
   timeout -k 30 480 python -m experiments.benchmark run --spec experiments/benchmark.toml \\
       --out runs/bench --nodes 4 --jobs 14 --stop-after 390 --results results/benchmark.json \\
-      --resume experiments/results/benchmark.json
+      --resume experiments/results/benchmark-mnist1d-n4-n16.json
   ```
 - **Cost.** `plan --estimate RESULTS --jobs N` estimates the CPU time of (a part of) the spec from
   the trials measured in a results file; the table below is that estimate for the whole spec.

@@ -17,7 +17,9 @@ epochs, batch 32 per node, diloco's inner AdamW at lr 0.001 and H = 50, outer
 Nesterov 0.7 / 0.9), ``--nodes`` nodes simulated, once per seed of ``--seeds``:
 ``diloco`` as it is, ``diloco-eager`` with ``--algo-opt outer_delay=1`` and nothing
 else changed, and two eager runs with a gentler outer optimizer (``outer_momentum``
-0.5, or ``outer_lr`` 0.35), each held against the untouched ``diloco``. ``--methods``
+0.5, or ``outer_lr`` 0.35), each held against the untouched ``diloco``; and plain
+averaging (``outer_lr`` 1, ``outer_momentum`` 0: FedAvg's outer step, where the eager
+step is stable), synchronous and eager, the one held against the other. ``--methods``
 adds the 4-bit pseudo-gradient (``diloco:4``, with error feedback) and MuLoCo pairs. The test accuracy of the averaged model fluctuates from
 epoch to epoch on this workload, so a single seed says little: the verdict compares
 the mean final accuracy over the seeds.
@@ -52,6 +54,11 @@ METHODS: dict[str, list[str]] = {
     # Nesterov 0.9 at 0.7 is amplified about 7x; lower momentum or step size damp it
     "diloco-eager-mu0.5": ["--algo", "diloco", "--algo-opt", "outer_delay=1", "--algo-opt", "outer_momentum=0.5"],
     "diloco-eager-lr0.35": ["--algo", "diloco", "--algo-opt", "outer_delay=1", "--algo-opt", "outer_lr=0.35"],
+    # the delay's own cost where the eager step is stable: plain averaging (outer lr 1, no
+    # outer momentum), synchronous and eager, each against the other
+    "diloco-avg": ["--algo", "diloco", "--algo-opt", "outer_lr=1", "--algo-opt", "outer_momentum=0"],
+    "diloco-avg-eager": ["--algo", "diloco", "--algo-opt", "outer_lr=1", "--algo-opt", "outer_momentum=0",
+                         "--algo-opt", "outer_delay=1"],
     "diloco:4": ["--algo", "diloco", "--bits", "4", "--algo-opt", "error_feedback=true"],
     "diloco:4-eager": ["--algo", "diloco", "--bits", "4", "--algo-opt", "error_feedback=true",
                        "--algo-opt", "outer_delay=1"],
@@ -60,8 +67,10 @@ METHODS: dict[str, list[str]] = {
 }
 #: each eager method's synchronous twin
 TWIN = {"diloco-eager": "diloco", "diloco-eager-mu0.5": "diloco", "diloco-eager-lr0.35": "diloco",
+        "diloco-avg-eager": "diloco-avg",
         "diloco:4-eager": "diloco:4", "muloco-eager": "muloco"}
-DEFAULT_METHODS = ("diloco", "diloco-eager", "diloco-eager-mu0.5", "diloco-eager-lr0.35")
+DEFAULT_METHODS = ("diloco", "diloco-eager", "diloco-eager-mu0.5", "diloco-eager-lr0.35", "diloco-avg",
+                   "diloco-avg-eager")
 #: points of mean final accuracy the eager method may lose against its twin
 TOLERANCE_POINTS = 2.0
 SOURCES = _provenance.training_sources("experiments/diloco_eager.py", "experiments/training.py", "experiments/_cli.py")

@@ -862,6 +862,7 @@ TABLES: dict[str, Table] = {
                                     "--results experiments/results/trust_torchrun.json"),
     "diloco_eager": Table(f"{RESULTS}/diloco_eager.json", _diloco_eager),
     "diloco_eager_h10": Table(f"{RESULTS}/diloco_eager_h10.json", _diloco_eager),
+    "diloco_eager_n2": Table(f"{RESULTS}/diloco_eager_n2.json", _diloco_eager),
     "sharded_bytes": Table(f"{RESULTS}/sharded_bytes.json", _sharded_bytes),
     "tang2018": Table("reports/tang2018/results.json", _tang2018),
     "lm_recipes": Table(f"{RESULTS}/lm_recipes.json", _lm_recipes),

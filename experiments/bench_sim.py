@@ -7,7 +7,7 @@ For each model and node count, both paths of ``gossip.train --simulate N`` are b
 as the CLI builds them (``gossip.train.loop.Run``: D-PSGD on a ring, SGD with momentum 0.9,
 batch 32, one thread) on a data set of 40 features and 10 classes with 131,072
 training samples (more where N x 32 x 4 needs more: every node gets at least four
-batches), then stepped alternately, one step of each path in turn, so that a change
+batches; the runs span as many epochs as the timed steps need), then stepped alternately, one step of each path in turn, so that a change
 of the machine's load hits both alike. Each path's step time is the minimum over the
 timed steps (after one warm-up step); nodes x steps per second is N over it, and the
 ratio is vectorized over loop. A path whose N copies would not fit in memory is
@@ -117,7 +117,9 @@ def bench_pair(n: int, model: str, steps: int, device: str, loop_budget: float, 
                 continue
             t0 = time.perf_counter()
             try:
-                runs[mode] = build(n, model, mode, ds, Path(tmp) / mode, device)
+                # as many epochs as steps: every requested step is timed, however few
+                # batches an epoch holds (four per node at the largest node counts)
+                runs[mode] = build(n, model, mode, ds, Path(tmp) / mode, device, epochs=steps + 1)
             except loop.RunError as e:
                 row[f"{mode}_error"] = str(e)
                 continue

@@ -752,6 +752,24 @@ def test_bench_sim_runs_both_paths_and_writes_its_results(tmp_path):
     assert "bound" not in tables.bench_sim_table([{k: v for k, v in row.items() if not k.startswith("roofline")}])
 
 
+def test_bench_sim_times_every_requested_step_when_an_epoch_is_shorter(tmp_path, monkeypatch):
+    """At the largest node counts an epoch of the bench's data holds four steps per node;
+    ``--steps 5`` still times five steps of each path (the runs span more epochs), not
+    the three an epoch leaves after the warm-up."""
+    import json
+
+    bench = _bench_sim()
+    monkeypatch.setattr(bench, "MIN_TRAIN", 0)  # 4 nodes x 4 batches of 32: 4 steps an epoch
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--nodes", "4", "--models", "logreg", "--steps", "5", "--epoch-nodes", "0",
+                           "--json", str(tmp_path / "r.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    (row,) = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert row["loop_steps_timed"] == 5 and row["vectorized_steps_timed"] == 5
+
+
 def test_sim_epoch_profile_splits_an_epoch_into_phases_that_add_up(tmp_path):
     """experiments/sim_epoch_profile.py, tiny: the phases add up to the run's wall time,
     the steps are left out of the profile, and the results file has its provenance."""

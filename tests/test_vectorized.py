@@ -717,19 +717,24 @@ def _bench_sim():
     return mod
 
 
-def test_bench_sim_runs_both_paths_and_writes_its_results(tmp_path):
+def _run_bench_sim(bench, out, *args: str) -> dict:
+    """bench_sim on 4 nodes of logistic regression (the bench sets its own thread count:
+    this process's is restored after); its results file."""
     import json
 
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--nodes", "4", "--models", "logreg", *args, "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return json.loads(out.read_text())
+
+
+def test_bench_sim_runs_both_paths_and_writes_its_results(tmp_path):
     from experiments import tables
 
     bench = _bench_sim()
-    threads = torch.get_num_threads()
-    try:
-        assert bench.main(["--nodes", "4", "--models", "logreg", "--steps", "2", "--epoch-nodes", "4",
-                           "--json", str(tmp_path / "r.json")]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    r = json.loads((tmp_path / "r.json").read_text())
+    r = _run_bench_sim(bench, tmp_path / "r.json", "--steps", "2", "--epoch-nodes", "4")
     (row,) = r["rows"]
     assert row["nodes"] == 4 and row["loop_steps_timed"] == 2 and row["vectorized_steps_timed"] == 2
     assert row["ratio"] == pytest.approx(row["loop_step_s"] / row["vectorized_step_s"])
@@ -756,17 +761,9 @@ def test_bench_sim_times_every_requested_step_when_an_epoch_is_shorter(tmp_path,
     """At the largest node counts an epoch of the bench's data holds four steps per node;
     ``--steps 5`` still times five steps of each path (the runs span more epochs), not
     the three an epoch leaves after the warm-up."""
-    import json
-
     bench = _bench_sim()
     monkeypatch.setattr(bench, "MIN_TRAIN", 0)  # 4 nodes x 4 batches of 32: 4 steps an epoch
-    threads = torch.get_num_threads()
-    try:
-        assert bench.main(["--nodes", "4", "--models", "logreg", "--steps", "5", "--epoch-nodes", "0",
-                           "--json", str(tmp_path / "r.json")]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    (row,) = json.loads((tmp_path / "r.json").read_text())["rows"]
+    (row,) = _run_bench_sim(bench, tmp_path / "r.json", "--steps", "5", "--epoch-nodes", "0")["rows"]
     assert row["loop_steps_timed"] == 5 and row["vectorized_steps_timed"] == 5
 
 

@@ -7,8 +7,9 @@ For each model and node count, both paths of ``gossip.train --simulate N`` are b
 as the CLI builds them (``gossip.train.loop.Run``: D-PSGD on a ring, SGD with momentum 0.9,
 batch 32, one thread) on a data set of 40 features and 10 classes with 131,072
 training samples (more where N x 32 x 4 needs more: every node gets at least four
-batches; the runs span as many epochs as the timed steps need), then stepped alternately, one step of each path in turn, so that a change
-of the machine's load hits both alike. Each path's step time is the minimum over the
+batches; the runs span as many epochs as the timed steps need), then stepped
+alternately, one step of each path in turn, so that a change of the machine's load
+hits both alike. Each path's step time is the minimum over the
 timed steps (after one warm-up step); nodes x steps per second is N over it, and the
 ratio is vectorized over loop. A path whose N copies would not fit in memory is
 refused by the run's own memory check and reported as such; a loop path slower than
@@ -136,8 +137,6 @@ def bench_pair(n: int, model: str, steps: int, device: str, loop_budget: float, 
                 if mode != "loop" and capped:
                     # the minimum of as many steps as the loop path's: a minimum over more
                     # steps is lower on a noisy machine, which would favour this path
-                    continue
-                if r.progress.step >= r.stop:
                     continue
                 times[mode].append(_timed_step(r, device))
         for mode, ts in times.items():

@@ -220,7 +220,10 @@ def test_cold_start_writes_its_results_and_the_table(tmp_path, monkeypatch, caps
     assert lines[0] == f"Backend `{res['backend']}`, inductor cache empty at the start, torch {res['torch']}:"
     assert lines[2] == "| compressor (4,096 values, 1 thread) | first encode+decode | second | first under 5 s |"
     q = res["rows"][0]
-    assert lines[4] == f"| quant:bits=8 | {q['first_s']:.2f} s | {q['second_s']:.2f} s | yes |"
+    verdict = "yes" if q["first_s"] < res["target_first_s"] else "**no**"  # the bench reports the speed; no test times it
+    assert lines[4] == f"| quant:bits=8 | {q['first_s']:.2f} s | {q['second_s']:.2f} s | {verdict} |"
+    fast = {**res, "rows": [{"compressor": "quant:bits=8", "first_s": 1.25, "second_s": 0.01}]}
+    assert render.TABLES["cold_start"].render(fast).splitlines()[-1] == "| quant:bits=8 | 1.25 s | 0.01 s | yes |"
     slow = {**res, "rows": [{"compressor": "quant:bits=8", "first_s": 13.86, "second_s": 4.52}]}
     assert render.TABLES["cold_start"].render(slow).splitlines()[-1] == "| quant:bits=8 | 13.86 s | 4.52 s | **no** |"
     capsys.readouterr()

@@ -62,12 +62,12 @@ MIN_TRAIN = 131_072
 #: reads or writes of the ``(n, d)`` float32 values that a vectorized step of D-PSGD
 #: with SGD and momentum cannot avoid (docs/simulation.md, "Roofline"): the weights
 #: read by the forward and again by the backward, the gradient written (2 + 1); the
-#: local update's 3 reads and 2 writes (gradient, momentum, X; momentum, u); the
-#: encoding's copy (read X, write the payloads; the finiteness check and the checksum
-#: read the copy while it is in cache), the neighbours' rows read (2 on a ring) and
-#: the update of X (X and u read, X written; each block's weighted sum is used in
-#: cache). The simulation's own untouched payloads are not checksummed again.
-ROOFLINE_READS_WRITES = 3 + 5 + 2 + 2 + 3
+#: local update and the mixing's update of X in one pass (gradient, momentum and X
+#: read; momentum and X written: u is never stored, each block's weighted sum is used
+#: in cache); the encoding's copy (read X, write the payloads; the finiteness check
+#: and the checksum read the copy while it is in cache), the neighbours' rows read (2
+#: on a ring). The simulation's own untouched payloads are not checksummed again.
+ROOFLINE_READS_WRITES = 3 + 5 + 2 + 2
 
 
 def dataset(n: int, seed: int = 0) -> data.Dataset:

@@ -39,6 +39,8 @@ in place during the forward; dropout draws randomness per call) is reported by
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -46,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from gossip import _batched
+from gossip import _batched, _fused
 from gossip.algorithms.base import ParamLayout
 from gossip.runtime import GossipOptimizer, ModelMoved, check_momentum, params_of
 
@@ -486,7 +488,9 @@ class VectorizedOptimizer(GossipOptimizer):
         ``(n, d)`` values through memory instead of 15. An algorithm that declares
         ``prepares_update`` (D-PSGD) asks for ``u``'s rows as it adds them, and they are
         made then, a slab at a time (:meth:`_lazy_step`): ``u`` stays in cache and no
-        ``(n, d)`` buffer holds it. Other optimizers take the generic step."""
+        ``(n, d)`` buffer holds it; on the CPU in float32 the fused kernel of
+        :mod:`gossip._fused` makes each row's update and adds it in one pass, without
+        storing ``u`` at all. Other optimizers take the generic step."""
         algo = self.algorithm
         opt = self.optimizers[0]
         if algo.acts_on == "gradient" or not _plain_sgd(opt):
@@ -508,46 +512,14 @@ class VectorizedOptimizer(GossipOptimizer):
         algo.on_step_end(self.steps)
 
     def _lazy_step(self, opt: torch.optim.SGD, X: Tensor, ledger: Any) -> None:
-        """The algorithm's step with the SGD update made on demand: the algorithm asks for
-        the update's rows (``prepare(rows)``, in ascending order, each block once) just
-        before it adds them, and they are made a slab of :data:`_SLAB_VALUES` at a time
-        into a buffer of one slab, reused, so that the update never goes through memory:
-        the whole ``(n, d)`` update would be written there and read back (the same
-        operations on the same values: the same bits). A request for every row at once
-        (a local step) gets the whole update. Still charged to ``compute``."""
-        n, d = self.flat.rows, X.shape[1]
-        plan = self._sgd_plan(opt)
-        cap = max(1, _SLAB_VALUES // max(1, d))
-        lo = done = 0
-        slab: Tensor | None = None
-
-        def prepare(rows: slice) -> Tensor:
-            nonlocal lo, done, slab
-            a, e = rows.start or 0, n if rows.stop is None else min(n, rows.stop)
-            if a == 0 and e == n and done == 0 and n > cap:  # every row: the whole update
-                U = self._buffer("_u", (n, d), X)
-                with ledger.phase("compute"):
-                    self._sgd_rows(plan, U, 0, n)
-                done = lo = n
-                return U
-            if a < lo or e - a > cap:  # pragma: no cover - DPSGD asks for ascending blocks within a slab
-                raise AssertionError(f"prepare: rows [{a}, {e}) after rows up to {done} (slabs of {cap})")
-            if e > done:
-                if slab is None:
-                    slab = self._buffer("_slab", (min(n, cap), d), X)
-                if e - lo > cap:  # start the slab at a: the rows of [a, done) made already move to its front
-                    if done > a:
-                        slab[: done - a] = slab[a - lo: done - lo].clone()
-                    lo = a
-                end = min(n, lo + cap)
-                with ledger.phase("compute"):
-                    self._sgd_rows(plan, slab, done, end, base=lo)
-                done = end
-            return slab[a - lo: e - lo]
-
+        """The algorithm's step with the SGD update made on demand (:class:`_LazyUpdate`):
+        the algorithm asks for the update's rows just before it adds them, so that the
+        update never goes through memory. Still charged to ``compute``."""
+        prepare = _LazyUpdate(self, self._sgd_plan(opt), X, ledger)
         self.algorithm.step(X, None, prepare=prepare)
-        if done < n:  # pragma: no cover - an algorithm that declares prepares_update prepares every row
-            raise AssertionError(f"{self.algorithm.name}.step prepared {done} of {n} rows of the update")
+        if prepare.done < self.flat.rows:  # pragma: no cover - an algorithm that declares prepares_update prepares every row
+            raise AssertionError(f"{self.algorithm.name}.step prepared {prepare.done} of {self.flat.rows} rows "
+                                 f"of the update")
 
     def _buffer(self, name: str, shape: tuple[int, ...], X: Tensor) -> Tensor:
         """The update's buffer ``name`` (the whole update, or one slab of it), kept from
@@ -601,27 +573,7 @@ class VectorizedOptimizer(GossipOptimizer):
                   base: int = 0) -> None:
         """:meth:`_sgd_update` on the rows ``[a, e)`` of the momentum and ``X``, global row
         ``r``'s update into row ``r - base`` of ``U`` (``base = a``: ``U`` is a slab)."""
-        X = self.flat.data
-        tensors, unwritten = plan
-        for o, k, g, b, first, (lr, wd, mom, damp, nesterov) in tensors:
-            # a GPU takes whole tensors: chunks would only add kernel launches
-            rows = max(1, _CHUNK_VALUES // k) if X.device.type == "cpu" else e - a
-            for r in range(a, e, rows):
-                s = slice(r, min(e, r + rows))
-                x = X[s, o:o + k]
-                d = g[s]
-                if wd != 0:
-                    d = d.add(x, alpha=wd)
-                if b is not None:
-                    bc = b[s]
-                    if first:
-                        bc.copy_(d)
-                    else:
-                        bc.mul_(mom).add_(d, alpha=1 - damp)
-                    d = d.add(bc, alpha=mom) if nesterov else bc
-                torch.add(x, d, alpha=-lr, out=U[s.start - base: s.stop - base, o:o + k]).sub_(x)
-        for o, k in unwritten:
-            U[a - base: e - base, o:o + k].zero_()
+        _sgd_rows(self.flat.data, plan, U, a, e, base)
 
     # --- views for evaluation: every node is hosted here, so no collective is needed -----
     @torch.no_grad()
@@ -677,6 +629,177 @@ class VectorizedOptimizer(GossipOptimizer):
         self.algorithm.load_state_dict(sd["algorithm"])
         self.optimizers[0].load_state_dict(saved["stacked"] if stacked else stack_optimizer_state(saved, self.flat.shapes))
         self.steps = int(sd.get("steps", 0))
+
+
+def _sgd_rows(X: Tensor, plan: tuple[list[tuple], list[tuple[int, int]]], U: Tensor, a: int, e: int,
+              base: int = 0) -> None:
+    """The SGD update of :meth:`VectorizedOptimizer._sgd_update` on the rows ``[a, e)``
+    of the momentum and ``X``, global row ``r``'s update into row ``r - base`` of ``U``:
+    torch's operations, element for element those of ``torch.optim.SGD``."""
+    tensors, unwritten = plan
+    for o, k, g, b, first, (lr, wd, mom, damp, nesterov) in tensors:
+        # a GPU takes whole tensors: chunks would only add kernel launches
+        rows = max(1, _CHUNK_VALUES // k) if X.device.type == "cpu" else e - a
+        for r in range(a, e, rows):
+            s = slice(r, min(e, r + rows))
+            x = X[s, o:o + k]
+            d = g[s]
+            if wd != 0:
+                d = d.add(x, alpha=wd)
+            if b is not None:
+                bc = b[s]
+                if first:
+                    bc.copy_(d)
+                else:
+                    bc.mul_(mom).add_(d, alpha=1 - damp)
+                d = d.add(bc, alpha=mom) if nesterov else bc
+            torch.add(x, d, alpha=-lr, out=U[s.start - base: s.stop - base, o:o + k]).sub_(x)
+    for o, k in unwritten:
+        U[a - base: e - base, o:o + k].zero_()
+
+
+class _LazyUpdate:
+    """The SGD update of :class:`VectorizedOptimizer`, made as the algorithm asks for it.
+
+    ``prepare(rows)`` (calling the object) returns the update's rows ``rows``; the
+    algorithm asks for them in ascending order, each block once, just before it adds
+    them. They are made a slab of :data:`_SLAB_VALUES` at a time into a buffer of one
+    slab, reused, so that the update never goes through memory: the whole ``(n, d)``
+    update would be written there and read back (the same operations on the same
+    values: the same bits). A request for every row at once (a local step) gets the
+    whole update.
+
+    ``combine(rows, w, mixed)`` does a block's whole update, ``X[rows] <- w X[rows] +
+    mixed + u(rows)``: in float32 on the CPU with the fused kernel of
+    :mod:`gossip._fused` (one pass over the gradient, momentum and parameter rows;
+    ``u`` is never stored), else as ``X[rows].mul_(w).add_(mixed).add_(prepare(rows))``;
+    the same bits either way. Both are charged to ``compute``."""
+
+    def __init__(self, owner: VectorizedOptimizer, plan: tuple[list[tuple], list[tuple[int, int]]], X: Tensor,
+                 ledger: Any) -> None:
+        self.owner, self.plan, self.X, self.ledger = owner, plan, X, ledger
+        self.n, self.d = X.shape
+        self.cap = max(1, _SLAB_VALUES // max(1, self.d))
+        #: the slab's first row, and the rows made so far (all rows below ``done``)
+        self.lo = self.done = 0
+        self.slab: Tensor | None = None
+        self.fused = _fused_args(X, plan) if _fused_kernel() is not None else None
+
+    def __call__(self, rows: slice) -> Tensor:
+        n, cap = self.n, self.cap
+        a, e = rows.start or 0, n if rows.stop is None else min(n, rows.stop)
+        if a == 0 and e == n and self.done == 0 and n > cap:  # every row: the whole update
+            U = self.owner._buffer("_u", (n, self.d), self.X)
+            with self.ledger.phase("compute"):
+                self.owner._sgd_rows(self.plan, U, 0, n)
+            self.done = self.lo = n
+            return U
+        if a < self.lo or e - a > cap:  # pragma: no cover - DPSGD asks for ascending blocks within a slab
+            raise AssertionError(f"prepare: rows [{a}, {e}) after rows up to {self.done} (slabs of {cap})")
+        if e > self.done:
+            if self.slab is None:
+                self.slab = self.owner._buffer("_slab", (min(n, cap), self.d), self.X)
+            slab, lo, done = self.slab, self.lo, self.done
+            if e - lo > cap:  # start the slab at a: the rows of [a, done) made already move to its front
+                if done > a:
+                    slab[: done - a] = slab[a - lo: done - lo].clone()
+                self.lo = lo = a
+            end = min(n, lo + cap)
+            with self.ledger.phase("compute"):
+                self.owner._sgd_rows(self.plan, slab, done, end, base=lo)
+            self.done = end
+        return self.slab[a - self.lo: e - self.lo]
+
+    def combine(self, rows: slice, w: Tensor, mixed: Tensor) -> None:
+        X = self.X
+        a, e = rows.start or 0, self.n if rows.stop is None else min(self.n, rows.stop)
+        if self.fused is not None and a == self.done and e > a and _fused_rows_fit(w, mixed, e - a, self.d):
+            segs, ptrs, pars, count = self.fused
+            with self.ledger.phase("compute"):
+                _fused_kernel().gossip_sgd_mix(X.data_ptr(), X.stride(0), a, e, mixed.data_ptr(), mixed.stride(0),
+                                               w.data_ptr(), count, segs.data_ptr(), ptrs.data_ptr(),
+                                               pars.data_ptr())
+            self.done = self.lo = e
+            return
+        u = self(rows)
+        X[rows].mul_(w).add_(mixed).add_(u)
+
+
+@functools.cache
+def _fused_kernel() -> Any:
+    """The fused kernel of :mod:`gossip._fused` once it has given torch's bits on a probe
+    of every kind of segment, else None (with a warning saying why: torch's build on
+    this machine computes differently, and its operations are kept)."""
+    lib = _fused.library()
+    if lib is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    n, d = 5, 243
+    # values over many binades, so that one rounding more or less shows
+    X = torch.randn(n, d, generator=g) * torch.exp2(torch.randint(-8, 8, (n, d), generator=g).float())
+    grads = torch.randn(n, d, generator=g) * torch.exp2(torch.randint(-12, 4, (n, d), generator=g).float())
+    moms = torch.randn(n, d, generator=g)
+    mixed = torch.randn(n, d, generator=g)
+    ws = torch.rand(n, 1, generator=g)
+    blocks = [(0, 64, True, False, (0.1, 0.0, 0.9, 0.0, False)),  # the common case
+              (64, 37, True, True, (0.05, 1e-3, 0.9, 0.0, True)),  # first step, Nesterov, decay
+              (101, 41, True, False, (0.3, 5e-4, 0.7, 0.25, False)),  # dampening, decay
+              (142, 50, False, False, (0.2, 1e-2, 0.0, 0.0, False))]  # no momentum
+    outs = []
+    for fuse in (False, True):
+        x, m = X.clone(), moms.clone()
+        plan = ([(o, k, grads[:, o:o + k].contiguous(), m[:, o:o + k].contiguous() if has else None, first, opts)
+                 for o, k, has, first, opts in blocks], [(192, 51)])
+        if fuse:
+            segs, ptrs, pars, count = _fused_args(x, plan)
+            lib.gossip_sgd_mix(x.data_ptr(), x.stride(0), 0, n, mixed.data_ptr(), d, ws.data_ptr(), count,
+                               segs.data_ptr(), ptrs.data_ptr(), pars.data_ptr())
+        else:
+            U = torch.empty_like(x)
+            _sgd_rows(x, plan, U, 0, n)
+            x.mul_(ws).add_(mixed).add_(U)
+        outs.append([x.view(torch.int32)] + [b.view(torch.int32) for *_, b, _, _ in plan[0] if b is not None])
+    if not all(torch.equal(a, b) for a, b in zip(*outs)):
+        warnings.warn("gossip: the fused D-PSGD kernel does not give torch's bits on this machine; the "
+                      "simulation uses torch's operations", RuntimeWarning, stacklevel=2)
+        return None
+    return lib
+
+
+def _fused_args(X: Tensor, plan: tuple[list[tuple], list[tuple[int, int]]]) -> tuple | None:
+    """The SGD plan (:meth:`VectorizedOptimizer._sgd_plan`) as the fused kernel's segment
+    arrays ``(seg, ptr, par, count)``; None where the kernel cannot take it (not float32
+    on the CPU, a strided tensor)."""
+    if X.device.type != "cpu" or X.dtype != torch.float32 or X.dim() != 2 or X.stride(1) != 1:
+        return None
+    f32 = torch.float32
+    segs: list[int] = []
+    ptrs: list[int] = []
+    pars: list[float] = []
+    tensors, unwritten = plan
+    for o, k, g, b, first, (lr, wd, mom, damp, nesterov) in tensors:
+        if g.dtype != f32 or not g.is_contiguous() or (b is not None and (b.dtype != f32 or not b.is_contiguous())):
+            return None
+        kind = _fused.HAS_GRAD | (_fused.DECAY if wd != 0 else 0)
+        if b is not None:
+            kind |= _fused.HAS_MOMENTUM | (_fused.FIRST if first else 0) | (_fused.NESTEROV if nesterov else 0)
+        segs += [o, k, kind]
+        ptrs += [g.data_ptr(), b.data_ptr() if b is not None else 0]
+        pars += [-lr, wd, mom, 1 - damp]  # rounded to float32 as torch rounds a scalar for a float32 tensor
+    for o, k in unwritten:
+        segs += [o, k, 0]
+        ptrs += [0, 0]
+        pars += [0.0, 0.0, 0.0, 0.0]
+    return (torch.tensor(segs, dtype=torch.int64), torch.tensor(ptrs, dtype=torch.int64),
+            torch.tensor(pars, dtype=f32), len(segs) // 3)
+
+
+def _fused_rows_fit(w: Tensor, mixed: Tensor, rows: int, d: int) -> bool:
+    """Whether a block's self weights and weighted sum are laid out as the kernel reads
+    them: float32 on the CPU, ``rows`` contiguous weights, rows of ``d`` unit-stride values."""
+    return (w.dtype == torch.float32 and mixed.dtype == torch.float32 and w.device.type == "cpu"
+            and mixed.device.type == "cpu" and w.numel() == rows and w.is_contiguous()
+            and tuple(mixed.shape) == (rows, d) and mixed.stride(1) == 1)
 
 
 # --------------------------------------------------------------------------------------

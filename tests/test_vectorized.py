@@ -493,6 +493,108 @@ def test_the_update_made_slab_by_slab_gives_the_same_bits(monkeypatch, local_ste
         assert torch.equal(lazy.optimizers[0].state[p]["momentum_buffer"], whole.optimizers[0].state[q]["momentum_buffer"])
 
 
+def _fused_run(local_steps: int, steps: int = 4):
+    """A float32 D-PSGD run on 7 ring nodes whose SGD groups take every option the fused
+    kernel has (momentum, Nesterov, weight decay, dampening, none) and one tensor
+    without a gradient; blocks of 2 rows. Returns X and the momentum buffers."""
+    import gossip.comm.base as base
+
+    n = 7
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(FEATURES, 6), nn.ReLU(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, CLASSES))
+    d = sum(p.numel() for p in model.parameters())
+    algo = algorithms.build("dpsgd", comm.SimulatedCommunicator(topologies.build("ring", n)), local_steps=local_steps)
+
+    def sgd(ps):
+        w1, b1, w2, b2, w3, b3 = ps
+        return torch.optim.SGD([{"params": [w1, b1], "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
+                                {"params": [w2, b2], "momentum": 0.7, "dampening": 0.25, "weight_decay": 5e-4},
+                                {"params": [w3, b3], "momentum": 0.0, "weight_decay": 1e-2}], lr=0.05)
+
+    gopt = vectorized.VectorizedOptimizer(model, sgd, algo)
+    g = torch.Generator().manual_seed(3)
+    old = base._SUM_BLOCK_VALUES
+    base._SUM_BLOCK_VALUES = 2 * d
+    try:
+        for _ in range(steps):
+            leaves = gopt.flat.leaves()
+            for i, p in enumerate(leaves):  # the last bias has no gradient: its update is 0
+                p.grad = None if i == len(leaves) - 1 else torch.randn(p.shape, generator=g) * 2.0 ** (i - 3)
+            gopt.step()
+    finally:
+        base._SUM_BLOCK_VALUES = old
+    moms = [st["momentum_buffer"].clone() for st in gopt.optimizers[0].state.values() if "momentum_buffer" in st]
+    return gopt.flat.data.clone(), moms
+
+
+@pytest.mark.parametrize("local_steps", [1, 2])
+def test_the_fused_kernel_gives_the_bits_of_torchs_operations(monkeypatch, local_steps):
+    """The fused SGD-and-mixing kernel (gossip._fused) against torch's operations on the
+    same float32 run: X and every momentum buffer bit for bit, and the kernel did run."""
+    from gossip import _fused
+
+    lib = vectorized._fused_kernel()
+    if lib is None:
+        pytest.skip(f"no fused kernel on this machine: {_fused.why_unavailable()}")
+
+    class Counting:
+        calls = 0
+
+        def gossip_sgd_mix(self, *args):
+            Counting.calls += 1
+            return lib.gossip_sgd_mix(*args)
+
+    monkeypatch.setattr(vectorized, "_fused_kernel", Counting)
+    fused_x, fused_m = _fused_run(local_steps)
+    assert Counting.calls > 0
+    monkeypatch.setattr(vectorized, "_fused_kernel", lambda: None)
+    x, m = _fused_run(local_steps)
+    assert not torch.equal(x, _model_rows(7).float())
+    assert torch.equal(fused_x.view(torch.int32), x.view(torch.int32))
+    assert len(m) == 4 and all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(fused_m, m))
+
+
+def test_a_fused_kernel_that_rounds_otherwise_is_refused(monkeypatch, tmp_path):
+    """A kernel whose arithmetic is not torch's (here the update's last two sums
+    reassociated) fails the probe: a warning, and the run keeps torch's operations."""
+    from gossip import _fused
+
+    if _fused.library() is None:
+        pytest.skip(f"no fused kernel on this machine: {_fused.why_unavailable()}")
+    monkeypatch.setenv("GOSSIP_CACHE", str(tmp_path))
+    monkeypatch.setattr(_fused, "SOURCE", _fused.SOURCE.replace("((xj * w) + mo[j]) + u", "(xj * w) + (mo[j] + u)"))
+    for f in (_fused.library, vectorized._fused_kernel):
+        f.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="does not give torch's bits"):
+            assert vectorized._fused_kernel() is None
+        assert list(tmp_path.glob("kernels/sgd_mix-*.so"))  # built, then refused
+        x, _ = _fused_run(1, steps=2)
+        assert torch.isfinite(x).all()
+    finally:
+        for f in (_fused.library, vectorized._fused_kernel):
+            f.cache_clear()
+
+
+def test_without_a_compiler_the_fused_kernel_is_skipped_with_the_reason(monkeypatch, tmp_path):
+    from gossip import _fused
+
+    monkeypatch.setenv("GOSSIP_CACHE", str(tmp_path))
+    try:
+        monkeypatch.setenv("CC", "no-such-compiler")
+        _fused.library.cache_clear()
+        assert _fused.library() is None and _fused.why_unavailable() == "no C compiler ('no-such-compiler' not found)"
+        monkeypatch.setenv("CC", "false")  # a compiler that fails
+        _fused.library.cache_clear()
+        with pytest.warns(RuntimeWarning, match="could not be built"):
+            assert _fused.library() is None
+        monkeypatch.setenv("GOSSIP_FUSED", "0")
+        _fused.library.cache_clear()
+        assert _fused.library() is None and _fused.why_unavailable() == "GOSSIP_FUSED=0"
+    finally:
+        _fused.library.cache_clear()
+
+
 def _model_rows(n: int) -> torch.Tensor:
     return vectorized.StackedParams(_model(), n).data.clone()
 

@@ -420,7 +420,9 @@ class DPSGD(GossipBase):
         """``prepare(rows)``, where given, returns the update's rows ``rows`` (``U`` is then
         None): it is asked for each block of rows once, in ascending order, just before
         the block is updated, so that the vectorized optimizer makes its SGD update a
-        slab at a time, still in cache when it is added."""
+        slab at a time, still in cache when it is added. ``prepare.combine(rows, w, mixed)``,
+        where it has one, does a block's whole update, ``X[rows] <- w X[rows] + mixed +
+        u(rows)`` with the same roundings, and makes ``u`` itself."""
         if prepare is None:
             prepare = U.__getitem__
         t = self.state.t
@@ -437,8 +439,13 @@ class DPSGD(GossipBase):
         # on the CPU (the simulation) are summed in blocks of rows; X is only written
         # after every payload was encoded, and the sum reads the payloads, not X.
         w = self._self_w(X, t)
+        # the vectorized optimizer's update may make u and add it in one pass (the same bits)
+        combine = getattr(prepare, "combine", None)
 
         def finish(s: slice, mixed: torch.Tensor) -> None:
+            if combine is not None:
+                combine(s, w[s], mixed)
+                return
             u = prepare(s)  # before X[s] changes: the update reads the rows' x
             X[s].mul_(w[s]).add_(mixed).add_(u)
 

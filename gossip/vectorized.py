@@ -683,7 +683,8 @@ class _LazyUpdate:
         #: the slab's first row, and the rows made so far (all rows below ``done``)
         self.lo = self.done = 0
         self.slab: Tensor | None = None
-        self.fused = _fused_args(X, plan) if _fused_kernel() is not None else None
+        fused = _fused_args(X, plan)  # None off the CPU or float32: nothing to build there
+        self.fused = fused if fused is not None and _fused_kernel() is not None else None
 
     def __call__(self, rows: slice) -> Tensor:
         n, cap = self.n, self.cap

@@ -493,7 +493,7 @@ def test_the_update_made_slab_by_slab_gives_the_same_bits(monkeypatch, local_ste
         assert torch.equal(lazy.optimizers[0].state[p]["momentum_buffer"], whole.optimizers[0].state[q]["momentum_buffer"])
 
 
-def _fused_run(local_steps: int, steps: int = 4):
+def _fused_run(monkeypatch, local_steps: int, steps: int = 4):
     """A float32 D-PSGD run on 7 ring nodes whose SGD groups take every option the fused
     kernel has (momentum, Nesterov, weight decay, dampening, none) and one tensor
     without a gradient; blocks of 2 rows. Returns X and the momentum buffers."""
@@ -513,16 +513,12 @@ def _fused_run(local_steps: int, steps: int = 4):
 
     gopt = vectorized.VectorizedOptimizer(model, sgd, algo)
     g = torch.Generator().manual_seed(3)
-    old = base._SUM_BLOCK_VALUES
-    base._SUM_BLOCK_VALUES = 2 * d
-    try:
-        for _ in range(steps):
-            leaves = gopt.flat.leaves()
-            for i, p in enumerate(leaves):  # the last bias has no gradient: its update is 0
-                p.grad = None if i == len(leaves) - 1 else torch.randn(p.shape, generator=g) * 2.0 ** (i - 3)
-            gopt.step()
-    finally:
-        base._SUM_BLOCK_VALUES = old
+    monkeypatch.setattr(base, "_SUM_BLOCK_VALUES", 2 * d)
+    for _ in range(steps):
+        leaves = gopt.flat.leaves()
+        for i, p in enumerate(leaves):  # the last bias has no gradient: its update is 0
+            p.grad = None if i == len(leaves) - 1 else torch.randn(p.shape, generator=g) * 2.0 ** (i - 3)
+        gopt.step()
     moms = [st["momentum_buffer"].clone() for st in gopt.optimizers[0].state.values() if "momentum_buffer" in st]
     return gopt.flat.data.clone(), moms
 
@@ -545,10 +541,10 @@ def test_the_fused_kernel_gives_the_bits_of_torchs_operations(monkeypatch, local
             return lib.gossip_sgd_mix(*args)
 
     monkeypatch.setattr(vectorized, "_fused_kernel", Counting)
-    fused_x, fused_m = _fused_run(local_steps)
+    fused_x, fused_m = _fused_run(monkeypatch, local_steps)
     assert Counting.calls > 0
     monkeypatch.setattr(vectorized, "_fused_kernel", lambda: None)
-    x, m = _fused_run(local_steps)
+    x, m = _fused_run(monkeypatch, local_steps)
     assert not torch.equal(x, _model_rows(7).float())
     assert torch.equal(fused_x.view(torch.int32), x.view(torch.int32))
     assert len(m) == 4 and all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(fused_m, m))
@@ -569,7 +565,7 @@ def test_a_fused_kernel_that_rounds_otherwise_is_refused(monkeypatch, tmp_path):
         with pytest.warns(RuntimeWarning, match="does not give torch's bits"):
             assert vectorized._fused_kernel() is None
         assert list(tmp_path.glob("kernels/sgd_mix-*.so"))  # built, then refused
-        x, _ = _fused_run(1, steps=2)
+        x, _ = _fused_run(monkeypatch, 1, steps=2)
         assert torch.isfinite(x).all()
     finally:
         for f in (_fused.library, vectorized._fused_kernel):

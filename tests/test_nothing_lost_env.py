@@ -26,6 +26,7 @@ import torch
 from gossip import rundir
 from gossip.tools import analysis, crossover
 from gossip import train as gossip_train
+from tests.conftest import run_process
 from tests.test_nothing_lost import SIM, _digest, _main
 
 RESUMABLE = [*SIM, "--checkpoint-every", "1"]
@@ -226,6 +227,57 @@ def test_sigterm_does_not_blame_a_failing_rank(tmp_path):
     rc, _, err = _main(*SIM, "--epochs", "1000", "--max-steps", "100000", "--log-every", "1", "--out", str(out))
     assert rc == 128 + signal.SIGTERM and err.strip() == f"gossip.train: {gossip_train.STOPPED}", err
     assert "failing rank's own line says why" not in err
+
+
+class _SigtermInAFinalizer:
+    """Dropped at once; its finalizer sends SIGTERM, so Python runs the run's handler inside
+    the finalizer, and the exception the handler raises is reported and dropped there."""
+
+    def __del__(self):
+        signal.raise_signal(signal.SIGTERM)
+
+
+def test_a_sigterm_whose_exception_is_dropped_still_stops_the_run(tmp_path, monkeypatch):
+    from gossip.train import loop
+
+    dropped, steps = [], []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: dropped.append(u.exc_type))
+    step = loop.Run.step
+
+    def stepped(self):
+        step(self)
+        steps.append(self.progress.step)
+        if self.progress.step == 3:
+            _SigtermInAFinalizer()
+
+    monkeypatch.setattr(loop.Run, "step", stepped)
+    rc, _, err = _main(*SIM, "--max-steps", "50", "--out", str(tmp_path / "run"))
+    assert dropped == [gossip_train.Terminated]  # the handler's exception was lost where it was raised
+    assert rc == 128 + signal.SIGTERM and err.strip() == f"gossip.train: {gossip_train.STOPPED}", err
+    assert steps == [1, 2, 3]  # stopped before the next step, not at the run's end
+
+
+def test_a_sigterm_during_torchs_first_import_is_the_one_line(tmp_path):
+    """A SIGTERM while the rank still imports torch (torchrun stops the others when one
+    rank fails at once) leaves torch half imported; the rank still says its one line."""
+    child = f"""
+import importlib.abc, signal, sys
+
+class SigtermInTorchsImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch.jit":  # deep inside torch's own first import
+            sys.meta_path.remove(self)
+            signal.raise_signal(signal.SIGTERM)
+        return None
+
+from gossip import train
+assert "torch" not in sys.modules
+sys.meta_path.insert(0, SigtermInTorchsImport())
+sys.exit(train.main({[*SIM, "--out", str(tmp_path / "run")]!r}))
+"""
+    r = run_process([sys.executable, "-c", child], timeout=120)
+    assert r.returncode == 128 + signal.SIGTERM and r.stderr.strip() == f"gossip.train: {gossip_train.STOPPED}", \
+        r.stderr
 
 
 def test_ddp_names_localsgd_as_an_algorithm_without_a_hook():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 __all__ = ["main", "run"]
 
@@ -39,8 +40,24 @@ class Terminated(BaseException):
     like on Ctrl-C: files closed, the process group torn down, checkpoints intact."""
 
 
+#: whether SIGTERM arrived during this :func:`main`. The handler's exception can be lost:
+#: Python runs a handler in whatever code the main thread is in, and a finalizer (whose
+#: exceptions Python reports and drops) or C code that clears errors drops it; the loop
+#: looks here before each step (:func:`stop_if_terminated`), so the run stops all the same
+_terminated = False
+
+
 def _on_sigterm(signum, frame) -> None:
+    global _terminated
+    _terminated = True
     raise Terminated()
+
+
+def stop_if_terminated() -> None:
+    """Raise :class:`Terminated` if SIGTERM arrived during :func:`main` and its exception
+    did not reach the loop; the loop calls it before each step."""
+    if _terminated:
+        raise Terminated()
 
 
 def _say(line: str) -> None:
@@ -75,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     # under torchrun every rank may print its line at once: say whose each one is
     who = f"[rank {rank}] " if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
+    global _terminated
+    _terminated = False
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         cfg = parse_args(argv)
@@ -98,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous)
-        from gossip.comm import shutdown
-
-        shutdown()  # on every path: no native thread of the process group outlives main()
+        # on every path: no native thread of the process group outlives main(). Only
+        # gossip.comm.distributed makes one, so there is none unless it has loaded; and not
+        # imported here: a SIGTERM that interrupted torch's first import leaves torch unimportable
+        shutdown = getattr(sys.modules.get("gossip.comm.distributed"), "shutdown", None)
+        if shutdown is not None:
+            shutdown()
     return 0

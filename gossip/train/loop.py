@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from gossip import checkpoint, rundir
-from gossip.train import assembly, communicators, evaluation, metrics, timing
+from gossip.train import assembly, communicators, evaluation, metrics, stop_if_terminated, timing
 from gossip.train.assembly import Env
 from gossip.train.checkpoint import CheckpointRecord, Progress
 from gossip.train.communicators import RunGroups
@@ -172,6 +172,7 @@ class Run:
         self.begin()
         try:
             while self.progress.step < self.stop:
+                stop_if_terminated()  # a SIGTERM whose exception was lost where it was raised
                 before = self.progress.step
                 self.step()
                 step = self.progress.step

@@ -15,8 +15,9 @@ parts built from the config), :mod:`~gossip.train.agreement` (what the ranks agr
 before anything is written), :mod:`~gossip.train.loop` (:class:`~gossip.train.loop.Run`),
 :mod:`~gossip.train.checkpoint` (the checkpoint manager; the file format is the
 library's :mod:`gossip.checkpoint`), :mod:`~gossip.train.metrics` (the records),
-:mod:`~gossip.train.evaluation` and :mod:`~gossip.train.fault_tolerance`
-(``FaultTolerantRun(Run)``). Importing this package is cheap: they load when used.
+:mod:`~gossip.train.evaluation`, :mod:`~gossip.train.stopping` (a SIGTERM stops the
+run) and :mod:`~gossip.train.fault_tolerance` (``FaultTolerantRun(Run)``). Importing
+this package is cheap: they load when used.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import os
 import signal
 import sys
 
+from gossip.train import stopping
+from gossip.train.stopping import Terminated  # noqa: F401 (where callers have found it)
+
 __all__ = ["main", "run"]
 
 
@@ -32,32 +36,6 @@ __all__ = ["main", "run"]
 #: own line says why) and when torchrun itself or the job was stopped; which, a rank cannot tell
 STOPPED = ("stopped by SIGTERM (from torchrun when another rank failed, whose own line then says why, "
            "or when torchrun or the job was stopped); the checkpoints written are intact")
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived: torchrun's agent sends it to every worker when one fails (and a
-    scheduler when it preempts a job). Raised in the main thread, so the run unwinds
-    like on Ctrl-C: files closed, the process group torn down, checkpoints intact."""
-
-
-#: whether SIGTERM arrived during this :func:`main`. The handler's exception can be lost:
-#: Python runs a handler in whatever code the main thread is in, and a finalizer (whose
-#: exceptions Python reports and drops) or C code that clears errors drops it; the loop
-#: looks here before each step (:func:`stop_if_terminated`), so the run stops all the same
-_terminated = False
-
-
-def _on_sigterm(signum, frame) -> None:
-    global _terminated
-    _terminated = True
-    raise Terminated()
-
-
-def stop_if_terminated() -> None:
-    """Raise :class:`Terminated` if SIGTERM arrived during :func:`main` and its exception
-    did not reach the loop; the loop calls it before each step."""
-    if _terminated:
-        raise Terminated()
 
 
 def _say(line: str) -> None:
@@ -92,9 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     # under torchrun every rank may print its line at once: say whose each one is
     who = f"[rank {rank}] " if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
-    global _terminated
-    _terminated = False
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    stopping.reset()
+    previous = signal.signal(signal.SIGTERM, stopping.on_sigterm)
     try:
         cfg = parse_args(argv)
         run(cfg)

@@ -31,12 +31,13 @@ from typing import Any
 import torch
 
 from gossip import checkpoint, rundir
-from gossip.train import assembly, communicators, evaluation, metrics, stop_if_terminated, timing
+from gossip.train import assembly, communicators, evaluation, metrics, timing
 from gossip.train.assembly import Env
 from gossip.train.checkpoint import CheckpointRecord, Progress
 from gossip.train.communicators import RunGroups
 from gossip.train.config import FINGERPRINT_KEYS, RESUME_AUTO, TrainConfig, fingerprint_keys
 from gossip.train.hooks import Build, Evaluation, RunHooks, Start
+from gossip.train.stopping import stop_if_terminated
 from gossip.errors import Diverged, Finished, NonFiniteError, RunError
 
 __all__ = ["Build", "CheckpointRecord", "Diverged", "Evaluation", "Finished", "FINGERPRINT_KEYS", "Progress", "Run", "RunError",
